@@ -1,0 +1,343 @@
+"""Host-side step planner: per-request prompt page tables -> a validated, cached :class:`StepPlan`.
+
+A beam-search batch of ``R`` requests with ``W`` beams each has ``R * W`` query rows, ordered
+request-major (row ``i = r * W + b``). Every beam of request ``r`` shares the prompt
+``[0, P_r)``, whose K/V live in beam 0's pages. The prefix pass attends that prompt once per
+request for all ``W`` rows, so it needs, per request: the query-row range, the prompt's pages and
+how many tokens of the last page belong to the prompt. That is what a plan holds.
+
+The prompt page table of a request does not change while it decodes, so a plan is reused across
+steps and layers. Plans are cached by batch composition: the same key (by default a digest of the
+inputs; callers that know their batch, like the TensorRT-LLM adapter, pass request ids) returns
+the same object with no further work.
+
+Every check that guards against silent KV corruption (a page index outside the pool, a beam width
+wider than the cache was sized for, lengths that do not fit their pages) runs here, on the host,
+before anything reaches a kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Hashable, Optional, Sequence, Union
+
+import numpy as np
+
+ArrayLike = Union[np.ndarray, Sequence[int], "torch.Tensor"]  # noqa: F821
+
+__all__ = ["StepPlan", "StepPlanner", "PlanError", "build_step_plan", "cdiv"]
+
+
+class PlanError(ValueError):
+    """An input the planner refuses: the message names the value, the limit and the fix."""
+
+
+def cdiv(a, b):
+    """Ceiling division for ints and numpy arrays of non-negative ints."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """The prefix plan of one batch composition (all host arrays are int32 numpy, read-only).
+
+    Attributes:
+        num_requests: ``R``.
+        beam_width: ``W``, query rows per request.
+        page_size: tokens per KV page (``Pg``).
+        num_cache_pages: pages in the pool; every page index is in ``[0, num_cache_pages)``.
+        qo_indptr: ``[R + 1]``, query-row offsets, ``r * W``.
+        kv_page_indptr: ``[R + 1]``, offsets into ``kv_page_indices`` of each request's prompt pages.
+        kv_page_indices: ``[kv_page_indptr[-1]]``, beam 0's prompt pages, request-major.
+        kv_last_page_len: ``[R]``, prompt tokens in each request's last prompt page, in ``[1, Pg]``.
+        prompt_lens: ``[R]``, prompt length ``P_r`` in tokens.
+        prompt_lens_per_row: ``[R * W]``, ``P_r`` repeated per beam row (the tail kernel's view).
+        kv_pages_per_request: ``[R]``, ``ceil(P_r / Pg)``.
+        page_table: ``[R, max_prompt_pages]``, the same pages as a dense table (FA4's form); padding
+            entries repeat the request's first page so that they are always valid indices.
+        max_prompt_len: ``max(P_r)``.
+        max_prompt_pages: ``max(ceil(P_r / Pg))``.
+        key: the cache key this plan was stored under.
+    """
+
+    num_requests: int
+    beam_width: int
+    page_size: int
+    num_cache_pages: int
+    qo_indptr: np.ndarray
+    kv_page_indptr: np.ndarray
+    kv_page_indices: np.ndarray
+    kv_last_page_len: np.ndarray
+    prompt_lens: np.ndarray
+    prompt_lens_per_row: np.ndarray
+    kv_pages_per_request: np.ndarray
+    page_table: np.ndarray
+    max_prompt_len: int
+    max_prompt_pages: int
+    key: Hashable = None
+    # Per-device caches of the arrays as tensors, filled lazily by `device_tensors`.
+    _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_rows(self) -> int:
+        """``R * W``: query rows of the batch."""
+        return self.num_requests * self.beam_width
+
+    @property
+    def total_prompt_pages(self) -> int:
+        return int(self.kv_page_indptr[-1])
+
+    def device_tensors(self, device) -> dict:
+        """The plan's arrays as int32 torch tensors on ``device`` (copied once per device)."""
+        import torch
+
+        dev = torch.device(device)
+        cached = self._device_cache.get(dev)
+        if cached is None:
+            names = (
+                "qo_indptr",
+                "kv_page_indptr",
+                "kv_page_indices",
+                "kv_last_page_len",
+                "prompt_lens",
+                "prompt_lens_per_row",
+                "page_table",
+            )
+            cached = {
+                n: torch.from_numpy(np.ascontiguousarray(getattr(self, n))).to(dev, non_blocking=False)
+                for n in names
+            }
+            self._device_cache[dev] = cached
+        return cached
+
+
+def _as_int_array(name: str, value: ArrayLike) -> np.ndarray:
+    if hasattr(value, "detach"):  # torch tensor, possibly on a device: one explicit host copy
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise PlanError(f"{name} must be 1-D, got shape {tuple(arr.shape)}; pass a flat int array.")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}; pass an int32/int64 array.")
+    return arr.astype(np.int64, copy=False)
+
+
+def build_step_plan(
+    prompt_page_indptr: ArrayLike,
+    prompt_page_indices: ArrayLike,
+    prompt_lens: ArrayLike,
+    beam_width: int,
+    page_size: int,
+    num_cache_pages: int,
+    max_beam_width: Optional[int] = None,
+    key: Hashable = None,
+) -> StepPlan:
+    """Validate the prompt page tables of a batch and build its :class:`StepPlan` (no caching).
+
+    Args:
+        prompt_page_indptr: ``[R + 1]`` ints, offsets of each request's pages in
+            ``prompt_page_indices``. A request may list more pages than its prompt needs (for
+            example beam 0's whole block list, generated pages included): only the first
+            ``ceil(P_r / page_size)`` are used.
+        prompt_page_indices: flat ints, beam 0's page numbers, request-major.
+        prompt_lens: ``[R]`` ints, prompt length of each request in tokens (``>= 1``).
+        beam_width: ``W``, beams per request in this step.
+        page_size: tokens per page.
+        num_cache_pages: pages in the KV pool (the exclusive upper bound of a page index).
+        max_beam_width: the beam width the KV cache and ``cache_indirection`` were sized for;
+            ``beam_width`` above it is refused. ``None`` skips this check.
+        key: stored on the plan (see :class:`StepPlanner`).
+
+    Raises:
+        PlanError: for an empty batch, a beam width above ``max_beam_width``, negative or
+            inconsistent lengths, a prompt longer than its pages hold, or a page index outside
+            ``[0, num_cache_pages)``.
+    """
+    beam_width = int(beam_width)
+    page_size = int(page_size)
+    num_cache_pages = int(num_cache_pages)
+    if beam_width < 1:
+        raise PlanError(f"beam_width={beam_width} must be >= 1.")
+    if max_beam_width is not None and beam_width > int(max_beam_width):
+        raise PlanError(
+            f"beam_width={beam_width} exceeds max_beam_width={int(max_beam_width)}, the width the KV "
+            f"cache and cache_indirection were sized for: beams past it would overwrite another "
+            f"sequence's slots. Build the engine with max_beam_width >= {beam_width} or lower the beam width."
+        )
+    if page_size < 1:
+        raise PlanError(f"page_size={page_size} must be >= 1 (tokens per KV page).")
+    if num_cache_pages < 1:
+        raise PlanError(f"num_cache_pages={num_cache_pages} must be >= 1: the KV pool holds no page.")
+
+    indptr = _as_int_array("prompt_page_indptr", prompt_page_indptr)
+    indices = _as_int_array("prompt_page_indices", prompt_page_indices)
+    lens = _as_int_array("prompt_lens", prompt_lens)
+    num_requests = lens.shape[0]
+    if num_requests == 0:
+        raise PlanError("empty batch: prompt_lens has 0 requests; plan only batches with >= 1 generation request.")
+    if indptr.shape[0] != num_requests + 1:
+        raise PlanError(
+            f"prompt_page_indptr has {indptr.shape[0]} entries but prompt_lens has {num_requests} requests; "
+            f"it must have len(prompt_lens) + 1 = {num_requests + 1}."
+        )
+    if indptr[0] != 0:
+        raise PlanError(f"prompt_page_indptr[0]={int(indptr[0])} must be 0.")
+    pages_listed = np.diff(indptr)
+    if (pages_listed < 0).any():
+        r = int(np.argmax(pages_listed < 0))
+        raise PlanError(
+            f"prompt_page_indptr decreases at request {r} ({int(indptr[r])} -> {int(indptr[r + 1])}); "
+            f"it must be non-decreasing offsets."
+        )
+    if indptr[-1] != indices.shape[0]:
+        raise PlanError(
+            f"prompt_page_indptr[-1]={int(indptr[-1])} but prompt_page_indices has {indices.shape[0]} "
+            f"entries; they must be equal."
+        )
+    if (lens < 1).any():
+        r = int(np.argmax(lens < 1))
+        raise PlanError(
+            f"prompt_lens[{r}]={int(lens[r])} must be >= 1: every generation request has a prompt of at "
+            f"least one token."
+        )
+
+    pages_needed = cdiv(lens, page_size)
+    short = pages_needed > pages_listed
+    if short.any():
+        r = int(np.argmax(short))
+        raise PlanError(
+            f"request {r}: prompt_lens[{r}]={int(lens[r])} tokens need {int(pages_needed[r])} pages of "
+            f"{page_size} but only {int(pages_listed[r])} are listed (they hold at most "
+            f"{int(pages_listed[r]) * page_size} tokens); pass the request's full beam-0 page list or fix "
+            f"the prompt length."
+        )
+
+    kv_page_indptr = np.zeros(num_requests + 1, dtype=np.int64)
+    np.cumsum(pages_needed, out=kv_page_indptr[1:])
+    total = int(kv_page_indptr[-1])
+    # Flat gather of the first pages_needed[r] entries of each request's list, without a Python loop.
+    within = np.arange(total, dtype=np.int64) - np.repeat(kv_page_indptr[:-1], pages_needed)
+    used = indices[np.repeat(indptr[:-1], pages_needed) + within]
+
+    bad = (used < 0) | (used >= num_cache_pages)
+    if bad.any():
+        j = int(np.argmax(bad))
+        r = int(np.searchsorted(kv_page_indptr, j, side="right") - 1)
+        raise PlanError(
+            f"request {r}: prompt page {int(within[j])} has page index {int(used[j])}, outside the pool "
+            f"[0, {num_cache_pages}); a stale page table or an under-sized cache would read another "
+            f"sequence's KV. Re-derive the page table from the current KV cache manager."
+        )
+
+    last = lens - (pages_needed - 1) * page_size
+    max_pages = int(pages_needed.max())
+    # Dense table: padding repeats each request's first page so every entry is a valid index.
+    page_table = np.repeat(used[kv_page_indptr[:-1]][:, None], max_pages, axis=1)
+    col = np.arange(max_pages)[None, :]
+    fill = col < pages_needed[:, None]
+    page_table[fill] = used
+
+    i32 = np.int32
+
+    def ro(a):
+        a = np.ascontiguousarray(a, dtype=i32)
+        a.setflags(write=False)
+        return a
+
+    return StepPlan(
+        num_requests=int(num_requests),
+        beam_width=beam_width,
+        page_size=page_size,
+        num_cache_pages=num_cache_pages,
+        qo_indptr=ro(np.arange(num_requests + 1, dtype=np.int64) * beam_width),
+        kv_page_indptr=ro(kv_page_indptr),
+        kv_page_indices=ro(used),
+        kv_last_page_len=ro(last),
+        prompt_lens=ro(lens),
+        prompt_lens_per_row=ro(np.repeat(lens, beam_width)),
+        kv_pages_per_request=ro(pages_needed),
+        page_table=ro(page_table),
+        max_prompt_len=int(lens.max()),
+        max_prompt_pages=max_pages,
+        key=key,
+    )
+
+
+class StepPlanner:
+    """Builds :class:`StepPlan` objects and caches them by batch composition (LRU).
+
+    Args:
+        page_size: tokens per KV page.
+        num_cache_pages: pages in the KV pool.
+        max_beam_width: the beam width the cache was sized for (``None``: unchecked).
+        capacity: plans kept; a serving loop alternates between few compositions.
+    """
+
+    def __init__(self, page_size: int, num_cache_pages: int, max_beam_width: Optional[int] = None, capacity: int = 8):
+        self.page_size = int(page_size)
+        self.num_cache_pages = int(num_cache_pages)
+        self.max_beam_width = None if max_beam_width is None else int(max_beam_width)
+        self.capacity = int(capacity)
+        self._plans: "OrderedDict[Hashable, StepPlan]" = OrderedDict()
+        self.num_builds = 0  # plans built (cache misses), for tests and benchmarks
+
+    @staticmethod
+    def input_key(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width) -> bytes:
+        """A digest of the planner's inputs, used when the caller gives no composition key."""
+        h = hashlib.blake2b(digest_size=16)
+        for a in (prompt_page_indptr, prompt_page_indices, prompt_lens):
+            if hasattr(a, "detach"):
+                a = a.detach().cpu().numpy()
+            a = np.ascontiguousarray(np.asarray(a, dtype=np.int64))
+            h.update(np.int64(a.size).tobytes())
+            h.update(a.tobytes())
+        h.update(np.int64(beam_width).tobytes())
+        return h.digest()
+
+    def lookup(self, key: Hashable) -> Optional[StepPlan]:
+        """The cached plan for ``key``, or ``None``; no work beyond a dict lookup."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+        return plan
+
+    def plan(
+        self,
+        prompt_page_indptr: ArrayLike,
+        prompt_page_indices: ArrayLike,
+        prompt_lens: ArrayLike,
+        beam_width: int,
+        key: Hashable = None,
+    ) -> StepPlan:
+        """Return the plan of this batch, building and caching it on a miss.
+
+        ``key`` identifies the batch composition (for example ``(tuple(request_ids), beam_width)``).
+        The caller promises that equal keys mean equal inputs: with a key, a hit does no array work
+        at all. Without a key, a digest of the inputs is the key.
+        """
+        if key is None:
+            key = ("inputs", self.input_key(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width))
+        plan = self.lookup(key)
+        if plan is not None:
+            return plan
+        plan = build_step_plan(
+            prompt_page_indptr,
+            prompt_page_indices,
+            prompt_lens,
+            beam_width,
+            self.page_size,
+            self.num_cache_pages,
+            max_beam_width=self.max_beam_width,
+            key=key,
+        )
+        self.num_builds += 1
+        self._plans[key] = plan
+        while len(self._plans) > self.capacity:
+            self._plans.popitem(last=False)
+        return plan
+
+    def clear(self) -> None:
+        """Forget every cached plan (call when the KV pool is replaced)."""
+        self._plans.clear()
