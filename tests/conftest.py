@@ -1,0 +1,60 @@
+"""Shared test configuration.
+
+- ``@pytest.mark.gpu`` tests are skipped, with the reason, when CUDA is absent.
+- ``@pytest.mark.trtllm`` tests are skipped, with the reason, when ``tensorrt_llm`` does not import.
+- CPU runs of Triton kernels use the interpreter: ``TRITON_INTERPRET=1`` is set here, before any
+  test module imports Triton, unless CUDA is present (then kernels run for real).
+"""
+
+import importlib.util
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+HAS_CUDA = _cuda_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def _trtllm_importable() -> bool:
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return False
+    try:
+        import tensorrt_llm  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    has_trtllm = None
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)"))
+        if "trtllm" in item.keywords:
+            if has_trtllm is None:
+                has_trtllm = _trtllm_importable()
+            if not has_trtllm:
+                item.add_marker(pytest.mark.skip(reason="needs tensorrt_llm, which does not import here"))
+
+
+@pytest.fixture
+def device():
+    """``cuda`` when available, else ``cpu`` (Triton kernels then run under TRITON_INTERPRET=1)."""
+    return "cuda" if HAS_CUDA else "cpu"
