@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what the tests need and runs them. CPU machines: torch 2.13.0 (CPU build) first, so that
+# the project's unpinned `torch` requirement never pulls a multi-GB CUDA build; Triton kernels run
+# under TRITON_INTERPRET=1 and GPU tests skip with a reason. GPU machines keep their own torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "$PY" -m pip install -q torch
+  else
+    "$PY" -m pip install -q torch==2.13.0
+  fi
+fi
+"$PY" -m pip install -q -e ".[dev]"
+# pytest exits 5 when it collects no test: with `set -e` that fails the run, as it should.
+"$PY" -m pytest -q tests "$@"
