@@ -1,0 +1,376 @@
+"""Argument checks shared by the fused tail kernel's launcher and its unfused torch twin.
+
+Everything here is host-only and needs no device sync (shapes, dtypes, strides, devices, layout
+strings and the bounds that follow from shapes alone), except :func:`check_tail_index_values`,
+which reads lengths, page indices and ``cache_indirection`` back from the device and is meant for
+check mode (``validate_indices=True``).
+
+Every error is a :class:`TailMergeInputError` whose message names the argument, the value found,
+the limit and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = [
+    "LOG2E",
+    "TailMergeInputError",
+    "TailMergeGeometry",
+    "check_tail_merge_args",
+    "check_tail_index_values",
+]
+
+LOG2E = 1.4426950408889634
+
+KV_DTYPES = (torch.bfloat16, torch.float16)
+PREFIX_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KV_LAYOUTS = ("HND", "NHD")
+LSE_LAYOUTS = ("NH", "HN")
+LSE_BASES = ("log2", "ln")
+
+
+class TailMergeInputError(ValueError):
+    """An argument of the tail merge the launcher refuses; the message names the value, the limit and the fix."""
+
+
+@dataclass(frozen=True)
+class TailMergeGeometry:
+    """Sizes and element strides the kernel needs, derived from validated arguments.
+
+    Attributes:
+        num_rows: beam rows ``R*W``.
+        beam_width: ``W``.
+        num_qo_heads, num_kv_heads, group_size: ``Hq``, ``Hkv``, ``G = Hq // Hkv``.
+        head_dim: ``D``.
+        page_size: ``Pg`` tokens per page.
+        num_pages: pages in the pool (page numbers must lie in ``[0, num_pages)``).
+        max_seq_len: positions ``cache_indirection`` covers per sequence (``kv_len`` upper bound).
+        sm_scale: softmax scale applied to ``q . k``.
+        kv_strides: element strides ``(page, k_or_v, head, slot)`` of the pool, whatever the layout.
+        lse_strides: element strides ``(row, head)`` of ``prefix_lse``, whatever the layout.
+        lse_scale: multiplier turning ``prefix_lse`` into base 2 (1 for log2, log2(e) for ln).
+    """
+
+    num_rows: int
+    beam_width: int
+    num_qo_heads: int
+    num_kv_heads: int
+    group_size: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    max_seq_len: int
+    sm_scale: float
+    kv_strides: Tuple[int, int, int, int]
+    lse_strides: Tuple[int, int]
+    lse_scale: float
+
+
+def _fail(msg: str) -> None:
+    raise TailMergeInputError(msg)
+
+
+def _need_tensor(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(x).__name__}.")
+
+
+def _need_dim(name: str, x: torch.Tensor, ndim: int, what: str) -> None:
+    if x.dim() != ndim:
+        _fail(f"{name} must be {what} ({ndim}-D), got shape {tuple(x.shape)}.")
+
+
+def _need_dtype(name: str, x: torch.Tensor, allowed) -> None:
+    if x.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        _fail(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; supported: {names}. Cast it before the call.")
+
+
+def _need_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        _fail(
+            f"{name} has last-dim stride {x.stride(-1)}; the head dim must be contiguous (stride 1). "
+            f"Pass {name}.contiguous() or a view whose last dim is contiguous."
+        )
+    if any(s < 0 for s in x.stride()):
+        _fail(f"{name} has a negative stride {tuple(x.stride())}; pass a view with non-negative strides.")
+
+
+def _byte_span(x: torch.Tensor) -> Optional[Tuple[int, int]]:
+    if x.numel() == 0:
+        return None
+    extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
+    start = x.data_ptr()
+    return start, start + extent * x.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    sa, sb = _byte_span(a), _byte_span(b)
+    if sa is None or sb is None:
+        return False
+    return sa[0] < sb[1] and sb[0] < sa[1]
+
+
+def check_tail_merge_args(
+    q,
+    new_k,
+    new_v,
+    kv_cache,
+    beam_page_table,
+    kv_lens,
+    prompt_lens,
+    cache_indirection,
+    beam_width,
+    prefix_out,
+    prefix_lse,
+    out,
+    *,
+    sm_scale=None,
+    kv_layout="HND",
+    page_index_divisor=1,
+    prefix_lse_layout="NH",
+    prefix_lse_base="log2",
+) -> TailMergeGeometry:
+    """Validate the arguments of ``beam_tail_attention_merge`` without a device sync.
+
+    Returns the :class:`TailMergeGeometry` the kernel is launched with; raises
+    :class:`TailMergeInputError` naming the offending value, its limit and the fix.
+    """
+    names = (
+        ("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache),
+        ("beam_page_table", beam_page_table), ("kv_lens", kv_lens), ("prompt_lens", prompt_lens),
+        ("cache_indirection", cache_indirection), ("prefix_out", prefix_out), ("prefix_lse", prefix_lse),
+        ("out", out),
+    )
+    for name, x in names:
+        _need_tensor(name, x)
+    if kv_layout not in KV_LAYOUTS:
+        _fail(f"kv_layout={kv_layout!r} is not supported; use 'HND' ([pages, 2, Hkv, Pg, D]) or 'NHD' ([pages, 2, Pg, Hkv, D]).")
+    if prefix_lse_layout not in LSE_LAYOUTS:
+        _fail(f"prefix_lse_layout={prefix_lse_layout!r} is not supported; use 'NH' ([rows, heads], FlashInfer) or 'HN' ([heads, rows], FA4).")
+    if prefix_lse_base not in LSE_BASES:
+        _fail(f"prefix_lse_base={prefix_lse_base!r} is not supported; use 'log2' (FlashInfer) or 'ln' (FA4).")
+    if isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1:
+        _fail(f"page_index_divisor={page_index_divisor!r} must be an int >= 1 (1 for page numbers, layers*kv_factor for block offsets).")
+    if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
+        _fail(f"beam_width={beam_width!r} must be an int >= 1.")
+
+    device = q.device
+    for name, x in names:
+        if x.device != device:
+            _fail(f"{name} is on {x.device} but q is on {device}; put every tensor on one device.")
+
+    # Queries and this step's K/V.
+    _need_dim("q", q, 3, "[rows, Hq, D]")
+    _need_dtype("q", q, KV_DTYPES)
+    num_rows, num_qo_heads, head_dim = q.shape
+    for name, x in (("new_k", new_k), ("new_v", new_v)):
+        _need_dim(name, x, 3, "[rows, Hkv, D]")
+        if x.dtype != q.dtype:
+            _fail(f"{name} has dtype {x.dtype} but q has {q.dtype}; pass K/V in q's dtype.")
+    if new_k.shape != new_v.shape:
+        _fail(f"new_k {tuple(new_k.shape)} and new_v {tuple(new_v.shape)} must have the same shape [rows, Hkv, D].")
+    if new_k.shape[0] != num_rows or new_k.shape[2] != head_dim:
+        _fail(f"new_k must be [rows={num_rows}, Hkv, D={head_dim}] like q, got {tuple(new_k.shape)}.")
+    num_kv_heads = new_k.shape[1]
+    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+        _fail(
+            f"q's head count Hq={num_qo_heads} is not a multiple of the KV head count Hkv={num_kv_heads}; "
+            f"GQA needs Hq % Hkv == 0."
+        )
+
+    # The paged pool.
+    _need_dim("kv_cache", kv_cache, 5, "[pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD)")
+    if kv_cache.dtype != q.dtype:
+        _fail(f"kv_cache has dtype {kv_cache.dtype} but q has {q.dtype}; the pool and q must share a dtype.")
+    if kv_cache.shape[1] != 2:
+        _fail(f"kv_cache dim 1 must be 2 (K, V), got shape {tuple(kv_cache.shape)}.")
+    if kv_layout == "HND":
+        num_pages, _, pool_heads, page_size, pool_dim = kv_cache.shape
+        kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+    else:
+        num_pages, _, page_size, pool_heads, pool_dim = kv_cache.shape
+        kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3), kv_cache.stride(2))
+    if pool_heads != num_kv_heads or pool_dim != head_dim:
+        _fail(
+            f"kv_cache ({kv_layout}) holds Hkv={pool_heads}, D={pool_dim} but new_k has Hkv={num_kv_heads}, "
+            f"D={head_dim}; check kv_layout (got {kv_layout!r}) and the layer's pool view."
+        )
+    if num_pages < 1 or page_size < 1:
+        _fail(f"kv_cache has {num_pages} pages of {page_size} tokens; both must be >= 1.")
+    for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)):
+        _need_last_dim_contiguous(name, x)
+
+    # Index tensors.
+    if num_rows % beam_width:
+        _fail(f"q has {num_rows} rows, not a multiple of beam_width={beam_width}; rows must be R * W, request-major.")
+    num_requests = num_rows // beam_width
+    for name, x in (("kv_lens", kv_lens), ("prompt_lens", prompt_lens)):
+        _need_dim(name, x, 1, f"[rows={num_rows}] int32")
+        _need_dtype(name, x, (torch.int32,))
+        if x.shape[0] != num_rows:
+            _fail(f"{name} has {x.shape[0]} entries but q has {num_rows} rows; pass one entry per beam row.")
+    _need_dim("beam_page_table", beam_page_table, 2, "[>= rows, max_pages] int32")
+    _need_dtype("beam_page_table", beam_page_table, (torch.int32,))
+    if beam_page_table.shape[0] < num_rows:
+        _fail(
+            f"beam_page_table has {beam_page_table.shape[0]} rows but q has {num_rows}; "
+            f"pass one page-table row per beam row (row i = r*W + b)."
+        )
+    _need_dim("cache_indirection", cache_indirection, 3, "[>= R, W_max, max_seq_len] int32")
+    _need_dtype("cache_indirection", cache_indirection, (torch.int32,))
+    ind_requests, max_beam_width, max_seq_len = cache_indirection.shape
+    if ind_requests < num_requests:
+        _fail(
+            f"cache_indirection has {ind_requests} request rows but the batch has R={num_requests} "
+            f"(rows {num_rows} / beam_width {beam_width}); pass the batch's [R, W_max, max_seq_len] view."
+        )
+    if beam_width > max_beam_width:
+        _fail(
+            f"beam_width={beam_width} exceeds the width cache_indirection was sized for (W_max={max_beam_width}); "
+            f"beams would overwrite each other's slots. Size the KV cache for max_beam_width >= {beam_width}."
+        )
+    max_pages = beam_page_table.shape[1]
+    if max_pages * page_size < max_seq_len:
+        need = -(-max_seq_len // page_size)
+        _fail(
+            f"beam_page_table has {max_pages} columns of {page_size} tokens ({max_pages * page_size} positions) "
+            f"but cache_indirection covers max_seq_len={max_seq_len}; pass a page table with at least "
+            f"{need} columns, or a cache_indirection view limited to {max_pages * page_size} positions."
+        )
+
+    # Prefix state and output.
+    _need_dim("prefix_out", prefix_out, 3, "[rows, Hq, D]")
+    _need_dtype("prefix_out", prefix_out, PREFIX_OUT_DTYPES)
+    if tuple(prefix_out.shape) != (num_rows, num_qo_heads, head_dim):
+        _fail(f"prefix_out must be [rows={num_rows}, Hq={num_qo_heads}, D={head_dim}], got {tuple(prefix_out.shape)}.")
+    _need_last_dim_contiguous("prefix_out", prefix_out)
+    _need_dim("prefix_lse", prefix_lse, 2, "[rows, Hq] (NH) or [Hq, rows] (HN) float32")
+    _need_dtype("prefix_lse", prefix_lse, (torch.float32,))
+    want = (num_rows, num_qo_heads) if prefix_lse_layout == "NH" else (num_qo_heads, num_rows)
+    if tuple(prefix_lse.shape) != want:
+        _fail(
+            f"prefix_lse has shape {tuple(prefix_lse.shape)} but layout {prefix_lse_layout!r} needs {want}; "
+            f"pass prefix_lse_layout='HN' for [heads, rows] (FA4) or 'NH' for [rows, heads] (FlashInfer)."
+        )
+    if prefix_lse_layout == "NH":
+        lse_strides = (prefix_lse.stride(0), prefix_lse.stride(1))
+    else:
+        lse_strides = (prefix_lse.stride(1), prefix_lse.stride(0))
+    _need_dim("out", out, 3, "[rows, Hq, D]")
+    if out.dtype != q.dtype:
+        _fail(f"out has dtype {out.dtype} but q has {q.dtype}; the output is written in q's dtype.")
+    if tuple(out.shape) != (num_rows, num_qo_heads, head_dim):
+        _fail(f"out must be [rows={num_rows}, Hq={num_qo_heads}, D={head_dim}], got {tuple(out.shape)}.")
+    _need_last_dim_contiguous("out", out)
+    for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache),
+                    ("prefix_out", prefix_out), ("prefix_lse", prefix_lse)):
+        if _overlap(out, x):
+            _fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
+
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    sm_scale = float(sm_scale)
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        _fail(f"sm_scale={sm_scale} must be a finite positive float (default 1/sqrt(D)).")
+
+    return TailMergeGeometry(
+        num_rows=num_rows,
+        beam_width=beam_width,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        group_size=num_qo_heads // num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        num_pages=num_pages,
+        max_seq_len=max_seq_len,
+        sm_scale=sm_scale,
+        kv_strides=kv_strides,
+        lse_strides=lse_strides,
+        lse_scale=1.0 if prefix_lse_base == "log2" else LOG2E,
+    )
+
+
+def check_tail_index_values(
+    geom: TailMergeGeometry,
+    beam_page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    cache_indirection: torch.Tensor,
+    page_index_divisor: int,
+) -> None:
+    """Synchronous value checks for check mode: reads the index tensors back from the device.
+
+    Checks ``0 <= prompt_len < kv_len <= max_seq_len``, that the earlier generated positions'
+    ``cache_indirection`` entries are beams in ``[0, W)``, and that every page the launch touches
+    (each row's write page and the pages of its gathered tail) is in ``[0, num_pages)``.
+    """
+    rows, W, pg = geom.num_rows, geom.beam_width, geom.page_size
+    if rows == 0:
+        return
+    plen = prompt_lens.long().cpu()
+    klen = kv_lens.long().cpu()
+    bad = torch.nonzero(plen < 0).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        _fail(f"prompt_lens[{i}]={int(plen[i])} is negative; prompt lengths must be >= 0.")
+    bad = torch.nonzero(klen < plen + 1).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        _fail(
+            f"kv_lens[{i}]={int(klen[i])} must be >= prompt_lens[{i}] + 1 = {int(plen[i]) + 1}: kv_len counts "
+            f"this step's token, which follows the prompt. Pass kv_lens after appending the current token."
+        )
+    bad = torch.nonzero(klen > geom.max_seq_len).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        _fail(
+            f"kv_lens[{i}]={int(klen[i])} exceeds the cache capacity max_seq_len={geom.max_seq_len} "
+            f"(cache_indirection's last dim); size the cache for longer sequences or stop the request earlier."
+        )
+    table = beam_page_table[:rows].long().cpu()
+    ind = cache_indirection.cpu()
+    row = torch.arange(rows)
+    req, beam = row // W, row % W
+    num_pages = geom.num_pages
+
+    def check_pages(pages: torch.Tensor, where: str, rows_of: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor):
+        bad_mask = mask & ((pages < 0) | (pages >= num_pages))
+        if bad_mask.any():
+            k = torch.nonzero(bad_mask)[0]
+            idx = tuple(int(v) for v in k)
+            tr, tc = int(rows_of[idx]), int(cols[idx])
+            _fail(
+                f"{where}: beam_page_table[{tr}, {tc}]={int(table[tr, tc])} // page_index_divisor={page_index_divisor} "
+                f"= page {int(pages[idx])} is outside the pool [0, {num_pages}); the page table is stale or the pool "
+                f"too small (check page_index_divisor and that the table belongs to this pool)."
+            )
+
+    wcol = (klen - 1) // pg
+    wpage = table[row, wcol] // page_index_divisor
+    check_pages(wpage, "the write position kv_len - 1", row, wcol, torch.ones(rows, dtype=torch.bool))
+    earlier = (klen - 1 - plen).clamp(min=0)
+    max_earlier = int(earlier.max())
+    if max_earlier == 0:
+        return
+    t = plen[:, None] + torch.arange(max_earlier)[None, :]
+    valid = t < (klen - 1)[:, None]
+    tc = torch.where(valid, t, torch.zeros_like(t))
+    src = ind[req[:, None], beam[:, None], tc].long()
+    bad_mask = valid & ((src < 0) | (src >= W))
+    if bad_mask.any():
+        i, j = (int(v) for v in torch.nonzero(bad_mask)[0])
+        _fail(
+            f"cache_indirection[{int(req[i])}, {int(beam[i])}, {int(tc[i, j])}]={int(src[i, j])} is not a beam in "
+            f"[0, beam_width={W}); pass the batch's cache_indirection (row r = r-th request) for this beam width."
+        )
+    src = torch.where(valid, src, beam[:, None])
+    src_row = req[:, None] * W + src
+    col = tc // pg
+    pages = table[src_row, col] // page_index_divisor
+    check_pages(pages, "a gathered tail position", src_row, col, valid)

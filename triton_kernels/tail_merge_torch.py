@@ -1,0 +1,118 @@
+"""Unfused torch path of the tail merge: the readable reference of the fused kernel's contract.
+
+Same arguments, same result and same side effect (the KV write) as
+:func:`triton_kernels.beam_tail_attention_merge`, written as plain tensor ops: gather the earlier
+generated K/V through ``cache_indirection``, append the current token's K/V from ``new_k``/``new_v``,
+attend in float32 with base-2 softmax, merge with the prefix state by LSE and write ``out``.
+
+It runs on CPU and GPU, but it reads the longest tail back to the host (one sync), so it cannot be
+captured in a CUDA graph; use it for debugging and as a fallback, not on the hot path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tail_merge_args import LOG2E, check_tail_index_values, check_tail_merge_args
+
+__all__ = ["beam_tail_attention_merge_torch"]
+
+
+def _pool_kv(kv_cache: torch.Tensor, kv_layout: str, which: int) -> torch.Tensor:
+    """The K (``which=0``) or V pool as a ``[pages, Pg, Hkv, D]`` view (HND is permuted, not copied)."""
+    pool = kv_cache.select(1, which)
+    return pool.permute(0, 2, 1, 3) if kv_layout == "HND" else pool
+
+
+def beam_tail_attention_merge_torch(
+    q,
+    new_k,
+    new_v,
+    kv_cache,
+    beam_page_table,
+    kv_lens,
+    prompt_lens,
+    cache_indirection,
+    beam_width,
+    prefix_out,
+    prefix_lse,
+    out,
+    *,
+    sm_scale=None,
+    kv_layout="HND",
+    page_index_divisor=1,
+    prefix_lse_layout="NH",
+    prefix_lse_base="log2",
+    write_kv=True,
+    validate_indices=False,
+):
+    """Tail attention + KV write + LSE merge with the prefix, in unfused torch ops.
+
+    Arguments, shapes and result are those of :func:`triton_kernels.beam_tail_attention_merge`:
+    ``out[i, h] = merge(prefix state, attention of q[i, h] over beam row i's generated positions
+    [prompt_len, kv_len))``, where position ``kv_len - 1`` is ``new_k``/``new_v`` and earlier ones
+    come from the pages of beam ``cache_indirection[r, b, t]``. Returns ``out``.
+    """
+    geom = check_tail_merge_args(
+        q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
+        prefix_out, prefix_lse, out, sm_scale=sm_scale, kv_layout=kv_layout,
+        page_index_divisor=page_index_divisor, prefix_lse_layout=prefix_lse_layout,
+        prefix_lse_base=prefix_lse_base,
+    )
+    if validate_indices:
+        check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
+    rows, W, pg = geom.num_rows, geom.beam_width, geom.page_size
+    hkv, g, d = geom.num_kv_heads, geom.group_size, geom.head_dim
+    if rows == 0:
+        return out
+    dev = q.device
+    k_pool = _pool_kv(kv_cache, kv_layout, 0)
+    v_pool = _pool_kv(kv_cache, kv_layout, 1)
+    row = torch.arange(rows, device=dev)
+    req, beam = row // W, row % W
+    plen = prompt_lens.long()
+    klen = kv_lens.long()
+
+    # Earlier generated positions [P, L-1), each from the pages of its source beam.
+    num_earlier = (klen - 1 - plen).clamp(min=0)
+    max_earlier = int(num_earlier.max())  # host sync: the reason this path is not graph-capturable
+    t = plen[:, None] + torch.arange(max_earlier, device=dev)[None, :]
+    earlier_valid = t < (klen - 1)[:, None]
+    t_safe = torch.where(earlier_valid, t, torch.zeros_like(t))
+    src_beam = cache_indirection[req[:, None], beam[:, None], t_safe].long()
+    src_beam = torch.where(earlier_valid, src_beam, beam[:, None].expand_as(src_beam))
+    src_row = req[:, None] * W + src_beam
+    page = beam_page_table[src_row, t_safe // pg].long() // page_index_divisor
+    page = torch.where(earlier_valid, page, torch.zeros_like(page))
+    slot = t_safe % pg
+    k = torch.cat([k_pool[page, slot].float(), new_k.float()[:, None]], dim=1)  # [rows, T+1, Hkv, D]
+    v = torch.cat([v_pool[page, slot].float(), new_v.float()[:, None]], dim=1)
+    valid = torch.cat([earlier_valid, torch.ones(rows, 1, dtype=torch.bool, device=dev)], dim=1)
+
+    # Base-2 online-softmax equivalent: scores already scaled by sm_scale * log2(e).
+    qf = q.float().view(rows, hkv, g, d) * (geom.sm_scale * LOG2E)
+    scores = torch.einsum("nhgd,nthd->nhgt", qf, k)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    m = scores.amax(dim=-1)  # finite: the current token is always valid
+    p = torch.exp2(scores - m[..., None])
+    denom = p.sum(dim=-1)
+    tail_out = torch.einsum("nhgt,nthd->nhgd", p, v) / denom[..., None]
+    tail_lse = m + torch.log2(denom)
+
+    lse_p = prefix_lse if prefix_lse_layout == "NH" else prefix_lse.t()
+    lse_p = (lse_p.float() * geom.lse_scale).view(rows, hkv, g)
+    m2 = torch.maximum(lse_p, tail_lse)
+    w_prefix = torch.exp2(lse_p - m2)
+    w_tail = torch.exp2(tail_lse - m2)
+    o_p = prefix_out.float().view(rows, hkv, g, d)
+    # An empty prefix (lse = -inf) has weight 0; its o may be anything, even NaN.
+    o_p_weighted = torch.where(w_prefix[..., None] > 0, o_p * w_prefix[..., None], torch.zeros_like(o_p))
+    merged = (o_p_weighted + tail_out * w_tail[..., None]) / (w_prefix + w_tail)[..., None]
+
+    if write_kv:
+        wpage = beam_page_table[row, (klen - 1) // pg].long() // page_index_divisor
+        wslot = (klen - 1) % pg
+        k_pool[wpage, wslot] = new_k
+        v_pool[wpage, wslot] = new_v
+    out.copy_(merged.view(rows, hkv * g, d))
+    return out
