@@ -105,10 +105,9 @@ class StepPlan:
                 "prompt_lens_per_row",
                 "page_table",
             )
-            cached = {
-                n: torch.from_numpy(np.ascontiguousarray(getattr(self, n))).to(dev, non_blocking=False)
-                for n in names
-            }
+            # A writable copy: from_numpy would alias the read-only plan arrays (on CPU, .to() is
+            # a no-op), so a caller writing the tensor would corrupt a cached plan.
+            cached = {n: torch.from_numpy(np.array(getattr(self, n), copy=True)).to(dev) for n in names}
             self._device_cache[dev] = cached
         return cached
 
@@ -287,10 +286,11 @@ class StepPlanner:
     def input_key(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width) -> bytes:
         """A digest of the planner's inputs, used when the caller gives no composition key."""
         h = hashlib.blake2b(digest_size=16)
-        for a in (prompt_page_indptr, prompt_page_indices, prompt_lens):
-            if hasattr(a, "detach"):
-                a = a.detach().cpu().numpy()
-            a = np.ascontiguousarray(np.asarray(a, dtype=np.int64))
+        names = ("prompt_page_indptr", "prompt_page_indices", "prompt_lens")
+        for name, a in zip(names, (prompt_page_indptr, prompt_page_indices, prompt_lens)):
+            # Same dtype/ndim checks as the build: a 2-D or float input must not hit the plan of
+            # the int arrays it flattens or truncates to.
+            a = np.ascontiguousarray(_as_int_array(name, a))
             h.update(np.int64(a.size).tobytes())
             h.update(a.tobytes())
         h.update(np.int64(beam_width).tobytes())

@@ -1,0 +1,395 @@
+"""Step planner: every StepPlan field against a per-request Python loop, plan caching, validation."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from beam_shared_prefix.plan import PlanError, StepPlan, StepPlanner, build_step_plan, cdiv
+from beam_shared_prefix.testing import BeamSearchCacheSimulator
+
+PLAN_ARRAYS = (
+    "qo_indptr",
+    "kv_page_indptr",
+    "kv_page_indices",
+    "kv_last_page_len",
+    "prompt_lens",
+    "prompt_lens_per_row",
+    "kv_pages_per_request",
+    "page_table",
+)
+
+
+def loop_plan(indptr, indices, prompt_lens, beam_width, page_size):
+    """The plan written the obvious way: one request at a time, one page at a time."""
+    indptr = [int(x) for x in indptr]
+    indices = [int(x) for x in indices]
+    qo_indptr, kv_page_indptr, kv_page_indices = [0], [0], []
+    last, per_row, pages_per_request, rows = [], [], [], []
+    for r, p in enumerate(int(x) for x in prompt_lens):
+        qo_indptr.append(qo_indptr[-1] + beam_width)
+        n = (p + page_size - 1) // page_size
+        pages = [indices[indptr[r] + j] for j in range(n)]
+        kv_page_indices.extend(pages)
+        kv_page_indptr.append(kv_page_indptr[-1] + n)
+        last.append(p - (n - 1) * page_size)
+        per_row.extend([p] * beam_width)
+        pages_per_request.append(n)
+        rows.append(pages)
+    width = max(pages_per_request)
+    # Padding repeats the request's first page (the documented rule): always a valid index.
+    page_table = [pages + [pages[0]] * (width - len(pages)) for pages in rows]
+    return {
+        "qo_indptr": qo_indptr,
+        "kv_page_indptr": kv_page_indptr,
+        "kv_page_indices": kv_page_indices,
+        "kv_last_page_len": last,
+        "prompt_lens": [int(x) for x in prompt_lens],
+        "prompt_lens_per_row": per_row,
+        "kv_pages_per_request": pages_per_request,
+        "page_table": page_table,
+        "max_prompt_len": max(int(x) for x in prompt_lens),
+        "max_prompt_pages": width,
+    }
+
+
+def check_plan(plan: StepPlan, expected: dict, num_requests, beam_width, page_size, num_cache_pages):
+    assert plan.num_requests == num_requests
+    assert plan.beam_width == beam_width
+    assert plan.page_size == page_size
+    assert plan.num_cache_pages == num_cache_pages
+    assert plan.num_rows == num_requests * beam_width
+    for name in PLAN_ARRAYS:
+        arr = getattr(plan, name)
+        assert isinstance(arr, np.ndarray) and arr.dtype == np.int32, name
+        assert not arr.flags.writeable, f"{name} must be read-only (plans are shared across steps)"
+        np.testing.assert_array_equal(arr, np.asarray(expected[name], dtype=np.int64), err_msg=name)
+    assert plan.max_prompt_len == expected["max_prompt_len"]
+    assert plan.max_prompt_pages == expected["max_prompt_pages"]
+    assert plan.total_prompt_pages == len(expected["kv_page_indices"])
+    assert plan.page_table.shape == (num_requests, expected["max_prompt_pages"])
+    # Every entry of the dense table, padding included, is a page of the pool.
+    assert ((plan.page_table >= 0) & (plan.page_table < num_cache_pages)).all()
+    assert ((plan.kv_last_page_len >= 1) & (plan.kv_last_page_len <= page_size)).all()
+
+
+CONVERTERS = {
+    "np_int32": lambda a: np.asarray(a, dtype=np.int32),
+    "np_int64": lambda a: np.asarray(a, dtype=np.int64),
+    "list": lambda a: [int(x) for x in a],
+    "torch_int32": lambda a: torch.tensor(np.asarray(a, dtype=np.int64), dtype=torch.int32),
+}
+
+
+@st.composite
+def batches(draw):
+    """A random batch: prompt page lists (with extra pages), prompt lengths, geometry."""
+    page_size = draw(st.sampled_from([1, 2, 3, 8, 16, 32, 64]))
+    num_requests = draw(st.integers(1, 9))
+    max_beam_width = draw(st.integers(1, 12))
+    beam_width = draw(st.integers(1, max_beam_width))
+    lens = []
+    for _ in range(num_requests):
+        kind = draw(st.sampled_from(["one", "aligned", "any"]))
+        if kind == "one":
+            lens.append(1)
+        elif kind == "aligned":
+            lens.append(page_size * draw(st.integers(1, 6)))
+        else:
+            lens.append(draw(st.integers(1, 6 * page_size + 5)))
+    listed = [cdiv(p, page_size) + draw(st.integers(0, 3)) for p in lens]
+    total = sum(listed)
+    num_cache_pages = total + draw(st.integers(0, 50))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if draw(st.booleans()):
+        indices = rng.permutation(num_cache_pages)[:total]  # distinct pages, as a cache manager gives
+    else:
+        indices = rng.integers(0, num_cache_pages, size=total)  # repeats allowed (the planner must not care)
+    indptr = np.concatenate([[0], np.cumsum(listed)])
+    conv = CONVERTERS[draw(st.sampled_from(sorted(CONVERTERS)))]
+    return dict(
+        indptr=indptr,
+        indices=indices,
+        lens=np.asarray(lens),
+        beam_width=beam_width,
+        max_beam_width=max_beam_width,
+        page_size=page_size,
+        num_cache_pages=num_cache_pages,
+        conv=conv,
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_plan_matches_per_request_loop(b):
+    conv = b["conv"]
+    plan = build_step_plan(
+        conv(b["indptr"]),
+        conv(b["indices"]),
+        conv(b["lens"]),
+        b["beam_width"],
+        b["page_size"],
+        b["num_cache_pages"],
+        max_beam_width=b["max_beam_width"],
+        key="k",
+    )
+    expected = loop_plan(b["indptr"], b["indices"], b["lens"], b["beam_width"], b["page_size"])
+    check_plan(plan, expected, len(b["lens"]), b["beam_width"], b["page_size"], b["num_cache_pages"])
+    assert plan.key == "k"
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches())
+def test_planner_digest_cache_matches_loop(b):
+    # Through StepPlanner without a key: equal inputs in fresh arrays hit, the plan is still right.
+    planner = StepPlanner(b["page_size"], b["num_cache_pages"], max_beam_width=b["max_beam_width"])
+    args = (b["indptr"], b["indices"], b["lens"], b["beam_width"])
+    first = planner.plan(*args)
+    again = planner.plan(*(b["conv"](a) for a in args[:3]), b["beam_width"])
+    assert again is first and planner.num_builds == 1
+    expected = loop_plan(*args, b["page_size"])
+    check_plan(first, expected, len(b["lens"]), b["beam_width"], b["page_size"], b["num_cache_pages"])
+
+
+def test_extra_listed_pages_are_not_used_or_checked():
+    # Beam 0's whole block list may be passed: pages past the prompt (generated pages, stale
+    # columns of a block-offset table) are neither copied into the plan nor range-checked.
+    plan = build_step_plan([0, 4, 6], [7, 3, 10**6, -1, 5, 9], [20, 3], 2, 16, 12)
+    np.testing.assert_array_equal(plan.kv_page_indices, [7, 3, 5])
+    np.testing.assert_array_equal(plan.kv_page_indptr, [0, 2, 3])
+    np.testing.assert_array_equal(plan.page_table, [[7, 3], [5, 5]])
+    np.testing.assert_array_equal(plan.kv_last_page_len, [4, 3])
+
+
+def test_plan_from_simulator_inputs():
+    # The simulator hands beam 0's whole page list (prompt + generated pages) to the planner.
+    sim = BeamSearchCacheSimulator([5, 16, 1, 33], beam_width=3, num_qo_heads=2, num_kv_heads=1, head_dim=8,
+                                   page_size=8, max_seq_len=64, dtype=torch.float32)
+    for _ in range(10):
+        step = sim.begin_step()
+        sim.end_step()
+    plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
+                           3, 8, sim.num_pages, max_beam_width=3)
+    table = step.beam_page_table.numpy()
+    for r, p in enumerate([5, 16, 1, 33]):
+        n = cdiv(p, 8)
+        pages = plan.kv_page_indices[plan.kv_page_indptr[r]:plan.kv_page_indptr[r + 1]]
+        np.testing.assert_array_equal(pages, table[r * 3, :n])
+        np.testing.assert_array_equal(plan.prompt_lens_per_row[r * 3:(r + 1) * 3], [p] * 3)
+
+
+@pytest.mark.filterwarnings("error")
+def test_device_tensors_are_int32_copies_cached_per_device():
+    plan = build_step_plan([0, 2, 3], [4, 1, 2], [9, 8], 3, 8, 5)
+    t = plan.device_tensors("cpu")
+    for name, tensor in t.items():
+        assert tensor.dtype == torch.int32, name
+        np.testing.assert_array_equal(tensor.numpy(), getattr(plan, name), err_msg=name)
+    assert plan.device_tensors(torch.device("cpu")) is t
+    # The tensors are copies: writing one does not corrupt the cached plan's read-only arrays.
+    t["kv_page_indices"][0] = 3
+    assert plan.kv_page_indices[0] == 4
+
+
+# ------------------------------------------------------------------------------------------
+# Caching
+
+
+def _inputs(lens=(20, 7), pages=((3, 4), (9,)), beam_width=4):
+    indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])])
+    indices = np.asarray([x for p in pages for x in p])
+    return indptr, indices, np.asarray(lens), beam_width
+
+
+def test_same_key_returns_same_object_without_rebuild():
+    planner = StepPlanner(page_size=16, num_cache_pages=16, max_beam_width=4)
+    plan = planner.plan(*_inputs(), key=("req", 1, 2))
+    assert planner.num_builds == 1 and plan.key == ("req", 1, 2)
+    # With a key, a hit touches no array at all: the caller promised equal keys mean equal inputs.
+    assert planner.plan(None, None, None, 4, key=("req", 1, 2)) is plan
+    assert planner.lookup(("req", 1, 2)) is plan
+    assert planner.lookup(("req", 9)) is None
+    assert planner.num_builds == 1
+
+
+def test_digest_key_distinguishes_inputs():
+    planner = StepPlanner(page_size=16, num_cache_pages=16, max_beam_width=8, capacity=16)
+    base = planner.plan(*_inputs())
+    variants = [
+        _inputs(lens=(20, 8)),  # a prompt length
+        _inputs(pages=((3, 5), (9,))),  # a page
+        _inputs(beam_width=3),  # the beam width
+        _inputs(lens=(20, 7, 1), pages=((3, 4), (9,), (9,))),  # one more request
+        _inputs(lens=(7, 20), pages=((9,), (3, 4))),  # same requests, other order
+        _inputs(pages=((3, 4, 1), (9,))),  # an extra listed page moves the split ...
+        _inputs(pages=((3, 4), (1, 9))),  # ... and the same flat pages split differently
+    ]
+    plans = [planner.plan(*v) for v in variants]
+    assert planner.num_builds == 1 + len(variants)
+    assert len({id(p) for p in [base] + plans}) == 1 + len(variants)
+    assert plans[0].prompt_lens.tolist() == [20, 8]
+    assert plans[2].beam_width == 3
+    # Equal contents in other containers / dtypes hit the same plan.
+    indptr, indices, lens, w = _inputs()
+    assert planner.plan(torch.tensor(indptr), indices.astype(np.int32), lens.tolist(), w) is base
+    assert planner.num_builds == 1 + len(variants)
+
+
+def test_digest_hit_still_refuses_2d_or_float_inputs():
+    # A 2-D or float copy of cached inputs flattens/truncates to the same ints: it must not hit.
+    planner = StepPlanner(page_size=16, num_cache_pages=16)
+    indptr, indices, lens, w = _inputs()
+    planner.plan(indptr, indices, lens, w)
+    with pytest.raises(PlanError, match=r"prompt_lens must hold integers, got dtype float64"):
+        planner.plan(indptr, indices, lens.astype(np.float64), w)
+    with pytest.raises(PlanError, match=r"prompt_page_indices must be 1-D, got shape \(1, 3\)"):
+        planner.plan(indptr, indices[None], lens, w)
+    assert planner.num_builds == 1
+
+
+def test_lru_eviction():
+    planner = StepPlanner(page_size=16, num_cache_pages=16, capacity=2)
+    a = planner.plan(*_inputs(lens=(1, 1)), key="a")
+    b = planner.plan(*_inputs(lens=(2, 2)), key="b")
+    assert planner.lookup("a") is a  # touch a: b becomes least recently used
+    c = planner.plan(*_inputs(lens=(3, 3)), key="c")
+    assert planner.lookup("b") is None
+    assert planner.lookup("a") is a and planner.lookup("c") is c
+    assert planner.num_builds == 3
+    b2 = planner.plan(*_inputs(lens=(2, 2)), key="b")  # rebuilt after eviction
+    assert b2 is not b and planner.num_builds == 4
+    np.testing.assert_array_equal(b2.prompt_lens, b.prompt_lens)
+    assert planner.lookup("c") is c and planner.lookup("a") is None  # a was the LRU now
+    planner.clear()
+    assert planner.lookup("c") is None
+
+
+def test_failed_plan_is_not_cached():
+    planner = StepPlanner(page_size=16, num_cache_pages=4)
+    bad = _inputs()  # page 9 is outside a 4-page pool
+    for _ in range(2):
+        with pytest.raises(PlanError, match="outside the pool"):
+            planner.plan(*bad, key="x")
+    assert planner.num_builds == 0 and planner.lookup("x") is None
+
+
+# ------------------------------------------------------------------------------------------
+# Validation: one test per refused input; each message names the value, the limit and the fix.
+
+
+def plan(indptr=(0, 2, 3), indices=(4, 1, 2), lens=(20, 8), beam_width=4, page_size=16, num_cache_pages=8,
+         max_beam_width=None):
+    return build_step_plan(np.asarray(indptr), np.asarray(indices), np.asarray(lens), beam_width, page_size,
+                           num_cache_pages, max_beam_width=max_beam_width)
+
+
+def test_valid_defaults_plan():
+    # The helper's defaults are valid, so each test below fails for its one reason only.
+    assert plan().num_rows == 8
+
+
+def test_beam_width_above_max_beam_width():
+    with pytest.raises(PlanError, match=r"beam_width=5 exceeds max_beam_width=4.*max_beam_width >= 5"):
+        plan(beam_width=5, max_beam_width=4)
+    assert plan(beam_width=4, max_beam_width=4).beam_width == 4
+
+
+def test_beam_width_below_one():
+    with pytest.raises(PlanError, match=r"beam_width=0 must be >= 1"):
+        plan(beam_width=0)
+
+
+@pytest.mark.parametrize("page", [8, 1000, -1])
+def test_page_index_outside_pool(page):
+    with pytest.raises(
+        PlanError,
+        match=rf"request 1: prompt page 0 has page index {page}, outside the pool \[0, 8\).*Re-derive the page table",
+    ):
+        plan(indices=(4, 1, page))
+
+
+def test_page_index_outside_pool_names_position_in_request():
+    with pytest.raises(PlanError, match=r"request 0: prompt page 1 has page index 8, outside the pool \[0, 8\)"):
+        plan(indices=(4, 8, 2))
+
+
+def test_prompt_longer_than_its_pages():
+    with pytest.raises(
+        PlanError,
+        match=r"request 0: prompt_lens\[0\]=33 tokens need 3 pages of 16 but only 2 are listed "
+        r"\(they hold at most 32 tokens\); pass the request's full beam-0 page list",
+    ):
+        plan(lens=(33, 8))
+
+
+@pytest.mark.parametrize("length", [0, -3])
+def test_non_positive_prompt_length(length):
+    with pytest.raises(PlanError, match=rf"prompt_lens\[1\]={length} must be >= 1"):
+        plan(lens=(20, length))
+
+
+def test_indptr_wrong_length():
+    with pytest.raises(
+        PlanError,
+        match=r"prompt_page_indptr has 4 entries but prompt_lens has 2 requests; it must have "
+        r"len\(prompt_lens\) \+ 1 = 3",
+    ):
+        plan(indptr=(0, 2, 3, 3))
+
+
+def test_indptr_not_starting_at_zero():
+    with pytest.raises(PlanError, match=r"prompt_page_indptr\[0\]=1 must be 0"):
+        plan(indptr=(1, 2, 3))
+
+
+def test_indptr_decreasing():
+    with pytest.raises(PlanError, match=r"prompt_page_indptr decreases at request 1 \(3 -> 2\).*non-decreasing"):
+        plan(indptr=(0, 3, 2), indices=(4, 1, 2))
+
+
+def test_indptr_last_not_len_indices():
+    with pytest.raises(
+        PlanError, match=r"prompt_page_indptr\[-1\]=3 but prompt_page_indices has 4 entries; they must be equal"
+    ):
+        plan(indices=(4, 1, 2, 5))
+
+
+def test_empty_batch():
+    with pytest.raises(PlanError, match=r"empty batch: prompt_lens has 0 requests.*>= 1 generation request"):
+        plan(indptr=(0,), indices=(), lens=())
+
+
+@pytest.mark.parametrize("name", ["indptr", "indices", "lens"])
+def test_non_integer_dtype(name):
+    full = {"indptr": "prompt_page_indptr", "indices": "prompt_page_indices", "lens": "prompt_lens"}[name]
+    args = dict(indptr=(0, 2, 3), indices=(4, 1, 2), lens=(20, 8))
+    args[name] = np.asarray(args[name], dtype=np.float32)
+    with pytest.raises(PlanError, match=rf"{full} must hold integers, got dtype float32; pass an int32/int64"):
+        plan(**args)
+
+
+def test_bool_dtype_refused():
+    with pytest.raises(PlanError, match=r"prompt_lens must hold integers, got dtype bool"):
+        plan(lens=np.asarray([True, True]))
+
+
+@pytest.mark.parametrize("name", ["indptr", "indices", "lens"])
+def test_2d_input(name):
+    full = {"indptr": "prompt_page_indptr", "indices": "prompt_page_indices", "lens": "prompt_lens"}[name]
+    args = dict(indptr=(0, 2, 3), indices=(4, 1, 2), lens=(20, 8))
+    args[name] = np.asarray(args[name])[None, :]
+    shape = rf"\(1, {len(args[name][0])}\)"
+    with pytest.raises(PlanError, match=rf"{full} must be 1-D, got shape {shape}; pass a flat int array"):
+        plan(**args)
+
+
+def test_page_size_and_pool_size_below_one():
+    with pytest.raises(PlanError, match=r"page_size=0 must be >= 1"):
+        plan(page_size=0)
+    with pytest.raises(PlanError, match=r"num_cache_pages=0 must be >= 1: the KV pool holds no page"):
+        plan(num_cache_pages=0)
+
+
+def test_plan_error_is_a_value_error():
+    assert issubclass(PlanError, ValueError)
