@@ -126,7 +126,7 @@ def dense_attention(
     n, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    qf = q.float().reshape(n, hkv, g, d)  # reshape: q may be a strided view (a slice of fused qkv)
+    qf = q.float().view(n, hkv, g, d)
     s = torch.einsum("nhgd,nthd->nhgt", qf, k.float()) * sm_scale
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     lse_nat = torch.logsumexp(s, dim=-1)  # [n, hkv, g]
