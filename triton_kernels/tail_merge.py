@@ -1,24 +1,191 @@
-"""Launcher of the fused tail kernel (work in progress: the kernel lands in the next commit)."""
+"""Launcher of the fused tail kernel: validate, pick a tiling, launch once.
+
+:func:`beam_tail_attention_merge` is the device half of a beam-search decode step after the prefix
+pass: for every beam row it writes this step's K/V into the row's own page, attends the row's
+generated tail gathered through ``cache_indirection`` and merges the result with the prefix state by
+log-sum-exp, in one Triton launch with no host sync (safe to capture in a CUDA graph; the tail
+length is read from ``kv_lens``/``prompt_lens`` on the device at every replay).
+"""
 
 from __future__ import annotations
 
-from .tail_merge_args import check_tail_index_values, check_tail_merge_args
+import os
+from dataclasses import dataclass
 
-__all__ = ["beam_tail_attention_merge"]
+import torch
+import triton
+
+from .tail_merge_args import LOG2E, TailMergeInputError, check_tail_index_values, check_tail_merge_args
+from .tail_merge_kernel import beam_tail_merge_kernel
+
+__all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"]
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+MAX_GROUP_SIZE = 64
+
+
+@dataclass(frozen=True)
+class TailLaunchConfig:
+    """Tiling of one launch.
+
+    Attributes:
+        group_pad: ``G`` rounded up to a power of two (query slots per KV head).
+        kv_heads_per_prog: KV heads one program handles (a power of two).
+        block_t: earlier tail tokens per loop iteration.
+        num_warps: warps per program.
+    """
+
+    group_pad: int
+    kv_heads_per_prog: int
+    block_t: int
+    num_warps: int
+
+    @property
+    def query_slots(self) -> int:
+        return self.group_pad * self.kv_heads_per_prog
+
+
+def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> TailLaunchConfig:
+    """The tiling for a shape.
+
+    About 2048 query-slot elements (``QH * D``) per program: all 16 heads of a 16/8 head-128 row in
+    one program, so the row's index chain is paid once, while ``q``, ``acc`` and the prefix output
+    stay at 16 fp32 registers per thread each with 4 warps. ``block_t = 2`` keeps the ``[QH, BLOCK_T,
+    D]`` K/V tiles at 32 registers per thread and covers the common tail of 3 (2 earlier tokens plus
+    the current one from registers) in a single iteration; it grows to 4 when the tile is narrower.
+    """
+    group_pad = triton.next_power_of_2(group_size)
+    target_slots = max(group_pad, 2048 // head_dim)
+    kv_heads_per_prog = max(1, min(triton.next_power_of_2(num_kv_heads), target_slots // group_pad))
+    slots = group_pad * kv_heads_per_prog
+    tile = slots * head_dim
+    block_t = 4 if tile <= 1024 else 2
+    num_warps = 4 if tile <= 2048 else 8
+    return TailLaunchConfig(group_pad, kv_heads_per_prog, block_t, num_warps)
+
+
+def _check_launchable(q: torch.Tensor, head_dim: int, group_size: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise TailMergeInputError(
+            f"head_dim={head_dim} is not supported by the Triton tail kernel (supported: {SUPPORTED_HEAD_DIMS}); "
+            f"use beam_tail_attention_merge_torch for other head sizes."
+        )
+    if group_size > MAX_GROUP_SIZE:
+        raise TailMergeInputError(
+            f"GQA group size Hq/Hkv={group_size} exceeds {MAX_GROUP_SIZE}, the largest group the kernel tiles; "
+            f"use beam_tail_attention_merge_torch for this shape."
+        )
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise TailMergeInputError(
+            f"beam_tail_attention_merge runs a Triton kernel and needs CUDA tensors, got {q.device}; "
+            f"use beam_tail_attention_merge_torch on CPU (or set TRITON_INTERPRET=1 before importing triton)."
+        )
 
 
 def beam_tail_attention_merge(
-    q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
-    prefix_out, prefix_lse, out, *, sm_scale=None, kv_layout="HND", page_index_divisor=1,
-    prefix_lse_layout="NH", prefix_lse_base="log2", write_kv=True, validate_indices=False,
+    q,
+    new_k,
+    new_v,
+    kv_cache,
+    beam_page_table,
+    kv_lens,
+    prompt_lens,
+    cache_indirection,
+    beam_width,
+    prefix_out,
+    prefix_lse,
+    out,
+    *,
+    sm_scale=None,
+    kv_layout="HND",
+    page_index_divisor=1,
+    prefix_lse_layout="NH",
+    prefix_lse_base="log2",
+    write_kv=True,
+    validate_indices=False,
 ):
-    """Fused tail attention + KV write + LSE merge (see beam_tail_attention_merge_torch for the contract)."""
+    """Fused per-beam tail attention, KV write and LSE merge with the prefix state (one launch).
+
+    For beam row ``i = r*W + b`` with prompt length ``P`` and KV length ``L`` (this step's token
+    included), computes ``out[i, h] = merge((prefix_out[i, h], prefix_lse[i, h]), tail)`` where
+    ``tail`` is attention of ``q[i, h]`` over positions ``[P, L)``: position ``L - 1`` is
+    ``new_k[i]``/``new_v[i]``; position ``t < L - 1`` is slot ``t % Pg`` of page
+    ``beam_page_table[r*W + cache_indirection[r, b, t], t // Pg] // page_index_divisor``.
+
+    Args:
+        q: ``[rows, Hq, D]`` bf16/fp16, last dim contiguous (a strided view of a fused QKV buffer is fine).
+        new_k, new_v: ``[rows, Hkv, D]`` in q's dtype, this step's K/V (strided views allowed).
+        kv_cache: paged pool in q's dtype, ``[pages, 2, Hkv, Pg, D]`` (HND) or ``[pages, 2, Pg, Hkv, D]``
+            (NHD); dim 1 is K, V; may be a strided view (e.g. one layer of a multi-layer pool).
+        beam_page_table: ``[>= rows, max_pages]`` int32, any strides; ``entry // page_index_divisor`` is a
+            page number. ``max_pages * Pg`` must cover ``cache_indirection``'s ``max_seq_len``.
+        kv_lens: ``[rows]`` int32 on the device, KV length including this step's token (``L >= P + 1``).
+        prompt_lens: ``[rows]`` int32 on the device, prompt length ``P`` per row.
+        cache_indirection: ``[>= R, W_max, max_seq_len]`` int32, any strides, source beam per position.
+        beam_width: ``W``; ``rows = R * W`` request-major, ``W <= W_max``.
+        prefix_out: ``[rows, Hq, D]`` bf16/fp16/fp32, prefix partial output (last dim contiguous).
+        prefix_lse: float32 prefix LSE, ``[rows, Hq]`` (``"NH"``) or ``[Hq, rows]`` (``"HN"``), any strides,
+            base 2 (``"log2"``) or natural log (``"ln"``); ``-inf`` marks an empty prefix.
+        out: ``[rows, Hq, D]`` in q's dtype, last dim contiguous, overlapping no other argument.
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+        kv_layout: ``"HND"`` or ``"NHD"``.
+        page_index_divisor: ``1`` for page numbers; ``layers_in_pool * kv_factor`` for TensorRT-LLM block
+            offsets (pass the K field ``block_offsets[..., 0, :]`` as ``beam_page_table``).
+        prefix_lse_layout: ``"NH"`` (FlashInfer) or ``"HN"`` (FA4).
+        prefix_lse_base: ``"log2"`` (FlashInfer) or ``"ln"`` (FA4).
+        write_kv: store ``new_k``/``new_v`` at slot ``(L-1) % Pg`` of page
+            ``beam_page_table[i, (L-1) // Pg] // page_index_divisor`` in the same launch.
+        validate_indices: read lengths, page indices and indirection values back and check them
+            (host sync; check mode only). Without it, out-of-range indices are masked in the kernel
+            (never dereferenced) and give wrong results rather than faults.
+
+    Returns:
+        ``out``.
+    """
     geom = check_tail_merge_args(
         q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
         prefix_out, prefix_lse, out, sm_scale=sm_scale, kv_layout=kv_layout,
         page_index_divisor=page_index_divisor, prefix_lse_layout=prefix_lse_layout,
         prefix_lse_base=prefix_lse_base,
     )
+    _check_launchable(q, geom.head_dim, geom.group_size)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
-    raise NotImplementedError("the Triton tail kernel is not committed yet; use beam_tail_attention_merge_torch")
+    if geom.num_rows == 0:
+        return out
+    cfg = tail_launch_config(geom.group_size, geom.num_kv_heads, geom.head_dim)
+    grid = (geom.num_rows, triton.cdiv(geom.num_kv_heads, cfg.kv_heads_per_prog))
+    s_page, s_kv, s_head, s_slot = geom.kv_strides
+    s_lse_row, s_lse_head = geom.lse_strides
+    args = (
+        q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection,
+        prefix_out, prefix_lse, out,
+        q.stride(0), q.stride(1),
+        new_k.stride(0), new_k.stride(1),
+        new_v.stride(0), new_v.stride(1),
+        s_page, s_kv, s_head, s_slot,
+        beam_page_table.stride(0), beam_page_table.stride(1),
+        cache_indirection.stride(0), cache_indirection.stride(1), cache_indirection.stride(2),
+        prefix_out.stride(0), prefix_out.stride(1),
+        s_lse_row, s_lse_head,
+        out.stride(0), out.stride(1),
+        geom.beam_width, geom.page_size, page_index_divisor, geom.num_pages, geom.max_seq_len,
+        geom.num_kv_heads,
+        geom.sm_scale * LOG2E, geom.lse_scale,
+    )
+    meta = dict(
+        GROUP=geom.group_size,
+        GROUP_PAD=cfg.group_pad,
+        KV_HEADS_PER_PROG=cfg.kv_heads_per_prog,
+        HEAD_DIM=geom.head_dim,
+        BLOCK_T=cfg.block_t,
+        WRITE_KV=bool(write_kv),
+        num_warps=cfg.num_warps,
+        num_stages=1,
+    )
+    if q.is_cuda:
+        with torch.cuda.device(q.device):
+            beam_tail_merge_kernel[grid](*args, **meta)
+    else:
+        beam_tail_merge_kernel[grid](*args, **meta)
+    return out

@@ -1,0 +1,201 @@
+"""The fused tail kernel: KV write, gather through ``cache_indirection``, attention and LSE merge.
+
+One program handles one beam row and a block of ``KV_HEADS_PER_PROG`` KV heads. Its query heads
+are laid out as ``QH = KV_HEADS_PER_PROG * GROUP_PAD`` query slots (slot ``s`` serves KV head
+``s // GROUP_PAD``, query head ``kv_head * GROUP + s % GROUP_PAD``), so the whole tile is a plain
+``[QH, D]`` block. Non-power-of-two groups (3, 5, 6, 12) are padded to ``GROUP_PAD`` and the
+padding slots are masked: they load zeros, and nothing is stored for them.
+
+Why a row and several KV heads per program: the index work of a tail position (its source beam in
+``cache_indirection``, then its page in the page table) is the same for every head of the row, and
+small tails (1-8 tokens) are the common case, so that chain of dependent loads is paid once for
+many heads rather than once per head. The K/V row of a KV head is loaded through the pointers of
+each of its ``G`` slots; the duplicates are the same addresses within one program, served by L1,
+so DRAM traffic stays one read per K/V row.
+
+Per program, in order:
+
+1. The current token (position ``kv_len - 1``) from ``new_k``/``new_v``, held in registers: it
+   starts the online softmax (``m`` = its score, ``l`` = 1, ``acc`` = its V), so the tail is never
+   empty and no ``-inf`` state exists. It is also written to the row's own page (``WRITE_KV``).
+   ``cache_indirection`` at ``kv_len - 1`` is never read.
+2. The earlier generated positions ``[prompt_len, kv_len - 1)``, read from device memory, in blocks
+   of ``BLOCK_T`` tokens: one vector load of their source beams, one of their page-table entries,
+   then ``[QH, BLOCK_T, D]`` K and V tiles. A loop with device-side bounds, so one CUDA-graph
+   capture serves every tail length.
+3. The merge with the prefix state ``(o_p, lse_p)`` in base 2; ``lse_p = -inf`` (empty prefix)
+   gives weight 0 and the prefix output is ignored, even if it is NaN.
+
+Scores are in base 2: ``q`` is pre-multiplied by ``sm_scale * log2(e)`` so ``exp2`` is exact
+softmax. Page numbers and every pool offset are int64 (pools can exceed 2^31 elements). Indices
+that would leave the pool (a page outside ``[0, num_pages)``, a source beam outside ``[0, W)``,
+a position past ``max_seq_len``) are masked rather than dereferenced: the kernel never reads or
+writes outside its buffers. Such values are bugs upstream; check mode reports them by name.
+"""
+
+import triton
+import triton.language as tl
+
+__all__ = ["beam_tail_merge_kernel"]
+
+
+@triton.jit
+def beam_tail_merge_kernel(
+    q_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    kv_ptr,
+    page_table_ptr,
+    kv_lens_ptr,
+    prompt_lens_ptr,
+    cache_indirection_ptr,
+    prefix_out_ptr,
+    prefix_lse_ptr,
+    out_ptr,
+    stride_q_row,
+    stride_q_head,
+    stride_new_k_row,
+    stride_new_k_head,
+    stride_new_v_row,
+    stride_new_v_head,
+    stride_kv_page,
+    stride_kv_kv,
+    stride_kv_head,
+    stride_kv_slot,
+    stride_pt_row,
+    stride_pt_col,
+    stride_ind_req,
+    stride_ind_beam,
+    stride_ind_pos,
+    stride_po_row,
+    stride_po_head,
+    stride_lse_row,
+    stride_lse_head,
+    stride_out_row,
+    stride_out_head,
+    beam_width,
+    page_size,
+    page_index_divisor,
+    num_pages,
+    max_seq_len,
+    num_kv_heads,
+    qk_scale_log2,
+    lse_scale,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    KV_HEADS_PER_PROG: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+):
+    QH: tl.constexpr = KV_HEADS_PER_PROG * GROUP_PAD
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    head_block = tl.program_id(1)
+
+    slot = tl.arange(0, QH)
+    g = slot % GROUP_PAD
+    kv_head = head_block * KV_HEADS_PER_PROG + slot // GROUP_PAD
+    q_head = kv_head * GROUP + g
+    kv_head_ok = kv_head < num_kv_heads
+    q_head_ok = kv_head_ok & (g < GROUP)
+    d = tl.arange(0, HEAD_DIM)
+
+    kv_len = tl.load(kv_lens_ptr + row)
+    prompt_len = tl.load(prompt_lens_ptr + row)
+    cur = kv_len - 1
+
+    # Everything that does not depend on the tail is requested up front, so its latency overlaps
+    # the page-table chain below.
+    q_offs = row64 * stride_q_row + q_head[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=q_head_ok[:, None], other=0.0)
+    k_cur_raw = tl.load(
+        new_k_ptr + row64 * stride_new_k_row + kv_head[:, None] * stride_new_k_head + d[None, :],
+        mask=kv_head_ok[:, None],
+        other=0.0,
+    )
+    v_cur_raw = tl.load(
+        new_v_ptr + row64 * stride_new_v_row + kv_head[:, None] * stride_new_v_head + d[None, :],
+        mask=kv_head_ok[:, None],
+        other=0.0,
+    )
+    lse_prefix = tl.load(
+        prefix_lse_ptr + row64 * stride_lse_row + q_head * stride_lse_head, mask=q_head_ok, other=float("-inf")
+    )
+    o_prefix_raw = tl.load(
+        prefix_out_ptr + row64 * stride_po_row + q_head[:, None] * stride_po_head + d[None, :],
+        mask=q_head_ok[:, None],
+        other=0.0,
+    )
+
+    # 1. Current token, from registers.
+    q = q.to(tl.float32) * qk_scale_log2
+    m_i = tl.sum(q * k_cur_raw.to(tl.float32), axis=1)
+    l_i = tl.full([QH], 1.0, dtype=tl.float32)
+    acc = v_cur_raw.to(tl.float32)
+
+    if WRITE_KV:
+        # Per-slot copies of the scalar position keep every mask a vector (the interpreter rejects
+        # scalar-and-vector boolean masks); only the g == 0 slot of each KV head stores.
+        cur_slots = cur + slot * 0
+        w_ok = kv_head_ok & (g == 0) & (cur_slots >= 0) & (cur_slots < max_seq_len)
+        w_entry = tl.load(
+            page_table_ptr + row64 * stride_pt_row + (cur_slots // page_size) * stride_pt_col, mask=w_ok, other=-1
+        )
+        w_page = w_entry.to(tl.int64) // page_index_divisor
+        w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
+        w_offs = (
+            w_page[:, None] * stride_kv_page
+            + (cur_slots % page_size).to(tl.int64)[:, None] * stride_kv_slot
+            + kv_head[:, None] * stride_kv_head
+            + d[None, :]
+        )
+        tl.store(kv_ptr + w_offs, k_cur_raw, mask=w_ok[:, None])
+        tl.store(kv_ptr + stride_kv_kv + w_offs, v_cur_raw, mask=w_ok[:, None])
+
+    # 2. Earlier generated positions [prompt_len, kv_len - 1), gathered through cache_indirection.
+    req = row // beam_width
+    beam = row % beam_width
+    ind_row_ptr = cache_indirection_ptr + req.to(tl.int64) * stride_ind_req + beam.to(tl.int64) * stride_ind_beam
+    first_src_row = req.to(tl.int64) * beam_width
+    tok = tl.arange(0, BLOCK_T)
+    start_pos = tl.maximum(prompt_len, 0)
+    end_pos = tl.minimum(cur, max_seq_len)
+    for block_start in range(start_pos, end_pos, BLOCK_T):
+        t = block_start + tok
+        t_ok = t < end_pos
+        src = tl.load(ind_row_ptr + t.to(tl.int64) * stride_ind_pos, mask=t_ok, other=0)
+        src_ok = t_ok & (src >= 0) & (src < beam_width)
+        entry = tl.load(
+            page_table_ptr + (first_src_row + src) * stride_pt_row + (t // page_size) * stride_pt_col,
+            mask=src_ok,
+            other=-1,
+        )
+        page = entry.to(tl.int64) // page_index_divisor
+        ok = src_ok & (entry >= 0) & (page < num_pages)
+        tok_offs = page * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
+        kv_offs = tok_offs[None, :, None] + kv_head[:, None, None] * stride_kv_head + d[None, None, :]
+        kv_mask = ok[None, :, None] & kv_head_ok[:, None, None]
+        k = tl.load(kv_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(kv_ptr + stride_kv_kv + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k, axis=2)
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
+        m_i = m_new
+
+    # 3. Merge with the prefix state by base-2 LSE. The tail always holds the current token, so
+    #    lse_tail is finite and the denominator is > 0.
+    lse_tail = m_i + tl.log2(l_i)
+    lse_prefix = lse_prefix * lse_scale
+    m_both = tl.maximum(lse_prefix, lse_tail)
+    w_prefix = tl.exp2(lse_prefix - m_both)
+    w_tail = tl.exp2(lse_tail - m_both) / l_i
+    o_prefix = tl.where(w_prefix[:, None] > 0, o_prefix_raw.to(tl.float32) * w_prefix[:, None], 0.0)
+    inv_denom = 1.0 / (w_prefix + tl.exp2(lse_tail - m_both))
+    result = (o_prefix + acc * w_tail[:, None]) * inv_denom[:, None]
+    out_offs = row64 * stride_out_row + q_head[:, None] * stride_out_head + d[None, :]
+    tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=q_head_ok[:, None])
