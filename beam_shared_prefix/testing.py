@@ -265,7 +265,13 @@ class BeamSearchCacheSimulator:
             pos = req.length  # this step's token position
             if pos >= self.max_seq_len:
                 raise RuntimeError(f"request {req.rid} reached max_seq_len={self.max_seq_len}")
-            if pos % pg == 0:  # a new block: private per beam (shareAmongBeams is false for W > 1)
+            # A new block: private per beam (shareAmongBeams is false for W > 1). Checked against
+            # the pages held, not just pos % pg, so a repeated begin_step() does not leak a page.
+            if pos % pg == 0 and len(req.pages[0]) <= pos // pg:
+                if len(self.free_pages) < w:  # all beams or none: a retry must see a consistent table
+                    raise RuntimeError(
+                        f"simulated KV pool of {self.num_pages} pages is full; pass a larger num_pages."
+                    )
                 for b in range(w):
                     req.pages[b].append(self._alloc())
             for b in range(w):

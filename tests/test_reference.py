@@ -139,6 +139,16 @@ def test_oracle_with_deterministic_reselection(parents_kind):
             assert (step.cache_indirection[r, :W, : L - 1] == 0).all()
 
 
+def test_oracle_with_indirection_wider_than_beam_width():
+    # cache_indirection sized for W_max = 5 beams, 3 in use: rows are indexed [r, b, t], not flattened.
+    sim = make_sim(2, 64, "HND", torch.bfloat16, beam_width=3, max_beam_width=5, seed=9)
+    for _ in range(7):
+        step = sim.begin_step()
+        assert step.cache_indirection.shape[1] == 5
+        np.testing.assert_allclose(oracle(step, sim).numpy(), naive_step(step, sim.kv_cache, "HND")[0], **TOL)
+        sim.end_step()
+
+
 def test_oracle_reads_current_token_from_own_page_when_new_kv_absent():
     sim = make_sim(2, 64, "NHD", torch.bfloat16, seed=5)
     for _ in range(6):
