@@ -1,0 +1,85 @@
+"""Environment settings: defaults, every accepted value, and clear errors for the rest."""
+
+import pytest
+
+from beam_shared_prefix.config import (
+    BACKENDS,
+    DECLINE_MODES,
+    ENV_BACKEND,
+    ENV_CHECK,
+    ENV_DECLINE,
+    ConfigError,
+    Settings,
+    load_settings,
+)
+
+
+def test_defaults_from_empty_env():
+    assert load_settings({}) == Settings(backend="auto", check=False, decline="auto")
+
+
+def test_blank_values_mean_default():
+    env = {ENV_BACKEND: "  ", ENV_CHECK: "", ENV_DECLINE: ""}
+    assert load_settings(env) == Settings()
+
+
+def test_reads_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv(ENV_BACKEND, "reference")
+    monkeypatch.setenv(ENV_CHECK, "1")
+    monkeypatch.delenv(ENV_DECLINE, raising=False)
+    assert load_settings() == Settings(backend="reference", check=True, decline="auto")
+
+
+@pytest.mark.parametrize("value", BACKENDS)
+def test_each_backend_accepted(value):
+    assert load_settings({ENV_BACKEND: value}).backend == value
+    # Case and surrounding blanks do not matter.
+    assert load_settings({ENV_BACKEND: f" {value.upper()} "}).backend == value
+
+
+@pytest.mark.parametrize("value", DECLINE_MODES)
+def test_each_decline_mode_accepted(value):
+    assert load_settings({ENV_DECLINE: value}).decline == value
+    assert load_settings({ENV_DECLINE: value.capitalize()}).decline == value
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("1", True), ("true", True), ("YES", True), (" on ", True),
+    ("0", False), ("false", False), ("No", False), ("off", False), ("", False),
+])
+def test_check_flag_values(value, expected):
+    assert load_settings({ENV_CHECK: value}).check is expected
+
+
+def test_accepted_values_are_documented():
+    import beam_shared_prefix.config as config
+
+    for value in BACKENDS + DECLINE_MODES:
+        assert f"``{value}``" in config.__doc__, f"{value} missing from the settings table"
+    for name in (ENV_BACKEND, ENV_CHECK, ENV_DECLINE):
+        assert f"``{name}``" in config.__doc__
+
+
+@pytest.mark.parametrize("value", ["flash", "triton", "fa3", "auto,fa4"])
+def test_invalid_backend(value):
+    with pytest.raises(ConfigError) as e:
+        load_settings({ENV_BACKEND: value})
+    msg = str(e.value)
+    assert msg.startswith(f"{ENV_BACKEND}={value!r} is not accepted")
+    assert "use one of: auto, flashinfer, fa4, reference (default auto)" in msg
+
+
+@pytest.mark.parametrize("value", ["always", "0"])
+def test_invalid_decline(value):
+    with pytest.raises(ConfigError, match=rf"{ENV_DECLINE}='{value}' is not accepted; use one of: auto, never"):
+        load_settings({ENV_DECLINE: value})
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "enabled"])
+def test_invalid_check_flag(value):
+    with pytest.raises(ConfigError, match=rf"{ENV_CHECK}='{value}' is not accepted; use 1 \(on\) or 0 \(off\)"):
+        load_settings({ENV_CHECK: value})
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
