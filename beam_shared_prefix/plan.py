@@ -30,6 +30,9 @@ ArrayLike = Union[np.ndarray, Sequence[int], "torch.Tensor"]  # noqa: F821
 __all__ = ["StepPlan", "StepPlanner", "PlanError", "build_step_plan", "cdiv"]
 
 
+_INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+
+
 class PlanError(ValueError):
     """An input the planner refuses: the message names the value, the limit and the fix."""
 
@@ -112,7 +115,8 @@ class StepPlan:
         return cached
 
 
-def _as_int_array(name: str, value: ArrayLike) -> np.ndarray:
+def _checked_int_array(name: str, value: ArrayLike) -> np.ndarray:
+    """``value`` as a 1-D integer numpy array in its own dtype (no conversion copy)."""
     if hasattr(value, "detach"):  # torch tensor, possibly on a device: one explicit host copy
         value = value.detach().cpu().numpy()
     arr = np.asarray(value)
@@ -120,7 +124,11 @@ def _as_int_array(name: str, value: ArrayLike) -> np.ndarray:
         raise PlanError(f"{name} must be 1-D, got shape {tuple(arr.shape)}; pass a flat int array.")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}; pass an int32/int64 array.")
-    return arr.astype(np.int64, copy=False)
+    return arr
+
+
+def _as_int_array(name: str, value: ArrayLike) -> np.ndarray:
+    return _checked_int_array(name, value).astype(np.int64, copy=False)
 
 
 def build_step_plan(
@@ -289,10 +297,16 @@ class StepPlanner:
         names = ("prompt_page_indptr", "prompt_page_indices", "prompt_lens")
         for name, a in zip(names, (prompt_page_indptr, prompt_page_indices, prompt_lens)):
             # Same dtype/ndim checks as the build: a 2-D or float input must not hit the plan of
-            # the int arrays it flattens or truncates to.
-            a = np.ascontiguousarray(_as_int_array(name, a))
+            # the int arrays it flattens or truncates to. Values are hashed as int32 whenever they
+            # fit (hashing is most of a hit's cost; int32 halves the bytes and is the usual input
+            # dtype), so equal values in any int dtype share a key.
+            a = _checked_int_array(name, a)
+            if a.dtype != np.int32 and (a.size == 0 or (a.min() >= _INT32_MIN and a.max() <= _INT32_MAX)):
+                a = a.astype(np.int32)
+            a = np.ascontiguousarray(a)
+            h.update(a.dtype.str.encode())
             h.update(np.int64(a.size).tobytes())
-            h.update(a.tobytes())
+            h.update(a.data)
         h.update(np.int64(beam_width).tobytes())
         return h.digest()
 

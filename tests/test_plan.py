@@ -236,6 +236,17 @@ def test_digest_key_distinguishes_inputs():
     assert planner.num_builds == 1 + len(variants)
 
 
+def test_digest_keeps_values_beyond_int32_apart():
+    # Values are hashed as int32 when they fit: a value that does not must not alias its wrapped twin.
+    indptr, indices, lens, w = _inputs(pages=((3, 4, 5), (9,)))
+    wide = indices.copy()
+    wide[2] = 5 + 2**32  # an extra listed page (stale column): not used, but part of the inputs
+    assert StepPlanner.input_key(indptr, indices, lens, w) != StepPlanner.input_key(indptr, wide, lens, w)
+    assert StepPlanner.input_key(indptr, indices, lens, w) == StepPlanner.input_key(
+        indptr.astype(np.uint8), indices.astype(np.int16), torch.tensor(lens), w
+    )
+
+
 def test_digest_hit_still_refuses_2d_or_float_inputs():
     # A 2-D or float copy of cached inputs flattens/truncates to the same ints: it must not hit.
     planner = StepPlanner(page_size=16, num_cache_pages=16)
