@@ -1,0 +1,301 @@
+"""``beam-shared-prefix-bench``: one decode step of one attention layer, every arm, against the floor.
+
+Examples::
+
+    beam-shared-prefix-bench --preset A --json a.json
+    beam-shared-prefix-bench --preset B-medium --sweep beams=14,30,96,256 --json sweep.json --plot sweep.png
+    beam-shared-prefix-bench --requests 32 --beams 64 --prompt 1000 --tail 8 --heads 32 --kv-heads 8
+    beam-shared-prefix-bench --from-json sweep.json --plot sweep.png --decline-report
+
+Without a CUDA device the CLI says so and runs the CPU reference path (the library with the torch
+reference prefix and the torch tail, timed with ``time.perf_counter``) on a reduced shape, and
+still writes ``--json``. Exit status: 0, or 1 when an arm's output did not match the oracle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from typing import Dict, List, Optional, Sequence
+
+from .shapes import PRESETS, BenchShape, ShapeError, expand_sweeps, parse_sweep, reduced_cpu_shape
+
+__all__ = ["build_parser", "resolve_shapes", "main"]
+
+_FREE = (
+    ("requests", int, "R: generation requests"),
+    ("beams", int, "W: beam width"),
+    ("prompt", int, "P: prompt tokens per request"),
+    ("tail", int, "T: generated tokens per beam, this step's included (kv_len = P + T)"),
+    ("heads", int, "Hq: query heads"),
+    ("kv_heads", int, "Hkv: KV heads"),
+    ("head_dim", int, "D: head size"),
+    ("page_size", int, "Pg: tokens per KV page"),
+    ("dtype", str, "bf16 or fp16"),
+    ("prompt_jitter", float, "draw prompts uniformly in [P(1-j), P(1+j)] (default 0)"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="beam-shared-prefix-bench",
+        description="Benchmark one beam-search decode step of one attention layer: this library (per prefix "
+        "backend), its stages, FlashInfer per-beam decode and two-level cascade, and the memory/compute floors.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="presets: " + "; ".join(s.label() for s in PRESETS.values()),
+    )
+    g = p.add_argument_group("shape")
+    g.add_argument("--preset", choices=sorted(PRESETS), default=None, help="reference workload (default A)")
+    for name, typ, help_ in _FREE:
+        g.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_ + " (overrides the preset)")
+    g.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                   help="vary one field over values, e.g. beams=14,30,96,256 or prompt=100,500,2000; repeat for a grid")
+    g.add_argument("--list-presets", action="store_true", help="print the presets and exit")
+    a = p.add_argument_group("arms")
+    a.add_argument("--arms", default=None,
+                   help="comma list: library, fa4, prefix, tail, decode, decode-tc, decode-cc, cascade, reference "
+                        "(default: all on a GPU, reference on CPU)")
+    a.add_argument("--prefix-kernels", default="auto",
+                   help="FlashInfer prefix kernel families for the library and prefix arms, comma list of "
+                        "auto, fa2, fa3 (default auto: the wrapper's choice, shown in the table)")
+    m = p.add_argument_group("measurement")
+    m.add_argument("--sets", type=int, default=3, help="input sets (seeds: layouts and data) per point (default 3)")
+    m.add_argument("--iters", type=int, default=20, help="timed calls per set (default 20)")
+    m.add_argument("--warmup", type=int, default=3, help="untimed calls per set first (default 3)")
+    m.add_argument("--no-flush-l2", action="store_true", help="do not flush L2 between timed calls")
+    m.add_argument("--no-graphs", action="store_true", help="time every arm eagerly (no CUDA graphs)")
+    m.add_argument("--no-check", action="store_true", help="skip the oracle check (not recommended)")
+    m.add_argument("--check-requests", type=int, default=4, help="requests (all their beams) checked per set on a GPU")
+    m.add_argument("--kv-layout", choices=("HND", "NHD"), default="HND")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--plan-repeats", type=int, default=200, help="re-plan calls timed per library arm (0: skip)")
+    m.add_argument("--cpu", action="store_true", help="run the CPU reference path even if a GPU is present")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    o.add_argument("--plot", metavar="PATH", help="write speedup plots (PNG) against beam width / prompt length")
+    o.add_argument("--from-json", metavar="PATH", action="append", default=[],
+                   help="do not measure: load results written by --json (repeatable) and print/plot/merge them")
+    o.add_argument("--decline-report", action="store_true",
+                   help="print, per point, the best library speedup over per-beam decode and whether to decline")
+    return p
+
+
+def resolve_shapes(args) -> List[BenchShape]:
+    """The base shape (preset with free overrides) expanded by the sweeps."""
+    base = PRESETS[args.preset or "A"]
+    overrides = {name: getattr(args, name) for name, _, _ in _FREE if getattr(args, name) is not None}
+    if overrides:
+        changed = {k: v for k, v in overrides.items() if getattr(base, k) != v}
+        base = replace(base, name="custom" if changed else base.name, **overrides)
+    sweeps = [parse_sweep(s) for s in args.sweep]
+    return expand_sweeps(base, sweeps)
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device_name: str, gpu: bool, cpu_fallback: bool) -> Dict:
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except Exception:
+        commit = None
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "device": device_name,
+        "gpu": gpu,
+        "cpu_fallback": cpu_fallback,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "flashinfer": _version("flashinfer-python"),
+        "flash_attn_4": _version("flash-attn-4"),
+        "cutlass_dsl": _version("nvidia-cutlass-dsl"),
+        "beam_shared_prefix": _version("beam-shared-prefix") or "source tree",
+        "git_commit": commit,
+    }
+
+
+def _dedupe(shapes: Sequence[BenchShape]) -> List[BenchShape]:
+    seen, out = set(), []
+    for s in shapes:
+        key = tuple(v for k, v in asdict(s).items() if k != "name")
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def _progress(total: int, enabled: bool):
+    """A rich progress bar (or a no-op when rich is missing or there is one step)."""
+    if not enabled:
+        return None
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        return None
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    transient=False)
+
+
+def _emit(doc: Dict, args, log) -> int:
+    from .report import decline_table, plot_speedups, print_point, print_summary, write_json
+
+    for point in doc["results"]:
+        print_point(point)
+    if len(doc["results"]) > 1:
+        print_summary(doc)
+    if args.decline_report:
+        rows = decline_table(doc)
+        log("decline report (best library arm vs best per-beam decode; decline where speedup < 1):")
+        for r in rows:
+            sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+            log(f"  R={r['requests']} W={r['beams']} P={r['prompt']} T={r['tail']} {r['heads']}/{r['kv_heads']} "
+                f"D={r['head_dim']}: {sp} ({r['best_arm']}) -> {'DECLINE' if r['decline'] else 'serve'}"
+                f"; current rule: {r['rule_says'] or 'serve'}")
+    if args.json:
+        write_json(doc, args.json)
+        log(f"wrote {args.json}")
+    if args.plot:
+        try:
+            titles = plot_speedups(doc, args.plot)
+            log(f"wrote {args.plot} ({'; '.join(titles)})")
+        except ImportError as exc:
+            log(f"--plot needs matplotlib ({exc}); pip install 'beam-shared-prefix[bench]'")
+            return 2
+    failed = [(p["label"], a["name"]) for p in doc["results"] for a in p["arms"] if a["status"] == "check_failed"]
+    if failed:
+        log("ORACLE CHECK FAILED: " + "; ".join(f"{n} at {l}" for l, n in failed))
+        return 1
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``beam-shared-prefix-bench`` and ``python -m microbenchmarks``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    if args.list_presets:
+        for s in PRESETS.values():
+            log(s.label())
+        return 0
+    if args.from_json:
+        from .report import load_json, make_document
+
+        docs = [load_json(p) for p in args.from_json]
+        merged = make_document([r for d in docs for r in d["results"]], docs[0]["environment"], docs[0]["rates"],
+                               docs[0].get("options", {}), docs[0].get("argv", []), docs[0].get("note"))
+        return _emit(merged, args, log)
+
+    try:
+        shapes = resolve_shapes(args)
+        prefix_kernels = [k.strip().lower() for k in args.prefix_kernels.split(",") if k.strip()]
+        for k in prefix_kernels:
+            if k not in ("auto", "fa2", "fa3"):
+                raise ShapeError(f"--prefix-kernels: {k!r} is not one of auto, fa2, fa3.")
+        for name, value in (("--sets", args.sets), ("--iters", args.iters)):
+            if value < 1:
+                raise ShapeError(f"{name}={value} must be >= 1.")
+    except ShapeError as exc:
+        parser.error(str(exc))
+        return 2  # unreachable: parser.error exits
+
+    import torch
+
+    from .arms import default_cpu_arms, default_gpu_arms, parse_arm_list
+    from .report import make_document
+    from .runner import Rates, RunOptions, run_point
+
+    gpu = torch.cuda.is_available() and not args.cpu
+    note = None
+    if gpu:
+        device = torch.device("cuda")
+        device_name = torch.cuda.get_device_name(device)
+        kernels = [None if k == "auto" else k for k in prefix_kernels]
+        arms = parse_arm_list(args.arms, kernels) if args.arms else default_gpu_arms(kernels)
+    else:
+        device = torch.device("cpu")
+        device_name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        reason = "--cpu was given" if args.cpu else "no CUDA GPU was found (torch.cuda.is_available() is False)"
+        full = shapes
+        shapes = _dedupe([reduced_cpu_shape(s) for s in shapes])
+        note = (f"{reason}: ran the CPU reference path (torch reference prefix + torch tail, float32 math, "
+                f"time.perf_counter) on reduced shapes {[s.label() for s in shapes]} instead of "
+                f"{[s.label() for s in full]}; these timings say nothing about GPU speed.")
+        log(f"No GPU: {note}")
+        arms = parse_arm_list(args.arms) if args.arms else default_cpu_arms()
+    opts = RunOptions(
+        sets=args.sets, iters=args.iters, warmup=args.warmup, flush_l2=not args.no_flush_l2,
+        use_graphs=not args.no_graphs, check=not args.no_check, check_requests=args.check_requests,
+        kv_layout=args.kv_layout, seed=args.seed, plan_repeats=args.plan_repeats,
+        baselines_need_pages=any(a.kind == "baseline" for a in arms),
+    )
+    if not gpu:
+        opts.sets = min(opts.sets, 2)
+        opts.iters = min(opts.iters, 3)
+        opts.plan_repeats = min(opts.plan_repeats, 20)
+
+    rates = Rates()
+    if gpu:
+        from .floors import measure_copy_bandwidth, measure_matmul_rate
+        from .workload import torch_dtype
+
+        log("measuring copy bandwidth and matmul rate ...")
+        rates.copy_bandwidth = measure_copy_bandwidth(device)
+        dtypes = {s.dtype for s in shapes}
+        rate_by_dtype = {d: measure_matmul_rate(torch_dtype(d), device) for d in dtypes}
+        rates.matmul_rate = min(rate_by_dtype.values())
+        log(f"copy bandwidth {rates.copy_bandwidth / 1e12:.2f} TB/s, matmul "
+            + ", ".join(f"{d} {r / 1e12:.0f} TFLOP/s" for d, r in rate_by_dtype.items()))
+
+    results = []
+    progress = _progress(len(shapes) * len(arms), enabled=sys.stdout.isatty() or len(shapes) > 1)
+    if progress is not None:
+        progress.start()
+        task = progress.add_task("benchmark", total=len(shapes) * len(arms))
+    try:
+        for shape in shapes:
+            started = [0]
+
+            def on_arm(name, _shape=shape, _started=started):
+                if _started[0]:
+                    progress.advance(task, 1)
+                _started[0] += 1
+                progress.update(task, description=f"{_shape.name}: {name}")
+
+            point = run_point(shape, arms, opts, rates, device, on_arm=None if progress is None else on_arm,
+                              log=log)
+            if progress is not None:
+                progress.advance(task, len(arms) - max(started[0] - 1, 0))
+            results.append(point)
+    finally:
+        if progress is not None:
+            progress.stop()
+    doc = make_document(results, environment(device_name, gpu, not gpu), rates.to_dict(), asdict(opts),
+                        ["beam-shared-prefix-bench"] + argv, note)
+    return _emit(doc, args, log)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Output of a run: the terminal table, the JSON document and the speedup plot.
+
+JSON document (``schema = "beam-shared-prefix-bench/1"``)::
+
+    {
+      "schema": ..., "argv": [...], "created": ISO time,
+      "environment": {"device", "gpu", "cpu_fallback", "torch", "triton", "flashinfer", "flash_attn_4",
+                      "cutlass_dsl", "beam_shared_prefix", "git_commit"},
+      "rates": {"copy_bandwidth_GBps", "matmul_TFLOPs"},
+      "options": {...},                     # RunOptions
+      "note": str or null,                  # e.g. why the CPU path ran
+      "results": [                          # one per shape point (several with --sweep)
+        {"shape": {...}, "label", "sets", "prompt_lens", "traffic_bytes": {...}, "flops",
+         "floors": {"memory_us", "assembled_memory_us", "compute_us", "floor_us", "assembled_floor_us"},
+         "work": {"full"|"prefix"|"tail": {"bytes", "flops", "floor_us"}},
+         "decline_reason": str or null,
+         "plan": {arm: {"first_plan_us", "replan_us", "replan_keyed_us", "build_step_plan_us"}},
+         "arms": [{"name", "kind", "work", "description", "status" (ok|skipped|failed|check_failed),
+                   "reason", "graphed", "graph_error", "info", "check": {...},
+                   "time_us", "time_min_us", "time_set_medians_us", "samples",
+                   "speedup_vs_decode", "speedup_vs_cascade", "floor_multiple",
+                   "achieved_GBps", "achieved_TFLOPs"}]}
+      ]
+    }
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from typing import Dict, List, Optional, Sequence
+
+__all__ = [
+    "SCHEMA",
+    "make_document",
+    "write_json",
+    "load_json",
+    "print_point",
+    "print_summary",
+    "plot_speedups",
+    "decline_table",
+]
+
+SCHEMA = "beam-shared-prefix-bench/1"
+
+
+def make_document(results: List[Dict], environment: Dict, rates: Dict, options: Dict, argv: Sequence[str],
+                  note: Optional[str] = None) -> Dict:
+    return {
+        "schema": SCHEMA,
+        "argv": list(argv),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment,
+        "rates": rates,
+        "options": options,
+        "note": note,
+        "results": results,
+    }
+
+
+def _clean(obj):
+    """JSON-safe: non-finite floats become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        return _clean(obj.item())
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    return str(obj)
+
+
+def write_json(doc: Dict, path: str) -> None:
+    """Write the document (creating parent folders), strictly valid JSON (no NaN/Infinity)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(_clean(doc), f, indent=1, allow_nan=False)
+        f.write("\n")
+
+
+def load_json(path: str) -> Dict:
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {doc.get('schema')!r} is not {SCHEMA!r}; write it with this CLI's --json.")
+    return doc
+
+
+def _fmt(x, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _us(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x / 1000:.2f} ms" if x >= 10_000 else f"{x:.1f} us"
+
+
+def _console():
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    import sys
+
+    # Logs and pipes get a wide table instead of rich's default 80 columns.
+    return Console() if sys.stdout.isatty() else Console(width=220)
+
+
+def _num(x, unit: str) -> str:
+    """Three significant digits with a unit, ``-`` for None."""
+    if x is None:
+        return "-"
+    if x >= 100:
+        return f"{x:.0f}{unit}"
+    if x >= 10:
+        return f"{x:.1f}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def point_rows(point: Dict) -> List[List[str]]:
+    """Table rows of one point: floors first, then every arm."""
+    rows = []
+    fl = point["floors"]
+    tb = point["traffic_bytes"]
+    rows.append(["floor: memory", "", _us(fl.get("memory_us")), "", "", "", f"{tb['total'] / 1e6:.1f} MB", "", ""])
+    rows.append(["floor: memory, assembled", "", _us(fl.get("assembled_memory_us")), "", "", "",
+                 f"{tb['assembled'] / 1e6:.1f} MB", "", "+ prefix o/lse round trip"])
+    rows.append(["floor: compute", "", _us(fl.get("compute_us")), "", "", "", "", _num(point["flops"] / 1e9, " GFLOP"), ""])
+    for a in point["arms"]:
+        if a["status"] == "ok":
+            chk = a.get("check")
+            chk_s = "-" if not chk else f"ok {chk['rel_err']:.1e}"
+            info = a.get("info") or {}
+            extra = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("first_plan_us",))
+            rows.append([
+                a["name"],
+                "graph" if a["graphed"] else "eager",
+                _us(a["time_us"]),
+                _num(a.get("speedup_vs_decode"), "x"),
+                _num(a.get("speedup_vs_cascade"), "x"),
+                _num(a.get("floor_multiple"), "x"),
+                _num(a.get("achieved_GBps"), " GB/s"),
+                _num(a.get("achieved_TFLOPs"), " TFLOP/s"),
+                chk_s + (f"; {extra}" if extra else "") + (f"; graph: {a['graph_error'][:60]}" if a.get("graph_error") else ""),
+            ])
+        else:
+            rows.append([a["name"], "", a["status"], "", "", "", "", "", (a.get("reason") or "")[:160]])
+    return rows
+
+
+HEADER = ["arm", "mode", "time (median)", "vs decode", "vs cascade", "x floor", "achieved", "TFLOP/s", "check / notes"]
+
+
+def print_point(point: Dict, console=None) -> None:
+    """Print one point's table (rich when available, plain text otherwise)."""
+    console = console or _console()
+    title = point["label"]
+    if point.get("decline_reason"):
+        title += f"  [declined by the rule: {point['decline_reason']}]"
+    rows = point_rows(point)
+    if console is not None:
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left")
+        for h in HEADER:
+            table.add_column(h, overflow="fold", no_wrap=h in ("arm", "time (median)"))
+        for r in rows:
+            style = "dim" if r[0].startswith("floor") else ("red" if r[2] in ("failed", "check_failed") else None)
+            table.add_row(*r, style=style)
+        console.print(table)
+    else:
+        print(title)
+        widths = [max(len(str(r[i])) for r in rows + [HEADER]) for i in range(len(HEADER))]
+        for r in [HEADER] + rows:
+            print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    plan = point.get("plan") or {}
+    for name, p in plan.items():
+        line = (f"plan ({name}): first {_fmt(p.get('first_plan_us'), '.0f')} us, cached re-plan "
+                f"{_fmt(p.get('replan_us'), '.1f')} us (digest key), {_fmt(p.get('replan_keyed_us'), '.1f')} us "
+                f"(composition key); StepPlan build {_fmt(p.get('build_step_plan_us'), '.0f')} us  [host]")
+        (console.print(line) if console is not None else print(line))
+
+
+def print_summary(doc: Dict, console=None) -> None:
+    """One line per point with the library arms' speedups (sweeps)."""
+    console = console or _console()
+    lines = []
+    for p in doc["results"]:
+        libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok"]
+        parts = [f"{a['name']}: {_us(a['time_us'])} ({_fmt(a.get('speedup_vs_decode'), '.2f')}x decode, "
+                 f"{_fmt(a.get('floor_multiple'), '.2f')}x floor)" for a in libs]
+        lines.append(f"{p['label']}: " + ("; ".join(parts) if parts else "no library arm ran"))
+    for line in lines:
+        (console.print(line) if console is not None else print(line))
+
+
+def _series(doc: Dict, field: str):
+    """``{arm: [(x, speedup)]}`` over the points, x = the shape field, library arms only."""
+    out: Dict[str, List] = {}
+    for p in doc["results"]:
+        x = p["shape"][field]
+        for a in p["arms"]:
+            if a["kind"] == "library" and a["status"] == "ok" and a.get("speedup_vs_decode"):
+                out.setdefault(a["name"], []).append((x, a["speedup_vs_decode"]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def plot_speedups(doc: Dict, path: str) -> List[str]:
+    """Speedup over per-beam decode against beam width and against prompt length (matplotlib).
+
+    One panel per swept field among ``beams`` and ``prompt`` that takes at least two values; with
+    neither, one bar chart of every arm's time at each point. Returns the panel titles drawn.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for field, label in (("beams", "beam width"), ("prompt", "prompt length (tokens)")):
+        values = {p["shape"][field] for p in doc["results"]}
+        if len(values) >= 2:
+            panels.append((field, label))
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+        titles = []
+        for ax, (field, label) in zip(axes[0], panels):
+            for name, pts in _series(doc, field).items():
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", label=name)
+            ax.axhline(1.0, color="grey", lw=1, ls="--")
+            ax.set_xlabel(label)
+            ax.set_ylabel("speedup over per-beam decode (x)")
+            if field == "beams":
+                ax.set_xscale("log", base=2)
+            title = f"speedup vs {label}"
+            ax.set_title(title)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+            titles.append(title)
+    else:
+        fig, axes = plt.subplots(len(doc["results"]), 1, figsize=(9, 3.2 * len(doc["results"])), squeeze=False)
+        titles = []
+        for ax, p in zip(axes[:, 0], doc["results"]):
+            arms = [a for a in p["arms"] if a["status"] == "ok"]
+            ax.barh([a["name"] for a in arms], [a["time_us"] for a in arms], color="tab:blue")
+            fl = p["floors"].get("floor_us")
+            if fl:
+                ax.axvline(fl, color="red", ls="--", lw=1, label=f"floor {fl:.0f} us")
+                ax.legend(fontsize=8)
+            ax.set_xscale("log")
+            ax.set_xlabel("time per step and layer (us, median)")
+            ax.set_title(p["label"], fontsize=9)
+            titles.append(p["label"])
+    env = doc.get("environment", {})
+    fig.suptitle(f"beam-shared-prefix on {env.get('device', '?')}", fontsize=10)
+    fig.tight_layout()
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return titles
+
+
+def decline_table(doc: Dict, margin: float = 1.0) -> List[Dict]:
+    """Per point: the best library arm's speedup over per-beam decode and whether it is below ``margin``.
+
+    The decline rule is fitted to the points where ``decline`` is true (see docs/benchmarks.md).
+    """
+    rows = []
+    for p in doc["results"]:
+        libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok" and a.get("speedup_vs_decode")]
+        best = max(libs, key=lambda a: a["speedup_vs_decode"]) if libs else None
+        sh = p["shape"]
+        rows.append({
+            "requests": sh["requests"], "beams": sh["beams"], "prompt": sh["prompt"], "tail": sh["tail"],
+            "heads": sh["heads"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"],
+            "best_arm": None if best is None else best["name"],
+            "speedup": None if best is None else best["speedup_vs_decode"],
+            "decline": None if best is None else best["speedup_vs_decode"] < margin,
+            "rule_says": p.get("decline_reason"),
+        })
+    return rows

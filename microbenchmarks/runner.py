@@ -1,0 +1,251 @@
+"""Runs the arms on one shape: build input sets, count the floors, check every arm, time it.
+
+Per shape point: ``sets`` workloads (different seeds: different page permutations, ancestries and
+data) are built; every arm is prepared on each, captured in a CUDA graph where it can be, run once
+on poisoned (NaN) output buffers and compared with the float32 oracle; only arms that pass are
+timed. The result is a plain dict (the JSON schema of :mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .arms import Arm, ArmSkipped, LibraryArm, RunContext
+from .check import Oracle, compare, merge_results
+from .floors import count_flops, count_traffic, floor_times, stage_work
+from .shapes import BenchShape
+from .timing import GraphedCall, capture_graph, time_cpu, time_cuda
+from .workload import BenchWorkload, build_workload
+
+__all__ = ["RunOptions", "Rates", "run_point", "estimate_workload_bytes", "decline_reason"]
+
+
+@dataclass
+class RunOptions:
+    """How one point is measured (see the CLI's ``--help`` for each)."""
+
+    sets: int = 3
+    iters: int = 20
+    warmup: int = 3
+    flush_l2: bool = True
+    use_graphs: bool = True
+    check: bool = True
+    check_requests: int = 4
+    kv_layout: str = "HND"
+    seed: int = 0
+    plan_repeats: int = 200
+    baselines_need_pages: bool = True
+
+
+@dataclass
+class Rates:
+    """Rates measured in this run (``None`` on CPU)."""
+
+    copy_bandwidth: Optional[float] = None  # bytes/s, read + write
+    matmul_rate: Optional[float] = None  # FLOP/s in the benchmark dtype
+
+    def to_dict(self) -> Dict:
+        return {
+            "copy_bandwidth_GBps": None if self.copy_bandwidth is None else self.copy_bandwidth / 1e9,
+            "matmul_TFLOPs": None if self.matmul_rate is None else self.matmul_rate / 1e12,
+        }
+
+
+def estimate_workload_bytes(shape: BenchShape, with_baseline_pages: bool = True) -> int:
+    """Device bytes of one input set (pool, indirection, q/new K/V), before building it."""
+    P = int(shape.prompt * (1 + shape.prompt_jitter))
+    L = P + shape.tail
+    Pg = shape.page_size
+    n_full = P // Pg
+    n_priv = -(-L // Pg) - n_full
+    pages = shape.requests * (n_full + shape.beams * n_priv * (2 if with_baseline_pages else 1)) + 8
+    s = 2
+    pool = pages * 2 * shape.kv_heads * Pg * shape.head_dim * s
+    ind = shape.requests * shape.beams * (-(-L // Pg) + 1) * Pg * 4
+    act = shape.rows * (shape.heads * 2 + shape.kv_heads * 2) * shape.head_dim * s
+    return pool + ind + act
+
+
+def decline_reason(shape: BenchShape) -> Optional[str]:
+    """What :func:`beam_shared_prefix.decline.should_decline` says of this shape (``None``: served)."""
+    try:
+        from beam_shared_prefix.decline import should_decline
+    except ImportError:
+        return None
+    return should_decline(shape.requests, shape.beams, shape.prompt, shape.heads, shape.kv_heads, shape.head_dim)
+
+
+def _short_error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text if len(text) < 600 else text[:600] + "..."
+
+
+def _poison(prepared, fn) -> None:
+    for t in prepared.poison:
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+    if isinstance(fn, GraphedCall) and isinstance(fn.result, torch.Tensor) and fn.result.is_floating_point():
+        fn.result.fill_(float("nan"))
+
+
+def _check_arm(arm: Arm, prepared: list, fns: list, oracles: Sequence[Oracle], dtype) -> Dict:
+    results = []
+    for p, fn, orc in zip(prepared, fns, oracles):
+        _poison(p, fn)
+        result = fn()
+        if orc.wl.device.type == "cuda":
+            torch.cuda.synchronize()
+        out, lse = p.outputs(result)
+        rows = orc.rows
+        if arm.expect == "prefix":
+            o_ref, lse_ref = orc.prefix()
+            results.append(compare(out[rows], o_ref, dtype, None if lse is None else lse[rows], lse_ref))
+        else:
+            results.append(compare(out[rows], orc.full(), dtype))
+    return merge_results(results).to_dict()
+
+
+def run_point(
+    shape: BenchShape,
+    arms: Sequence[Arm],
+    opts: RunOptions,
+    rates: Rates,
+    device,
+    on_arm: Optional[Callable[[str], None]] = None,
+    log: Callable[[str], None] = print,
+) -> Dict:
+    """Measure every arm on ``shape``; returns the point's result dict (see :mod:`.report`)."""
+    device = torch.device(device)
+    is_cuda = device.type == "cuda"
+    sets = opts.sets
+    if is_cuda:
+        free, _ = torch.cuda.mem_get_info()
+        need = estimate_workload_bytes(shape, opts.baselines_need_pages)
+        fit = int(0.6 * free // max(need, 1))
+        if fit < 1:
+            raise MemoryError(
+                f"{shape.label()}: one input set needs about {need / 2**30:.1f} GiB but only "
+                f"{free / 2**30:.1f} GiB are free; lower --requests/--beams/--prompt."
+            )
+        if fit < sets:
+            log(f"note: {shape.name}: {sets} input sets do not fit in memory; using {fit}.")
+            sets = fit
+    wls: List[BenchWorkload] = [
+        build_workload(shape, device, seed=opts.seed + i, kv_layout=opts.kv_layout,
+                       with_baseline_pages=opts.baselines_need_pages)
+        for i in range(sets)
+    ]
+    oracles = [Oracle(wl, max_requests=opts.check_requests if is_cuda else wl.num_requests) for wl in wls]
+    elem = wls[0].q.element_size()
+    traffic = count_traffic(wls[0].prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.kv_heads,
+                            shape.head_dim, shape.page_size, elem, wls[0].tail_ancestry)
+    flops = count_flops(wls[0].prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.head_dim)
+    floors = floor_times(traffic, flops, rates.copy_bandwidth, rates.matmul_rate)
+    works = {
+        w: stage_work(w, traffic, flops, wls[0].prompt_lens_host, shape.tail, shape.beams, shape.heads,
+                      shape.head_dim, shape.page_size)
+        for w in ("full", "prefix", "tail")
+    }
+    for w, d in works.items():
+        f = floor_times_simple(d["bytes"], d["flops"], rates)
+        d["floor_us"] = f
+    ctx = RunContext(device=device, use_graphs=opts.use_graphs and is_cuda)
+    arm_results = []
+    plan_times = {}
+    for arm in arms:
+        if on_arm:
+            on_arm(arm.name)
+        res = {"name": arm.name, "kind": arm.kind, "work": arm.work, "description": arm.description,
+               "status": "ok", "reason": None, "graphed": False, "graph_error": None, "info": {}}
+        prepared = []
+        fns = []
+        try:
+            for wl in wls:
+                prepared.append(arm.prepare(wl, ctx))
+            res["info"] = dict(prepared[0].info)
+            fns = [p.call for p in prepared]
+            if ctx.use_graphs and all(p.capturable for p in prepared):
+                try:
+                    fns = [capture_graph(p.call) for p in prepared]
+                    res["graphed"] = True
+                except Exception as exc:  # capture is best effort: fall back to eager, say why
+                    res["graph_error"] = _short_error(exc)
+                    fns = [p.call for p in prepared]
+                    if is_cuda:
+                        torch.cuda.synchronize()
+            if opts.check:
+                res["check"] = _check_arm(arm, prepared, fns, oracles, wls[0].dtype)
+                if not res["check"]["ok"]:
+                    res["status"] = "check_failed"
+                    res["reason"] = res["check"]["message"]
+            if res["status"] == "ok":
+                timing = (time_cuda(fns, opts.iters, opts.warmup, (256 << 20) if opts.flush_l2 else 0)
+                          if is_cuda else time_cpu(fns, opts.iters, min(opts.warmup, 1)))
+                res["time_us"] = timing.median_us
+                res["time_min_us"] = timing.min_us
+                res["time_set_medians_us"] = timing.set_medians_us
+                res["samples"] = len(timing.all_us)
+            if isinstance(arm, LibraryArm) and res["status"] == "ok" and opts.plan_repeats:
+                plan_times[arm.name] = arm.time_plans(wls[0], ctx, opts.plan_repeats)
+                res["plan"] = plan_times[arm.name]
+        except ArmSkipped as exc:
+            res["status"], res["reason"] = "skipped", str(exc)
+        except Exception as exc:  # one broken arm must not end the run: report it
+            res["status"], res["reason"] = "failed", _short_error(exc)
+            res["traceback"] = traceback.format_exc(limit=6)
+        finally:
+            del prepared, fns
+            if is_cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        arm_results.append(res)
+
+    _derive(arm_results, works)
+    plens = wls[0].prompt_lens_host
+    return {
+        "shape": shape.to_dict(),
+        "label": shape.label(),
+        "sets": sets,
+        "prompt_lens": {"mean": float(plens.mean()), "min": int(plens.min()), "max": int(plens.max())},
+        "traffic_bytes": traffic.to_dict(),
+        "flops": flops,
+        "floors": floors,
+        "work": works,
+        "decline_reason": decline_reason(shape),
+        "arms": arm_results,
+        "plan": plan_times,
+    }
+
+
+def floor_times_simple(nbytes: int, flops: int, rates: Rates) -> Optional[float]:
+    parts = []
+    if rates.copy_bandwidth:
+        parts.append(nbytes / rates.copy_bandwidth * 1e6)
+    if rates.matmul_rate:
+        parts.append(flops / rates.matmul_rate * 1e6)
+    return max(parts) if parts else None
+
+
+def _derive(arm_results: List[Dict], works: Dict) -> None:
+    """Speedups over the best per-beam decode and the cascade, floor multiples, achieved rates."""
+
+    def best(kind_names):
+        ts = [r["time_us"] for r in arm_results if r["name"] in kind_names and r["status"] == "ok"]
+        return min(ts) if ts else None
+
+    decode = best({"fi-decode-tc", "fi-decode-cc"})
+    cascade = best({"fi-cascade"})
+    for r in arm_results:
+        t = r.get("time_us")
+        if r["status"] != "ok" or not t:
+            continue
+        w = works[r["work"]]
+        r["speedup_vs_decode"] = decode / t if decode else None
+        r["speedup_vs_cascade"] = cascade / t if cascade else None
+        r["floor_multiple"] = t / w["floor_us"] if w.get("floor_us") else None
+        r["achieved_GBps"] = w["bytes"] / (t * 1e-6) / 1e9
+        r["achieved_TFLOPs"] = w["flops"] / (t * 1e-6) / 1e12

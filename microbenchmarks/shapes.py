@@ -1,0 +1,220 @@
+"""Benchmark shapes: the reference presets, free arguments and sweeps.
+
+A :class:`BenchShape` is one decode step of one attention layer: ``R`` requests with ``W`` beams
+each, every request with a prompt of ``P`` tokens and a generated tail of ``T`` tokens (the tail
+counts this step's token, so ``kv_len = P + T``), ``Hq``/``Hkv`` heads of size ``D``, pages of
+``Pg`` tokens, bf16 or fp16.
+
+Presets (issue 6; layer level, bf16, head 128, page 32):
+
+| name | R x W x P | tail | Hq/Hkv | model |
+| --- | --- | --- | --- | --- |
+| ``A`` | 128 x 96 x 3000 | 3 | 16/8 | Qwen3-0.6B |
+| ``B-short`` | 64 x 30 x 100 | 4 | 16/8 | |
+| ``B-medium`` | 64 x 30 x 500 | 4 | 16/8 | |
+| ``B-long`` | 64 x 30 x 2000 | 4 | 16/8 | |
+| ``B-4B`` | 64 x 30 x 500 | 4 | 32/8 | Qwen3-4B |
+| ``B-beam14`` | 64 x 14 x 500 | 4 | 16/8 | |
+
+A sweep (``--sweep beams=14,30,96,256``) varies one field over a list; several ``--sweep``
+arguments form their cartesian product.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List, Sequence, Tuple
+
+__all__ = [
+    "BenchShape",
+    "PRESETS",
+    "SWEEP_FIELDS",
+    "ShapeError",
+    "parse_sweep",
+    "expand_sweeps",
+    "reduced_cpu_shape",
+    "DTYPES",
+]
+
+DTYPES = ("bfloat16", "float16")
+_DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16"}
+
+
+class ShapeError(ValueError):
+    """A shape, preset or sweep argument the benchmark refuses; the message names the value and the fix."""
+
+
+def canonical_dtype(name: str) -> str:
+    """``'bf16'``/``'bfloat16'`` -> ``'bfloat16'``, ``'fp16'``/``'float16'``/``'half'`` -> ``'float16'``."""
+    key = str(name).strip().lower()
+    if key not in _DTYPE_ALIASES:
+        raise ShapeError(f"dtype={name!r} is not supported; use bf16 (bfloat16) or fp16 (float16).")
+    return _DTYPE_ALIASES[key]
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """One decode step of one attention layer.
+
+    Attributes:
+        requests: ``R``, generation requests in the batch.
+        beams: ``W``, beam width.
+        prompt: ``P``, prompt tokens per request (the mean when ``prompt_jitter > 0``).
+        tail: ``T``, generated tokens per beam including this step's token (``>= 1``);
+            ``kv_len = P + T``.
+        heads: ``Hq``, query heads.
+        kv_heads: ``Hkv``, KV heads (``Hq % Hkv == 0``).
+        head_dim: ``D``.
+        page_size: ``Pg``, tokens per KV page.
+        dtype: ``"bfloat16"`` or ``"float16"``.
+        prompt_jitter: prompts are drawn uniformly from ``[P(1-j), P(1+j)]`` per request (0: all ``P``).
+        name: preset name, or ``"custom"``.
+    """
+
+    requests: int
+    beams: int
+    prompt: int
+    tail: int
+    heads: int = 16
+    kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 32
+    dtype: str = "bfloat16"
+    prompt_jitter: float = 0.0
+    name: str = "custom"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ShapeError` naming the field, its value and the limit."""
+        for field_name in ("requests", "beams", "prompt", "tail", "heads", "kv_heads", "head_dim", "page_size"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ShapeError(f"{field_name}={value!r} must be an int >= 1.")
+        if self.heads % self.kv_heads:
+            raise ShapeError(
+                f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; GQA needs heads % kv_heads == 0."
+            )
+        if self.head_dim % 8:
+            raise ShapeError(f"head_dim={self.head_dim} must be a multiple of 8 (16-byte rows of bf16/fp16).")
+        if not (0.0 <= float(self.prompt_jitter) < 1.0):
+            raise ShapeError(f"prompt_jitter={self.prompt_jitter} must be in [0, 1).")
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def rows(self) -> int:
+        """``R * W`` beam rows (query tokens of the step)."""
+        return self.requests * self.beams
+
+    @property
+    def kv_len(self) -> int:
+        return self.prompt + self.tail
+
+    def label(self) -> str:
+        """Short human-readable description, e.g. ``A: 128x96 P3000 T3 16/8 D128 Pg32 bf16``."""
+        dt = {"bfloat16": "bf16", "float16": "fp16"}[self.dtype]
+        jit = f"±{int(self.prompt_jitter * 100)}%" if self.prompt_jitter else ""
+        return (
+            f"{self.name}: {self.requests}x{self.beams} P{self.prompt}{jit} T{self.tail} "
+            f"{self.heads}/{self.kv_heads} D{self.head_dim} Pg{self.page_size} {dt}"
+        )
+
+    def to_dict(self) -> Dict:
+        return asdict(self)
+
+
+def _b(name: str, prompt: int, tail: int = 4, beams: int = 30, heads: int = 16) -> BenchShape:
+    return BenchShape(requests=64, beams=beams, prompt=prompt, tail=tail, heads=heads, kv_heads=8, name=name)
+
+
+PRESETS: Dict[str, BenchShape] = {
+    "A": BenchShape(requests=128, beams=96, prompt=3000, tail=3, heads=16, kv_heads=8, name="A"),
+    "B-short": _b("B-short", 100),
+    "B-medium": _b("B-medium", 500),
+    "B-long": _b("B-long", 2000),
+    "B-4B": _b("B-4B", 500, heads=32),
+    "B-beam14": _b("B-beam14", 500, beams=14),
+}
+
+# CLI option name -> BenchShape field and its parser.
+SWEEP_FIELDS: Dict[str, Tuple[str, type]] = {
+    "requests": ("requests", int),
+    "beams": ("beams", int),
+    "prompt": ("prompt", int),
+    "tail": ("tail", int),
+    "heads": ("heads", int),
+    "kv-heads": ("kv_heads", int),
+    "head-dim": ("head_dim", int),
+    "page-size": ("page_size", int),
+    "dtype": ("dtype", canonical_dtype),
+}
+_FIELD_ALIASES = {k.replace("-", "_"): k for k in SWEEP_FIELDS}
+
+
+def parse_sweep(text: str) -> Tuple[str, List]:
+    """Parse ``"beams=14,30,96"`` into ``("beams", [14, 30, 96])`` (field name as a BenchShape field).
+
+    Accepted keys: requests, beams, prompt, tail, heads, kv-heads, head-dim, page-size, dtype
+    (``_`` and ``-`` are interchangeable).
+    """
+    if "=" not in text:
+        raise ShapeError(f"--sweep {text!r} must look like KEY=V1,V2,... (e.g. beams=14,30,96,256).")
+    key, _, values = text.partition("=")
+    key = key.strip().lower()
+    key = _FIELD_ALIASES.get(key, key)
+    if key not in SWEEP_FIELDS:
+        raise ShapeError(f"--sweep key {key!r} is unknown; use one of: {', '.join(SWEEP_FIELDS)}.")
+    field_name, parse = SWEEP_FIELDS[key]
+    items = [v.strip() for v in values.split(",") if v.strip()]
+    if not items:
+        raise ShapeError(f"--sweep {text!r} lists no values; give at least one, e.g. {key}=14,30.")
+    parsed = []
+    for item in items:
+        try:
+            parsed.append(parse(item))
+        except (ValueError, ShapeError) as exc:
+            raise ShapeError(f"--sweep {key}: value {item!r} is not valid ({exc}).") from None
+    if len(set(parsed)) != len(parsed):
+        raise ShapeError(f"--sweep {key} lists a value twice: {items}; list each value once.")
+    return field_name, parsed
+
+
+def expand_sweeps(base: BenchShape, sweeps: Sequence[Tuple[str, List]]) -> List[BenchShape]:
+    """The cartesian product of the sweeps applied to ``base`` (``[base]`` without sweeps).
+
+    Each point's name is the base name plus its swept values, e.g. ``A[beams=14]``.
+    """
+    if not sweeps:
+        return [base]
+    names = [f for f, _ in sweeps]
+    if len(set(names)) != len(names):
+        raise ShapeError(f"--sweep names a field twice ({names}); combine the values in one --sweep.")
+    points = []
+    for combo in itertools.product(*(values for _, values in sweeps)):
+        changes = dict(zip(names, combo))
+        tag = ",".join(f"{k}={v}" for k, v in changes.items())
+        points.append(replace(base, name=f"{base.name}[{tag}]", **changes))
+    return points
+
+
+def reduced_cpu_shape(shape: BenchShape) -> BenchShape:
+    """A shape small enough for the float32 CPU reference path, keeping heads, head size, page size, dtype.
+
+    At most 2 requests, 8 beams, prompts of 2.5 pages (so shared full pages and a partial private
+    page both appear) and tails of 5 tokens.
+    """
+    prompt = min(shape.prompt, 2 * shape.page_size + shape.page_size // 2 + 1)
+    return replace(
+        shape,
+        requests=min(shape.requests, 2),
+        beams=min(shape.beams, 8),
+        prompt=max(1, prompt),
+        tail=min(shape.tail, 5),
+        name=f"{shape.name}-cpu",
+    )
