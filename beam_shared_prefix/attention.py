@@ -1,0 +1,427 @@
+"""``BeamSharedPrefixAttention``: the engine-agnostic plan/run wrapper of one beam-search decode step.
+
+One step of one attention layer, for ``R`` requests of ``W`` beams (beam row ``i = r*W + b``):
+
+1. **prefix** (a :mod:`~beam_shared_prefix.prefix` backend): each request's prompt, read once from
+   beam 0's pages, attended by the request's ``W`` query rows; output and LSE into persistent buffers;
+2. **tail** (:func:`triton_kernels.beam_tail_attention_merge`, one launch): each beam's generated
+   positions gathered through ``cache_indirection``, this step's K/V written at ``kv_len - 1`` and
+   used from registers, and the result merged with the prefix state by log-sum-exp into ``out``.
+
+Modelled on FlashInfer's wrappers: :meth:`BeamSharedPrefixAttention.plan` is host work done once
+per batch composition (the prompt pages of a request do not change while it decodes), cached by
+composition, and :meth:`BeamSharedPrefixAttention.run` is device work only, every layer and step:
+no host sync and no allocation when ``out`` is given, so it can be captured in a CUDA graph. The
+tail length is read from ``kv_lens`` on the device, so one capture serves any output length.
+
+CUDA graphs: construct with ``use_cuda_graph=True`` and the ``max_*`` capacities, plan, run once
+eagerly (compiles the Triton and FA4 kernels), capture ``run()``, then before each replay copy the
+step's inputs into the captured tensors and call ``plan()`` (a no-op while the composition is
+unchanged; an in-place rewrite of the fixed buffers when it changes). A captured ``run()`` stays
+valid while the number of requests, the beam width and the attention shape stay the same.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Hashable, Optional, Tuple
+
+import torch
+
+from .config import BACKENDS, load_settings
+from .plan import StepPlan, StepPlanner
+from .prefix.base import (
+    PrefixBackend,
+    PrefixBackendError,
+    default_sm_scale,
+    ensure_not_capturing,
+    logger,
+)
+from .prefix.buffers import DeviceBuffer
+from .prefix.flashinfer import PREFIX_KERNELS
+from .prefix.select import BACKEND_CLASSES, resolve_prefix_backend
+
+__all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
+
+TAIL_IMPLS = ("triton", "torch")
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+class AttentionInputError(ValueError):
+    """An argument of ``plan()``/``run()`` that does not match the plan; the message names value, limit and fix."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class BeamSharedPrefixAttention:
+    """Cascade attention for wide beam search: shared prompt once per request, per-beam tail fused.
+
+    Args:
+        device: the CUDA device (or ``"cpu"``: the reference prefix and the Triton interpreter/torch tail).
+        kv_layout: ``"HND"`` (``[pages, 2, Hkv, Pg, D]``, TensorRT-LLM's ``get_buffers(layer, "HND")``) or
+            ``"NHD"`` (``[pages, 2, Pg, Hkv, D]``); dim 1 is K, V; the pool may be a strided view.
+        backend: prefix backend, ``"auto"`` | ``"flashinfer"`` | ``"fa4"`` | ``"reference"``; ``None`` reads
+            ``TLLM_BEAM_SHARED_PREFIX_BACKEND`` (default ``auto``; rule in :mod:`beam_shared_prefix.prefix.select`).
+        use_cuda_graph: keep every buffer ``run()`` touches at a fixed address (see the module docs).
+        max_requests: most requests a plan may hold (required with ``use_cuda_graph``).
+        max_beam_width: the beam width the KV cache and ``cache_indirection`` were sized for; a plan
+            with a wider beam is refused (required with ``use_cuda_graph``).
+        max_prompt_pages: most prompt pages of one request (required with ``use_cuda_graph``).
+        check: check mode (:mod:`beam_shared_prefix.check`); ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_CHECK``.
+        tail_impl: ``"triton"`` (the fused kernel) or ``"torch"`` (the unfused reference; one host sync).
+        prefix_kernel: FlashInfer kernel family, ``"auto"`` | ``"fa2"`` | ``"fa3"`` (benchmarks force one).
+
+    Attributes:
+        backend_name: the prefix backend serving the active plan (``None`` before the first plan).
+        num_backend_plans: backend (re-)plans done: plans that were not a cache hit of the active one.
+        num_plan_builds: step plans built by the planner (cache misses).
+    """
+
+    def __init__(
+        self,
+        device,
+        kv_layout: str = "HND",
+        backend: Optional[str] = None,
+        use_cuda_graph: bool = False,
+        max_requests: Optional[int] = None,
+        max_beam_width: Optional[int] = None,
+        max_prompt_pages: Optional[int] = None,
+        check: Optional[bool] = None,
+        tail_impl: str = "triton",
+        prefix_kernel: str = "auto",
+    ):
+        settings = load_settings() if backend is None or check is None else None
+        backend = settings.backend if backend is None else backend
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not accepted; use one of {', '.join(BACKENDS)}.")
+        if kv_layout not in ("HND", "NHD"):
+            raise ValueError(f"kv_layout={kv_layout!r} is not supported; use 'HND' or 'NHD'.")
+        if tail_impl not in TAIL_IMPLS:
+            raise ValueError(f"tail_impl={tail_impl!r} is not accepted; use 'triton' (fused) or 'torch' (unfused).")
+        if prefix_kernel not in PREFIX_KERNELS:
+            raise ValueError(f"prefix_kernel={prefix_kernel!r} is not accepted; use one of {PREFIX_KERNELS}.")
+        for name, value in (("max_requests", max_requests), ("max_beam_width", max_beam_width),
+                            ("max_prompt_pages", max_prompt_pages)):
+            if value is not None and int(value) < 1:
+                raise ValueError(f"{name}={value} must be >= 1.")
+        if use_cuda_graph and None in (max_requests, max_beam_width, max_prompt_pages):
+            raise ValueError(
+                "use_cuda_graph=True needs max_requests, max_beam_width and max_prompt_pages: the buffers a "
+                "captured run() reads are allocated once at those capacities."
+            )
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.kv_layout = kv_layout
+        self.requested_backend = backend
+        self.use_cuda_graph = bool(use_cuda_graph)
+        self.max_requests = None if max_requests is None else int(max_requests)
+        self.max_beam_width = None if max_beam_width is None else int(max_beam_width)
+        self.max_prompt_pages = None if max_prompt_pages is None else int(max_prompt_pages)
+        self.check = bool(settings.check if check is None else check)
+        self.tail_impl = tail_impl
+        self.prefix_kernel = prefix_kernel
+        self.check_tolerance = None  # a CheckTolerance overrides the per-dtype defaults of check mode
+
+        self._planner: Optional[StepPlanner] = None
+        self._builds_before = 0
+        self._backends: Dict[str, PrefixBackend] = {}
+        self._backend_for_problem: Dict[tuple, str] = {}
+        self._active: Optional[Tuple[StepPlan, tuple, PrefixBackend]] = None
+        self._views: Dict[str, torch.Tensor] = {}
+        frozen = self.use_cuda_graph
+        self._out_buffers: Dict[torch.dtype, DeviceBuffer] = {}
+        self._lse_buffer = DeviceBuffer("prefix LSE", torch.float32, self.device, frozen)
+        self._row_prompt_lens = DeviceBuffer("per-row prompt lengths", torch.int32, self.device, frozen)
+        self.num_backend_plans = 0
+        self._warned_capture_check = False
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def backend_name(self) -> Optional[str]:
+        return None if self._active is None else self._active[2].name
+
+    @property
+    def backend(self) -> Optional[PrefixBackend]:
+        """The prefix backend instance of the active plan."""
+        return None if self._active is None else self._active[2]
+
+    @property
+    def num_plan_builds(self) -> int:
+        return self._builds_before + (0 if self._planner is None else self._planner.num_builds)
+
+    @property
+    def active_plan(self) -> Optional[StepPlan]:
+        return None if self._active is None else self._active[0]
+
+    def _planner_for(self, page_size: int, num_cache_pages: int) -> StepPlanner:
+        p = self._planner
+        if p is None or p.page_size != page_size or p.num_cache_pages != num_cache_pages:
+            # A new pool geometry (the KV cache was re-created): plans of the old pool are stale.
+            if p is not None:
+                self._builds_before += p.num_builds
+            self._planner = StepPlanner(page_size, num_cache_pages, max_beam_width=self.max_beam_width)
+            self._active = None
+        return self._planner
+
+    def _backend_for(self, problem_key: tuple) -> PrefixBackend:
+        name = self._backend_for_problem.get(problem_key)
+        if name is None:
+            hq, hkv, d, pg, dtype, _ = problem_key
+            name = resolve_prefix_backend(self.requested_backend, self.device, dtype, d, hq, hkv, pg, self.kv_layout)
+            self._backend_for_problem[problem_key] = name
+            logger.info("beam_shared_prefix: prefix backend %s serves Hq=%d Hkv=%d D=%d page %d %s (requested %s)",
+                        name, hq, hkv, d, pg, _dtype_name(dtype), self.requested_backend)
+        backend = self._backends.get(name)
+        if backend is None:
+            kwargs = dict(kv_layout=self.kv_layout, use_cuda_graph=self.use_cuda_graph, max_requests=self.max_requests,
+                          max_beam_width=self.max_beam_width, max_prompt_pages=self.max_prompt_pages)
+            if name == "flashinfer":
+                kwargs["prefix_kernel"] = self.prefix_kernel
+            backend = BACKEND_CLASSES[name](self.device, **kwargs)
+            self._backends[name] = backend
+        return backend
+
+    # ------------------------------------------------------------------------------------------
+    def plan(
+        self,
+        prompt_page_indptr,
+        prompt_page_indices,
+        prompt_lens,
+        beam_width: int,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        num_cache_pages: int,
+        dtype: torch.dtype,
+        sm_scale: Optional[float] = None,
+        key: Hashable = None,
+    ) -> StepPlan:
+        """Plan a batch composition (host only; never during CUDA-graph capture).
+
+        Args:
+            prompt_page_indptr: ``[R + 1]`` ints (CPU), offsets of each request's pages in ``prompt_page_indices``.
+            prompt_page_indices: flat ints (CPU), beam 0's pages per request (its whole list may be given:
+                only the first ``ceil(P_r / page_size)`` are used).
+            prompt_lens: ``[R]`` ints, prompt length per request (tokens, ``>= 1``).
+            beam_width: ``W`` (``<= max_beam_width``).
+            num_qo_heads, num_kv_heads, head_dim: ``Hq``, ``Hkv`` (``Hq % Hkv == 0``), ``D``.
+            page_size: tokens per KV page.
+            num_cache_pages: pages in the pool (exclusive bound of every page index).
+            dtype: ``torch.bfloat16`` or ``torch.float16`` (Q, KV, output).
+            sm_scale: softmax scale (default ``1 / sqrt(head_dim)``).
+            key: a hashable composition key (e.g. ``(tuple(request_ids), W)``); equal keys promise equal
+                inputs and skip all array work. Default: a digest of the inputs.
+
+        Returns:
+            The :class:`StepPlan` (the same object while the composition is unchanged; then the backend
+            is not planned again either: :attr:`num_backend_plans` does not move).
+        """
+        ensure_not_capturing("BeamSharedPrefixAttention.plan()")
+        if dtype not in DTYPES:
+            raise AttentionInputError(f"dtype={dtype} is not supported; use torch.bfloat16 or torch.float16.")
+        num_qo_heads, num_kv_heads, head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
+        if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
+            raise AttentionInputError(
+                f"num_qo_heads={num_qo_heads} must be a positive multiple of num_kv_heads={num_kv_heads} (GQA/MHA)."
+            )
+        if head_dim < 1:
+            raise AttentionInputError(f"head_dim={head_dim} must be >= 1.")
+        planner = self._planner_for(int(page_size), int(num_cache_pages))
+        step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
+        problem_key = (num_qo_heads, num_kv_heads, head_dim, int(page_size), dtype, default_sm_scale(head_dim, sm_scale))
+        active = self._active
+        if active is not None and active[0] is step_plan and active[1] == problem_key:
+            return step_plan
+        backend = self._backend_for(problem_key)
+        backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, int(page_size), dtype, problem_key[5])
+        self._prepare_buffers(step_plan, problem_key, backend)
+        self._active = (step_plan, problem_key, backend)
+        self.num_backend_plans += 1
+        return step_plan
+
+    def _prepare_buffers(self, step_plan: StepPlan, problem_key: tuple, backend: PrefixBackend) -> None:
+        hq, _, d, _, dtype, _ = problem_key
+        rows = step_plan.num_rows
+        cap_rows = (self.max_requests or 0) * (self.max_beam_width or 0)
+        out_buffer = self._out_buffers.get(dtype)
+        if out_buffer is None:
+            out_buffer = self._out_buffers[dtype] = DeviceBuffer(
+                f"prefix output ({_dtype_name(dtype)})", dtype, self.device, self.use_cuda_graph
+            )
+        self._views = dict(
+            prefix_out=out_buffer.view((rows, hq, d), capacity=cap_rows * hq * d),
+            prefix_lse=self._lse_buffer.view(backend.lse_shape(rows, hq), capacity=cap_rows * hq),
+            prompt_lens=self._row_prompt_lens.write(step_plan.prompt_lens_per_row, capacity=cap_rows),
+        )
+
+    # ------------------------------------------------------------------------------------------
+    def run(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        beam_page_table: torch.Tensor,
+        kv_lens: torch.Tensor,
+        cache_indirection: torch.Tensor,
+        new_k: Optional[torch.Tensor] = None,
+        new_v: Optional[torch.Tensor] = None,
+        out: Optional[torch.Tensor] = None,
+        page_index_divisor: int = 1,
+    ) -> torch.Tensor:
+        """Attention of every beam row over its whole history (device only, capturable).
+
+        Args:
+            q: ``[R*W, Hq, D]`` in the planned dtype, last dim contiguous (a slice of a fused QKV is fine).
+            kv_cache: the paged pool (``kv_layout``), ``num_cache_pages`` pages of ``page_size`` tokens,
+                ``Hkv`` heads of ``D``, planned dtype; may be a strided per-layer view.
+            beam_page_table: ``[>= R*W, max_pages]`` int32, page entries of each beam row
+                (``entry // page_index_divisor`` is the page); ``max_pages * page_size`` covers
+                ``cache_indirection``'s last dim.
+            kv_lens: ``[R*W]`` int32 on the device, KV length including this step's token.
+            cache_indirection: ``[>= R, W_max, max_seq_len]`` int32, source beam of each position.
+            new_k, new_v: ``[R*W, Hkv, D]``, this step's K/V, written at ``kv_len - 1`` of the row's own
+                page by the tail kernel. ``None``: the engine already wrote them; they are read back
+                from the cache (a small gather).
+            out: ``[R*W, Hq, D]`` output in the planned dtype (allocated when ``None``).
+            page_index_divisor: ``1`` for page numbers; TensorRT-LLM block offsets use
+                ``layers_in_pool * kv_factor`` with the K field view of the offsets as the page table.
+
+        Returns:
+            ``out``.
+        """
+        if self._active is None:
+            raise AttentionInputError("run() before plan(): call plan() for this batch first.")
+        step_plan, problem_key, backend = self._active
+        hq, hkv, d, pg, dtype, sm_scale = problem_key
+        rows = step_plan.num_rows
+        self._validate_run(q, kv_cache, beam_page_table, kv_lens, cache_indirection, new_k, new_v, out,
+                           page_index_divisor, step_plan, problem_key)
+        if out is None:
+            out = torch.empty(rows, hq, d, dtype=dtype, device=q.device)
+        check = self.check and not self._capturing()
+        if check:
+            from . import check as chk
+
+            tol = self.check_tolerance or chk.default_tolerance(dtype)
+            chk.check_indices(step_plan, kv_cache, pg, beam_page_table, kv_lens, cache_indirection, page_index_divisor)
+
+        prefix_out, lse = backend.run(q, kv_cache, self._views["prefix_out"], self._views["prefix_lse"])
+        if check:
+            chk.check_prefix_stage(step_plan, q, kv_cache, self.kv_layout, prefix_out, lse, sm_scale, tol)
+
+        write_kv = new_k is not None
+        if not write_kv:
+            new_k, new_v = self._current_kv(kv_cache, beam_page_table, kv_lens, rows, pg, page_index_divisor)
+        if check:
+            expected = chk.expected_output(
+                q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
+                step_plan.beam_width, new_k, new_v, sm_scale, self.kv_layout, page_index_divisor,
+            )
+        tail = self._tail_function()
+        tail(
+            q, new_k, new_v, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
+            step_plan.beam_width, prefix_out, lse.tensor, out,
+            sm_scale=sm_scale, kv_layout=self.kv_layout, page_index_divisor=page_index_divisor,
+            prefix_lse_layout=lse.layout, prefix_lse_base=lse.base, write_kv=write_kv, validate_indices=check,
+        )
+        if check:
+            chk.check_output_stage(out, expected, tol)
+            if write_kv:
+                chk.check_kv_write(kv_cache, self.kv_layout, pg, beam_page_table, kv_lens, new_k, new_v,
+                                   page_index_divisor)
+        return out
+
+    __call__ = run
+
+    # ------------------------------------------------------------------------------------------
+    def _capturing(self) -> bool:
+        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return False
+        if not self._warned_capture_check and self.check:
+            logger.warning("beam_shared_prefix: check mode is skipped inside CUDA-graph capture (it synchronises); "
+                           "it checks every eager run().")
+            self._warned_capture_check = True
+        return True
+
+    def _tail_function(self):
+        # Imported here: the package imports without Triton kernels until a step runs.
+        if self.tail_impl == "triton":
+            from triton_kernels import beam_tail_attention_merge
+
+            return beam_tail_attention_merge
+        from triton_kernels import beam_tail_attention_merge_torch
+
+        return beam_tail_attention_merge_torch
+
+    def _current_kv(self, kv_cache, beam_page_table, kv_lens, rows, page_size, page_index_divisor):
+        """This step's K/V ``[rows, Hkv, D]`` read back from ``kv_len - 1`` of each row's own page."""
+        pos = kv_lens[:rows].long() - 1
+        page = beam_page_table[:rows].gather(1, (pos // page_size)[:, None]).squeeze(1).long() // page_index_divisor
+        slot = pos % page_size
+        if self.kv_layout == "HND":
+            return kv_cache[page, 0, :, slot, :], kv_cache[page, 1, :, slot, :]
+        return kv_cache[page, 0, slot, :, :], kv_cache[page, 1, slot, :, :]
+
+    def _validate_run(self, q, kv_cache, beam_page_table, kv_lens, cache_indirection, new_k, new_v, out,
+                      page_index_divisor, step_plan: StepPlan, problem_key: tuple) -> None:
+        """Shape/dtype/device checks against the plan: metadata only, no device sync."""
+        hq, hkv, d, pg, dtype, _ = problem_key
+        rows, W, R = step_plan.num_rows, step_plan.beam_width, step_plan.num_requests
+
+        def fail(msg):
+            raise AttentionInputError(msg)
+
+        for name, x in (("q", q), ("kv_cache", kv_cache), ("beam_page_table", beam_page_table),
+                        ("kv_lens", kv_lens), ("cache_indirection", cache_indirection)):
+            if not isinstance(x, torch.Tensor):
+                fail(f"{name} must be a torch.Tensor, got {type(x).__name__}.")
+            if x.device != self.device:
+                fail(f"{name} is on {x.device} but the wrapper runs on {self.device}; move it there.")
+        if q.dim() != 3 or tuple(q.shape) != (rows, hq, d):
+            fail(f"q has shape {tuple(q.shape)} but the plan needs [R*W={R}*{W}={rows}, Hq={hq}, D={d}]; "
+                 f"re-plan when the batch changes.")
+        if q.dtype != dtype:
+            fail(f"q has dtype {_dtype_name(q.dtype)} but the plan was made for {_dtype_name(dtype)}.")
+        if q.stride(-1) != 1:
+            fail(f"q's head dim must be contiguous (stride 1), got strides {tuple(q.stride())}.")
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            fail(f"kv_cache must be [pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD), got "
+                 f"{tuple(kv_cache.shape)}.")
+        if self.kv_layout == "HND":
+            pages, _, pool_heads, pool_pg, pool_d = kv_cache.shape
+        else:
+            pages, _, pool_pg, pool_heads, pool_d = kv_cache.shape
+        if (pool_heads, pool_pg, pool_d) != (hkv, pg, d):
+            fail(f"kv_cache ({self.kv_layout}) has Hkv={pool_heads}, page size {pool_pg}, D={pool_d} but the plan "
+                 f"has Hkv={hkv}, page size {pg}, D={d}; check kv_layout={self.kv_layout!r} and the layer's pool view.")
+        if pages < step_plan.num_cache_pages:
+            fail(f"kv_cache has {pages} pages but the plan was made for a pool of {step_plan.num_cache_pages}; "
+                 f"re-plan with the current pool (num_cache_pages={pages}).")
+        if kv_cache.dtype != dtype:
+            fail(f"kv_cache has dtype {_dtype_name(kv_cache.dtype)} but the plan was made for {_dtype_name(dtype)}.")
+        if kv_cache.stride(-1) != 1:
+            fail(f"kv_cache's head dim must be contiguous (stride 1), got strides {tuple(kv_cache.stride())}.")
+        if beam_page_table.dim() != 2 or beam_page_table.dtype != torch.int32 or beam_page_table.shape[0] < rows:
+            fail(f"beam_page_table must be int32 [>= {rows}, max_pages], got {beam_page_table.dtype} "
+                 f"{tuple(beam_page_table.shape)}.")
+        if kv_lens.dim() != 1 or kv_lens.dtype != torch.int32 or kv_lens.shape[0] != rows:
+            fail(f"kv_lens must be int32 [{rows}] (one per beam row), got {kv_lens.dtype} {tuple(kv_lens.shape)}.")
+        if (cache_indirection.dim() != 3 or cache_indirection.dtype != torch.int32
+                or cache_indirection.shape[0] < R or cache_indirection.shape[1] < W):
+            fail(f"cache_indirection must be int32 [>= R={R}, >= W={W}, max_seq_len], got {cache_indirection.dtype} "
+                 f"{tuple(cache_indirection.shape)}.")
+        if (new_k is None) != (new_v is None):
+            fail("pass both new_k and new_v, or neither (then they are read from the cache).")
+        if new_k is not None:
+            for name, x in (("new_k", new_k), ("new_v", new_v)):
+                if tuple(x.shape) != (rows, hkv, d) or x.dtype != dtype or x.device != self.device:
+                    fail(f"{name} must be {_dtype_name(dtype)} [{rows}, Hkv={hkv}, D={d}] on {self.device}, got "
+                         f"{_dtype_name(x.dtype)} {tuple(x.shape)} on {x.device}.")
+        if out is not None:
+            if tuple(out.shape) != (rows, hq, d) or out.dtype != dtype or out.device != self.device:
+                fail(f"out must be {_dtype_name(dtype)} [{rows}, {hq}, {d}] on {self.device}, got "
+                     f"{_dtype_name(out.dtype)} {tuple(out.shape)} on {out.device}.")
+        if isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1:
+            fail(f"page_index_divisor={page_index_divisor!r} must be an int >= 1.")

@@ -1,0 +1,256 @@
+"""Check mode: synchronise after each stage, validate indices, recompute against the float32 oracle.
+
+Switched on by ``BeamSharedPrefixAttention(check=True)`` or ``TLLM_BEAM_SHARED_PREFIX_CHECK=1``. It
+turns the silent failure modes of paged beam attention (a page index past the pool, an indirection
+entry naming a beam that does not exist, a kernel that wrote the wrong rows, a NaN) into a
+:class:`BeamSharedPrefixCheckError` naming the stage:
+
+- ``"indices"``: the plan's prompt pages and the used entries of ``beam_page_table`` lie in the
+  pool; ``kv_lens`` follow the prompts and fit the cache; ``cache_indirection`` entries of the
+  earlier generated positions are beams in ``[0, W)``;
+- ``"prefix"``: the prefix backend's output and LSE are finite and match
+  :func:`~beam_shared_prefix.reference.reference_prefix_attention`;
+- ``"tail"``: the final output is finite and matches
+  :func:`~beam_shared_prefix.reference.reference_beam_attention` computed before the tail kernel ran,
+  and the tail kernel stored this step's K/V at ``kv_len - 1`` of each row's own page.
+
+Every check synchronises the device and copies to the host: debugging only, never on by default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .plan import StepPlan
+from .prefix.base import LseDescriptor
+from .reference import reference_beam_attention, reference_prefix_attention
+
+__all__ = [
+    "BeamSharedPrefixCheckError",
+    "CheckTolerance",
+    "default_tolerance",
+    "check_indices",
+    "check_prefix_stage",
+    "expected_output",
+    "check_output_stage",
+    "check_kv_write",
+]
+
+STAGES = ("indices", "prefix", "tail")
+
+
+class BeamSharedPrefixCheckError(RuntimeError):
+    """Check mode found a bad index, a non-finite value or a mismatch; :attr:`stage` names the stage."""
+
+    def __init__(self, stage: str, message: str):
+        self.stage = stage
+        super().__init__(f"beam_shared_prefix check mode, stage '{stage}': {message}")
+
+
+@dataclass(frozen=True)
+class CheckTolerance:
+    """``|got - want| <= atol + rtol * |want|`` for outputs; ``lse_atol + lse_rtol * |want|`` for base-2 LSEs."""
+
+    atol: float
+    rtol: float
+    lse_atol: float
+    lse_rtol: float
+
+
+def default_tolerance(dtype: torch.dtype) -> CheckTolerance:
+    """Tolerances covering two roundings to ``dtype`` (prefix output, then the merged output)."""
+    if dtype == torch.bfloat16:
+        return CheckTolerance(atol=2e-2, rtol=2e-2, lse_atol=2e-2, lse_rtol=2e-3)
+    if dtype == torch.float16:
+        return CheckTolerance(atol=5e-3, rtol=5e-3, lse_atol=1e-2, lse_rtol=1e-3)
+    return CheckTolerance(atol=1e-4, rtol=1e-4, lse_atol=1e-4, lse_rtol=1e-5)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _require_finite(stage: str, what: str, x: torch.Tensor, allow_neg_inf: bool = False) -> None:
+    bad = torch.isnan(x) | torch.isposinf(x)
+    if not allow_neg_inf:
+        bad |= torch.isneginf(x)
+    if bad.any():
+        idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise BeamSharedPrefixCheckError(
+            stage, f"{what} holds a non-finite value {float(x[idx])} at index {idx} "
+                   f"({int(bad.sum())} non-finite of {x.numel()}); look for an unwritten buffer or a bad page."
+        )
+
+
+def _compare(stage: str, what: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> None:
+    got = got.float()
+    want = want.float().to(got.device)
+    err = (got - want).abs()
+    excess = err - (atol + rtol * want.abs())
+    if (excess > 0).any():
+        idx = tuple(int(i) for i in torch.nonzero(excess == excess.max())[0])
+        raise BeamSharedPrefixCheckError(
+            stage, f"{what} differs from the float32 oracle: max |error| {float(err.max()):.4g}; worst at index "
+                   f"{idx}: got {float(got[idx]):.6g}, expected {float(want[idx]):.6g} (tolerance {atol:g} + "
+                   f"{rtol:g} * |expected|); {int((excess > 0).sum())} of {err.numel()} elements out of tolerance."
+        )
+
+
+def check_indices(
+    step_plan: StepPlan,
+    kv_cache: torch.Tensor,
+    page_size: int,
+    beam_page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    cache_indirection: torch.Tensor,
+    page_index_divisor: int = 1,
+) -> None:
+    """Stage ``"indices"``: every page and beam index the step will use is valid (host copies, one sync).
+
+    Args:
+        step_plan: the active plan (prompt pages per request, prompt length per row).
+        kv_cache: the pool (its dim 0 is the page count).
+        page_size: tokens per page.
+        beam_page_table, kv_lens, cache_indirection, page_index_divisor: ``run()``'s arguments.
+    """
+    stage = "indices"
+    _sync(kv_cache.device)
+    num_pages = kv_cache.shape[0]
+    W, rows = step_plan.beam_width, step_plan.num_rows
+    prompt_pages = torch.from_numpy(step_plan.kv_page_indices.astype("int64"))
+    if prompt_pages.numel() and int(prompt_pages.max()) >= num_pages:
+        j = int(torch.argmax(prompt_pages))
+        raise BeamSharedPrefixCheckError(
+            stage, f"the plan's prompt page {int(prompt_pages[j])} (flat index {j}) is outside the pool of "
+                   f"{num_pages} pages: the plan was made for a larger pool (num_cache_pages="
+                   f"{step_plan.num_cache_pages}); re-plan against the current KV cache."
+        )
+    plen = torch.from_numpy(step_plan.prompt_lens_per_row.astype("int64"))
+    klen = kv_lens[:rows].long().cpu()
+    bad = torch.nonzero(klen < plen + 1).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise BeamSharedPrefixCheckError(
+            stage, f"kv_lens[{i}]={int(klen[i])} but the plan's prompt length of row {i} is {int(plen[i])}: "
+                   f"kv_len must count the prompt and this step's token (>= {int(plen[i]) + 1}). Re-plan when "
+                   f"the batch changes."
+        )
+    max_seq_len = min(cache_indirection.shape[2], beam_page_table.shape[1] * page_size)
+    bad = torch.nonzero(klen > max_seq_len).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise BeamSharedPrefixCheckError(
+            stage, f"kv_lens[{i}]={int(klen[i])} exceeds the cache capacity of {max_seq_len} positions "
+                   f"(cache_indirection / beam_page_table); the sequence outgrew its cache."
+        )
+    table = beam_page_table[:rows].long().cpu()
+    cols = math.ceil(int(klen.max()) / page_size)
+    used = torch.arange(cols)[None, :] < ((klen + page_size - 1) // page_size)[:, None]
+    pages = table[:, :cols] // page_index_divisor
+    bad = used & ((pages < 0) | (pages >= num_pages))
+    if bad.any():
+        i, c = (int(v) for v in torch.nonzero(bad)[0])
+        raise BeamSharedPrefixCheckError(
+            stage, f"beam_page_table[{i}, {c}]={int(table[i, c])} // page_index_divisor={page_index_divisor} = page "
+                   f"{int(pages[i, c])}, outside the pool [0, {num_pages}); the page table is stale, belongs to "
+                   f"another pool, or page_index_divisor is wrong."
+        )
+    earlier = klen - 1 - plen
+    if int(earlier.max()) > 0:
+        ind = cache_indirection.cpu()
+        t = plen[:, None] + torch.arange(int(earlier.max()))[None, :]
+        valid = t < (klen - 1)[:, None]
+        t = torch.where(valid, t, torch.zeros_like(t))
+        row = torch.arange(rows)
+        src = ind[(row // W)[:, None], (row % W)[:, None], t].long()
+        bad = valid & ((src < 0) | (src >= W))
+        if bad.any():
+            i, j = (int(v) for v in torch.nonzero(bad)[0])
+            raise BeamSharedPrefixCheckError(
+                stage, f"cache_indirection[{i // W}, {i % W}, {int(t[i, j])}]={int(src[i, j])} is not a beam in "
+                       f"[0, beam_width={W}); pass the batch's cache_indirection for this beam width."
+            )
+
+
+def check_prefix_stage(
+    step_plan: StepPlan,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_layout: str,
+    prefix_out: torch.Tensor,
+    lse: LseDescriptor,
+    sm_scale: float,
+    tol: CheckTolerance,
+) -> None:
+    """Stage ``"prefix"``: finite output and LSE, equal to the oracle's prefix attention."""
+    stage = "prefix"
+    _sync(q.device)
+    lse_base2 = lse.base2_rows_heads()
+    _require_finite(stage, "the prefix output", prefix_out)
+    _require_finite(stage, "the prefix LSE", lse_base2)
+    ref_out, ref_lse = reference_prefix_attention(
+        q, kv_cache, step_plan.kv_page_indptr, step_plan.kv_page_indices, step_plan.prompt_lens,
+        step_plan.beam_width, sm_scale=sm_scale, kv_layout=kv_layout,
+    )
+    _compare(stage, "the prefix output", prefix_out, ref_out, tol.atol, tol.rtol)
+    _compare(stage, "the prefix LSE (base 2, [rows, heads])", lse_base2, ref_lse, tol.lse_atol, tol.lse_rtol)
+
+
+def expected_output(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    beam_page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    prompt_lens_per_row: torch.Tensor,
+    cache_indirection: torch.Tensor,
+    beam_width: int,
+    new_k: Optional[torch.Tensor],
+    new_v: Optional[torch.Tensor],
+    sm_scale: float,
+    kv_layout: str,
+    page_index_divisor: int,
+) -> torch.Tensor:
+    """The oracle's final output, computed before the tail kernel writes the cache (float32 ``[rows, Hq, D]``)."""
+    _sync(q.device)
+    return reference_beam_attention(
+        q, kv_cache, beam_page_table, kv_lens, prompt_lens_per_row, cache_indirection, beam_width,
+        new_k=new_k, new_v=new_v, sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
+    )
+
+
+def check_output_stage(out: torch.Tensor, expected: torch.Tensor, tol: CheckTolerance) -> None:
+    """Stage ``"tail"``: the merged output is finite and equals the oracle's."""
+    _sync(out.device)
+    _require_finite("tail", "the attention output", out)
+    _compare("tail", "the attention output", out, expected, tol.atol, tol.rtol)
+
+
+def check_kv_write(
+    kv_cache: torch.Tensor,
+    kv_layout: str,
+    page_size: int,
+    beam_page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    page_index_divisor: int,
+) -> None:
+    """Stage ``"tail"``: ``new_k``/``new_v`` sit at ``kv_len - 1`` of each row's own page."""
+    _sync(kv_cache.device)
+    rows = new_k.shape[0]
+    pos = kv_lens[:rows].long() - 1
+    page = beam_page_table[:rows].long().gather(1, (pos // page_size)[:, None]).squeeze(1) // page_index_divisor
+    slot = pos % page_size
+    for which, (name, want) in enumerate((("K", new_k), ("V", new_v))):
+        got = kv_cache[page, which, :, slot, :] if kv_layout == "HND" else kv_cache[page, which, slot, :, :]
+        if not torch.equal(got, want):
+            row = int(torch.nonzero((got != want).flatten(1).any(1))[0])
+            raise BeamSharedPrefixCheckError(
+                "tail", f"this step's {name} of row {row} was not stored at position kv_len - 1 = {int(pos[row])} "
+                        f"(page {int(page[row])}, slot {int(slot[row])}) of the row's own page."
+            )

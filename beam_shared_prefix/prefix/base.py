@@ -1,0 +1,266 @@
+"""The prefix-backend interface: plan on the host, run on the device, LSE handed over without a copy.
+
+A prefix backend attends, for every request ``r`` of a :class:`~beam_shared_prefix.plan.StepPlan`,
+its prompt ``[0, P_r)`` (beam 0's pages, non-causal) once for all ``W`` query rows of the request.
+It writes the normalised output ``[rows, Hq, D]`` and the log-sum-exp of every row and head into
+buffers the caller provides, and returns an :class:`LseDescriptor` saying how the LSE is laid out
+(``"NH"`` = ``[rows, heads]``, ``"HN"`` = ``[heads, rows]``) and in which base (``"log2"``,
+``"ln"``), so the fused tail kernel reads it through strides and a scale, never through a copy.
+
+Life cycle (FlashInfer's plan/run split):
+
+- ``plan(step_plan, ...)``: host work once per batch composition (never during CUDA-graph capture;
+  :func:`ensure_not_capturing` raises a clear error there).
+- ``run(q, kv_cache, out, lse)``: device work only, every layer and step; capturable when
+  :attr:`PrefixBackend.capturable` is true.
+- ``is_available(device, dtype, head_dim, ...)``: ``(True, "")`` or ``(False, reason)``, so the
+  wrapper can decline a backend with a logged reason and fall back to the next one.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from ..plan import StepPlan
+
+__all__ = [
+    "LOG2E",
+    "LSE_LAYOUTS",
+    "LSE_BASES",
+    "LseDescriptor",
+    "PrefixProblem",
+    "PrefixBackend",
+    "PrefixBackendError",
+    "ensure_not_capturing",
+    "logger",
+]
+
+logger = logging.getLogger("beam_shared_prefix")
+
+LOG2E = 1.4426950408889634
+LSE_LAYOUTS = ("NH", "HN")
+LSE_BASES = ("log2", "ln")
+KV_LAYOUTS = ("HND", "NHD")
+
+
+class PrefixBackendError(RuntimeError):
+    """A prefix backend cannot plan or run what it was given; the message names the value and the fix."""
+
+
+def ensure_not_capturing(what: str) -> None:
+    """Raise if the current CUDA stream is capturing a graph (host planning must happen before capture)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise PrefixBackendError(
+            f"{what} was called while a CUDA graph is being captured. Planning is host work (it copies "
+            f"metadata and may allocate): call plan() before torch.cuda.graph(...) and capture only run(); "
+            f"re-plan between replays, outside the capture."
+        )
+
+
+@dataclass(frozen=True)
+class LseDescriptor:
+    """Where a backend left the prefix log-sum-exp and how to read it.
+
+    Attributes:
+        tensor: float32, ``[rows, heads]`` when ``layout == "NH"``, ``[heads, rows]`` when ``"HN"``.
+        layout: ``"NH"`` (FlashInfer, the reference backend) or ``"HN"`` (FA4).
+        base: ``"log2"`` (FlashInfer: ``log2 sum 2^(s log2 e)``) or ``"ln"`` (FA4: ``ln sum e^s``).
+    """
+
+    tensor: torch.Tensor
+    layout: str
+    base: str
+
+    def __post_init__(self):
+        if self.layout not in LSE_LAYOUTS:
+            raise ValueError(f"LSE layout {self.layout!r} is not one of {LSE_LAYOUTS}.")
+        if self.base not in LSE_BASES:
+            raise ValueError(f"LSE base {self.base!r} is not one of {LSE_BASES}.")
+
+    def base2_rows_heads(self) -> torch.Tensor:
+        """A float32 ``[rows, heads]`` base-2 copy (for checks and tests; the hot path never calls it)."""
+        lse = self.tensor.float()
+        if self.layout == "HN":
+            lse = lse.t()
+        if self.base == "ln":
+            lse = lse * LOG2E
+        return lse.contiguous()
+
+
+@dataclass(frozen=True)
+class PrefixProblem:
+    """The attention shape a backend is planned for (constant across the steps of one plan).
+
+    Attributes:
+        num_qo_heads, num_kv_heads, head_dim: ``Hq``, ``Hkv`` (``Hq % Hkv == 0``), ``D``.
+        page_size: tokens per KV page.
+        dtype: Q/KV/output dtype (bf16 or fp16).
+        sm_scale: softmax scale applied to ``q . k``.
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+    sm_scale: float
+
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+
+def default_sm_scale(head_dim: int, sm_scale: Optional[float]) -> float:
+    """``1 / sqrt(head_dim)`` unless given; refuses non-finite or non-positive scales."""
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"sm_scale={sm_scale} must be a finite positive float (default 1/sqrt(head_dim)).")
+    return scale
+
+
+class PrefixBackend(abc.ABC):
+    """Base class of the prefix backends (one module each: reference, flashinfer, fa4).
+
+    Args:
+        device: the device ``run()`` executes on.
+        kv_layout: ``"HND"`` (``[pages, 2, Hkv, Pg, D]``, TensorRT-LLM's layout) or ``"NHD"``
+            (``[pages, 2, Pg, Hkv, D]``); the pool may be a strided view.
+        use_cuda_graph: keep every device buffer ``run()`` reads at a fixed address, sized from the
+            ``max_*`` arguments, so a captured ``run()`` replays correctly after a re-plan of a batch
+            with the same number of requests and beam width.
+        max_requests, max_beam_width, max_prompt_pages: capacities (required with ``use_cuda_graph``).
+
+    Subclasses set :attr:`name`, :attr:`lse_layout`, :attr:`lse_base`, :attr:`capturable` and
+    implement :meth:`is_available`, :meth:`_plan` and :meth:`run`.
+    """
+
+    name: str = "abstract"
+    lse_layout: str = "NH"
+    lse_base: str = "log2"
+    capturable: bool = True
+
+    def __init__(
+        self,
+        device,
+        kv_layout: str = "HND",
+        use_cuda_graph: bool = False,
+        max_requests: Optional[int] = None,
+        max_beam_width: Optional[int] = None,
+        max_prompt_pages: Optional[int] = None,
+    ):
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={kv_layout!r} is not supported; use 'HND' or 'NHD'.")
+        self.device = torch.device(device)
+        self.kv_layout = kv_layout
+        self.use_cuda_graph = bool(use_cuda_graph)
+        self.max_requests = None if max_requests is None else int(max_requests)
+        self.max_beam_width = None if max_beam_width is None else int(max_beam_width)
+        self.max_prompt_pages = None if max_prompt_pages is None else int(max_prompt_pages)
+        if self.use_cuda_graph and None in (self.max_requests, self.max_beam_width, self.max_prompt_pages):
+            raise ValueError(
+                f"use_cuda_graph=True needs max_requests, max_beam_width and max_prompt_pages (got "
+                f"{self.max_requests}, {self.max_beam_width}, {self.max_prompt_pages}): the buffers a captured "
+                f"run() reads are allocated once at those sizes."
+            )
+        self.step_plan: Optional[StepPlan] = None
+        self.problem: Optional[PrefixProblem] = None
+        self.num_plans = 0  # backend plans done (host work), for tests and benchmarks
+
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def is_available(
+        cls,
+        device,
+        dtype: torch.dtype,
+        head_dim: int,
+        num_qo_heads: Optional[int] = None,
+        num_kv_heads: Optional[int] = None,
+        page_size: Optional[int] = None,
+        kv_layout: str = "HND",
+    ) -> Tuple[bool, str]:
+        """``(True, "")`` if this backend can serve the shape on ``device``, else ``(False, reason)``."""
+
+    def lse_shape(self, num_rows: int, num_qo_heads: int) -> Tuple[int, int]:
+        """Shape of the float32 LSE buffer :meth:`run` writes: ``[rows, Hq]`` (NH) or ``[Hq, rows]`` (HN)."""
+        return (num_rows, num_qo_heads) if self.lse_layout == "NH" else (num_qo_heads, num_rows)
+
+    def check_capacity(self, step_plan: StepPlan) -> None:
+        """In CUDA-graph mode, refuse a plan beyond the capacities the fixed buffers were sized for."""
+        if not self.use_cuda_graph:
+            return
+        for what, value, cap, arg in (
+            ("requests", step_plan.num_requests, self.max_requests, "max_requests"),
+            ("beam width", step_plan.beam_width, self.max_beam_width, "max_beam_width"),
+            ("prompt pages of one request", step_plan.max_prompt_pages, self.max_prompt_pages, "max_prompt_pages"),
+        ):
+            if value > cap:
+                raise PrefixBackendError(
+                    f"the plan has {value} {what} but the CUDA-graph buffers were sized for {arg}={cap}; "
+                    f"construct the wrapper with {arg} >= {value}."
+                )
+
+    def plan(
+        self,
+        step_plan: StepPlan,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        sm_scale: Optional[float] = None,
+    ) -> None:
+        """Host-side planning for ``step_plan`` (never under CUDA-graph capture).
+
+        Args:
+            step_plan: the batch's :class:`StepPlan` (its ``page_size`` must equal ``page_size``).
+            num_qo_heads, num_kv_heads, head_dim: attention shape.
+            page_size: tokens per KV page.
+            dtype: bf16 or fp16 (Q, KV and output).
+            sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
+        """
+        ensure_not_capturing(f"{type(self).__name__}.plan()")
+        if step_plan.page_size != int(page_size):
+            raise ValueError(f"step_plan was built for page_size={step_plan.page_size} but page_size={page_size}.")
+        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} must be a positive multiple of num_kv_heads={num_kv_heads}.")
+        self.check_capacity(step_plan)
+        problem = PrefixProblem(
+            int(num_qo_heads), int(num_kv_heads), int(head_dim), int(page_size), dtype,
+            default_sm_scale(int(head_dim), sm_scale),
+        )
+        self._plan(step_plan, problem)
+        self.step_plan = step_plan
+        self.problem = problem
+        self.num_plans += 1
+
+    @abc.abstractmethod
+    def _plan(self, step_plan: StepPlan, problem: PrefixProblem) -> None:
+        """Backend-specific host planning."""
+
+    @abc.abstractmethod
+    def run(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+    ) -> Tuple[torch.Tensor, LseDescriptor]:
+        """Prefix attention of the planned batch into ``out`` and ``lse`` (device only).
+
+        Args:
+            q: ``[rows, Hq, D]`` in the planned dtype, last dim contiguous, ``rows = R * W``.
+            kv_cache: the paged pool in :attr:`kv_layout` (may be a strided view).
+            out: ``[rows, Hq, D]`` in the planned dtype, contiguous; receives the normalised prefix output.
+            lse: float32 of shape :meth:`lse_shape`, contiguous; receives the prefix LSE.
+
+        Returns:
+            ``(out, LseDescriptor(lse, self.lse_layout, self.lse_base))``.
+        """
+
+    def _require_planned(self) -> Tuple[StepPlan, PrefixProblem]:
+        if self.step_plan is None or self.problem is None:
+            raise PrefixBackendError(f"{type(self).__name__}.run() before plan(); call plan() first.")
+        return self.step_plan, self.problem

@@ -1,0 +1,178 @@
+"""FA4 prefix backend: flash-attn-4's CuTe-DSL forward (``flash_attn.cute``), paged, on Hopper.
+
+The batch is FA4's paged varlen problem: ``cu_seqlens_q = qo_indptr`` (``W`` rows per request),
+``page_table = StepPlan.page_table`` (``[R, max_pages]`` int32, beam 0's prompt pages),
+``seqused_k = P_r``, ``max_seqlen_q = W`` as a host int, non-causal, one split (SM90 has no
+split-KV). The output and the LSE go into the caller's buffers through ``_flash_attn_fwd``'s
+``out=``/``lse=``. FA4's LSE is natural log and heads-major, ``[Hq, rows]``: the backend returns the
+``("HN", "ln")`` descriptor and the tail kernel reads it through strides and a ``log2(e)`` scale,
+no copy.
+
+K and V. FA4 takes them as separate ``[pages, Pg, Hkv, D]`` tensors. From TensorRT-LLM's HND pool
+``[pages, 2, Hkv, Pg, D]`` they are ``pool[:, 0].permute(0, 2, 1, 3)`` (and likewise V): strided
+views, no copy. ``flash_attn/cute/interface.py`` makes K/V contiguous only when their last stride is
+not 1 and hands them to the kernel with a dynamic layout (every stride but the head dim's is a
+runtime value, not part of the compile key), so the permuted view is consumed in place.
+
+Declines (logged by the wrapper, which then runs FlashInfer): FA4 not importable, not SM90/SM100,
+dtype other than bf16, head size other than 64/128, and page size 128: with ``page_size == tile_n``
+FA4 takes its TMA path, which loads whole pages, and an unwritten (possibly NaN) slot past the prompt
+in beam 0's last page would poison V (0 x NaN); smaller pages use the cp.async path that masks them.
+
+FA4 costs 120-210 us of host time per eager call (compile-key build, DLPack, TVM-FFI): it pays
+under CUDA graphs. Each new compile key (dtype, D, group, page-size class...) compiles in 3-4 s on
+the first ``run()``: run once eagerly before capturing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ..plan import StepPlan
+from .base import LseDescriptor, PrefixBackend, PrefixBackendError, PrefixProblem
+from .buffers import DeviceBuffer, padded_page_table
+
+__all__ = ["FA4PrefixBackend", "FA4_TMA_PAGE_SIZE"]
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.bfloat16,)
+SUPPORTED_MAJOR_CAPABILITIES = (9, 10)
+# tile_n of FA4's forward for head sizes <= 128 on SM90/SM100: the page size of its TMA paged path.
+FA4_TMA_PAGE_SIZE = 128
+
+_FA4_STATE: Dict[str, object] = {}
+# Arguments the backend cannot do without (others, like max_seqlen_k, are passed when accepted).
+_REQUIRED_FA4_ARGS = frozenset({"cu_seqlens_q", "seqused_k", "page_table", "max_seqlen_q", "return_lse", "out", "lse"})
+
+
+def _import_fa4_forward():
+    """``flash_attn.cute.interface._flash_attn_fwd`` (imported once, lazily) or None with a reason."""
+    if "fn" in _FA4_STATE:
+        return _FA4_STATE["fn"]
+    fn = None
+    try:
+        spec = importlib.util.find_spec("flash_attn.cute")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        _FA4_STATE["reason"] = "flash_attn.cute is not installed (pip install flash-attn-4==4.0.0b36)"
+    else:
+        try:
+            interface = importlib.import_module("flash_attn.cute.interface")
+            fn = getattr(interface, "_flash_attn_fwd", None)
+            if fn is None:
+                _FA4_STATE["reason"] = ("flash_attn.cute.interface has no _flash_attn_fwd (out=/lse= preallocation "
+                                        "is needed); install flash-attn-4==4.0.0b36")
+        except Exception as exc:  # a broken CuTe-DSL install must decline, not crash the caller
+            _FA4_STATE["reason"] = f"import flash_attn.cute failed: {type(exc).__name__}: {exc}"
+    params = None
+    if fn is not None:
+        try:
+            params = set(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            params = None
+        missing = sorted(_REQUIRED_FA4_ARGS - params) if params is not None else []
+        if missing:
+            _FA4_STATE["reason"] = (f"this flash_attn.cute's _flash_attn_fwd lacks {missing}; install "
+                                    f"flash-attn-4==4.0.0b36")
+            fn = None
+    _FA4_STATE["fn"] = fn
+    _FA4_STATE["params"] = params
+    return fn
+
+
+class FA4PrefixBackend(PrefixBackend):
+    """Prefix attention through FA4's paged varlen forward; see :class:`~.base.PrefixBackend` for the arguments."""
+
+    name = "fa4"
+    lse_layout = "HN"
+    lse_base = "ln"
+    capturable = True
+
+    def __init__(self, device, kv_layout: str = "HND", use_cuda_graph: bool = False, max_requests=None,
+                 max_beam_width=None, max_prompt_pages=None):
+        super().__init__(device, kv_layout, use_cuda_graph, max_requests, max_beam_width, max_prompt_pages)
+        frozen = self.use_cuda_graph
+        self._cu_seqlens_q = DeviceBuffer("FA4 cu_seqlens_q", torch.int32, self.device, frozen)
+        self._seqused_k = DeviceBuffer("FA4 seqused_k", torch.int32, self.device, frozen)
+        self._page_table = DeviceBuffer("FA4 page_table", torch.int32, self.device, frozen)
+        self._views: Optional[dict] = None
+
+    @classmethod
+    def is_available(cls, device, dtype, head_dim, num_qo_heads=None, num_kv_heads=None, page_size=None,
+                     kv_layout="HND") -> Tuple[bool, str]:
+        """SM90/SM100, bf16, head size 64/128, page size other than 128, ``flash_attn.cute`` importable."""
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False, f"FA4 needs a CUDA device, got {device}"
+        major = torch.cuda.get_device_capability(device)[0]
+        if major not in SUPPORTED_MAJOR_CAPABILITIES:
+            return False, f"FA4 paged forward is used on SM90/SM100 only, this GPU is SM{major}x"
+        if dtype not in SUPPORTED_DTYPES:
+            return False, f"dtype {dtype} is not served by the FA4 prefix (bf16 only)"
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            return False, f"head_dim={head_dim} is not served by the FA4 prefix (supported: {SUPPORTED_HEAD_DIMS})"
+        if page_size is not None and int(page_size) == FA4_TMA_PAGE_SIZE:
+            return False, (f"page_size={page_size} selects FA4's TMA paged path, which reads whole pages: an "
+                           f"unwritten slot past the prompt could poison V with NaN")
+        if kv_layout not in ("HND", "NHD"):
+            return False, f"kv_layout {kv_layout!r} is not supported"
+        if _import_fa4_forward() is None:
+            return False, str(_FA4_STATE.get("reason"))
+        return True, ""
+
+    def _plan(self, step_plan: StepPlan, problem: PrefixProblem) -> None:
+        ok, reason = self.is_available(self.device, problem.dtype, problem.head_dim, problem.num_qo_heads,
+                                       problem.num_kv_heads, problem.page_size, self.kv_layout)
+        if not ok:
+            raise PrefixBackendError(f"FA4 prefix backend cannot serve this plan: {reason}")
+        R = step_plan.num_requests
+        cap_r = self.max_requests or 0
+        # Graph mode: a fixed table width, so the captured launch's page-table shape stays valid.
+        width = self.max_prompt_pages if self.use_cuda_graph else step_plan.max_prompt_pages
+        self._views = dict(
+            cu_seqlens_q=self._cu_seqlens_q.write(step_plan.qo_indptr, capacity=cap_r + 1),
+            seqused_k=self._seqused_k.write(step_plan.prompt_lens, capacity=cap_r),
+            page_table=self._page_table.write(padded_page_table(step_plan.page_table, width), capacity=cap_r * width),
+            max_seqlen_q=step_plan.beam_width,
+            max_seqlen_k=width * problem.page_size,
+        )
+        assert self._views["page_table"].shape == (R, width)
+
+    def _kv_views(self, kv_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        k, v = kv_cache.select(1, 0), kv_cache.select(1, 1)
+        if self.kv_layout == "HND":  # [pages, Hkv, Pg, D] -> [pages, Pg, Hkv, D], a strided view
+            k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        return k, v
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+        """See :meth:`PrefixBackend.run`; LSE is float32 natural log ``[Hq, rows]``."""
+        _, problem = self._require_planned()
+        fwd = _import_fa4_forward()
+        if fwd is None:
+            raise PrefixBackendError(f"FA4 prefix backend unavailable: {_FA4_STATE.get('reason')}")
+        k, v = self._kv_views(kv_cache)
+        views = self._views
+        kwargs = dict(
+            cu_seqlens_q=views["cu_seqlens_q"],
+            seqused_k=views["seqused_k"],
+            max_seqlen_q=views["max_seqlen_q"],
+            max_seqlen_k=views["max_seqlen_k"],
+            page_table=views["page_table"],
+            softmax_scale=problem.sm_scale,
+            causal=False,
+            num_splits=1,
+            return_lse=True,
+            out=out,
+            lse=lse,
+        )
+        params = _FA4_STATE.get("params")
+        if params:
+            kwargs = {key: val for key, val in kwargs.items() if key in params}
+        fwd(q, k, v, **kwargs)
+        return out, LseDescriptor(lse, self.lse_layout, self.lse_base)

@@ -1,0 +1,337 @@
+"""FlashInfer prefix backend: ``BatchPrefillWithPagedKVCacheWrapper`` over beam 0's prompt pages.
+
+Each request is one FlashInfer "sequence" with ``W`` query rows (``qo_indptr = [0, W, ..., R*W]``,
+``uniform_q_len = W``) attending its prompt pages non-causally; ``kv_last_page_len`` bounds the
+attention to the prompt even when the physical last page holds later tokens. The pool is passed as
+the 5-D ``[pages, 2, ...]`` tensor, possibly a strided per-layer view of TensorRT-LLM's multi-layer
+pool: K and V then share all strides, so the standard kernel serves it (FlashInfer's separate
+"independent stride" variant, and ``prewarm_paged_kv_stride_variant``, are needed only when K and V
+strides differ, which a 5-D view never has). Output goes into the caller's buffer and the LSE,
+base 2 ``[rows, Hq]``, into the caller's float32 buffer (``out=``/``lse=``: no per-call allocation).
+
+Kernel family. FlashInfer's own ``auto`` picks fa3 on SM90 and demotes it to fa2 whenever the
+longest query (here the beam width) is at most 64. This backend picks by measurement instead, in
+one function, :func:`choose_flashinfer_kernel`; ``prefix_kernel="fa2"|"fa3"`` overrides it so the
+benchmark can time both.
+
+Workspace. The float workspace holds split-KV partial outputs. It is sized from the rows the
+wrapper can be planned for (:func:`prefill_float_workspace_bytes`; the fixed 128 MB of the original
+overflowed at 128 requests x 96 beams) and, eagerly, grows when a bigger plan needs more (at plan
+time, outside capture).
+
+CUDA graphs. ``use_cuda_graph=True`` creates one graph-mode wrapper per batch size (FlashInfer
+freezes the batch size of a graph wrapper) with fixed index buffers sized from ``max_prompt_pages``;
+a re-plan rewrites them in place, so a captured ``run()`` replays with the new pages. The kernel
+family of a batch size is frozen at its first plan, so a captured launch never changes family.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..plan import StepPlan
+from .base import LseDescriptor, PrefixBackend, PrefixBackendError, PrefixProblem, logger
+
+__all__ = [
+    "FlashInferPrefixBackend",
+    "choose_flashinfer_kernel",
+    "prefill_float_workspace_bytes",
+    "PREFIX_KERNELS",
+    "FA3_MIN_BEAM_WIDTH",
+    "FA3_MIN_PROMPT_LEN",
+]
+
+PREFIX_KERNELS = ("auto", "fa2", "fa3")
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+FA3_HEAD_DIMS = (64, 128, 256)
+# fa3 does not pack the GQA group into its 128-row query tile, so a request fills W rows of it:
+# above 64 beams the tile is more than half used and fa3's wgmma KV loop wins (measured on the H200:
+# 128 requests x 96 beams x 3,000 tokens, fa3 ~1.0 ms vs fa2 ~1.3 ms); at 30 beams fa2's packed W*G
+# rows win (64 x 30 x 500: fa2 ~52 us vs fa3 ~99 us). FlashInfer's own auto uses the same 64.
+FA3_MIN_BEAM_WIDTH = 65
+# Below a few hundred prompt tokens there is too little KV loop for fa3's faster inner loop to pay
+# for its idle tile rows; provisional, to be refined with the benchmark's prefix_kernel sweep.
+FA3_MIN_PROMPT_LEN = 256
+# Margin on the workspace estimate: FlashInfer's scheduler aligns every sub-allocation.
+_WORKSPACE_MARGIN = 1.25
+_WORKSPACE_SLACK_BYTES = 1 << 20
+
+_FLASHINFER_STATE: Dict[str, object] = {}
+
+
+def choose_flashinfer_kernel(
+    beam_width: int,
+    max_prompt_len: int,
+    head_dim: int,
+    device_capability: Tuple[int, int],
+    prefix_kernel: str = "auto",
+) -> str:
+    """The FlashInfer kernel family (``"fa2"`` or ``"fa3"``) for a beam-prefix plan.
+
+    Rule (``prefix_kernel="auto"``): fa3 on SM90 when ``beam_width >= FA3_MIN_BEAM_WIDTH`` (65) and
+    the longest prompt has at least ``FA3_MIN_PROMPT_LEN`` (256) tokens and the head size has an fa3
+    kernel; fa2 otherwise. fa2 packs the ``W * G`` rows of a request and KV head into one query tile
+    and can split the KV; fa3 spends a 128-row tile per query head on ``W`` rows, so it pays only for
+    wide beams over long prompts (see the module constants for the H200 measurements).
+
+    Args:
+        beam_width: ``W``, query rows per request.
+        max_prompt_len: the longest prompt of the batch, tokens.
+        head_dim: ``D``.
+        device_capability: ``torch.cuda.get_device_capability()``.
+        prefix_kernel: ``"auto"``, or ``"fa2"``/``"fa3"`` to force a family (fa3 is refused off SM90).
+    """
+    if prefix_kernel not in PREFIX_KERNELS:
+        raise ValueError(f"prefix_kernel={prefix_kernel!r} is not one of {PREFIX_KERNELS}.")
+    sm90 = tuple(device_capability)[0] == 9
+    if prefix_kernel == "fa3":
+        if not sm90 or head_dim not in FA3_HEAD_DIMS:
+            raise PrefixBackendError(
+                f"prefix_kernel='fa3' needs an SM90 GPU and head_dim in {FA3_HEAD_DIMS}, got compute capability "
+                f"{tuple(device_capability)} and head_dim={head_dim}; use prefix_kernel='fa2' or 'auto'."
+            )
+        return "fa3"
+    if prefix_kernel == "fa2":
+        return "fa2"
+    if sm90 and head_dim in FA3_HEAD_DIMS and beam_width >= FA3_MIN_BEAM_WIDTH and max_prompt_len >= FA3_MIN_PROMPT_LEN:
+        return "fa3"
+    return "fa2"
+
+
+def prefill_float_workspace_bytes(
+    num_requests: int,
+    beam_width: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_sms: int,
+    conservative: bool = False,
+) -> int:
+    """Float-workspace bytes for a prefix plan of ``num_requests x beam_width`` rows, with margin.
+
+    FlashInfer's split-KV keeps, per query tile of the schedule, fp32 partial outputs ``[tile, D]``
+    and LSEs ``[tile]`` for every head of the tile. fa2 packs ``W * G`` rows of a request and KV
+    head into tiles of at most 128 rows, so the schedule covers at most ``Hkv * R * (W*G + 127)``
+    packed rows; a grid-sized split adds at most ``num_sms * 4`` CTAs of 128 rows. Bytes =
+    ``4 * (D + 1) * max(both)`` with a 25 % margin. ``conservative=True`` (CUDA-graph mode, where the
+    workspace can never grow after capture) counts every query head instead of every KV head.
+
+    Returns:
+        bytes, a multiple of 256.
+    """
+    g = max(1, num_qo_heads // max(1, num_kv_heads))
+    heads = num_qo_heads if conservative else num_kv_heads
+    tile_rows = max(heads * num_requests * (beam_width * g + 127), num_sms * 4 * 128 * (g if conservative else 1))
+    need = int(_WORKSPACE_MARGIN * 4 * (head_dim + 1) * tile_rows) + _WORKSPACE_SLACK_BYTES
+    return -(-need // 256) * 256
+
+
+def _import_flashinfer():
+    """``flashinfer`` (imported once, lazily) or None; the reason is kept for :meth:`is_available`."""
+    if "module" in _FLASHINFER_STATE:
+        return _FLASHINFER_STATE["module"]
+    module = None
+    if importlib.util.find_spec("flashinfer") is None:
+        _FLASHINFER_STATE["reason"] = "flashinfer is not installed (pip install flashinfer-python==0.7.4)"
+    else:
+        try:
+            module = importlib.import_module("flashinfer")
+            if not hasattr(module, "BatchPrefillWithPagedKVCacheWrapper"):
+                _FLASHINFER_STATE["reason"] = "flashinfer has no BatchPrefillWithPagedKVCacheWrapper"
+                module = None
+        except Exception as exc:  # a broken install must decline, not crash the caller
+            _FLASHINFER_STATE["reason"] = f"import flashinfer failed: {type(exc).__name__}: {exc}"
+    _FLASHINFER_STATE["module"] = module
+    return module
+
+
+def _accepted_kwargs(fn, kwargs: dict) -> dict:
+    """The subset of ``kwargs`` that ``fn`` accepts (FlashInfer versions add optional arguments)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _cpu_i32(array: np.ndarray) -> torch.Tensor:
+    # CPU metadata: FlashInfer's plan() copies indptrs to the host, which would sync on device tensors.
+    return torch.from_numpy(np.array(array, dtype=np.int32, copy=True))
+
+
+class FlashInferPrefixBackend(PrefixBackend):
+    """Prefix attention through FlashInfer's batch prefill wrapper (fa2 or fa3 kernels).
+
+    Args:
+        device, kv_layout, use_cuda_graph, max_requests, max_beam_width, max_prompt_pages: see
+            :class:`~.base.PrefixBackend`.
+        prefix_kernel: ``"auto"`` (:func:`choose_flashinfer_kernel`), ``"fa2"`` or ``"fa3"``.
+
+    Attributes:
+        kernel: the family the active plan runs (``"fa2"``/``"fa3"``).
+        workspace_bytes: size of the float workspace.
+    """
+
+    name = "flashinfer"
+    lse_layout = "NH"
+    lse_base = "log2"
+    capturable = True
+
+    def __init__(self, device, kv_layout: str = "HND", use_cuda_graph: bool = False, max_requests=None,
+                 max_beam_width=None, max_prompt_pages=None, prefix_kernel: str = "auto"):
+        super().__init__(device, kv_layout, use_cuda_graph, max_requests, max_beam_width, max_prompt_pages)
+        if prefix_kernel not in PREFIX_KERNELS:
+            raise ValueError(f"prefix_kernel={prefix_kernel!r} is not one of {PREFIX_KERNELS}.")
+        self.prefix_kernel = prefix_kernel
+        self.kernel: Optional[str] = None
+        self._workspace: Optional[torch.Tensor] = None
+        self._wrappers: Dict[tuple, object] = {}
+        self._graph_kernel: Dict[int, str] = {}  # batch size -> family frozen at its first plan
+        self._active = None
+
+    @property
+    def workspace_bytes(self) -> int:
+        return 0 if self._workspace is None else self._workspace.numel()
+
+    @classmethod
+    def is_available(cls, device, dtype, head_dim, num_qo_heads=None, num_kv_heads=None, page_size=None,
+                     kv_layout="HND") -> Tuple[bool, str]:
+        """CUDA (SM80+), bf16/fp16, head size 64/128/256, HND or NHD, and ``flashinfer`` importable."""
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False, f"FlashInfer needs a CUDA device, got {device}"
+        if dtype not in (torch.bfloat16, torch.float16):
+            return False, f"dtype {dtype} is not supported by the FlashInfer prefix (bf16 or fp16)"
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            return False, (f"head_dim={head_dim} is not validated for FlashInfer prefill on this path "
+                           f"(supported: {SUPPORTED_HEAD_DIMS})")
+        if kv_layout not in ("HND", "NHD"):
+            return False, f"kv_layout {kv_layout!r} is not supported"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return False, "FlashInfer prefill needs compute capability 8.0 or newer"
+        if _import_flashinfer() is None:
+            return False, str(_FLASHINFER_STATE.get("reason"))
+        return True, ""
+
+    # ------------------------------------------------------------------------------------------
+    def _kernel_for(self, step_plan: StepPlan, problem: PrefixProblem) -> str:
+        R = step_plan.num_requests
+        if self.use_cuda_graph and R in self._graph_kernel:
+            return self._graph_kernel[R]
+        kernel = choose_flashinfer_kernel(
+            step_plan.beam_width, step_plan.max_prompt_len, problem.head_dim,
+            torch.cuda.get_device_capability(self.device), self.prefix_kernel,
+        )
+        if self.use_cuda_graph:
+            self._graph_kernel[R] = kernel
+        return kernel
+
+    def _workspace_need(self, step_plan: StepPlan, problem: PrefixProblem) -> int:
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if self.use_cuda_graph:
+            return prefill_float_workspace_bytes(
+                self.max_requests, self.max_beam_width, problem.num_qo_heads, problem.num_kv_heads,
+                problem.head_dim, num_sms, conservative=True,
+            )
+        return prefill_float_workspace_bytes(
+            step_plan.num_requests, step_plan.beam_width, problem.num_qo_heads, problem.num_kv_heads,
+            problem.head_dim, num_sms,
+        )
+
+    def _ensure_workspace(self, need: int) -> None:
+        if self._workspace is not None and self._workspace.numel() >= need:
+            return
+        if self._workspace is not None and self.use_cuda_graph:
+            raise PrefixBackendError(
+                f"the FlashInfer float workspace ({self._workspace.numel()} bytes) is too small for this plan "
+                f"({need} bytes) and cannot grow in CUDA-graph mode (captured graphs use it in place); construct "
+                f"the wrapper with larger max_requests / max_beam_width."
+            )
+        if self._workspace is not None:
+            need = max(need, self._workspace.numel() * 2)
+            logger.info("beam_shared_prefix: FlashInfer float workspace grows to %.1f MiB", need / 2**20)
+        # The wrappers hold the old buffer: drop them; the active family is re-created right away.
+        self._wrappers.clear()
+        self._workspace = None
+        self._workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+
+    def _wrapper(self, kernel: str, num_requests: int):
+        key = (kernel, num_requests if self.use_cuda_graph else None)
+        wrapper = self._wrappers.get(key)
+        if wrapper is not None:
+            return wrapper
+        flashinfer = _import_flashinfer()
+        cls = flashinfer.BatchPrefillWithPagedKVCacheWrapper
+        kwargs = dict(backend=kernel)
+        if self.use_cuda_graph:
+            dev, i32 = self.device, torch.int32
+            kwargs.update(
+                use_cuda_graph=True,
+                qo_indptr_buf=torch.zeros(num_requests + 1, dtype=i32, device=dev),
+                paged_kv_indptr_buf=torch.zeros(num_requests + 1, dtype=i32, device=dev),
+                paged_kv_indices_buf=torch.zeros(max(1, num_requests * self.max_prompt_pages), dtype=i32, device=dev),
+                paged_kv_last_page_len_buf=torch.ones(num_requests, dtype=i32, device=dev),
+                max_total_num_rows=num_requests * self.max_beam_width,
+            )
+        wrapper = cls(self._workspace, self.kv_layout, **_accepted_kwargs(cls.__init__, kwargs))
+        self._wrappers[key] = wrapper
+        return wrapper
+
+    def _plan(self, step_plan: StepPlan, problem: PrefixProblem) -> None:
+        if _import_flashinfer() is None:
+            raise PrefixBackendError(f"FlashInfer prefix backend unavailable: {_FLASHINFER_STATE.get('reason')}")
+        kernel = self._kernel_for(step_plan, problem)
+        self._ensure_workspace(self._workspace_need(step_plan, problem))
+        args = (
+            _cpu_i32(step_plan.qo_indptr),
+            _cpu_i32(step_plan.kv_page_indptr),
+            _cpu_i32(step_plan.kv_page_indices),
+            _cpu_i32(step_plan.kv_last_page_len),
+            problem.num_qo_heads,
+            problem.num_kv_heads,
+            problem.head_dim,
+            problem.page_size,
+        )
+        kwargs = dict(
+            causal=False,
+            pos_encoding_mode="NONE",
+            sm_scale=problem.sm_scale,
+            q_data_type=problem.dtype,
+            kv_data_type=problem.dtype,
+            o_data_type=problem.dtype,
+            non_blocking=True,
+            uniform_q_len=step_plan.beam_width,
+        )
+        for attempt in range(4):
+            wrapper = self._wrapper(kernel, step_plan.num_requests)
+            try:
+                wrapper.plan(*args, **_accepted_kwargs(wrapper.plan, kwargs))
+                break
+            except RuntimeError as exc:
+                # FlashInfer reports an undersized workspace at plan time; eagerly, grow and retry.
+                if "workspace" not in str(exc).lower() or self.use_cuda_graph or attempt == 3:
+                    raise PrefixBackendError(
+                        f"FlashInfer {kernel} plan failed for {step_plan.num_requests} requests x "
+                        f"{step_plan.beam_width} beams (Hq={problem.num_qo_heads}, Hkv={problem.num_kv_heads}, "
+                        f"D={problem.head_dim}, page {problem.page_size}, float workspace "
+                        f"{self.workspace_bytes} bytes): {exc}"
+                    ) from exc
+                self._ensure_workspace(self.workspace_bytes * 2)
+        self._active = wrapper
+        self.kernel = kernel
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+        """See :meth:`PrefixBackend.run`; LSE is float32 base 2 ``[rows, Hq]``."""
+        if self._active is None:
+            self._require_planned()
+        self._active.run(q, kv_cache, out=out, lse=lse, return_lse=True)
+        return out, LseDescriptor(lse, self.lse_layout, self.lse_base)

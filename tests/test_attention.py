@@ -1,0 +1,425 @@
+"""BeamSharedPrefixAttention: plan/run over simulated beam search against the float32 oracle.
+
+CPU tests run the reference prefix backend with both tail implementations (the Triton kernel under
+``TRITON_INTERPRET=1``, so shapes stay tiny) over several steps with beam reselection and a
+request finishing mid-run; they cover plan caching, run() validation and check mode. The GPU test
+captures run() in a CUDA graph once and replays it for 20 steps with growing tails.
+
+Every step comes from :class:`BeamSearchCacheSimulator` (random pool, shuffled pages, random beam
+parents); outputs are NaN-poisoned before run() so an unwritten element fails, and the simulator's
+``end_step(write_kv=False)`` makes later steps read the K/V the wrapper's tail kernel wrote.
+
+Tolerance: bf16/fp16 outputs of unit-variance data (``|out| < 4``), two roundings to the dtype
+(prefix output, merged output): ``atol = rtol = 2e-2`` (bf16) / ``5e-3`` (fp16). Reading another
+beam's history moves outputs by O(0.1-1): ``test_tolerance_detects_a_wrong_beam`` shows the
+tolerance fails it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import beam_shared_prefix
+from beam_shared_prefix import BeamSharedPrefixAttention
+from beam_shared_prefix.attention import AttentionInputError
+from beam_shared_prefix.check import BeamSharedPrefixCheckError
+from beam_shared_prefix.plan import PlanError
+from beam_shared_prefix.prefix import PrefixBackendError
+from beam_shared_prefix.reference import reference_beam_attention
+from beam_shared_prefix.testing import BeamSearchCacheSimulator
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def make_sim(prompts=(5, 17, 1), beams=3, hq=4, hkv=2, d=16, pg=4, layout="HND", dtype=torch.bfloat16,
+             max_seq_len=40, device="cpu", seed=0):
+    return BeamSearchCacheSimulator(
+        list(prompts), beam_width=beams, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=pg,
+        max_seq_len=max_seq_len, kv_layout=layout, dtype=dtype, device=device, seed=seed,
+    )
+
+
+def plan_step(att, sim, step, key="ids", **kw):
+    """Plan ``step`` on ``att``; ``key="ids"`` keys the composition by request ids (the engine's way)."""
+    k = (tuple(step.request_ids), step.beam_width) if key == "ids" else key
+    return att.plan(
+        step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, step.beam_width,
+        sim.num_qo_heads, sim.num_kv_heads, sim.head_dim, sim.page_size, sim.num_pages, sim.dtype, key=k, **kw,
+    )
+
+
+def oracle(sim, step):
+    return reference_beam_attention(
+        step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens, step.cache_indirection,
+        step.beam_width, new_k=step.new_k, new_v=step.new_v, kv_layout=sim.kv_layout,
+    )
+
+
+def run_step(att, sim, step, *, engine_writes_kv=False, divisor=1):
+    """Poisoned-output run() of one step; returns ``out``."""
+    table = step.beam_page_table
+    if divisor != 1:
+        table = sim.block_offsets(table, divisor)[:, 0, :]  # TensorRT-LLM's K-field view
+    kw = dict(new_k=step.new_k, new_v=step.new_v)
+    if engine_writes_kv:
+        for i in range(step.num_rows):  # the engine stored this step's K/V before attention
+            sim.write_kv(int(step.write_page[i]), int(step.write_slot[i]), step.new_k[i], step.new_v[i])
+        kw = {}
+    out = torch.full_like(step.q, float("nan"))
+    result = att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, out=out,
+                     page_index_divisor=divisor, **kw)
+    assert result is out
+    return out
+
+
+def assert_matches(out, ref, dtype, what=""):
+    assert not torch.isnan(out).any(), f"{what}: NaN left in out (an element was not written)"
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
+
+
+# --------------------------------------------------------------------------------------------
+# whole steps on CPU
+
+
+@pytest.mark.parametrize(
+    "tail_impl, layout, dtype, engine_writes_kv, divisor, check",
+    [
+        ("torch", "HND", torch.bfloat16, False, 1, True),
+        ("triton", "HND", torch.float16, False, 1, False),
+        ("triton", "NHD", torch.bfloat16, True, 1, False),
+        ("torch", "HND", torch.float16, False, 6, False),
+    ],
+    ids=["torch-HND-bf16-checkmode", "triton-HND-fp16", "triton-NHD-bf16-engine-writes-kv",
+         "torch-HND-fp16-block-offsets"],
+)
+def test_steps_match_oracle(tail_impl, layout, dtype, engine_writes_kv, divisor, check):
+    """Several steps with beam reselection; a request finishes mid-run (re-plan); GQA group 2 and 3."""
+    hq, hkv = (4, 2) if layout == "HND" else (6, 2)
+    sim = make_sim(prompts=(5, 17, 1, 8), beams=3, hq=hq, hkv=hkv, layout=layout, dtype=dtype)
+    att = BeamSharedPrefixAttention("cpu", kv_layout=layout, backend="reference", tail_impl=tail_impl, check=check)
+    plans = []
+    for s in range(6):
+        if s == 3:
+            sim.finish([sim.requests[1].rid])
+        step = sim.begin_step()
+        plans.append(plan_step(att, sim, step))
+        ref = oracle(sim, step)
+        out = run_step(att, sim, step, engine_writes_kv=engine_writes_kv, divisor=divisor)
+        assert_matches(out, ref, dtype, f"step {s}")
+        # Later steps read the K/V the tail kernel (or the engine) stored.
+        sim.end_step(write_kv=False)
+    assert att.backend_name == "reference"
+    assert plans[0] is plans[1] is plans[2] and plans[3] is plans[4] is plans[5] and plans[2] is not plans[3]
+    assert att.num_backend_plans == 2
+
+
+def test_tolerance_detects_a_wrong_beam():
+    """Beams reading each other's tails differ from the oracle far beyond the tolerance."""
+    sim = make_sim(beams=3)
+    for _ in range(4):  # grow tails of 4 tokens first
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    ref = oracle(sim, step)
+    step.cache_indirection = (step.cache_indirection + 1) % step.beam_width  # every tail from another beam
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=False)
+    plan_step(att, sim, step)
+    out = run_step(att, sim, step)
+    assert (out.float() - ref).abs().max() > 5 * TOL[torch.bfloat16]
+
+
+# --------------------------------------------------------------------------------------------
+# plan caching
+
+
+def test_plan_caching_and_replan_on_composition_change():
+    sim = make_sim(prompts=(5, 17, 1))
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=False)
+    step = sim.begin_step()
+    first = plan_step(att, sim, step)
+    assert (att.num_backend_plans, att.num_plan_builds) == (1, 1)
+    for _ in range(3):  # same key: the same plan object, no planner build, no backend plan
+        assert plan_step(att, sim, step) is first
+    assert (att.num_backend_plans, att.num_plan_builds) == (1, 1)
+    # Without a key the digest of the inputs is the key: the same inputs hit the same plan.
+    by_digest = plan_step(att, sim, step, key=None)
+    assert plan_step(att, sim, step, key=None) is by_digest
+    assert att.num_plan_builds == 2
+    sim.end_step()
+
+    keyed = plan_step(att, sim, sim.begin_step())  # composition A again (by key): no re-plan... of the planner
+    assert keyed is first
+    sim.end_step()
+    sim.finish([sim.requests[0].rid])  # a finished request changes the composition
+    step = sim.begin_step()
+    second = plan_step(att, sim, step)
+    assert second is not first and second.num_requests == 2
+    builds, backend_plans = att.num_plan_builds, att.num_backend_plans
+    assert plan_step(att, sim, step) is second
+    assert (att.num_plan_builds, att.num_backend_plans) == (builds, backend_plans)
+    out = run_step(att, sim, step)
+    assert_matches(out, oracle(sim, step), torch.bfloat16)
+
+
+def test_plan_validation():
+    sim = make_sim()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", max_beam_width=2, check=False)
+    with pytest.raises(PlanError, match="max_beam_width=2"):
+        plan_step(att, sim, step)  # W=3 > the width the cache was sized for
+    att = BeamSharedPrefixAttention("cpu", backend="reference", check=False)
+    with pytest.raises(AttentionInputError, match="float32"):
+        att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, 3, 4, 2, 16, 4,
+                 sim.num_pages, torch.float32)
+    with pytest.raises(AttentionInputError, match="multiple of num_kv_heads=3"):
+        att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, 3, 4, 3, 16, 4,
+                 sim.num_pages, torch.bfloat16)
+    with pytest.raises(AttentionInputError, match="run\\(\\) before plan"):
+        att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection)
+    with pytest.raises(ValueError, match="backend='fast'"):
+        BeamSharedPrefixAttention("cpu", backend="fast")
+    with pytest.raises(ValueError, match="max_prompt_pages"):
+        BeamSharedPrefixAttention("cpu", use_cuda_graph=True, max_requests=4, max_beam_width=4)
+
+
+def test_plan_refused_during_graph_capture(monkeypatch):
+    sim = make_sim()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", check=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(PrefixBackendError, match="captured"):
+        plan_step(att, sim, step)
+
+
+def test_backend_selection_on_cpu():
+    sim = make_sim()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="auto", check=False)
+    plan_step(att, sim, step)
+    assert att.backend_name == "reference"
+    for requested in ("flashinfer", "fa4"):
+        att = BeamSharedPrefixAttention("cpu", backend=requested, check=False)
+        with pytest.raises(PrefixBackendError, match="needs a CUDA device"):
+            plan_step(att, sim, step)
+
+
+def test_settings_from_environment(monkeypatch):
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_CHECK", "1")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "reference")
+    att = BeamSharedPrefixAttention("cpu")
+    assert att.check and att.requested_backend == "reference"
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_CHECK", "0")
+    assert not BeamSharedPrefixAttention("cpu").check
+    assert beam_shared_prefix.BeamSharedPrefixAttention is BeamSharedPrefixAttention
+
+
+# --------------------------------------------------------------------------------------------
+# run() validation
+
+
+def _mutations(sim, step):
+    rows, hq, d = step.q.shape
+    other = torch.zeros_like(sim.kv_cache)
+    return {
+        "q rows": (dict(q=step.q[:-1]), "R\\*W=3\\*3=9"),
+        "q dtype": (dict(q=step.q.half()), "q has dtype float16"),
+        "q strided head dim": (dict(q=step.q.transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
+        "pool layout": (dict(kv_cache=other.transpose(2, 3)), "check kv_layout"),
+        "pool pages": (dict(kv_cache=other[:-1]), "re-plan with the current pool"),
+        "pool dtype": (dict(kv_cache=other.half()), "kv_cache has dtype float16"),
+        "table dtype": (dict(beam_page_table=step.beam_page_table.long()), "int32"),
+        "kv_lens length": (dict(kv_lens=step.kv_lens[:-1]), "one per beam row"),
+        "indirection width": (dict(cache_indirection=step.cache_indirection[:, :2]), ">= W=3"),
+        "new_k alone": (dict(new_k=step.new_k, new_v=None), "both new_k and new_v"),
+        "new_k heads": (dict(new_k=step.new_k[:, :1], new_v=step.new_v[:, :1]), "Hkv=2"),
+        "out shape": (dict(out=torch.empty(rows, hq, d + 1, dtype=step.q.dtype)), "out must be"),
+        "divisor": (dict(page_index_divisor=0), "page_index_divisor=0"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_mutations(make_sim(), make_sim().begin_step())))
+def test_run_validation_errors(case):
+    sim = make_sim()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", check=False)
+    plan_step(att, sim, step)
+    args = dict(q=step.q, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table, kv_lens=step.kv_lens,
+                cache_indirection=step.cache_indirection, new_k=step.new_k, new_v=step.new_v)
+    change, message = _mutations(sim, step)[case]
+    args.update(change)
+    with pytest.raises(AttentionInputError, match=message):
+        att.run(**args)
+
+
+# --------------------------------------------------------------------------------------------
+# check mode
+
+
+def _check_setup():
+    sim = make_sim()
+    for _ in range(2):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=True)
+    plan_step(att, sim, step)
+    return sim, step, att
+
+
+def test_check_mode_passes_correct_results_and_stops_on_a_wrong_prefix(monkeypatch):
+    sim, step, att = _check_setup()
+    run_step(att, sim, step)  # correct: no error
+    backend = att.backend
+    real_run = backend.run
+
+    def wrong_prefix(q, kv_cache, out, lse):
+        o, desc = real_run(q, kv_cache, out, lse)
+        o[2, 1] += 0.5  # one head of one row off
+        return o, desc
+
+    monkeypatch.setattr(backend, "run", wrong_prefix)
+    with pytest.raises(BeamSharedPrefixCheckError, match="stage 'prefix'.*prefix output") as info:
+        run_step(att, sim, step)
+    assert info.value.stage == "prefix"
+
+
+def test_check_mode_catches_a_non_finite_prefix_lse(monkeypatch):
+    sim, step, att = _check_setup()
+    backend = att.backend
+    real_run = backend.run
+
+    def nan_lse(q, kv_cache, out, lse):
+        o, desc = real_run(q, kv_cache, out, lse)
+        desc.tensor[1, 0] = float("nan")
+        return o, desc
+
+    monkeypatch.setattr(backend, "run", nan_lse)
+    with pytest.raises(BeamSharedPrefixCheckError, match="stage 'prefix'.*non-finite"):
+        run_step(att, sim, step)
+
+
+def test_check_mode_catches_a_wrong_tail(monkeypatch):
+    sim, step, att = _check_setup()
+    real_tail = att._tail_function()
+
+    def wrong_tail(*args, **kwargs):
+        out = real_tail(*args, **kwargs)
+        out[-1] = 0.0
+        return out
+
+    monkeypatch.setattr(att, "_tail_function", lambda: wrong_tail)
+    with pytest.raises(BeamSharedPrefixCheckError, match="stage 'tail'.*attention output"):
+        run_step(att, sim, step)
+
+
+def test_check_mode_catches_a_missing_kv_write(monkeypatch):
+    sim, step, att = _check_setup()
+    real_tail = att._tail_function()
+    monkeypatch.setattr(att, "_tail_function",
+                        lambda: (lambda *a, **kw: real_tail(*a, **{**kw, "write_kv": False})))
+    with pytest.raises(BeamSharedPrefixCheckError, match="stage 'tail'.*was not stored"):
+        run_step(att, sim, step)
+
+
+def test_check_mode_catches_a_page_outside_the_pool():
+    sim, step, att = _check_setup()
+    table = step.beam_page_table.clone()
+    table[4, 0] = sim.num_pages + 3
+    with pytest.raises(BeamSharedPrefixCheckError, match="stage 'indices'.*outside the pool") as info:
+        att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    assert info.value.stage == "indices"
+    bad_ind = step.cache_indirection.clone()
+    pos = int(step.prompt_lens[0])
+    bad_ind[0, 1, pos] = 7  # beam 7 of 3
+    with pytest.raises(BeamSharedPrefixCheckError, match="stage 'indices'.*not a beam"):
+        att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, bad_ind, step.new_k, step.new_v)
+
+
+def test_check_mode_off_runs_no_check(monkeypatch):
+    from beam_shared_prefix import check as chk
+
+    def boom(*a, **k):
+        raise AssertionError("a check ran with check mode off")
+
+    for name in ("check_indices", "check_prefix_stage", "expected_output", "check_output_stage", "check_kv_write"):
+        monkeypatch.setattr(chk, name, boom)
+    sim = make_sim()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=False)
+    plan_step(att, sim, step)
+    assert_matches(run_step(att, sim, step), oracle(sim, step), torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: CUDA graph
+
+
+def _skip_unless_backend(name, dtype, head_dim, hq, hkv, page_size):
+    from beam_shared_prefix.prefix import BACKEND_CLASSES
+
+    ok, reason = BACKEND_CLASSES[name].is_available(torch.device("cuda"), dtype, head_dim, hq, hkv, page_size, "HND")
+    if not ok:
+        pytest.skip(f"{name} backend unavailable: {reason}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flashinfer", "fa4", "reference"])
+def test_cuda_graph_replay_matches_oracle(backend):
+    """Plan, capture run() once, replay 20 steps with growing tails and beam reselection."""
+    dtype, d, hq, hkv, pg, W = torch.bfloat16, 128, 16, 8, 32, 4
+    _skip_unless_backend(backend, dtype, d, hq, hkv, pg)
+    sim = make_sim(prompts=(1, 37, 300), beams=W, hq=hq, hkv=hkv, d=d, pg=pg, dtype=dtype, max_seq_len=400,
+                   device="cuda", seed=3)
+    R, rows = len(sim.requests), len(sim.requests) * W
+    att = BeamSharedPrefixAttention("cuda", backend=backend, use_cuda_graph=True, max_requests=R, max_beam_width=W,
+                                    max_prompt_pages=sim.max_pages_per_seq, check=False)
+    # Captured inputs: the step's tensors are copied in before every replay.
+    step = sim.begin_step()
+    static = dict(q=step.q.clone(), new_k=step.new_k.clone(), new_v=step.new_v.clone(),
+                  table=step.beam_page_table.clone(), kv_lens=step.kv_lens.clone(), ind=step.cache_indirection.clone())
+    out = torch.full_like(step.q, float("nan"))
+
+    def load(step):
+        static["q"].copy_(step.q)
+        static["new_k"].copy_(step.new_k)
+        static["new_v"].copy_(step.new_v)
+        static["table"].copy_(step.beam_page_table)
+        static["kv_lens"].copy_(step.kv_lens)
+        static["ind"].copy_(step.cache_indirection)
+
+    def call():
+        return att.run(static["q"], sim.kv_cache, static["table"], static["kv_lens"], static["ind"],
+                       static["new_k"], static["new_v"], out=out)
+
+    plan_step(att, sim, step)
+    load(step)
+    ref = oracle(sim, step)
+    call()  # eager warm-up: compiles the Triton (and FA4) kernels outside the capture
+    assert_matches(out, ref, dtype, "eager step 0")
+    sim.end_step(write_kv=False)
+    plans = att.num_backend_plans
+
+    graph = torch.cuda.CUDAGraph()
+    step = sim.begin_step()
+    plan_step(att, sim, step)
+    load(step)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        call()
+    for s in range(20):
+        if s:
+            step = sim.begin_step()
+            plan_step(att, sim, step)
+            load(step)
+        ref = oracle(sim, step)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, ref, dtype, f"replay {s} (tails {(step.kv_lens - step.prompt_lens).tolist()[::W]})")
+        sim.end_step(write_kv=False)
+    assert att.num_backend_plans == plans, "the composition did not change, yet the backend was re-planned"
+    assert rows == out.shape[0]
