@@ -1,0 +1,404 @@
+"""The fused tail merge (Triton kernel and torch path) against the float32 oracle.
+
+Every step comes from :class:`BeamSearchCacheSimulator` (shuffled pages, random pool, random beam
+reselection), the prefix state from ``reference_prefix_attention`` and the expected output from
+``reference_beam_attention`` over each beam's whole gathered history. Outputs are NaN-poisoned
+before the call, and the pool is compared with a snapshot afterwards: exactly the step's K/V at
+``(write_page, write_slot)`` changed, nothing else. Multi-step runs call
+``sim.end_step(write_kv=False)`` so later steps read the KV the implementation under test wrote.
+
+Tolerance: outputs are bf16/fp16 of unit-variance data, so ``|out| < 4``; bf16 keeps 8 significant
+bits, a rounding error of at most 2^-9 relative (< 0.008 absolute at 4) on top of float32
+accumulation-order differences (~1e-6). ``atol = rtol = 2e-2`` covers that with margin, while a
+wrong page, slot, beam or merge weight moves outputs by O(0.1-1) (see
+``test_oracle_comparison_detects_a_wrong_beam``).
+
+On CPU the kernel runs under ``TRITON_INTERPRET=1`` (tests/conftest.py), so shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from beam_shared_prefix.reference import (
+    reference_beam_attention,
+    reference_prefix_attention,
+    reference_tail_attention,
+)
+from beam_shared_prefix.testing import BeamSearchCacheSimulator
+from triton_kernels import (
+    TailMergeInputError,
+    beam_tail_attention_merge,
+    beam_tail_attention_merge_torch,
+)
+
+LN2 = math.log(2.0)
+ATOL = RTOL = 2e-2
+
+IMPLS = {"triton": beam_tail_attention_merge, "torch": beam_tail_attention_merge_torch}
+impl_param = pytest.mark.parametrize("impl", sorted(IMPLS))
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def make_sim(device, *, prompts, beams, hq, hkv, d, pg=16, layout="HND", dtype=torch.bfloat16, max_seq_len=64, seed=0):
+    return BeamSearchCacheSimulator(
+        prompts, beam_width=beams, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=pg,
+        max_seq_len=max_seq_len, kv_layout=layout, dtype=dtype, device=device, seed=seed,
+    )
+
+
+def prefix_state(sim, step, lse_layout="NH", lse_base="log2", prefix_dtype=torch.float32, empty=False):
+    """Prefix (o, lse) in the layout/base a backend returns; ``empty``: lse = -inf, o = NaN."""
+    o, lse = reference_prefix_attention(
+        step.q, sim.kv_cache, step.prompt_page_indptr, step.prompt_page_indices,
+        step.prompt_lens_per_request, step.beam_width, kv_layout=sim.kv_layout,
+    )
+    if empty:
+        lse = torch.full_like(lse, float("-inf"))
+        o = torch.full_like(o, float("nan"))
+    if lse_base == "ln":
+        lse = lse * LN2
+    if lse_layout == "HN":
+        lse = lse.t().contiguous()  # [heads, rows], FA4's layout
+    return o.to(prefix_dtype), lse
+
+
+def expected_pool_after_write(sim, step, before):
+    expected = before.clone()
+    for i in range(step.num_rows):
+        page, slot = int(step.write_page[i]), int(step.write_slot[i])
+        if sim.kv_layout == "HND":
+            expected[page, 0, :, slot] = step.new_k[i]
+            expected[page, 1, :, slot] = step.new_v[i]
+        else:
+            expected[page, 0, slot] = step.new_k[i]
+            expected[page, 1, slot] = step.new_v[i]
+    return expected
+
+
+def run_step(impl, sim, step, *, lse_layout="NH", lse_base="log2", divisor=1, empty_prefix=False,
+             prefix_dtype=torch.float32, strided=False, write_kv=True, kv_cache=None):
+    """One call of ``impl`` on the step; returns ``out``. Checks the pool afterwards."""
+    kv_cache = sim.kv_cache if kv_cache is None else kv_cache
+    prefix_out, prefix_lse = prefix_state(sim, step, lse_layout, lse_base, prefix_dtype, empty_prefix)
+    table = step.beam_page_table
+    if divisor != 1:
+        table = sim.block_offsets(table, divisor)[:, 0, :]  # strided K-field view
+        assert table.stride(0) != table.shape[1]
+    q, new_k, new_v = step.q, step.new_k, step.new_v
+    out = torch.full_like(q, float("nan"))
+    if strided:
+        # q / new_k / new_v as views of one fused QKV buffer, out as a view of a wider buffer,
+        # prefix_lse as a transposed view.
+        rows, hq, d = q.shape
+        hkv = new_k.shape[1]
+        qkv = torch.empty(rows, hq + 2 * hkv, d, dtype=q.dtype, device=q.device)
+        qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:] = q, new_k, new_v
+        q, new_k, new_v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        out = torch.full((rows, hq + 3, d), float("nan"), dtype=q.dtype, device=q.device)[:, 2:2 + hq]
+        lse_buf = torch.empty(prefix_lse.shape[1], prefix_lse.shape[0], device=q.device)
+        lse_buf.copy_(prefix_lse.t())
+        prefix_lse = lse_buf.t()
+        assert not prefix_lse.is_contiguous()
+    before = kv_cache.clone()
+    result = IMPLS[impl](
+        q, new_k, new_v, kv_cache, table, step.kv_lens, step.prompt_lens, step.cache_indirection,
+        step.beam_width, prefix_out, prefix_lse, out, kv_layout=sim.kv_layout, page_index_divisor=divisor,
+        prefix_lse_layout=lse_layout, prefix_lse_base=lse_base, write_kv=write_kv,
+        validate_indices=(impl == "torch"),
+    )
+    assert result is out
+    want_pool = expected_pool_after_write(sim, step, before) if write_kv else before
+    assert torch.equal(kv_cache, want_pool), "the pool differs from its snapshot plus this step's K/V"
+    return out
+
+
+def oracle(sim, step, tail_only=False):
+    fn = reference_tail_attention if tail_only else reference_beam_attention
+    res = fn(
+        step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens, step.cache_indirection,
+        step.beam_width, new_k=step.new_k, new_v=step.new_v, kv_layout=sim.kv_layout,
+    )
+    return res[0] if tail_only else res
+
+
+def assert_matches(out, ref, what=""):
+    assert not torch.isnan(out).any(), f"{what}: NaN left in out (an element was not written)"
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+
+
+def earlier_tail(step):
+    return (step.kv_lens - 1 - step.prompt_lens).tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# against the oracle, over simulated steps
+
+# (name, simulator kwargs, call kwargs, steps, requests added at step -> prompts)
+CASES = [
+    # G=1, prompts that fill their last page exactly (16), of one token, and mid-page; tails of
+    # 0..17 earlier tokens crossing page boundaries; one request joins late, so rows of one launch
+    # have different tail lengths.
+    ("g1_d64_hnd_nh_log2", dict(prompts=[16, 1, 7], beams=2, hq=2, hkv=2, d=64), dict(), 18, {3: [30]}),
+    # G=2, head 128, NHD, block-offset page table (divisor 6), FA4 LSE ([heads, rows], ln).
+    ("g2_d128_nhd_hn_ln_blockoffsets", dict(prompts=[5, 32], beams=3, hq=4, hkv=2, d=128, layout="NHD"),
+     dict(lse_layout="HN", lse_base="ln", divisor=6), 5, {}),
+    # G=3 (padded to 4), page size 32, strided q/new_k/new_v/out/prefix_lse views.
+    ("g3_d64_hnd_pg32_strided", dict(prompts=[33, 2], beams=3, hq=6, hkv=2, d=64, pg=32),
+     dict(strided=True, lse_layout="HN"), 5, {}),
+    # G=8, one KV head, beam width 1 (plain greedy rows are legal rows).
+    ("g8_d64_nhd_w1", dict(prompts=[9, 16], beams=1, hq=8, hkv=1, d=64, layout="NHD"),
+     dict(lse_base="ln"), 4, {}),
+]
+
+
+@impl_param
+@pytest.mark.parametrize("name,sim_kw,call_kw,steps,joins", CASES, ids=[c[0] for c in CASES])
+def test_matches_oracle_over_steps(impl, name, sim_kw, call_kw, steps, joins, device):
+    sim = make_sim(device, **sim_kw)
+    seen = set()
+    for s in range(steps):
+        if s in joins:
+            sim.add_requests(joins[s])
+        step = sim.begin_step()
+        seen.update(earlier_tail(step))
+        out = run_step(impl, sim, step, **call_kw)
+        assert_matches(out, oracle(sim, step), f"{name} step {s} tails {earlier_tail(step)}")
+        sim.end_step(write_kv=False)  # the next steps read the K/V written by `impl`
+    if steps >= 18:
+        assert {0, 1, 3, 17} <= seen
+
+
+@impl_param
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_empty_prefix_gives_tail_only_attention(impl, layout, device):
+    sim = make_sim(device, prompts=[4, 17], beams=2, hq=6, hkv=2, d=64, layout=layout, seed=3)
+    for s in range(4):
+        step = sim.begin_step()
+        out = run_step(impl, sim, step, empty_prefix=True, lse_layout="HN" if s % 2 else "NH")
+        assert_matches(out, oracle(sim, step, tail_only=True), f"empty prefix, step {s}")
+        sim.end_step(write_kv=False)
+
+
+@impl_param
+def test_write_kv_false_leaves_the_pool_untouched(impl, device):
+    sim = make_sim(device, prompts=[6], beams=3, hq=4, hkv=2, d=64, seed=5)
+    sim.begin_step()
+    sim.end_step()
+    step = sim.begin_step()
+    out = run_step(impl, sim, step, write_kv=False)  # run_step asserts the pool equals its snapshot
+    assert_matches(out, oracle(sim, step), "write_kv=False")
+
+
+def test_oracle_comparison_detects_a_wrong_beam(device):
+    """The tolerance is tight enough: reading another beam's tail fails the comparison."""
+    sim = make_sim(device, prompts=[5, 9], beams=3, hq=4, hkv=2, d=64, seed=7)
+    for _ in range(3):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    ref = oracle(sim, step)
+    assert_matches(run_step("triton", sim, step), ref, "correct indirection")
+    step.cache_indirection = (step.cache_indirection + 1) % step.beam_width
+    wrong = run_step("triton", sim, step)
+    with pytest.raises(AssertionError):
+        assert_matches(wrong, ref, "shifted indirection")
+
+
+def test_kernel_and_torch_path_agree(device):
+    sim = make_sim(device, prompts=[3, 20, 1], beams=2, hq=8, hkv=2, d=64, seed=11)
+    for _ in range(6):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    snapshot = sim.kv_cache.clone()
+    a = run_step("triton", sim, step)
+    sim.kv_cache.copy_(snapshot)
+    b = run_step("torch", sim, step)
+    torch.testing.assert_close(a.float(), b.float(), atol=ATOL, rtol=RTOL)
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def _args(device):
+    sim = make_sim(device, prompts=[5, 3], beams=2, hq=6, hkv=2, d=64, seed=1)
+    step = sim.begin_step()
+    po, pl = prefix_state(sim, step)
+    return dict(
+        q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table,
+        kv_lens=step.kv_lens, prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection,
+        beam_width=step.beam_width, prefix_out=po, prefix_lse=pl, out=torch.full_like(step.q, 7.0),
+    )
+
+
+BAD_INPUTS = [
+    ("hq_not_multiple", lambda a: dict(q=a["q"][:, :5]), "Hq=5 is not a multiple of the KV head count Hkv=2"),
+    ("q_last_dim_strided", lambda a: dict(q=a["q"].repeat_interleave(2, dim=2)[:, :, ::2]), "must be contiguous"),
+    ("kv_dtype", lambda a: dict(kv_cache=a["kv_cache"].half()), "the pool and q must share a dtype"),
+    ("beam_wider_than_cache", lambda a: dict(cache_indirection=a["cache_indirection"][:, :1]),
+     "exceeds the width cache_indirection was sized for"),
+    ("page_table_too_short", lambda a: dict(beam_page_table=a["beam_page_table"][:, :2]),
+     "pass a page table with at least 4 columns"),
+    ("lse_layout_shape", lambda a: dict(prefix_lse=a["prefix_lse"].t().contiguous()), "needs (4, 6)"),
+    ("kv_lens_dtype", lambda a: dict(kv_lens=a["kv_lens"].long()), "kv_lens has dtype int64"),
+    ("rows_not_multiple_of_beam", lambda a: dict(beam_width=3), "not a multiple of beam_width=3"),
+    ("layout_string", lambda a: dict(kv_layout="HDN"), "kv_layout='HDN' is not supported"),
+    ("lse_base_string", lambda a: dict(prefix_lse_base="e"), "prefix_lse_base='e' is not supported"),
+    ("divisor", lambda a: dict(page_index_divisor=0), "page_index_divisor=0 must be an int >= 1"),
+    ("out_aliases_q", lambda a: dict(out=a["q"]), "out overlaps q"),
+]
+
+
+@impl_param
+@pytest.mark.parametrize("name,change,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_launcher_rejects_bad_inputs(impl, name, change, message, device):
+    args = _args(device)
+    args.update(change(args))
+    kw = {k: args.pop(k) for k in ("kv_layout", "prefix_lse_base", "page_index_divisor") if k in args}
+    out_before = args["out"].clone()
+    with pytest.raises(TailMergeInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        IMPLS[impl](**args, **kw)
+    assert torch.equal(args["out"], out_before) or name == "out_aliases_q"
+
+
+BAD_VALUES = [
+    ("kv_len_not_past_prompt", lambda a: dict(kv_lens=a["prompt_lens"].clone()), r"kv_lens\[0\]=5 must be >= prompt_lens\[0\] \+ 1"),
+    ("kv_len_past_capacity", lambda a: dict(kv_lens=a["kv_lens"] + 64), "exceeds the cache capacity max_seq_len=64"),
+    ("page_outside_pool", lambda a: dict(beam_page_table=a["beam_page_table"] + 10_000), "is outside the pool"),
+    ("indirection_not_a_beam", lambda a: dict(cache_indirection=a["cache_indirection"] + 5), "is not a beam in"),
+]
+
+
+@impl_param
+@pytest.mark.parametrize("name,change,message", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_validate_indices_reports_bad_values(impl, name, change, message, device):
+    sim = make_sim(device, prompts=[5, 3], beams=2, hq=4, hkv=2, d=64, seed=1)
+    for _ in range(3):  # earlier generated tokens, so indirection entries are read
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    po, pl = prefix_state(sim, step)
+    args = dict(
+        q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table,
+        kv_lens=step.kv_lens, prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection,
+        beam_width=step.beam_width, prefix_out=po, prefix_lse=pl, out=torch.empty_like(step.q),
+    )
+    args.update(change(args))
+    with pytest.raises(TailMergeInputError, match=message):
+        IMPLS[impl](**args, validate_indices=True)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: bigger shapes, bf16/fp16, head 256, page sizes to 128, int64 offsets, CUDA graphs
+
+GPU_CASES = [
+    # (prompts, beams, hq, hkv, d, pg, layout, dtype, steps, call kwargs)
+    ([100, 64, 1, 37], 8, 16, 8, 128, 16, "HND", torch.bfloat16, 12, dict()),
+    ([100, 64, 1, 37], 8, 16, 8, 128, 64, "NHD", torch.float16, 12, dict(lse_layout="HN", lse_base="ln")),
+    ([200, 3], 6, 12, 2, 256, 128, "HND", torch.bfloat16, 10, dict(divisor=4, prefix_dtype=torch.bfloat16)),
+    ([128, 5], 4, 40, 8, 256, 32, "NHD", torch.float16, 6, dict(strided=True)),  # G=5
+    ([50, 17], 16, 32, 4, 64, 16, "HND", torch.bfloat16, 20, dict(prefix_dtype=torch.float16)),  # G=8
+    ([31], 96, 16, 8, 128, 32, "HND", torch.bfloat16, 4, dict()),
+]
+
+
+@pytest.mark.gpu
+@impl_param
+@pytest.mark.parametrize("case", range(len(GPU_CASES)))
+def test_gpu_matches_oracle(impl, case):
+    prompts, beams, hq, hkv, d, pg, layout, dtype, steps, call_kw = GPU_CASES[case]
+    sim = make_sim("cuda", prompts=prompts, beams=beams, hq=hq, hkv=hkv, d=d, pg=pg, layout=layout, dtype=dtype,
+                   max_seq_len=max(prompts) + steps + 1 + pg, seed=case)
+    for s in range(steps):
+        step = sim.begin_step()
+        out = run_step(impl, sim, step, **call_kw)
+        assert_matches(out, oracle(sim, step), f"gpu case {case} step {s}")
+        sim.end_step(write_kv=False)
+
+
+@pytest.mark.gpu
+def test_gpu_pool_offsets_beyond_int32():
+    """Pages placed past 2^31 pool elements: offsets must be computed in int64."""
+    sim = make_sim("cuda", prompts=[20, 9], beams=4, hq=8, hkv=2, d=128, pg=16, seed=21)
+    for _ in range(5):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    page_elems = sim.kv_cache[0].numel()
+    shift = (1 << 31) // page_elems + 7
+    big = torch.empty((shift + sim.num_pages,) + tuple(sim.kv_cache.shape[1:]), dtype=sim.kv_cache.dtype, device="cuda")
+    big[shift:] = sim.kv_cache
+    assert (shift + sim.num_pages - 1) * page_elems > (1 << 31)
+    table = torch.where(step.beam_page_table < sim.num_pages, step.beam_page_table + shift, step.beam_page_table)
+    prefix_out, prefix_lse = prefix_state(sim, step)
+    out = torch.full_like(step.q, float("nan"))
+    beam_tail_attention_merge(
+        step.q, step.new_k, step.new_v, big, table, step.kv_lens, step.prompt_lens, step.cache_indirection,
+        step.beam_width, prefix_out, prefix_lse, out,
+    )
+    assert_matches(out, oracle(sim, step), "int64 pool offsets")
+    written = torch.equal(big[shift:][step.write_page, 0, :, step.write_slot], step.new_k)
+    assert written, "the new K did not land at its page past 2^31 elements"
+    del big
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_gpu_cuda_graph_serves_growing_tails(layout):
+    """One capture, replayed over steps whose earlier tails grow 0 -> 40, every step against the oracle."""
+    beams, steps, pg = 4, 41, 16
+    sim = make_sim("cuda", prompts=[13, 32, 1], beams=beams, hq=16, hkv=8, d=128, pg=pg, layout=layout,
+                   max_seq_len=32 + steps + 1, seed=99)
+    rows = 3 * beams
+    step = sim.begin_step()
+    static = dict(
+        q=torch.empty_like(step.q), new_k=torch.empty_like(step.new_k), new_v=torch.empty_like(step.new_v),
+        beam_page_table=torch.empty_like(step.beam_page_table), kv_lens=torch.empty_like(step.kv_lens),
+        prompt_lens=torch.empty_like(step.prompt_lens), cache_indirection=torch.empty_like(step.cache_indirection),
+        prefix_out=torch.empty(rows, 16, 128, device="cuda"), prefix_lse=torch.empty(rows, 16, device="cuda"),
+    )
+    out = torch.empty_like(step.q)
+
+    def load(step):
+        for name in ("q", "new_k", "new_v", "beam_page_table", "kv_lens", "prompt_lens", "cache_indirection"):
+            static[name].copy_(getattr(step, name))
+        po, pl = prefix_state(sim, step)
+        static["prefix_out"].copy_(po)
+        static["prefix_lse"].copy_(pl)
+        out.fill_(float("nan"))
+
+    def launch():
+        beam_tail_attention_merge(
+            static["q"], static["new_k"], static["new_v"], sim.kv_cache, static["beam_page_table"],
+            static["kv_lens"], static["prompt_lens"], static["cache_indirection"], beams,
+            static["prefix_out"], static["prefix_lse"], out, kv_layout=layout,
+        )
+
+    load(step)
+    launch()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    seen = []
+    for s in range(steps):
+        if s:
+            step = sim.begin_step()
+            load(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        seen.append(max(earlier_tail(step)))
+        assert_matches(out, oracle(sim, step), f"graph replay step {s}")
+        for i in range(rows):
+            k, v = sim.read_kv(int(step.write_page[i]), int(step.write_slot[i]))
+            assert torch.equal(k, step.new_k[i]) and torch.equal(v, step.new_v[i]), f"graph KV write, row {i}"
+        sim.end_step(write_kv=False)
+    assert seen[0] == 0 and seen[-1] == 40
