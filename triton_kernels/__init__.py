@@ -4,7 +4,7 @@
 - :func:`beam_tail_attention_merge_torch`: the same contract in unfused torch ops (CPU and GPU).
 """
 
-from .tail_merge import beam_tail_attention_merge
+from .tail_merge import TailLaunchConfig, beam_tail_attention_merge, tail_launch_config
 from .tail_merge_args import TailMergeGeometry, TailMergeInputError, check_tail_merge_args
 from .tail_merge_torch import beam_tail_attention_merge_torch
 
@@ -14,4 +14,6 @@ __all__ = [
     "TailMergeInputError",
     "TailMergeGeometry",
     "check_tail_merge_args",
+    "TailLaunchConfig",
+    "tail_launch_config",
 ]

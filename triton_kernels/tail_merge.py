@@ -82,6 +82,24 @@ def _check_launchable(q: torch.Tensor, head_dim: int, group_size: int) -> None:
         )
 
 
+def _is_pow2(x) -> bool:
+    return isinstance(x, int) and x >= 1 and (x & (x - 1)) == 0
+
+
+def _check_config(cfg: TailLaunchConfig, group_size: int) -> None:
+    if not isinstance(cfg, TailLaunchConfig):
+        raise TailMergeInputError(f"launch_config must be a TailLaunchConfig or None, got {type(cfg).__name__}.")
+    for name in ("group_pad", "kv_heads_per_prog", "block_t", "num_warps"):
+        value = getattr(cfg, name)
+        if not _is_pow2(value):
+            raise TailMergeInputError(f"launch_config.{name}={value!r} must be a power of two >= 1.")
+    if cfg.group_pad < group_size:
+        raise TailMergeInputError(
+            f"launch_config.group_pad={cfg.group_pad} is smaller than the GQA group size {group_size}; "
+            f"use a power of two >= {group_size}."
+        )
+
+
 def beam_tail_attention_merge(
     q,
     new_k,
@@ -103,6 +121,7 @@ def beam_tail_attention_merge(
     prefix_lse_base="log2",
     write_kv=True,
     validate_indices=False,
+    launch_config=None,
 ):
     """Fused per-beam tail attention, KV write and LSE merge with the prefix state (one launch).
 
@@ -138,6 +157,8 @@ def beam_tail_attention_merge(
         validate_indices: read lengths, page indices and indirection values back and check them
             (host sync; check mode only). Without it, out-of-range indices are masked in the kernel
             (never dereferenced) and give wrong results rather than faults.
+        launch_config: a :class:`TailLaunchConfig` overriding :func:`tail_launch_config` (tuning and
+            benchmarks only; the tiling never changes results beyond float32 summation order).
 
     Returns:
         ``out``.
@@ -153,7 +174,8 @@ def beam_tail_attention_merge(
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     if geom.num_rows == 0:
         return out
-    cfg = tail_launch_config(geom.group_size, geom.num_kv_heads, geom.head_dim)
+    cfg = launch_config or tail_launch_config(geom.group_size, geom.num_kv_heads, geom.head_dim)
+    _check_config(cfg, geom.group_size)
     grid = (geom.num_rows, triton.cdiv(geom.num_kv_heads, cfg.kv_heads_per_prog))
     s_page, s_kv, s_head, s_slot = geom.kv_strides
     s_lse_row, s_lse_head = geom.lse_strides

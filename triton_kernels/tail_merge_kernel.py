@@ -142,7 +142,7 @@ def beam_tail_merge_kernel(
         w_entry = tl.load(
             page_table_ptr + row64 * stride_pt_row + (cur_slots // page_size) * stride_pt_col, mask=w_ok, other=-1
         )
-        w_page = w_entry.to(tl.int64) // page_index_divisor
+        w_page = (w_entry // page_index_divisor).to(tl.int64)  # int32 division: entries are >= 0 when used
         w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
         w_offs = (
             w_page[:, None] * stride_kv_page
@@ -159,6 +159,7 @@ def beam_tail_merge_kernel(
     ind_row_ptr = cache_indirection_ptr + req.to(tl.int64) * stride_ind_req + beam.to(tl.int64) * stride_ind_beam
     first_src_row = req.to(tl.int64) * beam_width
     tok = tl.arange(0, BLOCK_T)
+    q_3d = q[:, None, :]
     start_pos = tl.maximum(prompt_len, 0)
     end_pos = tl.minimum(cur, max_seq_len)
     for block_start in range(start_pos, end_pos, BLOCK_T):
@@ -171,14 +172,14 @@ def beam_tail_merge_kernel(
             mask=src_ok,
             other=-1,
         )
-        page = entry.to(tl.int64) // page_index_divisor
+        page = (entry // page_index_divisor).to(tl.int64)
         ok = src_ok & (entry >= 0) & (page < num_pages)
         tok_offs = page * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
         kv_offs = tok_offs[None, :, None] + kv_head[:, None, None] * stride_kv_head + d[None, None, :]
         kv_mask = ok[None, :, None] & kv_head_ok[:, None, None]
         k = tl.load(kv_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(kv_ptr + stride_kv_kv + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k, axis=2)
+        s = tl.sum(q_3d * k, axis=2)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)

@@ -30,6 +30,7 @@ from beam_shared_prefix.reference import (
 )
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
 from triton_kernels import (
+    TailLaunchConfig,
     TailMergeInputError,
     beam_tail_attention_merge,
     beam_tail_attention_merge_torch,
@@ -222,6 +223,28 @@ def test_kernel_and_torch_path_agree(device):
     sim.kv_cache.copy_(snapshot)
     b = run_step("torch", sim, step)
     torch.testing.assert_close(a.float(), b.float(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [None, TailLaunchConfig(4, 1, 1, 1), TailLaunchConfig(4, 4, 8, 2), TailLaunchConfig(8, 2, 2, 4)],
+    ids=["default", "one_head_block_t1", "heads_past_hkv", "wide_group_pad"],
+)
+def test_tilings_agree_with_oracle(config, device):
+    """Hkv = 3 (not a power of two) and G = 3: head blocks past Hkv and padded group slots are masked."""
+    sim = make_sim(device, prompts=[7, 16], beams=2, hq=9, hkv=3, d=64, seed=13)
+    for s in range(6):
+        step = sim.begin_step()
+        prefix_out, prefix_lse = prefix_state(sim, step)
+        out = torch.full_like(step.q, float("nan"))
+        before = sim.kv_cache.clone()
+        beam_tail_attention_merge(
+            step.q, step.new_k, step.new_v, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
+            step.cache_indirection, step.beam_width, prefix_out, prefix_lse, out, launch_config=config,
+        )
+        assert torch.equal(sim.kv_cache, expected_pool_after_write(sim, step, before))
+        assert_matches(out, oracle(sim, step), f"tiling {config}, step {s}")
+        sim.end_step(write_kv=False)
 
 
 # --------------------------------------------------------------------------------------------
