@@ -127,12 +127,14 @@ def _num(x, unit: str) -> str:
 def point_rows(point: Dict) -> List[List[str]]:
     """Table rows of one point: floors first, then every arm."""
     rows = []
-    fl = point["floors"]
-    tb = point["traffic_bytes"]
-    rows.append(["floor: memory", "", _us(fl.get("memory_us")), "", "", "", f"{tb['total'] / 1e6:.1f} MB", "", ""])
-    rows.append(["floor: memory, assembled", "", _us(fl.get("assembled_memory_us")), "", "", "",
-                 f"{tb['assembled'] / 1e6:.1f} MB", "", "+ prefix o/lse round trip"])
-    rows.append(["floor: compute", "", _us(fl.get("compute_us")), "", "", "", "", _num(point["flops"] / 1e9, " GFLOP"), ""])
+    fl = point.get("floors") or {}
+    tb = point.get("traffic_bytes")
+    if tb:
+        rows.append(["floor: memory", "", _us(fl.get("memory_us")), "", "", "", f"{tb['total'] / 1e6:.3g} MB", "", ""])
+        rows.append(["floor: memory, assembled", "", _us(fl.get("assembled_memory_us")), "", "", "",
+                     f"{tb['assembled'] / 1e6:.3g} MB", "", "+ prefix o/lse round trip"])
+    if point.get("flops") is not None:
+        rows.append(["floor: compute", "", _us(fl.get("compute_us")), "", "", "", "", _num(point["flops"] / 1e9, " GFLOP"), ""])
     for a in point["arms"]:
         if a["status"] == "ok":
             chk = a.get("check")
@@ -141,7 +143,7 @@ def point_rows(point: Dict) -> List[List[str]]:
             extra = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("first_plan_us",))
             rows.append([
                 a["name"],
-                "graph" if a["graphed"] else "eager",
+                "graph" if a.get("graphed") else "eager",
                 _us(a["time_us"]),
                 _num(a.get("speedup_vs_decode"), "x"),
                 _num(a.get("speedup_vs_cascade"), "x"),

@@ -45,6 +45,8 @@ __all__ = [
     "LayoutError",
     "build_workload",
     "beam_search_ancestry",
+    "ancestry_from_parents",
+    "draw_parents",
     "draw_prompt_lens",
     "validate_layout",
     "select_requests",
@@ -152,25 +154,39 @@ def draw_prompt_lens(shape: BenchShape, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(lo, hi + 1, size=shape.requests).astype(np.int64)
 
 
-def beam_search_ancestry(num_requests: int, beam_width: int, num_generated: int, rng: np.random.Generator) -> np.ndarray:
-    """Source beam of every earlier generated position after ``num_generated`` beam-search steps.
+def draw_parents(num_requests: int, beam_width: int, num_generated: int, rng: np.random.Generator) -> np.ndarray:
+    """``[G, R, W]`` parent of every new beam after each of ``G`` steps, skewed towards the leading
+    beams (``floor(W u^2)``), as a beam search that keeps its beams sorted by score picks them."""
+    u = rng.random((num_generated, num_requests, beam_width))
+    return np.minimum((u ** 2 * beam_width).astype(np.int64), beam_width - 1)
+
+
+def ancestry_from_parents(parents: np.ndarray) -> np.ndarray:
+    """Source beam of every earlier generated position, from the parents of ``G`` beam-search steps.
 
     At generation step ``g`` every beam writes position ``P + g`` into its own pages; the sampler
-    then gives every new beam ``b`` a parent ``parents_g[b]`` and beam ``b`` inherits the parent's
-    whole history. So the final beam ``b``'s position ``P + g`` was written by
-    ``parents_g[parents_{g+1}[... parents_{G-1}[b]]]``, computed here backwards in ``O(R W G)``.
-    Parents are skewed towards low beam indices (``floor(W u^2)``), as in a sorted beam search.
+    then gives every new beam ``b`` a parent ``parents[g, r, b]`` whose whole history it inherits.
+    So the final beam ``b``'s position ``P + g`` was written by
+    ``parents[g][parents[g+1][... parents[G-1][b]]]``, computed here backwards in ``O(G R W)``.
+
+    Args:
+        parents: ``[G, R, W]`` ints in ``[0, W)``.
 
     Returns:
-        ``[R, W, num_generated]`` int32 in ``[0, W)``.
+        ``[R, W, G]`` int32.
     """
-    anc = np.empty((num_requests, beam_width, num_generated), dtype=np.int32)
-    cur = np.broadcast_to(np.arange(beam_width, dtype=np.int64), (num_requests, beam_width))
-    for g in reversed(range(num_generated)):
-        parents = np.minimum((rng.random((num_requests, beam_width)) ** 2 * beam_width).astype(np.int64), beam_width - 1)
-        cur = np.take_along_axis(parents, cur, axis=1)
+    G, R, W = parents.shape
+    anc = np.empty((R, W, G), dtype=np.int32)
+    cur = np.broadcast_to(np.arange(W, dtype=np.int64), (R, W))
+    for g in reversed(range(G)):
+        cur = np.take_along_axis(parents[g], cur, axis=1)
         anc[:, :, g] = cur
     return anc
+
+
+def beam_search_ancestry(num_requests: int, beam_width: int, num_generated: int, rng: np.random.Generator) -> np.ndarray:
+    """``[R, W, G]`` int32 source beams after ``G`` simulated beam-search steps (see :func:`ancestry_from_parents`)."""
+    return ancestry_from_parents(draw_parents(num_requests, beam_width, num_generated, rng))
 
 
 def _randn(shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:

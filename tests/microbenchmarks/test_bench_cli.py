@@ -1,0 +1,112 @@
+"""The CLI end to end on the CPU path (no GPU): messages, JSON, plot, decline report, exit codes."""
+
+import json
+
+import pytest
+import torch
+
+from microbenchmarks import cli
+from microbenchmarks.report import SCHEMA, decline_table, load_json, make_document, plot_speedups
+
+ARM_KEYS = {"name", "kind", "work", "status", "reason", "graphed", "info", "check", "time_us", "time_set_medians_us",
+            "speedup_vs_decode", "speedup_vs_cascade", "floor_multiple", "achieved_GBps", "achieved_TFLOPs"}
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """The CPU path even on a GPU machine: the CLI asks torch.cuda.is_available()."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_preset_a_without_gpu_writes_json(no_gpu, tmp_path, capsys):
+    path = tmp_path / "out" / "a.json"
+    assert cli.main(["--preset", "A", "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "No GPU" in text and "no CUDA GPU was found" in text and "reduced shape" in text
+    doc = json.loads(path.read_text())  # strict JSON: no NaN/Infinity tokens
+    assert doc["schema"] == SCHEMA
+    assert set(doc) >= {"argv", "environment", "rates", "options", "note", "results"}
+    assert doc["environment"]["gpu"] is False and doc["environment"]["cpu_fallback"] is True
+    assert doc["rates"] == {"copy_bandwidth_GBps": None, "matmul_TFLOPs": None}
+    (point,) = doc["results"]
+    assert point["shape"]["name"] == "A-cpu" and point["shape"]["heads"] == 16 and point["shape"]["kv_heads"] == 8
+    assert point["shape"]["requests"] == 2 and point["shape"]["beams"] == 8
+    assert set(point) >= {"traffic_bytes", "flops", "floors", "work", "arms", "plan", "decline_reason", "label"}
+    names = [a["name"] for a in point["arms"]]
+    assert names == ["library/reference+torch-tail", "prefix/reference", "tail/torch"]
+    for arm in point["arms"]:
+        assert arm["status"] == "ok", arm
+        assert set(arm) >= ARM_KEYS
+        assert arm["check"]["ok"] and arm["check"]["rows_checked"] == 2 * 2 * 8  # 2 sets x all 16 rows
+        assert arm["time_us"] > 0 and arm["graphed"] is False
+    assert point["arms"][1]["check"]["lse_max_abs_err"] is not None  # the prefix arm checks its LSE too
+    plan = point["plan"]["library/reference+torch-tail"]
+    assert plan["replan_us"] > 0 and plan["first_plan_us"] > 0
+    assert point["traffic_bytes"]["total"] > 0 and point["floors"]["floor_us"] is None
+
+
+def synthetic_doc():
+    """A sweep document with made-up times (the plot and decline report read only these fields)."""
+    results = []
+    for beams, prompt, lib_us in [(14, 500, 120.0), (30, 500, 60.0), (96, 500, 70.0), (30, 100, 40.0), (30, 2000, 150.0)]:
+        decode = 80.0 * beams / 30 * prompt / 500
+        arms = [
+            {"name": "library/flashinfer", "kind": "library", "status": "ok", "time_us": lib_us,
+             "speedup_vs_decode": decode / lib_us},
+            {"name": "fi-decode-tc", "kind": "baseline", "status": "ok", "time_us": decode, "speedup_vs_decode": 1.0},
+        ]
+        shape = dict(requests=64, beams=beams, prompt=prompt, tail=4, heads=16, kv_heads=8, head_dim=128)
+        results.append({"shape": shape, "label": f"W{beams} P{prompt}", "arms": arms, "floors": {"floor_us": 30.0},
+                        "decline_reason": None})
+    return make_document(results, {"device": "test"}, {}, {}, ["x"])
+
+
+def test_plot_has_a_panel_per_swept_field(tmp_path):
+    path = tmp_path / "p.png"
+    titles = plot_speedups(synthetic_doc(), str(path))
+    assert titles == ["speedup vs beam width", "speedup vs prompt length (tokens)"]
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decline_report_flags_points_slower_than_decode():
+    rows = decline_table(synthetic_doc())
+    # W14 P500: decode 80*14/30 = 37.3 us < 120 us -> decline; W30 P100: 16 us < 40 us -> decline.
+    assert [(r["beams"], r["prompt"], r["decline"]) for r in rows] == [
+        (14, 500, True), (30, 500, False), (96, 500, False), (30, 100, True), (30, 2000, False)]
+
+
+def test_from_json_renders_and_plots(no_gpu, tmp_path, capsys):
+    src = tmp_path / "s.json"
+    from microbenchmarks.report import write_json
+
+    write_json(synthetic_doc(), str(src))
+    out_json, out_png = tmp_path / "m.json", tmp_path / "m.png"
+    rc = cli.main(["--from-json", str(src), "--from-json", str(src), "--json", str(out_json), "--plot", str(out_png),
+                   "--decline-report"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "DECLINE" in text and "serve" in text
+    assert len(load_json(str(out_json))["results"]) == 10 and out_png.exists()
+
+
+def test_oracle_mismatch_gives_exit_status_1(tmp_path, capsys):
+    doc = synthetic_doc()
+    doc["results"][0]["arms"][0].update(status="check_failed", reason="relative error 0.5 > tolerance 0.02")
+    src = tmp_path / "bad.json"
+    from microbenchmarks.report import write_json
+
+    write_json(doc, str(src))
+    assert cli.main(["--from-json", str(src)]) == 1
+    assert "ORACLE CHECK FAILED" in capsys.readouterr().out
+
+
+def test_load_json_refuses_other_files(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text('{"schema": "something-else"}')
+    with pytest.raises(ValueError, match="schema"):
+        load_json(str(p))
+
+
+def test_module_entry_point_lists_presets(capsys):
+    assert cli.main(["--list-presets"]) == 0
+    assert "A: 128x96 P3000 T3 16/8 D128 Pg32 bf16" in capsys.readouterr().out

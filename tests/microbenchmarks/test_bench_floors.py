@@ -1,0 +1,102 @@
+"""Floor accounting on a shape small enough to count by hand, and the oracle comparison."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from microbenchmarks.check import compare, pick_check_requests
+from microbenchmarks.floors import count_flops, count_traffic, distinct_tail_entries, floor_times, stage_work
+from microbenchmarks.shapes import BenchShape
+from microbenchmarks.workload import build_workload
+
+# R=2 requests of W=3 beams, prompts 5 and 9, tail 3 (2 earlier tokens + this step's), Hq=4, Hkv=2,
+# D=8, page 4, bf16 (2 bytes). K+V of one position: 2 heads * 8 * 2 (K,V) * 2 B = 64 B.
+PROMPTS = np.array([5, 9])
+ANCESTRY = np.array([
+    [[0, 2], [0, 2], [1, 2]],  # request 0: position P+0 from beams {0, 1} (2), P+1 from {2} (1)
+    [[1, 0], [1, 1], [1, 2]],  # request 1: P+0 from {1} (1), P+1 from {0, 1, 2} (3)
+])  # [R, W, T-1]
+
+
+def hand_traffic():
+    return count_traffic(PROMPTS, tail=3, beams=3, heads=4, kv_heads=2, head_dim=8, page_size=4, elem_bytes=2,
+                         tail_ancestry=ANCESTRY)
+
+
+def test_traffic_counted_by_hand():
+    t = hand_traffic()
+    assert t.prompt_kv == (5 + 9) * 64  # 896: each prompt read once, not once per beam
+    assert t.tail_kv == 7 * 64  # 448: 2 + 1 + 1 + 3 distinct (request, beam, position) entries
+    assert t.tail_kv_per_beam == 6 * 2 * 64  # 768: 6 rows x 2 earlier positions
+    assert t.new_kv == 6 * 64 * 2  # 768: read from the input, written to the cache
+    assert t.q == 6 * 4 * 8 * 2 == t.out  # 384 each
+    # int32: 2 + 3 prompt pages, indptr 3, kv_len + prompt_len per row 12, indirection 6 x 2 = 12,
+    # one tail page column per row (positions 5..7 in column 1, 9..11 in column 2): 6.
+    assert t.metadata == 4 * (5 + 3 + 12 + 12 + 6)  # 152
+    assert t.total == 896 + 448 + 768 + 384 + 384 + 152 == 3032
+    assert t.prefix_state_round_trip == 2 * 6 * 4 * (8 * 2 + 4)  # 960: bf16 output + fp32 LSE, written + read
+    assert t.assembled == 3032 + 960
+
+
+def test_flops_and_floors_by_hand():
+    flops = count_flops(PROMPTS, tail=3, beams=3, heads=4, head_dim=8)
+    assert flops == 4 * 8 * 4 * 3 * ((5 + 3) + (9 + 3)) == 7680
+    f = floor_times(hand_traffic(), flops, bandwidth=1e9, matmul_rate=1e9)
+    assert f["memory_us"] == pytest.approx(3.032)
+    assert f["assembled_memory_us"] == pytest.approx(3.992)
+    assert f["compute_us"] == pytest.approx(7.68)
+    assert f["floor_us"] == pytest.approx(7.68)  # compute bound here: max of the two
+    f = floor_times(hand_traffic(), flops, bandwidth=1e8, matmul_rate=None)
+    assert f["floor_us"] == pytest.approx(30.32) and f["compute_us"] is None
+    assert floor_times(hand_traffic(), flops, None, None)["floor_us"] is None
+
+
+def test_stage_work_by_hand():
+    t = hand_traffic()
+    kw = dict(traffic=t, flops=7680, prompt_lens=PROMPTS, tail=3, beams=3, heads=4, head_dim=8, page_size=4)
+    assert stage_work("full", **kw) == {"bytes": 3032, "flops": 7680}
+    # prefix: prompt KV 896 + q 384 + output/LSE written 480 + indptr 3 and 5 page indices (32).
+    assert stage_work("prefix", **kw) == {"bytes": 896 + 384 + 480 + 32, "flops": 4 * 8 * 4 * 3 * 14}
+    # tail: tail KV 448 + new K/V 768 + q 384 + out 384 + prefix state read 480 + metadata 152.
+    assert stage_work("tail", **kw) == {"bytes": 448 + 768 + 384 + 384 + 480 + 152, "flops": 4 * 8 * 4 * 6 * 3}
+
+
+def test_distinct_tail_entries_against_a_set():
+    rng = np.random.default_rng(1)
+    anc = rng.integers(0, 5, size=(4, 5, 7))
+    brute = len({(r, int(anc[r, b, g]), g) for r, b, g in itertools.product(range(4), range(5), range(7))})
+    assert distinct_tail_entries(anc) == brute
+    assert distinct_tail_entries(np.zeros((3, 4, 0), dtype=np.int32)) == 0
+
+
+def test_traffic_of_a_built_workload_is_bounded_by_per_beam_reads():
+    wl = build_workload(BenchShape(requests=3, beams=6, prompt=40, tail=9, heads=4, kv_heads=2, head_dim=16,
+                                   page_size=8), seed=0)
+    t = count_traffic(wl.prompt_lens_host, 9, 6, 4, 2, 16, 8, 2, wl.tail_ancestry)
+    per_beam = count_traffic(wl.prompt_lens_host, 9, 6, 4, 2, 16, 8, 2, None)
+    assert 0 < t.tail_kv < per_beam.tail_kv == t.tail_kv_per_beam
+
+
+def test_compare_fails_poison_zeros_and_wrong_values():
+    ref = torch.randn(6, 4, 8)
+    good = ref.to(torch.bfloat16)
+    assert compare(good, ref, torch.bfloat16).ok
+    poisoned = good.clone()
+    poisoned[3, 1, 5] = float("nan")
+    r = compare(poisoned, ref, torch.bfloat16)
+    assert not r.ok and r.nonfinite == 1 and "non-finite" in r.message
+    assert not compare(torch.zeros_like(good), ref, torch.bfloat16).ok
+    off = good.clone()
+    off[0] += 0.1 * ref.abs().max()
+    assert not compare(off, ref, torch.bfloat16).ok
+    lse = torch.randn(6, 4)
+    assert not compare(good, ref, torch.bfloat16, lse + 0.1, lse).ok
+    assert compare(good, ref, torch.bfloat16, lse + 1e-3, lse).ok
+
+
+def test_pick_check_requests():
+    assert pick_check_requests(3, 4) == [0, 1, 2]
+    picks = pick_check_requests(128, 4, seed=0)
+    assert len(picks) == 4 and picks[0] == 0 and picks[-1] == 127 and picks == sorted(set(picks))

@@ -1,0 +1,108 @@
+"""Presets, free arguments and sweeps of the benchmark CLI (CPU, no measurement)."""
+
+import pytest
+
+from microbenchmarks.cli import build_parser, resolve_shapes
+from microbenchmarks.shapes import PRESETS, BenchShape, ShapeError, expand_sweeps, parse_sweep, reduced_cpu_shape
+
+# The reference workloads as issue 6 states them: (R, W, P, T, Hq, Hkv); all bf16, head 128, page 32.
+ISSUE_PRESETS = {
+    "A": (128, 96, 3000, 3, 16, 8),
+    "B-short": (64, 30, 100, 4, 16, 8),
+    "B-medium": (64, 30, 500, 4, 16, 8),
+    "B-long": (64, 30, 2000, 4, 16, 8),
+    "B-4B": (64, 30, 500, 4, 32, 8),
+    "B-beam14": (64, 14, 500, 4, 16, 8),
+}
+
+
+def test_presets_are_the_issue_workloads():
+    assert set(PRESETS) == set(ISSUE_PRESETS)
+    for name, (R, W, P, T, hq, hkv) in ISSUE_PRESETS.items():
+        s = PRESETS[name]
+        assert (s.requests, s.beams, s.prompt, s.tail, s.heads, s.kv_heads) == (R, W, P, T, hq, hkv), name
+        assert (s.head_dim, s.page_size, s.dtype, s.prompt_jitter, s.name) == (128, 32, "bfloat16", 0.0, name)
+
+
+def parse(argv):
+    return resolve_shapes(build_parser().parse_args(argv))
+
+
+def test_cli_preset_free_arguments_and_default():
+    assert parse([]) == [PRESETS["A"]]
+    assert parse(["--preset", "B-long"]) == [PRESETS["B-long"]]
+    (s,) = parse(["--preset", "B-medium", "--beams", "7", "--kv-heads", "4", "--dtype", "fp16", "--head-dim", "64",
+                  "--page-size", "16", "--tail", "9", "--requests", "3", "--prompt", "77", "--heads", "12"])
+    assert (s.requests, s.beams, s.prompt, s.tail, s.heads, s.kv_heads, s.head_dim, s.page_size, s.dtype) == (
+        3, 7, 77, 9, 12, 4, 64, 16, "float16")
+    assert s.name == "custom"
+    # An override equal to the preset's value keeps the preset's name.
+    assert parse(["--preset", "B-medium", "--beams", "30"])[0].name == "B-medium"
+
+
+def test_cli_sweeps_form_a_grid():
+    shapes = parse(["--preset", "B-medium", "--sweep", "beams=14,30", "--sweep", "prompt=100,500,2000"])
+    assert [(s.beams, s.prompt) for s in shapes] == [(14, 100), (14, 500), (14, 2000), (30, 100), (30, 500), (30, 2000)]
+    assert all(s.heads == 16 and s.requests == 64 for s in shapes)
+    assert shapes[0].name == "B-medium[beams=14,prompt=100]"
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("beams=14,30,96,256", ("beams", [14, 30, 96, 256])),
+        ("prompt=100, 500", ("prompt", [100, 500])),
+        ("kv-heads=2,4", ("kv_heads", [2, 4])),
+        ("head_dim=64,128", ("head_dim", [64, 128])),
+        ("dtype=bf16,fp16", ("dtype", ["bfloat16", "float16"])),
+    ],
+)
+def test_parse_sweep(text, expected):
+    assert parse_sweep(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [("beams", "KEY=V1"), ("width=3", "unknown"), ("beams=", "no values"), ("beams=3,x", "'x'"),
+     ("beams=3,3", "twice"), ("dtype=fp8", "fp8")],
+)
+def test_parse_sweep_errors_name_the_value(text, needle):
+    with pytest.raises(ShapeError, match=needle):
+        parse_sweep(text)
+
+
+def test_sweep_values_are_validated_and_fields_not_repeated():
+    with pytest.raises(ShapeError, match="kv_heads=3"):
+        expand_sweeps(PRESETS["A"], [parse_sweep("kv-heads=3")])
+    with pytest.raises(ShapeError, match="twice"):
+        expand_sweeps(PRESETS["A"], [parse_sweep("beams=2"), parse_sweep("beams=4")])
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [(dict(beams=0), "beams=0"), (dict(heads=12, kv_heads=8), "multiple of kv_heads=8"),
+     (dict(head_dim=60), "head_dim=60"), (dict(prompt_jitter=1.5), "prompt_jitter"), (dict(dtype="int8"), "int8")],
+)
+def test_shape_validation(kwargs, needle):
+    base = dict(requests=2, beams=4, prompt=10, tail=2)
+    base.update(kwargs)
+    with pytest.raises(ShapeError, match=needle):
+        BenchShape(**base)
+
+
+def test_cli_rejects_bad_values_with_usage_error(capsys):
+    from microbenchmarks.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--sweep", "beams=0"])
+    assert exc.value.code == 2
+    assert "beams=0" in capsys.readouterr().err
+
+
+def test_reduced_cpu_shape_keeps_the_attention_shape():
+    for s in PRESETS.values():
+        r = reduced_cpu_shape(s)
+        assert (r.heads, r.kv_heads, r.head_dim, r.page_size, r.dtype) == (s.heads, s.kv_heads, s.head_dim, s.page_size, s.dtype)
+        assert r.requests <= 2 and r.beams <= 8 and r.tail <= 5
+        # Shared full pages and a private partial page both appear when the preset's prompt allows.
+        assert r.prompt // r.page_size >= 1 and (r.prompt % r.page_size or r.prompt == s.prompt)
