@@ -1,0 +1,301 @@
+"""Prefix backends alone: output and LSE against ``reference_prefix_attention``; selection rules; buffers.
+
+Each backend is planned with a :class:`StepPlan` of a simulated batch and run into NaN-poisoned
+buffers; its output must match the float32 oracle's prefix attention and its LSE, read through the
+returned :class:`LseDescriptor` (layout and base), the oracle's base-2 ``[rows, heads]`` LSE. The
+pool is a strided per-layer view of a three-layer pool whose other layers hold NaN, as TensorRT-LLM
+hands it over, so reading the wrong layer or a wrong stride fails.
+
+CPU: the reference backend, the kernel-family and workspace rules, declines with reasons (device
+capability faked where the rule needs one), the CUDA-graph buffer rules. GPU (marked): FlashInfer
+fa2/fa3 and FA4, skipped with the reason when the package is not importable.
+
+Tolerances: outputs are rounded to bf16/fp16 once (``atol = rtol = 2e-2`` / ``5e-3``); LSEs are
+float32 from float32 accumulation of 16-bit products (``1e-2 + 1e-3 * |lse|``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from beam_shared_prefix.plan import build_step_plan
+from beam_shared_prefix.prefix import (
+    BACKEND_CLASSES,
+    FA4PrefixBackend,
+    FlashInferPrefixBackend,
+    LseDescriptor,
+    PrefixBackendError,
+    ReferencePrefixBackend,
+    choose_flashinfer_kernel,
+    choose_prefix_backend,
+    prefill_float_workspace_bytes,
+    resolve_prefix_backend,
+)
+from beam_shared_prefix.prefix.buffers import DeviceBuffer, padded_page_table
+from beam_shared_prefix.reference import LOG2E, reference_prefix_attention
+from beam_shared_prefix.testing import BeamSearchCacheSimulator
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def layered_pool(pool: torch.Tensor, layers: int = 3, layer: int = 1) -> torch.Tensor:
+    """``pool`` moved into layer ``layer`` of a ``[pages, layers, 2, ...]`` pool; other layers are NaN."""
+    big = torch.full((pool.shape[0], layers, *pool.shape[1:]), float("nan"), dtype=pool.dtype, device=pool.device)
+    big[:, layer] = pool
+    view = big[:, layer]
+    assert view.stride(0) == layers * view[0].numel()
+    return view
+
+
+def make_case(device, prompts, beams, hq, hkv, d, pg, layout="HND", dtype=torch.bfloat16, seed=0):
+    sim = BeamSearchCacheSimulator(
+        list(prompts), beam_width=beams, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=pg,
+        max_seq_len=max(prompts) + 8, kv_layout=layout, dtype=dtype, device=device, seed=seed,
+    )
+    sim.kv_cache = layered_pool(sim.kv_cache)
+    step = sim.begin_step()
+    plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
+                           beams, pg, sim.num_pages)
+    return sim, step, plan
+
+
+def run_prefix(backend, sim, step, plan, sm_scale=None, oracle_plan=None):
+    """Plan and run ``backend`` into poisoned buffers; compare with the oracle (of ``oracle_plan`` if given)."""
+    hq, hkv, d, pg, dtype = sim.num_qo_heads, sim.num_kv_heads, sim.head_dim, sim.page_size, sim.dtype
+    backend.plan(plan, hq, hkv, d, pg, dtype, sm_scale)
+    rows = plan.num_rows
+    out = torch.full((rows, hq, d), float("nan"), dtype=dtype, device=step.q.device)
+    lse = torch.full(backend.lse_shape(rows, hq), float("nan"), dtype=torch.float32, device=step.q.device)
+    o, desc = backend.run(step.q, sim.kv_cache, out, lse)
+    assert o is out and desc.tensor is lse, "the backend must write into the buffers it was given"
+    assert (desc.layout, desc.base) == (backend.lse_layout, backend.lse_base)
+    want = plan if oracle_plan is None else oracle_plan
+    ref_o, ref_lse = reference_prefix_attention(
+        step.q, sim.kv_cache, want.kv_page_indptr, want.kv_page_indices, want.prompt_lens, want.beam_width,
+        sm_scale=sm_scale, kv_layout=sim.kv_layout,
+    )
+    assert not torch.isnan(out).any(), "NaN left in the prefix output (unwritten element or a wrong layer read)"
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref_o, atol=tol, rtol=tol)
+    torch.testing.assert_close(desc.base2_rows_heads(), ref_lse, atol=1e-2, rtol=1e-3)
+    return out, desc
+
+
+# --------------------------------------------------------------------------------------------
+# reference backend (CPU)
+
+
+@pytest.mark.parametrize(
+    "layout, hq, hkv, dtype, pg",
+    [("HND", 4, 2, torch.bfloat16, 4), ("NHD", 6, 2, torch.float16, 8), ("HND", 3, 3, torch.float16, 16)],
+    ids=["HND-gqa2-bf16", "NHD-gqa3-fp16", "HND-mha-fp16"],
+)
+def test_reference_backend_matches_oracle(layout, hq, hkv, dtype, pg):
+    sim, step, plan = make_case("cpu", (1, 37, 9, 16), 3, hq, hkv, 16, pg, layout, dtype)
+    run_prefix(ReferencePrefixBackend("cpu", kv_layout=layout), sim, step, plan, sm_scale=0.3)
+
+
+def test_reference_backend_tolerance_detects_a_wrong_page():
+    sim, step, plan = make_case("cpu", (9, 16), 2, 4, 2, 16, 4)
+    indices = plan.kv_page_indices.copy()
+    indices[0] = indices[-1]  # request 0 reads one page of request 1
+    bad = build_step_plan(plan.kv_page_indptr, indices, plan.prompt_lens, 2, 4, sim.num_pages)
+    run_prefix(ReferencePrefixBackend("cpu"), sim, step, plan)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        run_prefix(ReferencePrefixBackend("cpu"), sim, step, bad, oracle_plan=plan)
+
+
+def test_graph_mode_buffers_stay_put_and_refuse_growth():
+    sim, step, plan = make_case("cpu", (9, 16), 2, 4, 2, 16, 4)
+    backend = ReferencePrefixBackend("cpu", use_cuda_graph=True, max_requests=3, max_beam_width=2, max_prompt_pages=6)
+    run_prefix(backend, sim, step, plan)
+    ptr = backend._page_table_view.data_ptr()
+    assert backend._page_table_view.shape == (2, 6), "graph mode keeps the page-table width at max_prompt_pages"
+    sim2, step2, plan2 = make_case("cpu", (3, 20, 7), 2, 4, 2, 16, 4, seed=1)
+    run_prefix(backend, sim2, step2, plan2)
+    assert backend._page_table_view.data_ptr() == ptr
+    sim3, step3, plan3 = make_case("cpu", (3, 20, 7, 1), 2, 4, 2, 16, 4, seed=2)
+    with pytest.raises(PrefixBackendError, match="max_requests=3"):
+        backend.plan(plan3, 4, 2, 16, 4, torch.bfloat16)
+    with pytest.raises(ValueError, match="max_prompt_pages"):
+        ReferencePrefixBackend("cpu", use_cuda_graph=True, max_requests=3, max_beam_width=2)
+
+
+def test_plan_refused_during_capture_and_page_size_mismatch(monkeypatch):
+    sim, step, plan = make_case("cpu", (9,), 2, 4, 2, 16, 4)
+    backend = ReferencePrefixBackend("cpu")
+    with pytest.raises(ValueError, match="page_size=4"):
+        backend.plan(plan, 4, 2, 16, 8, torch.bfloat16)
+    with pytest.raises(PrefixBackendError, match="before plan"):
+        backend.run(step.q, sim.kv_cache, torch.empty_like(step.q), torch.empty(6, 4))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(PrefixBackendError, match="CUDA graph is being captured"):
+        backend.plan(plan, 4, 2, 16, 4, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# LSE descriptor, buffers
+
+
+def test_lse_descriptor_reads_every_layout_and_base():
+    lse2 = torch.randn(5, 3) * 4  # base 2, [rows, heads]
+    assert torch.equal(LseDescriptor(lse2, "NH", "log2").base2_rows_heads(), lse2)
+    fa4_style = (lse2 / LOG2E).t().contiguous()  # natural log, [heads, rows]
+    torch.testing.assert_close(LseDescriptor(fa4_style, "HN", "ln").base2_rows_heads(), lse2)
+    with pytest.raises(ValueError):
+        LseDescriptor(lse2, "RH", "log2")
+    with pytest.raises(ValueError):
+        LseDescriptor(lse2, "NH", "log10")
+
+
+def test_device_buffer_grows_eagerly_and_is_frozen_in_graph_mode():
+    buf = DeviceBuffer("x", torch.int32, "cpu")
+    a = buf.write(np.arange(6, dtype=np.int32).reshape(2, 3))
+    assert a.tolist() == [[0, 1, 2], [3, 4, 5]]
+    b = buf.view((20,))
+    assert b.numel() == 20 and buf.capacity >= 20
+    frozen = DeviceBuffer("y", torch.float32, "cpu", frozen=True)
+    v = frozen.view((2, 3), capacity=10)
+    assert frozen.view((10,)).data_ptr() == v.data_ptr()
+    with pytest.raises(RuntimeError, match="cannot move"):
+        frozen.view((11,))
+    table = np.array([[4, 5], [7, 7]], dtype=np.int32)
+    assert padded_page_table(table, 4).tolist() == [[4, 5, 4, 4], [7, 7, 7, 7]]
+
+
+# --------------------------------------------------------------------------------------------
+# rules
+
+
+def test_flashinfer_kernel_rule():
+    sm90, sm80 = (9, 0), (8, 0)
+    assert choose_flashinfer_kernel(96, 3000, 128, sm90) == "fa3"  # measured: fa3 ~1.0 ms vs fa2 ~1.3 ms
+    assert choose_flashinfer_kernel(30, 500, 128, sm90) == "fa2"  # measured: fa2 ~52 us vs fa3 ~99 us
+    assert choose_flashinfer_kernel(64, 3000, 128, sm90) == "fa2"  # fa3 tile at most half used
+    assert choose_flashinfer_kernel(256, 100, 128, sm90) == "fa2"  # too short a prompt for fa3 to pay
+    assert choose_flashinfer_kernel(96, 3000, 128, sm80) == "fa2"  # fa3 is SM90-only
+    assert choose_flashinfer_kernel(96, 3000, 128, sm90, "fa2") == "fa2"
+    assert choose_flashinfer_kernel(2, 1, 64, sm90, "fa3") == "fa3"
+    with pytest.raises(PrefixBackendError, match="SM90"):
+        choose_flashinfer_kernel(96, 3000, 128, sm80, "fa3")
+    with pytest.raises(ValueError, match="prefix_kernel"):
+        choose_flashinfer_kernel(96, 3000, 128, sm90, "fa4")
+
+
+def test_workspace_estimate_covers_the_shape_that_overflowed_128_mb():
+    preset_a = prefill_float_workspace_bytes(128, 96, 16, 8, 128, 132)
+    assert preset_a > 128 * 2**20
+    assert preset_a % 256 == 0
+    # Grows with the batch, and the graph-mode bound is never smaller.
+    assert prefill_float_workspace_bytes(256, 96, 16, 8, 128, 132) > preset_a
+    assert prefill_float_workspace_bytes(128, 96, 16, 8, 128, 132, conservative=True) >= preset_a
+    # A small batch still covers a grid-sized split: num_sms * 4 CTAs of 128 rows of D + 1 floats.
+    assert prefill_float_workspace_bytes(1, 2, 16, 8, 128, 132) >= 132 * 4 * 128 * 129 * 4
+
+
+@pytest.fixture
+def fake_sm(monkeypatch):
+    """Pretend a CUDA device of the given capability exists (the availability rules read only these)."""
+
+    def set_capability(cap):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+
+    return set_capability
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes a GPU on a CPU-only machine")
+def test_declines_name_their_reason(fake_sm):
+    cuda = torch.device("cuda")
+    fake_sm((9, 0))
+    bf16 = torch.bfloat16
+    cases = [
+        (FA4PrefixBackend, dict(dtype=torch.float16, head_dim=128, page_size=32), "bf16 only"),
+        (FA4PrefixBackend, dict(dtype=bf16, head_dim=256, page_size=32), "head_dim=256"),
+        (FA4PrefixBackend, dict(dtype=bf16, head_dim=128, page_size=128), "TMA paged path"),
+        (FlashInferPrefixBackend, dict(dtype=torch.float32, head_dim=128, page_size=32), "bf16 or fp16"),
+        (FlashInferPrefixBackend, dict(dtype=bf16, head_dim=96, page_size=32), "head_dim=96"),
+    ]
+    for cls, kw, reason in cases:
+        ok, why = cls.is_available(cuda, kw["dtype"], kw["head_dim"], 16, 8, kw["page_size"])
+        assert not ok and reason in why, (cls.__name__, kw, why)
+    ok, why = ReferencePrefixBackend.is_available(cuda, bf16, 128)
+    assert ok and why == ""
+    # Supported shapes: here the packages are not installed, and the reasons say so.
+    for cls, package in ((FA4PrefixBackend, "flash_attn.cute"), (FlashInferPrefixBackend, "flashinfer")):
+        ok, why = cls.is_available(cuda, bf16, 128, 16, 8, 32)
+        assert not ok and package in why and "install" in why
+    name, declined = choose_prefix_backend(cuda, bf16, 128, 16, 8, 32)
+    assert name == "reference" and len(declined) == 2
+    with pytest.raises(PrefixBackendError, match="fa4: .*flashinfer: "):
+        resolve_prefix_backend("fa4", cuda, bf16, 128, 16, 8, 32)
+    fake_sm((8, 0))
+    ok, why = FA4PrefixBackend.is_available(cuda, bf16, 128, 16, 8, 32)
+    assert not ok and "SM90/SM100" in why
+    fake_sm((7, 5))
+    ok, why = FlashInferPrefixBackend.is_available(cuda, bf16, 128, 16, 8, 32)
+    assert not ok and "8.0" in why
+
+
+def test_auto_on_cpu_is_the_reference():
+    assert choose_prefix_backend("cpu", torch.bfloat16, 128, 16, 8, 32)[0] == "reference"
+    assert resolve_prefix_backend("auto", "cpu", torch.bfloat16, 128, 16, 8, 32) == "reference"
+    assert set(BACKEND_CLASSES) == {"reference", "flashinfer", "fa4"}
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: each backend's prefix stage
+
+
+def gpu_backend(name, kernel=None, **kw):
+    if name == "flashinfer":
+        return FlashInferPrefixBackend("cuda", prefix_kernel=kernel, **kw)
+    return BACKEND_CLASSES[name]("cuda", **kw)
+
+
+def skip_unless_available(name, kernel, dtype, d, hq, hkv, pg, layout="HND"):
+    ok, reason = BACKEND_CLASSES[name].is_available(torch.device("cuda"), dtype, d, hq, hkv, pg, layout)
+    if not ok:
+        pytest.skip(f"{name} unavailable: {reason}")
+    if kernel == "fa3" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashInfer fa3 needs an SM90 GPU")
+
+
+GPU_BACKENDS = [("flashinfer", "fa2"), ("flashinfer", "fa3"), ("fa4", None), ("reference", None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, kernel", GPU_BACKENDS, ids=["fi-fa2", "fi-fa3", "fa4", "reference"])
+@pytest.mark.parametrize(
+    "layout, hq, hkv, d, pg, beams",
+    [("HND", 16, 8, 128, 32, 4), ("NHD", 12, 4, 64, 16, 8), ("HND", 8, 8, 128, 64, 2)],
+    ids=["HND-16/8-d128-pg32-w4", "NHD-12/4-d64-pg16-w8", "HND-8/8-d128-pg64-w2"],
+)
+def test_prefix_stage_matches_oracle_gpu(name, kernel, layout, hq, hkv, d, pg, beams):
+    dtype = torch.bfloat16
+    skip_unless_available(name, kernel, dtype, d, hq, hkv, pg, layout)
+    sim, step, plan = make_case("cuda", (1, 37, 500, 130), beams, hq, hkv, d, pg, layout, dtype, seed=7)
+    backend = gpu_backend(name, kernel, kv_layout=layout)
+    run_prefix(backend, sim, step, plan)
+    if name == "flashinfer":
+        assert backend.kernel == kernel and backend.workspace_bytes > 0
+    # A re-plan for another composition reuses the backend (and FlashInfer its wrapper).
+    sim2, step2, plan2 = make_case("cuda", (3, 64), beams, hq, hkv, d, pg, layout, dtype, seed=8)
+    run_prefix(backend, sim2, step2, plan2)
+
+
+@pytest.mark.gpu
+def test_flashinfer_workspace_grows_for_a_bigger_plan():
+    skip_unless_available("flashinfer", "fa2", torch.bfloat16, 128, 16, 8, 32)
+    backend = FlashInferPrefixBackend("cuda", prefix_kernel="fa2")
+    sim, step, plan = make_case("cuda", (40,), 2, 16, 8, 128, 32, seed=1)
+    run_prefix(backend, sim, step, plan)
+    small = backend.workspace_bytes
+    sim, step, plan = make_case("cuda", [700] * 48, 64, 16, 8, 128, 32, seed=2)
+    run_prefix(backend, sim, step, plan)
+    assert backend.workspace_bytes > small
