@@ -47,10 +47,18 @@ class ArmSkipped(Exception):
 
 @dataclass
 class RunContext:
-    """Per-run resources shared by arms (one float workspace for every FlashInfer baseline wrapper)."""
+    """Per-run settings and resources shared by arms.
+
+    ``use_graphs`` captures the library and stage arms in CUDA graphs; ``graph_baselines`` also
+    builds the FlashInfer baselines in their CUDA-graph mode. Baselines are eager by default:
+    timing with a queued backlog already removes their host time, and FlashInfer's graph mode can
+    only make their kernels slower (fa2 then sizes its query tile for the worst case), so eager is
+    the peers' best device time. One float workspace serves every FlashInfer baseline wrapper.
+    """
 
     device: torch.device
     use_graphs: bool = True
+    graph_baselines: bool = False
     fi_workspace_bytes: int = 512 << 20
     _fi_workspace: Optional[torch.Tensor] = None
 
@@ -435,7 +443,7 @@ class FlashInferDecodeArm(Arm):
             raise ArmSkipped(f"CUDA-core decode supports GQA groups 1,2,3,4,6,8,16, not {sh.group}")
         indptr, indices, last = per_beam_page_lists(wl)
         dev = wl.device
-        use_graph = ctx.use_graphs and dev.type == "cuda"
+        use_graph = ctx.use_graphs and ctx.graph_baselines and dev.type == "cuda"
         kwargs = {}
         if use_graph:
             kwargs = dict(
@@ -471,7 +479,7 @@ class FlashInferCascadeArm(Arm):
         sh = wl.shape
         levels = cascade_levels(wl)
         dev = wl.device
-        use_graph = ctx.use_graphs and dev.type == "cuda"
+        use_graph = ctx.use_graphs and ctx.graph_baselines and dev.type == "cuda"
         kwargs = {}
         if use_graph:
             bufs = [[torch.empty(a.shape[0], dtype=torch.int32, device=dev) for a in lvl] for lvl in levels]

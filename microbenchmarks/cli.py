@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--warmup", type=int, default=3, help="untimed calls per set first (default 3)")
     m.add_argument("--no-flush-l2", action="store_true", help="do not flush L2 between timed calls")
     m.add_argument("--no-graphs", action="store_true", help="time every arm eagerly (no CUDA graphs)")
+    m.add_argument("--graph-baselines", action="store_true",
+                   help="also run the FlashInfer baselines in their CUDA-graph mode (default: eager, their best "
+                        "device time; host time is excluded either way)")
+    m.add_argument("--fi-workspace-mb", type=int, default=512, help="float workspace of the FlashInfer baselines")
     m.add_argument("--no-check", action="store_true", help="skip the oracle check (not recommended)")
     m.add_argument("--check-requests", type=int, default=4, help="requests (all their beams) checked per set on a GPU")
     m.add_argument("--kv-layout", choices=("HND", "NHD"), default="HND")
@@ -82,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not measure: load results written by --json (repeatable) and print/plot/merge them")
     o.add_argument("--decline-report", action="store_true",
                    help="print, per point, the best library speedup over per-beam decode and whether to decline")
+    e = p.add_argument_group("end to end (needs tensorrt_llm)")
+    e.add_argument("--e2e-model", metavar="DIR",
+                   help="instead of the layer benchmark, run beam search through TensorRT-LLM's LLM API on this model, "
+                        "library on and off, with the shape's requests, beams, prompt and tail (= new tokens); "
+                        "see microbenchmarks/e2e_trtllm.py")
     return p
 
 
@@ -208,6 +217,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                docs[0].get("options", {}), docs[0].get("argv", []), docs[0].get("note"))
         return _emit(merged, args, log)
 
+    if args.e2e_model:
+        from . import e2e_trtllm
+
+        try:
+            (base,) = resolve_shapes(args)
+        except ValueError:
+            parser.error("--e2e-model takes one shape: drop --sweep")
+        e2e_argv = ["--model", args.e2e_model, "--requests", str(base.requests), "--beams", str(base.beams),
+                    "--prompt", str(base.prompt), "--max-tokens", str(base.tail)]
+        return e2e_trtllm.main(e2e_argv + (["--json", args.json] if args.json else []))
+
     try:
         shapes = resolve_shapes(args)
         prefix_kernels = [k.strip().lower() for k in args.prefix_kernels.split(",") if k.strip()]
@@ -249,7 +269,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sets=args.sets, iters=args.iters, warmup=args.warmup, flush_l2=not args.no_flush_l2,
         use_graphs=not args.no_graphs, check=not args.no_check, check_requests=args.check_requests,
         kv_layout=args.kv_layout, seed=args.seed, plan_repeats=args.plan_repeats,
-        baselines_need_pages=any(a.kind == "baseline" for a in arms),
+        baselines_need_pages=any(a.kind == "baseline" for a in arms), graph_baselines=args.graph_baselines,
+        fi_workspace_mb=args.fi_workspace_mb,
     )
     if not gpu:
         opts.sets = min(opts.sets, 2)

@@ -39,6 +39,8 @@ class RunOptions:
     seed: int = 0
     plan_repeats: int = 200
     baselines_need_pages: bool = True
+    graph_baselines: bool = False
+    fi_workspace_mb: int = 512
 
 
 @dataclass
@@ -153,7 +155,8 @@ def run_point(
     for w, d in works.items():
         f = floor_times_simple(d["bytes"], d["flops"], rates)
         d["floor_us"] = f
-    ctx = RunContext(device=device, use_graphs=opts.use_graphs and is_cuda)
+    ctx = RunContext(device=device, use_graphs=opts.use_graphs and is_cuda, graph_baselines=opts.graph_baselines,
+                     fi_workspace_bytes=opts.fi_workspace_mb << 20)
     arm_results = []
     plan_times = {}
     for arm in arms:

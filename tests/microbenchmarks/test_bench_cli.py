@@ -110,3 +110,25 @@ def test_load_json_refuses_other_files(tmp_path):
 def test_module_entry_point_lists_presets(capsys):
     assert cli.main(["--list-presets"]) == 0
     assert "A: 128x96 P3000 T3 16/8 D128 Pg32 bf16" in capsys.readouterr().out
+
+
+def test_run_point_triton_arms_under_the_interpreter(no_gpu):
+    """The library with the fused Triton tail and the tail stage alone, through the benchmark's check.
+
+    On CPU the kernel runs under TRITON_INTERPRET=1 (set by conftest); a tiny shape keeps it fast.
+    """
+    from microbenchmarks.arms import LibraryArm, PrefixStageArm, TailStageArm
+    from microbenchmarks.runner import Rates, RunOptions, run_point
+    from microbenchmarks.shapes import BenchShape
+
+    shape = BenchShape(requests=2, beams=3, prompt=37, tail=5, heads=4, kv_heads=2, head_dim=64, page_size=16)
+    point = run_point(shape, [LibraryArm("reference"), TailStageArm("triton"), PrefixStageArm("reference"),
+                              PrefixStageArm("no-such-backend")],
+                      RunOptions(sets=2, iters=1, warmup=0, plan_repeats=2), Rates(), "cpu")
+    status = {a["name"]: (a["status"], a.get("reason")) for a in point["arms"]}
+    assert status["library/reference"] == ("ok", None)
+    assert status["tail/triton"] == ("ok", None)
+    assert status["prefix/reference"] == ("ok", None)
+    assert status["prefix/no-such-backend"][0] == "skipped" and "no prefix backend" in status["prefix/no-such-backend"][1]
+    for a in point["arms"][:3]:
+        assert a["check"]["ok"] and a["check"]["rows_checked"] == 2 * 6

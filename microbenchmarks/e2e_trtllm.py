@@ -1,0 +1,251 @@
+"""End-to-end arm: beam search through TensorRT-LLM's LLM API, library on and off.
+
+Each variant runs in its own child process, because ``TLLM_FMHA_LIBS`` must be set before
+TensorRT-LLM builds the model (the registry reads it once per process):
+
+- ``off``: ``TLLM_FMHA_LIBS`` without ``beam_shared_prefix`` (TensorRT-LLM's default kernels);
+- ``on``: ``TLLM_FMHA_LIBS=+beam_shared_prefix``.
+
+Both use ``TLLM_WORKER_USE_SINGLE_PROCESS=1`` so that the model runs in the child itself and the
+library's host counters (:func:`beam_shared_prefix.trtllm.stats`) and its planning time are visible.
+Per variant: ``R`` random prompts of ``P`` token ids, beam width ``W``, ``--max-tokens`` new tokens
+(``ignore_eos``), ``--warmup`` untimed and ``--repeats`` timed ``generate`` calls. Reported:
+prompts/s (median), the library's generation forwards and planned steps, steps handed to the
+default kernel, and host planning time per planned step (the ``prepare()`` hook, timed here by
+wrapping :func:`beam_shared_prefix.trtllm.planning.plan_metadata`).
+
+Forwards replayed inside a CUDA graph run no Python, so with CUDA graphs on, ``generation_forwards``
+counts only eager forwards (warm-up and capture); ``steps_planned`` counts every step.
+
+Run: ``python -m microbenchmarks.e2e_trtllm --model /path/to/Qwen3-0.6B --requests 8 --beams 16
+--prompt 500 --max-tokens 4 --json e2e.json``. Needs ``tensorrt_llm`` (it fails with a clear
+message otherwise) and a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+__all__ = ["TrtllmMissing", "require_tensorrt_llm", "variant_env", "main"]
+
+LIB = "beam_shared_prefix"
+
+
+class TrtllmMissing(RuntimeError):
+    """``tensorrt_llm`` is not importable here."""
+
+
+def require_tensorrt_llm():
+    """Import ``tensorrt_llm`` or raise :class:`TrtllmMissing` saying what to do."""
+    try:
+        import tensorrt_llm  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything at import
+        raise TrtllmMissing(
+            f"the end-to-end arm needs TensorRT-LLM, which does not import here ({type(exc).__name__}: {exc}). "
+            f"Run it on a machine with tensorrt_llm installed (pip install tensorrt_llm), or use the layer-level "
+            f"benchmark: beam-shared-prefix-bench --preset A."
+        ) from None
+    return tensorrt_llm
+
+
+def variant_env(variant: str, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The child environment of a variant (``on``/``off``); see the module docstring."""
+    env = dict(os.environ if base is None else base)
+    libs = [x for x in env.get("TLLM_FMHA_LIBS", "").split(",") if x.strip() and x.strip().lstrip("+-") != LIB]
+    if variant == "on":
+        if libs and not any(x.strip().startswith(("+", "-")) for x in libs):
+            # An exact list: the library goes before ``fallback``, which takes whatever is left.
+            names = [x.strip() for x in libs]
+            libs.insert(names.index("fallback") if "fallback" in names else len(libs), LIB)
+        else:
+            libs.append("+" + LIB)
+    elif variant != "off":
+        raise ValueError(f"variant={variant!r}; use 'on' or 'off'.")
+    if libs:
+        env["TLLM_FMHA_LIBS"] = ",".join(libs)
+    else:
+        env.pop("TLLM_FMHA_LIBS", None)
+    env["TLLM_WORKER_USE_SINGLE_PROCESS"] = "1"
+    return env
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m microbenchmarks.e2e_trtllm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="model directory (Hugging Face checkpoint) for TensorRT-LLM's LLM API")
+    p.add_argument("--requests", type=int, default=8, help="prompts per generate() call (default 8)")
+    p.add_argument("--beams", type=int, default=16, help="beam width (default 16)")
+    p.add_argument("--prompt", type=int, default=500, help="prompt tokens (default 500)")
+    p.add_argument("--max-tokens", type=int, default=4, help="new tokens per beam (default 4)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", default="off,on", help="comma list of off, on (default off,on)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="run without CUDA graphs")
+    p.add_argument("--kv-cache-fraction", type=float, default=0.5, help="free GPU memory fraction for the KV cache")
+    p.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn from [10, vocab)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--child", metavar="VARIANT", help=argparse.SUPPRESS)
+    p.add_argument("--child-out", metavar="PATH", help=argparse.SUPPRESS)
+    return p
+
+
+def _timed_planning():
+    """Wrap the library's per-step planning to accumulate host time; returns the accumulator."""
+    acc = {"calls": 0, "total_us": 0.0}
+    from beam_shared_prefix.trtllm import planning
+
+    original = planning.plan_metadata
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            acc["calls"] += 1
+            acc["total_us"] += (time.perf_counter() - t0) * 1e6
+
+    planning.plan_metadata = timed  # the prepare() hook looks the name up at call time
+    return acc
+
+
+def run_child(args) -> Dict:
+    """One variant, in this process (the parent set its environment)."""
+    require_tensorrt_llm()
+    import random
+
+    from tensorrt_llm import LLM, SamplingParams
+    from tensorrt_llm.llmapi import KvCacheConfig
+
+    plan_acc = _timed_planning() if args.child == "on" else None
+    kv_kwargs = dict(enable_block_reuse=False, free_gpu_memory_fraction=args.kv_cache_fraction)
+    try:
+        kv_config = KvCacheConfig(use_kv_cache_manager_v2=False, **kv_kwargs)  # beam search needs manager V1
+    except (TypeError, ValueError):
+        kv_config = KvCacheConfig(**kv_kwargs)
+    llm_kwargs = dict(
+        model=args.model,
+        max_beam_width=args.beams,
+        max_batch_size=args.requests,
+        max_seq_len=args.prompt + args.max_tokens + 8,
+        max_num_tokens=max(8192, args.requests * (args.prompt + 8)),
+        kv_cache_config=kv_config,
+        skip_tokenizer_init=True,
+    )
+    if not args.no_cuda_graph:
+        from tensorrt_llm.llmapi import CudaGraphConfig
+
+        llm_kwargs["cuda_graph_config"] = CudaGraphConfig(batch_sizes=[args.requests])
+    else:
+        llm_kwargs["cuda_graph_config"] = None
+    llm = LLM(**llm_kwargs)
+    try:
+        sampling = SamplingParams(max_tokens=args.max_tokens, n=args.beams, best_of=args.beams, use_beam_search=True,
+                                  ignore_eos=True, end_id=-1)
+    except TypeError:
+        sampling = SamplingParams(max_tokens=args.max_tokens, n=args.beams, best_of=args.beams, use_beam_search=True)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(10, args.vocab) for _ in range(args.prompt)] for _ in range(args.requests)]
+    for _ in range(args.warmup):
+        llm.generate(prompts, sampling)
+    stats_before = _library_stats() if args.child == "on" else {}
+    plan_before = dict(plan_acc) if plan_acc else None
+    walls = []
+    outputs = None
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, sampling)
+        walls.append(time.perf_counter() - t0)
+    beams_returned = [len(o.outputs) for o in outputs] if outputs else []
+    res = {
+        "variant": args.child,
+        "wall_s": walls,
+        "wall_s_median": statistics.median(walls),
+        "prompts_per_s": args.requests / statistics.median(walls),
+        "beams_returned": beams_returned,
+        "top_beam_tokens": [list(o.outputs[0].token_ids) for o in outputs] if outputs else [],
+    }
+    if args.child == "on":
+        after = _library_stats()
+        res["library_stats_timed"] = {k: after.get(k, 0) - stats_before.get(k, 0) for k in after}
+        calls = plan_acc["calls"] - plan_before["calls"]
+        total = plan_acc["total_us"] - plan_before["total_us"]
+        res["plan_calls_timed"] = calls
+        res["plan_host_us_per_step"] = total / calls if calls else None
+    shutdown = getattr(llm, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+    return res
+
+
+def _library_stats() -> Dict[str, int]:
+    from beam_shared_prefix.trtllm import stats
+
+    return dict(stats())
+
+
+def _run_variant(args, variant: str, argv: Sequence[str]) -> Dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, f"{variant}.json")
+        cmd = [sys.executable, "-m", "microbenchmarks.e2e_trtllm", *argv, "--child", variant, "--child-out", out]
+        proc = subprocess.run(cmd, env=variant_env(variant))
+        if proc.returncode != 0 or not os.path.exists(out):
+            return {"variant": variant, "error": f"child exited with status {proc.returncode} (see its output above)"}
+        with open(out) as f:
+            return json.load(f)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        require_tensorrt_llm()
+    except TrtllmMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.child:
+        res = run_child(args)
+        with open(args.child_out, "w") as f:
+            json.dump(res, f)
+        return 0
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in ("on", "off"):
+            print(f"error: --variants {v!r} is not on or off", file=sys.stderr)
+            return 2
+    results = [_run_variant(args, v, argv) for v in variants]
+    by = {r["variant"]: r for r in results}
+    summary = {}
+    if "on" in by and "off" in by and "prompts_per_s" in by["on"] and "prompts_per_s" in by["off"]:
+        summary["speedup"] = by["on"]["prompts_per_s"] / by["off"]["prompts_per_s"]
+        summary["top_beams_equal"] = by["on"]["top_beam_tokens"] == by["off"]["top_beam_tokens"]
+    for r in results:
+        if "error" in r:
+            print(f"{r['variant']}: FAILED: {r['error']}")
+            continue
+        line = f"{r['variant']}: {r['prompts_per_s']:.2f} prompts/s (median wall {r['wall_s_median'] * 1e3:.1f} ms)"
+        if r["variant"] == "on":
+            st = r.get("library_stats_timed", {})
+            pu = r.get("plan_host_us_per_step")
+            line += (f"; library: {st.get('steps_planned', 0)} steps planned, {st.get('generation_forwards', 0)} eager "
+                     f"forwards served, {st.get('delegated_steps', 0)} steps to the default kernel; host planning "
+                     + ("-" if pu is None else f"{pu:.1f} us/step"))
+        print(line)
+    if summary:
+        print(f"speedup on/off: {summary['speedup']:.2f}x; top beams identical: {summary['top_beams_equal']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"schema": "beam-shared-prefix-e2e/1", "args": vars(args), "results": results,
+                       "summary": summary}, f, indent=1)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

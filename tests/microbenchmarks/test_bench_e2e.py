@@ -1,0 +1,53 @@
+"""The end-to-end TensorRT-LLM arm: environment per variant, and a clear failure without tensorrt_llm."""
+
+import sys
+
+import pytest
+
+from microbenchmarks import e2e_trtllm
+
+
+@pytest.mark.parametrize(
+    "before,variant,after",
+    [
+        (None, "on", "+beam_shared_prefix"),
+        (None, "off", None),
+        ("+beam_shared_prefix", "off", None),
+        ("-prims_ts", "on", "-prims_ts,+beam_shared_prefix"),
+        ("triton_custom_mask,fallback", "on", "triton_custom_mask,beam_shared_prefix,fallback"),
+        ("triton_custom_mask,beam_shared_prefix,fallback", "off", "triton_custom_mask,fallback"),
+    ],
+)
+def test_variant_env(before, variant, after):
+    base = {"PATH": "/bin"} if before is None else {"PATH": "/bin", "TLLM_FMHA_LIBS": before}
+    env = e2e_trtllm.variant_env(variant, base)
+    assert env.get("TLLM_FMHA_LIBS") == after
+    assert env["TLLM_WORKER_USE_SINGLE_PROCESS"] == "1" and env["PATH"] == "/bin"
+
+
+def test_fails_clearly_without_tensorrt_llm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # makes `import tensorrt_llm` raise ImportError
+    with pytest.raises(e2e_trtllm.TrtllmMissing, match="needs TensorRT-LLM"):
+        e2e_trtllm.require_tensorrt_llm()
+    assert e2e_trtllm.main(["--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "needs TensorRT-LLM" in err and "beam-shared-prefix-bench --preset A" in err
+
+
+@pytest.mark.trtllm
+@pytest.mark.gpu
+def test_e2e_runs_with_tensorrt_llm(tmp_path):
+    """Needs TRTLLM_E2E_MODEL (a small model directory) on a machine with TensorRT-LLM and a GPU."""
+    import json
+    import os
+
+    model = os.environ.get("TRTLLM_E2E_MODEL")
+    if not model:
+        pytest.fail("set TRTLLM_E2E_MODEL to a model directory (e.g. Qwen3-0.6B) to run the end-to-end arm")
+    out = tmp_path / "e2e.json"
+    rc = e2e_trtllm.main(["--model", model, "--requests", "2", "--beams", "4", "--prompt", "100", "--max-tokens", "3",
+                          "--repeats", "1", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    on = next(r for r in doc["results"] if r["variant"] == "on")
+    assert on["library_stats_timed"]["steps_planned"] > 0 and doc["summary"]["top_beams_equal"]

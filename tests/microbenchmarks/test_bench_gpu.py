@@ -1,0 +1,49 @@
+"""The benchmark CLI on a GPU: every arm runs, passes the oracle check and is timed (small shape)."""
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ALL_ARMS = {"library/flashinfer", "library/fa4", "prefix/flashinfer", "prefix/fa4", "tail/triton", "fi-decode-tc",
+            "fi-decode-cc", "fi-cascade"}
+
+
+def test_every_arm_runs_checks_and_times(tmp_path):
+    from microbenchmarks import cli
+
+    out = tmp_path / "gpu.json"
+    rc = cli.main(["--requests", "4", "--beams", "8", "--prompt", "200", "--tail", "5", "--sets", "2", "--iters", "3",
+                   "--plan-repeats", "20", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["environment"]["gpu"] is True
+    assert doc["rates"]["copy_bandwidth_GBps"] > 100 and doc["rates"]["matmul_TFLOPs"] > 10
+    (point,) = doc["results"]
+    arms = {a["name"]: a for a in point["arms"]}
+    assert set(arms) == ALL_ARMS
+    bad = {n: (a["status"], a["reason"]) for n, a in arms.items() if a["status"] != "ok"}
+    assert not bad, bad
+    for name, a in arms.items():
+        assert a["check"]["ok"] and a["time_us"] > 0, name
+        assert a["speedup_vs_decode"] > 0 and a["floor_multiple"] > 0, name
+    for name in ("library/flashinfer", "library/fa4", "tail/triton"):
+        assert arms[name]["graphed"], (name, arms[name]["graph_error"])
+    assert arms["library/flashinfer"]["info"]["prefix_kernel"] in ("fa2", "fa3")
+    assert arms["library/fa4"]["info"]["backend"] == "fa4"
+    assert point["plan"]["library/flashinfer"]["replan_keyed_us"] < point["plan"]["library/flashinfer"]["first_plan_us"]
+
+
+def test_prefix_kernel_choice_is_shown_per_arm(tmp_path):
+    from microbenchmarks import cli
+
+    out = tmp_path / "k.json"
+    rc = cli.main(["--requests", "2", "--beams", "4", "--prompt", "300", "--tail", "3", "--sets", "1", "--iters", "2",
+                   "--arms", "library,prefix", "--prefix-kernels", "fa2,fa3", "--plan-repeats", "0", "--json", str(out)])
+    assert rc == 0
+    arms = {a["name"]: a for a in json.loads(out.read_text())["results"][0]["arms"]}
+    for kernel in ("fa2", "fa3"):
+        for kind in ("library", "prefix"):
+            a = arms[f"{kind}/flashinfer-{kernel}"]
+            assert a["status"] == "ok" and a["info"]["prefix_kernel"] == kernel, a
