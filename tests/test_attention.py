@@ -90,10 +90,10 @@ def assert_matches(out, ref, dtype, what=""):
         ("torch", "HND", torch.bfloat16, False, 1, True),
         ("triton", "HND", torch.float16, False, 1, False),
         ("triton", "NHD", torch.bfloat16, True, 1, False),
-        ("torch", "HND", torch.float16, False, 6, False),
+        ("torch", "HND", torch.float16, True, 6, False),
     ],
     ids=["torch-HND-bf16-checkmode", "triton-HND-fp16", "triton-NHD-bf16-engine-writes-kv",
-         "torch-HND-fp16-block-offsets"],
+         "torch-HND-fp16-block-offsets-engine-writes-kv"],
 )
 def test_steps_match_oracle(tail_impl, layout, dtype, engine_writes_kv, divisor, check):
     """Several steps with beam reselection; a request finishes mid-run (re-plan); GQA group 2 and 3."""
@@ -355,7 +355,7 @@ def test_check_mode_off_runs_no_check(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# GPU: CUDA graph
+# GPU: check mode with the device's backend, CUDA graph
 
 
 def _skip_unless_backend(name, dtype, head_dim, hq, hkv, page_size):
@@ -364,6 +364,30 @@ def _skip_unless_backend(name, dtype, head_dim, hq, hkv, page_size):
     ok, reason = BACKEND_CLASSES[name].is_available(torch.device("cuda"), dtype, head_dim, hq, hkv, page_size, "HND")
     if not ok:
         pytest.skip(f"{name} backend unavailable: {reason}")
+
+
+@pytest.mark.gpu
+def test_check_mode_on_gpu_passes_and_catches_a_wrong_prefix(monkeypatch):
+    """Check mode with backend=auto on the GPU: correct steps pass, a corrupted prefix names the stage."""
+    sim = make_sim(prompts=(1, 37, 300), beams=4, hq=16, hkv=8, d=128, pg=32, max_seq_len=330, device="cuda")
+    att = BeamSharedPrefixAttention("cuda", backend="auto", check=True)
+    for s in range(3):
+        step = sim.begin_step()
+        plan_step(att, sim, step)
+        assert_matches(run_step(att, sim, step), oracle(sim, step), torch.bfloat16, f"step {s}")
+        sim.end_step(write_kv=False)
+    step = sim.begin_step()
+    plan_step(att, sim, step)
+    real_run = att.backend.run
+
+    def wrong_prefix(q, kv_cache, out, lse):
+        o, desc = real_run(q, kv_cache, out, lse)
+        o[5].mul_(-1)
+        return o, desc
+
+    monkeypatch.setattr(att.backend, "run", wrong_prefix)
+    with pytest.raises(BeamSharedPrefixCheckError, match="stage 'prefix'"):
+        run_step(att, sim, step)
 
 
 @pytest.mark.gpu
