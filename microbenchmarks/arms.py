@@ -191,6 +191,18 @@ class LibraryArm(Arm):
         except (ImportError, RuntimeError, ValueError) as exc:
             raise ArmSkipped(f"{self.name}: plan failed: {type(exc).__name__}: {exc}") from None
         first_plan_us = (time.perf_counter() - t0) * 1e6
+        served = getattr(attn, "backend_name", None)
+        if self.backend != "auto" and served is not None and served != self.backend:
+            # The wrapper fell back (e.g. FA4 declined the shape): that arm would time another backend.
+            why = ""
+            try:
+                sh = wl.shape
+                ok, why = prefix_backend_class(self.backend).is_available(
+                    wl.device, wl.dtype, sh.head_dim, sh.heads, sh.kv_heads, sh.page_size, wl.kv_layout)
+            except ArmSkipped:
+                pass
+            raise ArmSkipped(f"{self.backend} declined this shape ({why or 'see the beam_shared_prefix log'}); "
+                             f"the wrapper would serve it with {served}")
         out = torch.empty_like(wl.q)
 
         def call():

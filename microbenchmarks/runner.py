@@ -8,6 +8,7 @@ timed. The result is a plain dict (the JSON schema of :mod:`.report`).
 
 from __future__ import annotations
 
+import gc
 import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -125,6 +126,9 @@ def run_point(
     is_cuda = device.type == "cuda"
     sets = opts.sets
     if is_cuda:
+        # The previous point's tensors are gone; return their cached blocks so they count as free.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info()
         need = estimate_workload_bytes(shape, opts.baselines_need_pages)
         fit = int(0.6 * free // max(need, 1))
