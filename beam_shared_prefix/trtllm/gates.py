@@ -1,0 +1,262 @@
+"""Eligibility gates: why the library declines a layer, a batch or a call, as one-line reasons.
+
+Three levels, following TensorRT-LLM's contract (trtllm-interfaces.md, 2.1 and 2.4):
+
+- **Layer** (:func:`layer_decline_reason`, behind ``Fmha._is_available``): evaluated once when a
+  layer's FMHA manager is built; only state final by then.
+- **Batch** (:func:`batch_decline_reason`): properties of the metadata that are fixed for an
+  engine (beam search on, no speculative decoding, a supported KV cache manager...). Shared by the
+  selection gate and the per-step planner, so both always agree.
+- **Call** (:func:`call_decline_reason`): the forward arguments of one layer call.
+
+Every condition here is invariant within TensorRT-LLM's FMHA selection-cache key (section 2.4):
+the key holds the bucketed context/generation batch sizes, the query length per generation row,
+the mask type, speculative decoding, block sparsity and the output dtypes; everything else checked
+here is fixed per layer or per engine (beam width is always ``max_beam_width`` on steps with
+generation rows, section 3.3). Quantities that vary inside a key (prompt and KV lengths, the exact
+request count) are never gated on here; the per-step planner handles those (``planning.py``).
+
+:class:`DeclineLog` logs each distinct reason once, not once per call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+from typing import Optional
+
+from .kv_cache import manager_decline_reason
+
+__all__ = [
+    "SUPPORTED_HEAD_DIMS",
+    "layer_decline_reason",
+    "batch_decline_reason",
+    "call_decline_reason",
+    "DeclineLog",
+    "decline_log",
+]
+
+logger = logging.getLogger("beam_shared_prefix.trtllm")
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+_HALF_DTYPE_NAMES = ("bfloat16", "float16")
+_PLAIN_KV_DTYPES = ("auto", "bfloat16", "float16", "bf16", "fp16", "half")
+
+
+class DeclineLog:
+    """Logs each distinct decline reason once per process."""
+
+    def __init__(self):
+        self._seen = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, level: int, message: str) -> None:
+        with self._lock:
+            if message in self._seen:
+                return
+            self._seen.add(message)
+        logger.log(level, "beam_shared_prefix declines: %s", message)
+
+    def seen(self, message_part: str) -> bool:
+        """Whether a logged reason contains ``message_part`` (tests)."""
+        with self._lock:
+            return any(message_part in m for m in self._seen)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._seen.clear()
+
+
+decline_log = DeclineLog()
+
+
+def _enum_value(value):
+    return getattr(value, "value", value)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _position_embedding_is_rope(attn) -> bool:
+    pe = getattr(attn, "position_embedding_type", None)
+    if pe is None:
+        return False
+    if hasattr(pe, "is_rope"):
+        return bool(pe.is_rope())
+    from tensorrt_llm.functional import PositionEmbeddingType  # an int: map it through TensorRT-LLM's enum
+
+    return bool(PositionEmbeddingType(pe).is_rope())
+
+
+def _kv_cache_quantized(attn) -> Optional[str]:
+    for flag in ("has_fp8_kv_cache", "has_fp4_kv_cache", "has_int8_kv_cache"):
+        if getattr(attn, flag, False):
+            return flag.replace("has_", "").replace("_", " ")
+    quant_mode = getattr(attn, "quant_mode", None)
+    check = getattr(quant_mode, "has_kv_cache_quant", None)
+    if check is not None and check():
+        return "quantized KV cache"
+    kv_dtype = getattr(attn, "kv_cache_dtype", "auto")
+    if isinstance(kv_dtype, str) and kv_dtype.lower() not in _PLAIN_KV_DTYPES:
+        return f"kv_cache_dtype={kv_dtype!r}"
+    return None
+
+
+def backend_decline_reason(backend: str) -> Optional[str]:
+    """Why the configured prefix backend cannot run here (package missing), or ``None``."""
+    if importlib.util.find_spec("beam_shared_prefix.attention") is None:
+        return "beam_shared_prefix.attention (the plan/run wrapper) is missing from this installation"
+    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    has_fa4 = importlib.util.find_spec("flash_attn") is not None
+    if backend == "flashinfer" and not has_flashinfer:
+        return "TLLM_BEAM_SHARED_PREFIX_BACKEND=flashinfer but flashinfer is not installed (pip install 'beam-shared-prefix[flashinfer]')"
+    if backend == "fa4" and not has_fa4:
+        return "TLLM_BEAM_SHARED_PREFIX_BACKEND=fa4 but flash-attn-4 is not installed (pip install 'beam-shared-prefix[fa4]')"
+    if backend == "auto" and not (has_flashinfer or has_fa4) and _cuda_available():
+        # Without either, "auto" would run the torch reference prefix on the GPU: correct but slower
+        # than the default kernel, which is what the library must never be.
+        return (
+            "no GPU prefix backend installed (neither flashinfer nor flash-attn-4); "
+            "pip install 'beam-shared-prefix[flashinfer]'"
+        )
+    return None
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def layer_decline_reason(attn, backend: str = "auto") -> Optional[str]:
+    """Why the library cannot serve this attention layer at all, or ``None`` (``_is_available``)."""
+    reason = backend_decline_reason(backend)
+    if reason:
+        return reason
+    if getattr(attn, "is_mla_enable", False):
+        return "MLA attention (the library serves dense GQA/MHA)"
+    if getattr(attn, "sparse_params", None) is not None or getattr(attn, "sparse_attention_config", None) is not None:
+        return "sparse attention"
+    if getattr(attn, "predicted_tokens_per_seq", 1) not in (1, None):
+        return f"predicted_tokens_per_seq={attn.predicted_tokens_per_seq} (speculative decoding)"
+    if getattr(attn, "attention_chunk_size", None):
+        return f"chunked (local) attention, attention_chunk_size={attn.attention_chunk_size}"
+    head_dim = getattr(attn, "head_dim", None)
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim={head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+    num_heads = getattr(attn, "num_heads", 0) or 0
+    num_kv_heads = getattr(attn, "num_kv_heads", 0) or 0
+    if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
+        return f"num_heads={num_heads} is not a positive multiple of num_kv_heads={num_kv_heads}"
+    quant = _kv_cache_quantized(attn)
+    if quant:
+        return f"KV cache quantization ({quant}); the library reads bf16/fp16 K/V"
+    if _position_embedding_is_rope(attn):
+        return (
+            "RoPE is applied inside the attention backend for this layer (position_embedding_type is RoPE); "
+            "the library needs Q/K already rotated by the module (e.g. Qwen3's fused QK-norm + RoPE)"
+        )
+    return None
+
+
+def batch_decline_reason(metadata) -> Optional[str]:
+    """Why the library cannot serve this batch's generation rows, or ``None``.
+
+    Only engine-level properties of the metadata (plus "are there generation rows at all", which
+    the selection key distinguishes): the answer is the same for every step of a cache key.
+    """
+    num_generations = int(getattr(metadata, "num_generations", 0) or 0)
+    if num_generations <= 0:
+        return "no generation rows in the batch"
+    beam_width = int(getattr(metadata, "beam_width", 1) or 1)
+    if beam_width <= 1:
+        return "beam width 1 (the library serves beam search)"
+    if getattr(metadata, "is_cross", False):
+        return "cross attention"
+    if getattr(metadata, "enable_helix", False):
+        return "helix (context) parallelism"
+    if getattr(metadata, "is_spec_decoding_enabled", False) or getattr(metadata, "use_spec_decoding", False):
+        return "speculative decoding"
+    indirection = getattr(metadata, "cache_indirection", None)
+    if indirection is None:
+        return "no cache_indirection on the metadata"
+    if indirection.dim() != 3 or indirection.shape[1] < beam_width:
+        return (
+            f"cache_indirection of shape {tuple(indirection.shape)} was sized for fewer beams than "
+            f"beam_width={beam_width}"
+        )
+    if getattr(metadata, "kv_cache_block_offsets", None) is None:
+        return "no kv_cache_block_offsets (paged KV cache required)"
+    params = getattr(metadata, "kv_cache_params", None)
+    if params is None or not getattr(params, "use_cache", False):
+        return "KV cache not in use for this batch"
+    extra = getattr(params, "num_extra_kv_tokens", 0) or 0
+    if extra:
+        return f"num_extra_kv_tokens={extra}"
+    reason = manager_decline_reason(getattr(metadata, "kv_cache_manager", None))
+    if reason:
+        return reason
+    if num_generations % beam_width:
+        return f"{num_generations} generation rows are not a multiple of beam_width={beam_width}"
+    return None
+
+
+def _sparse_inputs_present(forward_args) -> bool:
+    for holder_name in ("sparse_runtime_params", "sparse_prediction"):
+        holder = getattr(forward_args, holder_name, None)
+        if holder is None:
+            continue
+        for field_name in (
+            "block_sparse_inputs",
+            "sparse_kv_indices",
+            "sparse_attn_indices",
+        ):
+            if getattr(holder, field_name, None) is not None:
+                return True
+    return False
+
+
+def call_decline_reason(attn, q, k, v, metadata, forward_args) -> Optional[str]:
+    """Why the library cannot serve this call's generation rows, or ``None``."""
+    input_type = int(_enum_value(getattr(forward_args, "attention_input_type", 0)))
+    if input_type == 1:  # AttentionInputType.context_only
+        return "context-only attention call"
+    if not getattr(forward_args, "is_fused_qkv", False) or k is not None or v is not None:
+        return "separate K/V inputs (the library reads the fused QKV projection)"
+    if not getattr(forward_args, "update_kv_cache", True):
+        return "update_kv_cache=False"
+    if str(_enum_value(getattr(forward_args, "attention_mask", "causal"))) != "causal":
+        return f"attention mask {getattr(forward_args, 'attention_mask', None)!r} (only causal decode is served)"
+    for name, what in (
+        ("attention_mask_data", "custom attention mask data"),
+        ("attention_sinks", "attention sinks"),
+        ("relative_attention_bias", "relative attention bias"),
+        ("cross_kv", "cross-attention K/V"),
+        ("mrope_rotary_cos_sin", "M-RoPE applied by the backend"),
+        ("out_scale", "quantized (FP8) attention output"),
+        ("output_sf", "quantized (NVFP4) attention output"),
+    ):
+        if getattr(forward_args, name, None) is not None:
+            return what
+    if _sparse_inputs_present(forward_args):
+        return "sparse attention inputs"
+    if _dtype_name(q.dtype) not in _HALF_DTYPE_NAMES:
+        return f"query dtype {_dtype_name(q.dtype)} (needs bfloat16 or float16)"
+    output = getattr(forward_args, "output", None)
+    if output is None:
+        return "no preallocated output"
+    if output.dtype != q.dtype:
+        return f"output dtype {_dtype_name(output.dtype)} differs from the query dtype {_dtype_name(q.dtype)}"
+    num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if q.dim() != 2 or q.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        return f"fused QKV of shape {tuple(q.shape)} does not hold (num_heads + 2 * num_kv_heads) * head_dim columns"
+    window = getattr(forward_args, "attention_window_size", None)
+    max_seq_len = getattr(metadata, "max_seq_len", None)
+    if window is not None and max_seq_len is not None and int(window) < int(max_seq_len):
+        return f"sliding-window attention (window {window} < max_seq_len {max_seq_len})"
+    num_ctx_tokens = int(getattr(metadata, "num_ctx_tokens", 0) or 0) if input_type != 2 else 0
+    if q.shape[0] - num_ctx_tokens != int(metadata.num_generations):
+        return "more than one query token per generation row"
+    return None

@@ -1,0 +1,421 @@
+"""Per-step planning, driven from ``TrtllmAttentionMetadata.prepare``.
+
+TensorRT-LLM has no planning hook for FMHA libraries (trtllm-interfaces.md, 1.5 and 9.2), so this
+module wraps ``TrtllmAttentionMetadata.prepare``: after the original body (block offsets copied,
+runtime views bound, section 3.8) it plans the step on the host. Under CUDA graphs ``prepare()``
+runs before capture and before every replay, never inside a capture, so the captured ``run()``
+only ever sees device tensors the plan filled beforehand.
+
+State lives per metadata *object* (section 3.1): a CUDA-graph metadata is a shallow copy of the
+eager one, so an attribute stored on the eager object would be shared by every graph copy. States
+are kept in an ``id()``-keyed map whose entries check ``owner() is metadata`` and are dropped with
+their metadata. Each state owns its own :class:`~beam_shared_prefix.BeamSharedPrefixAttention`
+wrappers (graph metadata: ``use_cuda_graph=True``, sized for that graph's batch).
+
+A plan is rebuilt only when the batch composition changes: the key is the KV cache manager, the
+beam width, the generation requests, their prompt lengths and beam 0's prompt pages. Pages are read
+from the host every step (one small copy) and are part of the key, so a request id that comes back
+with other pages (warm-up requests, a replaced manager) can never reuse a stale page table.
+
+Per-step decline (``TLLM_BEAM_SHARED_PREFIX_DECLINE=auto``): the selection gate cannot look at
+prompt lengths or the exact request count (not in TensorRT-LLM's selection-cache key, section 2.4),
+so the library's ``_is_supported`` only applies the parts of the rule that depend on beam width and
+head shape. The rest is decided here, per step and per attention shape, with the batch's request
+count and mean prompt length; a declined step is handed to the fallback library by the Fmha
+subclass. A CUDA-graph metadata serves any prompt with one captured path, so its decision uses its
+(fixed) request count and beam width only, and is the same on every step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from ..decline import should_decline
+from .gates import batch_decline_reason, decline_log
+from .kv_cache import LayerKV, PageAdapter, adapter_for
+from .registration import current_settings
+
+__all__ = [
+    "Family",
+    "StepInfo",
+    "plan_metadata",
+    "step_for_forward",
+    "wrapper_for",
+    "install_prepare_hook",
+    "try_install_prepare_hook",
+    "ensure_prepare_hook",
+    "metadata_state",
+    "stats",
+]
+
+logger = logging.getLogger("beam_shared_prefix.trtllm")
+
+_WRAPPED_MARK = "_beam_shared_prefix_wrapped"
+
+#: Counters for tests and the end-to-end check (host side only; graph replays are not counted).
+stats: Dict[str, int] = {"plans": 0, "prepare_calls": 0, "steps_planned": 0, "wrappers": 0}
+
+
+def _capturing() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+@dataclass(frozen=True)
+class Family:
+    """An attention shape the library serves on one KV pool; all layers of a family share a plan.
+
+    ``layer_idx`` is a representative layer (the V2 adapter reads page lists through it).
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: object
+    sm_scale: float
+    pool_index: int
+    layer_idx: int = field(compare=False, hash=False)
+
+    @property
+    def key(self) -> tuple:
+        return (self.num_qo_heads, self.num_kv_heads, self.head_dim, str(self.dtype), self.sm_scale, self.pool_index)
+
+
+@dataclass
+class StepInfo:
+    """What ``prepare()`` learned about one step's generation rows (host only).
+
+    Attributes:
+        adapter: the KV cache manager's page adapter.
+        beam_width, num_contexts, num_requests, num_rows: batch shape; generation row ``i`` of the
+            library is metadata sequence ``num_contexts + i``.
+        request_ids: the generation requests, in batch order.
+        prompt_lens: ``[R]`` int64, prompt length per request as planned: at most ``kv_len - 1``
+            (warm-up and CUDA-graph dummy rows may have nothing generated) and at least 1.
+        mean_prompt_len: mean of ``prompt_lens`` (``None`` for CUDA-graph metadata, see module doc).
+        base_key: composition key without the pages.
+    """
+
+    adapter: PageAdapter
+    beam_width: int
+    num_contexts: int
+    num_requests: int
+    num_rows: int
+    request_ids: Tuple[int, ...]
+    prompt_lens: np.ndarray
+    mean_prompt_len: Optional[int]
+    base_key: tuple
+    pages: Dict[int, Tuple[np.ndarray, np.ndarray, tuple]] = field(default_factory=dict)
+    declines: Dict[tuple, Optional[str]] = field(default_factory=dict)
+
+    def pages_for(self, metadata, family: Family, layer: LayerKV) -> Tuple[np.ndarray, np.ndarray, tuple]:
+        """Beam 0's prompt pages in ``family``'s pool, and the full plan key (read once per step)."""
+        cached = self.pages.get(family.pool_index)
+        if cached is None:
+            pages_per_request = -(-self.prompt_lens // layer.page_size)
+            indptr, indices = self.adapter.prompt_pages(
+                metadata, layer, family.layer_idx, self.request_ids, pages_per_request
+            )
+            key = self.base_key + (family.pool_index, indices.tobytes())
+            cached = (indptr, indices, key)
+            self.pages[family.pool_index] = cached
+        return cached
+
+    def decline_reason(self, family: Family) -> Optional[str]:
+        """The per-step decline rule's verdict for ``family`` (``None``: serve)."""
+        if family.key not in self.declines:
+            reason = None
+            if current_settings().decline == "auto":
+                reason = should_decline(
+                    self.num_requests,
+                    self.beam_width,
+                    self.mean_prompt_len,
+                    family.num_qo_heads,
+                    family.num_kv_heads,
+                    family.head_dim,
+                )
+            self.declines[family.key] = reason
+        return self.declines[family.key]
+
+
+class _MetadataState:
+    """Planning state of one metadata object."""
+
+    def __init__(self, metadata):
+        self.owner = weakref.ref(metadata)
+        self.is_cuda_graph = bool(getattr(metadata, "is_cuda_graph", False))
+        self.hooked = False  # prepare() ran through the hook at least once
+        self.step: Optional[StepInfo] = None
+        self.step_reason: Optional[str] = None
+        self.wrappers: Dict[tuple, object] = {}
+        self.planned_key: Dict[tuple, tuple] = {}
+
+
+_states: Dict[int, _MetadataState] = {}
+_states_lock = threading.Lock()
+
+
+def metadata_state(metadata, create: bool = True) -> Optional[_MetadataState]:
+    """The planning state of this exact metadata object (never one of its shallow copies)."""
+    key = id(metadata)
+    state = _states.get(key)
+    if state is not None and state.owner() is metadata:
+        return state
+    if not create:
+        return None
+    with _states_lock:
+        state = _states.get(key)
+        if state is not None and state.owner() is metadata:
+            return state
+        state = _MetadataState(metadata)
+        _states[key] = state
+
+        def _drop(_, key=key, state=state):
+            with _states_lock:
+                if _states.get(key) is state:
+                    del _states[key]
+
+        weakref.finalize(metadata, _drop, None)
+        return state
+
+
+def _host_ints(tensor, start: int, stop: int) -> np.ndarray:
+    return np.asarray(tensor[start:stop].numpy(), dtype=np.int64)
+
+
+def plan_metadata(metadata, from_hook: bool = False) -> Optional[StepInfo]:
+    """Plan this step of ``metadata`` (host only); returns ``None`` when the batch is not eligible.
+
+    Called after ``prepare()``. Plans every attention family already known on the KV cache
+    manager, so that a fresh (e.g. CUDA-graph) metadata has its wrappers planned before its first
+    forward; families met for the first time are planned by their first forward.
+    """
+    state = metadata_state(metadata)
+    if from_hook:
+        state.hooked = True
+        stats["prepare_calls"] += 1
+    reason = batch_decline_reason(metadata)
+    if reason is not None:
+        state.step, state.step_reason = None, reason
+        return None
+    beam_width = int(metadata.beam_width)
+    num_contexts = int(metadata.num_contexts)
+    num_rows = int(metadata.num_generations)
+    num_requests = num_rows // beam_width
+    adapter = adapter_for(metadata.kv_cache_manager)
+    request_ids = tuple(int(r) for r in metadata.request_ids[num_contexts : num_contexts + num_requests])
+    if len(request_ids) != num_requests:
+        raise RuntimeError(
+            f"beam_shared_prefix: metadata.request_ids holds {len(metadata.request_ids)} ids for {num_contexts} "
+            f"context and {num_requests} generation requests; expected one id per request"
+        )
+    beam0 = slice(num_contexts, num_contexts + num_rows, beam_width)
+    prompt = np.asarray(metadata.prompt_lens_cpu_runtime[beam0].numpy(), dtype=np.int64)
+    kv = np.asarray(metadata.kv_lens_runtime[beam0].numpy(), dtype=np.int64)
+    # Warm-up and CUDA-graph dummy rows can carry no generated token (prompt_len == kv_len); the
+    # prefix never extends past the current token, and never below one token.
+    prompt = np.maximum(np.minimum(prompt, kv - 1), 1)
+    mean_prompt = None if state.is_cuda_graph else int(-(-int(prompt.sum()) // max(num_requests, 1)))
+    step = StepInfo(
+        adapter=adapter,
+        beam_width=beam_width,
+        num_contexts=num_contexts,
+        num_requests=num_requests,
+        num_rows=num_rows,
+        request_ids=request_ids,
+        prompt_lens=prompt,
+        mean_prompt_len=mean_prompt,
+        base_key=(id(adapter), beam_width, request_ids, prompt.tobytes()),
+    )
+    state.step, state.step_reason = step, None
+    stats["steps_planned"] += 1
+    for family in list(adapter.families.values()):
+        if step.decline_reason(family) is None:
+            wrapper_for(metadata, state, step, family)
+    return step
+
+
+def step_for_forward(metadata) -> Tuple[_MetadataState, StepInfo]:
+    """The state and step plan a forward on ``metadata`` runs with (planned now if ``prepare()`` was not hooked)."""
+    state = metadata_state(metadata)
+    if state.hooked:
+        if state.step is None:
+            raise RuntimeError(
+                "beam_shared_prefix: selected for a batch that prepare() found ineligible "
+                f"({state.step_reason}); this is a bug in the library's gates, please report it. "
+                "Remove beam_shared_prefix from TLLM_FMHA_LIBS to work around it."
+            )
+        return state, state.step
+    if _capturing():
+        raise RuntimeError(
+            "beam_shared_prefix: no step plan for this metadata during CUDA graph capture: the "
+            "TrtllmAttentionMetadata.prepare() hook did not run (is prepare() overridden without calling "
+            "super().prepare()?). Call beam_shared_prefix.trtllm.register() before building the model."
+        )
+    decline_log(
+        logging.WARNING,
+        f"prepare() of {type(metadata).__name__} is not hooked; planning inside every forward (slow, eager only)",
+    )
+    step = plan_metadata(metadata)
+    if step is None:
+        raise RuntimeError(f"beam_shared_prefix: selected for an ineligible batch ({state.step_reason})")
+    return state, step
+
+
+def _new_wrapper(metadata, state: _MetadataState, step: StepInfo):
+    from ..attention import BeamSharedPrefixAttention
+
+    settings = current_settings()
+    device = metadata.kv_cache_block_offsets.device
+    graph = state.is_cuda_graph
+    manager = step.adapter.manager
+    stats["wrappers"] += 1
+    return BeamSharedPrefixAttention(
+        device,
+        kv_layout="HND",
+        backend=settings.backend,
+        use_cuda_graph=graph,
+        max_requests=step.num_requests if graph else None,
+        max_beam_width=int(metadata.cache_indirection.shape[1]),
+        max_prompt_pages=int(manager.max_blocks_per_seq) if graph else None,
+        check=settings.check,
+        tail_impl="triton" if getattr(device, "type", str(device)) == "cuda" else "torch",
+    )
+
+
+def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family):
+    """``family``'s wrapper on this metadata, planned for ``step`` (host work only on a new composition)."""
+    layer = step.adapter.layer(family.layer_idx)
+    indptr, indices, key = step.pages_for(metadata, family, layer)
+    wrapper = state.wrappers.get(family.key)
+    if wrapper is not None and state.planned_key.get(family.key) == key:
+        return wrapper
+    if _capturing():
+        raise RuntimeError(
+            "beam_shared_prefix: a plan is needed during CUDA graph capture (a new attention shape or "
+            "batch composition appeared between prepare() and capture). Planning is host work and "
+            "cannot be captured; this indicates TensorRT-LLM captured without a warm-up forward."
+        )
+    if wrapper is None:
+        wrapper = _new_wrapper(metadata, state, step)
+        state.wrappers[family.key] = wrapper
+    wrapper.plan(
+        indptr,
+        indices,
+        step.prompt_lens,
+        step.beam_width,
+        family.num_qo_heads,
+        family.num_kv_heads,
+        family.head_dim,
+        layer.page_size,
+        layer.num_pages,
+        family.dtype,
+        sm_scale=family.sm_scale,
+        key=key,
+    )
+    state.planned_key[family.key] = key
+    stats["plans"] += 1
+    return wrapper
+
+
+# ------------------------------------------------------------------------------------------------
+# The prepare() hook
+
+_depth = threading.local()
+
+
+def _wrap_prepare(original):
+    @functools.wraps(original)
+    def prepare(self, *args, **kwargs):
+        # A subclass's prepare() calling super().prepare() reaches this wrapper twice; plan once,
+        # when the outermost call has finished.
+        depth = getattr(_depth, "value", 0)
+        _depth.value = depth + 1
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            _depth.value = depth
+        if depth == 0 and not _capturing():
+            plan_metadata(self, from_hook=True)
+        return result
+
+    setattr(prepare, _WRAPPED_MARK, True)
+    prepare.__wrapped_original__ = original
+    return prepare
+
+
+def _all_subclasses(cls):
+    seen, stack = [], [cls]
+    while stack:
+        c = stack.pop()
+        if c in seen:
+            continue
+        seen.append(c)
+        stack.extend(c.__subclasses__())
+    return seen
+
+
+def install_prepare_hook(metadata_cls) -> int:
+    """Wrap ``prepare`` of ``metadata_cls`` and of its subclasses that define their own; returns how many were wrapped."""
+    count = 0
+    for cls in _all_subclasses(metadata_cls):
+        original = cls.__dict__.get("prepare")
+        if original is None or getattr(original, _WRAPPED_MARK, False):
+            continue
+        setattr(cls, "prepare", _wrap_prepare(original))
+        count += 1
+    return count
+
+
+def uninstall_prepare_hook(metadata_cls) -> None:
+    """Undo :func:`install_prepare_hook` (tests)."""
+    for cls in _all_subclasses(metadata_cls):
+        wrapped = cls.__dict__.get("prepare")
+        if wrapped is not None and getattr(wrapped, _WRAPPED_MARK, False):
+            setattr(cls, "prepare", wrapped.__wrapped_original__)
+
+
+def _metadata_module_name(fmha_cls) -> str:
+    # "<root>.fmha" -> "<root>.trtllm", e.g. tensorrt_llm._torch.attention.backends.trtllm
+    package = fmha_cls._bsp_api.fmha_package
+    return package.rsplit(".", 1)[0] + ".trtllm"
+
+
+def try_install_prepare_hook(fmha_cls) -> bool:
+    """Install the hook now if TensorRT-LLM's ``trtllm`` module is fully imported (no import here:
+    registration can run while that module is itself still importing)."""
+    import sys
+
+    name = _metadata_module_name(fmha_cls)
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    if module is None or getattr(spec, "_initializing", False):
+        return False
+    metadata_cls = getattr(module, "TrtllmAttentionMetadata", None)
+    if metadata_cls is None:
+        return False
+    install_prepare_hook(metadata_cls)
+    return True
+
+
+def ensure_prepare_hook(fmha_cls) -> None:
+    """Install the hook, importing TensorRT-LLM's ``trtllm`` module (layer construction time)."""
+    import importlib
+
+    name = _metadata_module_name(fmha_cls)
+    module = importlib.import_module(name)
+    metadata_cls = getattr(module, "TrtllmAttentionMetadata", None)
+    if metadata_cls is None:
+        raise RuntimeError(
+            f"beam_shared_prefix: {name} has no TrtllmAttentionMetadata; this TensorRT-LLM layout is not "
+            "supported. Remove beam_shared_prefix from TLLM_FMHA_LIBS."
+        )
+    install_prepare_hook(metadata_cls)
