@@ -163,6 +163,11 @@ def _accepted_kwargs(fn, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
+def _is_workspace_error(exc: BaseException) -> bool:
+    msg = str(exc).lower()
+    return any(word in msg for word in ("workspace", "alignedallocator", "failed to allocate"))
+
+
 def _cpu_i32(array: np.ndarray) -> torch.Tensor:
     # CPU metadata: FlashInfer's plan() copies indptrs to the host, which would sync on device tensors.
     return torch.from_numpy(np.array(array, dtype=np.int32, copy=True))
@@ -317,8 +322,9 @@ class FlashInferPrefixBackend(PrefixBackend):
                 wrapper.plan(*args, **_accepted_kwargs(wrapper.plan, kwargs))
                 break
             except RuntimeError as exc:
-                # FlashInfer reports an undersized workspace at plan time; eagerly, grow and retry.
-                if "workspace" not in str(exc).lower() or self.use_cuda_graph or attempt == 3:
+                # FlashInfer's scheduler reports an undersized workspace at plan time (its AlignedAllocator
+                # fails); eagerly, grow and retry.
+                if not _is_workspace_error(exc) or self.use_cuda_graph or attempt == 3:
                     raise PrefixBackendError(
                         f"FlashInfer {kernel} plan failed for {step_plan.num_requests} requests x "
                         f"{step_plan.beam_width} beams (Hq={problem.num_qo_heads}, Hkv={problem.num_kv_heads}, "

@@ -1,0 +1,242 @@
+"""CPU: the FlashInfer and FA4 backends' plumbing, against stand-ins that implement the libraries' contracts.
+
+``flashinfer`` and ``flash_attn.cute`` do not run here, so each backend is driven against a small
+stand-in written from the documented contract (``prefix-backends.md``): FlashInfer's
+``BatchPrefillWithPagedKVCacheWrapper`` (CSR ``qo_indptr``/``paged_kv_*`` plan, 5-D pool, base-2
+``[rows, heads]`` LSE) and FA4's ``_flash_attn_fwd`` (``page_table``/``seqused_k``/``cu_seqlens_q``,
+separate ``[pages, Pg, Hkv, D]`` K and V, natural-log ``[heads, rows]`` LSE). The stand-ins compute
+attention from exactly the arguments they are given, so a wrong page list, view, layout or base
+fails the comparison with the float32 oracle. Through the whole wrapper (prefix + Triton tail under
+the interpreter) this checks that each LSE convention reaches the tail kernel intact.
+
+What they cannot check (kernel behaviour on the GPU) the GPU tests do.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import beam_shared_prefix.attention as attention_module
+import beam_shared_prefix.prefix.fa4 as fa4_module
+import beam_shared_prefix.prefix.flashinfer as fi_module
+from beam_shared_prefix import BeamSharedPrefixAttention
+from beam_shared_prefix.plan import build_step_plan
+from beam_shared_prefix.prefix import FA4PrefixBackend, FlashInferPrefixBackend, PrefixBackendError
+from beam_shared_prefix.reference import LOG2E, reference_beam_attention, reference_prefix_attention
+from beam_shared_prefix.testing import BeamSearchCacheSimulator
+
+TOL = 2e-2
+
+
+def _attend(q_rows, k, v, scale):
+    """q_rows ``[n, Hq, D]``, k/v ``[T, Hkv, D]`` -> (out ``[n, Hq, D]``, natural-log lse ``[n, Hq]``)."""
+    g = q_rows.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(g, dim=1)
+    vf = v.float().repeat_interleave(g, dim=1)
+    s = torch.einsum("nhd,thd->nht", q_rows.float(), kf) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.einsum("nht,thd->nhd", torch.softmax(s, dim=-1), vf), lse
+
+
+class FakePrefillWrapper:
+    """FlashInfer's BatchPrefillWithPagedKVCacheWrapper contract, computed in torch."""
+
+    instances = []
+    fail_plans = 0  # plans that fail like an undersized workspace before one succeeds
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                 backend="auto", max_total_num_rows=None):
+        self.workspace = float_workspace_buffer
+        self.kv_layout = kv_layout
+        self.use_cuda_graph = use_cuda_graph
+        self.bufs = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
+        self.backend = backend
+        self.max_total_num_rows = max_total_num_rows
+        self.plans = []
+        FakePrefillWrapper.instances.append(self)
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+             head_dim_qk, page_size, causal=False, pos_encoding_mode="NONE", sm_scale=None, q_data_type="float16",
+             kv_data_type=None, o_data_type=None, non_blocking=True, uniform_q_len=None):
+        for t in (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len):
+            assert t.device.type == "cpu" and t.dtype == torch.int32, "metadata must be CPU int32 (no device sync)"
+        assert causal is False and pos_encoding_mode == "NONE"
+        if FakePrefillWrapper.fail_plans:
+            FakePrefillWrapper.fail_plans -= 1
+            raise RuntimeError("Failed to allocate memory for batch_prefill_tmp_v with size 1 in AlignedAllocator")
+        if self.use_cuda_graph:
+            assert len(self.bufs[0]) == len(qo_indptr), "graph mode freezes the batch size"
+            assert len(self.bufs[2]) >= len(paged_kv_indices)
+        self.plans.append(dict(qo=qo_indptr.clone(), kv_indptr=paged_kv_indptr.clone(), kv=paged_kv_indices.clone(),
+                               last=paged_kv_last_page_len.clone(), page_size=page_size, sm_scale=sm_scale,
+                               q_dtype=q_data_type, o_dtype=o_data_type, uniform_q_len=uniform_q_len))
+
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse=False):
+        p = self.plans[-1]
+        assert return_lse and out is not None and lse is not None and q.dtype == p["q_dtype"]
+        assert lse.shape == (q.shape[0], q.shape[1]) and lse.dtype == torch.float32
+        k_cache, v_cache = paged_kv_cache.unbind(dim=1)
+        pg = p["page_size"]
+        for r in range(len(p["qo"]) - 1):
+            pages = p["kv"][p["kv_indptr"][r]:p["kv_indptr"][r + 1]].long()
+            n = (len(pages) - 1) * pg + int(p["last"][r])
+            if self.kv_layout == "HND":
+                k, v = k_cache[pages].transpose(1, 2), v_cache[pages].transpose(1, 2)
+            else:
+                k, v = k_cache[pages], v_cache[pages]
+            k, v = k.reshape(-1, *k.shape[2:])[:n], v.reshape(-1, *v.shape[2:])[:n]
+            a, b = int(p["qo"][r]), int(p["qo"][r + 1])
+            o, lse_nat = _attend(q[a:b], k, v, p["sm_scale"])
+            out[a:b] = o.to(out.dtype)
+            lse[a:b] = lse_nat * LOG2E  # base 2
+        return out, lse
+
+
+def fake_fa4_fwd(q, k, v, cu_seqlens_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, page_table=None,
+                 softmax_scale=None, causal=False, num_splits=1, return_lse=False, out=None, lse=None):
+    """FA4's paged varlen forward contract, computed in torch."""
+    assert page_table.dtype == torch.int32 and page_table.stride(-1) == 1 and not causal and num_splits == 1
+    num_pages, pg, hkv, d = k.shape
+    assert v.shape == k.shape and k.stride(-1) == 1, "K/V must be [pages, Pg, Hkv, D] views"
+    assert lse.shape == (q.shape[1], q.shape[0]), "varlen LSE is [heads, total_q]"
+    assert max_seqlen_q == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    for r in range(page_table.shape[0]):
+        n = int(seqused_k[r])
+        pages = page_table[r, :-(-n // pg)].long()
+        kr, vr = k[pages].reshape(-1, hkv, d)[:n], v[pages].reshape(-1, hkv, d)[:n]
+        a, b = int(cu_seqlens_q[r]), int(cu_seqlens_q[r + 1])
+        o, lse_nat = _attend(q[a:b], kr, vr, softmax_scale)
+        out[a:b] = o.to(out.dtype)
+        lse[:, a:b] = lse_nat.t()  # natural log, heads-major
+    return out, lse, None, None, None
+
+
+@pytest.fixture
+def fake_gpu_libs(monkeypatch):
+    """Install the stand-ins and pretend the CPU is an SM90 device for the backends' rules."""
+    FakePrefillWrapper.instances = []
+    FakePrefillWrapper.fail_plans = 0
+    fake_flashinfer = SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=FakePrefillWrapper)
+    monkeypatch.setattr(fi_module, "_FLASHINFER_STATE", {"module": fake_flashinfer})
+    monkeypatch.setattr(fa4_module, "_FA4_STATE", {"fn": fake_fa4_fwd, "params": None})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132))
+    return fake_flashinfer
+
+
+def make_case(prompts=(1, 37, 9, 16), beams=3, hq=4, hkv=2, d=16, pg=4, layout="HND", seed=0):
+    sim = BeamSearchCacheSimulator(list(prompts), beam_width=beams, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                   page_size=pg, max_seq_len=max(prompts) + 12, kv_layout=layout,
+                                   dtype=torch.bfloat16, seed=seed)
+    step = sim.begin_step()
+    plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, beams,
+                           pg, sim.num_pages)
+    return sim, step, plan
+
+
+def check_prefix(backend, sim, step, plan):
+    hq, d = sim.num_qo_heads, sim.head_dim
+    backend.plan(plan, hq, sim.num_kv_heads, d, sim.page_size, sim.dtype, 0.25)
+    out = torch.full((plan.num_rows, hq, d), float("nan"), dtype=sim.dtype)
+    lse = torch.full(backend.lse_shape(plan.num_rows, hq), float("nan"))
+    o, desc = backend.run(step.q, sim.kv_cache, out, lse)
+    ref_o, ref_lse = reference_prefix_attention(step.q, sim.kv_cache, plan.kv_page_indptr, plan.kv_page_indices,
+                                                plan.prompt_lens, plan.beam_width, sm_scale=0.25,
+                                                kv_layout=sim.kv_layout)
+    torch.testing.assert_close(o.float(), ref_o, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(desc.base2_rows_heads(), ref_lse, atol=1e-3, rtol=1e-4)
+    return desc
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_flashinfer_backend_plumbing(fake_gpu_libs, layout):
+    sim, step, plan = make_case(layout=layout)
+    backend = FlashInferPrefixBackend("cpu", kv_layout=layout)
+    desc = check_prefix(backend, sim, step, plan)
+    assert (desc.layout, desc.base) == ("NH", "log2")
+    (wrapper,) = FakePrefillWrapper.instances
+    assert wrapper.kv_layout == layout and wrapper.backend == "fa2" and not wrapper.use_cuda_graph
+    p = wrapper.plans[-1]
+    assert p["uniform_q_len"] == 3 and p["q_dtype"] == p["o_dtype"] == torch.bfloat16
+    assert p["kv"].tolist() == plan.kv_page_indices.tolist() and p["last"].tolist() == plan.kv_last_page_len.tolist()
+    assert backend.workspace_bytes >= fi_module.prefill_float_workspace_bytes(4, 3, 4, 2, 16, 132)
+
+
+def test_flashinfer_workspace_grows_and_retries_after_an_allocation_failure(fake_gpu_libs):
+    sim, step, plan = make_case()
+    backend = FlashInferPrefixBackend("cpu")
+    FakePrefillWrapper.fail_plans = 2
+    check_prefix(backend, sim, step, plan)
+    first = fi_module.prefill_float_workspace_bytes(4, 3, 4, 2, 16, 132)
+    assert backend.workspace_bytes == 4 * first  # doubled twice
+    assert len(FakePrefillWrapper.instances) == 3  # wrappers re-created on the new buffer
+    graph = FlashInferPrefixBackend("cpu", use_cuda_graph=True, max_requests=4, max_beam_width=3, max_prompt_pages=10)
+    FakePrefillWrapper.fail_plans = 1
+    with pytest.raises(PrefixBackendError, match="plan failed"):
+        check_prefix(graph, sim, step, plan)
+
+
+def test_flashinfer_graph_mode_wrapper_per_batch_size_and_frozen_family(fake_gpu_libs, monkeypatch):
+    backend = FlashInferPrefixBackend("cpu", use_cuda_graph=True, max_requests=4, max_beam_width=96,
+                                      max_prompt_pages=80)
+    sim, step, plan = make_case(prompts=(300, 280), beams=96, pg=4, hq=2, hkv=1, d=64)
+    check_prefix(backend, sim, step, plan)
+    assert backend.kernel == "fa3"  # 96 beams over 300-token prompts on SM90
+    w = FakePrefillWrapper.instances[-1]
+    assert w.use_cuda_graph and len(w.bufs[0]) == 3 and len(w.bufs[2]) == 2 * 80 and w.max_total_num_rows == 2 * 96
+    # Same batch size, now short prompts: the rule would say fa2, but the captured family stays.
+    sim2, step2, plan2 = make_case(prompts=(5, 9), beams=96, pg=4, hq=2, hkv=1, d=64, seed=1)
+    check_prefix(backend, sim2, step2, plan2)
+    assert backend.kernel == "fa3" and FakePrefillWrapper.instances[-1] is w and len(w.plans) == 2
+    # Another batch size gets its own graph wrapper, chosen by the rule.
+    sim3, step3, plan3 = make_case(prompts=(5, 9, 3), beams=96, pg=4, hq=2, hkv=1, d=64, seed=2)
+    check_prefix(backend, sim3, step3, plan3)
+    assert backend.kernel == "fa2" and FakePrefillWrapper.instances[-1] is not w
+    assert all(i.workspace is backend._workspace for i in FakePrefillWrapper.instances)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_fa4_backend_plumbing(fake_gpu_libs, monkeypatch, layout):
+    monkeypatch.setattr(FA4PrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))
+    sim, step, plan = make_case(layout=layout)
+    backend = FA4PrefixBackend("cpu", kv_layout=layout)
+    desc = check_prefix(backend, sim, step, plan)
+    assert (desc.layout, desc.base) == ("HN", "ln")
+    # Graph mode: the page table keeps max_prompt_pages columns, at a fixed address.
+    graph = FA4PrefixBackend("cpu", kv_layout=layout, use_cuda_graph=True, max_requests=6, max_beam_width=3,
+                             max_prompt_pages=12)
+    check_prefix(graph, sim, step, plan)
+    table = graph._views["page_table"]
+    assert table.shape == (4, 12)
+    sim2, step2, plan2 = make_case(prompts=(3, 30), layout=layout, seed=1)
+    check_prefix(graph, sim2, step2, plan2)
+    assert graph._views["page_table"].data_ptr() == table.data_ptr()
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "fa4"])
+def test_wrapper_steps_through_each_lse_convention(fake_gpu_libs, monkeypatch, backend):
+    """Whole steps with the stand-in prefix and the Triton tail: NH/log2 and HN/ln reach the tail intact."""
+    for cls in (FA4PrefixBackend, FlashInferPrefixBackend):
+        monkeypatch.setattr(cls, "is_available", classmethod(lambda cls, *a, **k: (True, "")))
+    monkeypatch.setattr(attention_module, "resolve_prefix_backend", lambda requested, *a, **k: requested)
+    sim = BeamSearchCacheSimulator([5, 17, 1], beam_width=3, num_qo_heads=6, num_kv_heads=2, head_dim=16, page_size=4,
+                                   max_seq_len=40, dtype=torch.bfloat16, seed=4)
+    att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl="triton", check=True)
+    for s in range(3):
+        step = sim.begin_step()
+        att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, 3, 6, 2, 16, 4,
+                 sim.num_pages, torch.bfloat16, key=tuple(step.request_ids))
+        ref = reference_beam_attention(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
+                                       step.cache_indirection, 3, new_k=step.new_k, new_v=step.new_v)
+        out = torch.full_like(step.q, float("nan"))
+        att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k,
+                step.new_v, out=out)
+        torch.testing.assert_close(out.float(), ref, atol=TOL, rtol=TOL)
+        sim.end_step(write_kv=False)
+    assert att.backend_name == backend and att.num_backend_plans == 1
