@@ -203,22 +203,33 @@ def print_summary(doc: Dict, console=None) -> None:
         (console.print(line) if console is not None else print(line))
 
 
+_SHAPE_FIELDS = ("requests", "beams", "prompt", "tail", "heads", "kv_heads", "head_dim", "page_size", "dtype")
+
+
 def _series(doc: Dict, field: str):
-    """``{arm: [(x, speedup)]}`` over the points, x = the shape field, library arms only."""
+    """``{line label: [(x, speedup)]}`` over the points, x = the shape field, library arms only.
+
+    One line per library arm and per combination of the other shape fields that vary in the
+    document (a grid sweep gives one line per value of the other swept field).
+    """
+    varying = [f for f in _SHAPE_FIELDS if f != field and len({str(p["shape"].get(f)) for p in doc["results"]}) > 1]
     out: Dict[str, List] = {}
     for p in doc["results"]:
         x = p["shape"][field]
+        tag = ",".join(f"{f}={p['shape'].get(f)}" for f in varying)
         for a in p["arms"]:
             if a["kind"] == "library" and a["status"] == "ok" and a.get("speedup_vs_decode"):
-                out.setdefault(a["name"], []).append((x, a["speedup_vs_decode"]))
+                label = a["name"] + (f" [{tag}]" if tag else "")
+                out.setdefault(label, []).append((x, a["speedup_vs_decode"]))
     return {k: sorted(v) for k, v in out.items()}
 
 
 def plot_speedups(doc: Dict, path: str) -> List[str]:
     """Speedup over per-beam decode against beam width and against prompt length (matplotlib).
 
-    One panel per swept field among ``beams`` and ``prompt`` that takes at least two values; with
-    neither, one bar chart of every arm's time at each point. Returns the panel titles drawn.
+    One panel per swept field among ``beams`` and ``prompt`` that takes at least two values (and has
+    speedups: a per-beam decode arm ran); otherwise one bar chart of every arm's time at each point.
+    Returns the panel titles drawn.
     """
     import matplotlib
 
@@ -228,7 +239,7 @@ def plot_speedups(doc: Dict, path: str) -> List[str]:
     panels = []
     for field, label in (("beams", "beam width"), ("prompt", "prompt length (tokens)")):
         values = {p["shape"][field] for p in doc["results"]}
-        if len(values) >= 2:
+        if len(values) >= 2 and _series(doc, field):
             panels.append((field, label))
     if panels:
         fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
@@ -240,7 +251,8 @@ def plot_speedups(doc: Dict, path: str) -> List[str]:
             ax.axhline(1.0, color="grey", lw=1, ls="--")
             ax.set_xlabel(label)
             ax.set_ylabel("speedup over per-beam decode (x)")
-            if field == "beams":
+            xs_all = [p["shape"][field] for p in doc["results"]]
+            if field == "beams" or max(xs_all) >= 20 * max(1, min(xs_all)):
                 ax.set_xscale("log", base=2)
             title = f"speedup vs {label}"
             ax.set_title(title)

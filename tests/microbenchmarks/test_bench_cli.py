@@ -112,10 +112,11 @@ def test_module_entry_point_lists_presets(capsys):
     assert "A: 128x96 P3000 T3 16/8 D128 Pg32 bf16" in capsys.readouterr().out
 
 
-def test_run_point_triton_arms_under_the_interpreter(no_gpu):
+def test_run_point_triton_arms(device):
     """The library with the fused Triton tail and the tail stage alone, through the benchmark's check.
 
     On CPU the kernel runs under TRITON_INTERPRET=1 (set by conftest); a tiny shape keeps it fast.
+    On a GPU the same arms run for real, captured in CUDA graphs.
     """
     from microbenchmarks.arms import LibraryArm, PrefixStageArm, TailStageArm
     from microbenchmarks.runner import Rates, RunOptions, run_point
@@ -124,7 +125,7 @@ def test_run_point_triton_arms_under_the_interpreter(no_gpu):
     shape = BenchShape(requests=2, beams=3, prompt=37, tail=5, heads=4, kv_heads=2, head_dim=64, page_size=16)
     point = run_point(shape, [LibraryArm("reference"), TailStageArm("triton"), PrefixStageArm("reference"),
                               PrefixStageArm("no-such-backend")],
-                      RunOptions(sets=2, iters=1, warmup=0, plan_repeats=2), Rates(), "cpu")
+                      RunOptions(sets=2, iters=1, warmup=0, plan_repeats=2), Rates(), device)
     status = {a["name"]: (a["status"], a.get("reason")) for a in point["arms"]}
     assert status["library/reference"] == ("ok", None)
     assert status["tail/triton"] == ("ok", None)
