@@ -31,7 +31,6 @@ from .config import BACKENDS, load_settings
 from .plan import StepPlan, StepPlanner
 from .prefix.base import (
     PrefixBackend,
-    PrefixBackendError,
     default_sm_scale,
     ensure_not_capturing,
     logger,

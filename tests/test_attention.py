@@ -17,7 +17,6 @@ tolerance fails it.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

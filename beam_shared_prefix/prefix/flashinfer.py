@@ -30,7 +30,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import math
 from typing import Dict, Optional, Tuple
 
 import numpy as np

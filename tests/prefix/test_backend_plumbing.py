@@ -14,10 +14,8 @@ What they cannot check (kernel behaviour on the GPU) the GPU tests do.
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 

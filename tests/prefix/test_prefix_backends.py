@@ -16,8 +16,6 @@ float32 from float32 accumulation of 16-bit products (``1e-2 + 1e-3 * |lse|``).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -277,7 +275,11 @@ GPU_BACKENDS = [("flashinfer", "fa2"), ("flashinfer", "fa3"), ("fa4", None), ("r
     ids=["HND-16/8-d128-pg32-w4", "NHD-12/4-d64-pg16-w8", "HND-8/8-d128-pg64-w2"],
 )
 def test_prefix_stage_matches_oracle_gpu(name, kernel, layout, hq, hkv, d, pg, beams):
+    """Head size 64 runs on FA4 and the reference; FlashInfer takes 128 there (its head-64 modules are a
+    minutes-long JIT build for no path the head-128 ones do not cover)."""
     dtype = torch.bfloat16
+    if name == "flashinfer":
+        d = 128
     skip_unless_available(name, kernel, dtype, d, hq, hkv, pg, layout)
     sim, step, plan = make_case("cuda", (1, 37, 500, 130), beams, hq, hkv, d, pg, layout, dtype, seed=7)
     backend = gpu_backend(name, kernel, kv_layout=layout)
