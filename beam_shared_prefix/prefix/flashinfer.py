@@ -16,8 +16,10 @@ benchmark can time both.
 
 Workspace. The float workspace holds split-KV partial outputs. It is sized from the rows the
 wrapper can be planned for (:func:`prefill_float_workspace_bytes`; the fixed 128 MB of the original
-overflowed at 128 requests x 96 beams) and, eagerly, grows when a bigger plan needs more (at plan
-time, outside capture).
+overflowed at 128 requests x 96 beams), raised to what ``wrapper.workspace_size(...)`` reports for
+the plan when FlashInfer offers it, and, eagerly, grows when a bigger plan needs more (at plan time,
+outside capture; a plan that fails in FlashInfer's allocator is retried on a doubled buffer). In
+CUDA-graph mode it is sized once for ``max_requests x max_beam_width`` and never moves.
 
 CUDA graphs. ``use_cuda_graph=True`` creates one graph-mode wrapper per batch size (FlashInfer
 freezes the batch size of a graph wrapper) with fixed index buffers sized from ``max_prompt_pages``;
@@ -290,6 +292,19 @@ class FlashInferPrefixBackend(PrefixBackend):
         self._wrappers[key] = wrapper
         return wrapper
 
+    @staticmethod
+    def _exact_workspace_bytes(wrapper, args, kwargs) -> Optional[int]:
+        """Float-workspace bytes FlashInfer reports for this plan (``wrapper.workspace_size``), if it can."""
+        fn = getattr(wrapper, "workspace_size", None)
+        if fn is None:
+            return None
+        try:
+            res = fn(*args, **_accepted_kwargs(fn, kwargs))
+            return int(res[0] if isinstance(res, (tuple, list)) else res)
+        except Exception as exc:  # an older or newer signature: the formula and the retry cover it
+            logger.debug("beam_shared_prefix: FlashInfer workspace_size() unusable (%s); using the estimate", exc)
+            return None
+
     def _plan(self, step_plan: StepPlan, problem: PrefixProblem) -> None:
         if _import_flashinfer() is None:
             raise PrefixBackendError(f"FlashInfer prefix backend unavailable: {_FLASHINFER_STATE.get('reason')}")
@@ -315,6 +330,9 @@ class FlashInferPrefixBackend(PrefixBackend):
             non_blocking=True,
             uniform_q_len=step_plan.beam_width,
         )
+        exact = self._exact_workspace_bytes(self._wrapper(kernel, step_plan.num_requests), args, kwargs)
+        if exact:
+            self._ensure_workspace(int(exact * _WORKSPACE_MARGIN) + _WORKSPACE_SLACK_BYTES)
         for attempt in range(4):
             wrapper = self._wrapper(kernel, step_plan.num_requests)
             try:

@@ -180,6 +180,19 @@ def test_flashinfer_workspace_grows_and_retries_after_an_allocation_failure(fake
         check_prefix(graph, sim, step, plan)
 
 
+def test_flashinfer_workspace_follows_workspace_size_when_offered(fake_gpu_libs, monkeypatch):
+    sim, step, plan = make_case()
+    exact = 64 * 2**20
+    monkeypatch.setattr(FakePrefillWrapper, "workspace_size", lambda self, *a, **k: (exact, 1 << 20), raising=False)
+    backend = FlashInferPrefixBackend("cpu")
+    check_prefix(backend, sim, step, plan)
+    assert backend.workspace_bytes >= exact
+    graph = FlashInferPrefixBackend("cpu", use_cuda_graph=True, max_requests=4, max_beam_width=3, max_prompt_pages=10)
+    exact = 2**34  # more than the graph-mode estimate: refused before planning, with the fix named
+    with pytest.raises(PrefixBackendError, match="cannot grow in CUDA-graph mode"):
+        check_prefix(graph, sim, step, plan)
+
+
 def test_flashinfer_graph_mode_wrapper_per_batch_size_and_frozen_family(fake_gpu_libs, monkeypatch):
     backend = FlashInferPrefixBackend("cpu", use_cuda_graph=True, max_requests=4, max_beam_width=96,
                                       max_prompt_pages=80)
