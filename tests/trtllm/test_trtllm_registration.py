@@ -172,13 +172,13 @@ WORKER = textwrap.dedent(
     """
     import importlib, json, site, sys
     site.addsitedir(sys.argv[1])           # what site does for site-packages at start-up
-    started_torch = "torch" in sys.modules
+    heavy_at_start_up = sorted({"torch", "numpy", "beam_shared_prefix"} & set(sys.modules))
     from beam_shared_prefix import _autoload
     hooked = _autoload.is_installed()
     from interface_model import TrtModel     # "TensorRT-LLM is installed" (the model)
     model = TrtModel(layout=sys.argv[2]).install()
     registry = importlib.import_module(model.root + ".fmha.registry")
-    print(json.dumps({"torch_at_start_up": started_torch, "hooked": hooked, "libs": list(registry.FMHA_LIBS)}))
+    print(json.dumps({"heavy_at_start_up": heavy_at_start_up, "hooked": hooked, "libs": list(registry.FMHA_LIBS)}))
     """
 )
 
@@ -203,12 +203,29 @@ def run_worker(tmp_path, layout, fmha_libs):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_worker_process_autoload(tmp_path, layout):
     """Doc 1.3: worker processes build the model too; the .pth hook registers there with nothing but
-    the variable set, and without importing torch at start-up."""
+    the variable set. At start-up it imports only the standard library (not even the package's
+    ``__init__``, which needs numpy: site may process this .pth before other site dirs are on sys.path)."""
     result = run_worker(tmp_path, layout, f"+{LIB}")
-    assert result["hooked"] and not result["torch_at_start_up"]
+    assert result["hooked"] and result["heavy_at_start_up"] == []
     assert result["libs"][-2:] == [LIB, "fallback"]
 
 
 def test_worker_process_without_the_variable(tmp_path):
     result = run_worker(tmp_path, "new", None)
     assert not result["hooked"] and LIB not in result["libs"]
+
+
+def test_build_puts_the_pth_at_the_top_of_site_packages(tmp_path):
+    """setup.py's build_py copies the .pth into the root of the purelib tree (what a wheel installs into
+    site-packages), where Python's site module runs it at every start-up."""
+    src, build_lib = tmp_path / "src", tmp_path / "lib"
+    # A copy of the project, so that setuptools' egg-info lands in tmp, not in the working tree.
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".gpu", "tests", "build", "*.egg-info", "__pycache__"))
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(build_lib)],
+        cwd=src, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    pth = build_lib / "beam_shared_prefix_autoload.pth"
+    assert pth.read_text() == open(os.path.join(ROOT, "beam_shared_prefix_autoload.pth")).read()
+    assert (build_lib / "beam_shared_prefix" / "_autoload.py").exists()
