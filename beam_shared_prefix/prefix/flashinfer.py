@@ -268,7 +268,8 @@ class FlashInferPrefixBackend(PrefixBackend):
         # The wrappers hold the old buffer: drop them; the active family is re-created right away.
         self._wrappers.clear()
         self._workspace = None
-        self._workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+        # Zeroed once: FlashInfer documents zero-initialised workspaces for some of its schedulers.
+        self._workspace = torch.zeros(need, dtype=torch.uint8, device=self.device)
 
     def _wrapper(self, kernel: str, num_requests: int):
         key = (kernel, num_requests if self.use_cuda_graph else None)
