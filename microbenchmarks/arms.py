@@ -221,7 +221,9 @@ class LibraryArm(Arm):
 
     def time_plans(self, wl: BenchWorkload, ctx: RunContext, repeats: int = 200) -> Dict[str, float]:
         """Host microseconds: ``first_plan_us`` on a fresh wrapper, ``replan_us`` (same inputs, the
-        wrapper's digest key) and ``replan_keyed_us`` (an explicit composition key), medians."""
+        wrapper's digest key), ``replan_keyed_us`` (an explicit composition key), medians, and
+        ``build_step_plan_us``; ``backend_plans_in_cached_replans`` counts prefix-backend plans the
+        cached calls did (0 expected)."""
         attn = self.make_wrapper(wl, ctx, use_cuda_graph=ctx.use_graphs and wl.device.type == "cuda")
         args = self.plan_args(wl)
         t0 = time.perf_counter()
@@ -237,13 +239,18 @@ class LibraryArm(Arm):
                 ts.append((time.perf_counter() - t) * 1e6)
             return float(np.median(ts))
 
+        def count():
+            return getattr(attn, "num_backend_plans", 0)
+
+        b0 = count()
         res["replan_us"] = med(lambda: attn.plan(*args))
-        try:
-            key = ("bench", wl.seed, wl.num_requests, wl.beam_width)
-            attn.plan(*args, key=key)
-            res["replan_keyed_us"] = med(lambda: attn.plan(*args, key=key))
-        except TypeError:
-            res["replan_keyed_us"] = None
+        b1 = count()
+        key = ("bench", wl.seed, wl.num_requests, wl.beam_width)
+        attn.plan(*args, key=key)  # a new key: may plan once
+        b2 = count()
+        res["replan_keyed_us"] = med(lambda: attn.plan(*args, key=key))
+        # Cached re-plans must not plan the prefix backend again: this counts the times they did.
+        res["backend_plans_in_cached_replans"] = (b1 - b0) + (count() - b2)
         from beam_shared_prefix.plan import build_step_plan
 
         res["build_step_plan_us"] = med(lambda: build_step_plan(args[0], args[1], args[2], wl.beam_width,

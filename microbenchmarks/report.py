@@ -186,7 +186,8 @@ def print_point(point: Dict, console=None) -> None:
     for name, p in plan.items():
         line = (f"plan ({name}): first {_fmt(p.get('first_plan_us'), '.0f')} us, cached re-plan "
                 f"{_fmt(p.get('replan_us'), '.1f')} us (digest key), {_fmt(p.get('replan_keyed_us'), '.1f')} us "
-                f"(composition key); StepPlan build {_fmt(p.get('build_step_plan_us'), '.0f')} us  [host]")
+                f"(composition key); StepPlan build {_fmt(p.get('build_step_plan_us'), '.0f')} us  [host]; "
+                f"backend re-plans in cached calls: {p.get('backend_plans_in_cached_replans', '-')}")
         (console.print(line) if console is not None else print(line))
 
 

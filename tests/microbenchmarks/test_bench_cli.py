@@ -41,7 +41,8 @@ def test_preset_a_without_gpu_writes_json(no_gpu, tmp_path, capsys):
         assert arm["time_us"] > 0 and arm["graphed"] is False
     assert point["arms"][1]["check"]["lse_max_abs_err"] is not None  # the prefix arm checks its LSE too
     plan = point["plan"]["library/reference+torch-tail"]
-    assert plan["replan_us"] > 0 and plan["first_plan_us"] > 0
+    assert plan["replan_us"] > 0 and plan["first_plan_us"] > 0 and plan["replan_keyed_us"] > 0
+    assert plan["backend_plans_in_cached_replans"] == 0
     assert point["traffic_bytes"]["total"] > 0 and point["floors"]["floor_us"] is None
 
 
