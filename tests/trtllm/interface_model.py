@@ -542,7 +542,8 @@ def _build_trtllm(m):
             **extra,
         ):
             num_tokens = q.shape[0]
-            output = q.new_empty((num_tokens, self.num_heads * self.head_dim))
+            # TensorRT-LLM allocates with new_empty; the model poisons it so an unwritten row fails.
+            output = q.new_full((num_tokens, self.num_heads * self.head_dim), float("nan"))
             is_fused_qkv = k is None and v is None and q.shape[-1] == (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             manager = metadata.kv_cache_manager
             if attention_window_size is None:
@@ -1403,3 +1404,42 @@ def make_layer(model: TrtModel, sim: BeamSearchCacheSimulator, layer_idx: int = 
     """A model ``TrtllmAttention`` for the simulator's attention shape (its manager built now)."""
     trtllm = model.module(".trtllm")
     return trtllm.TrtllmAttention(layer_idx, sim.num_qo_heads, sim.head_dim, sim.num_kv_heads, **kwargs)
+
+
+@dataclass
+class Setup:
+    """One simulated layer served through the model: simulator, manager, layer, engine."""
+
+    model: TrtModel
+    sim: BeamSearchCacheSimulator
+    manager: object
+    layer: object
+    engine: Engine
+
+    def oracle(self, step):
+        """Float32 dense attention of every beam over its own history (independent of block offsets)."""
+        return reference_beam_attention(
+            step.q, self.sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens, step.cache_indirection,
+            step.beam_width, new_k=step.new_k, new_v=step.new_v,
+        )
+
+    def run(self, step, context_prompt_lens=(), metadata=None, **forward_kwargs):
+        """Prepare ``step`` and run the layer; returns ``(out [tokens, H*D], qkv)``."""
+        qkv = self.engine.prepare(step, context_prompt_lens, metadata=metadata)
+        m = metadata if metadata is not None else self.engine.metadata
+        return self.layer.forward(qkv, None, None, m, **forward_kwargs), qkv
+
+
+def build(model: TrtModel, prompts=(37, 70), beam_width=4, kind="v1", num_qo_heads=4, num_kv_heads=2,
+          head_dim=64, page_size=16, max_seq_len=128, dtype=torch.bfloat16, seed=0, num_layers=3,
+          served_layer=1, max_batch_size=8, layer_kwargs=None) -> Setup:
+    """A :class:`Setup`; call after the library is registered (layers pick libraries at construction)."""
+    sim = BeamSearchCacheSimulator(
+        list(prompts), beam_width=beam_width, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype, seed=seed,
+        max_requests=max_batch_size,
+    )
+    manager = make_manager(model, sim, kind, num_layers=num_layers, served_layer=served_layer,
+                           first_layer_idx=10, max_batch_size=max_batch_size)
+    layer = make_layer(model, sim, layer_idx=manager.served_layer_idx, **(layer_kwargs or {}))
+    return Setup(model, sim, manager, layer, Engine(model, manager, max_batch_size=max_batch_size))

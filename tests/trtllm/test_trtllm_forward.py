@@ -1,0 +1,198 @@
+"""The library's forward through the interface model: the float32 oracle, mixed batches, declines.
+
+CPU: the reference prefix backend and the torch tail (the library's CPU path), through
+:class:`BeamSearchCacheSimulator` steps with beam reselection. The model is not TensorRT-LLM (see
+``interface_model.py``); each test names the ``trtllm-interfaces.md`` section it follows.
+
+Tolerance: bf16 output of unit-variance data, two roundings (prefix output, merged output), as in
+``tests/test_attention.py``: ``atol = rtol = 2e-2``; another beam's history moves outputs by O(0.1-1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from beam_shared_prefix.trtllm import register, stats
+from interface_model import build
+
+LIB = "beam_shared_prefix"
+TOL = 2e-2
+
+
+def assert_close(out, ref, what=""):
+    assert not torch.isnan(out).any(), f"{what}: NaN left in the output (a row was not written)"
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL, rtol=TOL, msg=lambda m: f"{what}: {m}")
+
+
+def gen_rows(out, num_ctx_tokens, sim):
+    return out[num_ctx_tokens:].view(-1, sim.num_qo_heads, sim.head_dim)
+
+
+def selected(setup):
+    return list(setup.layer._fmha_manager._cache.values())
+
+
+def fallback_calls(setup):
+    return setup.model.module(".fmha.fallback").FallbackFmha.calls
+
+
+def dense_causal(qkv, hq, hkv, d):
+    """Causal attention of one context request's fused QKV rows, float32 (the expected context output)."""
+    n = qkv.shape[0]
+    q = qkv[:, : hq * d].float().view(n, hkv, hq // hkv, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].float().view(n, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].float().view(n, hkv, d)
+    s = torch.einsum("ikgd,jkd->kgij", q, k) / math.sqrt(d)
+    s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("kgij,jkd->ikgd", s.softmax(-1), v).reshape(n, hq * d)
+
+
+@pytest.mark.parametrize(
+    "layout, kind, heads",
+    [("new", "v1", (4, 2)), ("new", "v2", (4, 2)), ("old", "v1", (2, 2)), ("old", "v2", (6, 2))],
+    ids=["new-V1-gqa2", "new-V2-gqa2", "old-V1-mha", "old-V2-gqa3"],
+)
+def test_forward_matches_oracle(trt, monkeypatch, layout, kind, heads):
+    """Doc 2.1/2.7 (forward writes forward_args.output), 4.2/4.3 (pages through each manager's
+    encoding), 5.1 (this token's K/V written at kv_len - 1); a request finishing re-plans once."""
+    model = trt(layout=layout)
+    # The old layout's '+' appends after fallback (doc 1.2): the exact list is the form that works.
+    fmha_libs = f"+{LIB}" if layout == "new" else f"triton_custom_mask,flashinfer_trtllm_gen,{LIB},fallback"
+    monkeypatch.setenv("TLLM_FMHA_LIBS", fmha_libs)
+    register()
+    setup = build(model, prompts=(37, 70, 16), beam_width=3, kind=kind, num_qo_heads=heads[0], num_kv_heads=heads[1])
+    sim = setup.sim
+    for s in range(5):
+        if s == 3:
+            sim.finish([sim.requests[0].rid])
+        step = sim.begin_step()
+        ref = setup.oracle(step)
+        out, _ = setup.run(step)
+        assert_close(gen_rows(out, 0, sim), ref, f"step {s}")
+        if s == 0:  # the library wrote this token's K/V into each beam's own page
+            for i in range(step.num_rows):
+                k, v = sim.read_kv(int(step.write_page[i]), int(step.write_slot[i]))
+                assert torch.equal(k, step.new_k[i]) and torch.equal(v, step.new_v[i])
+        sim.end_step(write_kv=False)  # later steps read what the library wrote
+    # Two cache keys (9 then 6 generation rows), both served by the library.
+    assert {type(f).__name__ for f in selected(setup)} == {"BeamSharedPrefixFmha"}
+    assert stats()["generation_forwards"] == 5 and fallback_calls(setup) == []
+    assert stats()["plans"] == 2  # first composition, then after the request finished
+
+
+def test_mixed_batch_served_as_its_own_combined_library(trt, monkeypatch):
+    """Doc 2.3/2.5: with no library before it taking the CONTEXT phase, the library answers the
+    phase-less question for a mixed batch; the context rows go to fallback (context_only call), the
+    generation rows are served here."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    setup = build(model, prompts=(37, 70), beam_width=3)
+    sim = setup.sim
+    step = sim.begin_step()
+    ref = setup.oracle(step)
+    contexts = (20, 33)
+    out, qkv = setup.run(step, context_prompt_lens=contexts)
+    ctx_tokens = sum(contexts)
+    assert_close(gen_rows(out, ctx_tokens, sim), ref, "generation rows")
+    start = 0
+    for n in contexts:
+        expected = dense_causal(qkv[start : start + n], sim.num_qo_heads, sim.num_kv_heads, sim.head_dim)
+        assert_close(out[start : start + n], expected, f"context request of {n} tokens")
+        start += n
+    assert [type(f).__name__ for f in selected(setup)] == ["BeamSharedPrefixFmha"]
+    assert fallback_calls(setup) == ["prepare_workspace", "run_context"]
+    assert stats()["mixed_batches"] == 1 and stats()["generation_forwards"] == 1
+
+
+@pytest.mark.parametrize(
+    "layout, params", [("new", "interface"), ("new", "phased"), ("old", "phased")], ids=["new-b", "new-a", "old-a"]
+)
+def test_mixed_batch_combined_with_an_earlier_context_library(trt, monkeypatch, layout, params):
+    """Doc 2.3/2.5/7.1: when a library listed before this one takes the CONTEXT phase (trtllm-gen on
+    SM100), the library declines the phase-less question and answers GENERATION, and the manager builds
+    CombinedFmha(context=that library, generation=this one). The generation half reads either
+    FmhaParams variant (doc 0.2 a/b)."""
+    model = trt(layout=layout, params=params, sm100=True)
+    fmha_libs = f"+{LIB}" if layout == "new" else f"triton_custom_mask,flashinfer_trtllm_gen,{LIB},fallback"
+    monkeypatch.setenv("TLLM_FMHA_LIBS", fmha_libs)
+    register()
+    setup = build(model, prompts=(37, 70), beam_width=3)
+    sim = setup.sim
+    step = sim.begin_step()
+    ref = setup.oracle(step)
+    out, qkv = setup.run(step, context_prompt_lens=(24,))
+    assert_close(gen_rows(out, 24, sim), ref, "generation rows")
+    assert_close(out[:24], dense_causal(qkv[:24], sim.num_qo_heads, sim.num_kv_heads, sim.head_dim), "context rows")
+    (choice,) = selected(setup)
+    assert type(choice).__name__ == "CombinedFmha"
+    assert type(choice._context_impl).__name__ == "FlashInferTrtllmGenFmha"
+    assert type(choice._generation_impl).__name__ == "BeamSharedPrefixFmha"
+    assert model.module(".fmha.flashinfer_trtllm_gen").FlashInferTrtllmGenFmha.calls == ["run_context"]
+    assert stats()["combined_generation_calls"] == 1 and "run_generation" not in fallback_calls(setup)
+    # The next generation-only step is the library's alone (another cache key: no contexts).
+    sim.end_step(write_kv=False)
+    step = sim.begin_step()
+    out, _ = setup.run(step)
+    assert_close(gen_rows(out, 0, sim), setup.oracle(step), "generation-only step")
+
+
+def test_unknown_fmha_params_variant_fails_clearly(trt, monkeypatch):
+    """Doc 0.2: FmhaParams variants differ; one the library cannot read is an error naming the fields."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    setup = build(model)
+    ours = next(f for f in setup.layer._fmha_manager.fmha_libs if type(f).__name__ == "BeamSharedPrefixFmha")
+
+    class OtherParams:
+        def __init__(self):
+            self.query = torch.zeros(1)
+            self.metadata = None
+
+    with pytest.raises(RuntimeError, match=r"FmhaParams has none of the fields.*\['metadata', 'query'\]"):
+        ours.run_generation(OtherParams())
+
+
+def test_per_step_decline_hands_the_step_to_fallback(trt, monkeypatch):
+    """Per-step decline (docs/trtllm.md): a short-prompt batch is handed to fallback at run time while the
+    selection (cached per key, doc 2.4) stays with the library; a long-prompt batch of the same key is
+    served. Sanity check on: the cached choice never disagrees with a fresh selection."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
+    monkeypatch.setenv("TRTLLM_FMHA_CACHE_SANITY_CHECK", "1")
+    register()
+    short = build(model, prompts=(20, 30), beam_width=8)
+    step = short.sim.begin_step()
+    out, _ = short.run(step)
+    assert_close(gen_rows(out, 0, short.sim), short.oracle(step), "short prompts (fallback)")
+    assert stats()["delegated_steps"] == 1 and stats()["generation_forwards"] == 0
+    assert fallback_calls(short) == ["prepare_workspace", "run_generation"]
+    # Same layer, same cache key (2 requests x 8 beams), long prompts: the library serves it.
+    long_sim_setup = build(model, prompts=(90, 120), beam_width=8, seed=3)
+    long_sim_setup.layer = short.layer
+    step = long_sim_setup.sim.begin_step()
+    out, _ = long_sim_setup.run(step)
+    assert_close(gen_rows(out, 0, long_sim_setup.sim), long_sim_setup.oracle(step), "long prompts (library)")
+    assert stats()["generation_forwards"] == 1
+    assert [type(f).__name__ for f in selected(short)] == ["BeamSharedPrefixFmha"]
+
+
+def test_beam_width_decline_is_a_selection_gate(trt, monkeypatch, caplog):
+    """Beam width is constant within the cache key (doc 2.4, 3.3), so the rule's beam-width part declines
+    at selection: fallback is chosen and cached, and the reason is logged."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
+    register()
+    setup = build(model, prompts=(90, 120), beam_width=4)
+    step = setup.sim.begin_step()
+    with caplog.at_level("DEBUG", logger="beam_shared_prefix.trtllm"):
+        out, _ = setup.run(step)
+    assert_close(gen_rows(out, 0, setup.sim), setup.oracle(step), "fallback")
+    assert [type(f).__name__ for f in selected(setup)] == ["FallbackFmha"]
+    assert "beam width 4 < 8" in caplog.text and stats()["generation_forwards"] == 0
