@@ -21,6 +21,10 @@ from .tail_merge_kernel import beam_tail_merge_kernel
 __all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"]
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+# Measured with ptxas for sm_90: Triton 3.6 lays out the [QH, BLOCK_T, D] tile like the [QH, D]
+# tiles, Triton 3.9 the [BLOCK_T, QH, D] one (see tail_merge_kernel.py). Versions in between are
+# unmeasured and take the newer choice.
+_TOKENS_OUTER = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
 MAX_GROUP_SIZE = 64
 
 
@@ -33,12 +37,15 @@ class TailLaunchConfig:
         kv_heads_per_prog: KV heads one program handles (a power of two).
         block_t: earlier tail tokens per loop iteration.
         num_warps: warps per program.
+        tokens_outer: orientation of the K/V tile, ``[BLOCK_T, QH, D]`` (True) or ``[QH, BLOCK_T, D]``
+            (False); same results, the faster one depends on the Triton version (see the kernel).
     """
 
     group_pad: int
     kv_heads_per_prog: int
     block_t: int
     num_warps: int
+    tokens_outer: bool = False
 
     @property
     def query_slots(self) -> int:
@@ -49,10 +56,12 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> Tai
     """The tiling for a shape.
 
     About 2048 query-slot elements (``QH * D``) per program: all 16 heads of a 16/8 head-128 row in
-    one program, so the row's index chain is paid once, while ``q``, ``acc`` and the prefix output
-    stay at 16 fp32 registers per thread each with 4 warps. ``block_t = 2`` keeps the ``[QH, BLOCK_T,
-    D]`` K/V tiles at 32 registers per thread and covers the common tail of 3 (2 earlier tokens plus
-    the current one from registers) in a single iteration; it grows to 4 when the tile is narrower.
+    one program, so the row's index chain (lengths, source beams, page-table entries) is paid once.
+    ``block_t = 2`` covers the common tail of 3 (2 earlier tokens plus the current one from
+    registers) in one loop iteration; it grows to 4 when the tile is narrower. With 4 warps this
+    compiles for sm_90 to 72-88 registers per thread and no spills (Triton 3.6 and 3.9, head sizes
+    64-256, groups 1-16; ``tests/triton_kernels/sm90_resource_usage.py`` reports it), i.e. at least 5
+    programs resident per SM. ``block_t = 4`` at ``QH * D = 2048`` costs 106 registers (3.6).
     """
     group_pad = triton.next_power_of_2(group_size)
     target_slots = max(group_pad, 2048 // head_dim)
@@ -61,7 +70,7 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> Tai
     tile = slots * head_dim
     block_t = 4 if tile <= 1024 else 2
     num_warps = 4 if tile <= 2048 else 8
-    return TailLaunchConfig(group_pad, kv_heads_per_prog, block_t, num_warps)
+    return TailLaunchConfig(group_pad, kv_heads_per_prog, block_t, num_warps, _TOKENS_OUTER)
 
 
 def _check_launchable(q: torch.Tensor, head_dim: int, group_size: int) -> None:
@@ -202,6 +211,7 @@ def beam_tail_attention_merge(
         HEAD_DIM=geom.head_dim,
         BLOCK_T=cfg.block_t,
         WRITE_KV=bool(write_kv),
+        TOKENS_OUTER=bool(cfg.tokens_outer),
         num_warps=cfg.num_warps,
         num_stages=1,
     )

@@ -227,8 +227,14 @@ def test_kernel_and_torch_path_agree(device):
 
 @pytest.mark.parametrize(
     "config",
-    [None, TailLaunchConfig(4, 1, 1, 1), TailLaunchConfig(4, 4, 8, 2), TailLaunchConfig(8, 2, 2, 4)],
-    ids=["default", "one_head_block_t1", "heads_past_hkv", "wide_group_pad"],
+    [
+        None,
+        TailLaunchConfig(4, 1, 1, 1),
+        TailLaunchConfig(4, 4, 8, 2, tokens_outer=False),
+        TailLaunchConfig(4, 4, 8, 2, tokens_outer=True),
+        TailLaunchConfig(8, 2, 2, 4, tokens_outer=True),
+    ],
+    ids=["default", "one_head_block_t1", "heads_past_hkv_heads_outer", "heads_past_hkv_tokens_outer", "wide_group_pad"],
 )
 def test_tilings_agree_with_oracle(config, device):
     """Hkv = 3 (not a power of two) and G = 3: head blocks past Hkv and padded group slots are masked."""

@@ -1,0 +1,115 @@
+"""Compile the tail kernel ahead of time for sm_90 (no GPU needed) and report its resource usage.
+
+Run as a script (``python tests/triton_kernels/sm90_resource_usage.py``) it prints one JSON line per
+shape: registers per thread, stack and local (spill) bytes, shared memory, and whether the K/V rows
+are loaded as 16-byte vectors. ``test_tail_merge_compile.py`` runs it in a subprocess, because
+``TRITON_INTERPRET=1`` (set for the CPU suite) replaces ``@triton.jit`` functions with interpreted
+ones that cannot be compiled.
+
+Uses the ``ptxas``/``cuobjdump`` shipped inside the Triton wheel.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from triton_kernels.tail_merge import tail_launch_config  # noqa: E402
+from triton_kernels.tail_merge_kernel import beam_tail_merge_kernel  # noqa: E402
+
+# (dtype, Hq, Hkv, D, prefix_out dtype)
+SHAPES = [
+    ("bf16", 16, 8, 128, "bf16"),  # the issue's target shape
+    ("fp16", 16, 8, 128, "fp32"),
+    ("bf16", 8, 8, 64, "fp32"),
+    ("bf16", 6, 2, 64, "fp32"),  # G = 3, padded
+    ("bf16", 64, 8, 128, "bf16"),  # G = 8
+    ("bf16", 64, 8, 256, "bf16"),
+    ("fp16", 40, 8, 256, "fp16"),  # G = 5
+    ("bf16", 32, 2, 128, "fp32"),  # G = 16
+]
+
+# Ints Triton's runtime specializes as multiples of 16 for real pools and contiguous buffers.
+_DIV16_INTS = {
+    "stride_q_row", "stride_q_head", "stride_new_k_row", "stride_new_k_head", "stride_new_v_row",
+    "stride_new_v_head", "stride_kv_page", "stride_kv_kv", "stride_kv_head", "stride_kv_slot",
+    "stride_po_row", "stride_po_head", "stride_out_row", "stride_out_head", "page_size", "max_seq_len",
+}
+
+
+def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str):
+    g = hq // hkv
+    cfg = tail_launch_config(g, hkv, d)
+    names = list(inspect.signature(beam_tail_merge_kernel.fn).parameters)
+    pointers = dict(
+        q_ptr=dtype, new_k_ptr=dtype, new_v_ptr=dtype, kv_ptr=dtype, page_table_ptr="i32", kv_lens_ptr="i32",
+        prompt_lens_ptr="i32", cache_indirection_ptr="i32", prefix_out_ptr=prefix_dtype, prefix_lse_ptr="fp32",
+        out_ptr=dtype,
+    )
+    constexprs = dict(
+        GROUP=g, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog, HEAD_DIM=d,
+        BLOCK_T=cfg.block_t, WRITE_KV=True, TOKENS_OUTER=cfg.tokens_outer,
+    )
+    signature = {}
+    for n in names:
+        if n in pointers:
+            signature[n] = "*" + pointers[n]
+        elif n in constexprs:
+            signature[n] = "constexpr"
+        elif n in ("qk_scale_log2", "lse_scale"):
+            signature[n] = "fp32"
+        else:
+            signature[n] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in _DIV16_INTS}
+    src = ASTSource(
+        fn=beam_tail_merge_kernel, signature=signature,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs,
+    )
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, num_stages=1)
+    )
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        dump = subprocess.run(
+            [os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", dump)
+    if m is None:
+        raise RuntimeError(f"cuobjdump gave no resource line:\n{dump}")
+    regs, stack, shared, local = (int(x) for x in m.groups())
+    return dict(
+        shape=[dtype, hq, hkv, d, prefix_dtype],
+        config=[cfg.group_pad, cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.tokens_outer],
+        triton=triton.__version__,
+        registers=regs,
+        stack=stack,
+        shared=shared,
+        local=local,
+        vector_loads=compiled.asm["ptx"].count("ld.global.v4.b32"),
+        num_warps=cfg.num_warps,
+    )
+
+
+def main() -> None:
+    for shape in SHAPES:
+        print(json.dumps(compile_sm90(*shape)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
