@@ -248,6 +248,11 @@ def step_for_forward(metadata) -> Tuple[_MetadataState, StepInfo]:
     state = metadata_state(metadata)
     if state.hooked:
         if state.step is None:
+            if state.step_reason == _PREPARE_IN_CAPTURE:
+                raise RuntimeError(
+                    f"beam_shared_prefix: no step plan: {_PREPARE_IN_CAPTURE}. Call prepare() before "
+                    "capturing (TensorRT-LLM's runner does)."
+                )
             raise RuntimeError(
                 "beam_shared_prefix: selected for a batch that prepare() found ineligible "
                 f"({state.step_reason}); this is a bug in the library's gates, please report it. "
@@ -330,6 +335,7 @@ def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family)
 # The prepare() hook
 
 _depth = threading.local()
+_PREPARE_IN_CAPTURE = "prepare() ran during CUDA graph capture, where host planning cannot be captured"
 
 
 def _wrap_prepare(original):
@@ -343,8 +349,15 @@ def _wrap_prepare(original):
             result = original(self, *args, **kwargs)
         finally:
             _depth.value = depth
-        if depth == 0 and not _capturing():
-            plan_metadata(self, from_hook=True)
+        if depth == 0:
+            if _capturing():
+                # Never expected (doc: prepare() precedes capture); planning here could not be
+                # captured, and the previous step's plan must not be used for this one.
+                state = metadata_state(self)
+                state.hooked, state.step = True, None
+                state.step_reason = _PREPARE_IN_CAPTURE
+            else:
+                plan_metadata(self, from_hook=True)
         return result
 
     setattr(prepare, _WRAPPED_MARK, True)

@@ -1,0 +1,242 @@
+"""Eligibility gates at the layer, batch and call level, and their invariance within the selection key.
+
+Against the interface model (``interface_model.py``; a model, not TensorRT-LLM). Each declined case
+checks that the library is not chosen and that the reason was logged (once).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from beam_shared_prefix.trtllm import register, stats
+from beam_shared_prefix.trtllm.gates import decline_log
+from interface_model import PositionEmbeddingType, QuantMode, build
+
+LIB = "beam_shared_prefix"
+
+
+@pytest.fixture
+def enabled(trt, monkeypatch):
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    return model
+
+
+def library_of(layer):
+    found = [f for f in layer._fmha_manager.fmha_libs if type(f).__name__ == "BeamSharedPrefixFmha"]
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize(
+    "attn_kwargs, reason",
+    [
+        ({}, None),
+        (dict(mla=True), "MLA attention"),
+        (dict(sparse_params=object()), "sparse attention"),
+        (dict(predicted_tokens_per_seq=3), "speculative decoding"),
+        (dict(attention_chunk_size=64), "chunked (local) attention"),
+        (dict(head_dim=96), "head_dim=96 is not one of (64, 128, 256)"),
+        (dict(num_heads=6, num_kv_heads=4), "num_heads=6 is not a positive multiple of num_kv_heads=4"),
+        (dict(quant_mode=QuantMode.FP8_KV_CACHE), "KV cache quantization (fp8 kv cache)"),
+        (dict(kv_cache_dtype="nvfp4"), "KV cache quantization (kv_cache_dtype='nvfp4')"),
+        (dict(position_embedding_type=PositionEmbeddingType.rope_gpt_neox), "RoPE is applied inside the attention backend"),
+        (dict(skip_correction_threshold=0.5), None),  # declined by Fmha.is_available itself (doc 2.1), no reason of ours
+    ],
+    ids=["served", "mla", "sparse", "spec-dec", "chunked", "head96", "heads6-4", "fp8-kv", "nvfp4-kv", "rope", "skip-corr"],
+)
+def test_layer_gates(enabled, attn_kwargs, reason):
+    """Doc 2.1 (_is_available runs once per manager), 6.3 (layer-level gates) and 5.2 (RoPE ownership)."""
+    trtllm = enabled.module(".trtllm")
+    kwargs = dict(num_heads=4, head_dim=64, num_kv_heads=2)
+    kwargs.update({k: attn_kwargs.pop(k) for k in list(attn_kwargs) if k in kwargs})
+    layer = trtllm.TrtllmAttention(0, kwargs["num_heads"], kwargs["head_dim"], kwargs["num_kv_heads"], **attn_kwargs)
+    served = not attn_kwargs and reason is None
+    assert (library_of(layer) is not None) == served
+    if reason is not None:
+        assert decline_log.seen(reason)
+
+
+def test_layer_gate_names_a_missing_backend(enabled, monkeypatch):
+    """A backend that is not installed declines the layer with the install command."""
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.skip("flashinfer is installed here; the decline cannot be shown")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "flashinfer")
+    register()  # re-reads the settings
+    layer = enabled.module(".trtllm").TrtllmAttention(0, 4, 64, 2)
+    assert library_of(layer) is None
+    assert decline_log.seen("pip install 'beam-shared-prefix[flashinfer]'")
+
+
+def forward_args(model, setup, **overrides):
+    interface = model.module(".interface")
+    out = torch.empty(0)
+    fields = dict(output=None, is_fused_qkv=True, update_kv_cache=True, attention_window_size=setup.sim.max_seq_len)
+    fields.update(overrides)
+    args = interface.AttentionForwardArgs(**{k: v for k, v in fields.items() if k != "output"})
+    args.output = fields["output"] if fields["output"] is not None else out
+    return args
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("served", None),
+        ("context_only", "context-only attention call"),
+        ("separate_kv", "separate K/V inputs"),
+        ("no_kv_update", "update_kv_cache=False"),
+        ("full_mask", "attention mask"),
+        ("mask_data", "custom attention mask data"),
+        ("sinks", "attention sinks"),
+        ("rel_bias", "relative attention bias"),
+        ("fp8_out", "quantized (FP8) attention output"),
+        ("sliding", "sliding-window attention"),
+        ("fp32", "query dtype float32"),
+        ("out_dtype", "output dtype float16 differs"),
+        ("two_tokens", "more than one query token per generation row"),
+        ("block_sparse", None),  # declined by Fmha.is_supported itself (doc 2.1), before our hook
+    ],
+)
+def test_call_gates(enabled, case, reason):
+    """Doc 2.7 (forward arguments), 6.3 (request-level gates): each is fixed per layer or in the key."""
+    setup = build(enabled)
+    ours = library_of(setup.layer)
+    step = setup.sim.begin_step()
+    qkv = setup.engine.prepare(step)
+    m = setup.engine.metadata
+    interface = enabled.module(".interface")
+    out = torch.empty(qkv.shape[0], 4 * 64, dtype=qkv.dtype)
+    kw, q, k, v = {}, qkv, None, None
+    if case == "context_only":
+        kw["attention_input_type"] = interface.AttentionInputType.context_only
+    elif case == "separate_kv":
+        q, k, v = qkv[:, : 4 * 64], qkv[:, 256:384], qkv[:, 384:]
+        kw["is_fused_qkv"] = False
+    elif case == "no_kv_update":
+        kw["update_kv_cache"] = False
+    elif case == "full_mask":
+        kw["attention_mask"] = interface.PredefinedAttentionMask.FULL
+    elif case == "mask_data":
+        kw["attention_mask_data"] = torch.ones(1)
+    elif case == "sinks":
+        kw["attention_sinks"] = torch.zeros(4)
+    elif case == "rel_bias":
+        kw["relative_attention_bias"] = torch.zeros(1)
+    elif case == "fp8_out":
+        kw["out_scale"] = torch.ones(1)
+    elif case == "sliding":
+        kw["attention_window_size"] = 32
+    elif case == "fp32":
+        q = qkv.float()
+        out = out.float()
+    elif case == "out_dtype":
+        out = out.half()
+    elif case == "two_tokens":
+        q = torch.cat([qkv, qkv[:1]])
+    elif case == "block_sparse":
+        kw["sparse_runtime_params"] = interface.SparseRuntimeParams(block_sparse_inputs=torch.ones(1))
+    args = forward_args(enabled, setup, output=out, **kw)
+    supported = ours.is_supported(q, k, v, m, args)
+    assert supported == (case == "served")
+    if reason is not None:
+        assert decline_log.seen(reason)
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("beam1", "beam width 1"),
+        ("spec_dec", "speculative decoding"),
+        ("cross", "cross attention"),
+        ("helix", "helix (context) parallelism"),
+        ("no_indirection", "no cache_indirection"),
+        ("narrow_indirection", "sized for fewer beams"),
+        ("extra_tokens", "num_extra_kv_tokens=2"),
+        ("no_cache", "KV cache not in use"),
+        ("manager", "unsupported KV cache manager"),
+        ("page8", "tokens_per_block=8 is not one of (16, 32, 64, 128)"),
+        ("context_only_batch", "no generation rows"),
+    ],
+)
+def test_batch_gates(enabled, case, reason):
+    """Doc 3 (metadata fields), 3.3 (beam_width is 1 on context-only steps), 4 (managers), 6.3 (batch gates)."""
+    setup = build(enabled, page_size=8 if case == "page8" else 16)
+    ours = library_of(setup.layer)
+    step = setup.sim.begin_step()
+    contexts = (12,) if case == "context_only_batch" else ()
+    if case == "context_only_batch":
+        setup.sim.requests.clear()  # the engine's view: only the new request this step
+        step.request_ids = []
+        step.q = step.q[:0]
+        step.new_k, step.new_v = step.new_k[:0], step.new_v[:0]
+        step.kv_lens, step.prompt_lens = step.kv_lens[:0], step.prompt_lens[:0]
+    qkv = setup.engine.prepare(step, contexts)
+    m = setup.engine.metadata
+    if case == "beam1":
+        m.beam_width = 1
+    elif case == "spec_dec":
+        m.use_spec_decoding = True
+    elif case == "cross":
+        m.is_cross = True
+    elif case == "helix":
+        m.enable_helix = True
+    elif case == "no_indirection":
+        m.cache_indirection = None
+    elif case == "narrow_indirection":
+        m.cache_indirection = m.cache_indirection[:, :2]
+    elif case == "extra_tokens":
+        m.kv_cache_params.num_extra_kv_tokens = 2
+    elif case == "no_cache":
+        m.kv_cache_params.use_cache = False
+    elif case == "manager":
+        class PagedCache:  # not one of the two managers, though it has every attribute
+            pass
+
+        fake = PagedCache()
+        fake.__dict__.update(vars(setup.manager))
+        m.kv_cache_manager = fake
+    out = torch.empty(qkv.shape[0], 4 * 64, dtype=qkv.dtype)
+    assert not ours.is_supported(qkv, None, None, m, forward_args(enabled, setup, output=out))
+    assert decline_log.seen(reason)
+
+
+def test_decline_reason_logged_once(enabled, caplog):
+    """A reason is logged once per process, not once per call."""
+    setup = build(enabled)
+    ours = library_of(setup.layer)
+    step = setup.sim.begin_step()
+    qkv = setup.engine.prepare(step)
+    args = forward_args(enabled, setup, output=torch.empty(qkv.shape[0], 256, dtype=qkv.dtype), attention_window_size=32)
+    with caplog.at_level(logging.DEBUG, logger="beam_shared_prefix.trtllm"):
+        for _ in range(3):
+            assert not ours.is_supported(qkv, None, None, setup.engine.metadata, args)
+    assert caplog.text.count("sliding-window attention") == 1
+
+
+def test_selection_is_invariant_within_the_cache_key(enabled, monkeypatch):
+    """Doc 2.4: nothing the library checks varies inside a selection-cache key. The manager's sanity
+    check re-runs the uncached selection on every hit: prompt and KV lengths that change, requests that
+    finish and join, a CUDA-graph metadata (is_cuda_graph is not in the key) and the decline rule on
+    (prompt length is judged per step) never make the library's answer disagree with the cached one."""
+    monkeypatch.setenv("TRTLLM_FMHA_CACHE_SANITY_CHECK", "1")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
+    register()
+    setup = build(enabled, prompts=(20, 90), beam_width=8, max_seq_len=160)
+    sim = setup.sim
+    graph = setup.engine.graph_metadata(2)
+    for s in range(6):
+        if s == 2:
+            sim.finish([sim.requests[0].rid])
+            sim.add_requests([17])  # a short prompt joins; mean prompt length drops below the threshold
+        step = sim.begin_step()
+        metadata = graph if s % 2 else None
+        out, _ = setup.run(step, metadata=metadata)
+        assert not torch.isnan(out).any()
+        sim.end_step(write_kv=False)
+    assert len(setup.layer._fmha_manager._cache) == 1
+    assert stats()["delegated_steps"] >= 1 and stats()["generation_forwards"] >= 1

@@ -1,0 +1,167 @@
+"""Per-step planning from the ``TrtllmAttentionMetadata.prepare`` hook, per metadata object.
+
+Against the interface model (``interface_model.py``; a model, not TensorRT-LLM): doc 3.1 (CUDA-graph
+metadata are shallow copies), 3.8 (prepare() runs every step, before capture and replay), 1.5/9.2
+(no upstream planning hook).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from beam_shared_prefix.trtllm import planning, register, stats
+from interface_model import build
+
+LIB = "beam_shared_prefix"
+TOL = 2e-2
+
+
+@pytest.fixture
+def setup(trt, monkeypatch):
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    return build(model, prompts=(37, 70), beam_width=3)
+
+
+def check(setup, step, out):
+    ref = setup.oracle(step)
+    got = out.view(-1, setup.sim.num_qo_heads, setup.sim.head_dim)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got.float(), ref, atol=TOL, rtol=TOL)
+
+
+def test_plans_per_metadata_identity(setup):
+    """Doc 3.1: the graph metadata is a shallow copy of the eager one; each object gets its own state and
+    wrapper (the graph one with fixed buffers sized for its batch), and both serve correctly."""
+    eager = setup.engine.metadata
+    graph = setup.engine.graph_metadata(2)
+    assert graph is not eager and graph.is_cuda_graph and not eager.is_cuda_graph
+    for s, metadata in enumerate([eager, graph, eager, graph]):
+        step = setup.sim.begin_step()
+        out, _ = setup.run(step, metadata=metadata)
+        check(setup, step, out)
+        setup.sim.end_step(write_kv=False)
+    eager_state, graph_state = planning.metadata_state(eager), planning.metadata_state(graph)
+    assert eager_state is not graph_state and eager_state.hooked and graph_state.hooked
+    (eager_wrapper,) = eager_state.wrappers.values()
+    (graph_wrapper,) = graph_state.wrappers.values()
+    assert not eager_wrapper.use_cuda_graph
+    assert graph_wrapper.use_cuda_graph and graph_wrapper.max_requests == 2 and graph_wrapper.max_beam_width == 3
+    assert stats()["plans"] == 2  # one per metadata: the composition did not change
+
+
+def test_replans_only_when_the_composition_changes(setup):
+    """Plans are reused while the requests, their prompts and pages stay the same; a finished request
+    re-plans once; a layer of the same shape shares the plan (one wrapper per attention family)."""
+    trtllm = setup.model.module(".trtllm")
+    second_layer = trtllm.TrtllmAttention(11, 4, 64, 2)  # same shape, another layer of the pool
+    sim = setup.sim
+    builds = []
+    for s in range(5):
+        if s == 3:
+            sim.finish([sim.requests[1].rid])
+        step = sim.begin_step()
+        qkv = setup.engine.prepare(step)
+        out = setup.layer.forward(qkv, None, None, setup.engine.metadata)
+        second_layer.forward(qkv.clone(), None, None, setup.engine.metadata)
+        check(setup, step, out)
+        builds.append(stats()["plans"])
+        sim.end_step(write_kv=False)
+    assert builds == [1, 1, 1, 2, 2]
+    (wrapper,) = planning.metadata_state(setup.engine.metadata).wrappers.values()
+    assert wrapper.num_plan_builds == 2
+
+
+def test_fresh_metadata_is_planned_in_prepare(setup):
+    """A family seen on the manager is planned by prepare() of a new metadata, before its first forward
+    (so a CUDA-graph metadata never plans inside its first, possibly captured, forward)."""
+    step = setup.sim.begin_step()
+    setup.run(step)
+    setup.sim.end_step(write_kv=False)
+    graph = setup.engine.graph_metadata(2)
+    step = setup.sim.begin_step()
+    setup.engine.prepare(step, metadata=graph)
+    state = planning.metadata_state(graph)
+    assert len(state.wrappers) == 1 and state.planned_key
+
+
+def test_no_planning_during_capture(setup, monkeypatch):
+    """Doc 3.8: planning is host work and is never captured. With a plan in place a captured forward runs;
+    a plan needed during capture is a clear error, not a silent stale plan."""
+    step = setup.sim.begin_step()
+    setup.run(step)
+    setup.sim.end_step(write_kv=False)
+    # The runner's order: prepare() (host), then the captured forward, which only runs.
+    step = setup.sim.begin_step()
+    qkv = setup.engine.prepare(step)
+    monkeypatch.setattr(planning, "_capturing", lambda: True)
+    out = setup.layer.forward(qkv, None, None, setup.engine.metadata)
+    check(setup, step, out)
+    # A new attention family first met during capture cannot be planned there.
+    other = setup.model.module(".trtllm").TrtllmAttention(11, 2, 64, 2)  # Hq 2: another family
+    other_qkv = torch.cat([qkv[:, : 2 * 64], qkv[:, 4 * 64 :]], dim=1)
+    with pytest.raises(RuntimeError, match="a plan is needed during CUDA graph capture"):
+        other.forward(other_qkv, None, None, setup.engine.metadata)
+    setup.sim.end_step(write_kv=False)
+    # prepare() itself inside a capture (never expected): the previous plan must not be reused.
+    setup.sim.finish([setup.sim.requests[0].rid])
+    step = setup.sim.begin_step()
+    qkv = setup.engine.prepare(step)
+    with pytest.raises(RuntimeError, match="prepare\\(\\) ran during CUDA graph capture"):
+        setup.layer.forward(qkv, None, None, setup.engine.metadata)
+
+
+def test_subclass_prepare_plans_once(trt, monkeypatch):
+    """The hook wraps prepare() of TrtllmAttentionMetadata and of subclasses that override it; a
+    subclass calling super().prepare() plans once, after its own body."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    trtllm = model.module(".trtllm")
+    seen = []
+
+    class SpecMetadata(trtllm.TrtllmAttentionMetadata):
+        def prepare(self):
+            super().prepare()
+            seen.append(planning.metadata_state(self).step is None)  # not planned yet inside the body
+
+    setup = build(model)  # layer construction installs the hook (and wraps existing subclasses)
+    metadata = SpecMetadata(max_num_requests=8, max_num_sequences=8 * 4, max_beam_width=4, kv_cache_manager=setup.manager)
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step, metadata=metadata)
+    check(setup, step, out)
+    assert seen == [True] and stats()["prepare_calls"] == 1
+
+
+def test_forward_without_the_hook(setup, monkeypatch):
+    """If prepare() is not hooked (e.g. overridden without super()), eager forwards still plan (with a
+    warning); under capture it is an error that names the cause."""
+    planning.uninstall_prepare_hook(setup.model.module(".trtllm").TrtllmAttentionMetadata)
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step)
+    check(setup, step, out)
+    from beam_shared_prefix.trtllm.gates import decline_log
+
+    assert decline_log.seen("is not hooked")
+    setup.sim.end_step(write_kv=False)
+    graph = setup.engine.graph_metadata(2)
+    step = setup.sim.begin_step()
+    qkv = setup.engine.prepare(step, metadata=graph)
+    monkeypatch.setattr(planning, "_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="prepare\\(\\) hook did not run"):
+        setup.layer.forward(qkv, None, None, graph)
+
+
+def test_warmup_rows_without_generated_tokens(setup):
+    """Doc 3.4: warm-up / CUDA-graph dummy rows have prompt_len = kv_len - 1 (nothing generated yet)
+    and a zero-length prompt may appear (kv_len 1); planning clamps the prefix to [1, kv_len - 1]
+    instead of failing, and real rows stay exact."""
+    sim = setup.sim
+    step = sim.begin_step()
+    qkv = setup.engine.prepare(step)
+    m = setup.engine.metadata
+    m.prompt_lens_cpu_runtime[:3] = m.kv_lens_runtime[:3]  # request 0 claims its whole KV is prompt
+    step_info = planning.plan_metadata(m)
+    assert list(step_info.prompt_lens) == [int(m.kv_lens_runtime[0]) - 1, 70]
