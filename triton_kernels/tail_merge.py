@@ -62,6 +62,8 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> Tai
     compiles for sm_90 to 72-88 registers per thread and no spills (Triton 3.6 and 3.9, head sizes
     64-256, groups 1-16; ``tests/triton_kernels/sm90_resource_usage.py`` reports it), i.e. at least 5
     programs resident per SM. ``block_t = 4`` at ``QH * D = 2048`` costs 106 registers (3.6).
+    A group wider than the tile (MQA, G = 32 or 64) stays in one program with 8-16 warps; at
+    G = 64 and D = 256 that reaches 128 registers (the slowest supported shape, but it compiles).
     """
     group_pad = triton.next_power_of_2(group_size)
     target_slots = max(group_pad, 2048 // head_dim)
@@ -69,7 +71,8 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> Tai
     slots = group_pad * kv_heads_per_prog
     tile = slots * head_dim
     block_t = 4 if tile <= 1024 else 2
-    num_warps = 4 if tile <= 2048 else 8
+    # Wide groups (MQA) cannot be split across programs: more warps keep registers per thread down.
+    num_warps = min(16, max(4, tile // 512))
     return TailLaunchConfig(group_pad, kv_heads_per_prog, block_t, num_warps, _TOKENS_OUTER)
 
 

@@ -80,7 +80,6 @@ def _attend_block_tokens_outer(q, m_i, l_i, acc, kv_ptr, stride_kv_kv, tok_offs,
     return m_new, l_new, acc_new
 
 
-
 @triton.jit
 def beam_tail_merge_kernel(
     q_ptr,

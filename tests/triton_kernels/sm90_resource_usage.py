@@ -38,6 +38,7 @@ SHAPES = [
     ("bf16", 64, 8, 256, "bf16"),
     ("fp16", 40, 8, 256, "fp16"),  # G = 5
     ("bf16", 32, 2, 128, "fp32"),  # G = 16
+    ("bf16", 32, 1, 128, "bf16"),  # MQA, G = 32
 ]
 
 # Ints Triton's runtime specializes as multiples of 16 for real pools and contiguous buffers.
