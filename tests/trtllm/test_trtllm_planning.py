@@ -160,8 +160,9 @@ def test_warmup_rows_without_generated_tokens(setup):
     instead of failing, and real rows stay exact."""
     sim = setup.sim
     step = sim.begin_step()
-    qkv = setup.engine.prepare(step)
+    setup.engine.prepare(step)
     m = setup.engine.metadata
     m.prompt_lens_cpu_runtime[:3] = m.kv_lens_runtime[:3]  # request 0 claims its whole KV is prompt
+    m.prompt_lens_cpu_runtime[3:6] = 0  # request 1: a zero-length prompt
     step_info = planning.plan_metadata(m)
-    assert list(step_info.prompt_lens) == [int(m.kv_lens_runtime[0]) - 1, 70]
+    assert list(step_info.prompt_lens) == [int(m.kv_lens_runtime[0]) - 1, 1]
