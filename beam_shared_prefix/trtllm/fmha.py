@@ -44,7 +44,7 @@ from typing import Dict, Optional
 from ..decline import should_decline
 from .gates import batch_decline_reason, call_decline_reason, decline_log, layer_decline_reason
 from .kv_cache import adapter_for
-from .planning import Family, ensure_prepare_hook, step_for_forward, wrapper_for
+from .planning import Family, ensure_prepare_hook, runtime_view, step_for_forward, wrapper_for
 from .registration import FALLBACK_NAME, LIB_NAME, OUT_OF_TREE_MARK, current_settings
 
 __all__ = ["BeamSharedPrefixFmhaMixin", "fmha_class_for", "stats"]
@@ -156,7 +156,10 @@ class BeamSharedPrefixFmhaMixin:
         return self._serves_mixed_batch_itself(q, k, v, metadata, forward_args)
 
     def _layer_kv_reason(self, metadata, q) -> Optional[str]:
-        layer = adapter_for(metadata.kv_cache_manager).layer(self.attn.layer_idx)
+        try:
+            layer = adapter_for(metadata.kv_cache_manager).layer(self.attn.layer_idx)
+        except RuntimeError as exc:  # e.g. the layer's cache lives on another manager
+            return str(exc).replace("beam_shared_prefix: ", "")
         if layer.decline_reason is not None:
             return layer.decline_reason
         pool = layer.pool
@@ -266,7 +269,7 @@ class BeamSharedPrefixFmhaMixin:
         seq0 = step.num_contexts
         # TensorRT-LLM's own block-offset encoding, K field, rows from this phase's first sequence.
         beam_page_table = metadata.kv_cache_block_offsets[layer.pool_index, seq0:, 0, :]
-        kv_lens = metadata.kv_lens_cuda_runtime[seq0 : seq0 + rows]
+        kv_lens = runtime_view(metadata, "kv_lens_cuda_runtime", "kv_lens_cuda")[seq0 : seq0 + rows]
         wrapper.run(
             q,
             layer.pool,

@@ -52,6 +52,7 @@ __all__ = [
     "try_install_prepare_hook",
     "ensure_prepare_hook",
     "metadata_state",
+    "runtime_view",
     "stats",
 ]
 
@@ -187,8 +188,13 @@ def metadata_state(metadata, create: bool = True) -> Optional[_MetadataState]:
         return state
 
 
-def _host_ints(tensor, start: int, stop: int) -> np.ndarray:
-    return np.asarray(tensor[start:stop].numpy(), dtype=np.int64)
+def runtime_view(metadata, name: str, fallback: str):
+    """``metadata.<name>`` (the per-step view ``_bind_runtime_views`` binds, doc 3.4), or, on trees
+    without those views, the first ``num_seqs`` entries of the buffer ``<fallback>``."""
+    view = getattr(metadata, name, None)
+    if view is None:
+        view = getattr(metadata, fallback)[: metadata.num_seqs]
+    return view
 
 
 def plan_metadata(metadata, from_hook: bool = False) -> Optional[StepInfo]:
@@ -218,8 +224,8 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[StepInfo]:
             f"context and {num_requests} generation requests; expected one id per request"
         )
     beam0 = slice(num_contexts, num_contexts + num_rows, beam_width)
-    prompt = np.asarray(metadata.prompt_lens_cpu_runtime[beam0].numpy(), dtype=np.int64)
-    kv = np.asarray(metadata.kv_lens_runtime[beam0].numpy(), dtype=np.int64)
+    prompt = np.asarray(runtime_view(metadata, "prompt_lens_cpu_runtime", "prompt_lens_cpu")[beam0].numpy(), dtype=np.int64)
+    kv = np.asarray(runtime_view(metadata, "kv_lens_runtime", "kv_lens")[beam0].numpy(), dtype=np.int64)
     # Warm-up and CUDA-graph dummy rows can carry no generated token (prompt_len == kv_len); the
     # prefix never extends past the current token, and never below one token.
     prompt = np.maximum(np.minimum(prompt, kv - 1), 1)

@@ -240,3 +240,14 @@ def test_selection_is_invariant_within_the_cache_key(enabled, monkeypatch):
         sim.end_step(write_kv=False)
     assert len(setup.layer._fmha_manager._cache) == 1
     assert stats()["delegated_steps"] >= 1 and stats()["generation_forwards"] >= 1
+
+
+def test_layer_without_pages_on_this_manager_declines(enabled):
+    """Doc 4.2 (layer_offsets): a layer whose cache is not on the step's manager is declined, not an error."""
+    setup = build(enabled)
+    stray = enabled.module(".trtllm").TrtllmAttention(99, 4, 64, 2)
+    step = setup.sim.begin_step()
+    qkv = setup.engine.prepare(step)
+    out = torch.empty(qkv.shape[0], 256, dtype=qkv.dtype)
+    assert not library_of(stray).is_supported(qkv, None, None, setup.engine.metadata, forward_args(enabled, setup, output=out))
+    assert decline_log.seen("layer 99 is not in the KV cache manager's layer_offsets")

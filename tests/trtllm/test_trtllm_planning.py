@@ -166,3 +166,15 @@ def test_warmup_rows_without_generated_tokens(setup):
     m.prompt_lens_cpu_runtime[3:6] = 0  # request 1: a zero-length prompt
     step_info = planning.plan_metadata(m)
     assert list(step_info.prompt_lens) == [int(m.kv_lens_runtime[0]) - 1, 1]
+
+
+def test_trees_without_runtime_views(setup):
+    """Doc 3.4: older trees have no *_runtime views; planning reads the first num_seqs entries of the
+    length buffers instead, and gets the same plan."""
+    step = setup.sim.begin_step()
+    setup.engine.prepare(step)
+    m = setup.engine.metadata
+    with_views = planning.plan_metadata(m)
+    del m.prompt_lens_cpu_runtime, m.kv_lens_runtime
+    without = planning.plan_metadata(m)
+    assert list(without.prompt_lens) == list(with_views.prompt_lens) and without.base_key == with_views.base_key
