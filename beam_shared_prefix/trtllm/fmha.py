@@ -44,7 +44,7 @@ from typing import Dict, Optional
 from ..decline import should_decline
 from .gates import batch_decline_reason, call_decline_reason, decline_log, layer_decline_reason
 from .kv_cache import adapter_for
-from .planning import Family, ensure_prepare_hook, runtime_view, step_for_forward, wrapper_for
+from .planning import Family, ensure_prepare_hook, register_instance, runtime_view, step_for_forward, wrapper_for
 from .registration import FALLBACK_NAME, LIB_NAME, OUT_OF_TREE_MARK, current_settings
 
 __all__ = ["BeamSharedPrefixFmhaMixin", "fmha_class_for", "stats"]
@@ -122,6 +122,7 @@ class BeamSharedPrefixFmhaMixin:
         self._lock = threading.Lock()
         # Layers are built after every import, so TensorRT-LLM's metadata class exists by now.
         ensure_prepare_hook(type(self))
+        register_instance(self)
 
     # -- selection ----------------------------------------------------------------------------
     @classmethod
@@ -236,7 +237,9 @@ class BeamSharedPrefixFmhaMixin:
 
     # -- execution ----------------------------------------------------------------------------
     def _family(self, metadata, dtype) -> Family:
-        adapter = adapter_for(metadata.kv_cache_manager)
+        return self._family_from(adapter_for(metadata.kv_cache_manager), dtype)
+
+    def _family_from(self, adapter, dtype) -> Family:
         cached = self._family_cache
         if cached is not None and cached[0] is adapter and cached[1] == dtype:
             return cached[2]
@@ -247,6 +250,23 @@ class BeamSharedPrefixFmhaMixin:
         family = adapter.families.setdefault(family.key, family)
         self._family_cache = (adapter, dtype, family)
         return family
+
+    def family_on(self, adapter) -> Optional[Family]:
+        """This layer's family on ``adapter``'s manager, from the pool's dtype (``None`` if the layer
+        has no usable pool there). Lets ``prepare()`` plan it before the layer's first forward."""
+        try:
+            attn = self.attn
+            if attn.layer_idx not in (getattr(adapter.manager, "layer_offsets", None) or {}):
+                return None
+            layer = adapter.layer(attn.layer_idx)
+        except RuntimeError:
+            return None
+        pool = layer.pool
+        if layer.decline_reason is not None or str(pool.dtype) not in ("torch.bfloat16", "torch.float16"):
+            return None
+        if pool.dim() != 5 or tuple(pool.shape[1:]) != (2, attn.num_kv_heads, layer.page_size, attn.head_dim):
+            return None
+        return self._family_from(adapter, pool.dtype)
 
     def _run_rows(self, qkv_rows, out_rows, metadata, state, step, family) -> None:
         """Attention of the step's generation rows; writes ``out_rows`` and this token's K/V."""

@@ -52,6 +52,7 @@ __all__ = [
     "try_install_prepare_hook",
     "ensure_prepare_hook",
     "metadata_state",
+    "register_instance",
     "runtime_view",
     "stats",
 ]
@@ -243,10 +244,30 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[StepInfo]:
     )
     state.step, state.step_reason = step, None
     stats["steps_planned"] += 1
+    _learn_families(adapter)
     for family in list(adapter.families.values()):
         if step.decline_reason(family) is None:
             wrapper_for(metadata, state, step, family)
     return step
+
+
+_instances: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_instance(fmha) -> None:
+    """Record a library instance (one per layer), so ``prepare()`` can plan its attention family
+    before the layer's first forward (which may be inside a CUDA-graph capture)."""
+    _instances.add(fmha)
+
+
+def _learn_families(adapter: PageAdapter) -> None:
+    # Once per manager and per change in the number of layers; the per-step cost is one len().
+    count = len(_instances)
+    if getattr(adapter, "_instances_seen", -1) == count:
+        return
+    for fmha in list(_instances):
+        fmha.family_on(adapter)
+    adapter._instances_seen = count
 
 
 def step_for_forward(metadata) -> Tuple[_MetadataState, StepInfo]:

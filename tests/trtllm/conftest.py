@@ -49,6 +49,7 @@ def reset_library_state() -> None:
     _autoload.uninstall()
     fmha._classes.clear()
     planning._states.clear()
+    planning._instances.clear()
     kv_cache._adapters.clear()
     gates.decline_log.reset()
     registration._settings = None

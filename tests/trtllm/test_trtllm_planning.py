@@ -74,17 +74,17 @@ def test_replans_only_when_the_composition_changes(setup):
     assert wrapper.num_plan_builds == 2
 
 
-def test_fresh_metadata_is_planned_in_prepare(setup):
-    """A family seen on the manager is planned by prepare() of a new metadata, before its first forward
-    (so a CUDA-graph metadata never plans inside its first, possibly captured, forward)."""
-    step = setup.sim.begin_step()
-    setup.run(step)
-    setup.sim.end_step(write_kv=False)
+def test_fresh_metadata_is_planned_in_prepare(setup, monkeypatch):
+    """prepare() plans the attention family of every layer the library serves, before any forward: a
+    CUDA-graph metadata whose very first forward is captured (no eager warm-up) needs no planning."""
     graph = setup.engine.graph_metadata(2)
     step = setup.sim.begin_step()
-    setup.engine.prepare(step, metadata=graph)
+    qkv = setup.engine.prepare(step, metadata=graph)
     state = planning.metadata_state(graph)
     assert len(state.wrappers) == 1 and state.planned_key
+    monkeypatch.setattr(planning, "_capturing", lambda: True)
+    out = setup.layer.forward(qkv, None, None, graph)
+    check(setup, step, out)
 
 
 def test_no_planning_during_capture(setup, monkeypatch):
