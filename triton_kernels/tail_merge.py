@@ -9,6 +9,7 @@ length is read from ``kv_lens``/``prompt_lens`` on the device at every replay).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ class TailLaunchConfig:
         return self.group_pad * self.kv_heads_per_prog
 
 
+@functools.lru_cache(maxsize=None)
 def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> TailLaunchConfig:
     """The tiling for a shape.
 

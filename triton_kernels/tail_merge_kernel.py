@@ -13,19 +13,23 @@ many heads rather than once per head. The K/V row of a KV head is loaded through
 each of its ``G`` slots; the duplicates are the same addresses within one program, served by L1,
 so DRAM traffic stays one read per K/V row.
 
-Per program, in order:
+Per program, in order (everything that does not depend on the tail is loaded up front, so its
+latency overlaps the index chain of step 3):
 
-1. The current token (position ``kv_len - 1``) from ``new_k``/``new_v``, held in registers: it
-   starts the online softmax (``m`` = its score, ``l`` = 1, ``acc`` = its V), so the tail is never
-   empty and no ``-inf`` state exists. It is also written to the row's own page (``WRITE_KV``).
-   ``cache_indirection`` at ``kv_len - 1`` is never read.
-2. The earlier generated positions ``[prompt_len, kv_len - 1)``, read from device memory, in blocks
+1. The prefix state ``(o_p, lse_p)`` seeds the online softmax as ``(acc, m, l) = (o_p, lse_p, 1)``,
+   which represents the prefix's scores exactly, so merging by LSE is the softmax's own rescaling
+   and needs no separate step. ``lse_p`` is read through strides and scaled to base 2 (FlashInfer's
+   ``[rows, heads]`` log2 or FA4's ``[heads, rows]`` ln); ``lse_p = -inf`` (empty prefix) gets
+   weight 0 and its ``o_p`` is ignored, even if it is NaN.
+2. The current token (position ``kv_len - 1``) from ``new_k``/``new_v``, held in registers. Its
+   score is finite, so ``m`` is finite from then on and ``l >= 1`` (the term at the running max adds
+   2^0). It is also written to the row's own page (``WRITE_KV``). ``cache_indirection`` at
+   ``kv_len - 1`` is never read.
+3. The earlier generated positions ``[prompt_len, kv_len - 1)``, read from device memory, in blocks
    of ``BLOCK_T`` tokens: one vector load of their source beams, one of their page-table entries,
    then one load each of the ``BLOCK_T x QH x D`` K and V tiles. A loop with device-side bounds,
    so one CUDA-graph capture serves every tail length.
-3. The merge with the prefix state ``(o_p, lse_p)`` in base 2, loaded after the loop (see the
-   comment there); ``lse_p = -inf`` (empty prefix) gives weight 0 and ``o_p`` is ignored, even if
-   it is NaN.
+4. ``out = acc / l`` in the output dtype.
 
 Scores are in base 2: ``q`` is pre-multiplied by ``sm_scale * log2(e)`` so ``exp2`` is exact
 softmax. Page numbers and every pool offset are int64 (pools can exceed 2^31 elements). Indices
@@ -45,7 +49,7 @@ __all__ = ["beam_tail_merge_kernel"]
 # the two non-contiguous tile dims differently across versions, and the orientation whose thread
 # layout matches the [QH, D] tiles (q, acc) avoids shared-memory layout conversions and replicated
 # registers: measured with ptxas for sm_90 (16/8 heads, D 128, BLOCK_T 2, 4 warps), heads-outer
-# takes 88 registers on Triton 3.6 vs 135 tokens-outer; on Triton 3.9, 128 vs 80.
+# takes 88 registers on Triton 3.6 vs 128 tokens-outer; on Triton 3.9, 128 vs 80.
 
 
 @triton.jit
@@ -147,8 +151,8 @@ def beam_tail_merge_kernel(
     prompt_len = tl.load(prompt_lens_ptr + row)
     cur = kv_len - 1
 
-    # The query and this step's K/V are requested up front, so their latency overlaps the
-    # page-table chain below.
+    # Everything that does not depend on the tail is requested up front, so its latency overlaps
+    # the index chain of step 3.
     q_offs = row64 * stride_q_row + q_head[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=q_head_ok[:, None], other=0.0)
     k_cur_raw = tl.load(
@@ -161,11 +165,32 @@ def beam_tail_merge_kernel(
         mask=kv_head_ok[:, None],
         other=0.0,
     )
-    # 1. Current token, from registers.
-    q = q.to(tl.float32) * qk_scale_log2
-    m_i = tl.sum(q * k_cur_raw.to(tl.float32), axis=1)
+    lse_prefix = tl.load(
+        prefix_lse_ptr + row64 * stride_lse_row + q_head * stride_lse_head, mask=q_head_ok, other=float("-inf")
+    )
+    o_prefix = tl.load(
+        prefix_out_ptr + row64 * stride_po_row + q_head[:, None] * stride_po_head + d[None, :],
+        mask=q_head_ok[:, None],
+        other=0.0,
+    )
+
+    # 1. The prefix state seeds the online softmax: (m, l, acc) = (lse_p, 1, o_p) stands for the
+    #    prefix's scores exactly (sum_j 2^(s_j - lse_p) = 1), so the LSE merge is the softmax's
+    #    own rescaling. An empty prefix (lse_p = -inf) gets weight 2^(-inf - m) = 0 at the first
+    #    rescale; its o_p is replaced by 0 so that even a NaN there cannot leak (NaN * 0 = NaN).
+    m_i = lse_prefix * lse_scale
     l_i = tl.full([QH], 1.0, dtype=tl.float32)
-    acc = v_cur_raw.to(tl.float32)
+    acc = tl.where((m_i > float("-inf"))[:, None], o_prefix.to(tl.float32), 0.0)
+
+    # 2. The current token, from registers. Its score is finite, so m is finite from here on.
+    q = q.to(tl.float32) * qk_scale_log2
+    s_cur = tl.sum(q * k_cur_raw.to(tl.float32), axis=1)
+    m_new = tl.maximum(m_i, s_cur)
+    alpha = tl.exp2(m_i - m_new)
+    p_cur = tl.exp2(s_cur - m_new)
+    l_i = l_i * alpha + p_cur
+    acc = acc * alpha[:, None] + p_cur[:, None] * v_cur_raw.to(tl.float32)
+    m_i = m_new
 
     if WRITE_KV:
         # Per-slot copies of the scalar position keep every mask a vector (the interpreter rejects
@@ -186,7 +211,7 @@ def beam_tail_merge_kernel(
         tl.store(kv_ptr + w_offs, k_cur_raw, mask=w_ok[:, None])
         tl.store(kv_ptr + stride_kv_kv + w_offs, v_cur_raw, mask=w_ok[:, None])
 
-    # 2. Earlier generated positions [prompt_len, kv_len - 1), gathered through cache_indirection.
+    # 3. Earlier generated positions [prompt_len, kv_len - 1), gathered through cache_indirection.
     req = row // beam_width
     beam = row % beam_width
     ind_row_ptr = cache_indirection_ptr + req.to(tl.int64) * stride_ind_req + beam.to(tl.int64) * stride_ind_beam
@@ -217,28 +242,6 @@ def beam_tail_merge_kernel(
                 q, m_i, l_i, acc, kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d
             )
 
-    # The prefix state is loaded after the tail loop on purpose: loaded up front, Triton 3.6's
-    # layout propagation converts it into a layout replicated across the head dim (255 registers
-    # per thread on sm_90 for 16/8 heads x 128, spills at head 256); here it takes 88 registers
-    # (3.6) / 128 (3.9) and no shared memory, so more rows are resident per SM.
-    lse_prefix = tl.load(
-        prefix_lse_ptr + row64 * stride_lse_row + q_head * stride_lse_head, mask=q_head_ok, other=float("-inf")
-    )
-    o_prefix_raw = tl.load(
-        prefix_out_ptr + row64 * stride_po_row + q_head[:, None] * stride_po_head + d[None, :],
-        mask=q_head_ok[:, None],
-        other=0.0,
-    )
-
-    # 3. Merge with the prefix state by base-2 LSE. The tail always holds the current token, so
-    #    lse_tail is finite and the denominator is > 0.
-    lse_tail = m_i + tl.log2(l_i)
-    lse_prefix = lse_prefix * lse_scale
-    m_both = tl.maximum(lse_prefix, lse_tail)
-    w_prefix = tl.exp2(lse_prefix - m_both)
-    w_tail = tl.exp2(lse_tail - m_both) / l_i
-    o_prefix = tl.where(w_prefix[:, None] > 0, o_prefix_raw.to(tl.float32) * w_prefix[:, None], 0.0)
-    inv_denom = 1.0 / (w_prefix + tl.exp2(lse_tail - m_both))
-    result = (o_prefix + acc * w_tail[:, None]) * inv_denom[:, None]
+    # 4. Normalise: l >= 1, since the term (prefix or token) that set the running max adds 2^0.
     out_offs = row64 * stride_out_row + q_head[:, None] * stride_out_head + d[None, :]
-    tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=q_head_ok[:, None])
+    tl.store(out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_head_ok[:, None])
