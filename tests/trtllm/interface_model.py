@@ -1432,12 +1432,12 @@ class Setup:
 
 def build(model: TrtModel, prompts=(37, 70), beam_width=4, kind="v1", num_qo_heads=4, num_kv_heads=2,
           head_dim=64, page_size=16, max_seq_len=128, dtype=torch.bfloat16, seed=0, num_layers=3,
-          served_layer=1, max_batch_size=8, layer_kwargs=None) -> Setup:
+          served_layer=1, max_batch_size=8, layer_kwargs=None, device="cpu") -> Setup:
     """A :class:`Setup`; call after the library is registered (layers pick libraries at construction)."""
     sim = BeamSearchCacheSimulator(
         list(prompts), beam_width=beam_width, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype, seed=seed,
-        max_requests=max_batch_size,
+        max_requests=max_batch_size, device=device,
     )
     manager = make_manager(model, sim, kind, num_layers=num_layers, served_layer=served_layer,
                            first_layer_idx=10, max_batch_size=max_batch_size)
