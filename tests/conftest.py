@@ -45,9 +45,9 @@ def _trtllm_importable() -> bool:
 def pytest_collection_modifyitems(config, items):
     has_trtllm = None
     for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
+        if item.get_closest_marker("gpu") is not None and not HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)"))
-        if "trtllm" in item.keywords:
+        if item.get_closest_marker("trtllm") is not None:
             if has_trtllm is None:
                 has_trtllm = _trtllm_importable()
             if not has_trtllm:

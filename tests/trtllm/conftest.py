@@ -26,21 +26,6 @@ LIBRARY_VARS = (
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """Undo a false skip: ``tests/conftest.py`` tests ``"trtllm" in item.keywords``, and the keywords of
-    every test in this directory contain its name, ``trtllm``. Only tests that carry the ``trtllm``
-    marker need a real TensorRT-LLM; the others run against the interface model."""
-    for item in items:
-        if not str(item.path).startswith(_HERE) or item.get_closest_marker("trtllm") is not None:
-            continue
-        item.own_markers[:] = [
-            mark
-            for mark in item.own_markers
-            if not (mark.name == "skip" and "tensorrt_llm" in str(mark.kwargs.get("reason", "")))
-        ]
-
-
 def reset_library_state() -> None:
     """Forget every process-global cache of the library (hook, classes, states, adapters, logs)."""
     from beam_shared_prefix import _autoload
