@@ -170,7 +170,8 @@ def beam_tail_attention_merge(
             ``beam_page_table[i, (L-1) // Pg] // page_index_divisor`` in the same launch.
         validate_indices: read lengths, page indices and indirection values back and check them
             (host sync; check mode only). Without it, out-of-range indices are masked in the kernel
-            (never dereferenced) and give wrong results rather than faults.
+            (never dereferenced) and give wrong results rather than faults, and a write position
+            inside the prompt (``kv_len <= prompt_len``) is skipped.
         launch_config: a :class:`TailLaunchConfig` overriding :func:`tail_launch_config` (tuning and
             benchmarks only; the tiling never changes results beyond float32 summation order).
 

@@ -194,9 +194,11 @@ def beam_tail_merge_kernel(
 
     if WRITE_KV:
         # Per-slot copies of the scalar position keep every mask a vector (the interpreter rejects
-        # scalar-and-vector boolean masks); only the g == 0 slot of each KV head stores.
+        # scalar-and-vector boolean masks); only the g == 0 slot of each KV head stores. A position
+        # inside the prompt (kv_len <= prompt_len, invalid input) is never written: prompt pages
+        # are shared by all beams of the request.
         cur_slots = cur + slot * 0
-        w_ok = kv_head_ok & (g == 0) & (cur_slots >= 0) & (cur_slots < max_seq_len)
+        w_ok = kv_head_ok & (g == 0) & (cur_slots >= prompt_len) & (cur_slots >= 0) & (cur_slots < max_seq_len)
         w_entry = tl.load(
             page_table_ptr + row64 * stride_pt_row + (cur_slots // page_size) * stride_pt_col, mask=w_ok, other=-1
         )

@@ -110,9 +110,13 @@ def beam_tail_attention_merge_torch(
     merged = (o_p_weighted + tail_out * w_tail[..., None]) / (w_prefix + w_tail)[..., None]
 
     if write_kv:
-        wpage = beam_page_table[row, (klen - 1) // pg].long() // page_index_divisor
-        wslot = (klen - 1) % pg
-        k_pool[wpage, wslot] = new_k
-        v_pool[wpage, wslot] = new_v
+        # Like the kernel, never write inside the prompt (kv_len <= prompt_len is invalid input):
+        # prompt pages are shared by all beams of the request.
+        w_rows = row[klen - 1 >= plen]
+        wpos = klen[w_rows] - 1
+        wpage = beam_page_table[w_rows, wpos // pg].long() // page_index_divisor
+        wslot = wpos % pg
+        k_pool[wpage, wslot] = new_k[w_rows]
+        v_pool[wpage, wslot] = new_v[w_rows]
     out.copy_(merged.view(rows, hkv * g, d))
     return out

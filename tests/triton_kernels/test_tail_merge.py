@@ -325,6 +325,32 @@ def test_validate_indices_reports_bad_values(impl, name, change, message, device
         IMPLS[impl](**args, validate_indices=True)
 
 
+@pytest.mark.parametrize("name,change", [(b[0], b[1]) for b in BAD_VALUES], ids=[b[0] for b in BAD_VALUES])
+def test_kernel_masks_bad_indices_without_validation(name, change, device):
+    """Without check mode, bad indices are masked in the kernel: no fault, the pool is not written
+    outside the rows' own pages, and a write position inside the (shared) prompt is skipped."""
+    sim = make_sim(device, prompts=[5, 3], beams=2, hq=4, hkv=2, d=64, seed=1)
+    for _ in range(3):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    po, pl = prefix_state(sim, step)
+    args = dict(
+        q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table,
+        kv_lens=step.kv_lens, prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection,
+        beam_width=step.beam_width, prefix_out=po, prefix_lse=pl, out=torch.full_like(step.q, float("nan")),
+    )
+    args.update(change(args))
+    before = sim.kv_cache.clone()
+    beam_tail_attention_merge(**args)
+    assert not torch.isnan(args["out"]).any()
+    changed = (sim.kv_cache != before).flatten(2).any(dim=2)  # [pages, 2]
+    allowed = torch.zeros_like(changed)
+    if name == "indirection_not_a_beam":  # only this case keeps a valid write position
+        allowed[step.write_page] = True
+    assert not (changed & ~allowed).any(), f"{name}: the kernel wrote outside the rows' write pages"
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: bigger shapes, bf16/fp16, head 256, page sizes to 128, int64 offsets, CUDA graphs
 
