@@ -298,6 +298,24 @@ def test_launcher_rejects_bad_inputs(impl, name, change, message, device):
     assert torch.equal(args["out"], out_before) or name == "out_aliases_q"
 
 
+def test_triton_launcher_names_its_limits(monkeypatch):
+    """Shapes and places the Triton kernel does not serve name the torch path as the fix."""
+    sim = make_sim("cpu", prompts=[5], beams=2, hq=2, hkv=1, d=48, seed=2)
+    step = sim.begin_step()
+    po, pl = prefix_state(sim, step)
+    args = (step.q, step.new_k, step.new_v, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
+            step.cache_indirection, step.beam_width, po, pl, torch.empty_like(step.q))
+    with pytest.raises(TailMergeInputError, match="head_dim=48 is not supported by the Triton tail kernel"):
+        beam_tail_attention_merge(*args)
+    beam_tail_attention_merge_torch(*args)  # the fallback serves it
+    good = _args("cpu")
+    with pytest.raises(TailMergeInputError, match=r"launch_config.group_pad=2 is smaller than the GQA group size 3"):
+        beam_tail_attention_merge(**good, launch_config=TailLaunchConfig(2, 1, 2, 4))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(TailMergeInputError, match="needs CUDA tensors, got cpu; use beam_tail_attention_merge_torch"):
+        beam_tail_attention_merge(**good)
+
+
 BAD_VALUES = [
     ("kv_len_not_past_prompt", lambda a: dict(kv_lens=a["prompt_lens"].clone()), r"kv_lens\[0\]=5 must be >= prompt_lens\[0\] \+ 1"),
     ("kv_len_past_capacity", lambda a: dict(kv_lens=a["kv_lens"] + 64), "exceeds the cache capacity max_seq_len=64"),
