@@ -55,24 +55,26 @@ class TailLaunchConfig:
 
 @functools.lru_cache(maxsize=None)
 def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> TailLaunchConfig:
-    """The tiling for a shape.
+    """The tiling for a shape, chosen by measurement on the H200 (``python -m microbenchmarks.tune_tail``).
 
-    About 2048 query-slot elements (``QH * D``) per program: all 16 heads of a 16/8 head-128 row in
-    one program, so the row's index chain (lengths, source beams, page-table entries) is paid once.
-    ``block_t = 2`` covers the common tail of 3 (2 earlier tokens plus the current one from
-    registers) in one loop iteration; it grows to 4 when the tile is narrower. With 4 warps this
-    compiles for sm_90 to 72-88 registers per thread and no spills (Triton 3.6 and 3.9, head sizes
-    64-256, groups 1-16; ``tests/triton_kernels/sm90_resource_usage.py`` reports it), i.e. at least 5
-    programs resident per SM. ``block_t = 4`` at ``QH * D = 2048`` costs 106 registers (3.6).
+    About 1024 query-slot elements (``QH * D``) per program, one earlier tail token per loop
+    iteration, 4 warps. The kernel is latency-bound at decode shapes: every program walks a chain of
+    dependent loads (lengths, source beams, page-table entries, K/V), so what pays is many small
+    programs resident at once rather than a row's whole index chain amortised over all of its heads.
+    Over 36 tilings (``QH * D`` 512-8192, ``block_t`` 1/2/4, 2/4/8 warps) on six shapes (128x96
+    tails 3 and 32, and the 64x30 / 64x14 B presets), this one was within 1.5% of the best tiling of
+    each shape on average (geometric mean of time over best) and never more than 6% off; the
+    previous default (``QH * D = 2048``, ``block_t = 2``) was 15% off on average. Results:
+    ``docs/results/h200/tune_tail.json``.
     A group wider than the tile (MQA, G = 32 or 64) stays in one program with 8-16 warps; at
     G = 64 and D = 256 that reaches 128 registers (the slowest supported shape, but it compiles).
     """
     group_pad = triton.next_power_of_2(group_size)
-    target_slots = max(group_pad, 2048 // head_dim)
+    target_slots = max(group_pad, 1024 // head_dim)
     kv_heads_per_prog = max(1, min(triton.next_power_of_2(num_kv_heads), target_slots // group_pad))
     slots = group_pad * kv_heads_per_prog
     tile = slots * head_dim
-    block_t = 4 if tile <= 1024 else 2
+    block_t = 1 if tile <= 1024 else 2
     # Wide groups (MQA) cannot be split across programs: more warps keep registers per thread down.
     num_warps = min(16, max(4, tile // 512))
     return TailLaunchConfig(group_pad, kv_heads_per_prog, block_t, num_warps, _TOKENS_OUTER)

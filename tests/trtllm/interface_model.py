@@ -843,7 +843,7 @@ def model_context_kernel(attn, qkv, out, metadata) -> None:
         qc = q[token : token + n].float().view(n, hkv, h // hkv, d)
         kc, vc = k[token : token + n].float(), v[token : token + n].float()
         scores = torch.einsum("ikgd,jkd->kgij", qc, kc) * scale
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        causal = torch.ones(n, n, dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
         o = torch.einsum("kgij,jkd->ikgd", scores.softmax(-1), vc).reshape(n, h, d)
         out3[token : token + n] = o.to(out.dtype)
