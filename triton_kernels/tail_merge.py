@@ -27,6 +27,10 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # unmeasured and take the newer choice.
 _TOKENS_OUTER = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
 MAX_GROUP_SIZE = 64
+# Tail positions whose page indices are loaded as one vector (TailLaunchConfig.index_block). A guess
+# pending the H200 sweep: covers the common tails (1-32 earlier tokens) in one index block, and the
+# [INDEX_BLOCK] int32 page vector costs about one register per thread at 4 warps.
+DEFAULT_INDEX_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,12 @@ class TailLaunchConfig:
         num_warps: warps per program.
         tokens_outer: orientation of the K/V tile, ``[BLOCK_T, QH, D]`` (True) or ``[QH, BLOCK_T, D]``
             (False); same results, the faster one depends on the Triton version (see the kernel).
+        index_block: ``0`` walks the tail one ``block_t`` tile at a time, each tile a chain of three
+            dependent loads (source beams, page entries, K/V). A power of two ``>= block_t`` loads the
+            source beams and page entries of ``index_block`` positions at once (two vector loads per
+            index block), then streams the K/V tiles with the next tile requested before the current
+            one is consumed: about ``3 + ceil(n / index_block) * 2`` dependent latencies instead of
+            ``3 n`` for ``n`` earlier tokens.
     """
 
     group_pad: int
@@ -47,6 +57,7 @@ class TailLaunchConfig:
     block_t: int
     num_warps: int
     tokens_outer: bool = False
+    index_block: int = 0
 
     @property
     def query_slots(self) -> int:
@@ -58,7 +69,8 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> Tai
     """The tiling for a shape, chosen by measurement on the H200 (``python -m microbenchmarks.tune_tail``).
 
     About 1024 query-slot elements (``QH * D``) per program, one earlier tail token per loop
-    iteration, 4 warps. The kernel is latency-bound at decode shapes: every program walks a chain of
+    iteration, 4 warps, page indices of ``DEFAULT_INDEX_BLOCK`` positions loaded per index block. The
+    kernel is latency-bound at decode shapes: every program walks a chain of
     dependent loads (lengths, source beams, page-table entries, K/V), so what pays is many small
     programs resident at once rather than a row's whole index chain amortised over all of its heads.
     Over 36 tilings (``QH * D`` 512-8192, ``block_t`` 1/2/4, 2/4/8 warps) on six shapes (128x96
@@ -77,7 +89,7 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> Tai
     block_t = 1 if tile <= 1024 else 2
     # Wide groups (MQA) cannot be split across programs: more warps keep registers per thread down.
     num_warps = min(16, max(4, tile // 512))
-    return TailLaunchConfig(group_pad, kv_heads_per_prog, block_t, num_warps, _TOKENS_OUTER)
+    return TailLaunchConfig(group_pad, kv_heads_per_prog, block_t, num_warps, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
 
 
 def _check_launchable(q: torch.Tensor, head_dim: int, group_size: int) -> None:
@@ -109,6 +121,12 @@ def _check_config(cfg: TailLaunchConfig, group_size: int) -> None:
         value = getattr(cfg, name)
         if not _is_pow2(value):
             raise TailMergeInputError(f"launch_config.{name}={value!r} must be a power of two >= 1.")
+    ib = cfg.index_block
+    if not (isinstance(ib, int) and (ib == 0 or (_is_pow2(ib) and ib >= cfg.block_t))):
+        raise TailMergeInputError(
+            f"launch_config.index_block={ib!r} must be 0 (no index blocks) or a power of two >= "
+            f"block_t={cfg.block_t}."
+        )
     if cfg.group_pad < group_size:
         raise TailMergeInputError(
             f"launch_config.group_pad={cfg.group_pad} is smaller than the GQA group size {group_size}; "
@@ -220,6 +238,7 @@ def beam_tail_attention_merge(
         BLOCK_T=cfg.block_t,
         WRITE_KV=bool(write_kv),
         TOKENS_OUTER=bool(cfg.tokens_outer),
+        INDEX_BLOCK=cfg.index_block,
         num_warps=cfg.num_warps,
         num_stages=1,
     )

@@ -84,6 +84,86 @@ def _attend_block_tokens_outer(q, m_i, l_i, acc, kv_ptr, stride_kv_kv, tok_offs,
     return m_new, l_new, acc_new
 
 
+# The two helpers below serve the index-block path (INDEX_BLOCK > 0): the K/V tile load is split from
+# the softmax update so the next tile's load can be issued before the current tile is consumed.
+
+
+@triton.jit
+def _load_kv_tile(kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d, TOKENS_OUTER: tl.constexpr):
+    """Raw K and V tiles, ``[BLOCK_T, QH, D]`` (TOKENS_OUTER) or ``[QH, BLOCK_T, D]``; masked lanes load 0."""
+    if TOKENS_OUTER:
+        kv_offs = tok_offs[:, None, None] + kv_head_offs[None, :, None] + d[None, None, :]
+        kv_mask = tok_ok[:, None, None] & kv_head_ok[None, :, None]
+    else:
+        kv_offs = tok_offs[None, :, None] + kv_head_offs[:, None, None] + d[None, None, :]
+        kv_mask = tok_ok[None, :, None] & kv_head_ok[:, None, None]
+    k = tl.load(kv_ptr + kv_offs, mask=kv_mask, other=0.0)
+    v = tl.load(kv_ptr + stride_kv_kv + kv_offs, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_raw, v_raw, tok_ok, TOKENS_OUTER: tl.constexpr):
+    """Online-softmax update with loaded K/V tiles (layout as in :func:`_load_kv_tile`); returns ``(m, l, acc)``."""
+    k = k_raw.to(tl.float32)
+    v = v_raw.to(tl.float32)
+    if TOKENS_OUTER:
+        s = tl.where(tok_ok[:, None], tl.sum(q[None, :, :] * k, axis=2), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_new = l_i * alpha + tl.sum(p, axis=0)
+        acc_new = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=0)
+    else:
+        s = tl.where(tok_ok[None, :], tl.sum(q[:, None, :] * k, axis=2), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_new = l_i * alpha + tl.sum(p, axis=1)
+        acc_new = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
+    return m_new, l_new, acc_new
+
+
+@triton.jit
+def _pick_lanes(lane_values, lane, first, BLOCK_T: tl.constexpr):
+    """``lane_values[first + i]`` for ``i < BLOCK_T`` (``[BLOCK_T]`` int32), ``-1`` where no lane matches.
+
+    ``lane_values`` (``[INDEX_BLOCK]`` int32, ``>= -1``) stays spread over the program's threads, one
+    lane per thread; each pick is a masked sum over that 1-D vector to a scalar. (A 2-D
+    ``[BLOCK_T, INDEX_BLOCK]`` compare-and-sum let the compiler replicate the whole index vector,
+    and its loads' addresses, into every thread: about 5 registers per lane at sm_90.)
+    """
+    tok = tl.arange(0, BLOCK_T)
+    picked = tl.full([BLOCK_T], -1, tl.int32)
+    for i in tl.static_range(BLOCK_T):
+        value = tl.sum(tl.where(lane == first + i, lane_values + 1, 0), axis=0) - 1
+        picked = tl.where(tok == i, value, picked)
+    return picked
+
+
+@triton.jit
+def _index_block_pages(
+    ind_row_ptr, stride_ind_pos, page_table_ptr, stride_pt_row, stride_pt_col, first_src_row,
+    t, end_pos, beam_width, page_size, page_index_divisor, num_pages,
+):
+    """Page numbers of positions ``t`` (``[INDEX_BLOCK]``) as int32, ``-1`` where masked.
+
+    Two vector loads (source beams, then their page-table entries) for a whole index block, so
+    the K/V loads of its tokens depend on registers only. Positions ``>= end_pos``, source beams
+    outside ``[0, W)`` and pages outside ``[0, num_pages)`` give ``-1``.
+    """
+    t_ok = t < end_pos
+    src = tl.load(ind_row_ptr + t.to(tl.int64) * stride_ind_pos, mask=t_ok, other=0)
+    src_ok = t_ok & (src >= 0) & (src < beam_width)
+    entry = tl.load(
+        page_table_ptr + (first_src_row + src) * stride_pt_row + (t // page_size) * stride_pt_col,
+        mask=src_ok,
+        other=-1,
+    )
+    page = entry // page_index_divisor  # int32 division: entries are >= 0 when used
+    return tl.where(src_ok & (entry >= 0) & (page < num_pages), page, -1)
+
+
 @triton.jit
 def beam_tail_merge_kernel(
     q_ptr,
@@ -133,6 +213,7 @@ def beam_tail_merge_kernel(
     BLOCK_T: tl.constexpr,
     WRITE_KV: tl.constexpr,
     TOKENS_OUTER: tl.constexpr,
+    INDEX_BLOCK: tl.constexpr = 0,
 ):
     QH: tl.constexpr = KV_HEADS_PER_PROG * GROUP_PAD
     row = tl.program_id(0)
@@ -150,9 +231,38 @@ def beam_tail_merge_kernel(
     kv_len = tl.load(kv_lens_ptr + row)
     prompt_len = tl.load(prompt_lens_ptr + row)
     cur = kv_len - 1
+    req = row // beam_width
+    beam = row % beam_width
+    ind_row_ptr = cache_indirection_ptr + req.to(tl.int64) * stride_ind_req + beam.to(tl.int64) * stride_ind_beam
+    first_src_row = req.to(tl.int64) * beam_width
+    tok = tl.arange(0, BLOCK_T)
+    start_pos = tl.maximum(prompt_len, 0)
+    end_pos = tl.minimum(cur, max_seq_len)
+    kv_head_offs = kv_head * stride_kv_head
+    # Per-slot copies of the scalar position keep every mask a vector (the interpreter rejects
+    # scalar-and-vector boolean masks); only the g == 0 slot of each KV head stores. A position
+    # inside the prompt (kv_len <= prompt_len, invalid input) is never written: prompt pages are
+    # shared by all beams of the request.
+    cur_slots = cur + slot * 0
+    w_ok = kv_head_ok & (g == 0) & (cur_slots >= prompt_len) & (cur_slots >= 0) & (cur_slots < max_seq_len)
 
-    # Everything that does not depend on the tail is requested up front, so its latency overlaps
-    # the index chain of step 3.
+    if INDEX_BLOCK > 0:
+        # Index-block path: the loads that depend only on the lengths (the write position's page
+        # entry, the first index block's source beams) go out in the same wave as q and the prefix
+        # state, and the first K/V tile is requested before any of them is consumed, so the
+        # dependent chain up to the first tile is lengths -> source beams -> page entries -> K/V.
+        if WRITE_KV:
+            w_entry = tl.load(
+                page_table_ptr + row64 * stride_pt_row + (cur_slots // page_size) * stride_pt_col,
+                mask=w_ok,
+                other=-1,
+            )
+        lane = tl.arange(0, INDEX_BLOCK)
+        lane_page = _index_block_pages(
+            ind_row_ptr, stride_ind_pos, page_table_ptr, stride_pt_row, stride_pt_col, first_src_row,
+            start_pos + lane, end_pos, beam_width, page_size, page_index_divisor, num_pages,
+        )
+
     q_offs = row64 * stride_q_row + q_head[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=q_head_ok[:, None], other=0.0)
     k_cur_raw = tl.load(
@@ -174,6 +284,16 @@ def beam_tail_merge_kernel(
         other=0.0,
     )
 
+    if INDEX_BLOCK > 0:
+        # The first tile of the first index block (masked off for an empty tail).
+        t = start_pos + tok
+        tile_page = _pick_lanes(lane_page, lane, 0, BLOCK_T)
+        tok_ok = tile_page >= 0
+        tok_offs = tile_page.to(tl.int64) * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
+        k_tile, v_tile = _load_kv_tile(
+            kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d, TOKENS_OUTER
+        )
+
     # 1. The prefix state seeds the online softmax: (m, l, acc) = (lse_p, 1, o_p) stands for the
     #    prefix's scores exactly (sum_j 2^(s_j - lse_p) = 1), so the LSE merge is the softmax's
     #    own rescaling. An empty prefix (lse_p = -inf) gets weight 2^(-inf - m) = 0 at the first
@@ -193,15 +313,12 @@ def beam_tail_merge_kernel(
     m_i = m_new
 
     if WRITE_KV:
-        # Per-slot copies of the scalar position keep every mask a vector (the interpreter rejects
-        # scalar-and-vector boolean masks); only the g == 0 slot of each KV head stores. A position
-        # inside the prompt (kv_len <= prompt_len, invalid input) is never written: prompt pages
-        # are shared by all beams of the request.
-        cur_slots = cur + slot * 0
-        w_ok = kv_head_ok & (g == 0) & (cur_slots >= prompt_len) & (cur_slots >= 0) & (cur_slots < max_seq_len)
-        w_entry = tl.load(
-            page_table_ptr + row64 * stride_pt_row + (cur_slots // page_size) * stride_pt_col, mask=w_ok, other=-1
-        )
+        if INDEX_BLOCK == 0:
+            w_entry = tl.load(
+                page_table_ptr + row64 * stride_pt_row + (cur_slots // page_size) * stride_pt_col,
+                mask=w_ok,
+                other=-1,
+            )
         w_page = (w_entry // page_index_divisor).to(tl.int64)  # int32 division: entries are >= 0 when used
         w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
         w_offs = (
@@ -214,35 +331,60 @@ def beam_tail_merge_kernel(
         tl.store(kv_ptr + stride_kv_kv + w_offs, v_cur_raw, mask=w_ok[:, None])
 
     # 3. Earlier generated positions [prompt_len, kv_len - 1), gathered through cache_indirection.
-    req = row // beam_width
-    beam = row % beam_width
-    ind_row_ptr = cache_indirection_ptr + req.to(tl.int64) * stride_ind_req + beam.to(tl.int64) * stride_ind_beam
-    first_src_row = req.to(tl.int64) * beam_width
-    tok = tl.arange(0, BLOCK_T)
-    start_pos = tl.maximum(prompt_len, 0)
-    end_pos = tl.minimum(cur, max_seq_len)
-    kv_head_offs = kv_head * stride_kv_head
-    for block_start in range(start_pos, end_pos, BLOCK_T):
-        t = block_start + tok
-        t_ok = t < end_pos
-        src = tl.load(ind_row_ptr + t.to(tl.int64) * stride_ind_pos, mask=t_ok, other=0)
-        src_ok = t_ok & (src >= 0) & (src < beam_width)
-        entry = tl.load(
-            page_table_ptr + (first_src_row + src) * stride_pt_row + (t // page_size) * stride_pt_col,
-            mask=src_ok,
-            other=-1,
-        )
-        page = (entry // page_index_divisor).to(tl.int64)
-        tok_ok = src_ok & (entry >= 0) & (page < num_pages)
-        tok_offs = page * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
-        if TOKENS_OUTER:
-            m_i, l_i, acc = _attend_block_tokens_outer(
-                q, m_i, l_i, acc, kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d
+    if INDEX_BLOCK > 0:
+        # Outer loop: INDEX_BLOCK positions whose pages sit in registers (lane_page). Inner loop:
+        # BLOCK_T tokens per tile, the next tile's K/V requested before this one is consumed, so
+        # the K/V loads of successive tiles overlap instead of forming a chain. Both loops have
+        # device-side bounds (no tail-length bound).
+        for ib_start in range(start_pos, end_pos, INDEX_BLOCK):
+            if ib_start > start_pos:  # the first block's pages and tile were loaded up front
+                lane_page = _index_block_pages(
+                    ind_row_ptr, stride_ind_pos, page_table_ptr, stride_pt_row, stride_pt_col, first_src_row,
+                    ib_start + lane, end_pos, beam_width, page_size, page_index_divisor, num_pages,
+                )
+                t = ib_start + tok
+                tile_page = _pick_lanes(lane_page, lane, 0, BLOCK_T)
+                tok_ok = tile_page >= 0
+                tok_offs = tile_page.to(tl.int64) * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
+                k_tile, v_tile = _load_kv_tile(
+                    kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d, TOKENS_OUTER
+                )
+            ib_end = tl.minimum(ib_start + INDEX_BLOCK, end_pos)
+            for block_start in range(ib_start, ib_end, BLOCK_T):
+                # Lanes past the index block (or the tail) pick -1: the last prefetch is masked off.
+                t_next = block_start + BLOCK_T + tok
+                next_page = _pick_lanes(lane_page, lane, block_start + BLOCK_T - ib_start, BLOCK_T)
+                next_ok = next_page >= 0
+                next_offs = next_page.to(tl.int64) * stride_kv_page + (t_next % page_size).to(tl.int64) * stride_kv_slot
+                k_next, v_next = _load_kv_tile(
+                    kv_ptr, stride_kv_kv, next_offs, next_ok, kv_head_offs, kv_head_ok, d, TOKENS_OUTER
+                )
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_tile, v_tile, tok_ok, TOKENS_OUTER)
+                k_tile = k_next
+                v_tile = v_next
+                tok_ok = next_ok
+    else:
+        for block_start in range(start_pos, end_pos, BLOCK_T):
+            t = block_start + tok
+            t_ok = t < end_pos
+            src = tl.load(ind_row_ptr + t.to(tl.int64) * stride_ind_pos, mask=t_ok, other=0)
+            src_ok = t_ok & (src >= 0) & (src < beam_width)
+            entry = tl.load(
+                page_table_ptr + (first_src_row + src) * stride_pt_row + (t // page_size) * stride_pt_col,
+                mask=src_ok,
+                other=-1,
             )
-        else:
-            m_i, l_i, acc = _attend_block_heads_outer(
-                q, m_i, l_i, acc, kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d
-            )
+            page = (entry // page_index_divisor).to(tl.int64)
+            tok_ok = src_ok & (entry >= 0) & (page < num_pages)
+            tok_offs = page * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
+            if TOKENS_OUTER:
+                m_i, l_i, acc = _attend_block_tokens_outer(
+                    q, m_i, l_i, acc, kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d
+                )
+            else:
+                m_i, l_i, acc = _attend_block_heads_outer(
+                    q, m_i, l_i, acc, kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d
+                )
 
     # 4. Normalise: l >= 1, since the term (prefix or token) that set the running max adds 2^0.
     out_offs = row64 * stride_out_row + q_head[:, None] * stride_out_head + d[None, :]

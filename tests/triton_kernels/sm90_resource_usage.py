@@ -11,6 +11,7 @@ Uses the ``ptxas``/``cuobjdump`` shipped inside the Triton wheel.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -32,6 +33,7 @@ from triton_kernels.tail_merge_kernel import beam_tail_merge_kernel  # noqa: E40
 SHAPES = [
     ("bf16", 16, 8, 128, "bf16"),  # the issue's target shape
     ("fp16", 16, 8, 128, "fp32"),
+    ("bf16", 32, 8, 128, "bf16"),  # G = 4 (the B-4B preset)
     ("bf16", 8, 8, 64, "fp32"),
     ("bf16", 6, 2, 64, "fp32"),  # G = 3, padded
     ("bf16", 64, 8, 128, "bf16"),  # G = 8
@@ -49,9 +51,12 @@ _DIV16_INTS = {
 }
 
 
-def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str):
+def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index_block=None):
+    """Compile the default tiling of a shape; ``index_block`` overrides its ``index_block``."""
     g = hq // hkv
     cfg = tail_launch_config(g, hkv, d)
+    if index_block is not None:
+        cfg = dataclasses.replace(cfg, index_block=index_block)
     names = list(inspect.signature(beam_tail_merge_kernel.fn).parameters)
     pointers = dict(
         q_ptr=dtype, new_k_ptr=dtype, new_v_ptr=dtype, kv_ptr=dtype, page_table_ptr="i32", kv_lens_ptr="i32",
@@ -60,7 +65,7 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str):
     )
     constexprs = dict(
         GROUP=g, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog, HEAD_DIM=d,
-        BLOCK_T=cfg.block_t, WRITE_KV=True, TOKENS_OUTER=cfg.tokens_outer,
+        BLOCK_T=cfg.block_t, WRITE_KV=True, TOKENS_OUTER=cfg.tokens_outer, INDEX_BLOCK=cfg.index_block,
     )
     signature = {}
     for n in names:
@@ -96,7 +101,7 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str):
     regs, stack, shared, local = (int(x) for x in m.groups())
     return dict(
         shape=[dtype, hq, hkv, d, prefix_dtype],
-        config=[cfg.group_pad, cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.tokens_outer],
+        config=[cfg.group_pad, cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.tokens_outer, cfg.index_block],
         triton=triton.__version__,
         registers=regs,
         stack=stack,
@@ -108,8 +113,16 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str):
 
 
 def main() -> None:
+    # Every shape with its default tiling, then the index-block-free chain (index_block 0) of the
+    # first shapes for comparison: ``--compare-index-block 0,8,16,32`` adds those values.
+    compare = [0]
+    if "--compare-index-block" in sys.argv:
+        compare = [int(x) for x in sys.argv[sys.argv.index("--compare-index-block") + 1].split(",")]
     for shape in SHAPES:
         print(json.dumps(compile_sm90(*shape)), flush=True)
+    for shape in (SHAPES[0], SHAPES[2]):  # 16/8 and 32/8, D 128
+        for ib in compare:
+            print(json.dumps(compile_sm90(*shape, index_block=ib)), flush=True)
 
 
 if __name__ == "__main__":

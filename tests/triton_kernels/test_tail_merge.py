@@ -85,7 +85,7 @@ def expected_pool_after_write(sim, step, before):
 
 
 def run_step(impl, sim, step, *, lse_layout="NH", lse_base="log2", divisor=1, empty_prefix=False,
-             prefix_dtype=torch.float32, strided=False, write_kv=True, kv_cache=None):
+             prefix_dtype=torch.float32, strided=False, write_kv=True, kv_cache=None, launch_config=None):
     """One call of ``impl`` on the step; returns ``out``. Checks the pool afterwards."""
     kv_cache = sim.kv_cache if kv_cache is None else kv_cache
     prefix_out, prefix_lse = prefix_state(sim, step, lse_layout, lse_base, prefix_dtype, empty_prefix)
@@ -114,6 +114,7 @@ def run_step(impl, sim, step, *, lse_layout="NH", lse_base="log2", divisor=1, em
         step.beam_width, prefix_out, prefix_lse, out, kv_layout=sim.kv_layout, page_index_divisor=divisor,
         prefix_lse_layout=lse_layout, prefix_lse_base=lse_base, write_kv=write_kv,
         validate_indices=(impl == "torch"),
+        **({"launch_config": launch_config} if launch_config is not None else {}),
     )
     assert result is out
     want_pool = expected_pool_after_write(sim, step, before) if write_kv else before
@@ -226,32 +227,36 @@ def test_kernel_and_torch_path_agree(device):
     torch.testing.assert_close(a.float(), b.float(), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        None,
-        TailLaunchConfig(4, 1, 1, 1),
-        TailLaunchConfig(4, 4, 8, 2, tokens_outer=False),
-        TailLaunchConfig(4, 4, 8, 2, tokens_outer=True),
-        TailLaunchConfig(8, 2, 2, 4, tokens_outer=True),
-    ],
-    ids=["default", "one_head_block_t1", "heads_past_hkv_heads_outer", "heads_past_hkv_tokens_outer", "wide_group_pad"],
-)
+TILINGS = [
+    # (id, config): index_block 0 is the tile-at-a-time index chain; index blocks smaller than the
+    # tail make the outer index loop run several times, and block_t == index_block ends every
+    # index block on a tile boundary.
+    ("default", None),
+    ("chain_one_head_block_t1", TailLaunchConfig(4, 1, 1, 1)),
+    ("chain_heads_past_hkv_heads_outer", TailLaunchConfig(4, 4, 8, 2, tokens_outer=False)),
+    ("chain_heads_past_hkv_tokens_outer", TailLaunchConfig(4, 4, 8, 2, tokens_outer=True)),
+    ("chain_wide_group_pad", TailLaunchConfig(8, 2, 2, 4, tokens_outer=True)),
+    ("index2_block_t1", TailLaunchConfig(4, 1, 1, 1, index_block=2)),
+    ("index2_block_t2_heads_outer", TailLaunchConfig(4, 4, 2, 2, tokens_outer=False, index_block=2)),
+    ("index4_block_t2_tokens_outer", TailLaunchConfig(8, 2, 2, 4, tokens_outer=True, index_block=4)),
+    ("index16_block_t4", TailLaunchConfig(4, 2, 4, 4, index_block=16)),
+]
+
+
+@pytest.mark.parametrize("config", [t[1] for t in TILINGS], ids=[t[0] for t in TILINGS])
 def test_tilings_agree_with_oracle(config, device):
-    """Hkv = 3 (not a power of two) and G = 3: head blocks past Hkv and padded group slots are masked."""
-    sim = make_sim(device, prompts=[7, 16], beams=2, hq=9, hkv=3, d=64, seed=13)
-    for s in range(6):
+    """Hkv = 3 (not a power of two) and G = 3: head blocks past Hkv and padded group slots are masked.
+
+    Block-offset page table (divisor 6); tails of 0-8 earlier tokens, one crossing a page
+    boundary (prompt 13, page 16); outputs NaN-poisoned and the pool checked by ``run_step``.
+    """
+    sim = make_sim(device, prompts=[13, 16], beams=2, hq=9, hkv=3, d=64, seed=13)
+    for s in range(9):
         step = sim.begin_step()
-        prefix_out, prefix_lse = prefix_state(sim, step)
-        out = torch.full_like(step.q, float("nan"))
-        before = sim.kv_cache.clone()
-        beam_tail_attention_merge(
-            step.q, step.new_k, step.new_v, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
-            step.cache_indirection, step.beam_width, prefix_out, prefix_lse, out, launch_config=config,
-        )
-        assert torch.equal(sim.kv_cache, expected_pool_after_write(sim, step, before))
-        assert_matches(out, oracle(sim, step), f"tiling {config}, step {s}")
+        out = run_step("triton", sim, step, divisor=6, launch_config=config, lse_layout="HN" if s % 2 else "NH")
+        assert_matches(out, oracle(sim, step), f"tiling {config}, step {s} tails {earlier_tail(step)}")
         sim.end_step(write_kv=False)
+    assert max(earlier_tail(step)) == 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,6 +316,8 @@ def test_triton_launcher_names_its_limits(monkeypatch):
     good = _args("cpu")
     with pytest.raises(TailMergeInputError, match=r"launch_config.group_pad=2 is smaller than the GQA group size 3"):
         beam_tail_attention_merge(**good, launch_config=TailLaunchConfig(2, 1, 2, 4))
+    with pytest.raises(TailMergeInputError, match=r"launch_config.index_block=2 must be 0 \(no index blocks\) or a power"):
+        beam_tail_attention_merge(**good, launch_config=TailLaunchConfig(4, 1, 4, 4, index_block=2))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(TailMergeInputError, match="needs CUDA tensors, got cpu; use beam_tail_attention_merge_torch"):
         beam_tail_attention_merge(**good)
@@ -343,8 +350,9 @@ def test_validate_indices_reports_bad_values(impl, name, change, message, device
         IMPLS[impl](**args, validate_indices=True)
 
 
+@pytest.mark.parametrize("config", [None, TailLaunchConfig(2, 2, 1, 4, index_block=0)], ids=["default", "chain"])
 @pytest.mark.parametrize("name,change", [(b[0], b[1]) for b in BAD_VALUES], ids=[b[0] for b in BAD_VALUES])
-def test_kernel_masks_bad_indices_without_validation(name, change, device):
+def test_kernel_masks_bad_indices_without_validation(name, change, config, device):
     """Without check mode, bad indices are masked in the kernel: no fault, the pool is not written
     outside the rows' own pages, and a write position inside the (shared) prompt is skipped."""
     sim = make_sim(device, prompts=[5, 3], beams=2, hq=4, hkv=2, d=64, seed=1)
@@ -360,7 +368,7 @@ def test_kernel_masks_bad_indices_without_validation(name, change, device):
     )
     args.update(change(args))
     before = sim.kv_cache.clone()
-    beam_tail_attention_merge(**args)
+    beam_tail_attention_merge(**args, launch_config=config)
     assert not torch.isnan(args["out"]).any()
     changed = (sim.kv_cache != before).flatten(2).any(dim=2)  # [pages, 2]
     allowed = torch.zeros_like(changed)
