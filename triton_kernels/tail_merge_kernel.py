@@ -28,7 +28,12 @@ latency overlaps the index chain of step 3):
 3. The earlier generated positions ``[prompt_len, kv_len - 1)``, read from device memory, in blocks
    of ``BLOCK_T`` tokens: one vector load of their source beams, one of their page-table entries,
    then one load each of the ``BLOCK_T x QH x D`` K and V tiles. A loop with device-side bounds,
-   so one CUDA-graph capture serves every tail length.
+   so one CUDA-graph capture serves every tail length. With ``INDEX_BLOCK > 0`` the source beams
+   and page entries of ``INDEX_BLOCK`` positions are loaded as two vectors per index block (the
+   first block's together with q and the prefix state), each tile's page is picked from those
+   registers, and the next K/V tile is requested before the current one is consumed: the
+   dependent chain is lengths -> beams -> pages -> K/V per index block instead of three loads per
+   tile. ``INDEX_BLOCK == 0`` keeps the tile-at-a-time chain (for comparison).
 4. ``out = acc / l`` in the output dtype.
 
 Scores are in base 2: ``q`` is pre-multiplied by ``sm_scale * log2(e)`` so ``exp2`` is exact
