@@ -1,39 +1,49 @@
-"""When the library should decline a shape because the default per-beam decode is faster.
+"""When the library declines a shape because the default per-beam decode would be faster.
 
-PROVISIONAL RULE. The thresholds below are placeholders chosen to be conservative (decline
-whenever in doubt); the benchmark CLI (``microbenchmarks``) measures the real crossover on the
-H200 and replaces them. Until then the rule is:
+The rule is measured, not guessed: ``docs/results/h200/decline_g2.json`` holds the H200 sweep
+(64 requests, GQA 16/8, head 128, page 32, tail 4, bf16; beam widths 2/4/8/14/30 x prompts of
+32/100/500/2000 tokens; ``beam-shared-prefix-bench --preset B-medium --sweep beams=2,4,8,14,30
+--sweep prompt=32,100,500,2000 --arms fa4,decode``) and ``docs/benchmarks.md`` its table. What the
+library saves is the prompt KV that ``W - 1`` beams no longer re-read, so the measured crossover
+follows ``(W - 1) * P``, the prompt tokens saved per request:
 
-- decline beam widths below :data:`MIN_BEAM_WIDTH` (the original in-tree library measured 0.88x
-  of the default kernel at beam 14, so few beams rarely pay for the extra prefix launch);
-- decline prompts shorter than :data:`MIN_PROMPT_LEN` tokens (the shared prefix is what the
-  library saves; a short one saves little).
+| (W - 1) * P | measured speedup over FlashInfer per-beam decode |
+| --- | --- |
+| 31 - 297 (W 2-8, P 32-100) | 0.36x - 0.79x: declined |
+| 403 - 499 (W 14 P 32, W 2 P 500) | 1.09x, 0.98x: declined (no margin) |
+| >= 693 | 1.12x - 10.3x: served |
 
-The function is pure and cheap (a few integer comparisons) and independent of TensorRT-LLM and of
-the benchmark code, so both the engine adapter and the benchmarks can call it.
+So the rule serves a batch only when ``(W - 1) * mean prompt >= MIN_SHARED_PROMPT_TOKENS = 600``.
+When the prompt length is unknown (a CUDA graph serves any prompt; TensorRT-LLM's selection cache
+key holds no prompt length), beam widths below ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined: at
+8 beams and more the library lost only to 32-token prompts in the sweep, and at 14 and more never.
 
-Unknown quantities are passed as ``None`` and are not judged. The TensorRT-LLM adapter relies on
-this: its selection gate (cached per layer by a key that contains neither the prompt length nor
-the exact request count) calls the rule with only the quantities that key keeps fixed, and the
-per-step planning calls it again with the batch's real numbers (see ``docs/trtllm.md``).
+Extrapolation, stated: the crossover was measured at one request count and head shape. More KV
+heads or longer heads scale both arms' prompt traffic alike; fewer requests leave the GPU emptier
+for both. Re-run the sweep for a very different shape (``docs/benchmarks.md`` says how).
+
+The function is pure and cheap (integer arithmetic), independent of TensorRT-LLM and of the
+benchmark code. Unknown quantities are passed as ``None`` and judged as described above.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["should_decline", "MIN_BEAM_WIDTH", "MIN_PROMPT_LEN"]
+__all__ = ["should_decline", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT", "MIN_SHARED_PROMPT_TOKENS"]
 
-#: Provisional: beams below this width are served by the default decode kernel.
-MIN_BEAM_WIDTH = 8
-#: Provisional: batches whose (mean) prompt is shorter than this, in tokens, are declined.
-MIN_PROMPT_LEN = 64
+#: Beam search proper: with one beam nothing is shared.
+MIN_BEAM_WIDTH = 2
+#: With an unknown prompt length, narrower beams are left to the default kernel.
+MIN_BEAM_WIDTH_ANY_PROMPT = 8
+#: ``(W - 1) * mean prompt`` below this (prompt tokens saved per request) is declined.
+MIN_SHARED_PROMPT_TOKENS = 600
 
 
 def should_decline(
     num_requests: Optional[int],
     beam_width: Optional[int],
-    prompt_len: Optional[int],
+    prompt_len: Optional[float],
     num_qo_heads: Optional[int],
     num_kv_heads: Optional[int],
     head_dim: Optional[int],
@@ -41,23 +51,32 @@ def should_decline(
     """The reason to leave this shape to the default per-beam decode, or ``None`` to serve it.
 
     Args:
-        num_requests: ``R``, generation requests in the batch (``None``: unknown).
-        beam_width: ``W``, beams per request (``None``: unknown).
-        prompt_len: prompt length in tokens; for a batch, its mean prompt length
-            (``None``: unknown, e.g. a CUDA graph that serves any prompt).
-        num_qo_heads, num_kv_heads, head_dim: the layer's attention shape (``None``: unknown).
+        num_requests: ``R``, generation requests in the batch (``None``: unknown; not judged).
+        beam_width: ``W``, beams per request (``None``: unknown; not judged).
+        prompt_len: prompt length in tokens; for a batch, its mean (``None``: unknown, e.g. a
+            CUDA graph that serves any prompt).
+        num_qo_heads, num_kv_heads, head_dim: the layer's attention shape (not judged: the
+            crossover scales alike for both arms).
 
     Returns:
-        A one-line human-readable reason (logged by the caller), or ``None``.
+        A one-line reason naming the measured threshold (logged by the caller), or ``None``.
     """
-    if beam_width is not None and int(beam_width) < MIN_BEAM_WIDTH:
+    if beam_width is None:
+        return None
+    w = int(beam_width)
+    if w < MIN_BEAM_WIDTH:
+        return f"beam width {w} < {MIN_BEAM_WIDTH}: no beams share a prompt"
+    if prompt_len is None:
+        if w < MIN_BEAM_WIDTH_ANY_PROMPT:
+            return (
+                f"beam width {w} < {MIN_BEAM_WIDTH_ANY_PROMPT} with the prompt length unknown (CUDA graph or "
+                f"selection): narrow beams pay only with long prompts (measured on the H200, docs/benchmarks.md)"
+            )
+        return None
+    saved = (w - 1) * float(prompt_len)
+    if saved < MIN_SHARED_PROMPT_TOKENS:
         return (
-            f"beam width {int(beam_width)} < {MIN_BEAM_WIDTH}: too few beams share the prompt for the "
-            f"prefix pass to pay off (provisional threshold)"
-        )
-    if prompt_len is not None and int(prompt_len) < MIN_PROMPT_LEN:
-        return (
-            f"prompt length {int(prompt_len)} < {MIN_PROMPT_LEN} tokens: the shared prefix is too short "
-            f"to pay for the extra launch (provisional threshold)"
+            f"(beam width {w} - 1) x prompt {float(prompt_len):.0f} = {saved:.0f} shared prompt tokens < "
+            f"{MIN_SHARED_PROMPT_TOKENS}: per-beam decode is faster here (measured on the H200, docs/benchmarks.md)"
         )
     return None
