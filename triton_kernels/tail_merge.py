@@ -27,10 +27,12 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # unmeasured and take the newer choice.
 _TOKENS_OUTER = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
 MAX_GROUP_SIZE = 64
-# Tail positions whose page indices are loaded as one vector (TailLaunchConfig.index_block). A guess
-# pending the H200 sweep: covers the common tails (1-32 earlier tokens) in one index block, and the
-# [INDEX_BLOCK] int32 page vector costs about one register per thread at 4 warps.
-DEFAULT_INDEX_BLOCK = 32
+# Tail positions whose page indices are loaded as one vector (TailLaunchConfig.index_block; 0 walks
+# the index chain one K/V tile at a time). Measured on the H200 (docs/results/h200/
+# tune_tail_index_block.json, same tiling otherwise): index blocks of 16/32 were 1-6% slower at the
+# short tails beam-search decode runs (3-4 tokens: 128x96 t3 105.1 vs 101.7 us, 64x30 t4 26.3 vs
+# 25.0 us) and 6% faster only at tail 32 (523 vs 555 us). Short tails are the common case, so 0.
+DEFAULT_INDEX_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> Tai
     """The tiling for a shape, chosen by measurement on the H200 (``python -m microbenchmarks.tune_tail``).
 
     About 1024 query-slot elements (``QH * D``) per program, one earlier tail token per loop
-    iteration, 4 warps, page indices of ``DEFAULT_INDEX_BLOCK`` positions loaded per index block. The
+    iteration, 4 warps, the index chain walked one K/V tile at a time (``DEFAULT_INDEX_BLOCK``). The
     kernel is latency-bound at decode shapes: every program walks a chain of
     dependent loads (lengths, source beams, page-table entries, K/V), so what pays is many small
     programs resident at once rather than a row's whole index chain amortised over all of its heads.
