@@ -548,7 +548,8 @@ def default_cpu_arms() -> List[Arm]:
 
 def parse_arm_list(text: str, prefix_kernels=("auto",)) -> List[Arm]:
     """Arms from a comma list of names: ``library`` (FlashInfer, each prefix kernel), ``fa4``,
-    ``prefix`` (FlashInfer and FA4 prefix stages), ``tail``, ``decode`` (both variants),
+    ``prefix`` (FlashInfer and FA4 prefix stages), ``tail`` (the Triton kernel), ``tail-torch`` (the
+    unfused torch path, eager), ``decode`` (both variants),
     ``decode-tc``, ``decode-cc``, ``cascade``, ``reference`` (CPU path arms)."""
     arms: List[Arm] = []
     for name in [t.strip().lower() for t in text.split(",") if t.strip()]:
@@ -560,6 +561,8 @@ def parse_arm_list(text: str, prefix_kernels=("auto",)) -> List[Arm]:
             arms += [PrefixStageArm("flashinfer", prefix_kernel=k) for k in prefix_kernels] + [PrefixStageArm("fa4")]
         elif name == "tail":
             arms.append(TailStageArm("triton"))
+        elif name == "tail-torch":
+            arms.append(TailStageArm("torch"))
         elif name == "decode":
             arms += [FlashInferDecodeArm(True), FlashInferDecodeArm(False)]
         elif name == "decode-tc":
@@ -572,7 +575,7 @@ def parse_arm_list(text: str, prefix_kernels=("auto",)) -> List[Arm]:
             arms += default_cpu_arms()
         else:
             raise ValueError(
-                f"--arms: unknown arm {name!r}; use a comma list of library, fa4, prefix, tail, decode, "
+                f"--arms: unknown arm {name!r}; use a comma list of library, fa4, prefix, tail, tail-torch, decode, "
                 f"decode-tc, decode-cc, cascade, reference."
             )
     return arms
