@@ -9,9 +9,9 @@ follows ``(W - 1) * P``, the prompt tokens saved per request:
 
 | (W - 1) * P | measured speedup over FlashInfer per-beam decode |
 | --- | --- |
-| 31 - 297 (W 2-8, P 32-100) | 0.36x - 0.79x: declined |
-| 403 - 499 (W 14 P 32, W 2 P 500) | 1.09x, 0.98x: declined (no margin) |
-| >= 693 | 1.12x - 10.3x: served |
+| 31 - 300 (W 2-8, P 32-100) | 0.36x - 0.79x: declined |
+| 416 - 500 (W 14 P 32, W 2 P 500) | 1.09x, 0.98x: declined (no margin) |
+| >= 700 | 1.12x - 10.3x: served |
 
 So the rule serves a batch only when ``(W - 1) * mean prompt >= MIN_SHARED_PROMPT_TOKENS = 600``.
 When the prompt length is unknown (a CUDA graph serves any prompt; TensorRT-LLM's selection cache
