@@ -49,48 +49,13 @@ import triton.language as tl
 __all__ = ["beam_tail_merge_kernel"]
 
 
-# The two helpers below compute the same online-softmax update over one block of tail tokens; they
-# differ only in the orientation of the K/V tile. Triton's coalescing pass breaks the tie between
+# One block of tail tokens is a K/V tile load (:func:`_load_kv_tile`) and an online-softmax update
+# (:func:`_attend_tile`); the index-block path issues the next tile's load before the current update.
+# TOKENS_OUTER picks the orientation of the K/V tile. Triton's coalescing pass breaks the tie between
 # the two non-contiguous tile dims differently across versions, and the orientation whose thread
 # layout matches the [QH, D] tiles (q, acc) avoids shared-memory layout conversions and replicated
 # registers: measured with ptxas for sm_90 (16/8 heads, D 128, BLOCK_T 2, 4 warps), heads-outer
 # takes 88 registers on Triton 3.6 vs 128 tokens-outer; on Triton 3.9, 128 vs 80.
-
-
-@triton.jit
-def _attend_block_heads_outer(q, m_i, l_i, acc, kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d):
-    """Online-softmax update with ``[QH, BLOCK_T, D]`` K/V tiles; returns ``(m, l, acc)``."""
-    kv_offs = tok_offs[None, :, None] + kv_head_offs[:, None, None] + d[None, None, :]
-    kv_mask = tok_ok[None, :, None] & kv_head_ok[:, None, None]
-    k = tl.load(kv_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-    v = tl.load(kv_ptr + stride_kv_kv + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-    s = tl.where(tok_ok[None, :], tl.sum(q[:, None, :] * k, axis=2), float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_new = l_i * alpha + tl.sum(p, axis=1)
-    acc_new = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
-    return m_new, l_new, acc_new
-
-
-@triton.jit
-def _attend_block_tokens_outer(q, m_i, l_i, acc, kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d):
-    """Online-softmax update with ``[BLOCK_T, QH, D]`` K/V tiles; returns ``(m, l, acc)``."""
-    kv_offs = tok_offs[:, None, None] + kv_head_offs[None, :, None] + d[None, None, :]
-    kv_mask = tok_ok[:, None, None] & kv_head_ok[None, :, None]
-    k = tl.load(kv_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-    v = tl.load(kv_ptr + stride_kv_kv + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-    s = tl.where(tok_ok[:, None], tl.sum(q[None, :, :] * k, axis=2), float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[None, :])
-    l_new = l_i * alpha + tl.sum(p, axis=0)
-    acc_new = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=0)
-    return m_new, l_new, acc_new
-
-
-# The two helpers below serve the index-block path (INDEX_BLOCK > 0): the K/V tile load is split from
-# the softmax update so the next tile's load can be issued before the current tile is consumed.
 
 
 @triton.jit
@@ -382,14 +347,10 @@ def beam_tail_merge_kernel(
             page = (entry // page_index_divisor).to(tl.int64)
             tok_ok = src_ok & (entry >= 0) & (page < num_pages)
             tok_offs = page * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
-            if TOKENS_OUTER:
-                m_i, l_i, acc = _attend_block_tokens_outer(
-                    q, m_i, l_i, acc, kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d
-                )
-            else:
-                m_i, l_i, acc = _attend_block_heads_outer(
-                    q, m_i, l_i, acc, kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d
-                )
+            k_tile, v_tile = _load_kv_tile(
+                kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d, TOKENS_OUTER
+            )
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_tile, v_tile, tok_ok, TOKENS_OUTER)
 
     # 4. Normalise: l >= 1, since the term (prefix or token) that set the running max adds 2^0.
     out_offs = row64 * stride_out_row + q_head[:, None] * stride_out_head + d[None, :]
