@@ -153,13 +153,14 @@ def _row_chunks(num_rows: int, max_len: int, hkv: int, d: int, budget_bytes: int
         yield start, min(num_rows, start + step)
 
 
-def _attend_positions(
+def _attend_history(
     q, kv_cache, kv_layout, beam_page_table, cache_indirection, prompt_lens, kv_lens, beam_width,
-    page_size, sm_scale, page_index_divisor, lo_fn, hi_fn, new_k, new_v,
+    sm_scale, page_index_divisor, new_k, new_v, tail_only,
 ):
-    """Attention of each row over positions ``[lo_fn(P, L), hi_fn(P, L))`` of its history."""
+    """Attention of each row over positions ``[0, L)`` of its history, or ``[P, L)`` if ``tail_only``."""
     num_rows, hq, d = q.shape
-    _, hkv, _, _ = pool_geometry(kv_cache, kv_layout)
+    _, hkv, page_size, head_dim = pool_geometry(kv_cache, kv_layout)
+    sm_scale = _default_scale(head_dim, sm_scale)
     dev = q.device
     plen = prompt_lens.to(dev).long()
     klen = kv_lens.to(dev).long()
@@ -175,13 +176,11 @@ def _attend_positions(
         )
         k, v = gather_beam_kv(kv_cache, kv_layout, page, slot)
         t = torch.arange(max_len, device=dev)[None, :]
-        lo = lo_fn(plen[a:b], klen[a:b])[:, None]
-        hi = hi_fn(plen[a:b], klen[a:b])[:, None]
         if new_k is not None:
             cur = (t == klen[a:b, None] - 1)[..., None, None]
             k = torch.where(cur, new_k[a:b, None].float(), k)
             v = torch.where(cur, new_v[a:b, None].float(), v)
-        mask = valid & (t >= lo) & (t < hi)
+        mask = (valid & (t >= plen[a:b, None])) if tail_only else valid
         out[a:b], lse[a:b] = dense_attention(q[a:b], k, v, mask, sm_scale)
     return out, lse
 
@@ -218,11 +217,9 @@ def reference_beam_attention(
     Returns:
         ``out`` float32 ``[R*W, Hq, D]`` (and ``lse_base2 [R*W, Hq]`` if ``return_lse``).
     """
-    _, _, page_size, d = pool_geometry(kv_cache, kv_layout)
-    scale = _default_scale(d, sm_scale)
-    out, lse = _attend_positions(
+    out, lse = _attend_history(
         q, kv_cache, kv_layout, beam_page_table, cache_indirection, prompt_lens, kv_lens, beam_width,
-        page_size, scale, page_index_divisor, lambda p, l: torch.zeros_like(p), lambda p, l: l, new_k, new_v,
+        sm_scale, page_index_divisor, new_k, new_v, tail_only=False,
     )
     return (out, lse) if return_lse else out
 
@@ -246,11 +243,9 @@ def reference_tail_attention(
     Same arguments as :func:`reference_beam_attention`. Returns ``(out float32 [R*W, Hq, D],
     lse_base2 float32 [R*W, Hq])``; a row with ``L == P`` (no tail) gets ``out = 0, lse = -inf``.
     """
-    _, _, page_size, d = pool_geometry(kv_cache, kv_layout)
-    scale = _default_scale(d, sm_scale)
-    return _attend_positions(
+    return _attend_history(
         q, kv_cache, kv_layout, beam_page_table, cache_indirection, prompt_lens, kv_lens, beam_width,
-        page_size, scale, page_index_divisor, lambda p, l: p, lambda p, l: l, new_k, new_v,
+        sm_scale, page_index_divisor, new_k, new_v, tail_only=True,
     )
 
 
