@@ -295,7 +295,7 @@ class StepPlanner:
         """A digest of the planner's inputs, used when the caller gives no composition key."""
         h = hashlib.blake2b(digest_size=16)
         names = ("prompt_page_indptr", "prompt_page_indices", "prompt_lens")
-        for name, a in zip(names, (prompt_page_indptr, prompt_page_indices, prompt_lens)):
+        for name, a in zip(names, (prompt_page_indptr, prompt_page_indices, prompt_lens), strict=True):
             # Same dtype/ndim checks as the build: a 2-D or float input must not hit the plan of
             # the int arrays it flattens or truncates to. Values are hashed as int32 whenever they
             # fit (hashing is most of a hit's cost; int32 halves the bytes and is the usual input

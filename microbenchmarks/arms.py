@@ -257,7 +257,6 @@ class LibraryArm(Arm):
                                                                  wl.shape.page_size, wl.num_pages))
         if wl.device.type == "cuda":
             torch.cuda.synchronize()
-        del attn
         return res
 
 
@@ -511,8 +510,8 @@ class FlashInferCascadeArm(Arm):
         wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(2, ctx.fi_workspace(), wl.kv_layout,
                                                                use_cuda_graph=use_graph, **kwargs)
         wrapper.plan(
-            [_t(l[0]) for l in levels], [_t(l[1]) for l in levels], [_t(l[2], dev) for l in levels],
-            [_t(l[3]) for l in levels], sh.heads, sh.kv_heads, sh.head_dim, sh.page_size,
+            [_t(lvl[0]) for lvl in levels], [_t(lvl[1]) for lvl in levels], [_t(lvl[2], dev) for lvl in levels],
+            [_t(lvl[3]) for lvl in levels], sh.heads, sh.kv_heads, sh.head_dim, sh.page_size,
             causal=False, q_data_type=wl.dtype, kv_data_type=wl.dtype,
         )
 

@@ -191,7 +191,7 @@ def _emit(doc: Dict, args, log) -> int:
             return 2
     failed = [(p["label"], a["name"]) for p in doc["results"] for a in p["arms"] if a["status"] == "check_failed"]
     if failed:
-        log("ORACLE CHECK FAILED: " + "; ".join(f"{n} at {l}" for l, n in failed))
+        log("ORACLE CHECK FAILED: " + "; ".join(f"{name} at {label}" for label, name in failed))
         return 1
     return 0
 

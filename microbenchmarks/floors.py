@@ -156,7 +156,6 @@ def measure_copy_bandwidth(device="cuda", nbytes: int = 2 << 30, iters: int = 10
     src.random_(0, 255)
     dst = torch.empty_like(src)
     ms = _event_median_ms(lambda: dst.copy_(src), iters, warmup=2)
-    del src, dst
     return 2.0 * nbytes / (ms * 1e-3)
 
 
@@ -166,7 +165,6 @@ def measure_matmul_rate(dtype=torch.bfloat16, device="cuda", n: int = 8192, iter
     b = torch.randn(n, n, device=device, dtype=dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
     ms = _event_median_ms(lambda: torch.matmul(a, b, out=c), iters, warmup=3)
-    del a, b, c
     return 2.0 * n ** 3 / (ms * 1e-3)
 
 

@@ -181,7 +181,7 @@ def print_point(point: Dict, console=None) -> None:
         print(title)
         widths = [max(len(str(r[i])) for r in rows + [HEADER]) for i in range(len(HEADER))]
         for r in [HEADER] + rows:
-            print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+            print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
     plan = point.get("plan") or {}
     for name, p in plan.items():
         line = (f"plan ({name}): first {_fmt(p.get('first_plan_us'), '.0f')} us, cached re-plan "
@@ -245,9 +245,9 @@ def plot_speedups(doc: Dict, path: str) -> List[str]:
     if panels:
         fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
         titles = []
-        for ax, (field, label) in zip(axes[0], panels):
+        for ax, (field, label) in zip(axes[0], panels, strict=True):
             for name, pts in _series(doc, field).items():
-                xs, ys = zip(*pts)
+                xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, marker="o", label=name)
             ax.axhline(1.0, color="grey", lw=1, ls="--")
             ax.set_xlabel(label)
@@ -263,7 +263,7 @@ def plot_speedups(doc: Dict, path: str) -> List[str]:
     else:
         fig, axes = plt.subplots(len(doc["results"]), 1, figsize=(9, 3.2 * len(doc["results"])), squeeze=False)
         titles = []
-        for ax, p in zip(axes[:, 0], doc["results"]):
+        for ax, p in zip(axes[:, 0], doc["results"], strict=True):
             arms = [a for a in p["arms"] if a["status"] == "ok"]
             ax.barh([a["name"] for a in arms], [a["time_us"] for a in arms], color="tab:blue")
             fl = p["floors"].get("floor_us")

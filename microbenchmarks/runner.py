@@ -97,7 +97,7 @@ def _poison(prepared, fn) -> None:
 
 def _check_arm(arm: Arm, prepared: list, fns: list, oracles: Sequence[Oracle], dtype) -> Dict:
     results = []
-    for p, fn, orc in zip(prepared, fns, oracles):
+    for p, fn, orc in zip(prepared, fns, oracles, strict=True):
         _poison(p, fn)
         result = fn()
         if orc.wl.device.type == "cuda":
@@ -156,7 +156,7 @@ def run_point(
                       shape.head_dim, shape.page_size)
         for w in ("full", "prefix", "tail")
     }
-    for w, d in works.items():
+    for d in works.values():
         f = floor_times_simple(d["bytes"], d["flops"], rates)
         d["floor_us"] = f
     ctx = RunContext(device=device, use_graphs=opts.use_graphs and is_cuda, graph_baselines=opts.graph_baselines,

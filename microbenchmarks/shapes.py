@@ -197,7 +197,7 @@ def expand_sweeps(base: BenchShape, sweeps: Sequence[Tuple[str, List]]) -> List[
         raise ShapeError(f"--sweep names a field twice ({names}); combine the values in one --sweep.")
     points = []
     for combo in itertools.product(*(values for _, values in sweeps)):
-        changes = dict(zip(names, combo))
+        changes = dict(zip(names, combo, strict=True))
         tag = ",".join(f"{k}={v}" for k, v in changes.items())
         points.append(replace(base, name=f"{base.name}[{tag}]", **changes))
     return points

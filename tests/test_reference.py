@@ -134,7 +134,7 @@ def test_oracle_with_deterministic_reselection(parents_kind):
     if parents_kind == "all_parent_0":
         # Every beam's generated history is beam 0's: the indirection reads 0 everywhere before pos.
         step = sim.begin_step()
-        for r, p in enumerate(PROMPTS):
+        for r in range(len(PROMPTS)):
             L = int(step.kv_lens[r * W])
             assert (step.cache_indirection[r, :W, : L - 1] == 0).all()
 

@@ -104,7 +104,7 @@ def _need_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
 def _byte_span(x: torch.Tensor) -> Optional[Tuple[int, int]]:
     if x.numel() == 0:
         return None
-    extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
+    extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True))
     start = x.data_ptr()
     return start, start + extent * x.element_size()
 

@@ -106,7 +106,7 @@ def resolve_prefix_backend(
         reasons.append(reason)
     raise PrefixBackendError(
         f"backend={requested!r} cannot serve this shape on {device}: "
-        + "; ".join(f"{n}: {r}" for n, r in zip(chain, reasons))
+        + "; ".join(f"{n}: {r}" for n, r in zip(chain, reasons, strict=True))
         + ". Install the missing package, or pass backend='auto' (falls back to the torch reference) or "
           "backend='reference'."
     )

@@ -239,7 +239,7 @@ def test_wrapper_steps_through_each_lse_convention(fake_gpu_libs, monkeypatch, b
     sim = BeamSearchCacheSimulator([5, 17, 1], beam_width=3, num_qo_heads=6, num_kv_heads=2, head_dim=16, page_size=4,
                                    max_seq_len=40, dtype=torch.bfloat16, seed=4)
     att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl="triton", check=True)
-    for s in range(3):
+    for _ in range(3):
         step = sim.begin_step()
         att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, 3, 6, 2, 16, 4,
                  sim.num_pages, torch.bfloat16, key=tuple(step.request_ids))
