@@ -172,10 +172,24 @@ class BeamSharedPrefixFmhaMixin:
             return f"KV pool view of shape {tuple(pool.shape)} is not [pages, 2, Hkv, page_size, D] = [*, {expected}]"
         return None
 
+    def _takes_context(self, lib, q, k, v, metadata, forward_args) -> Optional[bool]:
+        """Whether ``lib`` takes the CONTEXT phase of this batch (``None``: this tree cannot ask).
+
+        Two APIs exist: ``is_supported(..., phase=FmhaPhase.CONTEXT)`` (new layout, 0352547d) and
+        ``is_context_supported(...)`` on trees without ``FmhaPhase`` (old layout, 00e7d103).
+        """
+        phase_enum = self._bsp_api.FmhaPhase
+        if phase_enum is not None:
+            return bool(lib.is_supported(q, k, v, metadata, forward_args, phase=phase_enum.CONTEXT))
+        ask = getattr(lib, "is_context_supported", None)
+        if ask is not None:
+            return bool(ask(q, k, v, metadata, _with_input_type(forward_args, _CONTEXT_ONLY)))
+        return None
+
     def _serves_mixed_batch_itself(self, q, k, v, metadata, forward_args) -> bool:
         api = self._bsp_api
-        if api.PhasedFmha is None or api.FmhaPhase is None:
-            decline_log(logging.WARNING, "mixed batch: this TensorRT-LLM has no PhasedFmha/FmhaPhase to split phases")
+        if api.PhasedFmha is None:
+            decline_log(logging.WARNING, "mixed batch: this TensorRT-LLM has no PhasedFmha to split phases")
             return False
         earlier = self._earlier_context_library(q, k, v, metadata, forward_args)
         if earlier is not None:
@@ -189,7 +203,11 @@ class BeamSharedPrefixFmhaMixin:
         if delegate is None:
             decline_log(logging.WARNING, f"mixed batch: no {FALLBACK_NAME!r} library to serve its context rows")
             return False
-        if not delegate.is_supported(q, k, v, metadata, forward_args, phase=api.FmhaPhase.CONTEXT):
+        takes = self._takes_context(delegate, q, k, v, metadata, forward_args)
+        if takes is None:
+            decline_log(logging.WARNING, "mixed batch: this TensorRT-LLM cannot ask a library for the CONTEXT phase")
+            return False
+        if not takes:
             decline_log(logging.WARNING, f"mixed batch: the {FALLBACK_NAME!r} library declines its context rows")
             return False
         return True
@@ -207,9 +225,7 @@ class BeamSharedPrefixFmhaMixin:
         for lib in libs:
             if lib is self:
                 return None
-            if isinstance(lib, api.PhasedFmha) and lib.is_supported(
-                q, k, v, metadata, forward_args, phase=api.FmhaPhase.CONTEXT
-            ):
+            if isinstance(lib, api.PhasedFmha) and self._takes_context(lib, q, k, v, metadata, forward_args):
                 return lib
         return None
 
@@ -382,6 +398,22 @@ class BeamSharedPrefixFmhaMixin:
             parent()
 
 
+def _plain_is_available(cls, attn=None) -> bool:
+    return attn is not None and cls._is_available(attn)
+
+
+def _plain_is_supported(self, q, k, v, metadata, forward_args, *, phase=None, **kwargs) -> bool:
+    return self._is_supported(q, k, v, metadata, forward_args, phase=phase)
+
+
+def _never_context(self, q, k, v, metadata, forward_args) -> bool:
+    return False
+
+
+def _generation_supported(self, q, k, v, metadata, forward_args) -> bool:
+    return self._is_supported(q, k, v, metadata, forward_args, phase="generation")
+
+
 _classes: Dict[str, type] = {}
 _classes_lock = threading.Lock()
 
@@ -419,10 +451,18 @@ def fmha_class_for(fmha_package: str) -> type:
             "_bsp_api": api,
             OUT_OF_TREE_MARK: True,
         }
-        if not hasattr(base, "is_available"):  # very old trees: no shared wrappers around the hooks
-            namespace["is_available"] = classmethod(lambda c, attn: c._is_available(attn))
-        if not hasattr(base, "is_supported"):
-            namespace["is_supported"] = lambda self, *a, **kw: self._is_supported(*a, **kw)
+        # Trees whose Fmha has no ``_is_available``/``_is_supported`` hooks (new layout at
+        # b0a6e828, old layout at 077c210e: ``is_available``/``is_supported`` return True and each
+        # library overrides them) would otherwise accept every request through the base.
+        if not hasattr(base, "_is_available"):
+            namespace["is_available"] = classmethod(_plain_is_available)
+        if not hasattr(base, "_is_supported"):
+            namespace["is_supported"] = _plain_is_supported
+        # Trees that ask phased libraries per phase (old layout at 00e7d103:
+        # ``is_context_supported`` / ``is_generation_supported``, no FmhaPhase).
+        if hasattr(base, "is_generation_supported"):
+            namespace["is_context_supported"] = _never_context
+            namespace["is_generation_supported"] = _generation_supported
         cls = type(base)("BeamSharedPrefixFmha", (BeamSharedPrefixFmhaMixin, base), namespace)
         _classes[fmha_package] = cls
         return cls

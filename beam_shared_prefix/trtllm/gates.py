@@ -99,7 +99,8 @@ def _kv_cache_quantized(attn) -> Optional[str]:
     if check is not None and check():
         return "quantized KV cache"
     kv_dtype = getattr(attn, "kv_cache_dtype", "auto")
-    if isinstance(kv_dtype, str) and kv_dtype.lower() not in _PLAIN_KV_DTYPES:
+    # TrtllmAttention.kv_cache_dtype: "auto", "fp8", "fp8_ds_mla", "nvfp4" or a torch dtype string.
+    if isinstance(kv_dtype, str) and kv_dtype.lower().replace("torch.", "") not in _PLAIN_KV_DTYPES:
         return f"kv_cache_dtype={kv_dtype!r}"
     return None
 
@@ -213,7 +214,11 @@ def _sparse_inputs_present(forward_args) -> bool:
             "sparse_kv_indices",
             "sparse_attn_indices",
         ):
-            if getattr(holder, field_name, None) is not None:
+            value = getattr(holder, field_name, None)
+            # TrtllmAttention.forward always builds a SparseRuntimeParams (trtllm.py at 017aa0ca);
+            # the native op treats an empty index tensor as "no sparse attention" (fmha/interface.py
+            # StaticAttentionConfig.from_params at 0352547d), so only a non-empty one counts.
+            if value is not None and (not hasattr(value, "numel") or value.numel() > 0):
                 return True
     return False
 

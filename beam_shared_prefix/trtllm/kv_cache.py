@@ -64,6 +64,17 @@ def manager_decline_reason(manager) -> Optional[str]:
     page_size = getattr(manager, "tokens_per_block", None)
     if page_size not in SUPPORTED_PAGE_SIZES:
         return f"tokens_per_block={page_size} is not one of {SUPPORTED_PAGE_SIZES}"
+    # TrtllmAttentionMetadata sizes dim 0 of kv_cache_block_offsets by
+    # getattr(manager, "num_attention_op_pools", manager.num_pools) (trtllm.py at 017aa0ca). The
+    # library indexes that dim by the layer's pool (kv_cache_pool_mapping[local, 0]); a manager
+    # with per-layer page tables (V2 with SWA scratch reuse, doc 4.3) breaks that.
+    op_pools = getattr(manager, "num_attention_op_pools", None)
+    num_pools = getattr(manager, "num_pools", None)
+    if op_pools is not None and num_pools is not None and int(op_pools) != int(num_pools):
+        return (
+            f"KV cache manager has {op_pools} attention-op page tables for {num_pools} pools "
+            "(per-layer page tables); the library addresses one page table per pool"
+        )
     return None
 
 

@@ -21,7 +21,9 @@ real package, and the library's post-import hook sees them):
   phase-less-then-phased selection and its selection cache keyed like 2.4 (with
   ``TRTLLM_FMHA_CACHE_SANITY_CHECK=1`` re-running selection on cache hits);
 - ``FmhaParams`` in two variants (0.2): ``"interface"`` (b: ``qkv_or_q``, ``output``, ``meta``,
-  ``fwd``, ``attn``) and ``"phased"`` (a: ``qkv_input``, ``output``, ``meta``, ``fwd``, ``attn``);
+  ``fwd``, ``attn``) and ``"phased"`` (a: ``qkv_input``, ``context_buf``, ``meta``, ``fwd``, ``attn``);
+- the selection API with ``_is_available``/``_is_supported`` hooks (``hooks="final"``) or without them
+  (``hooks="plain"``), as in the upstream files listed in ``docs/trtllm.md`` ("Verified against");
 - ``FallbackFmha`` (2.6) whose kernels are modelled by dense float32 math: the context phase does
   causal attention over each context request and writes its K/V through the block offsets; the
   generation phase writes the token's K/V at ``kv_len - 1`` and attends every beam's whole history
@@ -124,15 +126,21 @@ class ModelConfig:
         params: ``"interface"`` (variant b) or ``"phased"`` (variant a) ``FmhaParams`` (doc 0.2);
             default: b on the new layout, a on the old one.
         sm100: whether ``flashinfer_trtllm_gen`` is available (doc 7.1; it is not on Hopper).
+        hooks: ``"final"``: ``Fmha.is_available``/``is_supported`` are shared wrappers around the
+            ``_is_available``/``_is_supported`` hooks (new layout ``fmha/interface.py`` at 0352547d);
+            ``"plain"``: no hooks, the base methods return True and every library overrides
+            ``is_available``/``is_supported`` itself (new layout at b0a6e828, old layout at 077c210e).
     """
 
     layout: str = "new"
     plus: Optional[str] = None
     params: Optional[str] = None
     sm100: bool = False
+    hooks: str = "final"
 
     def __post_init__(self):
         assert self.layout in ROOTS
+        assert self.hooks in ("final", "plain")
         if self.plus is None:
             self.plus = "canonical" if self.layout == "new" else "append"
         if self.params is None:
@@ -362,6 +370,8 @@ def _build_backend_interface(m):
             cuda_graph_metadata.max_num_requests = max_batch_size
             beam = max(1, getattr(self, "max_beam_width", 1))
             cuda_graph_metadata.max_num_sequences = max_batch_size * beam
+            # Decoder graphs are generation-only (backends/interface.py create_cuda_graph_metadata).
+            cuda_graph_metadata.num_contexts = 0
             cuda_graph_metadata.__post_init__()
             return cuda_graph_metadata
 
@@ -470,7 +480,9 @@ def _build_trtllm(m):
                 )
             # _bind_runtime_views (doc 3.4)
             self.kv_lens_cuda_runtime = self.kv_lens_cuda[:num_seqs]
-            self.kv_lens_runtime = self.kv_lens[:num_seqs]
+            # Upstream binds the freshly computed lengths (without num_extra_kv_tokens), not
+            # self.kv_lens (trtllm.py prepare() at 017aa0ca).
+            self.kv_lens_runtime = kv_lens[:num_seqs]
             self.prompt_lens_cuda_runtime = self.prompt_lens_cuda[:num_seqs]
             self.prompt_lens_cpu_runtime = self.prompt_lens_cpu[:num_seqs]
             self.host_request_types_runtime = self.host_request_types[:num_seqs]
@@ -529,37 +541,33 @@ def _build_trtllm(m):
         def out_head_size(self, is_gen_only: bool = False) -> int:
             return self.head_dim
 
-        def forward(
-            self,
-            q,
-            k,
-            v,
-            metadata,
-            *,
-            attention_input_type=AttentionInputType.mixed,
-            attention_mask=PredefinedAttentionMask.CAUSAL,
-            attention_window_size=None,
-            **extra,
-        ):
+        def forward(self, q, k, v, metadata, forward_args=None, **kwargs):
+            """trtllm.py TrtllmAttention.forward at 017aa0ca, reduced: legacy kwargs merged into
+            AttentionForwardArgs, output allocated, is_fused_qkv/update_kv_cache derived, window
+            defaulted, local_layer_idx primed, then select + forward."""
+            if forward_args is None:
+                forward_args = AttentionForwardArgs(**kwargs)
+            elif kwargs:
+                raise ValueError(f"Pass attention forward options either through forward_args or as kwargs: {sorted(kwargs)}")
             num_tokens = q.shape[0]
-            # TensorRT-LLM allocates with new_empty; the model poisons it so an unwritten row fails.
-            output = q.new_full((num_tokens, self.num_heads * self.head_dim), float("nan"))
-            is_fused_qkv = k is None and v is None and q.shape[-1] == (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            if forward_args.output is None:
+                # TensorRT-LLM allocates with new_empty; the model poisons it so an unwritten row fails.
+                forward_args.output = q.new_full((num_tokens, self.num_heads * self.head_dim), float("nan"))
+            output = forward_args.output
+            if k is None and v is None and not metadata.is_cross:
+                q_hidden = self.num_heads * self.head_dim
+                has_q_only = q.shape[-1] == q_hidden
+                forward_args.is_fused_qkv = q.shape[-1] == q_hidden + 2 * self.num_kv_heads * self.head_dim
+                forward_args.update_kv_cache = not has_q_only
+            else:
+                forward_args.is_fused_qkv = not metadata.is_cross and k is None
+                forward_args.update_kv_cache = not metadata.is_cross or k is not None
+            self.local_layer_idx = self.get_local_layer_idx(metadata)
             manager = metadata.kv_cache_manager
-            if attention_window_size is None:
-                local = self.get_local_layer_idx(metadata)
-                vec = getattr(manager, "max_attention_window_vec", None)
-                attention_window_size = vec[local] if vec else metadata.max_seq_len
-            forward_args = AttentionForwardArgs(
-                output=output,
-                attention_input_type=attention_input_type,
-                attention_mask=attention_mask,
-                attention_window_size=attention_window_size,
-                is_fused_qkv=is_fused_qkv,
-                update_kv_cache=True,
-                **extra,
-            )
-            self.get_local_layer_idx(metadata)
+            if forward_args.attention_window_size is None and manager is not None:
+                forward_args.attention_window_size = manager.max_attention_window_vec[self.local_layer_idx]
+            if forward_args.attention_window_size is None:
+                forward_args.attention_window_size = metadata.max_seq_len
             fmha = self._fmha_manager.select(self, q, k, v, metadata, forward_args)
             if fmha is None:
                 raise RuntimeError("No TRT-LLM attention FMHA library supports this request.")
@@ -611,18 +619,24 @@ class FmhaParamsInterface:
 class FmhaParamsPhased:
     """Variant (a) of doc 0.2 / 2.2 (``fmha/phased.py``): ``qkv_input``, ``sequence_lengths``..."""
 
+    # Fields as in tensorrt_llm/_torch/attention/backends/fmha/phased.py at 248135d1 (the old
+    # layout at 00e7d103 has the same names): the output slice is ``context_buf``, there is no
+    # ``output`` field, and ``attention_input`` and ``qkv_input`` name the same phase slice.
     attn: object = None
     meta: object = None
     fwd: object = None
     workspace: Optional[torch.Tensor] = None
+    attention_input: Optional[torch.Tensor] = None
     qkv_input: Optional[torch.Tensor] = None
-    query_input: Optional[torch.Tensor] = None
     key_input: Optional[torch.Tensor] = None
     value_input: Optional[torch.Tensor] = None
-    output: Optional[torch.Tensor] = None
+    context_buf: Optional[torch.Tensor] = None
     sequence_lengths: Optional[torch.Tensor] = None
     context_lengths: Optional[torch.Tensor] = None
+    num_tokens: int = 0
+    seq_offset: int = 0
     batch_size: int = 0
+    num_requests: int = 0
     tokens_per_block: int = 64
     kv_factor: int = 2
 
@@ -652,6 +666,7 @@ def _build_fmha_interface(m, config: ModelConfig):
 
         @classmethod
         def is_available(cls, attn) -> bool:
+            # fmha/interface.py at 0352547d: @final wrapper, skip-correction check, then the hook.
             if attn.skip_correction_threshold > 0.0 and not cls.supports_skip_correction:
                 return False
             return cls._is_available(attn)
@@ -674,6 +689,13 @@ def _build_fmha_interface(m, config: ModelConfig):
         @abstractmethod
         def forward(self, q, k, v, metadata, forward_args) -> None:
             raise NotImplementedError
+
+    if config.hooks == "plain":
+        # fmha/interface.py at b0a6e828 (new layout) / 077c210e (old layout): no hooks; the base
+        # accepts everything and each library overrides is_available / is_supported.
+        del Fmha._is_available, Fmha._is_supported
+        Fmha.is_available = classmethod(lambda cls, attn=None: True)
+        Fmha.is_supported = lambda self, q, k, v, metadata, forward_args, *, phase=None: True
 
     m.FmhaPhase = FmhaPhase
     m.Fmha = Fmha
@@ -711,6 +733,10 @@ def _build_phased(m, config: ModelConfig):
             raise NotImplementedError
 
         def forward(self, q, k, v, metadata, forward_args) -> None:
+            """fmha/phased.py forward: variant b at 017aa0ca (one FmhaParams, mutated per phase,
+            ``prepare_workspace(params, metadata)``); variant a at 248135d1 (``qkv_input`` /
+            ``attention_input`` / ``context_buf``, ``prepare_workspace(q, k, v, metadata,
+            forward_args, workspace)``)."""
             attn = self.attn
             output = forward_args.output
             if output is None:
@@ -723,46 +749,49 @@ def _build_phased(m, config: ModelConfig):
             is_gen_only = input_type == AttentionInputType.generation_only
             num_contexts, num_ctx_tokens, num_generations = metadata.num_contexts, metadata.num_ctx_tokens, metadata.num_generations
             num_gen_tokens = num_tokens if is_gen_only else num_tokens - num_ctx_tokens
-            out3 = output.view(num_tokens, attn.num_heads, self.context_out_head_size)
+            head_size = self.generation_out_head_size if is_gen_only else self.context_out_head_size
+            out3 = output.view(num_tokens, attn.num_heads, head_size)
             common = dict(attn=attn, meta=metadata, fwd=forward_args, workspace=workspace,
                           tokens_per_block=metadata.tokens_per_block or 64, kv_factor=self.kv_factor)
             if variant_b:
-                params = FmhaParams(qkv_or_q=q, k=k, v=v, output=out3, beam_width=metadata.effective_beam_width, **common)
+                params = FmhaParams(qkv_or_q=q, k=k, v=v, output=out3, beam_width=metadata.effective_beam_width,
+                                    sequence_length=metadata.kv_lens_cuda_runtime,
+                                    context_lengths=metadata.prompt_lens_cuda_runtime, num_tokens=num_tokens, **common)
                 self.prepare_workspace(params, metadata)
             else:
-                params = FmhaParams(qkv_input=q, output=out3, **common)
+                params = FmhaParams(**common)
                 self.prepare_workspace(q, k, v, metadata, forward_args, workspace)
+            phases = []
             if num_contexts > 0 and input_type != AttentionInputType.generation_only:
-                rows = slice(0, num_ctx_tokens)
-                p = copy.copy(params)
-                if variant_b:
-                    p.qkv_or_q, p.output = q[rows], out3[rows]
-                    p.sequence_length = metadata.kv_lens_cuda_runtime[0:]
-                    p.context_lengths = metadata.prompt_lens_cuda_runtime[0:]
-                    p.seq_offset, p.token_offset, p.num_seqs, p.num_requests, p.num_tokens = 0, 0, num_contexts, num_contexts, num_ctx_tokens
-                else:
-                    p.qkv_input, p.output = q[rows], out3[rows]
-                    p.sequence_lengths = metadata.kv_lens_cuda_runtime[0:]
-                    p.context_lengths = metadata.prompt_lens_cuda_runtime[0:num_contexts]
-                    p.batch_size = num_contexts
-                self.run_context(p)
+                phases.append(("context", 0, 0, num_contexts, num_ctx_tokens))
             if num_generations > 0 and input_type != AttentionInputType.context_only:
-                token_offset = 0 if is_gen_only else num_ctx_tokens
-                rows = slice(token_offset, token_offset + num_gen_tokens)
-                p = copy.copy(params)
+                phases.append(("generation", num_contexts, 0 if is_gen_only else num_ctx_tokens, num_generations, num_gen_tokens))
+            for phase, seq_offset, token_offset, num_seqs, n_tok in phases:
+                rows = slice(token_offset, token_offset + n_tok)
+                requests = num_seqs if phase == "context" else num_seqs // max(params_beam(metadata, variant_b), 1)
                 if variant_b:
-                    p.qkv_or_q, p.output = q[rows], out3[rows]
-                    p.sequence_length = metadata.kv_lens_cuda_runtime[num_contexts:]
-                    p.context_lengths = metadata.prompt_lens_cuda_runtime[num_contexts:]
-                    p.seq_offset, p.token_offset, p.num_seqs = num_contexts, token_offset, num_generations
-                    p.num_requests = num_generations // max(metadata.beam_width, 1)
-                    p.num_tokens = num_gen_tokens
+                    params.qkv_or_q, params.output = q[rows], out3[rows]
+                    params.k = None if k is None else k[rows]
+                    params.v = None if v is None else v[rows]
+                    params.sequence_length = metadata.kv_lens_cuda_runtime[seq_offset:]
+                    params.context_lengths = metadata.prompt_lens_cuda_runtime[seq_offset:]
+                    params.seq_offset, params.token_offset, params.num_seqs = seq_offset, token_offset, num_seqs
+                    params.num_requests, params.num_tokens = requests, n_tok
                 else:
-                    p.qkv_input, p.output = q[rows], out3[rows]
-                    p.sequence_lengths = metadata.kv_lens_cuda_runtime[num_contexts:]
-                    p.context_lengths = metadata.prompt_lens_cuda_runtime[num_contexts : num_contexts + num_generations]
-                    p.batch_size = num_generations
-                self.run_generation(p)
+                    params.attention_input = params.qkv_input = q[rows]
+                    params.key_input = None if k is None else k[rows]
+                    params.value_input = None if v is None else v[rows]
+                    params.context_buf = out3[rows]
+                    params.sequence_lengths = metadata.kv_lens_cuda_runtime[seq_offset:]
+                    if phase == "context":
+                        params.context_lengths = metadata.prompt_lens_cuda_runtime[seq_offset:]
+                    params.num_tokens, params.seq_offset, params.batch_size = n_tok, seq_offset, num_seqs
+                    params.num_requests = requests
+                (self.run_context if phase == "context" else self.run_generation)(params)
+
+    def params_beam(metadata, variant_b):
+        # variant b: params.beam_width = effective_beam_width; variant a: metadata.beam_width.
+        return metadata.effective_beam_width if variant_b else metadata.beam_width
 
     m.PhasedFmha = PhasedFmha
     m.FmhaParams = FmhaParams
@@ -783,15 +812,26 @@ def _build_combined(m):
         def set_fmha_impls(self, context_impl, generation_impl):
             self._context_impl, self._generation_impl = context_impl, generation_impl
 
+        # fmha/combined.py at 0352547d: accessors that raise when unset; the manager uses them.
+        def _get_context_impl(self):
+            if self._context_impl is None:
+                raise RuntimeError("CombinedFmha context implementation is not configured.")
+            return self._context_impl
+
+        def _get_generation_impl(self):
+            if self._generation_impl is None:
+                raise RuntimeError("CombinedFmha generation implementation is not configured.")
+            return self._generation_impl
+
         def prepare_workspace(self, *args, **kwargs):
-            for impl in (self._context_impl, self._generation_impl):
+            for impl in (self._get_context_impl(), self._get_generation_impl()):
                 impl.prepare_workspace(*args, **kwargs)
 
         def run_context(self, params):
-            self._context_impl.run_context(params)
+            self._get_context_impl().run_context(params)
 
         def run_generation(self, params):
-            self._generation_impl.run_generation(params)
+            self._get_generation_impl().run_generation(params)
 
     m.CombinedFmha = CombinedFmha
 
@@ -803,7 +843,10 @@ def _params_rows(params):
     qkv = getattr(params, "qkv_or_q", None)
     if qkv is None:
         qkv = params.qkv_input
-    return qkv, params.output, params.meta, params.attn
+    out = getattr(params, "output", None)
+    if out is None:
+        out = params.context_buf
+    return qkv, out, params.meta, params.attn
 
 
 def _layer_pool(attn, metadata):
@@ -1092,18 +1135,29 @@ def _build_manager(m):
         if a is b:
             return True
         if isinstance(a, combined.CombinedFmha) and isinstance(b, combined.CombinedFmha):
-            return a._context_impl is b._context_impl and a._generation_impl is b._generation_impl
+            return (_same_choice(a._get_context_impl(), b._get_context_impl())
+                    and _same_choice(a._get_generation_impl(), b._get_generation_impl()))
         return False
 
     def _describe(fmha):
         if isinstance(fmha, combined.CombinedFmha):
-            return f"CombinedFmha({_describe(fmha._context_impl)}, {_describe(fmha._generation_impl)})"
+            return f"CombinedFmha(context={_describe(fmha._get_context_impl())}, generation={_describe(fmha._get_generation_impl())})"
         return type(fmha).__name__ if fmha is not None else "None"
 
     m.FmhaManager = FmhaManager
 
 
 # -- the registry (doc 1.1, 1.2) -----------------------------------------------------------------
+
+
+def _expose_plain(cls) -> None:
+    """On a ``hooks="plain"`` tree a library overrides ``is_available``/``is_supported`` itself
+    (e.g. ``fmha/flashinfer_trtllm_gen.py`` of that era): the model's libraries keep their checks
+    in ``_is_*`` methods and publish them under the public names here."""
+    if "_is_supported" in cls.__dict__:
+        cls.is_supported = cls.__dict__["_is_supported"]
+    if "_is_available" in cls.__dict__:
+        cls.is_available = cls.__dict__["_is_available"]
 
 
 def _build_registry(m, config: ModelConfig):
@@ -1132,6 +1186,10 @@ def _build_registry(m, config: ModelConfig):
             "fallback": fallback.FallbackFmha,
         }
         m.DEFAULT_FMHA_LIBS = tuple(m.FMHA_LIBS)
+
+    if config.hooks == "plain":
+        for cls in m.FMHA_LIBS.values():
+            _expose_plain(cls)
 
     def _parse_fmha_libs_env():
         value = os.environ.get("TLLM_FMHA_LIBS")
