@@ -139,6 +139,7 @@ class BeamSharedPrefixAttention:
     # ------------------------------------------------------------------------------------------
     @property
     def backend_name(self) -> Optional[str]:
+        """The active plan's prefix backend: ``"flashinfer"``, ``"fa4"`` or ``"reference"``; ``None`` before plan()."""
         return None if self._active is None else self._active[2].name
 
     @property
@@ -148,10 +149,12 @@ class BeamSharedPrefixAttention:
 
     @property
     def num_plan_builds(self) -> int:
+        """Step plans built so far (planner cache misses, across pool re-creations); cached re-plans do not count."""
         return self._builds_before + (0 if self._planner is None else self._planner.num_builds)
 
     @property
     def active_plan(self) -> Optional[StepPlan]:
+        """The :class:`StepPlan` the next run() uses; ``None`` before plan()."""
         return None if self._active is None else self._active[0]
 
     def _planner_for(self, page_size: int, num_cache_pages: int) -> StepPlanner:

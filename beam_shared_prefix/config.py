@@ -33,6 +33,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Settings:
+    """Parsed environment settings (see the module table): prefix ``backend``, ``check`` mode, ``decline`` mode."""
+
     backend: str = "auto"
     check: bool = False
     decline: str = "auto"

@@ -90,6 +90,7 @@ class StepPlan:
 
     @property
     def total_prompt_pages(self) -> int:
+        """Prompt pages of the whole batch, ``kv_page_indptr[-1]``."""
         return int(self.kv_page_indptr[-1])
 
     def device_tensors(self, device) -> dict:

@@ -76,6 +76,7 @@ class StepInputs:
 
     @property
     def num_rows(self) -> int:
+        """``R * W`` beam rows of the step."""
         return self.q.shape[0]
 
     @property

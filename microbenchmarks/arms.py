@@ -63,6 +63,7 @@ class RunContext:
     _fi_workspace: Optional[torch.Tensor] = None
 
     def fi_workspace(self) -> torch.Tensor:
+        """The FlashInfer float workspace of the baseline wrappers, uint8 ``[fi_workspace_bytes]``, made once."""
         # Baseline wrappers run one after another on one stream, so they can share it.
         if self._fi_workspace is None:
             self._fi_workspace = torch.zeros(self.fi_workspace_bytes, dtype=torch.uint8, device=self.device)
@@ -105,6 +106,7 @@ class Arm:
     description: str = ""
 
     def prepare(self, wl: BenchWorkload, ctx: RunContext) -> Prepared:  # pragma: no cover - interface
+        """Host work for one input set (plans, buffers); returns the step as a :class:`Prepared`."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -152,6 +154,7 @@ class LibraryArm(Arm):
         self.description = "BeamSharedPrefixAttention: prefix once per request + fused tail/merge"
 
     def make_wrapper(self, wl: BenchWorkload, ctx: RunContext, use_cuda_graph: bool):
+        """A :class:`BeamSharedPrefixAttention` sized for ``wl`` (requests, beams, prompt pages), not yet planned."""
         cls = _import_attention()
         kwargs = dict(
             kv_layout=wl.kv_layout,

@@ -133,6 +133,7 @@ def _print_table(report) -> None:
 
 
 def main(argv=None) -> int:
+    """CLI entry point (``argv`` as for argparse); returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--beams", type=int, default=96)

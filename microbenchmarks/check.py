@@ -28,6 +28,10 @@ LSE_TOL = 2e-2
 
 @dataclass
 class CheckResult:
+    """One arm's output checked against the float32 oracle: errors are absolute, in output units;
+    ``rel_err = max_abs_err / ref_max_abs`` is compared with ``tol``; ``nonfinite`` counts NaN/inf outputs
+    (a poisoned element left unwritten)."""
+
     ok: bool
     rel_err: float
     max_abs_err: float
@@ -39,6 +43,7 @@ class CheckResult:
     message: str = ""
 
     def to_dict(self) -> Dict:
+        """JSON-ready dict of the fields (used in the results document)."""
         return asdict(self)
 
 
@@ -68,6 +73,7 @@ class Oracle:
 
     @property
     def rows(self) -> torch.Tensor:
+        """Beam rows (int64, ``[n]``) of the checked requests in the full batch."""
         return self.sub["rows"]
 
     def full(self) -> torch.Tensor:

@@ -42,6 +42,7 @@ _FREE = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``beam-shared-prefix-bench`` argument parser."""
     p = argparse.ArgumentParser(
         prog="beam-shared-prefix-bench",
         description="Benchmark one beam-search decode step of one attention layer: this library (per prefix "
@@ -113,6 +114,7 @@ def _version(dist: str) -> Optional[str]:
 
 
 def environment(device_name: str, gpu: bool, cpu_fallback: bool) -> Dict:
+    """Versions (python, torch, CUDA, triton, flashinfer...) and git commit recorded in the results JSON."""
     import torch
 
     try:

@@ -70,6 +70,7 @@ class Traffic:
         return self.total + self.prefix_state_round_trip
 
     def to_dict(self) -> Dict[str, int]:
+        """JSON-ready dict of the fields (used in the results document)."""
         d = asdict(self)
         d["total"] = self.total
         d["assembled"] = self.assembled

@@ -48,6 +48,7 @@ SCHEMA = "beam-shared-prefix-bench/1"
 
 def make_document(results: List[Dict], environment: Dict, rates: Dict, options: Dict, argv: Sequence[str],
                   note: Optional[str] = None) -> Dict:
+    """The results document (schema ``SCHEMA``) that ``--json`` writes and :func:`load_json` reads."""
     return {
         "schema": SCHEMA,
         "argv": list(argv),
@@ -85,6 +86,7 @@ def write_json(doc: Dict, path: str) -> None:
 
 
 def load_json(path: str) -> Dict:
+    """Read a results document written by :func:`write_json`; refuses another schema."""
     with open(path) as f:
         doc = json.load(f)
     if doc.get("schema") != SCHEMA:

@@ -52,6 +52,7 @@ class Rates:
     matmul_rate: Optional[float] = None  # FLOP/s in the benchmark dtype
 
     def to_dict(self) -> Dict:
+        """JSON-ready dict of the fields (used in the results document)."""
         return {
             "copy_bandwidth_GBps": None if self.copy_bandwidth is None else self.copy_bandwidth / 1e9,
             "matmul_TFLOPs": None if self.matmul_rate is None else self.matmul_rate / 1e12,
@@ -229,6 +230,8 @@ def run_point(
 
 
 def floor_times_simple(nbytes: int, flops: int, rates: Rates) -> Optional[float]:
+    """Floor in microseconds of ``nbytes`` moved and ``flops`` done: the max of the memory and compute
+    times at the measured rates; ``None`` if no rate is known."""
     parts = []
     if rates.copy_bandwidth:
         parts.append(nbytes / rates.copy_bandwidth * 1e6)

@@ -105,6 +105,7 @@ class BenchShape:
 
     @property
     def group(self) -> int:
+        """GQA group ``Hq // Hkv``."""
         return self.heads // self.kv_heads
 
     @property
@@ -114,6 +115,7 @@ class BenchShape:
 
     @property
     def kv_len(self) -> int:
+        """KV length ``P + T`` in tokens (this step's token included), before prompt jitter."""
         return self.prompt + self.tail
 
     def label(self) -> str:
@@ -126,6 +128,7 @@ class BenchShape:
         )
 
     def to_dict(self) -> Dict:
+        """JSON-ready dict of the fields (used in the results document)."""
         return asdict(self)
 
 

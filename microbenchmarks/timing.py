@@ -28,21 +28,26 @@ class TimingResult:
 
     @property
     def all_us(self) -> List[float]:
+        """Every per-call time, all sets together (us)."""
         return [t for s in self.per_set_us for t in s]
 
     @property
     def median_us(self) -> float:
+        """Median per-call time over all sets (us)."""
         return float(np.median(self.all_us))
 
     @property
     def set_medians_us(self) -> List[float]:
+        """Median per-call time of each input set (us)."""
         return [float(np.median(s)) for s in self.per_set_us]
 
     @property
     def min_us(self) -> float:
+        """Fastest call (us)."""
         return float(np.min(self.all_us))
 
     def to_dict(self) -> dict:
+        """JSON-ready dict of the fields (used in the results document)."""
         return {
             "median_us": self.median_us,
             "min_us": self.min_us,

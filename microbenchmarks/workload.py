@@ -37,6 +37,9 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 import torch
 
+from beam_shared_prefix.plan import cdiv as _cdiv
+from beam_shared_prefix.testing import PAGE_TABLE_PAD
+
 from .shapes import BenchShape
 
 __all__ = [
@@ -53,20 +56,14 @@ __all__ = [
     "torch_dtype",
 ]
 
-# Unused page-table entries: far outside any pool (same value as the simulator's).
-PAGE_TABLE_PAD = 1 << 30
-
 
 class LayoutError(AssertionError):
     """A page layout that breaks the TensorRT-LLM beam-search layout rules (names the row and page)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a shape's dtype name (``"bfloat16"`` or ``"float16"``)."""
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _cdiv(a, b):
-    return -(-a // b)
 
 
 @dataclass
@@ -117,18 +114,22 @@ class BenchWorkload:
 
     @property
     def num_requests(self) -> int:
+        """``R``."""
         return self.shape.requests
 
     @property
     def beam_width(self) -> int:
+        """``W``."""
         return self.shape.beams
 
     @property
     def num_rows(self) -> int:
+        """``R * W`` beam rows."""
         return self.shape.rows
 
     @property
     def dtype(self) -> torch.dtype:
+        """Q/KV dtype (bf16 or fp16)."""
         return self.q.dtype
 
     @property
@@ -142,6 +143,7 @@ class BenchWorkload:
         return _cdiv(self.kv_lens_host, self.shape.page_size)
 
     def kv_bytes(self) -> int:
+        """Bytes of the whole KV pool."""
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
 

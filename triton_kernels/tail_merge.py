@@ -63,6 +63,7 @@ class TailLaunchConfig:
 
     @property
     def query_slots(self) -> int:
+        """``QH = group_pad * kv_heads_per_prog``: query-head slots of one program's ``[QH, D]`` tile."""
         return self.group_pad * self.kv_heads_per_prog
 
 

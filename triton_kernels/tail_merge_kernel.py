@@ -185,6 +185,8 @@ def beam_tail_merge_kernel(
     TOKENS_OUTER: tl.constexpr,
     INDEX_BLOCK: tl.constexpr = 0,
 ):
+    """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments and strides (in elements) as the launcher
+    :func:`triton_kernels.beam_tail_attention_merge` passes them; the module docstring gives the steps."""
     QH: tl.constexpr = KV_HEADS_PER_PROG * GROUP_PAD
     row = tl.program_id(0)
     row64 = row.to(tl.int64)

@@ -113,6 +113,7 @@ class PrefixProblem:
 
     @property
     def group_size(self) -> int:
+        """GQA group ``G = Hq // Hkv``."""
         return self.num_qo_heads // self.num_kv_heads
 
 

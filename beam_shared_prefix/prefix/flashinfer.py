@@ -206,6 +206,7 @@ class FlashInferPrefixBackend(PrefixBackend):
 
     @property
     def workspace_bytes(self) -> int:
+        """Bytes of the float workspace this backend holds (uint8 elements); 0 before the first plan."""
         return 0 if self._workspace is None else self._workspace.numel()
 
     @classmethod
