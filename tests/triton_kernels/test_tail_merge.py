@@ -312,7 +312,8 @@ def test_triton_launcher_names_its_limits(monkeypatch):
             step.cache_indirection, step.beam_width, po, pl, torch.empty_like(step.q))
     with pytest.raises(TailMergeInputError, match="head_dim=48 is not supported by the Triton tail kernel"):
         beam_tail_attention_merge(*args)
-    beam_tail_attention_merge_torch(*args)  # the fallback serves it
+    out = run_step("torch", sim, step)  # the fallback serves it
+    assert_matches(out, oracle(sim, step), "torch fallback at head_dim 48")
     good = _args("cpu")
     with pytest.raises(TailMergeInputError, match=r"launch_config.group_pad=2 is smaller than the GQA group size 3"):
         beam_tail_attention_merge(**good, launch_config=TailLaunchConfig(2, 1, 2, 4))
