@@ -151,7 +151,9 @@ class BeamSearchCacheSimulator:
         if num_pages is None:
             num_pages = self.max_requests * (self.max_pages_per_seq * self.beam_width + 1) + 4
             # Cap the default for huge benchmark shapes: what the initial batch can reach.
-            need = sum(cdiv(p, page_size) + self.beam_width * (cdiv(max_seq_len - p, page_size) + 1) for p in prompt_lens)
+            need = sum(
+                cdiv(p, page_size) + self.beam_width * (cdiv(max_seq_len - p, page_size) + 1) for p in prompt_lens
+            )
             num_pages = min(num_pages, need + 8 * self.max_pages_per_seq * self.beam_width + 4)
         self.num_pages = int(num_pages)
         shape = (

@@ -150,13 +150,16 @@ def check_tail_merge_args(
     for name, x in names:
         _need_tensor(name, x)
     if kv_layout not in KV_LAYOUTS:
-        _fail(f"kv_layout={kv_layout!r} is not supported; use 'HND' ([pages, 2, Hkv, Pg, D]) or 'NHD' ([pages, 2, Pg, Hkv, D]).")
+        _fail(f"kv_layout={kv_layout!r} is not supported; use 'HND' ([pages, 2, Hkv, Pg, D]) or "
+              f"'NHD' ([pages, 2, Pg, Hkv, D]).")
     if prefix_lse_layout not in LSE_LAYOUTS:
-        _fail(f"prefix_lse_layout={prefix_lse_layout!r} is not supported; use 'NH' ([rows, heads], FlashInfer) or 'HN' ([heads, rows], FA4).")
+        _fail(f"prefix_lse_layout={prefix_lse_layout!r} is not supported; use 'NH' ([rows, heads], FlashInfer) or "
+              f"'HN' ([heads, rows], FA4).")
     if prefix_lse_base not in LSE_BASES:
         _fail(f"prefix_lse_base={prefix_lse_base!r} is not supported; use 'log2' (FlashInfer) or 'ln' (FA4).")
     if isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1:
-        _fail(f"page_index_divisor={page_index_divisor!r} must be an int >= 1 (1 for page numbers, layers*kv_factor for block offsets).")
+        _fail(f"page_index_divisor={page_index_divisor!r} must be an int >= 1 (1 for page numbers, "
+              f"layers*kv_factor for block offsets).")
     if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
         _fail(f"beam_width={beam_width!r} must be an int >= 1.")
 
