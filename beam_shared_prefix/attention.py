@@ -23,6 +23,7 @@ valid while the number of requests, the beam width and the attention shape stay 
 
 from __future__ import annotations
 
+import os
 from typing import Dict, Hashable, Optional, Tuple
 
 import torch
@@ -41,7 +42,7 @@ from .prefix.select import BACKEND_CLASSES, resolve_prefix_backend
 
 __all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
 
-TAIL_IMPLS = ("triton", "torch")
+TAIL_IMPLS = ("auto", "triton", "torch")
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -68,7 +69,9 @@ class BeamSharedPrefixAttention:
             with a wider beam is refused (required with ``use_cuda_graph``).
         max_prompt_pages: most prompt pages of one request (required with ``use_cuda_graph``).
         check: check mode (:mod:`beam_shared_prefix.check`); ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_CHECK``.
-        tail_impl: ``"triton"`` (the fused kernel) or ``"torch"`` (the unfused reference; one host sync).
+        tail_impl: ``"auto"`` (default: the fused Triton kernel on CUDA, or on the CPU under
+            ``TRITON_INTERPRET=1``; the unfused torch path on a plain CPU), ``"triton"`` (the fused
+            kernel) or ``"torch"`` (the unfused reference; one host sync, not graph-capturable).
         prefix_kernel: FlashInfer kernel family, ``"auto"`` | ``"fa2"`` | ``"fa3"`` (benchmarks force one).
 
     Attributes:
@@ -87,7 +90,7 @@ class BeamSharedPrefixAttention:
         max_beam_width: Optional[int] = None,
         max_prompt_pages: Optional[int] = None,
         check: Optional[bool] = None,
-        tail_impl: str = "triton",
+        tail_impl: str = "auto",
         prefix_kernel: str = "auto",
     ):
         settings = load_settings() if backend is None or check is None else None
@@ -97,7 +100,7 @@ class BeamSharedPrefixAttention:
         if kv_layout not in ("HND", "NHD"):
             raise ValueError(f"kv_layout={kv_layout!r} is not supported; use 'HND' or 'NHD'.")
         if tail_impl not in TAIL_IMPLS:
-            raise ValueError(f"tail_impl={tail_impl!r} is not accepted; use 'triton' (fused) or 'torch' (unfused).")
+            raise ValueError(f"tail_impl={tail_impl!r} is not accepted; use 'auto', 'triton' (fused) or 'torch' (unfused).")
         if prefix_kernel not in PREFIX_KERNELS:
             raise ValueError(f"prefix_kernel={prefix_kernel!r} is not accepted; use one of {PREFIX_KERNELS}.")
         for name, value in (("max_requests", max_requests), ("max_beam_width", max_beam_width),
@@ -119,6 +122,10 @@ class BeamSharedPrefixAttention:
         self.max_beam_width = None if max_beam_width is None else int(max_beam_width)
         self.max_prompt_pages = None if max_prompt_pages is None else int(max_prompt_pages)
         self.check = bool(settings.check if check is None else check)
+        if tail_impl == "auto":
+            # A Triton kernel needs CUDA tensors unless the interpreter is on (CPU tests).
+            interpret = os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
+            tail_impl = "triton" if (self.device.type == "cuda" or interpret) else "torch"
         self.tail_impl = tail_impl
         self.prefix_kernel = prefix_kernel
         self.check_tolerance = None  # a CheckTolerance overrides the per-dtype defaults of check mode

@@ -446,3 +446,12 @@ def test_cuda_graph_replay_matches_oracle(backend):
         sim.end_step(write_kv=False)
     assert att.num_backend_plans == plans, "the composition did not change, yet the backend was re-planned"
     assert rows == out.shape[0]
+
+
+@pytest.mark.parametrize("interpret, expected", [("0", "torch"), ("1", "triton")])
+def test_auto_tail_impl_on_cpu_follows_the_interpreter(monkeypatch, interpret, expected):
+    """On a plain CPU the fused kernel cannot launch, so "auto" takes the torch tail; under
+    TRITON_INTERPRET=1 (the CPU test mode) it takes the Triton kernel."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    assert BeamSharedPrefixAttention("cpu", backend="reference").tail_impl == expected
+    assert BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch").tail_impl == "torch"
