@@ -100,7 +100,9 @@ class BeamSharedPrefixAttention:
         if kv_layout not in ("HND", "NHD"):
             raise ValueError(f"kv_layout={kv_layout!r} is not supported; use 'HND' or 'NHD'.")
         if tail_impl not in TAIL_IMPLS:
-            raise ValueError(f"tail_impl={tail_impl!r} is not accepted; use 'auto', 'triton' (fused) or 'torch' (unfused).")
+            raise ValueError(
+                f"tail_impl={tail_impl!r} is not accepted; use 'auto', 'triton' (fused) or 'torch' (unfused)."
+            )
         if prefix_kernel not in PREFIX_KERNELS:
             raise ValueError(f"prefix_kernel={prefix_kernel!r} is not accepted; use one of {PREFIX_KERNELS}.")
         for name, value in (("max_requests", max_requests), ("max_beam_width", max_beam_width),

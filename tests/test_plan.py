@@ -236,6 +236,26 @@ def test_digest_key_distinguishes_inputs():
     assert planner.num_builds == 1 + len(variants)
 
 
+def test_unkeyed_repeat_hits_and_in_place_mutation_replans():
+    # The steady state of a serving loop: the same arrays every step. The planner keeps copies of
+    # the last unkeyed inputs, so a caller that rewrites its arrays in place gets a fresh plan.
+    planner = StepPlanner(page_size=16, num_cache_pages=16, max_beam_width=4)
+    indptr, indices, lens, w = _inputs()
+    first = planner.plan(indptr, indices, lens, w)
+    for _ in range(3):
+        assert planner.plan(indptr, indices, lens, w) is first
+    assert planner.num_builds == 1
+    indices[0] = 11  # in place: same object, new contents
+    second = planner.plan(indptr, indices, lens, w)
+    assert second is not first and second.kv_page_indices[0] == 11
+    assert planner.num_builds == 2
+    indices[0] = 3  # back to the first contents: its plan is still cached under its digest
+    assert planner.plan(indptr, indices, lens, w) is first
+    assert planner.plan(indptr, indices, lens, w - 1) is not first  # beam width is part of the inputs
+    planner.clear()
+    assert planner.plan(indptr, indices, lens, w) is not first
+
+
 def test_digest_keeps_values_beyond_int32_apart():
     # Values are hashed as int32 when they fit: a value that does not must not alias its wrapped twin.
     indptr, indices, lens, w = _inputs(pages=((3, 4, 5), (9,)))
