@@ -239,7 +239,9 @@ class V2PageAdapter(PageAdapter):
         )
 
     def prompt_pages(self, metadata, layer, layer_idx, request_ids, pages_per_request):
-        lists = self.manager.get_batch_cache_indices(list(request_ids), layer_idx=layer_idx)
+        # Positional: the keyword is `layer_idx` in kv_cache/kv_cache_manager_v2.py [00043967] but
+        # `layer_id` in the older V2 of resource_manager.py [001541ba]; both take the global index.
+        lists = self.manager.get_batch_cache_indices(list(request_ids), layer_idx)
         if len(lists) != len(request_ids):
             raise RuntimeError(
                 f"beam_shared_prefix: get_batch_cache_indices returned {len(lists)} page lists for "

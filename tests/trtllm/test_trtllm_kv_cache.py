@@ -115,3 +115,27 @@ def test_manager_replacement_never_uses_old_views(model):
     del first, old_adapter
     gc.collect()
     assert old_id not in kv_cache._adapters
+
+
+def test_v2_page_lists_from_the_older_layer_id_signature(model):
+    """The older V2 (``resource_manager.py`` at NVIDIA/TensorRT-LLM 001541ba) spells the argument
+    ``get_batch_cache_indices(request_ids, layer_id=0)``; the current one (``kv_cache/kv_cache_manager_v2.py``
+    at 00043967) ``layer_idx=None``. Both take the global layer index second, so the adapter passes it
+    positionally and reads the served layer's pages on either tree."""
+    setup = build(model, prompts=(37, 70), kind="v2")
+    manager = setup.manager
+    current = type(manager).get_batch_cache_indices
+    calls = []
+
+    def older_signature(self, request_ids, layer_id=0):
+        calls.append(layer_id)
+        return current(self, request_ids, layer_id)
+
+    type(manager).get_batch_cache_indices = older_signature
+    try:
+        step = setup.sim.begin_step()
+        out, _ = setup.run(step)
+    finally:
+        type(manager).get_batch_cache_indices = current
+    assert calls and set(calls) == {manager.served_layer_idx}
+    torch.testing.assert_close(out.view(-1, 4, 64).float(), setup.oracle(step), atol=2e-2, rtol=2e-2)
