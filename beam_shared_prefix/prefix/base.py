@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..plan import StepPlan
+from ..reference import LOG2E  # one definition of the constant in the core package
 
 __all__ = [
     "LOG2E",
@@ -43,7 +44,6 @@ __all__ = [
 
 logger = logging.getLogger("beam_shared_prefix")
 
-LOG2E = 1.4426950408889634
 LSE_LAYOUTS = ("NH", "HN")
 LSE_BASES = ("log2", "ln")
 KV_LAYOUTS = ("HND", "NHD")
