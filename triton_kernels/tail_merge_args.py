@@ -20,7 +20,9 @@ import torch
 __all__ = [
     "LOG2E",
     "TailMergeInputError",
+    "StepGeometry",
     "TailMergeGeometry",
+    "check_step_args",
     "check_tail_merge_args",
     "check_tail_index_values",
 ]
@@ -39,8 +41,8 @@ class TailMergeInputError(ValueError):
 
 
 @dataclass(frozen=True)
-class TailMergeGeometry:
-    """Sizes and element strides the kernel needs, derived from validated arguments.
+class StepGeometry:
+    """Sizes and element strides of one decode step's launch, derived from validated arguments.
 
     Attributes:
         num_rows: beam rows ``R*W``.
@@ -52,8 +54,6 @@ class TailMergeGeometry:
         max_seq_len: positions ``cache_indirection`` covers per sequence (``kv_len`` upper bound).
         sm_scale: softmax scale applied to ``q . k``.
         kv_strides: element strides ``(page, k_or_v, head, slot)`` of the pool, whatever the layout.
-        lse_strides: element strides ``(row, head)`` of ``prefix_lse``, whatever the layout.
-        lse_scale: multiplier turning ``prefix_lse`` into base 2 (1 for log2, log2(e) for ln).
     """
 
     num_rows: int
@@ -67,8 +67,24 @@ class TailMergeGeometry:
     max_seq_len: int
     sm_scale: float
     kv_strides: Tuple[int, int, int, int]
-    lse_strides: Tuple[int, int]
-    lse_scale: float
+
+    @property
+    def num_requests(self) -> int:
+        """``R = rows / W``."""
+        return self.num_rows // self.beam_width
+
+
+@dataclass(frozen=True)
+class TailMergeGeometry(StepGeometry):
+    """:class:`StepGeometry` plus how the prefix state's LSE is read.
+
+    Attributes:
+        lse_strides: element strides ``(row, head)`` of ``prefix_lse``, whatever the layout.
+        lse_scale: multiplier turning ``prefix_lse`` into base 2 (1 for log2, log2(e) for ln).
+    """
+
+    lse_strides: Tuple[int, int] = (0, 0)
+    lse_scale: float = 1.0
 
 
 def _fail(msg: str) -> None:
@@ -116,7 +132,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return sa[0] < sb[1] and sb[0] < sa[1]
 
 
-def check_tail_merge_args(
+def check_step_args(
     q,
     new_k,
     new_v,
@@ -126,37 +142,32 @@ def check_tail_merge_args(
     prompt_lens,
     cache_indirection,
     beam_width,
-    prefix_out,
-    prefix_lse,
     out,
     *,
     sm_scale=None,
     kv_layout="HND",
     page_index_divisor=1,
-    prefix_lse_layout="NH",
-    prefix_lse_base="log2",
-) -> TailMergeGeometry:
-    """Validate the arguments of ``beam_tail_attention_merge`` without a device sync.
+    extra_tensors=(),
+) -> StepGeometry:
+    """Validate the per-beam arguments of one decode step's launch, without a device sync.
 
-    Returns the :class:`TailMergeGeometry` the kernel is launched with; raises
-    :class:`TailMergeInputError` naming the offending value, its limit and the fix.
+    Shared by the tail kernel's launcher (which adds the prefix state) and the one-launch cascade
+    kernel's (which adds the prompt page table). ``extra_tensors`` are ``(name, tensor)`` pairs that
+    must be on q's device and must not overlap ``out``.
+
+    Returns the :class:`StepGeometry`; raises :class:`TailMergeInputError` naming the offending
+    value, its limit and the fix.
     """
     names = (
         ("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache),
         ("beam_page_table", beam_page_table), ("kv_lens", kv_lens), ("prompt_lens", prompt_lens),
-        ("cache_indirection", cache_indirection), ("prefix_out", prefix_out), ("prefix_lse", prefix_lse),
-        ("out", out),
-    )
+        ("cache_indirection", cache_indirection), ("out", out),
+    ) + tuple(extra_tensors)
     for name, x in names:
         _need_tensor(name, x)
     if kv_layout not in KV_LAYOUTS:
         _fail(f"kv_layout={kv_layout!r} is not supported; use 'HND' ([pages, 2, Hkv, Pg, D]) or "
               f"'NHD' ([pages, 2, Pg, Hkv, D]).")
-    if prefix_lse_layout not in LSE_LAYOUTS:
-        _fail(f"prefix_lse_layout={prefix_lse_layout!r} is not supported; use 'NH' ([rows, heads], FlashInfer) or "
-              f"'HN' ([heads, rows], FA4).")
-    if prefix_lse_base not in LSE_BASES:
-        _fail(f"prefix_lse_base={prefix_lse_base!r} is not supported; use 'log2' (FlashInfer) or 'ln' (FA4).")
     if isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1:
         _fail(f"page_index_divisor={page_index_divisor!r} must be an int >= 1 (1 for page numbers, "
               f"layers*kv_factor for block offsets).")
@@ -247,7 +258,75 @@ def check_tail_merge_args(
             f"{need} columns, or a cache_indirection view limited to {max_pages * page_size} positions."
         )
 
-    # Prefix state and output.
+    _need_dim("out", out, 3, "[rows, Hq, D]")
+    if out.dtype != q.dtype:
+        _fail(f"out has dtype {out.dtype} but q has {q.dtype}; the output is written in q's dtype.")
+    if tuple(out.shape) != (num_rows, num_qo_heads, head_dim):
+        _fail(f"out must be [rows={num_rows}, Hq={num_qo_heads}, D={head_dim}], got {tuple(out.shape)}.")
+    _need_last_dim_contiguous("out", out)
+    for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)) + tuple(extra_tensors):
+        if _overlap(out, x):
+            _fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
+
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    sm_scale = float(sm_scale)
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        _fail(f"sm_scale={sm_scale} must be a finite positive float (default 1/sqrt(D)).")
+
+    return StepGeometry(
+        num_rows=num_rows,
+        beam_width=beam_width,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        group_size=num_qo_heads // num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        num_pages=num_pages,
+        max_seq_len=max_seq_len,
+        sm_scale=sm_scale,
+        kv_strides=kv_strides,
+    )
+
+
+def check_tail_merge_args(
+    q,
+    new_k,
+    new_v,
+    kv_cache,
+    beam_page_table,
+    kv_lens,
+    prompt_lens,
+    cache_indirection,
+    beam_width,
+    prefix_out,
+    prefix_lse,
+    out,
+    *,
+    sm_scale=None,
+    kv_layout="HND",
+    page_index_divisor=1,
+    prefix_lse_layout="NH",
+    prefix_lse_base="log2",
+) -> TailMergeGeometry:
+    """Validate the arguments of ``beam_tail_attention_merge`` without a device sync.
+
+    Returns the :class:`TailMergeGeometry` the kernel is launched with; raises
+    :class:`TailMergeInputError` naming the offending value, its limit and the fix.
+    """
+    _need_tensor("prefix_out", prefix_out)
+    _need_tensor("prefix_lse", prefix_lse)
+    if prefix_lse_layout not in LSE_LAYOUTS:
+        _fail(f"prefix_lse_layout={prefix_lse_layout!r} is not supported; use 'NH' ([rows, heads], FlashInfer) or "
+              f"'HN' ([heads, rows], FA4).")
+    if prefix_lse_base not in LSE_BASES:
+        _fail(f"prefix_lse_base={prefix_lse_base!r} is not supported; use 'log2' (FlashInfer) or 'ln' (FA4).")
+    geom = check_step_args(
+        q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width, out,
+        sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
+        extra_tensors=(("prefix_out", prefix_out), ("prefix_lse", prefix_lse)),
+    )
+    num_rows, num_qo_heads, head_dim = geom.num_rows, geom.num_qo_heads, geom.head_dim
     _need_dim("prefix_out", prefix_out, 3, "[rows, Hq, D]")
     _need_dtype("prefix_out", prefix_out, PREFIX_OUT_DTYPES)
     if tuple(prefix_out.shape) != (num_rows, num_qo_heads, head_dim):
@@ -265,42 +344,12 @@ def check_tail_merge_args(
         lse_strides = (prefix_lse.stride(0), prefix_lse.stride(1))
     else:
         lse_strides = (prefix_lse.stride(1), prefix_lse.stride(0))
-    _need_dim("out", out, 3, "[rows, Hq, D]")
-    if out.dtype != q.dtype:
-        _fail(f"out has dtype {out.dtype} but q has {q.dtype}; the output is written in q's dtype.")
-    if tuple(out.shape) != (num_rows, num_qo_heads, head_dim):
-        _fail(f"out must be [rows={num_rows}, Hq={num_qo_heads}, D={head_dim}], got {tuple(out.shape)}.")
-    _need_last_dim_contiguous("out", out)
-    for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache),
-                    ("prefix_out", prefix_out), ("prefix_lse", prefix_lse)):
-        if _overlap(out, x):
-            _fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
-
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(head_dim)
-    sm_scale = float(sm_scale)
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        _fail(f"sm_scale={sm_scale} must be a finite positive float (default 1/sqrt(D)).")
-
-    return TailMergeGeometry(
-        num_rows=num_rows,
-        beam_width=beam_width,
-        num_qo_heads=num_qo_heads,
-        num_kv_heads=num_kv_heads,
-        group_size=num_qo_heads // num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        num_pages=num_pages,
-        max_seq_len=max_seq_len,
-        sm_scale=sm_scale,
-        kv_strides=kv_strides,
-        lse_strides=lse_strides,
-        lse_scale=1.0 if prefix_lse_base == "log2" else LOG2E,
-    )
+    return TailMergeGeometry(**{f: getattr(geom, f) for f in StepGeometry.__dataclass_fields__},
+                             lse_strides=lse_strides, lse_scale=1.0 if prefix_lse_base == "log2" else LOG2E)
 
 
 def check_tail_index_values(
-    geom: TailMergeGeometry,
+    geom: StepGeometry,
     beam_page_table: torch.Tensor,
     kv_lens: torch.Tensor,
     prompt_lens: torch.Tensor,
