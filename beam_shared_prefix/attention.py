@@ -8,6 +8,10 @@ One step of one attention layer, for ``R`` requests of ``W`` beams (beam row ``i
    positions gathered through ``cache_indirection``, this step's K/V written at ``kv_len - 1`` and
    used from registers, and the result merged with the prefix state by log-sum-exp into ``out``.
 
+The ``triton`` backend fuses both into one launch (:func:`triton_kernels.beam_cascade_attention`):
+the prompt is attended on tensor cores per block of beams, and the prefix state never leaves
+registers. It is what ``backend="auto"`` picks where it measured faster (short and medium prompts).
+
 Modelled on FlashInfer's wrappers: :meth:`BeamSharedPrefixAttention.plan` is host work done once
 per batch composition (the prompt pages of a request do not change while it decodes), cached by
 composition, and :meth:`BeamSharedPrefixAttention.run` is device work only, every layer and step:
@@ -61,7 +65,7 @@ class BeamSharedPrefixAttention:
         device: the CUDA device (or ``"cpu"``: the reference prefix and the Triton interpreter/torch tail).
         kv_layout: ``"HND"`` (``[pages, 2, Hkv, Pg, D]``, TensorRT-LLM's ``get_buffers(layer, "HND")``) or
             ``"NHD"`` (``[pages, 2, Pg, Hkv, D]``); dim 1 is K, V; the pool may be a strided view.
-        backend: prefix backend, ``"auto"`` | ``"flashinfer"`` | ``"fa4"`` | ``"reference"``; ``None`` reads
+        backend: prefix backend, ``"auto"`` | ``"triton"`` | ``"flashinfer"`` | ``"fa4"`` | ``"reference"``; ``None`` reads
             ``TLLM_BEAM_SHARED_PREFIX_BACKEND`` (default ``auto``; rule in :mod:`beam_shared_prefix.prefix.select`).
         use_cuda_graph: keep every buffer ``run()`` touches at a fixed address (see the module docs).
         max_requests: most requests a plan may hold (required with ``use_cuda_graph``).
@@ -148,7 +152,7 @@ class BeamSharedPrefixAttention:
     # ------------------------------------------------------------------------------------------
     @property
     def backend_name(self) -> Optional[str]:
-        """The active plan's prefix backend: ``"flashinfer"``, ``"fa4"`` or ``"reference"``; ``None`` before plan()."""
+        """The active plan's prefix backend: ``"triton"``, ``"flashinfer"``, ``"fa4"`` or ``"reference"``; ``None`` before plan()."""
         return None if self._active is None else self._active[2].name
 
     @property
@@ -318,25 +322,32 @@ class BeamSharedPrefixAttention:
             tol = self.check_tolerance or chk.default_tolerance(dtype)
             chk.check_indices(step_plan, kv_cache, pg, beam_page_table, kv_lens, cache_indirection, page_index_divisor)
 
-        prefix_out, lse = backend.run(q, kv_cache, self._views["prefix_out"], self._views["prefix_lse"])
-        if check:
-            chk.check_prefix_stage(step_plan, q, kv_cache, self.kv_layout, prefix_out, lse, sm_scale, tol)
-
         write_kv = new_k is not None
         if not write_kv:
             new_k, new_v = self._current_kv(kv_cache, beam_page_table, kv_lens, rows, pg, page_index_divisor)
+        # A backend that fuses the tail (the Triton cascade kernel) runs the whole step in one launch;
+        # its prefix stage alone still runs in check mode, so the stage checks name the failing stage.
+        fused = getattr(backend, "fuses_tail", False) and self.tail_impl == "triton"
+        if check or not fused:
+            prefix_out, lse = backend.run(q, kv_cache, self._views["prefix_out"], self._views["prefix_lse"])
         if check:
+            chk.check_prefix_stage(step_plan, q, kv_cache, self.kv_layout, prefix_out, lse, sm_scale, tol)
             expected = chk.expected_output(
                 q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
                 step_plan.beam_width, new_k, new_v, sm_scale, self.kv_layout, page_index_divisor,
             )
-        tail = self._tail_function()
-        tail(
-            q, new_k, new_v, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
-            step_plan.beam_width, prefix_out, lse.tensor, out,
-            sm_scale=sm_scale, kv_layout=self.kv_layout, page_index_divisor=page_index_divisor,
-            prefix_lse_layout=lse.layout, prefix_lse_base=lse.base, write_kv=write_kv, validate_indices=check,
-        )
+        if fused:
+            backend.run_step(
+                q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection, new_k, new_v,
+                out, page_index_divisor=page_index_divisor, write_kv=write_kv, validate_indices=check,
+            )
+        else:
+            self._tail_function()(
+                q, new_k, new_v, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
+                step_plan.beam_width, prefix_out, lse.tensor, out,
+                sm_scale=sm_scale, kv_layout=self.kv_layout, page_index_divisor=page_index_divisor,
+                prefix_lse_layout=lse.layout, prefix_lse_base=lse.base, write_kv=write_kv, validate_indices=check,
+            )
         if check:
             chk.check_output_stage(out, expected, tol)
             if write_kv:

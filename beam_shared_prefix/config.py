@@ -2,7 +2,7 @@
 
 | variable | values | default | meaning |
 | --- | --- | --- | --- |
-| ``TLLM_BEAM_SHARED_PREFIX_BACKEND`` | ``auto``, ``flashinfer``, ``fa4``, ``reference`` | ``auto`` | prefix backend |
+| ``TLLM_BEAM_SHARED_PREFIX_BACKEND`` | ``auto``, ``triton``, ``flashinfer``, ``fa4``, ``reference`` | ``auto`` | prefix backend |
 | ``TLLM_BEAM_SHARED_PREFIX_CHECK`` | ``0``, ``1`` | ``0`` | check mode: sync, validate and recompute every stage |
 | ``TLLM_BEAM_SHARED_PREFIX_DECLINE`` | ``auto``, ``never`` | ``auto`` | ``auto`` declines shapes where the measured rule says the library is slower than the default kernel; ``never`` serves every supported shape |
 
@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 
 __all__ = ["ConfigError", "Settings", "load_settings", "BACKENDS", "DECLINE_MODES"]
 
-BACKENDS = ("auto", "flashinfer", "fa4", "reference")
+BACKENDS = ("auto", "triton", "flashinfer", "fa4", "reference")
 DECLINE_MODES = ("auto", "never")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")

@@ -136,7 +136,7 @@ class LibraryArm(Arm):
     """This library through its public wrapper: ``plan`` once, ``run`` per step.
 
     Args:
-        backend: ``"flashinfer"``, ``"fa4"``, ``"reference"`` or ``"auto"``.
+        backend: ``"flashinfer"``, ``"fa4"``, ``"triton"``, ``"reference"`` or ``"auto"``.
         prefix_kernel: FlashInfer prefix kernel family (``"fa2"``, ``"fa3"``, ``"auto"``) or ``None``
             (the wrapper's default).
         tail_impl: ``"triton"`` or ``"torch"``.
@@ -528,15 +528,18 @@ class FlashInferCascadeArm(Arm):
 # Arm sets
 # ----------------------------------------------------------------------------------------------
 def default_gpu_arms(prefix_kernels=("auto",), include_stages: bool = True, include_baselines: bool = True) -> List[Arm]:
-    """Library arms (FlashInfer per prefix kernel, FA4), stages, and the FlashInfer baselines."""
-    arms: List[Arm] = []
+    """Library arms (``auto``, what users get; then FlashInfer per prefix kernel, FA4 and the one-launch
+    Triton cascade), stages, and the FlashInfer baselines."""
+    arms: List[Arm] = [LibraryArm("auto")]
     for k in prefix_kernels:
         arms.append(LibraryArm("flashinfer", prefix_kernel=None if k in (None, "default") else k))
     arms.append(LibraryArm("fa4"))
+    arms.append(LibraryArm("triton"))
     if include_stages:
         for k in prefix_kernels:
             arms.append(PrefixStageArm("flashinfer", prefix_kernel=None if k in (None, "default") else k))
         arms.append(PrefixStageArm("fa4"))
+        arms.append(PrefixStageArm("triton"))
         arms.append(TailStageArm("triton"))
     if include_baselines:
         arms += [FlashInferDecodeArm(True), FlashInferDecodeArm(False), FlashInferCascadeArm()]
@@ -549,18 +552,22 @@ def default_cpu_arms() -> List[Arm]:
 
 
 def parse_arm_list(text: str, prefix_kernels=("auto",)) -> List[Arm]:
-    """Arms from a comma list of names: ``library`` (FlashInfer, each prefix kernel), ``fa4``,
-    ``prefix`` (FlashInfer and FA4 prefix stages), ``tail`` (the Triton kernel), ``tail-torch`` (the
+    """Arms from a comma list of names: ``auto`` (the library's default choice), ``library`` (FlashInfer,
+    each prefix kernel), ``fa4``, ``triton`` (the one-launch cascade), ``prefix`` (FlashInfer, FA4
+    and Triton prefix stages), ``tail`` (the Triton kernel), ``tail-torch`` (the
     unfused torch path, eager), ``decode`` (both variants),
     ``decode-tc``, ``decode-cc``, ``cascade``, ``reference`` (CPU path arms)."""
     arms: List[Arm] = []
     for name in [t.strip().lower() for t in text.split(",") if t.strip()]:
-        if name == "library":
+        if name == "auto":
+            arms.append(LibraryArm("auto"))
+        elif name == "library":
             arms += [LibraryArm("flashinfer", prefix_kernel=k) for k in prefix_kernels]
-        elif name == "fa4":
-            arms.append(LibraryArm("fa4"))
+        elif name in ("fa4", "triton"):
+            arms.append(LibraryArm(name))
         elif name == "prefix":
-            arms += [PrefixStageArm("flashinfer", prefix_kernel=k) for k in prefix_kernels] + [PrefixStageArm("fa4")]
+            arms += [PrefixStageArm("flashinfer", prefix_kernel=k) for k in prefix_kernels]
+            arms += [PrefixStageArm("fa4"), PrefixStageArm("triton")]
         elif name == "tail":
             arms.append(TailStageArm("triton"))
         elif name == "tail-torch":
@@ -577,7 +584,7 @@ def parse_arm_list(text: str, prefix_kernels=("auto",)) -> List[Arm]:
             arms += default_cpu_arms()
         else:
             raise ValueError(
-                f"--arms: unknown arm {name!r}; use a comma list of library, fa4, prefix, tail, tail-torch, decode, "
+                f"--arms: unknown arm {name!r}; use a comma list of auto, library, fa4, triton, prefix, tail, tail-torch, decode, "
                 f"decode-tc, decode-cc, cascade, reference."
             )
     return arms

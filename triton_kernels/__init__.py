@@ -1,14 +1,30 @@
-"""Triton kernels of beam-shared-prefix: the fused per-beam tail (KV write + gather + attention + LSE merge).
+"""Triton kernels of beam-shared-prefix.
 
-- :func:`beam_tail_attention_merge`: one Triton launch per layer per step.
+- :func:`beam_tail_attention_merge`: the fused per-beam tail (KV write + gather through
+  ``cache_indirection`` + attention + LSE merge with a prefix state), one launch per layer per step.
 - :func:`beam_tail_attention_merge_torch`: the same contract in unfused torch ops (CPU and GPU).
+- :func:`beam_cascade_attention`: the whole step in one launch (the prompt on tensor cores once per
+  block of beams, then the tail), for short and medium prompts; :func:`beam_prefix_attention`, its
+  prompt part alone.
 """
 
+from .cascade import (
+    CascadeLaunchConfig,
+    beam_cascade_attention,
+    beam_prefix_attention,
+    cascade_launch_config,
+    cascade_supported,
+)
 from .tail_merge import TailLaunchConfig, beam_tail_attention_merge, tail_launch_config
 from .tail_merge_args import TailMergeGeometry, TailMergeInputError, check_tail_merge_args
 from .tail_merge_torch import beam_tail_attention_merge_torch
 
 __all__ = [
+    "beam_cascade_attention",
+    "beam_prefix_attention",
+    "CascadeLaunchConfig",
+    "cascade_launch_config",
+    "cascade_supported",
     "beam_tail_attention_merge",
     "beam_tail_attention_merge_torch",
     "TailMergeInputError",

@@ -25,6 +25,7 @@ from .base import PrefixBackend, PrefixBackendError, logger
 from .fa4 import FA4PrefixBackend
 from .flashinfer import FlashInferPrefixBackend
 from .reference import ReferencePrefixBackend
+from .triton import TritonPrefixBackend
 
 __all__ = ["BACKEND_CLASSES", "choose_prefix_backend", "resolve_prefix_backend"]
 
@@ -32,6 +33,7 @@ BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
     "reference": ReferencePrefixBackend,
     "flashinfer": FlashInferPrefixBackend,
     "fa4": FA4PrefixBackend,
+    "triton": TritonPrefixBackend,
 }
 
 
@@ -93,7 +95,7 @@ def resolve_prefix_backend(
         if not ok:
             raise PrefixBackendError(f"backend='reference' cannot serve this shape: {reason}.")
         return "reference"
-    chain = ["fa4", "flashinfer"] if requested == "fa4" else ["flashinfer"]
+    chain = [requested, "flashinfer"] if requested in ("fa4", "triton") else ["flashinfer"]
     reasons = []
     for name in chain:
         ok, reason = BACKEND_CLASSES[name].is_available(device, dtype, head_dim, num_qo_heads, num_kv_heads,

@@ -1,0 +1,153 @@
+"""Sweep the one-launch cascade kernel's tiling on the GPU: ``python -m microbenchmarks.tune_cascade``.
+
+For each shape, every :class:`triton_kernels.CascadeLaunchConfig` of the grid (beams per program x
+``block_n`` x ``tail_block`` x warps x stages, tiles over 128 query rows skipped) is run on the
+shape's workload, compared with the default tiling's output (a difference beyond ``MISMATCH_ULPS``
+units in the last place of the output dtype is reported as a mismatch: tilings only change the
+float32 summation order) and timed as a CUDA graph with CUDA events, L2 flushed between calls,
+median of ``--iters`` calls. The KV write is off while sweeping, so every call sees the same cache.
+Times are reported against the step's floor (all bytes the step must move over the copy bandwidth
+measured in the same run). It informs :func:`triton_kernels.cascade.cascade_launch_config`; it is
+not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from typing import Dict, List
+
+import torch
+
+from .floors import count_flops, count_traffic, measure_copy_bandwidth, stage_work
+from .shapes import PRESETS, BenchShape
+from .timing import capture_graph, time_cuda
+from .tune_tail import MISMATCH_ULPS, ulps_apart
+from .workload import build_workload
+
+SHAPES = {name: PRESETS[name] for name in ("A", "B-short", "B-medium", "B-long", "B-4B", "B-beam14")}
+
+
+def _cascade_call(wl, table, cfg, out):
+    import triton_kernels
+
+    def call():
+        return triton_kernels.beam_cascade_attention(
+            wl.q, wl.new_k, wl.new_v, wl.kv_cache, table, wl.beam_page_table, wl.kv_lens, wl.prompt_lens,
+            wl.cache_indirection, wl.beam_width, out, kv_layout=wl.kv_layout, write_kv=False, launch_config=cfg,
+        )
+
+    return call
+
+
+def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: float) -> Dict:
+    """Check and time every tiling of ``grid`` (``(beams, block_n, tail_block, num_warps, num_stages)``) on
+    ``shape``; returns the shape's ``floor_us``, ``default``, ``best`` and ``all`` results (us, ulps)."""
+    import numpy as np
+
+    from beam_shared_prefix.plan import build_step_plan
+    from triton_kernels.cascade import CascadeLaunchConfig, cascade_launch_config
+
+    wl = build_workload(shape, device="cuda", seed=0, with_baseline_pages=False)
+    plan = build_step_plan(wl.prompt_page_indptr.numpy(), wl.prompt_page_indices.numpy(),
+                           wl.prompt_lens_host.astype(np.int32), wl.beam_width, shape.page_size, wl.num_pages)
+    table = torch.from_numpy(plan.page_table.copy()).cuda()
+    group = shape.heads // shape.kv_heads
+    default = cascade_launch_config(shape.beams, group, shape.head_dim)
+    ref = torch.empty_like(wl.q)
+    _cascade_call(wl, table, default, ref)()
+    torch.cuda.synchronize()
+    traffic = count_traffic(wl.prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.kv_heads,
+                            shape.head_dim, shape.page_size, wl.q.element_size(), tail_ancestry=wl.tail_ancestry)
+    flops = count_flops(wl.prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.head_dim)
+    full = stage_work("full", traffic, flops, wl.prompt_lens_host, shape.tail, shape.beams, shape.heads,
+                      shape.head_dim, shape.page_size)
+    floor_us = full["bytes"] / bandwidth * 1e6
+
+    configs = []
+    for beams, block_n, tail_block, warps, stages in grid:
+        cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages)
+        if cfg.block_m > 128 or cfg.block_m < 16:
+            continue
+        configs.append(cfg)
+    if default not in configs:
+        configs.append(default)
+    results = []
+    for cfg in configs:
+        out = torch.full_like(wl.q, float("nan"))
+        call = _cascade_call(wl, table, cfg, out)
+        try:
+            call()
+            torch.cuda.synchronize()
+            err = ulps_apart(out, ref)
+            t = time_cuda([capture_graph(call)], iters=iters, warmup=3).median_us
+        except Exception as exc:  # a tiling that does not compile is reported, not fatal
+            results.append({"config": dataclasses.asdict(cfg), "error": str(exc)[:200]})
+            continue
+        results.append({"config": dataclasses.asdict(cfg), "us": t, "ulps_vs_default": err})
+    ok = [r for r in results if "us" in r]
+    return {
+        "shape": shape.name,
+        "floor_us": floor_us,
+        "default": next((r for r in ok if r["config"] == dataclasses.asdict(default)), None),
+        "best": min(ok, key=lambda r: r["us"]) if ok else None,
+        "all": results,
+    }
+
+
+def _key(config: Dict) -> tuple:
+    return (config["beams_per_program"], config["block_n"], config["tail_block"], config["num_warps"],
+            config["num_stages"])
+
+
+def main(argv=None) -> int:
+    """CLI entry point (``argv`` as for argparse); returns the exit status."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--beams", default="16,32,64", help="beams per program")
+    p.add_argument("--block-n", default="32,64")
+    p.add_argument("--tail-block", default="1,2")
+    p.add_argument("--num-warps", default="4,8")
+    p.add_argument("--num-stages", default="2,3")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_cascade: no CUDA device; nothing to tune.")
+        return 0
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    grid = list(itertools.product(ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps),
+                                  ints(args.num_stages)))
+    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
+    if unknown:
+        p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
+    bandwidth = measure_copy_bandwidth("cuda")
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
+          f"(beams, block_n, tail_block, num_warps, num_stages)", flush=True)
+    report = []
+    for name in args.shapes.split(","):
+        r = tune_shape(SHAPES[name], grid, args.iters, bandwidth)
+        report.append(r)
+        fmt = lambda x: "-" if x is None else f"{x['us']:.1f} us ({x['us'] / r['floor_us']:.2f}x) {_key(x['config'])}"  # noqa: E731
+        print(f"{name:>9}: floor {r['floor_us']:.1f} us | default {fmt(r['default'])} | best {fmt(r['best'])}",
+              flush=True)
+        for x in sorted((x for x in r["all"] if "us" in x), key=lambda x: x["us"])[:4]:
+            print(f"{'':>11}{x['us']:.1f} us {_key(x['config'])} {x['ulps_vs_default']:.1f} ulp vs default")
+        bad = [x for x in r["all"] if "us" in x and not x["ulps_vs_default"] <= MISMATCH_ULPS]
+        if bad:
+            print(f"{'':>11}MISMATCH in {len(bad)} tilings, e.g. {_key(bad[0]['config'])} "
+                  f"{bad[0]['ulps_vs_default']:.1f} ulp", flush=True)
+        errors = [x for x in r["all"] if "error" in x]
+        if errors:
+            print(f"{'':>11}{len(errors)} tilings failed, e.g. {errors[0]}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bandwidth": bandwidth, "shapes": report}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

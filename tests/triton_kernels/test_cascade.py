@@ -1,0 +1,222 @@
+"""The one-launch cascade kernel (whole step, and its prefix stage alone) against the float32 oracle.
+
+Steps come from :class:`BeamSearchCacheSimulator` (shuffled pages, random pool, random beam
+reselection); the prompt page table from the planner, as the wrapper passes it. Expected outputs
+are ``reference_beam_attention`` over each beam's whole gathered history (prefix stage:
+``reference_prefix_attention``). Outputs are NaN-poisoned before the call, and the pool is
+compared with a snapshot afterwards: exactly the step's K/V changed. Multi-step runs read back the
+K/V the kernel wrote (``sim.end_step(write_kv=False)``).
+
+Tolerance as in ``test_tail_merge.py`` (``atol = rtol = 2e-2`` for unit-variance bf16/fp16 data);
+the kernel rounds the softmax weights to the KV dtype before ``P V`` (FlashAttention's practice),
+which stays within it, while a wrong page, beam or mask moves outputs by O(0.1-1)
+(``test_cascade_detects_a_wrong_beam``). On CPU the kernel runs under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from beam_shared_prefix.plan import build_step_plan
+from beam_shared_prefix.reference import reference_prefix_attention
+from triton_kernels import (
+    CascadeLaunchConfig,
+    TailMergeInputError,
+    beam_cascade_attention,
+    beam_prefix_attention,
+    cascade_launch_config,
+    cascade_supported,
+)
+
+from test_tail_merge import assert_matches, earlier_tail, expected_pool_after_write, make_sim, oracle
+
+
+def prompt_table(sim, step):
+    """The planner's dense prompt page table for the step, as int32 on the step's device."""
+    plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
+                           step.beam_width, step.page_size, step.num_pages)
+    return torch.from_numpy(plan.page_table.copy()).to(step.q.device)
+
+
+def run_cascade(sim, step, *, divisor=1, write_kv=True, launch_config=None, strided=False, validate=False):
+    table = step.beam_page_table
+    if divisor != 1:
+        table = sim.block_offsets(table, divisor)[:, 0, :]
+    q, new_k, new_v = step.q, step.new_k, step.new_v
+    out = torch.full_like(q, float("nan"))
+    if strided:  # q/new_k/new_v as views of one fused QKV buffer, out inside a wider buffer
+        rows, hq, d = q.shape
+        hkv = new_k.shape[1]
+        qkv = torch.empty(rows, hq + 2 * hkv, d, dtype=q.dtype, device=q.device)
+        qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:] = q, new_k, new_v
+        q, new_k, new_v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        out = torch.full((rows, hq + 3, d), float("nan"), dtype=q.dtype, device=q.device)[:, 2:2 + hq]
+    before = sim.kv_cache.clone()
+    result = beam_cascade_attention(
+        q, new_k, new_v, sim.kv_cache, prompt_table(sim, step), table, step.kv_lens, step.prompt_lens,
+        step.cache_indirection, step.beam_width, out, kv_layout=sim.kv_layout, page_index_divisor=divisor,
+        write_kv=write_kv, validate_indices=validate, launch_config=launch_config,
+    )
+    assert result is out
+    want_pool = expected_pool_after_write(sim, step, before) if write_kv else before
+    assert torch.equal(sim.kv_cache, want_pool), "the pool differs from its snapshot plus this step's K/V"
+    return out
+
+
+# (name, simulator kwargs, call kwargs, steps, requests joining at step -> prompts)
+CASES = [
+    # G=1, 16 beams in one tile; prompts filling their last page exactly (16), of one token, and
+    # mid-page; tails of 0..9 earlier tokens crossing a page boundary; a late joiner gives one
+    # launch rows with different tail lengths; validate_indices on.
+    ("g1_d64_hnd", dict(prompts=[16, 1, 7], beams=3, hq=2, hkv=2, d=64), dict(validate=True), 10, {3: [30]}),
+    # G=2, head 128, NHD, block-offset page table (divisor 6), prompts spanning several BLOCK_N blocks.
+    ("g2_d128_nhd_blockoffsets", dict(prompts=[70, 33], beams=5, hq=4, hkv=2, d=128, layout="NHD", max_seq_len=96),
+     dict(divisor=6), 4, {}),
+    # G=3 (padded to 4), page size 32, strided q/new_k/new_v/out, fp16 (the interpreter runs its dots as on the GPU).
+    ("g3_d64_pg32_strided_fp16", dict(prompts=[33, 2], beams=3, hq=6, hkv=2, d=64, pg=32, dtype=torch.float16),
+     dict(strided=True), 4, {}),
+    # G=8 (the widest group tiled at 16 beams), beam width 1.
+    ("g8_d64_w1", dict(prompts=[9, 16], beams=1, hq=8, hkv=1, d=64), dict(), 3, {}),
+]
+
+
+@pytest.mark.parametrize("name,sim_kw,call_kw,steps,joins", CASES, ids=[c[0] for c in CASES])
+def test_cascade_matches_oracle_over_steps(name, sim_kw, call_kw, steps, joins, device):
+    sim = make_sim(device, **sim_kw)
+    for s in range(steps):
+        if s in joins:
+            sim.add_requests(joins[s])
+        step = sim.begin_step()
+        out = run_cascade(sim, step, **call_kw)
+        assert_matches(out, oracle(sim, step), f"{name} step {s} tails {earlier_tail(step)}")
+        sim.end_step(write_kv=False)  # later steps read the K/V the kernel wrote
+
+
+TILINGS = [
+    # beams_per_program 16 < W: several beam blocks per request, the last one partly padding;
+    # tail_block 1 and 4 (a key block wider than the tail); block_n 16 < page size; one stage.
+    ("beam_blocks_tail1", CascadeLaunchConfig(16, 4, block_n=16, tail_block=1, num_warps=4, num_stages=1)),
+    ("wide_tail_block", CascadeLaunchConfig(32, 4, block_n=32, tail_block=4, num_warps=4, num_stages=2)),
+    ("wide_group_pad", CascadeLaunchConfig(16, 8, block_n=64, tail_block=2, num_warps=8, num_stages=3)),
+]
+
+
+@pytest.mark.parametrize("config", [t[1] for t in TILINGS], ids=[t[0] for t in TILINGS])
+def test_cascade_tilings_agree_with_oracle(config, device):
+    """W = 18 > 16 beams per block, G = 3 padded, Hkv = 3, tails of 0-5 earlier tokens."""
+    sim = make_sim(device, prompts=[13, 40], beams=18, hq=9, hkv=3, d=64, seed=13)
+    for s in range(6):
+        step = sim.begin_step()
+        out = run_cascade(sim, step, divisor=6 if s % 2 else 1, launch_config=config)
+        assert_matches(out, oracle(sim, step), f"tiling {config}, step {s} tails {earlier_tail(step)}")
+        sim.end_step(write_kv=False)
+    assert max(earlier_tail(step)) == 5
+
+
+def test_cascade_write_kv_false_leaves_the_pool_untouched(device):
+    sim = make_sim(device, prompts=[6, 21], beams=3, hq=4, hkv=2, d=64, seed=5)
+    sim.begin_step()
+    sim.end_step()
+    step = sim.begin_step()
+    out = run_cascade(sim, step, write_kv=False)  # run_cascade asserts the pool equals its snapshot
+    assert_matches(out, oracle(sim, step), "write_kv=False")
+
+
+def test_cascade_detects_a_wrong_beam(device):
+    """The comparison is tight enough: reading another beam's tail fails it."""
+    sim = make_sim(device, prompts=[5, 9], beams=3, hq=4, hkv=2, d=64, seed=7)
+    for _ in range(3):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    ref = oracle(sim, step)
+    snapshot = sim.kv_cache.clone()
+    assert_matches(run_cascade(sim, step), ref, "correct indirection")
+    sim.kv_cache.copy_(snapshot)
+    step.cache_indirection = (step.cache_indirection + 1) % step.beam_width
+    wrong = run_cascade(sim, step)
+    with pytest.raises(AssertionError):
+        assert_matches(wrong, ref, "shifted indirection")
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_prefix_stage_matches_reference(layout, device):
+    """The prefix stage alone: output and base-2 LSE of every row against the prefix oracle."""
+    sim = make_sim(device, prompts=[1, 16, 50], beams=5, hq=6, hkv=2, d=64, layout=layout, seed=9)
+    step = sim.begin_step()
+    want_o, want_lse = reference_prefix_attention(
+        step.q, sim.kv_cache, step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
+        step.beam_width, kv_layout=layout,
+    )
+    out = torch.full_like(step.q, float("nan"))
+    lse = torch.full((step.num_rows, step.q.shape[1]), float("nan"), device=step.q.device)
+    before = sim.kv_cache.clone()
+    beam_prefix_attention(step.q, sim.kv_cache, prompt_table(sim, step), step.prompt_lens_per_request,
+                          step.beam_width, out, lse, kv_layout=layout, validate_indices=True)
+    assert torch.equal(sim.kv_cache, before), "the prefix stage must not write the pool"
+    assert_matches(out, want_o, "prefix output")
+    assert not torch.isnan(lse).any(), "NaN left in lse"
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-3, rtol=1e-3)
+
+
+# --------------------------------------------------------------------------------------------
+# refusals
+
+
+def _one_step(device):
+    sim = make_sim(device, prompts=[5, 9], beams=2, hq=4, hkv=2, d=64, seed=1)
+    return sim, sim.begin_step()
+
+
+def test_refuses_shapes_it_does_not_tile(device):
+    assert cascade_supported(2, 128) == (True, "")
+    ok, reason = cascade_supported(16, 128)
+    assert not ok and "GQA group 16" in reason
+    ok, reason = cascade_supported(2, 96)
+    assert not ok and "head_dim=96" in reason
+    sim, step = _one_step(device)
+    q = step.q[:, :, :32].contiguous()
+    with pytest.raises(TailMergeInputError, match="head_dim=32"):
+        beam_cascade_attention(
+            q, step.new_k[:, :, :32].contiguous(), step.new_v[:, :, :32].contiguous(),
+            sim.kv_cache[..., :32], prompt_table(sim, step), step.beam_page_table, step.kv_lens, step.prompt_lens,
+            step.cache_indirection, step.beam_width, torch.empty_like(q), kv_layout=sim.kv_layout,
+        )
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: a.update(prompt_page_table=a["prompt_page_table"].long()), "prompt_page_table has dtype int64"),
+    (lambda a: a.update(prompt_page_table=a["prompt_page_table"][:1]), "R=2 requests"),
+    (lambda a: a.update(launch_config=CascadeLaunchConfig(8, 2)), "both must be >= 16"),
+    (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 1)), "group_pad=1 is smaller"),
+    (lambda a: a.update(beam_width=3), "not a multiple of beam_width=3"),
+])
+def test_refuses_bad_arguments(mutate, match, device):
+    sim, step = _one_step(device)
+    args = dict(q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache,
+                prompt_page_table=prompt_table(sim, step), beam_page_table=step.beam_page_table,
+                kv_lens=step.kv_lens, prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection,
+                beam_width=step.beam_width, out=torch.empty_like(step.q), kv_layout=sim.kv_layout)
+    mutate(args)
+    with pytest.raises(TailMergeInputError, match=match):
+        beam_cascade_attention(**args)
+
+
+def test_check_mode_names_a_prompt_page_outside_the_pool(device):
+    sim, step = _one_step(device)
+    table = prompt_table(sim, step)
+    table[1, 0] = step.num_pages + 3
+    with pytest.raises(TailMergeInputError, match=r"prompt_page_table\[1, 0\]=.* outside the pool"):
+        beam_cascade_attention(
+            step.q, step.new_k, step.new_v, sim.kv_cache, table, step.beam_page_table, step.kv_lens,
+            step.prompt_lens, step.cache_indirection, step.beam_width, torch.empty_like(step.q),
+            kv_layout=sim.kv_layout, validate_indices=True,
+        )
+
+
+def test_default_config_fits_the_tile_limits():
+    for w, g, d in [(30, 2, 128), (30, 4, 128), (14, 2, 128), (96, 2, 128), (256, 8, 128), (4, 1, 64), (30, 4, 256)]:
+        cfg = cascade_launch_config(w, g, d)
+        assert cfg.beams_per_program >= 16 and cfg.group_pad >= g
+        assert cfg.block_m <= (64 if d == 256 else 128)

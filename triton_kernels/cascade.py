@@ -1,0 +1,403 @@
+"""Launchers of the one-launch cascade kernel: the whole decode step, or its prefix stage alone.
+
+:func:`beam_cascade_attention` is a beam-search decode step of one attention layer in one Triton
+launch: each request's prompt attended once per block of beams on tensor cores, each beam's
+generated tail gathered through ``cache_indirection``, this step's K/V written, no prefix state
+through memory. It serves short and medium prompts, where a separate prefix kernel's launch and
+the prefix-state round trip are a large share of the step (the measured rule that picks it is in
+:mod:`beam_shared_prefix.prefix.select`). No host sync: safe to capture in a CUDA graph, and the
+prompt and tail lengths are read on the device at every replay.
+
+:func:`beam_prefix_attention` runs only the prompt part and writes the prefix state (normalised
+output and base-2 LSE, FlashInfer's ``[rows, heads]`` layout), for check mode and the stage
+benchmarks, and as a plain prefix backend in front of the separate tail kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+import triton
+
+from .cascade_kernel import beam_cascade_kernel
+from .tail_merge_args import (
+    KV_DTYPES,
+    KV_LAYOUTS,
+    LOG2E,
+    TailMergeInputError,
+    _fail,
+    _need_dim,
+    _need_dtype,
+    _need_last_dim_contiguous,
+    _need_tensor,
+    _overlap,
+    check_step_args,
+    check_tail_index_values,
+)
+
+__all__ = [
+    "CascadeLaunchConfig",
+    "cascade_launch_config",
+    "cascade_supported",
+    "beam_cascade_attention",
+    "beam_prefix_attention",
+]
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# tl.dot needs 16 rows/columns: a tile holds at least 16 beams (padding beams are masked).
+MIN_BEAMS_PER_PROGRAM = 16
+# Query rows of one tile (beams x padded group): 128 keeps the fp32 accumulator at 64 registers per
+# thread with 8 warps at D = 128; at D = 256 the tile is capped at 64 rows for the same reason.
+MAX_BLOCK_M = {64: 128, 128: 128, 256: 64}
+
+
+@dataclass(frozen=True)
+class CascadeLaunchConfig:
+    """Tiling of one cascade launch.
+
+    Attributes:
+        beams_per_program: beams of one request in one program (a power of two >= 16); the tile has
+            ``beams_per_program * group_pad`` query rows, and each program reads the request's prompt.
+        group_pad: ``G`` rounded up to a power of two.
+        block_n: prompt tokens per loop iteration (a power of two >= 16).
+        tail_block: earlier tail positions per key block (a power of two).
+        num_warps, num_stages: Triton launch parameters.
+    """
+
+    beams_per_program: int
+    group_pad: int
+    block_n: int = 64
+    tail_block: int = 2
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def block_m(self) -> int:
+        """Query rows of one program's tile."""
+        return self.beams_per_program * self.group_pad
+
+
+def cascade_supported(group_size: int, head_dim: int) -> Tuple[bool, str]:
+    """Whether the cascade kernel tiles this shape: ``(True, "")`` or ``(False, reason)``."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return False, f"head_dim={head_dim} is not tiled by the cascade kernel (supported: {SUPPORTED_HEAD_DIMS})"
+    group_pad = triton.next_power_of_2(group_size)
+    max_group = MAX_BLOCK_M[head_dim] // MIN_BEAMS_PER_PROGRAM
+    if group_pad > max_group:
+        return False, (f"GQA group {group_size} (padded {group_pad}) times {MIN_BEAMS_PER_PROGRAM} beams exceeds the "
+                       f"cascade tile of {MAX_BLOCK_M[head_dim]} query rows at head_dim={head_dim} (groups up to "
+                       f"{max_group})")
+    return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def cascade_launch_config(beam_width: int, group_size: int, head_dim: int) -> CascadeLaunchConfig:
+    """The default tiling for a shape (requires :func:`cascade_supported`).
+
+    As many of a request's beams per program as fit a tile of ``MAX_BLOCK_M`` rows (each program
+    reads the prompt, so fewer beam blocks read it fewer times), 64 prompt tokens per iteration,
+    4 warps up to 64 rows and 8 above.
+    """
+    group_pad = triton.next_power_of_2(group_size)
+    cap = max(MIN_BEAMS_PER_PROGRAM, MAX_BLOCK_M[head_dim] // group_pad)
+    beams = max(MIN_BEAMS_PER_PROGRAM, min(triton.next_power_of_2(beam_width), cap))
+    block_m = beams * group_pad
+    num_warps = 4 if block_m <= 64 else 8
+    tail_block = 2 if beams <= 32 else 1
+    return CascadeLaunchConfig(beams, group_pad, block_n=64, tail_block=tail_block, num_warps=num_warps,
+                               num_stages=2)
+
+
+def _is_pow2(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and (x & (x - 1)) == 0
+
+
+def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int) -> CascadeLaunchConfig:
+    ok, reason = cascade_supported(group_size, head_dim)
+    if not ok:
+        raise TailMergeInputError(f"{reason}; use the prefix backend + tail kernel path (backend='fa4' or "
+                                  f"'flashinfer').")
+    if cfg is None:
+        return cascade_launch_config(beam_width, group_size, head_dim)
+    if not isinstance(cfg, CascadeLaunchConfig):
+        raise TailMergeInputError(f"launch_config must be a CascadeLaunchConfig or None, got {type(cfg).__name__}.")
+    for name in ("beams_per_program", "group_pad", "block_n", "tail_block", "num_warps"):
+        if not _is_pow2(getattr(cfg, name)):
+            raise TailMergeInputError(f"launch_config.{name}={getattr(cfg, name)!r} must be a power of two >= 1.")
+    if cfg.beams_per_program < MIN_BEAMS_PER_PROGRAM or cfg.block_n < 16:
+        raise TailMergeInputError(
+            f"launch_config has beams_per_program={cfg.beams_per_program}, block_n={cfg.block_n}; both must be >= 16 "
+            f"(tensor-core tiles).")
+    if cfg.group_pad < group_size:
+        raise TailMergeInputError(f"launch_config.group_pad={cfg.group_pad} is smaller than the GQA group size "
+                                  f"{group_size}; use a power of two >= {group_size}.")
+    if not (isinstance(cfg.num_stages, int) and 1 <= cfg.num_stages <= 4):
+        raise TailMergeInputError(f"launch_config.num_stages={cfg.num_stages!r} must be an int in [1, 4].")
+    return cfg
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise TailMergeInputError(
+            f"the cascade kernel is a Triton kernel and needs CUDA tensors, got {q.device}; on CPU use the "
+            f"reference prefix + beam_tail_attention_merge_torch (or set TRITON_INTERPRET=1 before importing triton)."
+        )
+
+
+def _check_prompt_table(prompt_page_table, num_requests: int, device) -> None:
+    _need_dim("prompt_page_table", prompt_page_table, 2, "[>= R, max_prompt_pages] int32")
+    _need_dtype("prompt_page_table", prompt_page_table, (torch.int32,))
+    if prompt_page_table.device != device:
+        _fail(f"prompt_page_table is on {prompt_page_table.device} but q is on {device}; put every tensor on one "
+              f"device.")
+    if prompt_page_table.shape[0] < num_requests or prompt_page_table.shape[1] < 1:
+        _fail(f"prompt_page_table has shape {tuple(prompt_page_table.shape)} but the batch has R={num_requests} "
+              f"requests; pass one row of prompt pages (page numbers, beam 0's) per request.")
+
+
+def _check_prompt_values(prompt_page_table, prompt_lens_per_request, page_size: int, num_pages: int) -> None:
+    """Check mode: every prompt page the launch reads is in the pool and every prompt fits its table row."""
+    lens = prompt_lens_per_request.long().cpu()
+    cols = prompt_page_table.shape[1]
+    bad = torch.nonzero((lens < 0) | (lens > cols * page_size)).flatten()
+    if bad.numel():
+        r = int(bad[0])
+        _fail(f"prompt length {int(lens[r])} of request {r} is outside [0, {cols * page_size}] (the prompt page table "
+              f"has {cols} columns of {page_size} tokens); pass the plan's prompt lengths and page table together.")
+    table = prompt_page_table[: lens.numel()].long().cpu()
+    used = torch.arange(cols)[None, :] < ((lens + page_size - 1) // page_size)[:, None]
+    bad = torch.nonzero(used & ((table < 0) | (table >= num_pages)))
+    if bad.numel():
+        r, c = (int(v) for v in bad[0])
+        _fail(f"prompt_page_table[{r}, {c}]={int(table[r, c])} is outside the pool [0, {num_pages}); the plan is stale "
+              f"or belongs to another pool.")
+
+
+def _kv_strides(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[int, int, int, int]:
+    if kv_layout == "HND":  # [pages, 2, Hkv, Pg, D]
+        return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
+    return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3), kv_cache.stride(2)
+
+
+def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int, write_kv: bool, prefix_only: bool,
+            device: torch.device, dtype: torch.dtype) -> None:
+    meta = dict(
+        GROUP=group_size,
+        GROUP_PAD=cfg.group_pad,
+        BEAMS=cfg.beams_per_program,
+        HEAD_DIM=head_dim,
+        BLOCK_N=cfg.block_n,
+        TAIL_BLOCK=cfg.tail_block,
+        WRITE_KV=bool(write_kv),
+        PREFIX_ONLY=bool(prefix_only),
+        DOT_FP32=device.type != "cuda" and dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            beam_cascade_kernel[grid](*args, **meta)
+    else:
+        beam_cascade_kernel[grid](*args, **meta)
+
+
+def beam_cascade_attention(
+    q,
+    new_k,
+    new_v,
+    kv_cache,
+    prompt_page_table,
+    beam_page_table,
+    kv_lens,
+    prompt_lens,
+    cache_indirection,
+    beam_width,
+    out,
+    *,
+    sm_scale=None,
+    kv_layout="HND",
+    page_index_divisor=1,
+    write_kv=True,
+    validate_indices=False,
+    launch_config=None,
+):
+    """A whole beam-search decode step of one layer in one launch: prompt once per beam block, tail, KV write.
+
+    For beam row ``i = r*W + b`` with prompt length ``P`` and KV length ``L`` (this step's token
+    included), ``out[i, h]`` is attention of ``q[i, h]`` over: positions ``[0, P)`` from page
+    ``prompt_page_table[r, t // Pg]`` (the request's shared prompt pages, page numbers); positions
+    ``[P, L - 1)`` from page ``beam_page_table[r*W + cache_indirection[r, b, t], t // Pg] //
+    page_index_divisor``; position ``L - 1`` from ``new_k[i]``/``new_v[i]``, which are also stored there.
+
+    Args:
+        q: ``[rows, Hq, D]`` bf16/fp16, last dim contiguous (a strided view of a fused QKV is fine).
+        new_k, new_v: ``[rows, Hkv, D]`` in q's dtype, this step's K/V (strided views allowed).
+        kv_cache: paged pool in q's dtype, ``[pages, 2, Hkv, Pg, D]`` (HND) or ``[pages, 2, Pg, Hkv, D]``
+            (NHD); may be a strided view.
+        prompt_page_table: ``[>= R, n]`` int32 page numbers, each request's prompt pages (beam 0's);
+            only the first ``ceil(P / Pg)`` columns are read, and never more than ``n * Pg`` tokens.
+        beam_page_table: ``[>= rows, max_pages]`` int32, each beam row's page entries (any strides).
+        kv_lens: ``[rows]`` int32, KV length per row including this step's token.
+        prompt_lens: ``[rows]`` int32, ``P`` per row (equal within a request; the kernel reads row ``r*W``).
+        cache_indirection: ``[>= R, W_max, max_seq_len]`` int32, source beam per position.
+        beam_width: ``W``; ``rows = R * W`` request-major.
+        out: ``[rows, Hq, D]`` in q's dtype, last dim contiguous, overlapping no input.
+        sm_scale: softmax scale (default ``1/sqrt(D)``).
+        kv_layout: ``"HND"`` or ``"NHD"``.
+        page_index_divisor: ``1`` for page numbers in ``beam_page_table``; TensorRT-LLM block offsets use
+            ``layers_in_pool * kv_factor`` (``prompt_page_table`` always holds page numbers).
+        write_kv: store ``new_k``/``new_v`` at ``L - 1`` of each row's own page in the same launch.
+        validate_indices: check mode: read lengths, pages and indirection back and check them (host sync).
+        launch_config: a :class:`CascadeLaunchConfig` (tuning and benchmarks).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TailMergeInputError: an argument the kernel cannot take (names the value, the limit and the fix),
+            including shapes :func:`cascade_supported` refuses.
+    """
+    geom = check_step_args(
+        q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width, out,
+        sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
+        extra_tensors=(("prompt_page_table", prompt_page_table),),
+    )
+    _check_device(q)
+    _check_prompt_table(prompt_page_table, geom.num_requests, q.device)
+    cfg = _resolve_config(launch_config, geom.beam_width, geom.group_size, geom.head_dim)
+    if validate_indices:
+        check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
+        per_request = prompt_lens[:: geom.beam_width]
+        if bool((prompt_lens.view(-1, geom.beam_width) != per_request[:, None]).any()):
+            _fail("prompt_lens differ between the beams of one request; every beam shares its request's prompt.")
+        _check_prompt_values(prompt_page_table, per_request, geom.page_size, geom.num_pages)
+    if geom.num_rows == 0:
+        return out
+    num_beam_blocks = triton.cdiv(geom.beam_width, cfg.beams_per_program)
+    grid = (geom.num_requests * num_beam_blocks, geom.num_kv_heads)
+    s_page, s_kv, s_head, s_slot = geom.kv_strides
+    args = (
+        q, new_k, new_v, kv_cache, prompt_page_table, beam_page_table, kv_lens, prompt_lens, cache_indirection,
+        out, out,  # no LSE output in the fused step: the second `out` is an unused placeholder
+        q.stride(0), q.stride(1),
+        new_k.stride(0), new_k.stride(1),
+        new_v.stride(0), new_v.stride(1),
+        s_page, s_kv, s_head, s_slot,
+        prompt_page_table.stride(0), prompt_page_table.stride(1),
+        beam_page_table.stride(0), beam_page_table.stride(1),
+        prompt_lens.stride(0) * geom.beam_width,
+        cache_indirection.stride(0), cache_indirection.stride(1), cache_indirection.stride(2),
+        out.stride(0), out.stride(1),
+        0, 0,
+        geom.beam_width, num_beam_blocks, prompt_page_table.shape[1] * geom.page_size,
+        geom.page_size, page_index_divisor, geom.num_pages, geom.max_seq_len,
+        geom.sm_scale * LOG2E,
+    )
+    _launch(grid, args, cfg, geom.group_size, geom.head_dim, write_kv, False, q.device, q.dtype)
+    return out
+
+
+def beam_prefix_attention(
+    q,
+    kv_cache,
+    prompt_page_table,
+    prompt_lens,
+    beam_width,
+    out,
+    lse,
+    *,
+    sm_scale=None,
+    kv_layout="HND",
+    validate_indices=False,
+    launch_config=None,
+):
+    """The prefix stage alone: each request's prompt attended by its ``W`` query rows, state to memory.
+
+    Args:
+        q: ``[rows, Hq, D]`` bf16/fp16, last dim contiguous, ``rows = R * W`` request-major.
+        kv_cache: the paged pool (``kv_layout``), in q's dtype.
+        prompt_page_table: ``[>= R, n]`` int32 page numbers, each request's prompt pages.
+        prompt_lens: ``[R]`` int32, prompt length per request (``0 <= P <= n * Pg``).
+        beam_width: ``W``.
+        out: ``[rows, Hq, D]`` in q's dtype, the normalised prefix output (0 for an empty prompt).
+        lse: ``[rows, Hq]`` float32, base-2 log-sum-exp (``-inf`` for an empty prompt); may be strided.
+        sm_scale, kv_layout, validate_indices, launch_config: as in :func:`beam_cascade_attention`.
+
+    Returns:
+        ``(out, lse)``.
+    """
+    for name, x in (("q", q), ("kv_cache", kv_cache), ("prompt_page_table", prompt_page_table),
+                    ("prompt_lens", prompt_lens), ("out", out), ("lse", lse)):
+        _need_tensor(name, x)
+        if x.device != q.device:
+            _fail(f"{name} is on {x.device} but q is on {q.device}; put every tensor on one device.")
+    if kv_layout not in KV_LAYOUTS:
+        _fail(f"kv_layout={kv_layout!r} is not supported; use 'HND' or 'NHD'.")
+    if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
+        _fail(f"beam_width={beam_width!r} must be an int >= 1.")
+    _need_dim("q", q, 3, "[rows, Hq, D]")
+    _need_dtype("q", q, KV_DTYPES)
+    num_rows, num_qo_heads, head_dim = q.shape
+    if num_rows % beam_width:
+        _fail(f"q has {num_rows} rows, not a multiple of beam_width={beam_width}; rows must be R * W, request-major.")
+    num_requests = num_rows // beam_width
+    _need_dim("kv_cache", kv_cache, 5, "[pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD)")
+    if kv_cache.dtype != q.dtype or kv_cache.shape[1] != 2:
+        _fail(f"kv_cache must be {q.dtype} [pages, 2, ...] like q, got {kv_cache.dtype} {tuple(kv_cache.shape)}.")
+    if kv_layout == "HND":
+        num_pages, _, num_kv_heads, page_size, pool_dim = kv_cache.shape
+    else:
+        num_pages, _, page_size, num_kv_heads, pool_dim = kv_cache.shape
+    if pool_dim != head_dim or num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+        _fail(f"kv_cache ({kv_layout}) holds Hkv={num_kv_heads}, D={pool_dim}, which does not serve q's Hq="
+              f"{num_qo_heads}, D={head_dim}; check kv_layout and the layer's pool view.")
+    for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out)):
+        _need_last_dim_contiguous(name, x)
+    _check_prompt_table(prompt_page_table, num_requests, q.device)
+    _need_dim("prompt_lens", prompt_lens, 1, f"[R={num_requests}] int32")
+    _need_dtype("prompt_lens", prompt_lens, (torch.int32,))
+    if prompt_lens.shape[0] != num_requests:
+        _fail(f"prompt_lens has {prompt_lens.shape[0]} entries but the batch has R={num_requests} requests.")
+    if tuple(out.shape) != (num_rows, num_qo_heads, head_dim) or out.dtype != q.dtype:
+        _fail(f"out must be {q.dtype} [{num_rows}, {num_qo_heads}, {head_dim}], got {out.dtype} {tuple(out.shape)}.")
+    if tuple(lse.shape) != (num_rows, num_qo_heads) or lse.dtype != torch.float32:
+        _fail(f"lse must be float32 [{num_rows}, {num_qo_heads}] (rows, heads), got {lse.dtype} {tuple(lse.shape)}.")
+    for name, x in (("q", q), ("kv_cache", kv_cache), ("lse", lse)):
+        if _overlap(out, x):
+            _fail(f"out overlaps {name} in memory; pass a separate output buffer.")
+    if _overlap(lse, q) or _overlap(lse, kv_cache):
+        _fail("lse overlaps q or kv_cache in memory; pass a separate LSE buffer.")
+    _check_device(q)
+    group_size = num_qo_heads // num_kv_heads
+    cfg = _resolve_config(launch_config, beam_width, group_size, head_dim)
+    if validate_indices:
+        _check_prompt_values(prompt_page_table, prompt_lens, page_size, num_pages)
+    if num_rows == 0:
+        return out, lse
+    if sm_scale is None:
+        sm_scale = head_dim ** -0.5
+    num_beam_blocks = triton.cdiv(beam_width, cfg.beams_per_program)
+    grid = (num_requests * num_beam_blocks, num_kv_heads)
+    s_page, s_kv, s_head, s_slot = _kv_strides(kv_cache, kv_layout)
+    args = (
+        q, q, q, kv_cache, prompt_page_table, prompt_page_table, prompt_lens, prompt_lens, prompt_lens,
+        out, lse,  # new_k/new_v/beam table/kv_lens/indirection are unused placeholders in the prefix stage
+        q.stride(0), q.stride(1),
+        0, 0, 0, 0,
+        s_page, s_kv, s_head, s_slot,
+        prompt_page_table.stride(0), prompt_page_table.stride(1),
+        0, 0,
+        prompt_lens.stride(0),
+        0, 0, 0,
+        out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1),
+        beam_width, num_beam_blocks, prompt_page_table.shape[1] * page_size,
+        page_size, 1, num_pages, 1,
+        float(sm_scale) * LOG2E,
+    )
+    _launch(grid, args, cfg, group_size, head_dim, False, True, q.device, q.dtype)
+    return out, lse
