@@ -42,7 +42,7 @@ from .prefix.base import (
 )
 from .prefix.buffers import DeviceBuffer
 from .prefix.flashinfer import PREFIX_KERNELS
-from .prefix.select import BACKEND_CLASSES, resolve_prefix_backend
+from .prefix.select import BACKEND_CLASSES, CASCADE_MAX_MEAN_PROMPT, resolve_prefix_backend
 
 __all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
 
@@ -180,14 +180,21 @@ class BeamSharedPrefixAttention:
             self._active = None
         return self._planner
 
-    def _backend_for(self, problem_key: tuple) -> PrefixBackend:
-        name = self._backend_for_problem.get(problem_key)
+    def _backend_for(self, problem_key: tuple, step_plan: StepPlan) -> PrefixBackend:
+        # The auto rule depends on the prompt lengths only through one threshold, so the choice is
+        # cached per (shape, side of the threshold) and logged once each.
+        mean_prompt = float(step_plan.prompt_lens.mean()) if step_plan.num_requests else None
+        short = mean_prompt is not None and mean_prompt <= CASCADE_MAX_MEAN_PROMPT
+        cache_key = (problem_key, short)
+        name = self._backend_for_problem.get(cache_key)
         if name is None:
             hq, hkv, d, pg, dtype, _ = problem_key
-            name = resolve_prefix_backend(self.requested_backend, self.device, dtype, d, hq, hkv, pg, self.kv_layout)
-            self._backend_for_problem[problem_key] = name
-            logger.info("beam_shared_prefix: prefix backend %s serves Hq=%d Hkv=%d D=%d page %d %s (requested %s)",
-                        name, hq, hkv, d, pg, _dtype_name(dtype), self.requested_backend)
+            name = resolve_prefix_backend(self.requested_backend, self.device, dtype, d, hq, hkv, pg, self.kv_layout,
+                                          mean_prompt_len=mean_prompt)
+            self._backend_for_problem[cache_key] = name
+            logger.info("beam_shared_prefix: prefix backend %s serves Hq=%d Hkv=%d D=%d page %d %s, mean prompt %s "
+                        "(requested %s)", name, hq, hkv, d, pg, _dtype_name(dtype),
+                        "unknown" if mean_prompt is None else f"{mean_prompt:.0f}", self.requested_backend)
         backend = self._backends.get(name)
         if backend is None:
             kwargs = dict(kv_layout=self.kv_layout, use_cuda_graph=self.use_cuda_graph, max_requests=self.max_requests,
@@ -250,7 +257,7 @@ class BeamSharedPrefixAttention:
         active = self._active
         if active is not None and active[0] is step_plan and active[1] == problem_key:
             return step_plan
-        backend = self._backend_for(problem_key)
+        backend = self._backend_for(problem_key, step_plan)
         backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, int(page_size), dtype, problem_key[5])
         self._prepare_buffers(step_plan, problem_key, backend)
         self._active = (step_plan, problem_key, backend)

@@ -31,6 +31,29 @@ from .workload import build_workload
 SHAPES = {name: PRESETS[name] for name in ("A", "B-short", "B-medium", "B-long", "B-4B", "B-beam14")}
 
 
+def _resources(cfg_call) -> Dict:
+    """Registers, spills and shared memory of the kernel a call compiles (from Triton's launch result)."""
+    import triton_kernels.cascade as cascade
+
+    seen = {}
+    launch = cascade._launch
+
+    def spy(*args, **kwargs):
+        seen["kernel"] = launch(*args, **kwargs)
+        return seen["kernel"]
+
+    cascade._launch = spy
+    try:
+        cfg_call()
+    finally:
+        cascade._launch = launch
+    k = seen.get("kernel")
+    try:
+        return {"regs": int(k.n_regs), "spills": int(k.n_spills), "smem": int(k.metadata.shared)}
+    except (AttributeError, TypeError):
+        return {}
+
+
 def _cascade_call(wl, table, cfg, out):
     import triton_kernels
 
@@ -70,7 +93,7 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     configs = []
     for beams, block_n, tail_block, warps, stages in grid:
         cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages)
-        if cfg.block_m > 128 or cfg.block_m < 16:
+        if cfg.block_m > 128 or cfg.block_m < 16 or (warps > 4 and cfg.block_m < 128):
             continue
         configs.append(cfg)
     if default not in configs:
@@ -80,14 +103,14 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
         out = torch.full_like(wl.q, float("nan"))
         call = _cascade_call(wl, table, cfg, out)
         try:
-            call()
+            res = _resources(call)
             torch.cuda.synchronize()
             err = ulps_apart(out, ref)
             t = time_cuda([capture_graph(call)], iters=iters, warmup=3).median_us
         except Exception as exc:  # a tiling that does not compile is reported, not fatal
-            results.append({"config": dataclasses.asdict(cfg), "error": str(exc)[:200]})
+            results.append({"config": dataclasses.asdict(cfg), "error": str(exc)[-300:]})
             continue
-        results.append({"config": dataclasses.asdict(cfg), "us": t, "ulps_vs_default": err})
+        results.append({"config": dataclasses.asdict(cfg), "us": t, "ulps_vs_default": err, **res})
     ok = [r for r in results if "us" in r]
     return {
         "shape": shape.name,
@@ -112,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", default="4,8")
     p.add_argument("--num-stages", default="2,3")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--top", type=int, default=4, help="tilings listed per shape")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -134,8 +158,9 @@ def main(argv=None) -> int:
         fmt = lambda x: "-" if x is None else f"{x['us']:.1f} us ({x['us'] / r['floor_us']:.2f}x) {_key(x['config'])}"  # noqa: E731
         print(f"{name:>9}: floor {r['floor_us']:.1f} us | default {fmt(r['default'])} | best {fmt(r['best'])}",
               flush=True)
-        for x in sorted((x for x in r["all"] if "us" in x), key=lambda x: x["us"])[:4]:
-            print(f"{'':>11}{x['us']:.1f} us {_key(x['config'])} {x['ulps_vs_default']:.1f} ulp vs default")
+        for x in sorted((x for x in r["all"] if "us" in x), key=lambda x: x["us"])[:args.top]:
+            print(f"{'':>11}{x['us']:.1f} us {_key(x['config'])} {x['ulps_vs_default']:.1f} ulp vs default, "
+                  f"regs {x.get('regs')} spills {x.get('spills')} smem {x.get('smem')}")
         bad = [x for x in r["all"] if "us" in x and not x["ulps_vs_default"] <= MISMATCH_ULPS]
         if bad:
             print(f"{'':>11}MISMATCH in {len(bad)} tilings, e.g. {_key(bad[0]['config'])} "

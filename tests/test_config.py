@@ -66,7 +66,7 @@ def test_invalid_backend(value):
         load_settings({ENV_BACKEND: value})
     msg = str(e.value)
     assert msg.startswith(f"{ENV_BACKEND}={value!r} is not accepted")
-    assert "use one of: auto, flashinfer, fa4, reference (default auto)" in msg
+    assert "use one of: auto, triton, flashinfer, fa4, reference (default auto)" in msg
 
 
 @pytest.mark.parametrize("value", ["always", "0"])

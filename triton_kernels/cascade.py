@@ -50,6 +50,10 @@ __all__ = [
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # tl.dot needs 16 rows/columns: a tile holds at least 16 beams (padding beams are masked).
 MIN_BEAMS_PER_PROGRAM = 16
+# Prompt tokens per iteration: at least two tensor-core tiles.
+MIN_BLOCK_N = 32
+# Columns of a tail key block (tail_block x beams per program): 16 failed to compile on Triton 3.6.
+MIN_TAIL_COLUMNS = 32
 # Query rows of one tile (beams x padded group): 128 keeps the fp32 accumulator at 64 registers per
 # thread with 8 warps at D = 128; at D = 256 the tile is capped at 64 rows for the same reason.
 MAX_BLOCK_M = {64: 128, 128: 128, 256: 64}
@@ -63,7 +67,7 @@ class CascadeLaunchConfig:
         beams_per_program: beams of one request in one program (a power of two >= 16); the tile has
             ``beams_per_program * group_pad`` query rows, and each program reads the request's prompt.
         group_pad: ``G`` rounded up to a power of two.
-        block_n: prompt tokens per loop iteration (a power of two >= 16).
+        block_n: prompt tokens per loop iteration (a power of two >= 32).
         tail_block: earlier tail positions per key block (a power of two).
         num_warps, num_stages: Triton launch parameters.
     """
@@ -96,20 +100,27 @@ def cascade_supported(group_size: int, head_dim: int) -> Tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def cascade_launch_config(beam_width: int, group_size: int, head_dim: int) -> CascadeLaunchConfig:
-    """The default tiling for a shape (requires :func:`cascade_supported`).
+    """The default tiling for a shape (requires :func:`cascade_supported`), from H200 sweeps
+    (``python -m microbenchmarks.tune_cascade``; ``docs/results/h200/tune_cascade*.json``).
 
-    As many of a request's beams per program as fit a tile of ``MAX_BLOCK_M`` rows (each program
-    reads the prompt, so fewer beam blocks read it fewer times), 64 prompt tokens per iteration,
-    4 warps up to 64 rows and 8 above.
+    - Beams per program: up to 64 query rows per tile (32 beams at G = 2): the kernel is latency-
+      bound at decode shapes and the register file, not the tensor cores, limits how many programs
+      are resident; 128-row tiles were 10-25% slower.
+    - ``tail_block`` 4: a 3-token tail (beam-search decode's common case) is one key block, so its
+      gather chain (source beams, pages, K/V) is walked once (2.4x the floor against 3.3x with 1 or 2).
+    - ``block_n`` 128 prompt tokens per iteration, one stage for 64-row tiles (two stages double
+      the shared memory and halve the resident programs), two for smaller ones.
     """
     group_pad = triton.next_power_of_2(group_size)
-    cap = max(MIN_BEAMS_PER_PROGRAM, MAX_BLOCK_M[head_dim] // group_pad)
+    rows_cap = min(64, MAX_BLOCK_M[head_dim])
+    cap = max(MIN_BEAMS_PER_PROGRAM, rows_cap // group_pad)
     beams = max(MIN_BEAMS_PER_PROGRAM, min(triton.next_power_of_2(beam_width), cap))
     block_m = beams * group_pad
     num_warps = 4 if block_m <= 64 else 8
-    tail_block = 2 if beams <= 32 else 1
-    return CascadeLaunchConfig(beams, group_pad, block_n=64, tail_block=tail_block, num_warps=num_warps,
-                               num_stages=2)
+    tail_block = max(4, MIN_TAIL_COLUMNS // beams)
+    num_stages = 1 if block_m >= 64 else 2
+    return CascadeLaunchConfig(beams, group_pad, block_n=128 if head_dim <= 128 else 64, tail_block=tail_block,
+                               num_warps=num_warps, num_stages=num_stages)
 
 
 def _is_pow2(x) -> bool:
@@ -128,10 +139,14 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int) -> Cas
     for name in ("beams_per_program", "group_pad", "block_n", "tail_block", "num_warps"):
         if not _is_pow2(getattr(cfg, name)):
             raise TailMergeInputError(f"launch_config.{name}={getattr(cfg, name)!r} must be a power of two >= 1.")
-    if cfg.beams_per_program < MIN_BEAMS_PER_PROGRAM or cfg.block_n < 16:
+    if cfg.beams_per_program < MIN_BEAMS_PER_PROGRAM or cfg.block_n < MIN_BLOCK_N:
         raise TailMergeInputError(
-            f"launch_config has beams_per_program={cfg.beams_per_program}, block_n={cfg.block_n}; both must be >= 16 "
-            f"(tensor-core tiles).")
+            f"launch_config has beams_per_program={cfg.beams_per_program}, block_n={cfg.block_n}; they must be >= "
+            f"{MIN_BEAMS_PER_PROGRAM} and >= {MIN_BLOCK_N} (tensor-core tiles).")
+    if cfg.tail_block * cfg.beams_per_program < MIN_TAIL_COLUMNS:
+        raise TailMergeInputError(
+            f"launch_config has tail_block={cfg.tail_block} x beams_per_program={cfg.beams_per_program} = "
+            f"{cfg.tail_block * cfg.beams_per_program} tail key columns; use at least {MIN_TAIL_COLUMNS}.")
     if cfg.group_pad < group_size:
         raise TailMergeInputError(f"launch_config.group_pad={cfg.group_pad} is smaller than the GQA group size "
                                   f"{group_size}; use a power of two >= {group_size}.")
@@ -184,7 +199,7 @@ def _kv_strides(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[int, int, int, 
 
 
 def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int, write_kv: bool, prefix_only: bool,
-            device: torch.device, dtype: torch.dtype) -> None:
+            device: torch.device, dtype: torch.dtype):
     meta = dict(
         GROUP=group_size,
         GROUP_PAD=cfg.group_pad,
@@ -200,9 +215,8 @@ def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int
     )
     if device.type == "cuda":
         with torch.cuda.device(device):
-            beam_cascade_kernel[grid](*args, **meta)
-    else:
-        beam_cascade_kernel[grid](*args, **meta)
+            return beam_cascade_kernel[grid](*args, **meta)
+    return beam_cascade_kernel[grid](*args, **meta)
 
 
 def beam_cascade_attention(

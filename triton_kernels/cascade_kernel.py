@@ -162,85 +162,62 @@ def beam_cascade_kernel(
     first_beam = (pid % num_beam_blocks) * BEAMS
     kv_head = tl.program_id(1)
     kv_head_off = kv_head.to(tl.int64) * stride_kv_head
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_N)
 
-    # Query rows of the tile.
+    # Loads that depend on nothing go out first, together: the prompt length, the queries, the
+    # first prompt block's page entries (table columns past the prompt hold valid pages, and
+    # tokens past the prompt are masked below), and, for the whole step, the beams' lengths and
+    # this step's K/V.
+    prompt_len = tl.load(prompt_lens_ptr + req64 * stride_plen_req)
+    first_pos_ok = n < prompt_capacity
+    first_pages = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (n // page_size) * stride_ppt_col,
+                          mask=first_pos_ok, other=-1)
     m = tl.arange(0, BLOCK_M)
     row_beam = first_beam + m // GROUP_PAD
     g = m % GROUP_PAD
     row_ok = (row_beam < beam_width) & (g < GROUP)
     row64 = req64 * beam_width + row_beam.to(tl.int64)
     q_head = kv_head * GROUP + g
-    d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + row64[:, None] * stride_q_row + q_head[:, None] * stride_q_head + d[None, :],
                 mask=row_ok[:, None], other=0.0)
 
-    prompt_len = tl.load(prompt_lens_ptr + req64 * stride_plen_req)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     if not PREFIX_ONLY:
-        # The block's beams (key-block columns of the current token) and their lengths.
         beam_slot = tl.arange(0, BEAMS)
-        col_beam_of_slot = first_beam + beam_slot
-        slot_ok = col_beam_of_slot < beam_width
-        beam_row64 = req64 * beam_width + col_beam_of_slot.to(tl.int64)
-        kv_len = tl.load(kv_lens_ptr + beam_row64, mask=slot_ok, other=0)
-        cur = kv_len - 1
-        tail_end = tl.minimum(cur, max_seq_len)  # earlier generated positions are [P, tail_end)
-        # 1. The first tail key block's pages, before the prompt loop hides their latency.
+        slot_beam = first_beam + beam_slot
+        slot_ok = slot_beam < beam_width
+        slot_row64 = req64 * beam_width + slot_beam.to(tl.int64)
+        cur = tl.load(kv_lens_ptr + slot_row64, mask=slot_ok, other=0) - 1
+        k_cur = tl.load(new_k_ptr + slot_row64[:, None] * stride_new_k_row + kv_head * stride_new_k_head + d[None, :],
+                        mask=slot_ok[:, None], other=0.0)
+        v_cur = tl.load(new_v_ptr + slot_row64[:, None] * stride_new_v_row + kv_head * stride_new_v_head + d[None, :],
+                        mask=slot_ok[:, None], other=0.0)
+        # Tail key-block columns: column c is position t0 + c // BEAMS of beam slot c % BEAMS.
         tc = tl.arange(0, TAIL_COLS)
         tcol_slot = tc % BEAMS
         tcol_beam = first_beam + tcol_slot
         tcol_step = tc // BEAMS
         tcol_end = tl.load(kv_lens_ptr + req64 * beam_width + tcol_beam.to(tl.int64),
                            mask=tcol_beam < beam_width, other=0) - 1
-        tcol_end = tl.minimum(tcol_end, max_seq_len)
+        tcol_end = tl.minimum(tcol_end, max_seq_len)  # earlier generated positions are [P, tcol_end)
         tail_pages = _tail_block_pages(
             ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
             req64, beam_width, tcol_beam, prompt_len + tcol_step, tcol_end, page_size, page_index_divisor, num_pages,
         )
-        k_cur = tl.load(new_k_ptr + beam_row64[:, None] * stride_new_k_row + kv_head * stride_new_k_head + d[None, :],
-                        mask=slot_ok[:, None], other=0.0)
-        v_cur = tl.load(new_v_ptr + beam_row64[:, None] * stride_new_v_row + kv_head * stride_new_v_head + d[None, :],
-                        mask=slot_ok[:, None], other=0.0)
 
-    # 2. The shared prompt, once for every row of the tile.
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    # The table's columns bound the prompt (never read past the table), whatever prompt_lens says.
-    prompt_end = tl.minimum(prompt_len, prompt_capacity)
-    for start in range(0, prompt_end, BLOCK_N):
-        pos = start + n
-        pos_ok = pos < prompt_end
-        page = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (pos // page_size) * stride_ppt_col,
-                       mask=pos_ok, other=-1)
-        tok_ok = pos_ok & (page >= 0) & (page < num_pages)
-        offs = page.to(tl.int64) * stride_kv_page + kv_head_off + (pos % page_size).to(tl.int64) * stride_kv_slot
-        k = tl.load(kv_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
-        v = tl.load(kv_ptr + stride_kv_kv + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), DOT_FP32) * qk_scale_log2
-        s = tl.where(tok_ok[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_block(s, m_i, l_i, acc, v, DOT_FP32)
-
-    if PREFIX_ONLY:
-        # Normalised prefix output and its base-2 LSE; an empty prompt gives 0 and -inf (the tail
-        # kernel's convention for "no prefix").
-        has = l_i > 0.0
-        o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + row64 * stride_lse_row + q_head * stride_lse_head, lse, mask=row_ok)
-    else:
-        own_beam = (m // GROUP_PAD)[:, None]  # a row sees only its own beam's tail columns
-
-        # 3. This step's token, from new_k/new_v, and its write into each beam's own page.
-        s = _dot(q, tl.trans(k_cur), DOT_FP32) * qk_scale_log2
-        s = tl.where((own_beam == beam_slot[None, :]) & slot_ok[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_block(s, m_i, l_i, acc, v_cur, DOT_FP32)
+        # 1. This step's token, from registers (a row sees only its own beam's column), and its
+        #    write into each beam's own page. A position inside the prompt (kv_len <= prompt_len,
+        #    invalid input) is never written: prompt pages are shared by every beam of the request.
+        s_cur = _dot(q, tl.trans(k_cur), DOT_FP32) * qk_scale_log2
+        s_cur = tl.where(((m // GROUP_PAD)[:, None] == beam_slot[None, :]) & slot_ok[None, :], s_cur, float("-inf"))
+        m_i, l_i, acc = _online_softmax_block(s_cur, m_i, l_i, acc, v_cur, DOT_FP32)
         if WRITE_KV:
-            # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written:
-            # prompt pages are shared by every beam of the request.
             w_ok = slot_ok & (cur >= prompt_len) & (cur >= 0) & (cur < max_seq_len)
-            w_entry = tl.load(beam_pt_ptr + beam_row64 * stride_bpt_row + (cur // page_size).to(tl.int64) * stride_bpt_col,
+            w_entry = tl.load(beam_pt_ptr + slot_row64 * stride_bpt_row + (cur // page_size).to(tl.int64) * stride_bpt_col,
                               mask=w_ok, other=-1)
             w_page = (w_entry // page_index_divisor).to(tl.int64)
             w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
@@ -248,10 +225,9 @@ def beam_cascade_kernel(
             tl.store(kv_ptr + w_offs[:, None] + d[None, :], k_cur, mask=w_ok[:, None])
             tl.store(kv_ptr + stride_kv_kv + w_offs[:, None] + d[None, :], v_cur, mask=w_ok[:, None])
 
-        # 4. Earlier generated positions, TAIL_BLOCK per key block, the next block's pages
-        #    requested before this block's K/V are consumed.
-        block_end = tl.max(tail_end, axis=0)
-        tail_mask_rows = own_beam == tcol_slot[None, :]
+        # 2. Earlier generated positions, TAIL_BLOCK per key block; the next block's pages are
+        #    requested before this block's K/V are consumed. Device-side bounds: no tail-length limit.
+        block_end = tl.max(tcol_end, axis=0)
         for t0 in range(prompt_len, block_end, TAIL_BLOCK):
             tpos = t0 + tcol_step
             col_ok = tail_pages >= 0
@@ -264,9 +240,37 @@ def beam_cascade_kernel(
                 req64, beam_width, tcol_beam, tpos + TAIL_BLOCK, tcol_end, page_size, page_index_divisor, num_pages,
             )
             s_t = _dot(q, tl.trans(k_t), DOT_FP32) * qk_scale_log2
-            s_t = tl.where(tail_mask_rows & col_ok[None, :], s_t, float("-inf"))
+            s_t = tl.where(((m // GROUP_PAD)[:, None] == tcol_slot[None, :]) & col_ok[None, :], s_t, float("-inf"))
             m_i, l_i, acc = _online_softmax_block(s_t, m_i, l_i, acc, v_t, DOT_FP32)
-        o = acc / l_i[:, None]  # l >= 1: the current token's column is finite for every real row
+
+    # 3. The shared prompt, once for every row of the tile. The table's columns bound it (never a
+    #    read past the table), whatever prompt_lens says; every load is masked to the prompt.
+    prompt_end = tl.minimum(prompt_len, prompt_capacity)
+    pages = first_pages
+    for start in range(0, prompt_end, BLOCK_N):
+        pos = start + n
+        tok_ok = (pos < prompt_end) & (pages >= 0) & (pages < num_pages)
+        offs = tl.where(tok_ok, pages, 0).to(tl.int64) * stride_kv_page + kv_head_off + (
+            (pos % page_size).to(tl.int64) * stride_kv_slot)
+        k = tl.load(kv_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+        v = tl.load(kv_ptr + stride_kv_kv + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+        next_pos = pos + BLOCK_N
+        pages = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (next_pos // page_size) * stride_ppt_col,
+                        mask=next_pos < prompt_end, other=-1)
+        s_p = _dot(q, tl.trans(k), DOT_FP32) * qk_scale_log2
+        s_p = tl.where(tok_ok[None, :], s_p, float("-inf"))
+        m_i, l_i, acc = _online_softmax_block(s_p, m_i, l_i, acc, v, DOT_FP32)
 
     out_offs = row64[:, None] * stride_out_row + q_head[:, None] * stride_out_head + d[None, :]
-    tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if PREFIX_ONLY:
+        # Normalised prefix output and its base-2 LSE; an empty prompt gives 0 and -inf (the tail
+        # kernel's convention for "no prefix").
+        has = l_i > 0.0
+        l_safe = tl.where(has, l_i, 1.0)
+        tl.store(lse_ptr + row64 * stride_lse_row + q_head * stride_lse_head,
+                 tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+        tl.store(out_ptr + out_offs, tl.where(has[:, None], acc / l_safe[:, None], 0.0).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        # l >= 1 for every real row: the running max came from a finite column (its own current token).
+        tl.store(out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

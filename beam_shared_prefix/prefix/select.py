@@ -3,12 +3,15 @@
 Rule of ``"auto"`` (:func:`choose_prefix_backend`), in order:
 
 1. not a CUDA device: ``reference`` (the torch path, the library's CPU path);
-2. ``fa4`` when :meth:`FA4PrefixBackend.is_available` accepts the shape (SM90/SM100, bf16, head size
+2. ``triton`` (the one-launch cascade kernel) when the batch's prompts are short enough and its
+   GQA group small enough that it measured faster than the two-launch paths on the H200
+   (:func:`cascade_preferred`; it also needs :meth:`TritonPrefixBackend.is_available`);
+3. ``fa4`` when :meth:`FA4PrefixBackend.is_available` accepts the shape (SM90/SM100, bf16, head size
    64/128, page size other than 128, ``flash_attn.cute`` importable): measured on the H200 at
    128 requests x 96 beams x 3,000-token prompts (GQA 16/8, head 128, page 32), FA4's prefix took
    0.86 ms against FlashInfer's 1.27 ms;
-3. ``flashinfer`` when importable and the shape is supported (bf16/fp16, head size 64/128/256);
-4. ``reference``, with a warning: correct everywhere, slow on a GPU.
+4. ``flashinfer`` when importable and the shape is supported (bf16/fp16, head size 64/128/256);
+5. ``reference``, with a warning: correct everywhere, slow on a GPU.
 
 An explicit ``"fa4"`` that declines falls back to ``"flashinfer"`` (the decline is logged with its
 reason); an explicit ``"flashinfer"`` or a declined ``"fa4"`` with no FlashInfer raises, since the
@@ -17,7 +20,7 @@ caller asked for a fast GPU path.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple, Type
+from typing import Dict, List, Optional, Tuple, Type
 
 import torch
 
@@ -27,7 +30,15 @@ from .flashinfer import FlashInferPrefixBackend
 from .reference import ReferencePrefixBackend
 from .triton import TritonPrefixBackend
 
-__all__ = ["BACKEND_CLASSES", "choose_prefix_backend", "resolve_prefix_backend"]
+__all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "resolve_prefix_backend",
+           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_GROUP"]
+
+# Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 x 30 beams, GQA 16/8, head
+# 128, page 32; docs/benchmarks.md, "The one-launch cascade"): prompts of 100-500 tokens, groups of 1-2.
+# Above them FA4's prefix pipeline wins (2,000 tokens), and at G = 4 the cascade tile's register use
+# leaves it 36% slower than FA4 + tail (B-4B).
+CASCADE_MAX_MEAN_PROMPT = 1024
+CASCADE_MAX_GROUP = 2
 
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
     "reference": ReferencePrefixBackend,
@@ -35,6 +46,22 @@ BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
     "fa4": FA4PrefixBackend,
     "triton": TritonPrefixBackend,
 }
+
+
+def cascade_preferred(mean_prompt_len: Optional[float], num_qo_heads: int, num_kv_heads: int) -> Tuple[bool, str]:
+    """Whether ``auto`` picks the one-launch cascade for a batch: ``(True, "")`` or ``(False, reason)``.
+
+    ``mean_prompt_len`` is the batch's mean prompt length in tokens (``None``: unknown, not preferred).
+    """
+    group = num_qo_heads // max(num_kv_heads, 1)
+    if group > CASCADE_MAX_GROUP:
+        return False, f"GQA group {group} > {CASCADE_MAX_GROUP} (measured slower than FA4 + tail there)"
+    if mean_prompt_len is None:
+        return False, "prompt lengths unknown"
+    if mean_prompt_len > CASCADE_MAX_MEAN_PROMPT:
+        return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {CASCADE_MAX_MEAN_PROMPT} (measured slower than "
+                       f"FA4 + tail there)")
+    return True, ""
 
 
 def choose_prefix_backend(
@@ -45,13 +72,21 @@ def choose_prefix_backend(
     num_kv_heads: int,
     page_size: int,
     kv_layout: str = "HND",
+    mean_prompt_len: Optional[float] = None,
 ) -> Tuple[str, List[str]]:
-    """The ``backend="auto"`` choice for a shape: ``(name, [reasons the faster backends declined])``."""
+    """The ``backend="auto"`` choice for a shape: ``(name, [reasons the faster backends declined])``.
+
+    ``mean_prompt_len`` (tokens, the batch's mean) lets the rule pick the one-launch cascade.
+    """
     device = torch.device(device)
     if device.type != "cuda":
         return "reference", [f"device {device} is not CUDA: the torch reference path serves it"]
     declined = []
-    for name in ("fa4", "flashinfer"):
+    preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads)
+    candidates = ("triton", "fa4", "flashinfer") if preferred else ("fa4", "flashinfer")
+    if not preferred:
+        declined.append(f"triton: {why}")
+    for name in candidates:
         ok, reason = BACKEND_CLASSES[name].is_available(
             device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size, kv_layout
         )
@@ -70,8 +105,11 @@ def resolve_prefix_backend(
     num_kv_heads: int,
     page_size: int,
     kv_layout: str = "HND",
+    mean_prompt_len: Optional[float] = None,
 ) -> str:
-    """The backend that will run for ``requested`` (``auto``/``fa4``/``flashinfer``/``reference``).
+    """The backend that will run for ``requested`` (``auto``/``triton``/``fa4``/``flashinfer``/``reference``).
+
+    ``mean_prompt_len``: the batch's mean prompt length (tokens), for the ``auto`` rule.
 
     Declines are logged on the ``beam_shared_prefix`` logger with their reason.
 
@@ -80,7 +118,7 @@ def resolve_prefix_backend(
     """
     if requested == "auto":
         name, declined = choose_prefix_backend(device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size,
-                                               kv_layout)
+                                               kv_layout, mean_prompt_len)
         for reason in declined:
             logger.info("beam_shared_prefix: backend=auto declined %s", reason)
         if name == "reference" and torch.device(device).type == "cuda":

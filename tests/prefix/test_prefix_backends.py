@@ -229,7 +229,13 @@ def test_declines_name_their_reason(fake_sm):
         ok, why = cls.is_available(cuda, bf16, 128, 16, 8, 32)
         assert not ok and package in why and "install" in why
     name, declined = choose_prefix_backend(cuda, bf16, 128, 16, 8, 32)
-    assert name == "reference" and len(declined) == 2
+    assert name == "reference" and len(declined) == 3 and "prompt lengths unknown" in declined[0]
+    # Short prompts and a small group: the one-launch cascade (it needs only Triton).
+    assert choose_prefix_backend(cuda, bf16, 128, 16, 8, 32, mean_prompt_len=100) == ("triton", [])
+    name, declined = choose_prefix_backend(cuda, bf16, 128, 16, 8, 32, mean_prompt_len=4000)
+    assert name == "reference" and "mean prompt 4000 tokens > 1024" in declined[0]
+    name, declined = choose_prefix_backend(cuda, bf16, 128, 32, 8, 32, mean_prompt_len=100)
+    assert name == "reference" and "GQA group 4 > 2" in declined[0]
     with pytest.raises(PrefixBackendError, match="fa4: .*flashinfer: "):
         resolve_prefix_backend("fa4", cuda, bf16, 128, 16, 8, 32)
     fake_sm((8, 0))
@@ -243,7 +249,7 @@ def test_declines_name_their_reason(fake_sm):
 def test_auto_on_cpu_is_the_reference():
     assert choose_prefix_backend("cpu", torch.bfloat16, 128, 16, 8, 32)[0] == "reference"
     assert resolve_prefix_backend("auto", "cpu", torch.bfloat16, 128, 16, 8, 32) == "reference"
-    assert set(BACKEND_CLASSES) == {"reference", "flashinfer", "fa4"}
+    assert set(BACKEND_CLASSES) == {"reference", "flashinfer", "fa4", "triton"}
 
 
 # --------------------------------------------------------------------------------------------

@@ -95,8 +95,8 @@ def test_cascade_matches_oracle_over_steps(name, sim_kw, call_kw, steps, joins, 
 
 TILINGS = [
     # beams_per_program 16 < W: several beam blocks per request, the last one partly padding;
-    # tail_block 1 and 4 (a key block wider than the tail); block_n 16 < page size; one stage.
-    ("beam_blocks_tail1", CascadeLaunchConfig(16, 4, block_n=16, tail_block=1, num_warps=4, num_stages=1)),
+    # tail_block 2 and 4 (a key block wider than the tail); block_n 32 > page size 16; one stage.
+    ("beam_blocks_tail2", CascadeLaunchConfig(16, 4, block_n=32, tail_block=2, num_warps=4, num_stages=1)),
     ("wide_tail_block", CascadeLaunchConfig(32, 4, block_n=32, tail_block=4, num_warps=4, num_stages=2)),
     ("wide_group_pad", CascadeLaunchConfig(16, 8, block_n=64, tail_block=2, num_warps=8, num_stages=3)),
 ]
@@ -188,8 +188,9 @@ def test_refuses_shapes_it_does_not_tile(device):
 @pytest.mark.parametrize("mutate,match", [
     (lambda a: a.update(prompt_page_table=a["prompt_page_table"].long()), "prompt_page_table has dtype int64"),
     (lambda a: a.update(prompt_page_table=a["prompt_page_table"][:1]), "R=2 requests"),
-    (lambda a: a.update(launch_config=CascadeLaunchConfig(8, 2)), "both must be >= 16"),
+    (lambda a: a.update(launch_config=CascadeLaunchConfig(8, 2)), "must be >= 16 and >= 32"),
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 1)), "group_pad=1 is smaller"),
+    (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, tail_block=1)), "16 tail key columns"),
     (lambda a: a.update(beam_width=3), "not a multiple of beam_width=3"),
 ])
 def test_refuses_bad_arguments(mutate, match, device):
@@ -219,4 +220,4 @@ def test_default_config_fits_the_tile_limits():
     for w, g, d in [(30, 2, 128), (30, 4, 128), (14, 2, 128), (96, 2, 128), (256, 8, 128), (4, 1, 64), (30, 4, 256)]:
         cfg = cascade_launch_config(w, g, d)
         assert cfg.beams_per_program >= 16 and cfg.group_pad >= g
-        assert cfg.block_m <= (64 if d == 256 else 128)
+        assert cfg.block_m <= (64 if d == 256 else 128) and cfg.tail_block * cfg.beams_per_program >= 32
