@@ -93,7 +93,7 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     configs = []
     for beams, block_n, tail_block, warps, stages in grid:
         cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages)
-        if cfg.block_m > 128 or cfg.block_m < 16 or (warps > 4 and cfg.block_m < 128):
+        if cfg.block_m > 128 or cfg.block_m < 16 or (warps > 4 and cfg.block_m < 64) or beams * tail_block < 32:
             continue
         configs.append(cfg)
     if default not in configs:
@@ -136,6 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-stages", default="2,3")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=4, help="tilings listed per shape")
+    p.add_argument("--default-only", action="store_true", help="time only each shape's default tiling")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -143,8 +144,8 @@ def main(argv=None) -> int:
         print("tune_cascade: no CUDA device; nothing to tune.")
         return 0
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    grid = list(itertools.product(ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps),
-                                  ints(args.num_stages)))
+    grid = [] if args.default_only else list(itertools.product(
+        ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps), ints(args.num_stages)))
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")

@@ -60,7 +60,7 @@ def test_accepted_values_are_documented():
         assert f"``{name}``" in config.__doc__
 
 
-@pytest.mark.parametrize("value", ["flash", "triton", "fa3", "auto,fa4"])
+@pytest.mark.parametrize("value", ["flash", "cutlass", "fa3", "auto,fa4"])
 def test_invalid_backend(value):
     with pytest.raises(ConfigError) as e:
         load_settings({ENV_BACKEND: value})
