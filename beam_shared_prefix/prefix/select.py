@@ -34,10 +34,10 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "res
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_GROUP"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 x 30 beams, GQA 16/8, head
-# 128, page 32; docs/benchmarks.md, "The one-launch cascade"): prompts of 100-500 tokens, groups of 1-2.
-# Above them FA4's prefix pipeline wins (2,000 tokens), and at G = 4 the cascade tile's register use
-# leaves it 36% slower than FA4 + tail (B-4B).
-CASCADE_MAX_MEAN_PROMPT = 1024
+# 128, page 32, tail 4; docs/benchmarks.md, "The one-launch cascade"): 15% faster at 250-token
+# prompts, 7% at 500, 6% slower at 1,000 and 15% at 2,000; at G = 4 (B-4B) 38% slower. The
+# threshold sits between the measured win and loss, nearer the win.
+CASCADE_MAX_MEAN_PROMPT = 640
 CASCADE_MAX_GROUP = 2
 
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {

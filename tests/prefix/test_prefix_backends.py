@@ -233,7 +233,7 @@ def test_declines_name_their_reason(fake_sm):
     # Short prompts and a small group: the one-launch cascade (it needs only Triton).
     assert choose_prefix_backend(cuda, bf16, 128, 16, 8, 32, mean_prompt_len=100) == ("triton", [])
     name, declined = choose_prefix_backend(cuda, bf16, 128, 16, 8, 32, mean_prompt_len=4000)
-    assert name == "reference" and "mean prompt 4000 tokens > 1024" in declined[0]
+    assert name == "reference" and "mean prompt 4000 tokens > 640" in declined[0]
     name, declined = choose_prefix_backend(cuda, bf16, 128, 32, 8, 32, mean_prompt_len=100)
     assert name == "reference" and "GQA group 4 > 2" in declined[0]
     with pytest.raises(PrefixBackendError, match="fa4: .*flashinfer: "):
