@@ -6,8 +6,8 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-ALL_ARMS = {"library/flashinfer", "library/fa4", "prefix/flashinfer", "prefix/fa4", "tail/triton", "fi-decode-tc",
-            "fi-decode-cc", "fi-cascade"}
+ALL_ARMS = {"library/auto", "library/flashinfer", "library/fa4", "library/triton", "prefix/flashinfer", "prefix/fa4",
+            "prefix/triton", "tail/triton", "fi-decode-tc", "fi-decode-cc", "fi-cascade"}
 
 
 def test_every_arm_runs_checks_and_times(tmp_path):

@@ -53,7 +53,8 @@ def test_gpu_steps_match_oracle(gpu_model, kind):
         setup.sim.end_step(write_kv=False)
     assert stats()["generation_forwards"] == 4 and stats()["mixed_batches"] == 1
     (wrapper,) = planning.metadata_state(setup.engine.metadata).wrappers.values()
-    assert wrapper.backend_name in ("fa4", "flashinfer")
+    # The auto rule: short prompts and a small group take the one-launch cascade, others FA4/FlashInfer.
+    assert wrapper.backend_name in ("triton", "fa4", "flashinfer")
 
 
 def test_gpu_cuda_graph_capture_and_replay(gpu_model):
