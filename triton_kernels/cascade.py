@@ -52,8 +52,6 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MIN_BEAMS_PER_PROGRAM = 16
 # Prompt tokens per iteration: at least two tensor-core tiles.
 MIN_BLOCK_N = 32
-# Schedule of the generated positions (CascadeLaunchConfig.tail_first) in the default tiling.
-DEFAULT_TAIL_FIRST = True
 # Columns of a tail key block (tail_block x beams per program): 16 failed to compile on Triton 3.6.
 MIN_TAIL_COLUMNS = 32
 # Query rows of one tile (beams x padded group): 128 keeps the fp32 accumulator at 64 registers per
@@ -126,7 +124,7 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int) -> Ca
     tail_block = max(4, MIN_TAIL_COLUMNS // beams)
     num_stages = 1 if block_m >= 64 else 2
     return CascadeLaunchConfig(beams, group_pad, block_n=128 if head_dim <= 128 else 64, tail_block=tail_block,
-                               num_warps=num_warps, num_stages=num_stages, tail_first=DEFAULT_TAIL_FIRST)
+                               num_warps=num_warps, num_stages=num_stages)
 
 
 def _is_pow2(x) -> bool:
