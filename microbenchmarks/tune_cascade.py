@@ -67,8 +67,7 @@ def _cascade_call(wl, table, cfg, out):
 
 
 def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: float) -> Dict:
-    """Check and time every tiling of ``grid`` (``(beams, block_n, tail_block, num_warps, num_stages,
-    tail_first)``) on
+    """Check and time every tiling of ``grid`` (``(beams, block_n, tail_block, num_warps, num_stages)``) on
     ``shape``; returns the shape's ``floor_us``, ``default``, ``best`` and ``all`` results (us, ulps)."""
     import numpy as np
 
@@ -92,8 +91,8 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     floor_us = full["bytes"] / bandwidth * 1e6
 
     configs = []
-    for beams, block_n, tail_block, warps, stages, tail_first in grid:
-        cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages, bool(tail_first))
+    for beams, block_n, tail_block, warps, stages in grid:
+        cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages)
         if cfg.block_m > 128 or cfg.block_m < 16 or (warps > 4 and cfg.block_m < 64) or beams * tail_block < 32:
             continue
         configs.append(cfg)
@@ -124,7 +123,7 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
 
 def _key(config: Dict) -> tuple:
     return (config["beams_per_program"], config["block_n"], config["tail_block"], config["num_warps"],
-            config["num_stages"], int(config["tail_first"]))
+            config["num_stages"])
 
 
 def main(argv=None) -> int:
@@ -135,7 +134,6 @@ def main(argv=None) -> int:
     p.add_argument("--tail-block", default="1,2")
     p.add_argument("--num-warps", default="4,8")
     p.add_argument("--num-stages", default="2,3")
-    p.add_argument("--tail-first", default="1,0", help="1: generated positions before the prompt, 0: after")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=4, help="tilings listed per shape")
     p.add_argument("--default-only", action="store_true", help="time only each shape's default tiling")
@@ -147,14 +145,13 @@ def main(argv=None) -> int:
         return 0
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     grid = [] if args.default_only else list(itertools.product(
-        ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps), ints(args.num_stages),
-        ints(args.tail_first)))
+        ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps), ints(args.num_stages)))
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
-          f"(beams, block_n, tail_block, num_warps, num_stages, tail_first)", flush=True)
+          f"(beams, block_n, tail_block, num_warps, num_stages)", flush=True)
     report = []
     for name in args.shapes.split(","):
         r = tune_shape(SHAPES[name], grid, args.iters, bandwidth)

@@ -70,9 +70,6 @@ class CascadeLaunchConfig:
         block_n: prompt tokens per loop iteration (a power of two >= 32).
         tail_block: earlier tail positions per key block (a power of two).
         num_warps, num_stages: Triton launch parameters.
-        tail_first: attend the generated positions before the prompt (their index chain, source
-            beams then pages then K/V, is walked first) or after it (the source beams are requested
-            before the prompt loop and arrive during it).
     """
 
     beams_per_program: int
@@ -81,7 +78,6 @@ class CascadeLaunchConfig:
     tail_block: int = 2
     num_warps: int = 4
     num_stages: int = 2
-    tail_first: bool = True
 
     @property
     def block_m(self) -> int:
@@ -213,7 +209,6 @@ def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int
         TAIL_BLOCK=cfg.tail_block,
         WRITE_KV=bool(write_kv),
         PREFIX_ONLY=bool(prefix_only),
-        TAIL_FIRST=bool(cfg.tail_first),
         DOT_FP32=device.type != "cuda" and dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -73,26 +73,23 @@ def _online_softmax_block(s, m_i, l_i, acc, v, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _tail_sources(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64, col_beam, col_pos, col_beam_end):
-    """Source beams of a tail key block's columns (``[TAIL_BLOCK * BEAMS]`` int32), ``-1`` where the
-    position is at or past that beam's ``L - 1`` (``col_beam_end``). Column ``c`` is position
-    ``col_pos[c]`` of beam ``col_beam[c]``."""
+def _tail_block_pages(
+    ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
+    req64, beam_width, col_beam, col_pos, col_beam_end, page_size, page_index_divisor, num_pages,
+):
+    """Pages of a tail key block's columns (``[TAIL_BLOCK * BEAMS]`` int64), ``-1`` where masked.
+
+    Column ``c`` is position ``col_pos[c]`` of beam ``col_beam[c]``; it is valid when the position is
+    before ``col_beam_end[c]`` (that beam's ``L - 1``), its source beam lies in ``[0, W)`` and the
+    page-table entry gives a page in ``[0, num_pages)``.
+    """
     ok = col_pos < col_beam_end
     src = tl.load(
         ci_ptr + req64 * stride_ci_req + col_beam.to(tl.int64) * stride_ci_beam + col_pos.to(tl.int64) * stride_ci_pos,
         mask=ok,
-        other=-1,
+        other=0,
     )
-    return tl.where(ok, src, -1)
-
-
-@triton.jit
-def _tail_pages(beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, src, col_pos, page_size,
-                page_index_divisor, num_pages):
-    """Pages (int64, ``-1`` where masked) of the columns whose source beams are ``src``: the entry of
-    row ``r*W + src`` at ``col_pos // page_size``, valid when ``src`` is in ``[0, W)`` and the page in
-    ``[0, num_pages)``."""
-    ok = (src >= 0) & (src < beam_width)
+    ok = ok & (src >= 0) & (src < beam_width)
     entry = tl.load(
         beam_pt_ptr + (req64 * beam_width + src) * stride_bpt_row + (col_pos // page_size).to(tl.int64) * stride_bpt_col,
         mask=ok,
@@ -100,67 +97,6 @@ def _tail_pages(beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, 
     )
     page = entry // page_index_divisor  # int32 division: entries are >= 0 when used
     return tl.where(ok & (entry >= 0) & (page < num_pages), page.to(tl.int64), -1)
-
-
-@triton.jit
-def _attend_generated(
-    q, m_i, l_i, acc, m, kv_ptr, new_k_ptr, new_v_ptr, beam_pt_ptr, kv_lens_ptr, ci_ptr,
-    stride_new_k_row, stride_new_k_head, stride_new_v_row, stride_new_v_head, stride_kv_page, stride_kv_kv,
-    stride_kv_slot, stride_bpt_row, stride_bpt_col, stride_ci_req, stride_ci_beam, stride_ci_pos,
-    req64, kv_head, kv_head_off, first_beam, beam_width, prompt_len, tail_pages, tcol_slot, tcol_beam,
-    tcol_step, tcol_end, page_size, page_index_divisor, num_pages, max_seq_len, qk_scale_log2,
-    GROUP_PAD: tl.constexpr, BEAMS: tl.constexpr, HEAD_DIM: tl.constexpr, TAIL_BLOCK: tl.constexpr,
-    WRITE_KV: tl.constexpr, DOT_FP32: tl.constexpr,
-):
-    """This step's token and the earlier generated positions folded into ``(m, l, acc)``; returns them.
-
-    ``tail_pages`` are the first tail key block's pages (requested by the caller, as early as its
-    schedule allows). A row sees only its own beam's columns.
-    """
-    d = tl.arange(0, HEAD_DIM)
-    own_slot = (m // GROUP_PAD)[:, None]
-    # This step's token, and its write into each beam's own page. A position inside the prompt
-    # (kv_len <= prompt_len, invalid input) is never written: prompt pages are shared by all beams.
-    beam_slot = tl.arange(0, BEAMS)
-    slot_beam = first_beam + beam_slot
-    slot_ok = slot_beam < beam_width
-    slot_row64 = req64 * beam_width + slot_beam.to(tl.int64)
-    cur = tl.load(kv_lens_ptr + slot_row64, mask=slot_ok, other=0) - 1
-    k_cur = tl.load(new_k_ptr + slot_row64[:, None] * stride_new_k_row + kv_head * stride_new_k_head + d[None, :],
-                    mask=slot_ok[:, None], other=0.0)
-    v_cur = tl.load(new_v_ptr + slot_row64[:, None] * stride_new_v_row + kv_head * stride_new_v_head + d[None, :],
-                    mask=slot_ok[:, None], other=0.0)
-    s_cur = _dot(q, tl.trans(k_cur), DOT_FP32) * qk_scale_log2
-    s_cur = tl.where((own_slot == beam_slot[None, :]) & slot_ok[None, :], s_cur, float("-inf"))
-    m_i, l_i, acc = _online_softmax_block(s_cur, m_i, l_i, acc, v_cur, DOT_FP32)
-    if WRITE_KV:
-        w_ok = slot_ok & (cur >= prompt_len) & (cur >= 0) & (cur < max_seq_len)
-        w_entry = tl.load(beam_pt_ptr + slot_row64 * stride_bpt_row + (cur // page_size).to(tl.int64) * stride_bpt_col,
-                          mask=w_ok, other=-1)
-        w_page = (w_entry // page_index_divisor).to(tl.int64)
-        w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
-        w_offs = w_page * stride_kv_page + kv_head_off + (cur % page_size).to(tl.int64) * stride_kv_slot
-        tl.store(kv_ptr + w_offs[:, None] + d[None, :], k_cur, mask=w_ok[:, None])
-        tl.store(kv_ptr + stride_kv_kv + w_offs[:, None] + d[None, :], v_cur, mask=w_ok[:, None])
-
-    # Earlier generated positions, TAIL_BLOCK per key block; the next block's pages are requested
-    # before this block's K/V are consumed. Device-side bounds: no tail-length limit.
-    block_end = tl.max(tcol_end, axis=0)
-    for t0 in range(prompt_len, block_end, TAIL_BLOCK):
-        tpos = t0 + tcol_step
-        col_ok = tail_pages >= 0
-        toffs = (tl.where(col_ok, tail_pages, 0) * stride_kv_page + kv_head_off
-                 + (tpos % page_size).to(tl.int64) * stride_kv_slot)
-        k_t = tl.load(kv_ptr + toffs[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
-        v_t = tl.load(kv_ptr + stride_kv_kv + toffs[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
-        next_src = _tail_sources(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64, tcol_beam,
-                                 tpos + TAIL_BLOCK, tcol_end)
-        tail_pages = _tail_pages(beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, next_src,
-                                 tpos + TAIL_BLOCK, page_size, page_index_divisor, num_pages)
-        s_t = _dot(q, tl.trans(k_t), DOT_FP32) * qk_scale_log2
-        s_t = tl.where((own_slot == tcol_slot[None, :]) & col_ok[None, :], s_t, float("-inf"))
-        m_i, l_i, acc = _online_softmax_block(s_t, m_i, l_i, acc, v_t, DOT_FP32)
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -214,7 +150,6 @@ def beam_cascade_kernel(
     TAIL_BLOCK: tl.constexpr,
     WRITE_KV: tl.constexpr,
     PREFIX_ONLY: tl.constexpr,
-    TAIL_FIRST: tl.constexpr = True,
     DOT_FP32: tl.constexpr = False,
 ):
     """Grid ``(R * num_beam_blocks, Hkv)``; arguments and element strides as the launchers in
@@ -252,6 +187,15 @@ def beam_cascade_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     if not PREFIX_ONLY:
+        beam_slot = tl.arange(0, BEAMS)
+        slot_beam = first_beam + beam_slot
+        slot_ok = slot_beam < beam_width
+        slot_row64 = req64 * beam_width + slot_beam.to(tl.int64)
+        cur = tl.load(kv_lens_ptr + slot_row64, mask=slot_ok, other=0) - 1
+        k_cur = tl.load(new_k_ptr + slot_row64[:, None] * stride_new_k_row + kv_head * stride_new_k_head + d[None, :],
+                        mask=slot_ok[:, None], other=0.0)
+        v_cur = tl.load(new_v_ptr + slot_row64[:, None] * stride_new_v_row + kv_head * stride_new_v_head + d[None, :],
+                        mask=slot_ok[:, None], other=0.0)
         # Tail key-block columns: column c is position t0 + c // BEAMS of beam slot c % BEAMS.
         tc = tl.arange(0, TAIL_COLS)
         tcol_slot = tc % BEAMS
@@ -260,23 +204,46 @@ def beam_cascade_kernel(
         tcol_end = tl.load(kv_lens_ptr + req64 * beam_width + tcol_beam.to(tl.int64),
                            mask=tcol_beam < beam_width, other=0) - 1
         tcol_end = tl.minimum(tcol_end, max_seq_len)  # earlier generated positions are [P, tcol_end)
-        # The first tail block's source beams go out now; nothing waits for them yet.
-        first_src = _tail_sources(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64, tcol_beam,
-                                  prompt_len + tcol_step, tcol_end)
-        if TAIL_FIRST:
-            # The generated positions before the prompt: their index chain is walked first.
-            tail_pages = _tail_pages(beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, first_src,
-                                     prompt_len + tcol_step, page_size, page_index_divisor, num_pages)
-            m_i, l_i, acc = _attend_generated(
-                q, m_i, l_i, acc, m, kv_ptr, new_k_ptr, new_v_ptr, beam_pt_ptr, kv_lens_ptr, ci_ptr,
-                stride_new_k_row, stride_new_k_head, stride_new_v_row, stride_new_v_head, stride_kv_page, stride_kv_kv,
-                stride_kv_slot, stride_bpt_row, stride_bpt_col, stride_ci_req, stride_ci_beam, stride_ci_pos,
-                req64, kv_head, kv_head_off, first_beam, beam_width, prompt_len, tail_pages, tcol_slot, tcol_beam,
-                tcol_step, tcol_end, page_size, page_index_divisor, num_pages, max_seq_len, qk_scale_log2,
-                GROUP_PAD, BEAMS, HEAD_DIM, TAIL_BLOCK, WRITE_KV, DOT_FP32,
-            )
+        tail_pages = _tail_block_pages(
+            ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
+            req64, beam_width, tcol_beam, prompt_len + tcol_step, tcol_end, page_size, page_index_divisor, num_pages,
+        )
 
-    # The shared prompt, once for every row of the tile. The table's columns bound it (never a
+        # 1. This step's token, from registers (a row sees only its own beam's column), and its
+        #    write into each beam's own page. A position inside the prompt (kv_len <= prompt_len,
+        #    invalid input) is never written: prompt pages are shared by every beam of the request.
+        s_cur = _dot(q, tl.trans(k_cur), DOT_FP32) * qk_scale_log2
+        s_cur = tl.where(((m // GROUP_PAD)[:, None] == beam_slot[None, :]) & slot_ok[None, :], s_cur, float("-inf"))
+        m_i, l_i, acc = _online_softmax_block(s_cur, m_i, l_i, acc, v_cur, DOT_FP32)
+        if WRITE_KV:
+            w_ok = slot_ok & (cur >= prompt_len) & (cur >= 0) & (cur < max_seq_len)
+            w_entry = tl.load(beam_pt_ptr + slot_row64 * stride_bpt_row + (cur // page_size).to(tl.int64) * stride_bpt_col,
+                              mask=w_ok, other=-1)
+            w_page = (w_entry // page_index_divisor).to(tl.int64)
+            w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
+            w_offs = w_page * stride_kv_page + kv_head_off + (cur % page_size).to(tl.int64) * stride_kv_slot
+            tl.store(kv_ptr + w_offs[:, None] + d[None, :], k_cur, mask=w_ok[:, None])
+            tl.store(kv_ptr + stride_kv_kv + w_offs[:, None] + d[None, :], v_cur, mask=w_ok[:, None])
+
+        # 2. Earlier generated positions, TAIL_BLOCK per key block; the next block's pages are
+        #    requested before this block's K/V are consumed. Device-side bounds: no tail-length limit.
+        block_end = tl.max(tcol_end, axis=0)
+        for t0 in range(prompt_len, block_end, TAIL_BLOCK):
+            tpos = t0 + tcol_step
+            col_ok = tail_pages >= 0
+            toffs = (tl.where(col_ok, tail_pages, 0) * stride_kv_page + kv_head_off
+                     + (tpos % page_size).to(tl.int64) * stride_kv_slot)
+            k_t = tl.load(kv_ptr + toffs[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
+            v_t = tl.load(kv_ptr + stride_kv_kv + toffs[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
+            tail_pages = _tail_block_pages(
+                ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
+                req64, beam_width, tcol_beam, tpos + TAIL_BLOCK, tcol_end, page_size, page_index_divisor, num_pages,
+            )
+            s_t = _dot(q, tl.trans(k_t), DOT_FP32) * qk_scale_log2
+            s_t = tl.where(((m // GROUP_PAD)[:, None] == tcol_slot[None, :]) & col_ok[None, :], s_t, float("-inf"))
+            m_i, l_i, acc = _online_softmax_block(s_t, m_i, l_i, acc, v_t, DOT_FP32)
+
+    # 3. The shared prompt, once for every row of the tile. The table's columns bound it (never a
     #    read past the table), whatever prompt_lens says; every load is masked to the prompt.
     prompt_end = tl.minimum(prompt_len, prompt_capacity)
     pages = first_pages
@@ -293,20 +260,6 @@ def beam_cascade_kernel(
         s_p = _dot(q, tl.trans(k), DOT_FP32) * qk_scale_log2
         s_p = tl.where(tok_ok[None, :], s_p, float("-inf"))
         m_i, l_i, acc = _online_softmax_block(s_p, m_i, l_i, acc, v, DOT_FP32)
-
-    if not PREFIX_ONLY:
-        if not TAIL_FIRST:
-            # The generated positions after the prompt: their source beams arrived during it.
-            tail_pages = _tail_pages(beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, first_src,
-                                     prompt_len + tcol_step, page_size, page_index_divisor, num_pages)
-            m_i, l_i, acc = _attend_generated(
-                q, m_i, l_i, acc, m, kv_ptr, new_k_ptr, new_v_ptr, beam_pt_ptr, kv_lens_ptr, ci_ptr,
-                stride_new_k_row, stride_new_k_head, stride_new_v_row, stride_new_v_head, stride_kv_page, stride_kv_kv,
-                stride_kv_slot, stride_bpt_row, stride_bpt_col, stride_ci_req, stride_ci_beam, stride_ci_pos,
-                req64, kv_head, kv_head_off, first_beam, beam_width, prompt_len, tail_pages, tcol_slot, tcol_beam,
-                tcol_step, tcol_end, page_size, page_index_divisor, num_pages, max_seq_len, qk_scale_log2,
-                GROUP_PAD, BEAMS, HEAD_DIM, TAIL_BLOCK, WRITE_KV, DOT_FP32,
-            )
 
     out_offs = row64[:, None] * stride_out_row + q_head[:, None] * stride_out_head + d[None, :]
     if PREFIX_ONLY:

@@ -99,9 +99,6 @@ TILINGS = [
     ("beam_blocks_tail2", CascadeLaunchConfig(16, 4, block_n=32, tail_block=2, num_warps=4, num_stages=1)),
     ("wide_tail_block", CascadeLaunchConfig(32, 4, block_n=32, tail_block=4, num_warps=4, num_stages=2)),
     ("wide_group_pad", CascadeLaunchConfig(16, 8, block_n=64, tail_block=2, num_warps=8, num_stages=3)),
-    # The generated positions after the prompt (their source beams requested before the prompt loop).
-    ("prompt_first", CascadeLaunchConfig(32, 4, block_n=64, tail_block=4, num_warps=4, num_stages=1,
-                                         tail_first=False)),
 ]
 
 
