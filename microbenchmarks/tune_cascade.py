@@ -2,10 +2,11 @@
 
 For each shape, every :class:`triton_kernels.CascadeLaunchConfig` of the grid (beams per program x
 ``block_n`` x ``tail_block`` x warps x stages, tiles over 128 query rows skipped) is run on the
-shape's workload, compared with the default tiling's output (a difference beyond ``MISMATCH_ULPS``
-units in the last place of the output dtype is reported as a mismatch: tilings only change the
-float32 summation order) and timed as a CUDA graph with CUDA events, L2 flushed between calls,
-median of ``--iters`` calls. The KV write is off while sweeping, so every call sees the same cache.
+shape's workload, compared with the default tiling's output and timed as a CUDA graph with CUDA
+events, L2 flushed between calls, median of ``--iters`` calls. Tilings change the summation order
+and where the softmax weights are rounded to the KV dtype before ``P V`` (relative to a different
+running max), so outputs differ by a few units of the dtype; ``max |out - ref| / max |ref|`` above
+the benchmark's oracle tolerance (:data:`microbenchmarks.check.OUT_TOL`) is reported as a mismatch. The KV write is off while sweeping, so every call sees the same cache.
 Times are reported against the step's floor (all bytes the step must move over the copy bandwidth
 measured in the same run). It informs :func:`triton_kernels.cascade.cascade_launch_config`; it is
 not a test.
@@ -22,13 +23,21 @@ from typing import Dict, List
 
 import torch
 
+from .check import OUT_TOL
 from .floors import count_flops, count_traffic, measure_copy_bandwidth, stage_work
 from .shapes import PRESETS, BenchShape
 from .timing import capture_graph, time_cuda
-from .tune_tail import MISMATCH_ULPS, ulps_apart
-from .workload import build_workload
+from .workload import build_workload, torch_dtype
 
 SHAPES = {name: PRESETS[name] for name in ("A", "B-short", "B-medium", "B-long", "B-4B", "B-beam14")}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |out - ref| / max |ref|`` in float32; ``inf`` if ``out`` has a non-finite element."""
+    a, b = out.float(), ref.float()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _resources(cfg_call) -> Dict:
@@ -105,12 +114,12 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
         try:
             res = _resources(call)
             torch.cuda.synchronize()
-            err = ulps_apart(out, ref)
+            err = rel_err(out, ref)
             t = time_cuda([capture_graph(call)], iters=iters, warmup=3).median_us
         except Exception as exc:  # a tiling that does not compile is reported, not fatal
             results.append({"config": dataclasses.asdict(cfg), "error": str(exc)[-300:]})
             continue
-        results.append({"config": dataclasses.asdict(cfg), "us": t, "ulps_vs_default": err, **res})
+        results.append({"config": dataclasses.asdict(cfg), "us": t, "rel_err_vs_default": err, **res})
     ok = [r for r in results if "us" in r]
     return {
         "shape": shape.name,
@@ -160,12 +169,13 @@ def main(argv=None) -> int:
         print(f"{name:>9}: floor {r['floor_us']:.1f} us | default {fmt(r['default'])} | best {fmt(r['best'])}",
               flush=True)
         for x in sorted((x for x in r["all"] if "us" in x), key=lambda x: x["us"])[:args.top]:
-            print(f"{'':>11}{x['us']:.1f} us {_key(x['config'])} {x['ulps_vs_default']:.1f} ulp vs default, "
+            print(f"{'':>11}{x['us']:.1f} us {_key(x['config'])} rel err {x['rel_err_vs_default']:.1e} vs default, "
                   f"regs {x.get('regs')} spills {x.get('spills')} smem {x.get('smem')}")
-        bad = [x for x in r["all"] if "us" in x and not x["ulps_vs_default"] <= MISMATCH_ULPS]
+        tol = OUT_TOL[torch_dtype(SHAPES[name].dtype)]
+        bad = [x for x in r["all"] if "us" in x and not x["rel_err_vs_default"] <= tol]
         if bad:
-            print(f"{'':>11}MISMATCH in {len(bad)} tilings, e.g. {_key(bad[0]['config'])} "
-                  f"{bad[0]['ulps_vs_default']:.1f} ulp", flush=True)
+            print(f"{'':>11}MISMATCH in {len(bad)} tilings (rel err > {tol}), e.g. {_key(bad[0]['config'])} "
+                  f"{bad[0]['rel_err_vs_default']:.1e}", flush=True)
         errors = [x for x in r["all"] if "error" in x]
         if errors:
             print(f"{'':>11}{len(errors)} tilings failed, e.g. {errors[0]}", flush=True)

@@ -125,12 +125,23 @@ def test_run_point_triton_arms(device):
 
     shape = BenchShape(requests=2, beams=3, prompt=37, tail=5, heads=4, kv_heads=2, head_dim=64, page_size=16)
     point = run_point(shape, [LibraryArm("reference"), TailStageArm("triton"), PrefixStageArm("reference"),
-                              PrefixStageArm("no-such-backend")],
+                              LibraryArm("triton"), PrefixStageArm("triton"), PrefixStageArm("no-such-backend")],
                       RunOptions(sets=2, iters=1, warmup=0, plan_repeats=2), Rates(), device)
     status = {a["name"]: (a["status"], a.get("reason")) for a in point["arms"]}
-    assert status["library/reference"] == ("ok", None)
-    assert status["tail/triton"] == ("ok", None)
-    assert status["prefix/reference"] == ("ok", None)
+    for name in ("library/reference", "tail/triton", "prefix/reference", "library/triton", "prefix/triton"):
+        assert status[name] == ("ok", None), (name, status[name])
     assert status["prefix/no-such-backend"][0] == "skipped" and "no prefix backend" in status["prefix/no-such-backend"][1]
-    for a in point["arms"][:3]:
+    for a in point["arms"][:5]:
         assert a["check"]["ok"] and a["check"]["rows_checked"] == 2 * 6
+    assert point["arms"][3]["info"]["backend"] == "triton"
+
+
+def test_arm_list_names():
+    from microbenchmarks.arms import default_gpu_arms, parse_arm_list
+
+    names = [a.name for a in parse_arm_list("auto,triton,fa4,prefix,tail")]
+    assert names == ["library/auto", "library/triton", "library/fa4", "prefix/flashinfer-auto", "prefix/fa4",
+                     "prefix/triton", "tail/triton"]
+    assert {"library/auto", "library/triton", "prefix/triton"} <= {a.name for a in default_gpu_arms()}
+    with pytest.raises(ValueError, match="unknown arm 'fa5'"):
+        parse_arm_list("fa5")

@@ -1,4 +1,4 @@
-"""The tiling sweep's mismatch measure (microbenchmarks/tune_tail.py) counts rounding steps of the output dtype."""
+"""The tiling sweeps' mismatch measures: tune_tail counts rounding steps of the output dtype, tune_cascade a relative error."""
 
 from __future__ import annotations
 
@@ -27,3 +27,19 @@ def test_ulps_apart_counts_rounding_steps_at_the_values_magnitude(dtype):
     poisoned = ref.clone()
     poisoned[3] = float("nan")
     assert ulps_apart(poisoned, ref) == float("inf")
+
+
+def test_tune_cascade_mismatch_measure_and_no_gpu_exit(monkeypatch, capsys):
+    """tune_cascade compares tilings by relative error (their P V roundings differ) and exits 0 without a GPU."""
+    from microbenchmarks import tune_cascade
+
+    ref = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    near = ref + 1e-3 * ref.abs().max()
+    assert tune_cascade.rel_err(ref, ref) == 0.0
+    assert tune_cascade.rel_err(near, ref) == pytest.approx(1e-3, rel=1e-3)
+    poisoned = ref.clone()
+    poisoned[0, 0] = float("nan")
+    assert tune_cascade.rel_err(poisoned, ref) == float("inf")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune_cascade.main(["--shapes", "B-short"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
