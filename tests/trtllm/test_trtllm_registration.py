@@ -111,7 +111,7 @@ def test_unregistered_name_is_rejected_by_trtllm(trt, monkeypatch):
 @pytest.mark.parametrize(
     "variable, value, accepted",
     [
-        ("TLLM_BEAM_SHARED_PREFIX_BACKEND", "flashinfer2", "auto, flashinfer, fa4, reference"),
+        ("TLLM_BEAM_SHARED_PREFIX_BACKEND", "flashinfer2", "auto, triton, flashinfer, fa4, reference"),
         ("TLLM_BEAM_SHARED_PREFIX_CHECK", "maybe", "use 1 (on) or 0 (off)"),
         ("TLLM_BEAM_SHARED_PREFIX_DECLINE", "always", "auto, never"),
     ],
