@@ -22,7 +22,9 @@ CUDA graphs: construct with ``use_cuda_graph=True`` and the ``max_*`` capacities
 eagerly (compiles the Triton and FA4 kernels), capture ``run()``, then before each replay copy the
 step's inputs into the captured tensors and call ``plan()`` (a no-op while the composition is
 unchanged; an in-place rewrite of the fixed buffers when it changes). A captured ``run()`` stays
-valid while the number of requests, the beam width and the attention shape stay the same.
+valid while the number of requests, the beam width and the attention shape stay the same. In this
+mode ``backend="auto"`` picks the backend at a shape's first plan and keeps it, whatever the
+prompt lengths of later batches (a captured launch cannot switch kernels).
 """
 
 from __future__ import annotations
@@ -182,10 +184,12 @@ class BeamSharedPrefixAttention:
 
     def _backend_for(self, problem_key: tuple, step_plan: StepPlan) -> PrefixBackend:
         # The auto rule depends on the prompt lengths only through one threshold, so the choice is
-        # cached per (shape, side of the threshold) and logged once each.
+        # cached per (shape, side of the threshold) and logged once each. In CUDA-graph mode it is
+        # made once per shape, at its first plan, and kept: a captured run() launches the kernels
+        # of the backend it was captured with, so the backend must not change under it.
         mean_prompt = float(step_plan.prompt_lens.mean()) if step_plan.num_requests else None
         short = mean_prompt is not None and mean_prompt <= CASCADE_MAX_MEAN_PROMPT
-        cache_key = (problem_key, short)
+        cache_key = (problem_key, None if self.use_cuda_graph else short)
         name = self._backend_for_problem.get(cache_key)
         if name is None:
             hq, hkv, d, pg, dtype, _ = problem_key

@@ -147,8 +147,10 @@ def test_check_mode_names_a_bad_page(device):
         run(att, sim, step)
 
 
-def test_auto_rule_is_decided_per_side_of_the_prompt_threshold(monkeypatch):
-    """The wrapper asks the rule with the batch's mean prompt, once per (shape, side of the threshold)."""
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph-mode"])
+def test_auto_rule_is_decided_per_side_of_the_prompt_threshold(monkeypatch, graph):
+    """Eagerly, the wrapper asks the rule with the batch's mean prompt once per (shape, side of the
+    threshold); in CUDA-graph mode once per shape (a captured run() cannot switch kernels)."""
     asked = []
 
     def resolve(requested, *a, mean_prompt_len=None, **k):
@@ -156,7 +158,8 @@ def test_auto_rule_is_decided_per_side_of_the_prompt_threshold(monkeypatch):
         return "reference"
 
     monkeypatch.setattr(attention_module, "resolve_prefix_backend", resolve)
-    att = BeamSharedPrefixAttention("cpu", backend="auto", tail_impl="torch", check=False)
+    att = BeamSharedPrefixAttention("cpu", backend="auto", tail_impl="torch", check=False, use_cuda_graph=graph,
+                                    max_requests=2, max_beam_width=4, max_prompt_pages=64)
     pg, pages = 32, 4096
 
     def plan_lens(lens):
@@ -170,4 +173,4 @@ def test_auto_rule_is_decided_per_side_of_the_prompt_threshold(monkeypatch):
     plan_lens([120, 300])  # same side: no new decision
     long_prompt = CASCADE_MAX_MEAN_PROMPT * 2
     plan_lens([long_prompt, long_prompt])
-    assert asked == [200.0, float(long_prompt)]
+    assert asked == ([200.0] if graph else [200.0, float(long_prompt)])
