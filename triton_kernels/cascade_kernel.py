@@ -12,24 +12,32 @@ through memory. Here the prefix's running state never leaves registers.
 
 Per program, in order:
 
-1. The index loads of the first ``TAIL_BLOCK`` tail positions (source beams, then their pages) go
-   out before the prompt loop, so their dependent latency hides behind it.
-2. The prompt ``[0, P)``, read once per program from the request's prompt page table, ``BLOCK_N``
-   tokens per iteration: ``S = Q K^T`` and ``O += P V`` on tensor cores with the online softmax.
-   Every prompt load is masked to ``pos < P``: the slots past the prompt in beam 0's last page are
-   where beam 0 writes its generated tokens, so they are never read here (no race, and an
-   unwritten slot's garbage cannot reach ``P V`` as ``0 x NaN``).
-3. The current token (position ``L - 1``): ``new_k``/``new_v`` of the block's beams,
-   ``[BEAMS, D]``, attended as one more key block in which row ``m`` may only see column
-   ``m // GROUP_PAD`` (its own beam), and written to each beam's own page (``WRITE_KV``).
-4. The earlier generated positions ``[P, L - 1)``, ``TAIL_BLOCK`` at a time: each beam's K/V rows
+1. Loads that depend on nothing go out together: the prompt length, the queries and the first
+   prompt block's page entries.
+2. This step's token (position ``L - 1``): ``new_k``/``new_v`` of the block's beams, ``[BEAMS, D]``,
+   attended as a key block in which row ``m`` may only see column ``m // GROUP_PAD`` (its own
+   beam), and written to each beam's own page (``WRITE_KV``).
+3. The earlier generated positions ``[P, L - 1)``, ``TAIL_BLOCK`` at a time: each beam's K/V rows
    gathered through ``cache_indirection`` into a ``[TAIL_BLOCK * BEAMS, D]`` key block (column
-   ``i * BEAMS + j`` is position ``t + i`` of beam ``j``), attended with the same own-beam mask.
-   The loop bound is read on the device, so one CUDA-graph capture serves every tail length.
-5. ``out = O / l``; with ``PREFIX_ONLY`` (the prefix stage alone, for check mode and the stage
-   benchmarks) steps 1, 3 and 4 are skipped and the prefix LSE is stored as well.
+   ``i * BEAMS + j`` is position ``t + i`` of beam ``j``), attended with the same own-beam mask; the
+   next block's source beams and pages are requested before this block's K/V are consumed. The
+   loop bound is read on the device, so one CUDA-graph capture serves every tail length.
+4. The prompt ``[0, P)``, read once per program from the request's prompt page table (never more
+   than the table's ``prompt_capacity`` tokens), ``BLOCK_N`` tokens per iteration with the next
+   block's page entries requested early: ``S = Q K^T`` and ``O += P V`` on tensor cores with the
+   online softmax. Every prompt load is masked to ``pos < P``: the slots past the prompt in beam
+   0's last page are where beam 0 writes its generated tokens, so they are never read here (no
+   race, and an unwritten slot's garbage cannot reach ``P V`` as ``0 x NaN``).
+5. ``out = O / l``; with ``PREFIX_ONLY`` (the prompt pass alone, for check mode and the stage
+   benchmarks) steps 2 and 3 are skipped and the prefix LSE is stored as well.
 
-The masked key blocks of steps 3-4 spend ``BEAMS`` times the tail's useful MMA work, which is small
+Why the generated positions come first: their index chain (source beam, then page, then K/V) is
+three dependent loads; walked first, its latency is paid before the prompt loop's instead of after
+it, and a 3-token tail is one key block (``TAIL_BLOCK`` 4). Measured on the H200 against the
+prompt-first order with two tail positions per block: 37.9 us against 58.6 us at B-short
+(``docs/benchmarks.md``, "The one-launch cascade").
+
+The masked key blocks of steps 2-3 spend ``BEAMS`` times the tail's useful MMA work, which is small
 next to the prompt's at decode shapes (a 4-token tail against a 100-token prompt); it keeps the
 whole program in the tensor-core accumulator layout, with no register-layout conversions between
 the prompt and the tail. ``P`` is rounded to the KV dtype before ``P V``, as in FlashAttention.
