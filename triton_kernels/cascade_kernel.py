@@ -173,7 +173,7 @@ def beam_cascade_kernel(
     d = tl.arange(0, HEAD_DIM)
     n = tl.arange(0, BLOCK_N)
 
-    # Loads that depend on nothing go out first, together: the prompt length, the queries, the
+    # 1. Loads that depend on nothing go out first, together: the prompt length, the queries, the
     # first prompt block's page entries (table columns past the prompt hold valid pages, and
     # tokens past the prompt are masked below), and, for the whole step, the beams' lengths and
     # this step's K/V.
@@ -217,7 +217,7 @@ def beam_cascade_kernel(
             req64, beam_width, tcol_beam, prompt_len + tcol_step, tcol_end, page_size, page_index_divisor, num_pages,
         )
 
-        # 1. This step's token, from registers (a row sees only its own beam's column), and its
+        # 2. This step's token, from registers (a row sees only its own beam's column), and its
         #    write into each beam's own page. A position inside the prompt (kv_len <= prompt_len,
         #    invalid input) is never written: prompt pages are shared by every beam of the request.
         s_cur = _dot(q, tl.trans(k_cur), DOT_FP32) * qk_scale_log2
@@ -233,7 +233,7 @@ def beam_cascade_kernel(
             tl.store(kv_ptr + w_offs[:, None] + d[None, :], k_cur, mask=w_ok[:, None])
             tl.store(kv_ptr + stride_kv_kv + w_offs[:, None] + d[None, :], v_cur, mask=w_ok[:, None])
 
-        # 2. Earlier generated positions, TAIL_BLOCK per key block; the next block's pages are
+        # 3. Earlier generated positions, TAIL_BLOCK per key block; the next block's pages are
         #    requested before this block's K/V are consumed. Device-side bounds: no tail-length limit.
         block_end = tl.max(tcol_end, axis=0)
         for t0 in range(prompt_len, block_end, TAIL_BLOCK):
@@ -251,7 +251,7 @@ def beam_cascade_kernel(
             s_t = tl.where(((m // GROUP_PAD)[:, None] == tcol_slot[None, :]) & col_ok[None, :], s_t, float("-inf"))
             m_i, l_i, acc = _online_softmax_block(s_t, m_i, l_i, acc, v_t, DOT_FP32)
 
-    # 3. The shared prompt, once for every row of the tile. The table's columns bound it (never a
+    # 4. The shared prompt, once for every row of the tile. The table's columns bound it (never a
     #    read past the table), whatever prompt_lens says; every load is masked to the prompt.
     prompt_end = tl.minimum(prompt_len, prompt_capacity)
     pages = first_pages
