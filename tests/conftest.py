@@ -2,6 +2,8 @@
 
 - ``@pytest.mark.gpu`` tests are skipped, with the reason, when CUDA is absent.
 - ``@pytest.mark.trtllm`` tests are skipped, with the reason, when ``tensorrt_llm`` does not import.
+- ``@pytest.mark.interpreter`` tests (Triton kernels on CPU tensors) are skipped, with the reason, on a
+  CUDA machine, where the interpreter is off.
 - CPU runs of Triton kernels use the interpreter: ``TRITON_INTERPRET=1`` is set here, before any
   test module imports Triton, unless CUDA is present (then kernels run for real).
 """
@@ -45,6 +47,9 @@ def _trtllm_importable() -> bool:
 def pytest_collection_modifyitems(config, items):
     has_trtllm = None
     for item in items:
+        if item.get_closest_marker("interpreter") is not None and HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="runs Triton on CPU tensors, which needs TRITON_INTERPRET=1; "
+                                                    "it is off on a CUDA machine (the GPU tests cover the kernel)"))
         if item.get_closest_marker("gpu") is not None and not HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)"))
         if item.get_closest_marker("trtllm") is not None:

@@ -87,8 +87,8 @@ def assert_matches(out, ref, dtype, what=""):
     "tail_impl, layout, dtype, engine_writes_kv, divisor, check",
     [
         ("torch", "HND", torch.bfloat16, False, 1, True),
-        ("triton", "HND", torch.float16, False, 1, False),
-        ("triton", "NHD", torch.bfloat16, True, 1, False),
+        pytest.param("triton", "HND", torch.float16, False, 1, False, marks=pytest.mark.interpreter),
+        pytest.param("triton", "NHD", torch.bfloat16, True, 1, False, marks=pytest.mark.interpreter),
         ("torch", "HND", torch.float16, True, 6, False),
     ],
     ids=["torch-HND-bf16-checkmode", "triton-HND-fp16", "triton-NHD-bf16-engine-writes-kv",

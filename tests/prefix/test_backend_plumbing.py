@@ -230,6 +230,7 @@ def test_fa4_backend_plumbing(fake_gpu_libs, monkeypatch, layout):
     assert graph._views["page_table"].data_ptr() == table.data_ptr()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", ["flashinfer", "fa4"])
 def test_wrapper_steps_through_each_lse_convention(fake_gpu_libs, monkeypatch, backend):
     """Whole steps with the stand-in prefix and the Triton tail: NH/log2 and HN/ln reach the tail intact."""
