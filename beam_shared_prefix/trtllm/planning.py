@@ -319,7 +319,7 @@ def _new_wrapper(metadata, state: _MetadataState, step: StepInfo):
         max_beam_width=int(metadata.cache_indirection.shape[1]),
         max_prompt_pages=int(manager.max_blocks_per_seq) if graph else None,
         check=settings.check,
-        tail_impl="triton" if getattr(device, "type", str(device)) == "cuda" else "torch",
+        tail_impl="auto",  # the fused kernel on CUDA (and under TRITON_INTERPRET=1), the torch tail on a plain CPU
     )
 
 

@@ -1,7 +1,9 @@
 """The library's forward through the interface model: the float32 oracle, mixed batches, declines.
 
-CPU: the reference prefix backend and the torch tail (the library's CPU path), through
-:class:`BeamSearchCacheSimulator` steps with beam reselection. The model is not TensorRT-LLM (see
+CPU: the reference prefix backend and the Triton tail under ``TRITON_INTERPRET=1`` (set by
+tests/conftest.py; on a plain CPU the adapter would take the torch tail), or the one-launch cascade
+(``TLLM_BEAM_SHARED_PREFIX_BACKEND=triton``), through :class:`BeamSearchCacheSimulator` steps with
+beam reselection. The model is not TensorRT-LLM (see
 ``interface_model.py``); each test names the ``trtllm-interfaces.md`` section it follows.
 
 Tolerance: bf16 output of unit-variance data, two roundings (prefix output, merged output), as in
@@ -81,6 +83,33 @@ def test_forward_matches_oracle(trt, monkeypatch, layout, kind, heads):
     assert {type(f).__name__ for f in selected(setup)} == {"BeamSharedPrefixFmha"}
     assert stats()["generation_forwards"] == 5 and fallback_calls(setup) == []
     assert stats()["plans"] == 2  # first composition, then after the request finished
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+def test_forward_through_the_one_launch_cascade(trt, monkeypatch, kind):
+    """The ``triton`` backend through the adapter: the cascade kernel reads the plan's prompt pages and
+    each beam's pages through the manager's encoding (V1 block offsets with their divisor, V2 page
+    indices), writes this token's K/V, and matches the oracle."""
+    from beam_shared_prefix.trtllm import planning
+
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "triton")
+    register()
+    setup = build(model, prompts=(37, 70, 16), beam_width=3, kind=kind, num_qo_heads=4, num_kv_heads=2)
+    sim = setup.sim
+    for s in range(3):
+        step = sim.begin_step()
+        ref = setup.oracle(step)
+        out, _ = setup.run(step)
+        assert_close(gen_rows(out, 0, sim), ref, f"{kind} step {s}")
+        for i in range(step.num_rows):
+            k, v = sim.read_kv(int(step.write_page[i]), int(step.write_slot[i]))
+            assert torch.equal(k, step.new_k[i]) and torch.equal(v, step.new_v[i])
+        sim.end_step(write_kv=False)
+    (wrapper,) = planning.metadata_state(setup.engine.metadata).wrappers.values()
+    assert wrapper.backend_name == "triton" and wrapper.tail_impl == "triton"
 
 
 def test_mixed_batch_served_as_its_own_combined_library(trt, monkeypatch):
