@@ -47,7 +47,10 @@ __all__ = [
     "beam_prefix_attention",
 ]
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# Head sizes compiled and checked on the H200 (tests/triton_kernels/test_cascade.py runs both there).
+# 256 would need its own tiling (a 64 x 256 fp32 accumulator is 128 registers per thread at 4 warps)
+# and is left to the prefix backend + tail kernel path.
+SUPPORTED_HEAD_DIMS = (64, 128)
 # tl.dot needs 16 rows/columns: a tile holds at least 16 beams (padding beams are masked).
 MIN_BEAMS_PER_PROGRAM = 16
 # Prompt tokens per iteration: at least two tensor-core tiles.
@@ -55,8 +58,8 @@ MIN_BLOCK_N = 32
 # Columns of a tail key block (tail_block x beams per program): 16 failed to compile on Triton 3.6.
 MIN_TAIL_COLUMNS = 32
 # Query rows of one tile (beams x padded group): 128 keeps the fp32 accumulator at 64 registers per
-# thread with 8 warps at D = 128; at D = 256 the tile is capped at 64 rows for the same reason.
-MAX_BLOCK_M = {64: 128, 128: 128, 256: 64}
+# thread with 8 warps at D = 128.
+MAX_BLOCK_M = {64: 128, 128: 128}
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int) -> Ca
     num_warps = 4 if block_m <= 64 else 8
     tail_block = max(4, MIN_TAIL_COLUMNS // beams)
     num_stages = 1 if block_m >= 64 else 2
-    return CascadeLaunchConfig(beams, group_pad, block_n=128 if head_dim <= 128 else 64, tail_block=tail_block,
+    return CascadeLaunchConfig(beams, group_pad, block_n=128, tail_block=tail_block,
                                num_warps=num_warps, num_stages=num_stages)
 
 
@@ -286,7 +289,7 @@ def beam_cascade_attention(
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
         per_request = prompt_lens[:: geom.beam_width]
-        if bool((prompt_lens.view(-1, geom.beam_width) != per_request[:, None]).any()):
+        if bool((prompt_lens.reshape(-1, geom.beam_width) != per_request[:, None]).any()):
             _fail("prompt_lens differ between the beams of one request; every beam shares its request's prompt.")
         _check_prompt_values(prompt_page_table, per_request, geom.page_size, geom.num_pages)
     if geom.num_rows == 0:

@@ -11,7 +11,7 @@ the state's round trip, the fixed costs that dominate such steps (``docs/benchma
 
 Declines (logged by the wrapper, which then runs the next backend): not a CUDA device (on a CPU the
 kernel only runs under ``TRITON_INTERPRET=1``, which tests set), dtype other than bf16/fp16, head
-size other than 64/128/256, or a GQA group too wide for the tile (:func:`triton_kernels.cascade_supported`).
+size other than 64/128, or a GQA group too wide for the tile (:func:`triton_kernels.cascade_supported`).
 """
 
 from __future__ import annotations

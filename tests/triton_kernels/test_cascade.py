@@ -217,10 +217,11 @@ def test_check_mode_names_a_prompt_page_outside_the_pool(device):
 
 
 def test_default_config_fits_the_tile_limits():
-    for w, g, d in [(30, 2, 128), (30, 4, 128), (14, 2, 128), (96, 2, 128), (256, 8, 128), (4, 1, 64), (30, 4, 256)]:
+    for w, g, d in [(30, 2, 128), (30, 4, 128), (14, 2, 128), (96, 2, 128), (256, 8, 128), (4, 1, 64)]:
         cfg = cascade_launch_config(w, g, d)
         assert cfg.beams_per_program >= 16 and cfg.group_pad >= g
-        assert cfg.block_m <= (64 if d == 256 else 128) and cfg.tail_block * cfg.beams_per_program >= 32
+        assert cfg.block_m <= 128 and cfg.tail_block * cfg.beams_per_program >= 32
+    assert not cascade_supported(2, 256)[0]
 
 
 # --------------------------------------------------------------------------------------------
