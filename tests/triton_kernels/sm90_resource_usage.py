@@ -1,8 +1,8 @@
-"""Compile the tail kernel ahead of time for sm_90 (no GPU needed) and report its resource usage.
+"""Compile the tail and cascade kernels ahead of time for sm_90 (no GPU needed) and report resource usage.
 
 Run as a script (``python tests/triton_kernels/sm90_resource_usage.py``) it prints one JSON line per
-shape: registers per thread, stack and local (spill) bytes, shared memory, and whether the K/V rows
-are loaded as 16-byte vectors. ``test_tail_merge_compile.py`` runs it in a subprocess, because
+shape and kernel: registers per thread, stack and local (spill) bytes, shared memory, and whether
+the K/V rows are loaded as 16-byte vectors (tail) or the dots use Hopper's ``wgmma`` (cascade). ``test_tail_merge_compile.py`` runs it in a subprocess, because
 ``TRITON_INTERPRET=1`` (set for the CPU suite) replaces ``@triton.jit`` functions with interpreted
 ones that cannot be compiled.
 
@@ -26,6 +26,8 @@ from triton.compiler.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from triton_kernels.cascade import cascade_launch_config  # noqa: E402
+from triton_kernels.cascade_kernel import beam_cascade_kernel  # noqa: E402
 from triton_kernels.tail_merge import tail_launch_config  # noqa: E402
 from triton_kernels.tail_merge_kernel import beam_tail_merge_kernel  # noqa: E402
 
@@ -49,6 +51,88 @@ _DIV16_INTS = {
     "stride_new_v_head", "stride_kv_page", "stride_kv_kv", "stride_kv_head", "stride_kv_slot",
     "stride_po_row", "stride_po_head", "stride_out_row", "stride_out_head", "page_size", "max_seq_len",
 }
+
+
+def _resources(compiled):
+    """(registers, stack, shared, local) of a compiled kernel, from ``cuobjdump --dump-resource-usage``."""
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        dump = subprocess.run(
+            [os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", dump)
+    if m is None:
+        raise RuntimeError(f"cuobjdump gave no resource line:\n{dump}")
+    return tuple(int(x) for x in m.groups())
+
+
+# (name, W, Hq, Hkv, D, dtype): the cascade kernel's default tiling at the presets it can serve.
+CASCADE_SHAPES = [
+    ("B-short/B-medium", 30, 16, 8, 128, "bf16"),
+    ("B-4B", 30, 32, 8, 128, "bf16"),
+    ("B-beam14", 14, 16, 8, 128, "bf16"),
+    ("A", 96, 16, 8, 128, "bf16"),
+    ("G8-D64-fp16", 8, 64, 8, 64, "fp16"),
+]
+_CASCADE_DIV16_INTS = {
+    "stride_q_row", "stride_q_head", "stride_new_k_row", "stride_new_k_head", "stride_new_v_row",
+    "stride_new_v_head", "stride_kv_page", "stride_kv_kv", "stride_kv_head", "stride_kv_slot", "stride_out_row",
+    "stride_out_head", "page_size", "max_seq_len", "prompt_capacity",
+}
+
+
+def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, dtype: str, prefix_only: bool = False):
+    """Compile the cascade kernel's default tiling of a shape (the whole step, or its prompt pass)."""
+    g = hq // hkv
+    cfg = cascade_launch_config(beam_width, g, d)
+    names = list(inspect.signature(beam_cascade_kernel.fn).parameters)
+    pointers = dict(
+        q_ptr=dtype, new_k_ptr=dtype, new_v_ptr=dtype, kv_ptr=dtype, prompt_pt_ptr="i32", beam_pt_ptr="i32",
+        kv_lens_ptr="i32", prompt_lens_ptr="i32", ci_ptr="i32", out_ptr=dtype, lse_ptr="fp32",
+    )
+    constexprs = dict(
+        GROUP=g, GROUP_PAD=cfg.group_pad, BEAMS=cfg.beams_per_program, HEAD_DIM=d, BLOCK_N=cfg.block_n,
+        TAIL_BLOCK=cfg.tail_block, WRITE_KV=True, PREFIX_ONLY=prefix_only, DOT_FP32=False,
+    )
+    signature = {}
+    for n in names:
+        if n in pointers:
+            signature[n] = "*" + pointers[n]
+        elif n in constexprs:
+            signature[n] = "constexpr"
+        elif n == "qk_scale_log2":
+            signature[n] = "fp32"
+        else:
+            signature[n] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n in pointers or n in _CASCADE_DIV16_INTS}
+    src = ASTSource(
+        fn=beam_cascade_kernel, signature=signature,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs,
+    )
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    )
+    regs, stack, shared, local = _resources(compiled)
+    ptx = compiled.asm["ptx"]
+    return dict(
+        kernel="cascade-prefix" if prefix_only else "cascade",
+        shape=[name, beam_width, hq, hkv, d, dtype],
+        config=list(dataclasses.astuple(cfg)),
+        triton=triton.__version__,
+        registers=regs,
+        stack=stack,
+        shared=shared,
+        local=local,
+        wgmma=ptx.count("wgmma.mma_async"),
+        mma_sync=ptx.count("mma.sync"),
+        num_warps=cfg.num_warps,
+    )
 
 
 def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index_block=None):
@@ -85,21 +169,9 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     compiled = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, num_stages=1)
     )
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        dump = subprocess.run(
-            [os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
-            capture_output=True, text=True, check=True,
-        ).stdout
-    finally:
-        os.unlink(f.name)
-    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", dump)
-    if m is None:
-        raise RuntimeError(f"cuobjdump gave no resource line:\n{dump}")
-    regs, stack, shared, local = (int(x) for x in m.groups())
+    regs, stack, shared, local = _resources(compiled)
     return dict(
+        kernel="tail",
         shape=[dtype, hq, hkv, d, prefix_dtype],
         config=[cfg.group_pad, cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.tokens_outer, cfg.index_block],
         triton=triton.__version__,
@@ -120,6 +192,9 @@ def main() -> None:
         compare = [int(x) for x in sys.argv[sys.argv.index("--compare-index-block") + 1].split(",")]
     for shape in SHAPES:
         print(json.dumps(compile_sm90(*shape)), flush=True)
+    for shape in CASCADE_SHAPES:
+        for prefix_only in (False, True):
+            print(json.dumps(compile_cascade_sm90(*shape, prefix_only=prefix_only)), flush=True)
     for shape in (SHAPES[0], SHAPES[2]):  # 16/8 and 32/8, D 128
         for ib in compare:
             print(json.dumps(compile_sm90(*shape, index_block=ib)), flush=True)

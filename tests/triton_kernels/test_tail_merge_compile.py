@@ -1,4 +1,5 @@
-"""The tail kernel compiles for sm_90 without spills, with few registers and 16-byte loads.
+"""The tail kernel compiles for sm_90 without spills, with few registers and 16-byte loads; the
+cascade kernel's default tilings compile for sm_90 on tensor cores.
 
 The interpreter (the CPU suite) cannot see what the GPU compiler makes of the kernel. A layout
 choice that replicates a ``[QH, D]`` tile across threads once cost 255 registers per thread and
@@ -38,17 +39,35 @@ def usage():
     return rows
 
 
+def _tail(usage):
+    return [row for row in usage if row["kernel"] == "tail"]
+
+
 def test_compiles_without_spills(usage):
-    for row in usage:
+    for row in _tail(usage):
         assert row["local"] == 0 and row["stack"] == 0, f"register spills: {row}"
 
 
 def test_register_budget(usage):
-    for row in usage:
+    for row in _tail(usage):
         per_program = row["registers"] * 32 * row["num_warps"]
         assert row["registers"] <= MAX_REGISTERS or per_program <= 65536 // 4, f"too many registers: {row}"
 
 
 def test_kv_rows_load_as_16_byte_vectors(usage):
-    for row in usage:
+    for row in _tail(usage):
         assert row["vector_loads"] > 0, f"no 16-byte global loads: {row}"
+
+
+def test_cascade_default_tilings_compile_for_sm90(usage):
+    """Every default tiling of the cascade kernel compiles for sm_90 with this Triton, whole step and
+    prompt pass, on tensor cores (``wgmma`` for 64-row tiles and up, ``mma.sync`` below).
+
+    Its registers are reported, not bounded: the kernel's tiles trade registers for fewer programs
+    (the fastest H200 tiling ran at 255 per thread with Triton 3.6), and the numbers differ between
+    Triton versions; ``docs/benchmarks.md`` has the measured ones.
+    """
+    rows = [row for row in usage if row["kernel"].startswith("cascade")]
+    assert len(rows) == 10, rows
+    for row in rows:
+        assert row["wgmma"] + row["mma_sync"] > 0, f"no tensor-core instructions: {row}"
