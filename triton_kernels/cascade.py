@@ -108,7 +108,7 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int) -> Ca
 
     - Beams per program: up to 64 query rows per tile (32 beams at G = 2): the kernel is latency-
       bound at decode shapes and the register file, not the tensor cores, limits how many programs
-      are resident; 128-row tiles were 10-25% slower.
+      are resident; 128-row tiles were 13% slower at B-4B (and 27% at A with the first design).
     - ``tail_block`` 4: a 3-token tail (beam-search decode's common case) is one key block, so its
       gather chain (source beams, pages, K/V) is walked once (2.4x the floor against 3.3x with 1 or 2).
     - ``block_n`` 128 prompt tokens per iteration, one stage for 64-row tiles (two stages double
