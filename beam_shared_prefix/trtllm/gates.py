@@ -151,6 +151,15 @@ def layer_decline_reason(attn, backend: str = "auto") -> Optional[str]:
     num_kv_heads = getattr(attn, "num_kv_heads", 0) or 0
     if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
         return f"num_heads={num_heads} is not a positive multiple of num_kv_heads={num_kv_heads}"
+    if backend == "triton":
+        # A shape the cascade kernel does not tile falls back to FlashInfer at plan time; without
+        # FlashInfer that would fail mid-serving, so the layer is declined up front instead.
+        from triton_kernels import cascade_supported
+
+        ok, why = cascade_supported(num_heads // num_kv_heads, head_dim)
+        if not ok and importlib.util.find_spec("flashinfer") is None:
+            return (f"TLLM_BEAM_SHARED_PREFIX_BACKEND=triton: {why}, and flashinfer (its fallback) is not installed "
+                    f"(pip install 'beam-shared-prefix[flashinfer]', or use backend auto)")
     quant = _kv_cache_quantized(attn)
     if quant:
         return f"KV cache quantization ({quant}); the library reads bf16/fp16 K/V"

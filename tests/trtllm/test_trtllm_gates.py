@@ -73,6 +73,21 @@ def test_layer_gate_names_a_missing_backend(enabled, monkeypatch):
     assert decline_log.seen("pip install 'beam-shared-prefix[flashinfer]'")
 
 
+def test_triton_backend_declines_a_shape_it_cannot_tile_without_its_fallback(enabled, monkeypatch):
+    """backend=triton: a layer the cascade kernel does not tile (head 256) would fall back to FlashInfer
+    at plan time; without FlashInfer it is declined at selection, with the reason, not failed mid-serving."""
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.skip("flashinfer is installed here; the decline cannot be shown")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "triton")
+    register()  # re-reads the settings
+    trtllm = enabled.module(".trtllm")
+    assert library_of(trtllm.TrtllmAttention(0, 4, 64, 2)) is not None  # tiled: served
+    assert library_of(trtllm.TrtllmAttention(1, 4, 256, 2)) is None
+    assert decline_log.seen("head_dim=256 is not tiled by the cascade kernel")
+
+
 def forward_args(model, setup, **overrides):
     interface = model.module(".interface")
     out = torch.empty(0)
