@@ -37,6 +37,7 @@ from .tail_merge_args import (
     _overlap,
     check_step_args,
     check_tail_index_values,
+    pool_layout,
 )
 
 __all__ = [
@@ -193,12 +194,6 @@ def _check_prompt_values(prompt_page_table, prompt_lens_per_request, page_size: 
         r, c = (int(v) for v in bad[0])
         _fail(f"prompt_page_table[{r}, {c}]={int(table[r, c])} is outside the pool [0, {num_pages}); the plan is stale "
               f"or belongs to another pool.")
-
-
-def _kv_strides(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[int, int, int, int]:
-    if kv_layout == "HND":  # [pages, 2, Hkv, Pg, D]
-        return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
-    return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3), kv_cache.stride(2)
 
 
 def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int, write_kv: bool, prefix_only: bool,
@@ -365,10 +360,7 @@ def beam_prefix_attention(
     _need_dim("kv_cache", kv_cache, 5, "[pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD)")
     if kv_cache.dtype != q.dtype or kv_cache.shape[1] != 2:
         _fail(f"kv_cache must be {q.dtype} [pages, 2, ...] like q, got {kv_cache.dtype} {tuple(kv_cache.shape)}.")
-    if kv_layout == "HND":
-        num_pages, _, num_kv_heads, page_size, pool_dim = kv_cache.shape
-    else:
-        num_pages, _, page_size, num_kv_heads, pool_dim = kv_cache.shape
+    (num_pages, num_kv_heads, page_size, pool_dim), kv_strides = pool_layout(kv_cache, kv_layout)
     if pool_dim != head_dim or num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         _fail(f"kv_cache ({kv_layout}) holds Hkv={num_kv_heads}, D={pool_dim}, which does not serve q's Hq="
               f"{num_qo_heads}, D={head_dim}; check kv_layout and the layer's pool view.")
@@ -399,7 +391,7 @@ def beam_prefix_attention(
         sm_scale = head_dim ** -0.5
     num_beam_blocks = triton.cdiv(beam_width, cfg.beams_per_program)
     grid = (num_requests * num_beam_blocks, num_kv_heads)
-    s_page, s_kv, s_head, s_slot = _kv_strides(kv_cache, kv_layout)
+    s_page, s_kv, s_head, s_slot = kv_strides
     args = (
         q, q, q, kv_cache, prompt_page_table, prompt_page_table, prompt_lens, prompt_lens, prompt_lens,
         out, lse,  # new_k/new_v/beam table/kv_lens/indirection are unused placeholders in the prefix stage

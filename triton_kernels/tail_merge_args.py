@@ -87,6 +87,17 @@ class TailMergeGeometry(StepGeometry):
     lse_scale: float = 1.0
 
 
+def pool_layout(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[Tuple[int, int, int, int], Tuple[int, int, int, int]]:
+    """``((pages, Hkv, Pg, D), (page, k_or_v, head, slot) element strides)`` of a 5-D ``[pages, 2, ...]`` pool."""
+    if kv_layout == "HND":  # [pages, 2, Hkv, Pg, D]
+        num_pages, _, heads, page_size, dim = kv_cache.shape
+        return (num_pages, heads, page_size, dim), (
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+    num_pages, _, page_size, heads, dim = kv_cache.shape  # NHD: [pages, 2, Pg, Hkv, D]
+    return (num_pages, heads, page_size, dim), (
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3), kv_cache.stride(2))
+
+
 def _fail(msg: str) -> None:
     raise TailMergeInputError(msg)
 
@@ -204,12 +215,7 @@ def check_step_args(
         _fail(f"kv_cache has dtype {kv_cache.dtype} but q has {q.dtype}; the pool and q must share a dtype.")
     if kv_cache.shape[1] != 2:
         _fail(f"kv_cache dim 1 must be 2 (K, V), got shape {tuple(kv_cache.shape)}.")
-    if kv_layout == "HND":
-        num_pages, _, pool_heads, page_size, pool_dim = kv_cache.shape
-        kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
-    else:
-        num_pages, _, page_size, pool_heads, pool_dim = kv_cache.shape
-        kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3), kv_cache.stride(2))
+    (num_pages, pool_heads, page_size, pool_dim), kv_strides = pool_layout(kv_cache, kv_layout)
     if pool_heads != num_kv_heads or pool_dim != head_dim:
         _fail(
             f"kv_cache ({kv_layout}) holds Hkv={pool_heads}, D={pool_dim} but new_k has Hkv={num_kv_heads}, "

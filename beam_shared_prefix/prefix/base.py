@@ -29,6 +29,7 @@ import torch
 
 from ..plan import StepPlan
 from ..reference import LOG2E  # one definition of the constant in the core package
+from .buffers import padded_page_table
 
 __all__ = [
     "LOG2E",
@@ -191,6 +192,16 @@ class PrefixBackend(abc.ABC):
     def lse_shape(self, num_rows: int, num_qo_heads: int) -> Tuple[int, int]:
         """Shape of the float32 LSE buffer :meth:`run` writes: ``[rows, Hq]`` (NH) or ``[Hq, rows]`` (HN)."""
         return (num_rows, num_qo_heads) if self.lse_layout == "NH" else (num_qo_heads, num_rows)
+
+    def write_prompt_page_table(self, buffer, step_plan: StepPlan) -> torch.Tensor:
+        """``step_plan.page_table`` copied into ``buffer`` (a :class:`~.buffers.DeviceBuffer`), as the device view.
+
+        In CUDA-graph mode the table is padded to ``max_prompt_pages`` columns, so its shape (and a
+        captured launch reading it) stays valid across re-plans; eagerly it has the plan's width.
+        """
+        width = self.max_prompt_pages if self.use_cuda_graph else step_plan.max_prompt_pages
+        return buffer.write(padded_page_table(step_plan.page_table, width),
+                            capacity=(self.max_requests or 0) * width)
 
     def check_capacity(self, step_plan: StepPlan) -> None:
         """In CUDA-graph mode, refuse a plan beyond the capacities the fixed buffers were sized for."""

@@ -35,7 +35,7 @@ import torch
 
 from ..plan import StepPlan
 from .base import LseDescriptor, PrefixBackend, PrefixBackendError, PrefixProblem
-from .buffers import DeviceBuffer, padded_page_table
+from .buffers import DeviceBuffer
 
 __all__ = ["FA4PrefixBackend", "FA4_TMA_PAGE_SIZE"]
 
@@ -131,18 +131,15 @@ class FA4PrefixBackend(PrefixBackend):
                                        problem.num_kv_heads, problem.page_size, self.kv_layout)
         if not ok:
             raise PrefixBackendError(f"FA4 prefix backend cannot serve this plan: {reason}")
-        R = step_plan.num_requests
         cap_r = self.max_requests or 0
-        # Graph mode: a fixed table width, so the captured launch's page-table shape stays valid.
-        width = self.max_prompt_pages if self.use_cuda_graph else step_plan.max_prompt_pages
+        page_table = self.write_prompt_page_table(self._page_table, step_plan)
         self._views = dict(
             cu_seqlens_q=self._cu_seqlens_q.write(step_plan.qo_indptr, capacity=cap_r + 1),
             seqused_k=self._seqused_k.write(step_plan.prompt_lens, capacity=cap_r),
-            page_table=self._page_table.write(padded_page_table(step_plan.page_table, width), capacity=cap_r * width),
+            page_table=page_table,
             max_seqlen_q=step_plan.beam_width,
-            max_seqlen_k=width * problem.page_size,
+            max_seqlen_k=page_table.shape[1] * problem.page_size,
         )
-        assert self._views["page_table"].shape == (R, width)
 
     def _kv_views(self, kv_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         k, v = kv_cache.select(1, 0), kv_cache.select(1, 1)

@@ -18,7 +18,7 @@ import torch
 
 from ..plan import StepPlan
 from .base import LOG2E, LseDescriptor, PrefixBackend, PrefixProblem
-from .buffers import DeviceBuffer, padded_page_table
+from .buffers import DeviceBuffer
 
 __all__ = ["ReferencePrefixBackend"]
 
@@ -53,11 +53,8 @@ class ReferencePrefixBackend(PrefixBackend):
         return True, ""
 
     def _plan(self, step_plan: StepPlan, problem: PrefixProblem) -> None:
-        cap_r = self.max_requests or 0
-        width = self.max_prompt_pages if self.use_cuda_graph else step_plan.max_prompt_pages
-        table = padded_page_table(step_plan.page_table, width)
-        self._page_table_view = self._page_table.write(table, capacity=cap_r * width)
-        self._prompt_lens_view = self._prompt_lens.write(step_plan.prompt_lens, capacity=cap_r)
+        self._page_table_view = self.write_prompt_page_table(self._page_table, step_plan)
+        self._prompt_lens_view = self._prompt_lens.write(step_plan.prompt_lens, capacity=self.max_requests or 0)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
         """See :meth:`PrefixBackend.run`; writes ``out`` (planned dtype) and ``lse`` (float32 base 2 ``[rows, Hq]``)."""

@@ -23,7 +23,7 @@ import torch
 
 from ..plan import StepPlan
 from .base import LseDescriptor, PrefixBackend, PrefixBackendError, PrefixProblem
-from .buffers import DeviceBuffer, padded_page_table
+from .buffers import DeviceBuffer
 
 __all__ = ["TritonPrefixBackend"]
 
@@ -77,12 +77,9 @@ class TritonPrefixBackend(PrefixBackend):
                                        problem.num_kv_heads, problem.page_size, self.kv_layout)
         if not ok:
             raise PrefixBackendError(f"Triton prefix backend cannot serve this plan: {reason}")
-        cap_r = self.max_requests or 0
-        # Graph mode: a fixed table width (the kernel reads only the prompt's columns).
-        width = self.max_prompt_pages if self.use_cuda_graph else step_plan.max_prompt_pages
-        table = padded_page_table(step_plan.page_table, width)
-        self._page_table_view = self._page_table.write(table, capacity=cap_r * width)
-        self._prompt_lens_view = self._prompt_lens.write(step_plan.prompt_lens, capacity=cap_r)
+        # The kernel reads only each prompt's columns, whatever the table's width.
+        self._page_table_view = self.write_prompt_page_table(self._page_table, step_plan)
+        self._prompt_lens_view = self._prompt_lens.write(step_plan.prompt_lens, capacity=self.max_requests or 0)
 
     @property
     def prompt_page_table(self) -> torch.Tensor:

@@ -71,6 +71,26 @@ def _resources(compiled):
     return tuple(int(x) for x in m.groups())
 
 
+def _compile_sm90(kernel, pointers, constexprs, float_args, div16_ints, num_warps: int, num_stages: int):
+    """Compile ``kernel`` for sm_90: ``pointers`` maps pointer arguments to element types, ``constexprs``
+    gives the constexpr values, ``float_args`` are fp32 scalars, every other argument is an i32;
+    pointers and ``div16_ints`` are specialised as multiples of 16, as Triton's runtime does."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {}
+    for n in names:
+        if n in pointers:
+            signature[n] = "*" + pointers[n]
+        elif n in constexprs:
+            signature[n] = "constexpr"
+        else:
+            signature[n] = "fp32" if n in float_args else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in div16_ints}
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
 # (name, W, Hq, Hkv, D, dtype): the cascade kernel's default tiling at the presets it can serve.
 CASCADE_SHAPES = [
     ("B-short/B-medium", 30, 16, 8, 128, "bf16"),
@@ -90,7 +110,6 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
     """Compile the cascade kernel's default tiling of a shape (the whole step, or its prompt pass)."""
     g = hq // hkv
     cfg = cascade_launch_config(beam_width, g, d)
-    names = list(inspect.signature(beam_cascade_kernel.fn).parameters)
     pointers = dict(
         q_ptr=dtype, new_k_ptr=dtype, new_v_ptr=dtype, kv_ptr=dtype, prompt_pt_ptr="i32", beam_pt_ptr="i32",
         kv_lens_ptr="i32", prompt_lens_ptr="i32", ci_ptr="i32", out_ptr=dtype, lse_ptr="fp32",
@@ -99,25 +118,8 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         GROUP=g, GROUP_PAD=cfg.group_pad, BEAMS=cfg.beams_per_program, HEAD_DIM=d, BLOCK_N=cfg.block_n,
         TAIL_BLOCK=cfg.tail_block, WRITE_KV=True, PREFIX_ONLY=prefix_only, DOT_FP32=False,
     )
-    signature = {}
-    for n in names:
-        if n in pointers:
-            signature[n] = "*" + pointers[n]
-        elif n in constexprs:
-            signature[n] = "constexpr"
-        elif n == "qk_scale_log2":
-            signature[n] = "fp32"
-        else:
-            signature[n] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in pointers or n in _CASCADE_DIV16_INTS}
-    src = ASTSource(
-        fn=beam_cascade_kernel, signature=signature,
-        constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs,
-    )
-    compiled = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    )
+    compiled = _compile_sm90(beam_cascade_kernel, pointers, constexprs, ("qk_scale_log2",), _CASCADE_DIV16_INTS,
+                             cfg.num_warps, cfg.num_stages)
     regs, stack, shared, local = _resources(compiled)
     ptx = compiled.asm["ptx"]
     return dict(
@@ -141,7 +143,6 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     cfg = tail_launch_config(g, hkv, d)
     if index_block is not None:
         cfg = dataclasses.replace(cfg, index_block=index_block)
-    names = list(inspect.signature(beam_tail_merge_kernel.fn).parameters)
     pointers = dict(
         q_ptr=dtype, new_k_ptr=dtype, new_v_ptr=dtype, kv_ptr=dtype, page_table_ptr="i32", kv_lens_ptr="i32",
         prompt_lens_ptr="i32", cache_indirection_ptr="i32", prefix_out_ptr=prefix_dtype, prefix_lse_ptr="fp32",
@@ -151,24 +152,8 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
         GROUP=g, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog, HEAD_DIM=d,
         BLOCK_T=cfg.block_t, WRITE_KV=True, TOKENS_OUTER=cfg.tokens_outer, INDEX_BLOCK=cfg.index_block,
     )
-    signature = {}
-    for n in names:
-        if n in pointers:
-            signature[n] = "*" + pointers[n]
-        elif n in constexprs:
-            signature[n] = "constexpr"
-        elif n in ("qk_scale_log2", "lse_scale"):
-            signature[n] = "fp32"
-        else:
-            signature[n] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in _DIV16_INTS}
-    src = ASTSource(
-        fn=beam_tail_merge_kernel, signature=signature,
-        constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs,
-    )
-    compiled = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, num_stages=1)
-    )
+    compiled = _compile_sm90(beam_tail_merge_kernel, pointers, constexprs, ("qk_scale_log2", "lse_scale"), _DIV16_INTS,
+                             cfg.num_warps, 1)
     regs, stack, shared, local = _resources(compiled)
     return dict(
         kernel="tail",
