@@ -6,7 +6,9 @@ shape's workload, compared with the default tiling's output and timed as a CUDA 
 events, L2 flushed between calls, median of ``--iters`` calls. Tilings change the summation order
 and where the softmax weights are rounded to the KV dtype before ``P V`` (relative to a different
 running max), so outputs differ by a few units of the dtype; ``max |out - ref| / max |ref|`` above
-the benchmark's oracle tolerance (:data:`microbenchmarks.check.OUT_TOL`) is reported as a mismatch. The KV write is off while sweeping, so every call sees the same cache.
+the benchmark's oracle tolerance (:data:`microbenchmarks.check.OUT_TOL`) is reported as a mismatch.
+The KV write is off unless ``--write-kv``; with it, every call stores the same K/V (the tail never
+reads this step's slot from the cache), so every call still sees the same inputs.
 Times are reported against the step's floor (all bytes the step must move over the copy bandwidth
 measured in the same run). It informs :func:`triton_kernels.cascade.cascade_launch_config`; it is
 not a test.
@@ -63,20 +65,21 @@ def _resources(cfg_call) -> Dict:
         return {}
 
 
-def _cascade_call(wl, table, cfg, out):
+def _cascade_call(wl, table, cfg, out, write_kv=False):
     import triton_kernels
 
     def call():
         return triton_kernels.beam_cascade_attention(
             wl.q, wl.new_k, wl.new_v, wl.kv_cache, table, wl.beam_page_table, wl.kv_lens, wl.prompt_lens,
-            wl.cache_indirection, wl.beam_width, out, kv_layout=wl.kv_layout, write_kv=False, launch_config=cfg,
+            wl.cache_indirection, wl.beam_width, out, kv_layout=wl.kv_layout, write_kv=write_kv, launch_config=cfg,
         )
 
     return call
 
 
-def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: float) -> Dict:
-    """Check and time every tiling of ``grid`` (``(beams, block_n, tail_block, num_warps, num_stages)``) on
+def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: float, write_kv: bool = False) -> Dict:
+    """Check and time every tiling of ``grid`` (``(beams, block_n, tail_block, num_warps, num_stages,
+    max_registers)``, ``max_registers`` 0 for the compiler's choice) on
     ``shape``; returns the shape's ``floor_us``, ``default``, ``best`` and ``all`` results (us, ulps)."""
     import numpy as np
 
@@ -90,7 +93,7 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     group = shape.heads // shape.kv_heads
     default = cascade_launch_config(shape.beams, group, shape.head_dim)
     ref = torch.empty_like(wl.q)
-    _cascade_call(wl, table, default, ref)()
+    _cascade_call(wl, table, default, ref, write_kv)()
     torch.cuda.synchronize()
     traffic = count_traffic(wl.prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.kv_heads,
                             shape.head_dim, shape.page_size, wl.q.element_size(), tail_ancestry=wl.tail_ancestry)
@@ -100,8 +103,8 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     floor_us = full["bytes"] / bandwidth * 1e6
 
     configs = []
-    for beams, block_n, tail_block, warps, stages in grid:
-        cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages)
+    for beams, block_n, tail_block, warps, stages, max_regs in grid:
+        cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages, max_regs or None)
         if cfg.block_m > 128 or cfg.block_m < 16 or (warps > 4 and cfg.block_m < 64) or beams * tail_block < 32:
             continue
         configs.append(cfg)
@@ -110,7 +113,7 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     results = []
     for cfg in configs:
         out = torch.full_like(wl.q, float("nan"))
-        call = _cascade_call(wl, table, cfg, out)
+        call = _cascade_call(wl, table, cfg, out, write_kv)
         try:
             res = _resources(call)
             torch.cuda.synchronize()
@@ -132,7 +135,7 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
 
 def _key(config: Dict) -> tuple:
     return (config["beams_per_program"], config["block_n"], config["tail_block"], config["num_warps"],
-            config["num_stages"])
+            config["num_stages"], config.get("max_registers"))
 
 
 def main(argv=None) -> int:
@@ -143,7 +146,10 @@ def main(argv=None) -> int:
     p.add_argument("--tail-block", default="1,2")
     p.add_argument("--num-warps", default="4,8")
     p.add_argument("--num-stages", default="2,3")
+    p.add_argument("--max-registers", default="0", help="register caps per thread (0: the compiler's choice)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--write-kv", action="store_true",
+                   help="time with the step's KV write (it stores the same K/V at every call)")
     p.add_argument("--top", type=int, default=4, help="tilings listed per shape")
     p.add_argument("--default-only", action="store_true", help="time only each shape's default tiling")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}")
@@ -154,16 +160,17 @@ def main(argv=None) -> int:
         return 0
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     grid = [] if args.default_only else list(itertools.product(
-        ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps), ints(args.num_stages)))
+        ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps), ints(args.num_stages),
+        ints(args.max_registers)))
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
-          f"(beams, block_n, tail_block, num_warps, num_stages)", flush=True)
+          f"(beams, block_n, tail_block, num_warps, num_stages, max_registers)", flush=True)
     report = []
     for name in args.shapes.split(","):
-        r = tune_shape(SHAPES[name], grid, args.iters, bandwidth)
+        r = tune_shape(SHAPES[name], grid, args.iters, bandwidth, args.write_kv)
         report.append(r)
         fmt = lambda x: "-" if x is None else f"{x['us']:.1f} us ({x['us'] / r['floor_us']:.2f}x) {_key(x['config'])}"  # noqa: E731
         print(f"{name:>9}: floor {r['floor_us']:.1f} us | default {fmt(r['default'])} | best {fmt(r['best'])}",

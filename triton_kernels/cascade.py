@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -74,6 +74,8 @@ class CascadeLaunchConfig:
         block_n: prompt tokens per loop iteration (a power of two >= 32).
         tail_block: earlier tail positions per key block (a power of two).
         num_warps, num_stages: Triton launch parameters.
+        max_registers: cap on registers per thread (``maxnreg``; ``None`` lets the compiler choose,
+            up to 255). A lower cap fits more programs on an SM at the cost of spills.
     """
 
     beams_per_program: int
@@ -82,6 +84,7 @@ class CascadeLaunchConfig:
     tail_block: int = 2
     num_warps: int = 4
     num_stages: int = 2
+    max_registers: Optional[int] = None
 
     @property
     def block_m(self) -> int:
@@ -156,6 +159,9 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int) -> Cas
                                   f"{group_size}; use a power of two >= {group_size}.")
     if not (isinstance(cfg.num_stages, int) and 1 <= cfg.num_stages <= 4):
         raise TailMergeInputError(f"launch_config.num_stages={cfg.num_stages!r} must be an int in [1, 4].")
+    if cfg.max_registers is not None and not (isinstance(cfg.max_registers, int) and 64 <= cfg.max_registers <= 255):
+        raise TailMergeInputError(f"launch_config.max_registers={cfg.max_registers!r} must be None or an int in "
+                                  f"[64, 255].")
     return cfg
 
 
@@ -211,6 +217,8 @@ def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if cfg.max_registers is not None and device.type == "cuda":
+        meta["maxnreg"] = cfg.max_registers
     if device.type == "cuda":
         with torch.cuda.device(device):
             return beam_cascade_kernel[grid](*args, **meta)

@@ -48,7 +48,11 @@ def run_cascade(sim, step, *, divisor=1, write_kv=True, launch_config=None, stri
     if strided:  # q/new_k/new_v as views of one fused QKV buffer, out inside a wider buffer
         rows, hq, d = q.shape
         hkv = new_k.shape[1]
-        qkv = torch.empty(rows, hq + 2 * hkv, d, dtype=q.dtype, device=q.device)
+        # "misaligned": the buffer starts one element past a 16-byte boundary, so the kernel must
+        # not load this step's K/V rows as 16-byte vectors (on CUDA a wrong choice faults).
+        skew = 1 if strided == "misaligned" else 0
+        flat = torch.empty(rows * (hq + 2 * hkv) * d + skew, dtype=q.dtype, device=q.device)
+        qkv = flat[skew:].view(rows, hq + 2 * hkv, d)
         qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:] = q, new_k, new_v
         q, new_k, new_v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
         out = torch.full((rows, hq + 3, d), float("nan"), dtype=q.dtype, device=q.device)[:, 2:2 + hq]
@@ -76,6 +80,8 @@ CASES = [
     # G=3 (padded to 4), page size 32, strided q/new_k/new_v/out, fp16 (the interpreter runs its dots as on the GPU).
     ("g3_d64_pg32_strided_fp16", dict(prompts=[33, 2], beams=3, hq=6, hkv=2, d=64, pg=32, dtype=torch.float16),
      dict(strided=True), 4, {}),
+    # Views of a fused QKV buffer that starts off a 16-byte boundary: the scalar-load path.
+    ("g2_d64_misaligned_qkv", dict(prompts=[20, 5], beams=4, hq=4, hkv=2, d=64), dict(strided="misaligned"), 3, {}),
     # G=8 (the widest group tiled at 16 beams), beam width 1.
     ("g8_d64_w1", dict(prompts=[9, 16], beams=1, hq=8, hkv=1, d=64), dict(), 3, {}),
 ]
@@ -98,7 +104,9 @@ TILINGS = [
     # tail_block 2 and 4 (a key block wider than the tail); block_n 32 > page size 16; one stage.
     ("beam_blocks_tail2", CascadeLaunchConfig(16, 4, block_n=32, tail_block=2, num_warps=4, num_stages=1)),
     ("wide_tail_block", CascadeLaunchConfig(32, 4, block_n=32, tail_block=4, num_warps=4, num_stages=2)),
-    ("wide_group_pad", CascadeLaunchConfig(16, 8, block_n=64, tail_block=2, num_warps=8, num_stages=3)),
+    # A register cap (maxnreg, CUDA only: the interpreter has no registers) forces spills.
+    ("wide_group_pad_capped", CascadeLaunchConfig(16, 8, block_n=64, tail_block=2, num_warps=8, num_stages=3,
+                                                  max_registers=128)),
 ]
 
 
@@ -191,6 +199,7 @@ def test_refuses_shapes_it_does_not_tile(device):
     (lambda a: a.update(launch_config=CascadeLaunchConfig(8, 2)), "must be >= 16 and >= 32"),
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 1)), "group_pad=1 is smaller"),
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, tail_block=1)), "16 tail key columns"),
+    (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, max_registers=32)), r"max_registers=32 .* \[64, 255\]"),
     (lambda a: a.update(beam_width=3), "not a multiple of beam_width=3"),
 ])
 def test_refuses_bad_arguments(mutate, match, device):
