@@ -44,7 +44,7 @@ from .prefix.base import (
 )
 from .prefix.buffers import DeviceBuffer
 from .prefix.flashinfer import PREFIX_KERNELS
-from .prefix.select import BACKEND_CLASSES, CASCADE_MAX_MEAN_PROMPT, resolve_prefix_backend
+from .prefix.select import BACKEND_CLASSES, cascade_preferred, resolve_prefix_backend
 
 __all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
 
@@ -183,18 +183,20 @@ class BeamSharedPrefixAttention:
         return self._planner
 
     def _backend_for(self, problem_key: tuple, step_plan: StepPlan) -> PrefixBackend:
-        # The auto rule depends on the prompt lengths only through one threshold, so the choice is
-        # cached per (shape, side of the threshold) and logged once each. In CUDA-graph mode it is
-        # made once per shape, at its first plan, and kept: a captured run() launches the kernels
-        # of the backend it was captured with, so the backend must not change under it.
+        # The auto rule depends on the batch (mean prompt, beam width) only through whether it
+        # prefers the cascade, so the choice is cached per (shape, that answer) and logged once each.
+        # In CUDA-graph mode it is made once per shape, at its first plan, and kept: a captured run()
+        # launches the kernels of the backend it was captured with, so it must not change under it.
+        hq, hkv, d, pg, dtype, _ = problem_key
         mean_prompt = float(step_plan.prompt_lens.mean()) if step_plan.num_requests else None
-        short = mean_prompt is not None and mean_prompt <= CASCADE_MAX_MEAN_PROMPT
-        cache_key = (problem_key, None if self.use_cuda_graph else short)
+        side = None
+        if not self.use_cuda_graph and self.requested_backend == "auto":
+            side = cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d)[0]
+        cache_key = (problem_key, side)
         name = self._backend_for_problem.get(cache_key)
         if name is None:
-            hq, hkv, d, pg, dtype, _ = problem_key
             name = resolve_prefix_backend(self.requested_backend, self.device, dtype, d, hq, hkv, pg, self.kv_layout,
-                                          mean_prompt_len=mean_prompt)
+                                          mean_prompt_len=mean_prompt, beam_width=step_plan.beam_width)
             self._backend_for_problem[cache_key] = name
             logger.info("beam_shared_prefix: prefix backend %s serves Hq=%d Hkv=%d D=%d page %d %s, mean prompt %s "
                         "(requested %s)", name, hq, hkv, d, pg, _dtype_name(dtype),

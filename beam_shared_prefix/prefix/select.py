@@ -3,9 +3,9 @@
 Rule of ``"auto"`` (:func:`choose_prefix_backend`), in order:
 
 1. not a CUDA device: ``reference`` (the torch path, the library's CPU path);
-2. ``triton`` (the one-launch cascade kernel) when the batch's prompts are short enough and its
-   GQA group small enough that it measured faster than the two-launch paths on the H200
-   (:func:`cascade_preferred`; it also needs :meth:`TritonPrefixBackend.is_available`);
+2. ``triton`` (the one-launch cascade kernel) when the batch's prompts are short enough for its
+   beam width and its GQA group small enough that it measured faster than the two-launch paths on
+   the H200 (:func:`cascade_preferred`; it also needs :meth:`TritonPrefixBackend.is_available`);
 3. ``fa4`` when :meth:`FA4PrefixBackend.is_available` accepts the shape (SM90/SM100, bf16, head size
    64/128, page size other than 128, ``flash_attn.cute`` importable): measured on the H200 at
    128 requests x 96 beams x 3,000-token prompts (GQA 16/8, head 128, page 32), FA4's prefix took
@@ -31,14 +31,22 @@ from .reference import ReferencePrefixBackend
 from .triton import TritonPrefixBackend
 
 __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "resolve_prefix_backend",
-           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_GROUP"]
+           "cascade_prompt_limit",
+           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_GROUP"]
 
-# Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 x 30 beams, GQA 16/8, head
-# 128, page 32, tail 4; docs/benchmarks.md, "The one-launch cascade"): 15% faster at 250-token
-# prompts, 7% at 500, 6% slower at 1,000 and 15% at 2,000; at G = 4 (B-4B) 38% slower. The
-# threshold sits between the measured win and loss, nearer the win.
+# Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
+# 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
+# request's prompt is read: once per block of beams a program holds (up to 64 query rows, so 32
+# beams at G = 2, 16 at G = 4).
+# - One beam block per request (W = 14 and 30 at G = 2): 15% faster at 250-token prompts, 4% at
+#   500, 6% slower at 1,000 and 15% at 2,000. Threshold between the win and the loss, nearer the win.
+# - Several beam blocks (W = 64, 128, 256 at G = 2; W = 30 at G = 4): 4-12% faster at prompts of
+#   50-100 tokens, 5-44% slower from 200 tokens up (G = 4: 5% faster at 100, 15% slower at 250).
+# - Long tails (16 and 64 tokens, W = 30) and head 64 favour the cascade further; fp16 too (against
+#   FlashInfer + tail, FA4 being bf16-only). Groups above 4 were not measured.
 CASCADE_MAX_MEAN_PROMPT = 640
-CASCADE_MAX_GROUP = 2
+CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
+CASCADE_MAX_GROUP = 4
 
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
     "reference": ReferencePrefixBackend,
@@ -48,19 +56,47 @@ BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
 }
 
 
-def cascade_preferred(mean_prompt_len: Optional[float], num_qo_heads: int, num_kv_heads: int) -> Tuple[bool, str]:
+def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: int) -> int:
+    """The largest mean prompt (tokens) at which ``auto`` picks the cascade for this beam width and group:
+    :data:`CASCADE_MAX_MEAN_PROMPT` when one program's beam block holds all ``W`` beams of a request,
+    :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` when the prompt is read by several blocks (or ``W`` is unknown)."""
+    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
+
+    if beam_width is None:
+        return CASCADE_MAX_MEAN_PROMPT_SPLIT
+    beams_per_program = cascade_launch_config(int(beam_width), group_size, head_dim).beams_per_program
+    return CASCADE_MAX_MEAN_PROMPT if beam_width <= beams_per_program else CASCADE_MAX_MEAN_PROMPT_SPLIT
+
+
+def cascade_preferred(
+    mean_prompt_len: Optional[float],
+    num_qo_heads: int,
+    num_kv_heads: int,
+    beam_width: Optional[int] = None,
+    head_dim: int = 128,
+) -> Tuple[bool, str]:
     """Whether ``auto`` picks the one-launch cascade for a batch: ``(True, "")`` or ``(False, reason)``.
 
-    ``mean_prompt_len`` is the batch's mean prompt length in tokens (``None``: unknown, not preferred).
+    ``mean_prompt_len`` is the batch's mean prompt length in tokens (``None``: unknown, not preferred);
+    ``beam_width`` the batch's ``W`` (``None``: unknown, the stricter prompt limit applies).
     """
     group = num_qo_heads // max(num_kv_heads, 1)
     if group > CASCADE_MAX_GROUP:
-        return False, f"GQA group {group} > {CASCADE_MAX_GROUP} (measured slower than FA4 + tail there)"
+        return False, f"GQA group {group} > {CASCADE_MAX_GROUP} (not measured faster than FA4 + tail there)"
+    try:
+        from triton_kernels.cascade import cascade_supported  # deferred: triton is imported on first use
+    except ImportError as exc:  # pragma: no cover - triton is a dependency
+        return False, f"triton_kernels does not import: {exc}"
+    ok, reason = cascade_supported(group, head_dim)
+    if not ok:
+        return False, reason
     if mean_prompt_len is None:
         return False, "prompt lengths unknown"
-    if mean_prompt_len > CASCADE_MAX_MEAN_PROMPT:
-        return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {CASCADE_MAX_MEAN_PROMPT} (measured slower than "
-                       f"FA4 + tail there)")
+    limit = cascade_prompt_limit(beam_width, group, head_dim)
+    if mean_prompt_len > limit:
+        blocks = "one beam block" if limit == CASCADE_MAX_MEAN_PROMPT else "several beam blocks per request"
+        return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
+                       f"measured slower than FA4 + tail there)")
     return True, ""
 
 
@@ -73,16 +109,18 @@ def choose_prefix_backend(
     page_size: int,
     kv_layout: str = "HND",
     mean_prompt_len: Optional[float] = None,
+    beam_width: Optional[int] = None,
 ) -> Tuple[str, List[str]]:
     """The ``backend="auto"`` choice for a shape: ``(name, [reasons the faster backends declined])``.
 
-    ``mean_prompt_len`` (tokens, the batch's mean) lets the rule pick the one-launch cascade.
+    ``mean_prompt_len`` (tokens, the batch's mean) and ``beam_width`` let the rule pick the one-launch
+    cascade (:func:`cascade_preferred`).
     """
     device = torch.device(device)
     if device.type != "cuda":
         return "reference", [f"device {device} is not CUDA: the torch reference path serves it"]
     declined = []
-    preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads)
+    preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)
     candidates = ("triton", "fa4", "flashinfer") if preferred else ("fa4", "flashinfer")
     if not preferred:
         declined.append(f"triton: {why}")
@@ -106,10 +144,11 @@ def resolve_prefix_backend(
     page_size: int,
     kv_layout: str = "HND",
     mean_prompt_len: Optional[float] = None,
+    beam_width: Optional[int] = None,
 ) -> str:
     """The backend that will run for ``requested`` (``auto``/``triton``/``fa4``/``flashinfer``/``reference``).
 
-    ``mean_prompt_len``: the batch's mean prompt length (tokens), for the ``auto`` rule.
+    ``mean_prompt_len``: the batch's mean prompt length (tokens), and ``beam_width``, for the ``auto`` rule.
 
     Declines are logged on the ``beam_shared_prefix`` logger with their reason.
 
@@ -118,7 +157,7 @@ def resolve_prefix_backend(
     """
     if requested == "auto":
         name, declined = choose_prefix_backend(device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size,
-                                               kv_layout, mean_prompt_len)
+                                               kv_layout, mean_prompt_len, beam_width)
         for reason in declined:
             logger.info("beam_shared_prefix: backend=auto declined %s", reason)
         if name == "reference" and torch.device(device).type == "cuda":

@@ -230,12 +230,27 @@ def test_declines_name_their_reason(fake_sm):
         assert not ok and package in why and "install" in why
     name, declined = choose_prefix_backend(cuda, bf16, 128, 16, 8, 32)
     assert name == "reference" and len(declined) == 3 and "prompt lengths unknown" in declined[0]
-    # Short prompts and a small group: the one-launch cascade (it needs only Triton).
-    assert choose_prefix_backend(cuda, bf16, 128, 16, 8, 32, mean_prompt_len=100) == ("triton", [])
-    name, declined = choose_prefix_backend(cuda, bf16, 128, 16, 8, 32, mean_prompt_len=4000)
-    assert name == "reference" and "mean prompt 4000 tokens > 640" in declined[0]
-    name, declined = choose_prefix_backend(cuda, bf16, 128, 32, 8, 32, mean_prompt_len=100)
-    assert name == "reference" and "GQA group 4 > 2" in declined[0]
+    # Short prompts and a small group: the one-launch cascade (it needs only Triton). The prompt
+    # limit depends on how many beam blocks read each prompt: one up to 32 beams at G = 2 (16 at G = 4).
+    def auto(hq, prompt, beams):
+        return choose_prefix_backend(cuda, bf16, 128, hq, 8, 32, mean_prompt_len=prompt, beam_width=beams)
+
+    assert auto(16, 100, 30) == ("triton", [])
+    assert auto(16, 500, 30) == ("triton", [])
+    assert auto(16, 100, 256) == ("triton", [])
+    assert auto(32, 100, 30) == ("triton", [])  # G = 4: two beam blocks, short prompt
+    assert auto(32, 500, 16) == ("triton", [])  # G = 4, one beam block
+    for hq, prompt, beams, why in [
+        (16, 4000, 30, "mean prompt 4000 tokens > 640 at W=30, G=2 (one beam block"),
+        (16, 200, 64, "mean prompt 200 tokens > 128 at W=64, G=2 (several beam blocks"),
+        (32, 250, 30, "mean prompt 250 tokens > 128 at W=30, G=4 (several beam blocks"),
+        (16, 200, None, "> 128 at W=None"),  # beam width unknown: the stricter limit
+        (64, 100, 30, "GQA group 8 > 4"),
+    ]:
+        name, declined = auto(hq, prompt, beams)
+        assert name == "reference" and why in declined[0], declined
+    name, declined = choose_prefix_backend(cuda, bf16, 256, 16, 8, 32, mean_prompt_len=100, beam_width=30)
+    assert name == "reference" and "head_dim=256" in declined[0]
     with pytest.raises(PrefixBackendError, match="fa4: .*flashinfer: "):
         resolve_prefix_backend("fa4", cuda, bf16, 128, 16, 8, 32)
     fake_sm((8, 0))

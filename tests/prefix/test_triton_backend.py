@@ -153,7 +153,8 @@ def test_auto_rule_is_decided_per_side_of_the_prompt_threshold(monkeypatch, grap
     threshold); in CUDA-graph mode once per shape (a captured run() cannot switch kernels)."""
     asked = []
 
-    def resolve(requested, *a, mean_prompt_len=None, **k):
+    def resolve(requested, *a, mean_prompt_len=None, beam_width=None, **k):
+        assert beam_width == 4
         asked.append(mean_prompt_len)
         return "reference"
 
