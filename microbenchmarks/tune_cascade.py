@@ -1,7 +1,8 @@
 """Sweep the one-launch cascade kernel's tiling on the GPU: ``python -m microbenchmarks.tune_cascade``.
 
 For each shape, every :class:`triton_kernels.CascadeLaunchConfig` of the grid (beams per program x
-``block_n`` x ``tail_block`` x warps x stages, tiles over 128 query rows skipped) is run on the
+``block_n`` x ``tail_block`` x warps x stages x register cap x KV heads per program, tiles over 128
+query rows skipped) is run on the
 shape's workload, compared with the default tiling's output and timed as a CUDA graph with CUDA
 events, L2 flushed between calls, median of ``--iters`` calls. Tilings change the summation order
 and where the softmax weights are rounded to the KV dtype before ``P V`` (relative to a different
@@ -79,7 +80,7 @@ def _cascade_call(wl, table, cfg, out, write_kv=False):
 
 def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: float, write_kv: bool = False) -> Dict:
     """Check and time every tiling of ``grid`` (``(beams, block_n, tail_block, num_warps, num_stages,
-    max_registers)``, ``max_registers`` 0 for the compiler's choice) on
+    max_registers, heads_per_program)``, ``max_registers`` 0 for the compiler's choice) on
     ``shape``; returns the shape's ``floor_us``, ``default``, ``best`` and ``all`` results (us, ulps)."""
     import numpy as np
 
@@ -103,8 +104,9 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     floor_us = full["bytes"] / bandwidth * 1e6
 
     configs = []
-    for beams, block_n, tail_block, warps, stages, max_regs in grid:
-        cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages, max_regs or None)
+    for beams, block_n, tail_block, warps, stages, max_regs, heads in grid:
+        cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages, max_regs or None,
+                                  heads)
         if cfg.block_m > 128 or cfg.block_m < 16 or (warps > 4 and cfg.block_m < 64) or beams * tail_block < 32:
             continue
         configs.append(cfg)
@@ -135,7 +137,7 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
 
 def _key(config: Dict) -> tuple:
     return (config["beams_per_program"], config["block_n"], config["tail_block"], config["num_warps"],
-            config["num_stages"], config.get("max_registers"))
+            config["num_stages"], config.get("max_registers"), config.get("heads_per_program", 1))
 
 
 def main(argv=None) -> int:
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", default="4,8")
     p.add_argument("--num-stages", default="2,3")
     p.add_argument("--max-registers", default="0", help="register caps per thread (0: the compiler's choice)")
+    p.add_argument("--heads-per-program", default="1", help="KV heads per program")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--write-kv", action="store_true",
                    help="time with the step's KV write (it stores the same K/V at every call)")
@@ -161,13 +164,13 @@ def main(argv=None) -> int:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     grid = [] if args.default_only else list(itertools.product(
         ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps), ints(args.num_stages),
-        ints(args.max_registers)))
+        ints(args.max_registers), ints(args.heads_per_program)))
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
-          f"(beams, block_n, tail_block, num_warps, num_stages, max_registers)", flush=True)
+          f"(beams, block_n, tail_block, num_warps, num_stages, max_registers, heads_per_program)", flush=True)
     report = []
     for name in args.shapes.split(","):
         r = tune_shape(SHAPES[name], grid, args.iters, bandwidth, args.write_kv)

@@ -76,6 +76,8 @@ class CascadeLaunchConfig:
         num_warps, num_stages: Triton launch parameters.
         max_registers: cap on registers per thread (``maxnreg``; ``None`` lets the compiler choose,
             up to 255). A lower cap fits more programs on an SM at the cost of spills.
+        heads_per_program: KV heads one program runs one after the other (a power of two). They
+            share the tail's index chain (source beams, pages), walked once for all of them.
     """
 
     beams_per_program: int
@@ -85,6 +87,7 @@ class CascadeLaunchConfig:
     num_warps: int = 4
     num_stages: int = 2
     max_registers: Optional[int] = None
+    heads_per_program: int = 1
 
     @property
     def block_m(self) -> int:
@@ -113,10 +116,15 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int) -> Ca
     - Beams per program: up to 64 query rows per tile (32 beams at G = 2): the kernel is latency-
       bound at decode shapes and the register file, not the tensor cores, limits how many programs
       are resident; 128-row tiles were 13% slower at B-4B (and 27% at A with the first design).
-    - ``tail_block`` 4: a 3-token tail (beam-search decode's common case) is one key block, so its
-      gather chain (source beams, pages, K/V) is walked once (2.4x the floor against 3.3x with 1 or 2).
+    - ``tail_block`` 4: a 4-token tail (3 earlier tokens and this step's, beam-search decode's
+      common case) is one key block, so its gather chain (source beams, pages, K/V) is walked once
+      (2.4x the floor against 3.3x with 1 or 2).
     - ``block_n`` 128 prompt tokens per iteration, one stage for 64-row tiles (two stages double
       the shared memory and halve the resident programs), two for smaller ones.
+    - One KV head per program, no register cap: 2 or 4 heads per program (sharing the tail's index
+      chain) were 0-12% slower at B-short, B-medium and B-beam14 and a cap of 128 or 168 registers
+      30-100% slower, both from spills (``tune_cascade_heads.json``,
+      ``tune_cascade_fused_current_and_maxnreg.json``).
     """
     group_pad = triton.next_power_of_2(group_size)
     rows_cap = min(64, MAX_BLOCK_M[head_dim])
@@ -143,7 +151,7 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int) -> Cas
         return cascade_launch_config(beam_width, group_size, head_dim)
     if not isinstance(cfg, CascadeLaunchConfig):
         raise TailMergeInputError(f"launch_config must be a CascadeLaunchConfig or None, got {type(cfg).__name__}.")
-    for name in ("beams_per_program", "group_pad", "block_n", "tail_block", "num_warps"):
+    for name in ("beams_per_program", "group_pad", "block_n", "tail_block", "num_warps", "heads_per_program"):
         if not _is_pow2(getattr(cfg, name)):
             raise TailMergeInputError(f"launch_config.{name}={getattr(cfg, name)!r} must be a power of two >= 1.")
     if cfg.beams_per_program < MIN_BEAMS_PER_PROGRAM or cfg.block_n < MIN_BLOCK_N:
@@ -202,17 +210,29 @@ def _check_prompt_values(prompt_page_table, prompt_lens_per_request, page_size: 
               f"or belongs to another pool.")
 
 
+def _rows_aligned(*views) -> bool:
+    """Whether every ``(tensor, element strides)`` pair starts on 16 bytes and steps in multiples of 16
+    bytes, so that the kernel may load K/V rows chosen by a pointer select as 16-byte vectors."""
+    for x, strides in views:
+        size = x.element_size()
+        if x.data_ptr() % 16 or any((st * size) % 16 for st in strides):
+            return False
+    return True
+
+
 def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int, write_kv: bool, prefix_only: bool,
-            device: torch.device, dtype: torch.dtype):
+            device: torch.device, dtype: torch.dtype, aligned_rows: bool = False):
     meta = dict(
         GROUP=group_size,
         GROUP_PAD=cfg.group_pad,
         BEAMS=cfg.beams_per_program,
+        HEADS=cfg.heads_per_program,
         HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n,
         TAIL_BLOCK=cfg.tail_block,
         WRITE_KV=bool(write_kv),
         PREFIX_ONLY=bool(prefix_only),
+        ALIGNED_ROWS=bool(aligned_rows),
         DOT_FP32=device.type != "cuda" and dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -298,7 +318,7 @@ def beam_cascade_attention(
     if geom.num_rows == 0:
         return out
     num_beam_blocks = triton.cdiv(geom.beam_width, cfg.beams_per_program)
-    grid = (geom.num_requests * num_beam_blocks, geom.num_kv_heads)
+    grid = (geom.num_requests * num_beam_blocks, triton.cdiv(geom.num_kv_heads, cfg.heads_per_program))
     s_page, s_kv, s_head, s_slot = geom.kv_strides
     args = (
         q, new_k, new_v, kv_cache, prompt_page_table, beam_page_table, kv_lens, prompt_lens, cache_indirection,
@@ -313,11 +333,12 @@ def beam_cascade_attention(
         cache_indirection.stride(0), cache_indirection.stride(1), cache_indirection.stride(2),
         out.stride(0), out.stride(1),
         0, 0,
-        geom.beam_width, num_beam_blocks, prompt_page_table.shape[1] * geom.page_size,
+        geom.beam_width, num_beam_blocks, geom.num_kv_heads, prompt_page_table.shape[1] * geom.page_size,
         geom.page_size, page_index_divisor, geom.num_pages, geom.max_seq_len,
         geom.sm_scale * LOG2E,
     )
-    _launch(grid, args, cfg, geom.group_size, geom.head_dim, write_kv, False, q.device, q.dtype)
+    aligned = _rows_aligned((new_k, new_k.stride()[:2]), (new_v, new_v.stride()[:2]), (kv_cache, geom.kv_strides))
+    _launch(grid, args, cfg, geom.group_size, geom.head_dim, write_kv, False, q.device, q.dtype, aligned)
     return out
 
 
@@ -398,7 +419,7 @@ def beam_prefix_attention(
     if sm_scale is None:
         sm_scale = head_dim ** -0.5
     num_beam_blocks = triton.cdiv(beam_width, cfg.beams_per_program)
-    grid = (num_requests * num_beam_blocks, num_kv_heads)
+    grid = (num_requests * num_beam_blocks, triton.cdiv(num_kv_heads, cfg.heads_per_program))
     s_page, s_kv, s_head, s_slot = kv_strides
     args = (
         q, q, q, kv_cache, prompt_page_table, prompt_page_table, prompt_lens, prompt_lens, prompt_lens,
@@ -412,7 +433,7 @@ def beam_prefix_attention(
         0, 0, 0,
         out.stride(0), out.stride(1),
         lse.stride(0), lse.stride(1),
-        beam_width, num_beam_blocks, prompt_page_table.shape[1] * page_size,
+        beam_width, num_beam_blocks, num_kv_heads, prompt_page_table.shape[1] * page_size,
         page_size, 1, num_pages, 1,
         float(sm_scale) * LOG2E,
     )

@@ -115,8 +115,8 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         kv_lens_ptr="i32", prompt_lens_ptr="i32", ci_ptr="i32", out_ptr=dtype, lse_ptr="fp32",
     )
     constexprs = dict(
-        GROUP=g, GROUP_PAD=cfg.group_pad, BEAMS=cfg.beams_per_program, HEAD_DIM=d, BLOCK_N=cfg.block_n,
-        TAIL_BLOCK=cfg.tail_block, WRITE_KV=True, PREFIX_ONLY=prefix_only, DOT_FP32=False,
+        GROUP=g, GROUP_PAD=cfg.group_pad, BEAMS=cfg.beams_per_program, HEADS=cfg.heads_per_program, HEAD_DIM=d, BLOCK_N=cfg.block_n,
+        TAIL_BLOCK=cfg.tail_block, WRITE_KV=True, PREFIX_ONLY=prefix_only, ALIGNED_ROWS=True, DOT_FP32=False,
     )
     compiled = _compile_sm90(beam_cascade_kernel, pointers, constexprs, ("qk_scale_log2",), _CASCADE_DIV16_INTS,
                              cfg.num_warps, cfg.num_stages)

@@ -15,6 +15,8 @@ which stays within it, while a wrong page, beam or mask moves outputs by O(0.1-1
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -104,6 +106,9 @@ TILINGS = [
     # tail_block 2 and 4 (a key block wider than the tail); block_n 32 > page size 16; one stage.
     ("beam_blocks_tail2", CascadeLaunchConfig(16, 4, block_n=32, tail_block=2, num_warps=4, num_stages=1)),
     ("wide_tail_block", CascadeLaunchConfig(32, 4, block_n=32, tail_block=4, num_warps=4, num_stages=2)),
+    # Two KV heads per program over Hkv = 3: the second program's spare head repeats head 2.
+    ("two_heads_per_program", CascadeLaunchConfig(16, 4, block_n=32, tail_block=4, num_warps=4, num_stages=1,
+                                                  heads_per_program=2)),
     # A register cap (maxnreg, CUDA only: the interpreter has no registers) forces spills.
     ("wide_group_pad_capped", CascadeLaunchConfig(16, 8, block_n=64, tail_block=2, num_warps=8, num_stages=3,
                                                   max_registers=128)),
@@ -148,10 +153,12 @@ def test_cascade_detects_a_wrong_beam(device):
         assert_matches(wrong, ref, "shifted indirection")
 
 
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
-def test_prefix_stage_matches_reference(layout, device):
-    """The prefix stage alone: output and base-2 LSE of every row against the prefix oracle."""
-    sim = make_sim(device, prompts=[1, 16, 50], beams=5, hq=6, hkv=2, d=64, layout=layout, seed=9)
+@pytest.mark.parametrize("layout,heads_per_program", [("HND", 1), ("NHD", 2), ("HND", 4)])
+def test_prefix_stage_matches_reference(layout, heads_per_program, device):
+    """The prefix stage alone: output and base-2 LSE of every row against the prefix oracle, with 1, 2
+    and 4 KV heads per program over Hkv = 3 (the last program's spare heads repeat head 2)."""
+    sim = make_sim(device, prompts=[1, 16, 50], beams=5, hq=6, hkv=3, d=64, layout=layout, seed=9)
+    config = dataclasses.replace(cascade_launch_config(5, 2, 64), heads_per_program=heads_per_program)
     step = sim.begin_step()
     want_o, want_lse = reference_prefix_attention(
         step.q, sim.kv_cache, step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
@@ -161,7 +168,7 @@ def test_prefix_stage_matches_reference(layout, device):
     lse = torch.full((step.num_rows, step.q.shape[1]), float("nan"), device=step.q.device)
     before = sim.kv_cache.clone()
     beam_prefix_attention(step.q, sim.kv_cache, prompt_table(sim, step), step.prompt_lens_per_request,
-                          step.beam_width, out, lse, kv_layout=layout, validate_indices=True)
+                          step.beam_width, out, lse, kv_layout=layout, validate_indices=True, launch_config=config)
     assert torch.equal(sim.kv_cache, before), "the prefix stage must not write the pool"
     assert_matches(out, want_o, "prefix output")
     assert not torch.isnan(lse).any(), "NaN left in lse"
@@ -248,7 +255,8 @@ def cascade_cases(draw):
     beams_per_program = draw(st.sampled_from([b for b in (16, 32) if b * group_pad <= 128]))
     tail_block = draw(st.sampled_from([t for t in (1, 2, 4) if t * beams_per_program >= 32]))
     config = CascadeLaunchConfig(beams_per_program, group_pad, block_n=draw(st.sampled_from([32, 64])),
-                                 tail_block=tail_block, num_warps=4, num_stages=draw(st.integers(1, 2)))
+                                 tail_block=tail_block, num_warps=4, num_stages=draw(st.integers(1, 2)),
+                                 heads_per_program=draw(st.sampled_from([1, 2, 4])))
     prompts = draw(st.lists(st.integers(1, 60), min_size=1, max_size=3))
     return dict(
         sim=dict(prompts=prompts, beams=draw(st.integers(1, 20)), hq=hkv * group, hkv=hkv, d=64,
@@ -264,7 +272,8 @@ def cascade_cases(draw):
 @given(cascade_cases())
 def test_cascade_property_matches_oracle(case):
     """Any beam width (including ones not a multiple of the tile), group, page size, layout, page-table
-    encoding, tail length and tiling: the step matches the oracle and writes exactly its K/V."""
+    encoding, tail length and tiling (KV heads per program included, dividing Hkv or not): the step
+    matches the oracle and writes exactly its K/V."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sim = make_sim(device, **case["sim"])
     for _ in range(case["steps_before"]):
