@@ -322,3 +322,20 @@ def test_flashinfer_workspace_grows_for_a_bigger_plan():
     sim, step, plan = make_case("cuda", [700] * 48, 64, 16, 8, 128, 32, seed=2)
     run_prefix(backend, sim, step, plan)
     assert backend.workspace_bytes > small
+
+
+@pytest.mark.parametrize("group,one_block_up_to", [(1, 64), (2, 32), (3, 16), (4, 16)])
+def test_cascade_prompt_limit_follows_the_beam_blocks(group, one_block_up_to):
+    """640 tokens while one program's beam block (64 query rows) holds all W beams, 128 beyond, and
+    128 when W is unknown."""
+    from beam_shared_prefix.prefix.select import (
+        CASCADE_MAX_MEAN_PROMPT,
+        CASCADE_MAX_MEAN_PROMPT_SPLIT,
+        cascade_prompt_limit,
+    )
+
+    assert cascade_prompt_limit(1, group, 128) == CASCADE_MAX_MEAN_PROMPT
+    assert cascade_prompt_limit(one_block_up_to, group, 128) == CASCADE_MAX_MEAN_PROMPT
+    assert cascade_prompt_limit(one_block_up_to + 1, group, 128) == CASCADE_MAX_MEAN_PROMPT_SPLIT
+    assert cascade_prompt_limit(256, group, 64) == CASCADE_MAX_MEAN_PROMPT_SPLIT
+    assert cascade_prompt_limit(None, group, 128) == CASCADE_MAX_MEAN_PROMPT_SPLIT
