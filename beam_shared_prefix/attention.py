@@ -424,10 +424,9 @@ class BeamSharedPrefixAttention:
         if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
             fail(f"kv_cache must be [pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD), got "
                  f"{tuple(kv_cache.shape)}.")
-        if self.kv_layout == "HND":
-            pages, _, pool_heads, pool_pg, pool_d = kv_cache.shape
-        else:
-            pages, _, pool_pg, pool_heads, pool_d = kv_cache.shape
+        from triton_kernels.tail_merge_args import pool_layout  # imported here, as in _tail_function
+
+        (pages, pool_heads, pool_pg, pool_d), _ = pool_layout(kv_cache, self.kv_layout)
         if (pool_heads, pool_pg, pool_d) != (hkv, pg, d):
             fail(f"kv_cache ({self.kv_layout}) has Hkv={pool_heads}, page size {pool_pg}, D={pool_d} but the plan "
                  f"has Hkv={hkv}, page size {pg}, D={d}; check kv_layout={self.kv_layout!r} and the layer's pool view.")
