@@ -68,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--sets", type=int, default=3, help="input sets (seeds: layouts and data) per point (default 3)")
     m.add_argument("--iters", type=int, default=20, help="timed calls per set (default 20)")
     m.add_argument("--warmup", type=int, default=3, help="untimed calls per set first (default 3)")
-    m.add_argument("--no-flush-l2", action="store_true", help="do not flush L2 between timed calls")
+    m.add_argument("--l2-flush", choices=("read", "write", "none"), default="read",
+                   help="how L2 is emptied between timed calls: read (default) leaves it full of clean lines, "
+                        "as the weight-reading GEMMs before attention do; write (a memset) leaves it full of dirty "
+                        "lines each timed call must write back; none keeps the previous call's data")
+    m.add_argument("--no-flush-l2", action="store_true", help="same as --l2-flush none")
     m.add_argument("--no-graphs", action="store_true", help="time every arm eagerly (no CUDA graphs)")
     m.add_argument("--graph-baselines", action="store_true",
                    help="also run the FlashInfer baselines in their CUDA-graph mode (default: eager, their best "
@@ -268,7 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"No GPU: {note}")
         arms = parse_arm_list(args.arms) if args.arms else default_cpu_arms()
     opts = RunOptions(
-        sets=args.sets, iters=args.iters, warmup=args.warmup, flush_l2=not args.no_flush_l2,
+        sets=args.sets, iters=args.iters, warmup=args.warmup, l2_flush="none" if args.no_flush_l2 else args.l2_flush,
         use_graphs=not args.no_graphs, check=not args.no_check, check_requests=args.check_requests,
         kv_layout=args.kv_layout, seed=args.seed, plan_repeats=args.plan_repeats,
         baselines_need_pages=any(a.kind == "baseline" for a in arms), graph_baselines=args.graph_baselines,

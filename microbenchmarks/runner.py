@@ -32,7 +32,7 @@ class RunOptions:
     sets: int = 3
     iters: int = 20
     warmup: int = 3
-    flush_l2: bool = True
+    l2_flush: str = "read"
     use_graphs: bool = True
     check: bool = True
     check_requests: int = 4
@@ -191,7 +191,7 @@ def run_point(
                     res["status"] = "check_failed"
                     res["reason"] = res["check"]["message"]
             if res["status"] == "ok":
-                timing = (time_cuda(fns, opts.iters, opts.warmup, (256 << 20) if opts.flush_l2 else 0)
+                timing = (time_cuda(fns, opts.iters, opts.warmup, l2_flush=opts.l2_flush)
                           if is_cuda else time_cpu(fns, opts.iters, min(opts.warmup, 1)))
                 res["time_us"] = timing.median_us
                 res["time_min_us"] = timing.min_us

@@ -4,8 +4,11 @@ Device time of one call is measured between two CUDA events recorded around it. 
 (FA4 spends 120-210 us of Python per eager call) never starves the GPU, calls are enqueued in
 chunks behind a ``torch.cuda._sleep`` spin kernel long enough to cover the chunk's host time: the
 GPU then runs the chunk back to back and the events measure the kernels, not the launch gaps.
-Between calls an optional L2 flush (a memset larger than L2, outside the events) makes every call
-start cold, as a layer's KV does in a real model; input sets are rotated call by call.
+Between calls an optional L2 flush (outside the events) makes every call start cold, as a layer's KV
+does in a real model; input sets are rotated call by call. Two flushes: ``read`` (the default) sums a
+buffer larger than L2, leaving L2 full of clean lines, as the weight-reading GEMMs before an
+attention layer do; ``write`` memsets it, leaving L2 full of dirty lines that the timed call must
+write back to HBM as it misses (up to the whole L2, 50 MB on an H200, charged to the call).
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["GraphedCall", "capture_graph", "time_cuda", "time_cpu", "TimingResult"]
+__all__ = ["GraphedCall", "capture_graph", "time_cuda", "time_cpu", "TimingResult", "L2_FLUSH_MODES", "L2Flush"]
+
+# How L2 is emptied between timed calls (see the module docstring).
+L2_FLUSH_MODES = ("read", "write", "none")
 
 
 @dataclass
@@ -105,12 +111,35 @@ def _cycles_per_us() -> float:
     return _CYCLES_PER_US
 
 
+class L2Flush:
+    """Empties L2 between timed calls: ``read`` sums a ``nbytes`` buffer (clean lines left in L2),
+    ``write`` zeroes it (dirty lines left in L2), ``none`` does nothing."""
+
+    def __init__(self, mode: str = "read", nbytes: int = 256 << 20, device: str = "cuda"):
+        if mode not in L2_FLUSH_MODES:
+            raise ValueError(f"L2 flush mode {mode!r} is not one of {L2_FLUSH_MODES}")
+        self.mode = mode
+        # float32 so the read is one vectorised reduction; its 4-byte result is all it writes.
+        self.buffer = (None if mode == "none" or nbytes <= 0
+                       else torch.ones(nbytes // 4, dtype=torch.float32, device=device))
+        self._sum = torch.empty((), dtype=torch.float32, device=device) if self.buffer is not None else None
+
+    def __call__(self) -> None:
+        if self.buffer is None:
+            return
+        if self.mode == "read":
+            torch.sum(self.buffer, dim=0, out=self._sum)
+        else:
+            self.buffer.zero_()
+
+
 def time_cuda(
     fns: Sequence[Callable[[], object]],
     iters: int = 20,
     warmup: int = 3,
     flush_l2_bytes: int = 256 << 20,
     max_backlog_us: float = 200_000.0,
+    l2_flush: str = "read",
 ) -> TimingResult:
     """Device time of each call, ``iters`` calls per input set, sets rotated call by call.
 
@@ -118,21 +147,21 @@ def time_cuda(
         fns: one callable per input set (a :class:`GraphedCall` or an eager closure).
         iters: timed calls per set.
         warmup: untimed calls per set first.
-        flush_l2_bytes: bytes memset between calls, outside the events (0: no flush).
+        flush_l2_bytes: bytes of the L2 flush between calls, outside the events (0: no flush).
         max_backlog_us: longest spin queued ahead of one chunk of calls.
+        l2_flush: ``read``, ``write`` or ``none`` (:class:`L2Flush`).
     """
     nsets = len(fns)
     for fn in fns:
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
-    flush = torch.empty(flush_l2_bytes, dtype=torch.uint8, device="cuda") if flush_l2_bytes else None
+    flush = L2Flush(l2_flush, flush_l2_bytes)
 
     # Host time per call (enqueue only), to size the spin that keeps the GPU queue ahead.
     t0 = time.perf_counter()
     for fn in fns:
-        if flush is not None:
-            flush.zero_()
+        flush()
         fn()
     host_us = (time.perf_counter() - t0) / nsets * 1e6 + 10.0
     torch.cuda.synchronize()
@@ -149,8 +178,7 @@ def time_cuda(
         if have_sleep:
             torch.cuda._sleep(int(1.5 * n * host_us * cpu_per_us))
         for j in range(k, k + n):
-            if flush is not None:
-                flush.zero_()
+            flush()
             starts[j].record()
             fns[j % nsets]()
             ends[j].record()

@@ -78,9 +78,11 @@ def _cascade_call(wl, table, cfg, out, write_kv=False):
     return call
 
 
-def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: float, write_kv: bool = False) -> Dict:
+def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: float, write_kv: bool = False,
+               l2_flush: str = "read") -> Dict:
     """Check and time every tiling of ``grid`` (``(beams, block_n, tail_block, num_warps, num_stages,
-    max_registers, heads_per_program)``, ``max_registers`` 0 for the compiler's choice) on
+    max_registers, heads_per_program, prompt_first, prompt_stages, tail_stages)``, ``max_registers``
+    and the stages 0 for the defaults) on
     ``shape``; returns the shape's ``floor_us``, ``default``, ``best`` and ``all`` results (us, ulps)."""
     import numpy as np
 
@@ -104,9 +106,9 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     floor_us = full["bytes"] / bandwidth * 1e6
 
     configs = []
-    for beams, block_n, tail_block, warps, stages, max_regs, heads in grid:
+    for beams, block_n, tail_block, warps, stages, max_regs, heads, prompt_first, prompt_stages, tail_stages in grid:
         cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages, max_regs or None,
-                                  heads)
+                                  heads, bool(prompt_first), prompt_stages or None, tail_stages or None)
         if cfg.block_m > 128 or cfg.block_m < 16 or (warps > 4 and cfg.block_m < 64) or beams * tail_block < 32:
             continue
         configs.append(cfg)
@@ -120,7 +122,7 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
             res = _resources(call)
             torch.cuda.synchronize()
             err = rel_err(out, ref)
-            t = time_cuda([capture_graph(call)], iters=iters, warmup=3).median_us
+            t = time_cuda([capture_graph(call)], iters=iters, warmup=3, l2_flush=l2_flush).median_us
         except Exception as exc:  # a tiling that does not compile is reported, not fatal
             results.append({"config": dataclasses.asdict(cfg), "error": str(exc)[-300:]})
             continue
@@ -137,7 +139,8 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
 
 def _key(config: Dict) -> tuple:
     return (config["beams_per_program"], config["block_n"], config["tail_block"], config["num_warps"],
-            config["num_stages"], config.get("max_registers"), config.get("heads_per_program", 1))
+            config["num_stages"], config.get("max_registers"), config.get("heads_per_program", 1),
+            int(config.get("prompt_first", False)), config.get("prompt_stages"), config.get("tail_stages"))
 
 
 def main(argv=None) -> int:
@@ -150,7 +153,12 @@ def main(argv=None) -> int:
     p.add_argument("--num-stages", default="2,3")
     p.add_argument("--max-registers", default="0", help="register caps per thread (0: the compiler's choice)")
     p.add_argument("--heads-per-program", default="1", help="KV heads per program")
+    p.add_argument("--prompt-first", default="0", help="0: tail then prompt; 1: prompt then tail")
+    p.add_argument("--prompt-stages", default="0", help="pipeline stages of the prompt loop (0: num_stages)")
+    p.add_argument("--tail-stages", default="0", help="pipeline stages of the tail loop (0: num_stages)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--l2-flush", choices=("read", "write", "none"), default="read",
+                   help="how L2 is emptied between timed calls (microbenchmarks.timing.L2Flush)")
     p.add_argument("--write-kv", action="store_true",
                    help="time with the step's KV write (it stores the same K/V at every call)")
     p.add_argument("--top", type=int, default=4, help="tilings listed per shape")
@@ -164,16 +172,18 @@ def main(argv=None) -> int:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     grid = [] if args.default_only else list(itertools.product(
         ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps), ints(args.num_stages),
-        ints(args.max_registers), ints(args.heads_per_program)))
+        ints(args.max_registers), ints(args.heads_per_program), ints(args.prompt_first), ints(args.prompt_stages),
+        ints(args.tail_stages)))
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
-          f"(beams, block_n, tail_block, num_warps, num_stages, max_registers, heads_per_program)", flush=True)
+          f"(beams, block_n, tail_block, num_warps, num_stages, max_registers, heads_per_program, prompt_first, "
+          f"prompt_stages, tail_stages)", flush=True)
     report = []
     for name in args.shapes.split(","):
-        r = tune_shape(SHAPES[name], grid, args.iters, bandwidth, args.write_kv)
+        r = tune_shape(SHAPES[name], grid, args.iters, bandwidth, args.write_kv, args.l2_flush)
         report.append(r)
         fmt = lambda x: "-" if x is None else f"{x['us']:.1f} us ({x['us'] / r['floor_us']:.2f}x) {_key(x['config'])}"  # noqa: E731
         print(f"{name:>9}: floor {r['floor_us']:.1f} us | default {fmt(r['default'])} | best {fmt(r['best'])}",
@@ -191,7 +201,7 @@ def main(argv=None) -> int:
             print(f"{'':>11}{len(errors)} tilings failed, e.g. {errors[0]}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth": bandwidth, "shapes": report}, f, indent=1)
+            json.dump({"bandwidth": bandwidth, "l2_flush": args.l2_flush, "shapes": report}, f, indent=1)
     return 0
 
 

@@ -78,6 +78,11 @@ class CascadeLaunchConfig:
             up to 255). A lower cap fits more programs on an SM at the cost of spills.
         heads_per_program: KV heads one program runs one after the other (a power of two). They
             share the tail's index chain (source beams, pages), walked once for all of them.
+        prompt_first: attend the prompt before the tail (the tail's index chain, requested at the
+            program's start, then resolves behind the prompt's loads).
+        prompt_stages: software-pipeline stages of the prompt loop (``None``: ``num_stages``); with
+            more than one, its K/V go to shared memory by ``cp.async`` instead of through registers.
+        tail_stages: software-pipeline stages of the tail loop (``None``: ``num_stages``).
     """
 
     beams_per_program: int
@@ -88,6 +93,9 @@ class CascadeLaunchConfig:
     num_stages: int = 2
     max_registers: Optional[int] = None
     heads_per_program: int = 1
+    prompt_first: bool = False
+    prompt_stages: Optional[int] = None
+    tail_stages: Optional[int] = None
 
     @property
     def block_m(self) -> int:
@@ -167,6 +175,10 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int) -> Cas
                                   f"{group_size}; use a power of two >= {group_size}.")
     if not (isinstance(cfg.num_stages, int) and 1 <= cfg.num_stages <= 4):
         raise TailMergeInputError(f"launch_config.num_stages={cfg.num_stages!r} must be an int in [1, 4].")
+    for name in ("prompt_stages", "tail_stages"):
+        stages = getattr(cfg, name)
+        if stages is not None and not (isinstance(stages, int) and 1 <= stages <= 4):
+            raise TailMergeInputError(f"launch_config.{name}={stages!r} must be None or an int in [1, 4].")
     if cfg.max_registers is not None and not (isinstance(cfg.max_registers, int) and 64 <= cfg.max_registers <= 255):
         raise TailMergeInputError(f"launch_config.max_registers={cfg.max_registers!r} must be None or an int in "
                                   f"[64, 255].")
@@ -234,6 +246,9 @@ def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int
         PREFIX_ONLY=bool(prefix_only),
         ALIGNED_ROWS=bool(aligned_rows),
         DOT_FP32=device.type != "cuda" and dtype == torch.bfloat16,
+        PROMPT_FIRST=bool(cfg.prompt_first),
+        PROMPT_STAGES=cfg.prompt_stages or cfg.num_stages,
+        TAIL_STAGES=cfg.tail_stages or cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -111,6 +111,35 @@ def _tail_block_pages(
 
 
 @triton.jit
+def _prompt_blocks(
+    q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col, stride_kv_page,
+    stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages, qk_scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PROMPT_STAGES: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Fold the shared prompt ``[0, prompt_end)`` of one KV head into ``(m_i, l_i, acc)``, ``BLOCK_N``
+    tokens per iteration with the next block's page entries requested early (``first_pages``: the
+    first block's). The table's columns bound it (never a read past the table), whatever
+    ``prompt_lens`` says; every load is masked to the prompt."""
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_N)
+    pages = first_pages
+    for start in tl.range(0, prompt_end, BLOCK_N, num_stages=PROMPT_STAGES):
+        pos = start + n
+        tok_ok = (pos < prompt_end) & (pages >= 0) & (pages < num_pages)
+        offs = tl.where(tok_ok, pages, 0).to(tl.int64) * stride_kv_page + kv_head_off + (
+            (pos % page_size).to(tl.int64) * stride_kv_slot)
+        k = tl.load(kv_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+        v = tl.load(kv_ptr + stride_kv_kv + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+        next_pos = pos + BLOCK_N
+        pages = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (next_pos // page_size) * stride_ppt_col,
+                        mask=next_pos < prompt_end, other=-1)
+        s_p = _dot(q, tl.trans(k), DOT_FP32) * qk_scale_log2
+        s_p = tl.where(tok_ok[None, :], s_p, float("-inf"))
+        m_i, l_i, acc = _online_softmax_block(s_p, m_i, l_i, acc, v, DOT_FP32)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def beam_cascade_kernel(
     q_ptr,
     new_k_ptr,
@@ -165,6 +194,9 @@ def beam_cascade_kernel(
     PREFIX_ONLY: tl.constexpr,
     ALIGNED_ROWS: tl.constexpr = False,
     DOT_FP32: tl.constexpr = False,
+    PROMPT_FIRST: tl.constexpr = False,
+    PROMPT_STAGES: tl.constexpr = 1,
+    TAIL_STAGES: tl.constexpr = 1,
 ):
     """Grid ``(R * num_beam_blocks, cdiv(Hkv, HEADS))``; arguments and element strides as the launchers
     in :mod:`triton_kernels.cascade` pass them; the module docstring gives the steps."""
@@ -237,6 +269,11 @@ def beam_cascade_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        if PROMPT_FIRST:  # the tail's index chain, requested at the start, resolves behind the prompt
+            m_i, l_i, acc = _prompt_blocks(
+                q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
+                stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,
+                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32)
 
         if not PREFIX_ONLY:
             # 2. The generated positions [P, L), TAIL_BLOCK per key block, this step's token
@@ -252,7 +289,7 @@ def beam_cascade_kernel(
             tcol_new_k = new_k_ptr + tcol_row64 * stride_new_k_row + kv_head * stride_new_k_head
             tcol_new_v = new_v_ptr + tcol_row64 * stride_new_v_row + kv_head * stride_new_v_head
             t_pages = first_tail_pages
-            for t0 in range(prompt_len, tail_stop, TAIL_BLOCK):
+            for t0 in tl.range(prompt_len, tail_stop, TAIL_BLOCK, num_stages=TAIL_STAGES):
                 tpos = t0 + tcol_step
                 gen_ok = t_pages >= 0
                 is_cur = (tpos == tcol_cur) & tcol_ok
@@ -283,22 +320,12 @@ def beam_cascade_kernel(
                 tl.store(w_ptrs, k_new, mask=w_mask)
                 tl.store(w_ptrs + stride_kv_kv, v_new, mask=w_mask)
 
-        # 3. The shared prompt, once for every row of the tile. The table's columns bound it (never
-        #    a read past the table), whatever prompt_lens says; every load is masked to the prompt.
-        pages = first_pages
-        for start in range(0, prompt_end, BLOCK_N):
-            pos = start + n
-            tok_ok = (pos < prompt_end) & (pages >= 0) & (pages < num_pages)
-            offs = tl.where(tok_ok, pages, 0).to(tl.int64) * stride_kv_page + kv_head_off + (
-                (pos % page_size).to(tl.int64) * stride_kv_slot)
-            k = tl.load(kv_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
-            v = tl.load(kv_ptr + stride_kv_kv + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
-            next_pos = pos + BLOCK_N
-            pages = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (next_pos // page_size) * stride_ppt_col,
-                            mask=next_pos < prompt_end, other=-1)
-            s_p = _dot(q, tl.trans(k), DOT_FP32) * qk_scale_log2
-            s_p = tl.where(tok_ok[None, :], s_p, float("-inf"))
-            m_i, l_i, acc = _online_softmax_block(s_p, m_i, l_i, acc, v, DOT_FP32)
+        # 3. The shared prompt, once for every row of the tile (before the tail with PROMPT_FIRST).
+        if not PROMPT_FIRST:
+            m_i, l_i, acc = _prompt_blocks(
+                q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
+                stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,
+                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32)
 
         # 4. out = O / l. l >= 1 for every valid row of the whole step (its own current token is a
         #    finite column); the guard keeps invalid input (kv_len <= prompt_len, empty prompt) and
