@@ -127,12 +127,20 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int) -> Ca
     - ``tail_block`` 4: a 4-token tail (3 earlier tokens and this step's, beam-search decode's
       common case) is one key block, so its gather chain (source beams, pages, K/V) is walked once
       (2.4x the floor against 3.3x with 1 or 2).
-    - ``block_n`` 128 prompt tokens per iteration, one stage for 64-row tiles (two stages double
-      the shared memory and halve the resident programs), two for smaller ones.
+    - The prompt at ``D = 128`` and up to 64 rows: ``block_n`` 64 with a 3-stage pipeline of its own
+      (its K/V go to shared memory by ``cp.async``, not through registers; 112 KB, still 2 programs
+      per SM), the tail unpipelined. 64-row tiles of 32 beams (G = 2) attend the prompt first, so the
+      tail's index chain resolves behind it; 16-beam tiles keep the tail first. Against the previous
+      default (``block_n`` 128, one stage, tail first; ``tune_cascade_round4*.json``): B-medium 69.7
+      against 77.6 us, B-long 179.2 against 200.9, B-beam14 69.3 against 76.5, B-4B 137.6 against
+      140.6, B-short 40.4 against 40.3 (its 100-token prompt is under two blocks).
+    - Elsewhere (``D = 64``, 128-row tiles) ``block_n`` 128 prompt tokens per iteration, one stage
+      for 64-row tiles (two stages double the shared memory and halve the resident programs), two
+      for smaller ones.
     - One KV head per program, no register cap: 2 or 4 heads per program (sharing the tail's index
-      chain) were 0-12% slower at B-short, B-medium and B-beam14 and a cap of 128 or 168 registers
-      30-100% slower, both from spills (``tune_cascade_heads.json``,
-      ``tune_cascade_fused_current_and_maxnreg.json``).
+      chain) were 0-12% slower at B-short, B-medium and B-beam14 (12% at B-medium with the prompt
+      first) and a cap of 128 or 168 registers 30-100% slower, both from spills
+      (``tune_cascade_heads.json``, ``tune_cascade_fused_current_and_maxnreg.json``).
     """
     group_pad = triton.next_power_of_2(group_size)
     rows_cap = min(64, MAX_BLOCK_M[head_dim])
@@ -141,6 +149,9 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int) -> Ca
     block_m = beams * group_pad
     num_warps = 4 if block_m <= 64 else 8
     tail_block = max(4, MIN_TAIL_COLUMNS // beams)
+    if head_dim == 128 and block_m <= 64:
+        return CascadeLaunchConfig(beams, group_pad, block_n=64, tail_block=tail_block, num_warps=num_warps,
+                                   num_stages=1, prompt_first=(block_m == 64 and beams == 32), prompt_stages=3)
     num_stages = 1 if block_m >= 64 else 2
     return CascadeLaunchConfig(beams, group_pad, block_n=128, tail_block=tail_block,
                                num_warps=num_warps, num_stages=num_stages)

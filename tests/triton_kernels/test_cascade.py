@@ -79,6 +79,9 @@ CASES = [
     # G=2, head 128, NHD, block-offset page table (divisor 6), prompts spanning several BLOCK_N blocks.
     ("g2_d128_nhd_blockoffsets", dict(prompts=[70, 33], beams=5, hq=4, hkv=2, d=128, layout="NHD", max_seq_len=96),
      dict(divisor=6), 4, {}),
+    # G=2, head 128, 20 beams: the default 32-beam tile attends the prompt first (pipelined, 3 blocks).
+    ("g2_d128_w20_prompt_first", dict(prompts=[150, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=160),
+     dict(), 3, {}),
     # G=3 (padded to 4), page size 32, strided q/new_k/new_v/out, fp16 (the interpreter runs its dots as on the GPU).
     ("g3_d64_pg32_strided_fp16", dict(prompts=[33, 2], beams=3, hq=6, hkv=2, d=64, pg=32, dtype=torch.float16),
      dict(strided=True), 4, {}),
@@ -241,6 +244,9 @@ def test_default_config_fits_the_tile_limits():
         cfg = cascade_launch_config(w, g, d)
         assert cfg.beams_per_program >= 16 and cfg.group_pad >= g
         assert cfg.block_m <= 128 and cfg.tail_block * cfg.beams_per_program >= 32
+    # The prompt goes first only in 32-beam, 64-row tiles at D = 128 (where it was measured faster).
+    assert cascade_launch_config(30, 2, 128).prompt_first and cascade_launch_config(30, 2, 128).prompt_stages == 3
+    assert not cascade_launch_config(14, 2, 128).prompt_first and not cascade_launch_config(30, 4, 128).prompt_first
     assert not cascade_supported(2, 256)[0]
 
 
