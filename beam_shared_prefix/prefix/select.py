@@ -32,19 +32,25 @@ from .triton import TritonPrefixBackend
 
 __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "resolve_prefix_backend",
            "cascade_prompt_limit",
-           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_GROUP"]
+           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT",
+           "CASCADE_MAX_GROUP"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
 # request's prompt is read: once per block of beams a program holds (up to 64 query rows, so 32
 # beams at G = 2, 16 at G = 4).
-# - One beam block per request (W = 14 and 30 at G = 2): 15% faster at 250-token prompts, 4% at
-#   500, 6% slower at 1,000 and 15% at 2,000. Threshold between the win and the loss, nearer the win.
-# - Several beam blocks (W = 64, 128, 256 at G = 2; W = 30 at G = 4): 4-12% faster at prompts of
-#   50-100 tokens, 5-44% slower from 200 tokens up (G = 4: 5% faster at 100, 15% slower at 250).
+# - One beam block per request, G <= 2 (W = 14 and 30; the round-4 kernel with its pipelined prompt,
+#   auto_rule_round4_*.json): W = 30 16% faster at 500 tokens, 7% at 1,000, 2% at 1,500, even at
+#   2,000; W = 14 4% faster at 500, even at 1,000 and 1,500.
+# - One beam block, G = 3-4 (W = 16 at G = 4, 16-beam tiles, tail first): 8% faster at 100 tokens,
+#   even at 250, 4-5% slower at 500-1,500.
+# - Several beam blocks (W = 64, 128, 256 at G = 2; W = 30 at G = 4; the round-2/3 kernel): 4-12%
+#   faster at prompts of 50-100 tokens, 5-44% slower from 200 tokens up (G = 4: 5% faster at 100,
+#   15% slower at 250).
 # - Long tails (16 and 64 tokens, W = 30) and head 64 favour the cascade further; fp16 too (against
 #   FlashInfer + tail, FA4 being bf16-only). Groups above 4 were not measured.
-CASCADE_MAX_MEAN_PROMPT = 640
+CASCADE_MAX_MEAN_PROMPT = 1024
+CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
 CASCADE_MAX_GROUP = 4
 
@@ -58,14 +64,17 @@ BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
 
 def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: int) -> int:
     """The largest mean prompt (tokens) at which ``auto`` picks the cascade for this beam width and group:
-    :data:`CASCADE_MAX_MEAN_PROMPT` when one program's beam block holds all ``W`` beams of a request,
-    :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` when the prompt is read by several blocks (or ``W`` is unknown)."""
+    when one program's beam block holds all ``W`` beams of a request, :data:`CASCADE_MAX_MEAN_PROMPT`
+    at groups up to 2 and :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP` above; when the prompt is read by
+    several blocks (or ``W`` is unknown), :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT`."""
     from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
 
     if beam_width is None:
         return CASCADE_MAX_MEAN_PROMPT_SPLIT
     beams_per_program = cascade_launch_config(int(beam_width), group_size, head_dim).beams_per_program
-    return CASCADE_MAX_MEAN_PROMPT if beam_width <= beams_per_program else CASCADE_MAX_MEAN_PROMPT_SPLIT
+    if beam_width > beams_per_program:
+        return CASCADE_MAX_MEAN_PROMPT_SPLIT
+    return CASCADE_MAX_MEAN_PROMPT if group_size <= 2 else CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP
 
 
 def cascade_preferred(
@@ -94,7 +103,7 @@ def cascade_preferred(
         return False, "prompt lengths unknown"
     limit = cascade_prompt_limit(beam_width, group, head_dim)
     if mean_prompt_len > limit:
-        blocks = "one beam block" if limit == CASCADE_MAX_MEAN_PROMPT else "several beam blocks per request"
+        blocks = "one beam block" if limit != CASCADE_MAX_MEAN_PROMPT_SPLIT else "several beam blocks per request"
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"measured slower than FA4 + tail there)")
     return True, ""
