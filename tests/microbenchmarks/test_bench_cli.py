@@ -44,6 +44,30 @@ def test_preset_a_without_gpu_writes_json(no_gpu, tmp_path, capsys):
     assert plan["replan_us"] > 0 and plan["first_plan_us"] > 0 and plan["replan_keyed_us"] > 0
     assert plan["backend_plans_in_cached_replans"] == 0
     assert point["traffic_bytes"]["total"] > 0 and point["floors"]["floor_us"] is None
+    assert doc["options"]["l2_flush"] == "read"  # the default, recorded with the results
+
+
+@pytest.mark.parametrize("argv,mode", [([], "read"), (["--l2-flush", "write"], "write"), (["--no-flush-l2"], "none")])
+def test_l2_flush_option_reaches_the_run_options(no_gpu, tmp_path, argv, mode):
+    path = tmp_path / "a.json"
+    assert cli.main(["--preset", "B-short", "--json", str(path), *argv]) == 0
+    assert json.loads(path.read_text())["options"]["l2_flush"] == mode
+
+
+def test_l2_flush_modes_read_write_or_skip_the_buffer():
+    from microbenchmarks.timing import L2_FLUSH_MODES, L2Flush
+
+    assert set(L2_FLUSH_MODES) == set(cli.build_parser()._option_string_actions["--l2-flush"].choices)
+    read = L2Flush("read", 1 << 12, device="cpu")
+    read()
+    assert float(read._sum) == (1 << 12) // 4  # summed the whole buffer, left it intact
+    assert torch.all(read.buffer == 1)
+    write = L2Flush("write", 1 << 12, device="cpu")
+    write()
+    assert torch.all(write.buffer == 0)
+    assert L2Flush("none", 1 << 12, device="cpu").buffer is None
+    with pytest.raises(ValueError, match="'dirty' is not one of"):
+        L2Flush("dirty")
 
 
 def synthetic_doc():
