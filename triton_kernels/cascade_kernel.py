@@ -29,11 +29,15 @@ Per program, in order:
    block's page entries requested early: ``S = Q K^T`` and ``O += P V`` on tensor cores with the
    online softmax. Every prompt load is masked to ``pos < P``: the slots past the prompt in beam
    0's last page are where beam 0 writes its generated tokens, so they are never read here (no
-   race, and an unwritten slot's garbage cannot reach ``P V`` as ``0 x NaN``).
+   race, and an unwritten slot's garbage cannot reach ``P V`` as ``0 x NaN``). The loop has its own
+   software-pipeline depth (``PROMPT_STAGES``): with two or more, its K/V go to shared memory by
+   ``cp.async`` instead of through registers. With ``PROMPT_FIRST`` it runs before step 2, so the
+   tail's index chain, requested in step 1, resolves behind the prompt's loads (the default for
+   32-beam tiles at head 128: 69.7 against 77.6 us at B-medium, ``docs/benchmarks.md``).
 4. ``out = O / l``; with ``PREFIX_ONLY`` (the prompt pass alone, for check mode and the stage
    benchmarks) step 2 is skipped and the prefix LSE is stored as well.
 
-Why the generated positions come first: their index chain (source beam, then page, then K/V) is
+Why the generated positions come first in the other tiles: their index chain (source beam, then page, then K/V) is
 three dependent loads; walked first, its latency is paid before the prompt loop's instead of after
 it. Measured on the H200 against the prompt-first order with two tail positions per block: 37.9 us
 against 58.6 us at B-short (``docs/benchmarks.md``, "The one-launch cascade"). Folding this step's
