@@ -121,11 +121,14 @@ def environment(device_name: str, gpu: bool, cpu_fallback: bool) -> Dict:
     """Versions (python, torch, CUDA, triton, flashinfer...) and git commit recorded in the results JSON."""
     import torch
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except Exception:
-        commit = None
+    # A copy of the tree without its git metadata (a remote GPU machine) names its commit here.
+    commit = os.environ.get("BEAM_SHARED_PREFIX_GIT_COMMIT") or None
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    timeout=5, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        except Exception:
+            commit = None
     try:
         import triton
 

@@ -54,6 +54,11 @@ def test_l2_flush_option_reaches_the_run_options(no_gpu, tmp_path, argv, mode):
     assert json.loads(path.read_text())["options"]["l2_flush"] == mode
 
 
+def test_git_commit_can_be_named_by_the_environment(monkeypatch):
+    monkeypatch.setenv("BEAM_SHARED_PREFIX_GIT_COMMIT", "abc1234")
+    assert cli.environment("cpu", False, True)["git_commit"] == "abc1234"
+
+
 def test_l2_flush_modes_read_write_or_skip_the_buffer():
     from microbenchmarks.timing import L2_FLUSH_MODES, L2Flush
 
