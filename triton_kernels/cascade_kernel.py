@@ -60,6 +60,8 @@ mode reports them by name.
 import triton
 import triton.language as tl
 
+from .beam_index import source_beam_pages
+
 __all__ = ["beam_cascade_kernel"]
 
 
@@ -95,23 +97,12 @@ def _tail_block_pages(
     """Pages of a tail key block's columns (``[TAIL_BLOCK * BEAMS]`` int64), ``-1`` where masked.
 
     Column ``c`` is position ``col_pos[c]`` of beam ``col_beam[c]``; it is valid when the position is
-    before ``col_beam_end[c]`` (that beam's ``L - 1``), its source beam lies in ``[0, W)`` and the
-    page-table entry gives a page in ``[0, num_pages)``.
+    before ``col_beam_end[c]`` (that beam's ``L - 1``) and its index chain stays in its buffers.
     """
-    ok = col_pos < col_beam_end
-    src = tl.load(
-        ci_ptr + req64 * stride_ci_req + col_beam.to(tl.int64) * stride_ci_beam + col_pos.to(tl.int64) * stride_ci_pos,
-        mask=ok,
-        other=0,
-    )
-    ok = ok & (src >= 0) & (src < beam_width)
-    entry = tl.load(
-        beam_pt_ptr + (req64 * beam_width + src) * stride_bpt_row + (col_pos // page_size).to(tl.int64) * stride_bpt_col,
-        mask=ok,
-        other=-1,
-    )
-    page = entry // page_index_divisor  # int32 division: entries are >= 0 when used
-    return tl.where(ok & (entry >= 0) & (page < num_pages), page.to(tl.int64), -1)
+    ci_ptrs = ci_ptr + req64 * stride_ci_req + col_beam.to(tl.int64) * stride_ci_beam + col_pos.to(tl.int64) * stride_ci_pos
+    page = source_beam_pages(ci_ptrs, col_pos, col_pos < col_beam_end, beam_pt_ptr, req64 * beam_width,
+                             stride_bpt_row, stride_bpt_col, beam_width, page_size, page_index_divisor, num_pages)
+    return page.to(tl.int64)
 
 
 @triton.jit

@@ -46,6 +46,8 @@ writes outside its buffers. Such values are bugs upstream; check mode reports th
 import triton
 import triton.language as tl
 
+from .beam_index import source_beam_pages
+
 __all__ = ["beam_tail_merge_kernel"]
 
 
@@ -109,29 +111,6 @@ def _pick_lanes(lane_values, lane, first, BLOCK_T: tl.constexpr):
         value = tl.sum(tl.where(lane == first + i, lane_values + 1, 0), axis=0) - 1
         picked = tl.where(tok == i, value, picked)
     return picked
-
-
-@triton.jit
-def _index_block_pages(
-    ind_row_ptr, stride_ind_pos, page_table_ptr, stride_pt_row, stride_pt_col, first_src_row,
-    t, end_pos, beam_width, page_size, page_index_divisor, num_pages,
-):
-    """Page numbers of positions ``t`` (``[INDEX_BLOCK]``) as int32, ``-1`` where masked.
-
-    Two vector loads (source beams, then their page-table entries) for a whole index block, so
-    the K/V loads of its tokens depend on registers only. Positions ``>= end_pos``, source beams
-    outside ``[0, W)`` and pages outside ``[0, num_pages)`` give ``-1``.
-    """
-    t_ok = t < end_pos
-    src = tl.load(ind_row_ptr + t.to(tl.int64) * stride_ind_pos, mask=t_ok, other=0)
-    src_ok = t_ok & (src >= 0) & (src < beam_width)
-    entry = tl.load(
-        page_table_ptr + (first_src_row + src) * stride_pt_row + (t // page_size) * stride_pt_col,
-        mask=src_ok,
-        other=-1,
-    )
-    page = entry // page_index_divisor  # int32 division: entries are >= 0 when used
-    return tl.where(src_ok & (entry >= 0) & (page < num_pages), page, -1)
 
 
 @triton.jit
@@ -230,9 +209,10 @@ def beam_tail_merge_kernel(
                 other=-1,
             )
         lane = tl.arange(0, INDEX_BLOCK)
-        lane_page = _index_block_pages(
-            ind_row_ptr, stride_ind_pos, page_table_ptr, stride_pt_row, stride_pt_col, first_src_row,
-            start_pos + lane, end_pos, beam_width, page_size, page_index_divisor, num_pages,
+        lane_pos = start_pos + lane
+        lane_page = source_beam_pages(
+            ind_row_ptr + lane_pos.to(tl.int64) * stride_ind_pos, lane_pos, lane_pos < end_pos, page_table_ptr,
+            first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size, page_index_divisor, num_pages,
         )
 
     q_offs = row64 * stride_q_row + q_head[:, None] * stride_q_head + d[None, :]
@@ -310,9 +290,11 @@ def beam_tail_merge_kernel(
         # device-side bounds (no tail-length bound).
         for ib_start in range(start_pos, end_pos, INDEX_BLOCK):
             if ib_start > start_pos:  # the first block's pages and tile were loaded up front
-                lane_page = _index_block_pages(
-                    ind_row_ptr, stride_ind_pos, page_table_ptr, stride_pt_row, stride_pt_col, first_src_row,
-                    ib_start + lane, end_pos, beam_width, page_size, page_index_divisor, num_pages,
+                lane_pos = ib_start + lane
+                lane_page = source_beam_pages(
+                    ind_row_ptr + lane_pos.to(tl.int64) * stride_ind_pos, lane_pos, lane_pos < end_pos,
+                    page_table_ptr, first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size,
+                    page_index_divisor, num_pages,
                 )
                 t = ib_start + tok
                 tile_page = _pick_lanes(lane_page, lane, 0, BLOCK_T)
@@ -338,17 +320,12 @@ def beam_tail_merge_kernel(
     else:
         for block_start in range(start_pos, end_pos, BLOCK_T):
             t = block_start + tok
-            t_ok = t < end_pos
-            src = tl.load(ind_row_ptr + t.to(tl.int64) * stride_ind_pos, mask=t_ok, other=0)
-            src_ok = t_ok & (src >= 0) & (src < beam_width)
-            entry = tl.load(
-                page_table_ptr + (first_src_row + src) * stride_pt_row + (t // page_size) * stride_pt_col,
-                mask=src_ok,
-                other=-1,
+            page = source_beam_pages(
+                ind_row_ptr + t.to(tl.int64) * stride_ind_pos, t, t < end_pos, page_table_ptr, first_src_row,
+                stride_pt_row, stride_pt_col, beam_width, page_size, page_index_divisor, num_pages,
             )
-            page = (entry // page_index_divisor).to(tl.int64)
-            tok_ok = src_ok & (entry >= 0) & (page < num_pages)
-            tok_offs = page * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
+            tok_ok = page >= 0
+            tok_offs = page.to(tl.int64) * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
             k_tile, v_tile = _load_kv_tile(
                 kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d, TOKENS_OUTER
             )

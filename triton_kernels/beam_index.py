@@ -1,0 +1,35 @@
+"""The tail's index chain, shared by the tail and cascade kernels: generated position -> source beam
+(``cache_indirection``) -> that beam's page-table entry -> page number.
+
+Every link is masked rather than dereferenced when it would leave its buffer: a position the
+caller marks invalid, a source beam outside ``[0, W)``, a negative entry, or a page outside
+``[0, num_pages)`` gives page ``-1``, which the kernels use as the K/V load mask.
+"""
+
+import triton
+import triton.language as tl
+
+__all__ = ["source_beam_pages"]
+
+
+@triton.jit
+def source_beam_pages(
+    ci_ptrs, pos, pos_ok, page_table_ptr, first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size,
+    page_index_divisor, num_pages,
+):
+    """Pages (int32, ``-1`` where masked) holding positions ``pos`` of the beams ``ci_ptrs`` point at.
+
+    ``ci_ptrs`` are the ``cache_indirection`` entries of ``pos`` (same shape), read where ``pos_ok``;
+    ``first_src_row`` is the page-table row of the request's beam 0 (``r * W``, int64), so source
+    beam ``s`` reads row ``first_src_row + s`` at column ``pos // page_size``; page-table entries are
+    divided by ``page_index_divisor`` (TensorRT-LLM block offsets; 1 for page numbers).
+    """
+    src = tl.load(ci_ptrs, mask=pos_ok, other=0)
+    src_ok = pos_ok & (src >= 0) & (src < beam_width)
+    entry = tl.load(
+        page_table_ptr + (first_src_row + src) * stride_pt_row + (pos // page_size).to(tl.int64) * stride_pt_col,
+        mask=src_ok,
+        other=-1,
+    )
+    page = entry // page_index_divisor  # int32 division: entries are >= 0 when used
+    return tl.where(src_ok & (entry >= 0) & (page < num_pages), page, -1)
