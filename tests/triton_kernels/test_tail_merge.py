@@ -332,30 +332,9 @@ BAD_VALUES = [
 ]
 
 
-@impl_param
-@pytest.mark.parametrize("name,change,message", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
-def test_validate_indices_reports_bad_values(impl, name, change, message, device):
-    sim = make_sim(device, prompts=[5, 3], beams=2, hq=4, hkv=2, d=64, seed=1)
-    for _ in range(3):  # earlier generated tokens, so indirection entries are read
-        sim.begin_step()
-        sim.end_step()
-    step = sim.begin_step()
-    po, pl = prefix_state(sim, step)
-    args = dict(
-        q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table,
-        kv_lens=step.kv_lens, prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection,
-        beam_width=step.beam_width, prefix_out=po, prefix_lse=pl, out=torch.empty_like(step.q),
-    )
-    args.update(change(args))
-    with pytest.raises(TailMergeInputError, match=message):
-        IMPLS[impl](**args, validate_indices=True)
-
-
-@pytest.mark.parametrize("config", [None, TailLaunchConfig(2, 2, 1, 4, index_block=0)], ids=["default", "chain"])
-@pytest.mark.parametrize("name,change", [(b[0], b[1]) for b in BAD_VALUES], ids=[b[0] for b in BAD_VALUES])
-def test_kernel_masks_bad_indices_without_validation(name, change, config, device):
-    """Without check mode, bad indices are masked in the kernel: no fault, the pool is not written
-    outside the rows' own pages, and a write position inside the (shared) prompt is skipped."""
+def _bad_value_case(device, change):
+    """A step with 3 earlier generated tokens (so indirection entries are read), its call arguments
+    with ``change`` applied and a NaN-poisoned ``out``: ``(sim, step, args)``."""
     sim = make_sim(device, prompts=[5, 3], beams=2, hq=4, hkv=2, d=64, seed=1)
     for _ in range(3):
         sim.begin_step()
@@ -368,6 +347,23 @@ def test_kernel_masks_bad_indices_without_validation(name, change, config, devic
         beam_width=step.beam_width, prefix_out=po, prefix_lse=pl, out=torch.full_like(step.q, float("nan")),
     )
     args.update(change(args))
+    return sim, step, args
+
+
+@impl_param
+@pytest.mark.parametrize("name,change,message", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_validate_indices_reports_bad_values(impl, name, change, message, device):
+    _, _, args = _bad_value_case(device, change)
+    with pytest.raises(TailMergeInputError, match=message):
+        IMPLS[impl](**args, validate_indices=True)
+
+
+@pytest.mark.parametrize("config", [None, TailLaunchConfig(2, 2, 1, 4, index_block=0)], ids=["default", "chain"])
+@pytest.mark.parametrize("name,change", [(b[0], b[1]) for b in BAD_VALUES], ids=[b[0] for b in BAD_VALUES])
+def test_kernel_masks_bad_indices_without_validation(name, change, config, device):
+    """Without check mode, bad indices are masked in the kernel: no fault, the pool is not written
+    outside the rows' own pages, and a write position inside the (shared) prompt is skipped."""
+    sim, step, args = _bad_value_case(device, change)
     before = sim.kv_cache.clone()
     beam_tail_attention_merge(**args, launch_config=config)
     assert not torch.isnan(args["out"]).any()
