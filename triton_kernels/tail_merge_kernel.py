@@ -114,6 +114,20 @@ def _pick_lanes(lane_values, lane, first, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _load_lane_tile(
+    kv_ptr, stride_kv_kv, stride_kv_page, stride_kv_slot, lane_page, lane, first, t, page_size, kv_head_offs,
+    kv_head_ok, d, BLOCK_T: tl.constexpr, TOKENS_OUTER: tl.constexpr,
+):
+    """The K/V tile of positions ``t`` (``[BLOCK_T]``) whose pages are lanes ``first + i`` of an index
+    block's ``lane_page``: ``(tok_ok, k, v)``, tiles as in :func:`_load_kv_tile`."""
+    page = _pick_lanes(lane_page, lane, first, BLOCK_T)
+    tok_ok = page >= 0
+    tok_offs = page.to(tl.int64) * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
+    k, v = _load_kv_tile(kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d, TOKENS_OUTER)
+    return tok_ok, k, v
+
+
+@triton.jit
 def beam_tail_merge_kernel(
     q_ptr,
     new_k_ptr,
@@ -238,12 +252,9 @@ def beam_tail_merge_kernel(
 
     if INDEX_BLOCK > 0:
         # The first tile of the first index block (masked off for an empty tail).
-        t = start_pos + tok
-        tile_page = _pick_lanes(lane_page, lane, 0, BLOCK_T)
-        tok_ok = tile_page >= 0
-        tok_offs = tile_page.to(tl.int64) * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
-        k_tile, v_tile = _load_kv_tile(
-            kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d, TOKENS_OUTER
+        tok_ok, k_tile, v_tile = _load_lane_tile(
+            kv_ptr, stride_kv_kv, stride_kv_page, stride_kv_slot, lane_page, lane, 0, start_pos + tok, page_size,
+            kv_head_offs, kv_head_ok, d, BLOCK_T, TOKENS_OUTER,
         )
 
     # 1. The prefix state seeds the online softmax: (m, l, acc) = (lse_p, 1, o_p) stands for the
@@ -296,22 +307,17 @@ def beam_tail_merge_kernel(
                     page_table_ptr, first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size,
                     page_index_divisor, num_pages,
                 )
-                t = ib_start + tok
-                tile_page = _pick_lanes(lane_page, lane, 0, BLOCK_T)
-                tok_ok = tile_page >= 0
-                tok_offs = tile_page.to(tl.int64) * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
-                k_tile, v_tile = _load_kv_tile(
-                    kv_ptr, stride_kv_kv, tok_offs, tok_ok, kv_head_offs, kv_head_ok, d, TOKENS_OUTER
+                tok_ok, k_tile, v_tile = _load_lane_tile(
+                    kv_ptr, stride_kv_kv, stride_kv_page, stride_kv_slot, lane_page, lane, 0, ib_start + tok,
+                    page_size, kv_head_offs, kv_head_ok, d, BLOCK_T, TOKENS_OUTER,
                 )
             ib_end = tl.minimum(ib_start + INDEX_BLOCK, end_pos)
             for block_start in range(ib_start, ib_end, BLOCK_T):
                 # Lanes past the index block (or the tail) pick -1: the last prefetch is masked off.
-                t_next = block_start + BLOCK_T + tok
-                next_page = _pick_lanes(lane_page, lane, block_start + BLOCK_T - ib_start, BLOCK_T)
-                next_ok = next_page >= 0
-                next_offs = next_page.to(tl.int64) * stride_kv_page + (t_next % page_size).to(tl.int64) * stride_kv_slot
-                k_next, v_next = _load_kv_tile(
-                    kv_ptr, stride_kv_kv, next_offs, next_ok, kv_head_offs, kv_head_ok, d, TOKENS_OUTER
+                next_ok, k_next, v_next = _load_lane_tile(
+                    kv_ptr, stride_kv_kv, stride_kv_page, stride_kv_slot, lane_page, lane,
+                    block_start + BLOCK_T - ib_start, block_start + BLOCK_T + tok, page_size, kv_head_offs,
+                    kv_head_ok, d, BLOCK_T, TOKENS_OUTER,
                 )
                 m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_tile, v_tile, tok_ok, TOKENS_OUTER)
                 k_tile = k_next
