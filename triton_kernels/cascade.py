@@ -84,10 +84,6 @@ class CascadeLaunchConfig:
             more than one, its K/V go to shared memory by ``cp.async`` instead of through registers.
         tail_stages: software-pipeline stages of the tail loop (``None``: ``num_stages``); 2 was
             7-75% slower than the default on the H200 (more spills), so the defaults leave it off.
-        single_loop: the prompt's and the tail's key blocks as one loop pipelined ``prompt_stages``
-            deep, so the tail's index chain and K/V are requested with the prompt's (needs
-            ``tail_block * beams_per_program == block_n``; ``prompt_first`` and ``tail_stages`` then
-            do not apply).
     """
 
     beams_per_program: int
@@ -101,7 +97,6 @@ class CascadeLaunchConfig:
     prompt_first: bool = False
     prompt_stages: Optional[int] = None
     tail_stages: Optional[int] = None
-    single_loop: bool = False
 
     @property
     def block_m(self) -> int:
@@ -196,11 +191,6 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int) -> Cas
         stages = getattr(cfg, name)
         if stages is not None and not (isinstance(stages, int) and 1 <= stages <= 4):
             raise TailMergeInputError(f"launch_config.{name}={stages!r} must be None or an int in [1, 4].")
-    if cfg.single_loop and cfg.tail_block * cfg.beams_per_program != cfg.block_n:
-        raise TailMergeInputError(
-            f"launch_config.single_loop needs tail key blocks as wide as prompt blocks, but tail_block={cfg.tail_block} "
-            f"x beams_per_program={cfg.beams_per_program} != block_n={cfg.block_n}; set tail_block="
-            f"{max(1, cfg.block_n // cfg.beams_per_program)} or block_n={cfg.tail_block * cfg.beams_per_program}.")
     if cfg.max_registers is not None and not (isinstance(cfg.max_registers, int) and 64 <= cfg.max_registers <= 255):
         raise TailMergeInputError(f"launch_config.max_registers={cfg.max_registers!r} must be None or an int in "
                                   f"[64, 255].")
@@ -271,7 +261,6 @@ def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int
         PROMPT_FIRST=bool(cfg.prompt_first),
         PROMPT_STAGES=cfg.prompt_stages or cfg.num_stages,
         TAIL_STAGES=cfg.tail_stages or cfg.num_stages,
-        SINGLE_LOOP=bool(cfg.single_loop) and not prefix_only,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -135,66 +135,6 @@ def _prompt_blocks(
 
 
 @triton.jit
-def _key_blocks(
-    q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col, stride_kv_page,
-    stride_kv_kv, stride_kv_slot, prompt_len, prompt_end, page_size, num_pages, qk_scale_log2,
-    ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col, beam_width,
-    page_index_divisor, row_slot, tcol_slot, tcol_beam, tcol_step, tcol_ok, tcol_cur, tcol_gen_end, tail_stop,
-    tcol_new_k, tcol_new_v,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_BLOCK: tl.constexpr, STAGES: tl.constexpr,
-    ALIGNED_ROWS: tl.constexpr, DOT_FP32: tl.constexpr,
-):
-    """The prompt's key blocks, then the tail's, as one software-pipelined loop of ``BLOCK_N``-column
-    key blocks (``TAIL_BLOCK * BEAMS == BLOCK_N``): fold them into ``(m_i, l_i, acc)``.
-
-    Why one loop: at short prompts the prompt is one or two blocks, too few for a pipeline of its
-    own to hide the tail's index chain (source beam, page, K/V) behind. In one loop the pipeliner
-    requests every block's indices and K/V (by ``cp.async``, into shared memory) ``STAGES - 1``
-    iterations ahead, prompt or tail alike, and the tail's K/V never pass through registers.
-    Every column computes both kinds of index (one kind fully masked), so the loop body is one
-    branch-free shape. A prompt block's columns are seen by every row; a tail block's column only by
-    its own beam's rows (``col_slot == -1`` marks "every row").
-    """
-    d = tl.arange(0, HEAD_DIM)
-    n = tl.arange(0, BLOCK_N)
-    prompt_blocks = tl.cdiv(prompt_end, BLOCK_N)
-    tail_blocks = tl.cdiv(tl.maximum(tail_stop - prompt_len, 0), TAIL_BLOCK)
-    for j in tl.range(0, prompt_blocks + tail_blocks, num_stages=STAGES):
-        in_prompt = j < prompt_blocks
-        ppos = j * BLOCK_N + n
-        p_ok = tl.where(in_prompt, ppos < prompt_end, False)
-        p_page = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (ppos // page_size) * stride_ppt_col,
-                         mask=p_ok, other=-1)
-        p_page = tl.where(p_ok & (p_page < num_pages), p_page, -1)
-        tpos = prompt_len + (j - prompt_blocks) * TAIL_BLOCK + tcol_step
-        t_ok = tl.where(in_prompt, False, tpos < tcol_gen_end)
-        t_page = source_beam_pages(
-            ci_ptr + req64 * stride_ci_req + tcol_beam.to(tl.int64) * stride_ci_beam + tpos.to(tl.int64) * stride_ci_pos,
-            tpos, t_ok, beam_pt_ptr, req64 * beam_width, stride_bpt_row, stride_bpt_col, beam_width, page_size,
-            page_index_divisor, num_pages)
-        is_cur = tl.where(in_prompt, False, (tpos == tcol_cur) & tcol_ok)
-        page = tl.where(in_prompt, p_page, t_page)
-        pos = tl.where(in_prompt, ppos, tpos)
-        in_pool = page >= 0
-        col_ok = in_pool | is_cur
-        offs = (tl.where(in_pool, page, 0).to(tl.int64) * stride_kv_page + kv_head_off
-                + (pos % page_size).to(tl.int64) * stride_kv_slot)
-        k_row = tl.where(is_cur, tcol_new_k, kv_ptr + offs)
-        v_row = tl.where(is_cur, tcol_new_v, kv_ptr + stride_kv_kv + offs)
-        if ALIGNED_ROWS:  # restated after the select (the launcher checked bases and strides)
-            k_row = tl.multiple_of(k_row, 16)
-            v_row = tl.multiple_of(v_row, 16)
-        k = tl.load(k_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
-        col_slot = tl.where(in_prompt, -1, tcol_slot)
-        s = _dot(q, tl.trans(k), DOT_FP32) * qk_scale_log2
-        seen = col_ok[None, :] & ((col_slot[None, :] < 0) | (row_slot[:, None] == col_slot[None, :]))
-        s = tl.where(seen, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_block(s, m_i, l_i, acc, v, DOT_FP32)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def beam_cascade_kernel(
     q_ptr,
     new_k_ptr,
@@ -252,7 +192,6 @@ def beam_cascade_kernel(
     PROMPT_FIRST: tl.constexpr = False,
     PROMPT_STAGES: tl.constexpr = 1,
     TAIL_STAGES: tl.constexpr = 1,
-    SINGLE_LOOP: tl.constexpr = False,
 ):
     """Grid ``(R * num_beam_blocks, cdiv(Hkv, HEADS))``; arguments and element strides as the launchers
     in :mod:`triton_kernels.cascade` pass them; the module docstring gives the steps."""
@@ -303,12 +242,11 @@ def beam_cascade_kernel(
             w_ok = slot_ok & (slot_cur >= prompt_len) & (slot_cur >= 0) & (slot_cur < max_seq_len)
             w_entry = tl.load(beam_pt_ptr + slot_row64 * stride_bpt_row
                               + (slot_cur // page_size).to(tl.int64) * stride_bpt_col, mask=w_ok, other=-1)
-        if not SINGLE_LOOP:  # (the single loop requests every block's pages itself)
-            first_tail_pages = _tail_block_pages(
-                ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
-                req64, beam_width, tcol_beam, prompt_len + tcol_step, tcol_gen_end, page_size, page_index_divisor,
-                num_pages,
-            )
+        first_tail_pages = _tail_block_pages(
+            ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
+            req64, beam_width, tcol_beam, prompt_len + tcol_step, tcol_gen_end, page_size, page_index_divisor,
+            num_pages,
+        )
         if WRITE_KV:
             w_page = (w_entry // page_index_divisor).to(tl.int64)
             w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
@@ -326,7 +264,7 @@ def beam_cascade_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        if PROMPT_FIRST and not SINGLE_LOOP:  # the tail's index chain, requested first, resolves behind the prompt
+        if PROMPT_FIRST:  # the tail's index chain, requested at the start, resolves behind the prompt
             m_i, l_i, acc = _prompt_blocks(
                 q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
                 stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,
@@ -345,40 +283,31 @@ def beam_cascade_kernel(
                                 + d[None, :], mask=slot_ok[:, None], other=0.0)
             tcol_new_k = new_k_ptr + tcol_row64 * stride_new_k_row + kv_head * stride_new_k_head
             tcol_new_v = new_v_ptr + tcol_row64 * stride_new_v_row + kv_head * stride_new_v_head
-            if SINGLE_LOOP:  # the prompt and the tail in one pipelined loop (the launcher leaves it off for PREFIX_ONLY)
-                m_i, l_i, acc = _key_blocks(
-                    q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
-                    stride_kv_page, stride_kv_kv, stride_kv_slot, prompt_len, prompt_end, page_size, num_pages,
-                    qk_scale_log2, ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row,
-                    stride_bpt_col, beam_width, page_index_divisor, row_slot, tcol_slot, tcol_beam, tcol_step, tcol_ok,
-                    tcol_cur, tcol_gen_end, tail_stop, tcol_new_k, tcol_new_v, HEAD_DIM, BLOCK_N, TAIL_BLOCK,
-                    PROMPT_STAGES, ALIGNED_ROWS, DOT_FP32)
-            else:
-                t_pages = first_tail_pages
-                for t0 in tl.range(prompt_len, tail_stop, TAIL_BLOCK, num_stages=TAIL_STAGES):
-                    tpos = t0 + tcol_step
-                    gen_ok = t_pages >= 0
-                    is_cur = (tpos == tcol_cur) & tcol_ok
-                    col_ok = gen_ok | is_cur
-                    toffs = (tl.where(gen_ok, t_pages, 0) * stride_kv_page + kv_head_off
-                             + (tpos % page_size).to(tl.int64) * stride_kv_slot)
-                    k_row = tl.where(is_cur, tcol_new_k, kv_ptr + toffs)
-                    v_row = tl.where(is_cur, tcol_new_v, kv_ptr + stride_kv_kv + toffs)
-                    if ALIGNED_ROWS:
-                        # The select hides the rows' alignment from the compiler; restated (the launcher
-                        # checked the base pointers and strides), the rows load as 16-byte vectors.
-                        k_row = tl.multiple_of(k_row, 16)
-                        v_row = tl.multiple_of(v_row, 16)
-                    k_t = tl.load(k_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
-                    v_t = tl.load(v_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
-                    t_pages = _tail_block_pages(
-                        ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row,
-                        stride_bpt_col, req64, beam_width, tcol_beam, tpos + TAIL_BLOCK, tcol_gen_end, page_size,
-                        page_index_divisor, num_pages,
-                    )
-                    s_t = _dot(q, tl.trans(k_t), DOT_FP32) * qk_scale_log2
-                    s_t = tl.where((row_slot[:, None] == tcol_slot[None, :]) & col_ok[None, :], s_t, float("-inf"))
-                    m_i, l_i, acc = _online_softmax_block(s_t, m_i, l_i, acc, v_t, DOT_FP32)
+            t_pages = first_tail_pages
+            for t0 in tl.range(prompt_len, tail_stop, TAIL_BLOCK, num_stages=TAIL_STAGES):
+                tpos = t0 + tcol_step
+                gen_ok = t_pages >= 0
+                is_cur = (tpos == tcol_cur) & tcol_ok
+                col_ok = gen_ok | is_cur
+                toffs = (tl.where(gen_ok, t_pages, 0) * stride_kv_page + kv_head_off
+                         + (tpos % page_size).to(tl.int64) * stride_kv_slot)
+                k_row = tl.where(is_cur, tcol_new_k, kv_ptr + toffs)
+                v_row = tl.where(is_cur, tcol_new_v, kv_ptr + stride_kv_kv + toffs)
+                if ALIGNED_ROWS:
+                    # The select hides the rows' alignment from the compiler; restated (the launcher
+                    # checked the base pointers and strides), the rows load as 16-byte vectors.
+                    k_row = tl.multiple_of(k_row, 16)
+                    v_row = tl.multiple_of(v_row, 16)
+                k_t = tl.load(k_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
+                v_t = tl.load(v_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
+                t_pages = _tail_block_pages(
+                    ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row,
+                    stride_bpt_col, req64, beam_width, tcol_beam, tpos + TAIL_BLOCK, tcol_gen_end, page_size,
+                    page_index_divisor, num_pages,
+                )
+                s_t = _dot(q, tl.trans(k_t), DOT_FP32) * qk_scale_log2
+                s_t = tl.where((row_slot[:, None] == tcol_slot[None, :]) & col_ok[None, :], s_t, float("-inf"))
+                m_i, l_i, acc = _online_softmax_block(s_t, m_i, l_i, acc, v_t, DOT_FP32)
 
             if WRITE_KV:  # issued once the loads it needs have long arrived: it stalls nothing
                 w_mask = tl.where(head_ok, w_ok, False)[:, None]
@@ -387,7 +316,7 @@ def beam_cascade_kernel(
                 tl.store(w_ptrs + stride_kv_kv, v_new, mask=w_mask)
 
         # 3. The shared prompt, once for every row of the tile (before the tail with PROMPT_FIRST).
-        if not PROMPT_FIRST and not SINGLE_LOOP:
+        if not PROMPT_FIRST:
             m_i, l_i, acc = _prompt_blocks(
                 q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
                 stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,

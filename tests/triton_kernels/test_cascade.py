@@ -112,12 +112,6 @@ TILINGS = [
     # The prompt before the tail, its loop pipelined deeper than the launch's stages.
     ("prompt_first_pipelined", CascadeLaunchConfig(16, 4, block_n=32, tail_block=4, num_warps=4, num_stages=1,
                                                    prompt_first=True, prompt_stages=3, tail_stages=2)),
-    # The prompt's and the tail's key blocks in one pipelined loop: several beam blocks (16 < W),
-    # and 32-beam blocks with a 1-position tail key block.
-    ("single_loop_beam_blocks", CascadeLaunchConfig(16, 4, block_n=32, tail_block=2, num_warps=4, num_stages=1,
-                                                    prompt_stages=3, single_loop=True)),
-    ("single_loop_wide", CascadeLaunchConfig(32, 4, block_n=32, tail_block=1, num_warps=4, num_stages=1,
-                                             prompt_stages=2, single_loop=True)),
     # Two KV heads per program over Hkv = 3: the second program's spare head repeats head 2.
     ("two_heads_per_program", CascadeLaunchConfig(16, 4, block_n=32, tail_block=4, num_warps=4, num_stages=1,
                                                   heads_per_program=2)),
@@ -220,8 +214,6 @@ def test_refuses_shapes_it_does_not_tile(device):
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, tail_block=1)), "16 tail key columns"),
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, max_registers=32)), r"max_registers=32 .* \[64, 255\]"),
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, prompt_stages=0)), r"prompt_stages=0 .* \[1, 4\]"),
-    (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, block_n=64, tail_block=2, single_loop=True)),
-     r"single_loop .* tail_block=2 x beams_per_program=16 != block_n=64; set tail_block=4"),
     (lambda a: a.update(beam_width=3), "not a multiple of beam_width=3"),
 ])
 def test_refuses_bad_arguments(mutate, match, device):
@@ -272,13 +264,10 @@ def cascade_cases(draw):
     group_pad = 1 << (group - 1).bit_length()
     beams_per_program = draw(st.sampled_from([b for b in (16, 32) if b * group_pad <= 128]))
     tail_block = draw(st.sampled_from([t for t in (1, 2, 4) if t * beams_per_program >= 32]))
-    single_loop = draw(st.booleans())
-    block_n = tail_block * beams_per_program if single_loop else draw(st.sampled_from([32, 64]))
-    config = CascadeLaunchConfig(beams_per_program, group_pad, block_n=block_n,
+    config = CascadeLaunchConfig(beams_per_program, group_pad, block_n=draw(st.sampled_from([32, 64])),
                                  tail_block=tail_block, num_warps=4, num_stages=draw(st.integers(1, 2)),
                                  heads_per_program=draw(st.sampled_from([1, 2, 4])),
-                                 prompt_first=draw(st.booleans()), prompt_stages=draw(st.sampled_from([None, 2])),
-                                 single_loop=single_loop)
+                                 prompt_first=draw(st.booleans()), prompt_stages=draw(st.sampled_from([None, 2])))
     prompts = draw(st.lists(st.integers(1, 60), min_size=1, max_size=3))
     return dict(
         sim=dict(prompts=prompts, beams=draw(st.integers(1, 20)), hq=hkv * group, hkv=hkv, d=64,
