@@ -95,8 +95,18 @@ class FA4PrefixBackend(PrefixBackend):
     capturable = True
 
     def __init__(self, device, kv_layout: str = "HND", use_cuda_graph: bool = False, max_requests=None,
-                 max_beam_width=None, max_prompt_pages=None):
+                 max_beam_width=None, max_prompt_pages=None, tile_mn: Optional[Tuple[int, int]] = None):
+        """``tile_mn``: FA4's ``(tile_m, tile_n)`` (query rows x keys per tile, multiples of 16), or
+        None for FA4's own choice (128 x 128 at head 128 on SM90); for tuning
+        (``python -m microbenchmarks.tune_fa4``)."""
         super().__init__(device, kv_layout, use_cuda_graph, max_requests, max_beam_width, max_prompt_pages)
+        if tile_mn is not None:
+            if (not isinstance(tile_mn, (tuple, list)) or len(tile_mn) != 2
+                    or not all(isinstance(t, int) and t > 0 and t % 16 == 0 for t in tile_mn)):
+                raise ValueError(f"tile_mn={tile_mn!r} must be None or two positive multiples of 16 "
+                                 f"(tile_m, tile_n), e.g. (128, 64).")
+            tile_mn = (int(tile_mn[0]), int(tile_mn[1]))
+        self.tile_mn = tile_mn
         frozen = self.use_cuda_graph
         self._cu_seqlens_q = DeviceBuffer("FA4 cu_seqlens_q", torch.int32, self.device, frozen)
         self._seqused_k = DeviceBuffer("FA4 seqused_k", torch.int32, self.device, frozen)
@@ -131,6 +141,14 @@ class FA4PrefixBackend(PrefixBackend):
                                        problem.num_kv_heads, problem.page_size, self.kv_layout)
         if not ok:
             raise PrefixBackendError(f"FA4 prefix backend cannot serve this plan: {reason}")
+        if self.tile_mn is not None and self.tile_mn[1] == problem.page_size:
+            # The same hazard as page size 128 with FA4's own tile: tile_n == page size takes the TMA path.
+            raise PrefixBackendError(
+                f"tile_mn={self.tile_mn} has tile_n equal to page_size={problem.page_size}, which selects FA4's TMA "
+                f"paged path (whole pages: an unwritten slot past the prompt could poison V); pick another tile_n.")
+        if self.tile_mn is not None and "tile_mn" not in (_FA4_STATE.get("params") or ()):
+            raise PrefixBackendError("tile_mn is set but this flash_attn.cute's _flash_attn_fwd takes no tile_mn; "
+                                     "leave tile_mn=None.")
         cap_r = self.max_requests or 0
         page_table = self.write_prompt_page_table(self._page_table, step_plan)
         self._views = dict(
@@ -168,6 +186,8 @@ class FA4PrefixBackend(PrefixBackend):
             out=out,
             lse=lse,
         )
+        if self.tile_mn is not None:
+            kwargs["tile_mn"] = self.tile_mn
         params = _FA4_STATE.get("params")
         if params:
             kwargs = {key: val for key, val in kwargs.items() if key in params}

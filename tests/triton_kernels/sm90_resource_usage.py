@@ -31,6 +31,9 @@ from triton_kernels.cascade_kernel import beam_cascade_kernel  # noqa: E402
 from triton_kernels.tail_merge import tail_launch_config  # noqa: E402
 from triton_kernels.tail_merge_kernel import beam_tail_merge_kernel  # noqa: E402
 
+# Tokens per page (a compile-time constant of both kernels): the benchmark presets' 32.
+PAGE_SIZE = 32
+
 # (dtype, Hq, Hkv, D, prefix_out dtype)
 SHAPES = [
     ("bf16", 16, 8, 128, "bf16"),  # the issue's target shape
@@ -49,7 +52,7 @@ SHAPES = [
 _DIV16_INTS = {
     "stride_q_row", "stride_q_head", "stride_new_k_row", "stride_new_k_head", "stride_new_v_row",
     "stride_new_v_head", "stride_kv_page", "stride_kv_kv", "stride_kv_head", "stride_kv_slot",
-    "stride_po_row", "stride_po_head", "stride_out_row", "stride_out_head", "page_size", "max_seq_len",
+    "stride_po_row", "stride_po_head", "stride_out_row", "stride_out_head", "max_seq_len",
 }
 
 
@@ -102,7 +105,7 @@ CASCADE_SHAPES = [
 _CASCADE_DIV16_INTS = {
     "stride_q_row", "stride_q_head", "stride_new_k_row", "stride_new_k_head", "stride_new_v_row",
     "stride_new_v_head", "stride_kv_page", "stride_kv_kv", "stride_kv_head", "stride_kv_slot", "stride_out_row",
-    "stride_out_head", "page_size", "max_seq_len", "prompt_capacity",
+    "stride_out_head", "max_seq_len", "prompt_capacity",
 }
 
 
@@ -118,7 +121,7 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         GROUP=g, GROUP_PAD=cfg.group_pad, BEAMS=cfg.beams_per_program, HEADS=cfg.heads_per_program, HEAD_DIM=d, BLOCK_N=cfg.block_n,
         TAIL_BLOCK=cfg.tail_block, WRITE_KV=True, PREFIX_ONLY=prefix_only, ALIGNED_ROWS=True, DOT_FP32=False,
         PROMPT_FIRST=cfg.prompt_first, PROMPT_STAGES=cfg.prompt_stages or cfg.num_stages,
-        TAIL_STAGES=cfg.tail_stages or cfg.num_stages,
+        TAIL_STAGES=cfg.tail_stages or cfg.num_stages, page_size=PAGE_SIZE, page_index_divisor=1,
     )
     compiled = _compile_sm90(beam_cascade_kernel, pointers, constexprs, ("qk_scale_log2",), _CASCADE_DIV16_INTS,
                              cfg.num_warps, cfg.num_stages)
@@ -153,6 +156,7 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     constexprs = dict(
         GROUP=g, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog, HEAD_DIM=d,
         BLOCK_T=cfg.block_t, WRITE_KV=True, TOKENS_OUTER=cfg.tokens_outer, INDEX_BLOCK=cfg.index_block,
+        page_size=PAGE_SIZE, page_index_divisor=1,
     )
     compiled = _compile_sm90(beam_tail_merge_kernel, pointers, constexprs, ("qk_scale_log2", "lse_scale"), _DIV16_INTS,
                              cfg.num_warps, 1)
