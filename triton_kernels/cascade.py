@@ -16,6 +16,7 @@ benchmarks, and as a plain prefix backend in front of the separate tail kernel.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -445,6 +446,8 @@ def beam_prefix_attention(
         return out, lse
     if sm_scale is None:
         sm_scale = head_dim ** -0.5
+    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+        _fail(f"sm_scale={sm_scale!r} must be a finite positive float (default 1/sqrt(D)).")
     num_beam_blocks = triton.cdiv(beam_width, cfg.beams_per_program)
     grid = (num_requests * num_beam_blocks, triton.cdiv(num_kv_heads, cfg.heads_per_program))
     s_page, s_kv, s_head, s_slot = kv_strides

@@ -49,7 +49,8 @@ next to the prompt's at decode shapes (a 4-token tail against a 100-token prompt
 whole program in the tensor-core accumulator layout, with no register-layout conversions between
 the prompt and the tail. ``P`` is rounded to the KV dtype before ``P V``, as in FlashAttention.
 
-Scores are in base 2 (``s * sm_scale * log2(e)``, then ``exp2``). The running max is clamped to a
+Scores are in base 2 (``s * sm_scale * log2(e)``, then ``exp2``; the scale is applied in the
+exponent's multiply-add, not as a separate pass over the score block). The running max is clamped to a
 finite value before it is used as an exponent offset, so a key block with no valid column (a page
 index the masks rejected) leaves the state unchanged instead of producing NaN. Page numbers and pool
 offsets are int64. Indices that would leave the pool (a page outside ``[0, num_pages)``, a source
@@ -75,15 +76,17 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_block(s, m_i, l_i, acc, v, DOT_FP32: tl.constexpr):
-    """Fold a score block ``s`` ``[BLOCK_M, N]`` (base 2, ``-inf`` where masked) and its values ``v``
-    ``[N, D]`` into the running ``(m, l, acc)``; returns the new state."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+def _online_softmax_block(s, scale_log2, m_i, l_i, acc, v, DOT_FP32: tl.constexpr):
+    """Fold a block of raw scores ``s = q . k`` ``[BLOCK_M, N]`` (``-inf`` where masked) and its
+    values ``v`` ``[N, D]`` into the running ``(m, l, acc)`` (``m`` in base-2 units, ``s *
+    scale_log2``; ``scale_log2 > 0``, checked by the launchers); returns the new state."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
     # A row whose every score so far is -inf keeps m = -inf; exponent offsets use 0 there, so
     # exp2(-inf - 0) = 0 for its terms and no (-inf) - (-inf) = NaN appears.
     m_off = tl.where(m_new > float("-inf"), m_new, 0.0)
     alpha = tl.exp2(m_i - m_off)
-    p = tl.exp2(s - m_off[:, None])
+    # The scale rides in the exponent's multiply-add (one FFMA per score, no separate scaling pass).
+    p = tl.exp2(s * scale_log2 - m_off[:, None])
     l_new = l_i * alpha + tl.sum(p, axis=1)
     acc_new = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
     return m_new, l_new, acc_new
@@ -128,9 +131,8 @@ def _prompt_blocks(
         next_pos = pos + BLOCK_N
         pages = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (next_pos // page_size) * stride_ppt_col,
                         mask=next_pos < prompt_end, other=-1)
-        s_p = _dot(q, tl.trans(k), DOT_FP32) * qk_scale_log2
-        s_p = tl.where(tok_ok[None, :], s_p, float("-inf"))
-        m_i, l_i, acc = _online_softmax_block(s_p, m_i, l_i, acc, v, DOT_FP32)
+        s_p = tl.where(tok_ok[None, :], _dot(q, tl.trans(k), DOT_FP32), float("-inf"))
+        m_i, l_i, acc = _online_softmax_block(s_p, qk_scale_log2, m_i, l_i, acc, v, DOT_FP32)
     return m_i, l_i, acc
 
 
@@ -305,9 +307,9 @@ def beam_cascade_kernel(
                     stride_bpt_col, req64, beam_width, tcol_beam, tpos + TAIL_BLOCK, tcol_gen_end, page_size,
                     page_index_divisor, num_pages,
                 )
-                s_t = _dot(q, tl.trans(k_t), DOT_FP32) * qk_scale_log2
-                s_t = tl.where((row_slot[:, None] == tcol_slot[None, :]) & col_ok[None, :], s_t, float("-inf"))
-                m_i, l_i, acc = _online_softmax_block(s_t, m_i, l_i, acc, v_t, DOT_FP32)
+                s_t = tl.where((row_slot[:, None] == tcol_slot[None, :]) & col_ok[None, :],
+                               _dot(q, tl.trans(k_t), DOT_FP32), float("-inf"))
+                m_i, l_i, acc = _online_softmax_block(s_t, qk_scale_log2, m_i, l_i, acc, v_t, DOT_FP32)
 
             if WRITE_KV:  # issued once the loads it needs have long arrived: it stalls nothing
                 w_mask = tl.where(head_ok, w_ok, False)[:, None]

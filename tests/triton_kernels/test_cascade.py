@@ -159,22 +159,24 @@ def test_cascade_detects_a_wrong_beam(device):
         assert_matches(wrong, ref, "shifted indirection")
 
 
-@pytest.mark.parametrize("layout,heads_per_program", [("HND", 1), ("NHD", 2), ("HND", 4)])
-def test_prefix_stage_matches_reference(layout, heads_per_program, device):
+@pytest.mark.parametrize("layout,heads_per_program,sm_scale", [("HND", 1, None), ("NHD", 2, 0.3), ("HND", 4, None)])
+def test_prefix_stage_matches_reference(layout, heads_per_program, sm_scale, device):
     """The prefix stage alone: output and base-2 LSE of every row against the prefix oracle, with 1, 2
-    and 4 KV heads per program over Hkv = 3 (the last program's spare heads repeat head 2)."""
+    and 4 KV heads per program over Hkv = 3 (the last program's spare heads repeat head 2), at the
+    default softmax scale and another one (the kernel applies it in the exponent)."""
     sim = make_sim(device, prompts=[1, 16, 50], beams=5, hq=6, hkv=3, d=64, layout=layout, seed=9)
     config = dataclasses.replace(cascade_launch_config(5, 2, 64), heads_per_program=heads_per_program)
     step = sim.begin_step()
     want_o, want_lse = reference_prefix_attention(
         step.q, sim.kv_cache, step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
-        step.beam_width, kv_layout=layout,
+        step.beam_width, kv_layout=layout, sm_scale=sm_scale,
     )
     out = torch.full_like(step.q, float("nan"))
     lse = torch.full((step.num_rows, step.q.shape[1]), float("nan"), device=step.q.device)
     before = sim.kv_cache.clone()
     beam_prefix_attention(step.q, sim.kv_cache, prompt_table(sim, step), step.prompt_lens_per_request,
-                          step.beam_width, out, lse, kv_layout=layout, validate_indices=True, launch_config=config)
+                          step.beam_width, out, lse, sm_scale=sm_scale, kv_layout=layout, validate_indices=True,
+                          launch_config=config)
     assert torch.equal(sim.kv_cache, before), "the prefix stage must not write the pool"
     assert_matches(out, want_o, "prefix output")
     assert not torch.isnan(lse).any(), "NaN left in lse"
@@ -215,6 +217,7 @@ def test_refuses_shapes_it_does_not_tile(device):
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, max_registers=32)), r"max_registers=32 .* \[64, 255\]"),
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, prompt_stages=0)), r"prompt_stages=0 .* \[1, 4\]"),
     (lambda a: a.update(beam_width=3), "not a multiple of beam_width=3"),
+    (lambda a: a.update(sm_scale=-1.0), "sm_scale=-1.0 must be a finite positive"),
 ])
 def test_refuses_bad_arguments(mutate, match, device):
     sim, step = _one_step(device)
@@ -225,6 +228,14 @@ def test_refuses_bad_arguments(mutate, match, device):
     mutate(args)
     with pytest.raises(TailMergeInputError, match=match):
         beam_cascade_attention(**args)
+
+
+def test_prefix_stage_refuses_a_non_positive_scale(device):
+    sim, step = _one_step(device)
+    lse = torch.empty(step.num_rows, step.q.shape[1], device=step.q.device)
+    with pytest.raises(TailMergeInputError, match=r"sm_scale=0.0 must be a finite positive"):
+        beam_prefix_attention(step.q, sim.kv_cache, prompt_table(sim, step), step.prompt_lens_per_request,
+                              step.beam_width, torch.empty_like(step.q), lse, sm_scale=0.0, kv_layout=sim.kv_layout)
 
 
 def test_check_mode_names_a_prompt_page_outside_the_pool(device):
