@@ -314,6 +314,23 @@ def test_prefix_stage_matches_oracle_gpu(name, kernel, layout, hq, hkv, d, pg, b
     run_prefix(backend, sim2, step2, plan2)
 
 
+@pytest.mark.parametrize("tile_mn", [(128, 60), (0, 64), (128,), "128x64"])
+def test_fa4_refuses_a_malformed_tile(tile_mn):
+    with pytest.raises(ValueError, match="must be None or two positive multiples of 16"):
+        FA4PrefixBackend("cpu", tile_mn=tile_mn)
+
+
+@pytest.mark.gpu
+def test_fa4_tile_override_matches_oracle_and_refuses_the_tma_tile():
+    """A tile other than FA4's own (tuning, ``microbenchmarks.tune_fa4``) still matches the oracle; a
+    ``tile_n`` equal to the page size (FA4's TMA path, which reads whole pages) is refused at plan."""
+    skip_unless_available("fa4", None, torch.bfloat16, 128, 16, 8, 32)
+    sim, step, plan = make_case("cuda", (1, 37, 300), 6, 16, 8, 128, 32, seed=11)
+    run_prefix(FA4PrefixBackend("cuda", tile_mn=(128, 64)), sim, step, plan)
+    with pytest.raises(PrefixBackendError, match=r"tile_n equal to page_size=32"):
+        FA4PrefixBackend("cuda", tile_mn=(128, 32)).plan(plan, 16, 8, 128, 32, torch.bfloat16)
+
+
 @pytest.mark.gpu
 def test_flashinfer_workspace_grows_for_a_bigger_plan():
     skip_unless_available("flashinfer", "fa2", torch.bfloat16, 128, 16, 8, 32)

@@ -1,4 +1,4 @@
-"""The tiling sweeps' mismatch measures: tune_tail counts rounding steps of the output dtype, tune_cascade a relative error."""
+"""The tiling sweeps: tune_tail and tune_cascade mismatch measures, tune_fa4 tile parsing."""
 
 from __future__ import annotations
 
@@ -42,4 +42,19 @@ def test_tune_cascade_mismatch_measure_and_no_gpu_exit(monkeypatch, capsys):
     assert tune_cascade.rel_err(poisoned, ref) == float("inf")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tune_cascade.main(["--shapes", "B-short"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_tune_fa4_parses_tiles_and_exits_without_a_gpu(monkeypatch, capsys):
+    """tune_fa4 reads ``MxN`` tiles, names a malformed one, and exits 0 without a GPU."""
+    from microbenchmarks import tune_fa4
+
+    assert tune_fa4.parse_tiles("128x64, 64X128") == [(128, 64), (64, 128)]
+    with pytest.raises(ValueError, match="'128-64' is not MxN"):
+        tune_fa4.parse_tiles("128-64")
+    with pytest.raises(SystemExit):
+        tune_fa4.main(["--tiles", "128by64"])
+    assert "is not MxN" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune_fa4.main(["--shapes", "B-4B"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
