@@ -303,8 +303,9 @@ def test_launcher_rejects_bad_inputs(impl, name, change, message, device):
     assert torch.equal(args["out"], out_before) or name == "out_aliases_q"
 
 
-def test_triton_launcher_names_its_limits(monkeypatch):
-    """Shapes and places the Triton kernel does not serve name the torch path as the fix."""
+def test_triton_launcher_names_its_limits(monkeypatch, device):
+    """Shapes and places the Triton kernel does not serve name the torch path as the fix (the tiling
+    checks on the test device, so that a CUDA machine's CPU tensors do not stop them earlier)."""
     sim = make_sim("cpu", prompts=[5], beams=2, hq=2, hkv=1, d=48, seed=2)
     step = sim.begin_step()
     po, pl = prefix_state(sim, step)
@@ -314,14 +315,14 @@ def test_triton_launcher_names_its_limits(monkeypatch):
         beam_tail_attention_merge(*args)
     out = run_step("torch", sim, step)  # the fallback serves it
     assert_matches(out, oracle(sim, step), "torch fallback at head_dim 48")
-    good = _args("cpu")
+    good = _args(device)
     with pytest.raises(TailMergeInputError, match=r"launch_config.group_pad=2 is smaller than the GQA group size 3"):
         beam_tail_attention_merge(**good, launch_config=TailLaunchConfig(2, 1, 2, 4))
     with pytest.raises(TailMergeInputError, match=r"launch_config.index_block=2 must be 0 \(no index blocks\) or a power"):
         beam_tail_attention_merge(**good, launch_config=TailLaunchConfig(4, 1, 4, 4, index_block=2))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(TailMergeInputError, match="needs CUDA tensors, got cpu; use beam_tail_attention_merge_torch"):
-        beam_tail_attention_merge(**good)
+        beam_tail_attention_merge(**_args("cpu"))
 
 
 BAD_VALUES = [
