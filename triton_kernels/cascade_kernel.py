@@ -120,17 +120,26 @@ def _prompt_blocks(
     ``prompt_lens`` says; every load is masked to the prompt."""
     d = tl.arange(0, HEAD_DIM)
     n = tl.arange(0, BLOCK_N)
+    # Scalar bases (the int64 part once), then per-token offsets: only the page term needs 64 bits;
+    # a slot within a page fits 32. When a block spans whole pages, the slots repeat every block.
+    k_head_ptr = kv_ptr + kv_head_off
+    v_head_ptr = k_head_ptr + stride_kv_kv
+    table_row_ptr = prompt_pt_ptr + req64 * stride_ppt_req
+    block_slot_offs = (n % page_size) * stride_kv_slot
     pages = first_pages
     for start in tl.range(0, prompt_end, BLOCK_N, num_stages=PROMPT_STAGES):
         pos = start + n
         tok_ok = (pos < prompt_end) & (pages >= 0) & (pages < num_pages)
-        offs = tl.where(tok_ok, pages, 0).to(tl.int64) * stride_kv_page + kv_head_off + (
-            (pos % page_size).to(tl.int64) * stride_kv_slot)
-        k = tl.load(kv_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
-        v = tl.load(kv_ptr + stride_kv_kv + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+        if BLOCK_N % page_size == 0:
+            slot_offs = block_slot_offs
+        else:
+            slot_offs = (pos % page_size) * stride_kv_slot
+        offs = tl.where(tok_ok, pages, 0).to(tl.int64) * stride_kv_page + slot_offs
+        k = tl.load(k_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+        v = tl.load(v_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
         next_pos = pos + BLOCK_N
-        pages = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (next_pos // page_size) * stride_ppt_col,
-                        mask=next_pos < prompt_end, other=-1)
+        pages = tl.load(table_row_ptr + (next_pos // page_size) * stride_ppt_col, mask=next_pos < prompt_end,
+                        other=-1)
         s_p = tl.where(tok_ok[None, :], _dot(q, tl.trans(k), DOT_FP32), float("-inf"))
         m_i, l_i, acc = _online_softmax_block(s_p, qk_scale_log2, m_i, l_i, acc, v, DOT_FP32)
     return m_i, l_i, acc
@@ -307,8 +316,11 @@ def beam_cascade_kernel(
                     stride_bpt_col, req64, beam_width, tcol_beam, tpos + TAIL_BLOCK, tcol_gen_end, page_size,
                     page_index_divisor, num_pages,
                 )
-                s_t = tl.where((row_slot[:, None] == tcol_slot[None, :]) & col_ok[None, :],
-                               _dot(q, tl.trans(k_t), DOT_FP32), float("-inf"))
+                # A column a row may see: its own beam's, and valid. Folding validity into the
+                # column's beam slot (-1: no row) leaves one compare per score.
+                col_seen_by = tl.where(col_ok, tcol_slot, -1)
+                s_t = tl.where(row_slot[:, None] == col_seen_by[None, :], _dot(q, tl.trans(k_t), DOT_FP32),
+                               float("-inf"))
                 m_i, l_i, acc = _online_softmax_block(s_t, qk_scale_log2, m_i, l_i, acc, v_t, DOT_FP32)
 
             if WRITE_KV:  # issued once the loads it needs have long arrived: it stalls nothing
@@ -335,4 +347,6 @@ def beam_cascade_kernel(
         if PREFIX_ONLY:
             tl.store(lse_ptr + row64 * stride_lse_row + q_head * stride_lse_head,
                      tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=store_ok)
-        tl.store(out_ptr + out_offs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=store_ok[:, None])
+        # One division per row and a multiply per element (a division per element costs ~10x).
+        inv_l = 1.0 / l_safe
+        tl.store(out_ptr + out_offs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=store_ok[:, None])

@@ -339,4 +339,5 @@ def beam_tail_merge_kernel(
 
     # 4. Normalise: l >= 1, since the term (prefix or token) that set the running max adds 2^0.
     out_offs = row64 * stride_out_row + q_head[:, None] * stride_out_head + d[None, :]
-    tl.store(out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_head_ok[:, None])
+    inv_l = 1.0 / l_i  # one division per row, a multiply per element
+    tl.store(out_ptr + out_offs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=q_head_ok[:, None])

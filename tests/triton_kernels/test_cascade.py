@@ -87,6 +87,10 @@ CASES = [
      dict(strided=True), 4, {}),
     # Views of a fused QKV buffer that starts off a 16-byte boundary: the scalar-load path.
     ("g2_d64_misaligned_qkv", dict(prompts=[20, 5], beams=4, hq=4, hkv=2, d=64), dict(strided="misaligned"), 3, {}),
+    # Pages of 64 tokens read in 32-token prompt blocks (a block's slots then move from block to block).
+    ("g2_d64_pg64_block32", dict(prompts=[100, 7], beams=4, hq=4, hkv=2, d=64, pg=64, max_seq_len=128),
+     dict(launch_config=CascadeLaunchConfig(16, 2, block_n=32, tail_block=2, num_warps=4, num_stages=1,
+                                            prompt_stages=2)), 3, {}),
     # G=8 (the widest group tiled at 16 beams), beam width 1.
     ("g8_d64_w1", dict(prompts=[9, 16], beams=1, hq=8, hkv=1, d=64), dict(), 3, {}),
 ]
@@ -282,7 +286,7 @@ def cascade_cases(draw):
     prompts = draw(st.lists(st.integers(1, 60), min_size=1, max_size=3))
     return dict(
         sim=dict(prompts=prompts, beams=draw(st.integers(1, 20)), hq=hkv * group, hkv=hkv, d=64,
-                 pg=draw(st.sampled_from([4, 8, 16, 32])), layout=draw(st.sampled_from(["HND", "NHD"])),
+                 pg=draw(st.sampled_from([4, 8, 16, 32, 64])), layout=draw(st.sampled_from(["HND", "NHD"])),
                  max_seq_len=72, seed=draw(st.integers(0, 2**16))),
         steps_before=draw(st.integers(0, 6)),
         divisor=draw(st.sampled_from([1, 4])),
