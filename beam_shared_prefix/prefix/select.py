@@ -41,7 +41,10 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "res
 # beams at G = 2, 16 at G = 4).
 # - One beam block per request, G <= 2 (W = 14 and 30; the round-4 kernel with its pipelined prompt,
 #   auto_rule_round4_*.json): W = 30 16% faster at 500 tokens, 7% at 1,000, 2% at 1,500, even at
-#   2,000; W = 14 4% faster at 500, even at 1,000 and 1,500.
+#   2,000; W = 14 4% faster at 500, even at 1,000 and 1,500. The round-5 kernel (compile-time page
+#   size, leaner index and epilogue code) is 13% faster than FA4 + tail at 2,000 tokens and W = 30
+#   (B-long: 149.9 against 173.3 us, B-long.json) and gained 12% at W = 14 and 500 tokens while FA4
+#   + tail did not move, hence 2,048; W = 14 beyond 1,500 tokens is extrapolated from that.
 # - One beam block, G = 3-4 (W = 16 at G = 4, 16-beam tiles, tail first): 8% faster at 100 tokens,
 #   even at 250, 4-5% slower at 500-1,500.
 # - Several beam blocks (W = 64, 128, 256 at G = 2; W = 30 at G = 4; the round-2/3 kernel): 4-12%
@@ -49,7 +52,7 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "res
 #   15% slower at 250).
 # - Long tails (16 and 64 tokens, W = 30) and head 64 favour the cascade further; fp16 too (against
 #   FlashInfer + tail, FA4 being bf16-only). Groups above 4 were not measured.
-CASCADE_MAX_MEAN_PROMPT = 1024
+CASCADE_MAX_MEAN_PROMPT = 2048
 CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
 CASCADE_MAX_GROUP = 4

@@ -160,7 +160,8 @@ def test_auto_rule_is_decided_per_side_of_the_prompt_threshold(monkeypatch, grap
 
     monkeypatch.setattr(attention_module, "resolve_prefix_backend", resolve)
     att = BeamSharedPrefixAttention("cpu", backend="auto", tail_impl="torch", check=False, use_cuda_graph=graph,
-                                    max_requests=2, max_beam_width=4, max_prompt_pages=64)
+                                    max_requests=2, max_beam_width=4,
+                                    max_prompt_pages=CASCADE_MAX_MEAN_PROMPT * 2 // 32)
     pg, pages = 32, 4096
 
     def plan_lens(lens):
