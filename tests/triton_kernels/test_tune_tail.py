@@ -1,4 +1,4 @@
-"""The tiling sweeps: tune_tail and tune_cascade mismatch measures, tune_fa4 tile parsing."""
+"""The tuning and profiling tools: tune_tail and tune_cascade mismatch measures, tune_fa4 tiles, profile_step."""
 
 from __future__ import annotations
 
@@ -58,3 +58,29 @@ def test_tune_fa4_parses_tiles_and_exits_without_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tune_fa4.main(["--shapes", "B-4B"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_profile_step_cli_without_a_gpu(monkeypatch, capsys):
+    """profile_step validates its arguments and exits 0 without a GPU."""
+    from microbenchmarks import profile_step
+
+    with pytest.raises(SystemExit):
+        profile_step.main(["--calls", "0"])
+    assert "--calls 0 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        profile_step.main(["--kernel", "decode"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert profile_step.main(["--preset", "B-4B", "--kernel", "tail"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kernel", ["cascade", "prefix", "tail"])
+def test_profile_step_launches_each_kernel(kernel):
+    """Each of profile_step's kernels runs on a reduced preset (the interpreter on CPU) and writes
+    every output element (the buffer starts as NaN)."""
+    from microbenchmarks import profile_step
+    from microbenchmarks.shapes import PRESETS, reduced_cpu_shape
+
+    out = profile_step.launch(kernel, reduced_cpu_shape(PRESETS["B-short"]), calls=1, device="cpu")
+    assert torch.isfinite(out.float()).all()
