@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import torch
 
+from .arms import _step_plan
 from .shapes import PRESETS, BenchShape
 from .workload import build_workload
 
@@ -30,11 +31,9 @@ def launch(kernel: str, shape: BenchShape, calls: int, device: str = "cuda") -> 
     """Launch ``kernel`` ``calls`` times on ``shape``'s workload, synchronize, and return its output
     ``[rows, Hq, D]`` (``device`` "cpu" runs the kernels under ``TRITON_INTERPRET=1``, for tests)."""
     import triton_kernels
-    from beam_shared_prefix.plan import build_step_plan
 
     wl = build_workload(shape, device=device, seed=0, with_baseline_pages=False)
-    plan = build_step_plan(wl.prompt_page_indptr.numpy(), wl.prompt_page_indices.numpy(),
-                           wl.prompt_lens_host.astype(np.int32), wl.beam_width, shape.page_size, wl.num_pages)
+    plan = _step_plan(wl)
     table = torch.from_numpy(plan.page_table.copy()).to(device)
     prompt_lens = torch.from_numpy(plan.prompt_lens.astype(np.int32)).to(device)
     out = torch.full_like(wl.q, float("nan"))

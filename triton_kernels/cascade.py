@@ -16,7 +16,6 @@ benchmarks, and as a plain prefix backend in front of the separate tail kernel.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -39,6 +38,7 @@ from .tail_merge_args import (
     check_step_args,
     check_tail_index_values,
     pool_layout,
+    resolve_sm_scale,
 )
 
 __all__ = [
@@ -444,10 +444,7 @@ def beam_prefix_attention(
         _check_prompt_values(prompt_page_table, prompt_lens, page_size, num_pages)
     if num_rows == 0:
         return out, lse
-    if sm_scale is None:
-        sm_scale = head_dim ** -0.5
-    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
-        _fail(f"sm_scale={sm_scale!r} must be a finite positive float (default 1/sqrt(D)).")
+    sm_scale = resolve_sm_scale(sm_scale, head_dim)
     num_beam_blocks = triton.cdiv(beam_width, cfg.beams_per_program)
     grid = (num_requests * num_beam_blocks, triton.cdiv(num_kv_heads, cfg.heads_per_program))
     s_page, s_kv, s_head, s_slot = kv_strides
@@ -465,7 +462,7 @@ def beam_prefix_attention(
         lse.stride(0), lse.stride(1),
         beam_width, num_beam_blocks, num_kv_heads, prompt_page_table.shape[1] * page_size,
         page_size, 1, num_pages, 1,
-        float(sm_scale) * LOG2E,
+        sm_scale * LOG2E,
     )
     _launch(grid, args, cfg, group_size, head_dim, False, True, q.device, q.dtype)
     return out, lse

@@ -274,11 +274,7 @@ def check_step_args(
         if _overlap(out, x):
             _fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
 
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(head_dim)
-    sm_scale = float(sm_scale)
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        _fail(f"sm_scale={sm_scale} must be a finite positive float (default 1/sqrt(D)).")
+    sm_scale = resolve_sm_scale(sm_scale, head_dim)
 
     return StepGeometry(
         num_rows=num_rows,
@@ -293,6 +289,20 @@ def check_step_args(
         sm_scale=sm_scale,
         kv_strides=kv_strides,
     )
+
+
+def resolve_sm_scale(sm_scale, head_dim: int) -> float:
+    """The softmax scale as a float: ``1/sqrt(D)`` for None; anything but a finite positive number
+    fails (the kernels take the running max on unscaled scores, which needs a positive scale)."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        value = float(sm_scale)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        _fail(f"sm_scale={sm_scale!r} must be a finite positive float (default 1/sqrt(D)).")
+    return value
 
 
 def check_tail_merge_args(
