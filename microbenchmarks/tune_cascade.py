@@ -8,6 +8,9 @@ events, L2 flushed between calls, median of ``--iters`` calls. Tilings change th
 and where the softmax weights are rounded to the KV dtype before ``P V`` (relative to a different
 running max), so outputs differ by a few units of the dtype; ``max |out - ref| / max |ref|`` above
 the benchmark's oracle tolerance (:data:`microbenchmarks.check.OUT_TOL`) is reported as a mismatch.
+With ``--prefix-only`` the prompt pass alone
+(:func:`triton_kernels.beam_prefix_attention`, output and LSE to memory, as the ``triton`` prefix
+backend runs it in front of the tail kernel) is tuned instead, against the prefix stage's floor.
 The KV write is off unless ``--write-kv``; with it, every call stores the same K/V (the tail never
 reads this step's slot from the cache), so every call still sees the same inputs.
 Times are reported against the step's floor (all bytes the step must move over the copy bandwidth
@@ -78,8 +81,18 @@ def _cascade_call(wl, table, cfg, out, write_kv=False):
     return call
 
 
+def _prefix_call(wl, table, prompt_lens, cfg, out, lse):
+    import triton_kernels
+
+    def call():
+        return triton_kernels.beam_prefix_attention(wl.q, wl.kv_cache, table, prompt_lens, wl.beam_width, out, lse,
+                                                    kv_layout=wl.kv_layout, launch_config=cfg)
+
+    return call
+
+
 def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: float, write_kv: bool = False,
-               l2_flush: str = "read") -> Dict:
+               l2_flush: str = "read", prefix_only: bool = False) -> Dict:
     """Check and time every tiling of ``grid`` (``(beams, block_n, tail_block, num_warps, num_stages,
     max_registers, heads_per_program, prompt_first, prompt_stages, tail_stages)``, ``max_registers``
     and the stages 0 for the defaults) on
@@ -95,14 +108,22 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     table = torch.from_numpy(plan.page_table.copy()).cuda()
     group = shape.heads // shape.kv_heads
     default = cascade_launch_config(shape.beams, group, shape.head_dim)
+    prompt_lens = torch.from_numpy(plan.prompt_lens.astype("int32")).cuda()
+
+    def make_call(cfg, out):
+        if prefix_only:
+            lse = torch.full(out.shape[:2], float("nan"), dtype=torch.float32, device=out.device)
+            return _prefix_call(wl, table, prompt_lens, cfg, out, lse)
+        return _cascade_call(wl, table, cfg, out, write_kv)
+
     ref = torch.empty_like(wl.q)
-    _cascade_call(wl, table, default, ref, write_kv)()
+    make_call(default, ref)()
     torch.cuda.synchronize()
     traffic = count_traffic(wl.prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.kv_heads,
                             shape.head_dim, shape.page_size, wl.q.element_size(), tail_ancestry=wl.tail_ancestry)
     flops = count_flops(wl.prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.head_dim)
-    full = stage_work("full", traffic, flops, wl.prompt_lens_host, shape.tail, shape.beams, shape.heads,
-                      shape.head_dim, shape.page_size)
+    full = stage_work("prefix" if prefix_only else "full", traffic, flops, wl.prompt_lens_host, shape.tail,
+                      shape.beams, shape.heads, shape.head_dim, shape.page_size)
     floor_us = full["bytes"] / bandwidth * 1e6
 
     configs = []
@@ -117,7 +138,7 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     results = []
     for cfg in configs:
         out = torch.full_like(wl.q, float("nan"))
-        call = _cascade_call(wl, table, cfg, out, write_kv)
+        call = make_call(cfg, out)
         try:
             res = _resources(call)
             torch.cuda.synchronize()
@@ -161,6 +182,8 @@ def main(argv=None) -> int:
                    help="how L2 is emptied between timed calls (microbenchmarks.timing.L2Flush)")
     p.add_argument("--write-kv", action="store_true",
                    help="time with the step's KV write (it stores the same K/V at every call)")
+    p.add_argument("--prefix-only", action="store_true",
+                   help="tune the prompt pass alone (beam_prefix_attention), not the one-launch step")
     p.add_argument("--top", type=int, default=4, help="tilings listed per shape")
     p.add_argument("--default-only", action="store_true", help="time only each shape's default tiling")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}")
@@ -183,7 +206,7 @@ def main(argv=None) -> int:
           f"prompt_stages, tail_stages)", flush=True)
     report = []
     for name in args.shapes.split(","):
-        r = tune_shape(SHAPES[name], grid, args.iters, bandwidth, args.write_kv, args.l2_flush)
+        r = tune_shape(SHAPES[name], grid, args.iters, bandwidth, args.write_kv, args.l2_flush, args.prefix_only)
         report.append(r)
         fmt = lambda x: "-" if x is None else f"{x['us']:.1f} us ({x['us'] / r['floor_us']:.2f}x) {_key(x['config'])}"  # noqa: E731
         print(f"{name:>9}: floor {r['floor_us']:.1f} us | default {fmt(r['default'])} | best {fmt(r['best'])}",
@@ -201,7 +224,8 @@ def main(argv=None) -> int:
             print(f"{'':>11}{len(errors)} tilings failed, e.g. {errors[0]}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth": bandwidth, "l2_flush": args.l2_flush, "shapes": report}, f, indent=1)
+            json.dump({"bandwidth": bandwidth, "l2_flush": args.l2_flush, "prefix_only": args.prefix_only,
+                       "shapes": report}, f, indent=1)
     return 0
 
 
