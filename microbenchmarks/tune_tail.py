@@ -1,7 +1,8 @@
 """Sweep the fused tail kernel's tiling on the GPU: ``python -m microbenchmarks.tune_tail``.
 
 For each shape, every :class:`triton_kernels.TailLaunchConfig` in the grid (``kv_heads_per_prog`` x
-``block_t`` x ``num_warps`` x ``index_block``; ``index_block`` 0 is the tile-at-a-time index chain)
+``block_t`` x ``num_warps`` x ``index_block`` x ``grouped``; ``index_block`` 0 is the tile-at-a-time
+index chain)
 is checked against the default tiling's output and timed as a CUDA graph with CUDA events, L2
 flushed between calls, median of ``--iters`` calls. Tilings sum in different orders in float32, so
 their bf16/fp16 outputs may differ by a rounding step; a difference beyond ``MISMATCH_ULPS`` units
@@ -76,8 +77,8 @@ def _tail_call(wl, cfg, out, prefix_out, prefix_lse):
 
 
 def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float) -> Dict:
-    """Check and time every tiling of ``grid`` (``(kv_heads_per_prog, block_t, num_warps, index_block)``
-    tuples) on ``shape`` (CUDA); ``bandwidth`` in bytes/s gives the tail's byte floor. Returns the shape's
+    """Check and time every tiling of ``grid`` (``(kv_heads_per_prog, block_t, num_warps, index_block,
+    grouped)`` tuples) on ``shape`` (CUDA); ``bandwidth`` in bytes/s gives the tail's byte floor. Returns the shape's
     ``default``, ``best`` and ``all`` results (times in us, mismatch in ulps of the output dtype)."""
     from triton_kernels.tail_merge import TailLaunchConfig, tail_launch_config
 
@@ -102,10 +103,12 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float) -> D
     results = []
     group_pad = default.group_pad
     configs = []
-    for kvh, bt, nw, ib in grid:
+    for kvh, bt, nw, ib, grouped in grid:
         if kvh * group_pad * shape.head_dim > 8192 or kvh > shape.kv_heads or (ib and ib < bt):
             continue
-        configs.append(TailLaunchConfig(group_pad, kvh, bt, nw, default.tokens_outer, ib))
+        if grouped and (bt != 1 or ib):  # the grouped kernel walks one token at a time
+            continue
+        configs.append(TailLaunchConfig(group_pad, kvh, bt, nw, default.tokens_outer, ib, bool(grouped)))
     if default not in configs:
         configs.append(default)
     for cfg in configs:
@@ -136,8 +139,9 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float) -> D
 
 
 def _key(config: Dict) -> tuple:
-    """(kv_heads_per_prog, block_t, num_warps, index_block) of a result's config."""
-    return (config["kv_heads_per_prog"], config["block_t"], config["num_warps"], config["index_block"])
+    """(kv_heads_per_prog, block_t, num_warps, index_block, grouped) of a result's config."""
+    return (config["kv_heads_per_prog"], config["block_t"], config["num_warps"], config["index_block"],
+            int(config.get("grouped", False)))
 
 
 def _across_shapes(report: List[Dict]) -> List[tuple]:
@@ -161,6 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-t", default="1,2")
     p.add_argument("--num-warps", default="2,4")
     p.add_argument("--index-block", default="0,16,32", help="0: the tile-at-a-time index chain")
+    p.add_argument("--grouped", default="0,1", help="1: the kernel with the group in each thread's registers")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {[s.name for s in SHAPES]}")
     p.add_argument("--json", default=None)
@@ -170,8 +175,8 @@ def main(argv=None) -> int:
         return 0
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     grid = list(itertools.product(
-        ints(args.kv_heads_per_prog), ints(args.block_t), ints(args.num_warps), ints(args.index_block)
-    ))
+        ints(args.kv_heads_per_prog), ints(args.block_t), ints(args.num_warps), ints(args.index_block),
+        ints(args.grouped)))
     names = args.shapes.split(",")
     unknown = sorted(set(names) - {s.name for s in SHAPES})
     if unknown:
@@ -179,7 +184,7 @@ def main(argv=None) -> int:
     shapes = [s for s in SHAPES if s.name in names]
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
-          f"(kv_heads_per_prog, block_t, num_warps, index_block)", flush=True)
+          f"(kv_heads_per_prog, block_t, num_warps, index_block, grouped)", flush=True)
     report = []
     for shape in shapes:
         r = tune_shape(shape, grid, args.iters, bandwidth)

@@ -17,6 +17,7 @@ import torch
 import triton
 
 from .tail_merge_args import LOG2E, TailMergeInputError, check_tail_index_values, check_tail_merge_args
+from .tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel
 from .tail_merge_kernel import beam_tail_merge_kernel
 
 __all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"]
@@ -52,6 +53,8 @@ class TailLaunchConfig:
             index block), then streams the K/V tiles with the next tile requested before the current
             one is consumed: about ``3 + ceil(n / index_block) * 2`` dependent latencies instead of
             ``3 n`` for ``n`` earlier tokens.
+        grouped: run :mod:`~triton_kernels.tail_merge_grouped_kernel` (the group in each thread's
+            registers; ``block_t`` 1 and ``index_block`` 0 only).
     """
 
     group_pad: int
@@ -60,6 +63,7 @@ class TailLaunchConfig:
     num_warps: int
     tokens_outer: bool = False
     index_block: int = 0
+    grouped: bool = False
 
     @property
     def query_slots(self) -> int:
@@ -129,6 +133,11 @@ def _check_config(cfg: TailLaunchConfig, group_size: int) -> None:
         raise TailMergeInputError(
             f"launch_config.index_block={ib!r} must be 0 (no index blocks) or a power of two >= "
             f"block_t={cfg.block_t}."
+        )
+    if cfg.grouped and (cfg.block_t != 1 or cfg.index_block):
+        raise TailMergeInputError(
+            f"launch_config.grouped=True takes block_t=1 and index_block=0, got block_t={cfg.block_t}, "
+            f"index_block={cfg.index_block}."
         )
     if cfg.group_pad < group_size:
         raise TailMergeInputError(
@@ -233,21 +242,19 @@ def beam_tail_attention_merge(
         geom.num_kv_heads,
         geom.sm_scale * LOG2E, geom.lse_scale,
     )
-    meta = dict(
-        GROUP=geom.group_size,
-        GROUP_PAD=cfg.group_pad,
-        KV_HEADS_PER_PROG=cfg.kv_heads_per_prog,
-        HEAD_DIM=geom.head_dim,
-        BLOCK_T=cfg.block_t,
-        WRITE_KV=bool(write_kv),
-        TOKENS_OUTER=bool(cfg.tokens_outer),
-        INDEX_BLOCK=cfg.index_block,
-        num_warps=cfg.num_warps,
-        num_stages=1,
-    )
+    if cfg.grouped:
+        kernel = beam_tail_merge_grouped_kernel
+        meta = dict(GROUP=geom.group_size, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog,
+                    HEAD_DIM=geom.head_dim, WRITE_KV=bool(write_kv), num_warps=cfg.num_warps, num_stages=1)
+    else:
+        kernel = beam_tail_merge_kernel
+        meta = dict(GROUP=geom.group_size, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog,
+                    HEAD_DIM=geom.head_dim, BLOCK_T=cfg.block_t, WRITE_KV=bool(write_kv),
+                    TOKENS_OUTER=bool(cfg.tokens_outer), INDEX_BLOCK=cfg.index_block, num_warps=cfg.num_warps,
+                    num_stages=1)
     if q.is_cuda:
         with torch.cuda.device(q.device):
-            beam_tail_merge_kernel[grid](*args, **meta)
+            kernel[grid](*args, **meta)
     else:
-        beam_tail_merge_kernel[grid](*args, **meta)
+        kernel[grid](*args, **meta)
     return out

@@ -240,6 +240,9 @@ TILINGS = [
     ("index2_block_t2_heads_outer", TailLaunchConfig(4, 4, 2, 2, tokens_outer=False, index_block=2)),
     ("index4_block_t2_tokens_outer", TailLaunchConfig(8, 2, 2, 4, tokens_outer=True, index_block=4)),
     ("index16_block_t4", TailLaunchConfig(4, 2, 4, 4, index_block=16)),
+    ("grouped_one_head", TailLaunchConfig(4, 1, 1, 1, grouped=True)),
+    ("grouped_heads_past_hkv", TailLaunchConfig(4, 4, 1, 2, grouped=True)),
+    ("grouped_wide_group_pad", TailLaunchConfig(8, 2, 1, 4, grouped=True)),
 ]
 
 
@@ -359,7 +362,8 @@ def test_validate_indices_reports_bad_values(impl, name, change, message, device
         IMPLS[impl](**args, validate_indices=True)
 
 
-@pytest.mark.parametrize("config", [None, TailLaunchConfig(2, 2, 1, 4, index_block=0)], ids=["default", "chain"])
+@pytest.mark.parametrize("config", [None, TailLaunchConfig(2, 2, 1, 4, index_block=0),
+                                    TailLaunchConfig(2, 2, 1, 1, grouped=True)], ids=["default", "chain", "grouped"])
 @pytest.mark.parametrize("name,change", [(b[0], b[1]) for b in BAD_VALUES], ids=[b[0] for b in BAD_VALUES])
 def test_kernel_masks_bad_indices_without_validation(name, change, config, device):
     """Without check mode, bad indices are masked in the kernel: no fault, the pool is not written

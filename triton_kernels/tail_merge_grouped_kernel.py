@@ -1,0 +1,158 @@
+"""The fused tail kernel with the GQA group in each thread's registers (prototype under measurement).
+
+Same contract and arguments as :func:`triton_kernels.tail_merge_kernel.beam_tail_merge_kernel`; one
+program handles one beam row and ``KV_HEADS_PER_PROG`` KV heads. The difference is the tile: the
+queries are a 3-D ``[GROUP_PAD, KVH, D]`` block and each K/V row a ``[1, KVH, D]`` block in the same
+layout, so ``q * k`` broadcasts the K/V row over the group inside each thread's registers. With
+``num_warps`` chosen so that one pass of the threads covers ``[1, KVH, D]`` (``KVH * D / 256``
+warps for 16-byte vectors), each thread holds all ``G`` query heads of its KV head and loads,
+converts and indexes each K/V element once instead of once per query head; the index chain (source
+beam, page) is walked by ``G`` times fewer warps for the same work.
+"""
+
+import triton
+import triton.language as tl
+
+from .beam_index import source_beam_pages
+
+__all__ = ["beam_tail_merge_grouped_kernel"]
+
+
+@triton.jit
+def _attend_row(q, m_i, l_i, acc, k_raw, v_raw, ok):
+    """Online-softmax update with one key/value row per KV head (``[1, KVH, D]``, raw dtype) for the
+    ``[G, KVH, D]`` queries (``q`` pre-scaled to base 2); ``ok`` (``[1, KVH]``) masks the row."""
+    s = tl.where(ok, tl.sum(q * k_raw.to(tl.float32), axis=2), float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    l_new = l_i * alpha + p
+    acc_new = acc * alpha[:, :, None] + p[:, :, None] * v_raw.to(tl.float32)
+    return m_new, l_new, acc_new
+
+
+@triton.jit
+def beam_tail_merge_grouped_kernel(
+    q_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    kv_ptr,
+    page_table_ptr,
+    kv_lens_ptr,
+    prompt_lens_ptr,
+    cache_indirection_ptr,
+    prefix_out_ptr,
+    prefix_lse_ptr,
+    out_ptr,
+    stride_q_row,
+    stride_q_head,
+    stride_new_k_row,
+    stride_new_k_head,
+    stride_new_v_row,
+    stride_new_v_head,
+    stride_kv_page,
+    stride_kv_kv,
+    stride_kv_head,
+    stride_kv_slot,
+    stride_pt_row,
+    stride_pt_col,
+    stride_ind_req,
+    stride_ind_beam,
+    stride_ind_pos,
+    stride_po_row,
+    stride_po_head,
+    stride_lse_row,
+    stride_lse_head,
+    stride_out_row,
+    stride_out_head,
+    beam_width,
+    page_size: tl.constexpr,
+    page_index_divisor: tl.constexpr,
+    num_pages,
+    max_seq_len,
+    num_kv_heads,
+    qk_scale_log2,
+    lse_scale,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    KV_HEADS_PER_PROG: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+):
+    """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments as for ``beam_tail_merge_kernel``."""
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    gq = tl.arange(0, GROUP_PAD)
+    kv_head = tl.program_id(1) * KV_HEADS_PER_PROG + tl.arange(0, KV_HEADS_PER_PROG)
+    d = tl.arange(0, HEAD_DIM)
+    kv_head_ok = kv_head < num_kv_heads  # [KVH]
+    q_head = kv_head[None, :] * GROUP + gq[:, None]  # [G, KVH]
+    q_ok = kv_head_ok[None, :] & (gq[:, None] < GROUP)
+
+    kv_len = tl.load(kv_lens_ptr + row)
+    prompt_len = tl.load(prompt_lens_ptr + row)
+    cur = kv_len - 1
+    req = row // beam_width
+    beam = row % beam_width
+    ind_row_ptr = cache_indirection_ptr + req.to(tl.int64) * stride_ind_req + beam.to(tl.int64) * stride_ind_beam
+    first_src_row = req.to(tl.int64) * beam_width
+    start_pos = tl.maximum(prompt_len, 0)
+    end_pos = tl.minimum(cur, max_seq_len)
+    # K/V rows are [1, KVH, D] blocks: the same layout as the [G, KVH, D] queries, broadcast over G.
+    kv_head_offs = (kv_head * stride_kv_head)[None, :, None] + d[None, None, :]
+    kv_row_ok = kv_head_ok[None, :, None]
+
+    q = tl.load(q_ptr + row64 * stride_q_row + q_head[:, :, None] * stride_q_head + d[None, None, :],
+                mask=q_ok[:, :, None], other=0.0)
+    k_cur = tl.load(new_k_ptr + row64 * stride_new_k_row + (kv_head * stride_new_k_head)[None, :, None]
+                    + d[None, None, :], mask=kv_row_ok, other=0.0)
+    v_cur = tl.load(new_v_ptr + row64 * stride_new_v_row + (kv_head * stride_new_v_head)[None, :, None]
+                    + d[None, None, :], mask=kv_row_ok, other=0.0)
+    lse_prefix = tl.load(prefix_lse_ptr + row64 * stride_lse_row + q_head * stride_lse_head, mask=q_ok,
+                         other=float("-inf"))
+    o_prefix = tl.load(prefix_out_ptr + row64 * stride_po_row + q_head[:, :, None] * stride_po_head
+                       + d[None, None, :], mask=q_ok[:, :, None], other=0.0)
+
+    # 1. The prefix state seeds the online softmax (see beam_tail_merge_kernel): (m, l, acc) =
+    #    (lse_p, 1, o_p), an empty prefix (lse_p = -inf) weighted 0 and its o_p never read.
+    m_i = lse_prefix * lse_scale
+    l_i = tl.full([GROUP_PAD, KV_HEADS_PER_PROG], 1.0, dtype=tl.float32)
+    acc = tl.where((m_i > float("-inf"))[:, :, None], o_prefix.to(tl.float32), 0.0)
+
+    # 2. This step's token, from registers: its score is finite, so m is finite from here on.
+    q = q.to(tl.float32) * qk_scale_log2
+    m_i, l_i, acc = _attend_row(q, m_i, l_i, acc, k_cur, v_cur, (kv_head >= 0)[None, :])  # never masked
+
+    if WRITE_KV:
+        # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written.
+        cur_h = cur + kv_head * 0
+        w_ok = kv_head_ok & (cur_h >= prompt_len) & (cur_h >= 0) & (cur_h < max_seq_len)
+        w_entry = tl.load(page_table_ptr + row64 * stride_pt_row + (cur_h // page_size) * stride_pt_col, mask=w_ok,
+                          other=-1)
+        w_page = (w_entry // page_index_divisor).to(tl.int64)
+        w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
+        w_offs = (w_page * stride_kv_page + (cur_h % page_size).to(tl.int64) * stride_kv_slot)[None, :, None] \
+            + kv_head_offs
+        tl.store(kv_ptr + w_offs, k_cur, mask=w_ok[None, :, None])
+        tl.store(kv_ptr + stride_kv_kv + w_offs, v_cur, mask=w_ok[None, :, None])
+
+    # 3. Earlier generated positions [prompt_len, kv_len - 1), one per iteration, gathered through
+    #    cache_indirection (device-side bounds: one CUDA-graph capture serves every tail length).
+    one = tl.zeros([1], tl.int32)
+    for t in range(start_pos, end_pos):
+        tv = t + one  # a 1-vector keeps every mask a vector (the CPU interpreter's rule)
+        page = source_beam_pages(ind_row_ptr + tv.to(tl.int64) * stride_ind_pos, tv, tv < end_pos, page_table_ptr,
+                                 first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size,
+                                 page_index_divisor, num_pages)
+        tok_ok = page >= 0
+        tok_offs = page.to(tl.int64) * stride_kv_page + (tv % page_size).to(tl.int64) * stride_kv_slot
+        offs = tok_offs[:, None, None] + kv_head_offs
+        ok = tok_ok[:, None, None] & kv_row_ok
+        k_t = tl.load(kv_ptr + offs, mask=ok, other=0.0)
+        v_t = tl.load(kv_ptr + stride_kv_kv + offs, mask=ok, other=0.0)
+        m_i, l_i, acc = _attend_row(q, m_i, l_i, acc, k_t, v_t, tok_ok[:, None] & kv_head_ok[None, :])
+
+    # 4. Normalise: l >= 1 (the term that set the running max adds 2^0).
+    inv_l = 1.0 / l_i
+    out_offs = row64 * stride_out_row + q_head[:, :, None] * stride_out_head + d[None, None, :]
+    tl.store(out_ptr + out_offs, (acc * inv_l[:, :, None]).to(out_ptr.dtype.element_ty), mask=q_ok[:, :, None])
