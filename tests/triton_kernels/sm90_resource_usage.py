@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from triton_kernels.cascade import cascade_launch_config  # noqa: E402
 from triton_kernels.cascade_kernel import beam_cascade_kernel  # noqa: E402
 from triton_kernels.tail_merge import tail_launch_config  # noqa: E402
+from triton_kernels.tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel  # noqa: E402
 from triton_kernels.tail_merge_kernel import beam_tail_merge_kernel  # noqa: E402
 
 # Tokens per page (a compile-time constant of both kernels): the benchmark presets' 32.
@@ -143,28 +144,34 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
 
 
 def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index_block=None):
-    """Compile the default tiling of a shape; ``index_block`` overrides its ``index_block``."""
+    """Compile the default tiling of a shape; ``index_block`` selects the ``[QH, D]`` kernel with that
+    ``index_block`` instead (its previous default tiling: ``QH * D = 1024``, 4 warps)."""
     g = hq // hkv
     cfg = tail_launch_config(g, hkv, d)
     if index_block is not None:
-        cfg = dataclasses.replace(cfg, index_block=index_block)
+        kvh = max(1, min(triton.next_power_of_2(hkv), max(cfg.group_pad, 1024 // d) // cfg.group_pad))
+        cfg = dataclasses.replace(cfg, kv_heads_per_prog=kvh, num_warps=4, grouped=False, index_block=index_block)
     pointers = dict(
         q_ptr=dtype, new_k_ptr=dtype, new_v_ptr=dtype, kv_ptr=dtype, page_table_ptr="i32", kv_lens_ptr="i32",
         prompt_lens_ptr="i32", cache_indirection_ptr="i32", prefix_out_ptr=prefix_dtype, prefix_lse_ptr="fp32",
         out_ptr=dtype,
     )
     constexprs = dict(
-        GROUP=g, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog, HEAD_DIM=d,
-        BLOCK_T=cfg.block_t, WRITE_KV=True, TOKENS_OUTER=cfg.tokens_outer, INDEX_BLOCK=cfg.index_block,
+        GROUP=g, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog, HEAD_DIM=d, WRITE_KV=True,
         page_size=PAGE_SIZE, page_index_divisor=1,
     )
-    compiled = _compile_sm90(beam_tail_merge_kernel, pointers, constexprs, ("qk_scale_log2", "lse_scale"), _DIV16_INTS,
+    kernel = beam_tail_merge_grouped_kernel
+    if not cfg.grouped:
+        kernel = beam_tail_merge_kernel
+        constexprs.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=cfg.tokens_outer, INDEX_BLOCK=cfg.index_block)
+    compiled = _compile_sm90(kernel, pointers, constexprs, ("qk_scale_log2", "lse_scale"), _DIV16_INTS,
                              cfg.num_warps, 1)
     regs, stack, shared, local = _resources(compiled)
     return dict(
         kernel="tail",
         shape=[dtype, hq, hkv, d, prefix_dtype],
-        config=[cfg.group_pad, cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.tokens_outer, cfg.index_block],
+        config=[cfg.group_pad, cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.tokens_outer, cfg.index_block,
+                cfg.grouped],
         triton=triton.__version__,
         registers=regs,
         stack=stack,
