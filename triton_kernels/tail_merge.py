@@ -71,45 +71,47 @@ class TailLaunchConfig:
         return self.group_pad * self.kv_heads_per_prog
 
 
-# KV heads per program of the grouped kernel by padded group, and the query elements each thread
-# holds (its G query heads x 8 head-dim lanes), which sets the warps per program. Wider groups keep
-# the [QH, D] kernel: with G above 4 the grouped tile spreads the group over threads and warps again
-# (167-225 registers at G = 16-32 on sm_90, layout conversions through shared memory), unmeasured.
-_GROUPED_KV_HEADS_PER_PROG = {1: 8, 2: 8, 4: 2}
+# The grouped kernel's tiling at G = 2 (the only group where it was fastest): 8 KV heads per
+# program (a whole row at Hkv = 8) and 32 query elements per thread (its 2 query heads x 8 head-dim
+# lanes x 2 KV heads), which sets the warps per program.
+_GROUPED_KV_HEADS_PER_PROG = 8
 _GROUPED_ELEMENTS_PER_THREAD = 32
 
 
 @functools.lru_cache(maxsize=None)
 def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> TailLaunchConfig:
-    """The tiling for a shape, chosen by measurement on the H200 (``python -m microbenchmarks.tune_tail``).
+    """The tiling for a shape, chosen by measurement on the H200 (``python -m microbenchmarks.tune_tail``;
+    ``docs/results/h200/tune_tail_round6_grouped*.json``, 24-32 tilings of both kernels per shape).
 
-    The grouped kernel (:mod:`~triton_kernels.tail_merge_grouped_kernel`): each thread holds the
-    ``G`` query heads of its KV head for 8 head-dim lanes, 32 query elements per thread, so a K/V
-    element is loaded and converted once per thread and the index chain is walked by ``G`` times fewer
-    warps; 8 KV heads per program (a whole row at 8 KV heads) at ``G <= 2``, 2 at ``G = 4``, 1 beyond.
-    Against the previous default (the ``[QH, D]`` kernel, ``QH * D = 1024``, 4 warps), on the H200
-    (``docs/results/h200/tune_tail_round6_grouped*.json``): 128 x 96 tail 3 87.8 against 96.7 us,
-    tail 32 374.0 against 557.2, B-short 19.8 against 23.2, B-medium 20.1 against 24.1, B-beam14
-    12.8 against 16.1, B-4B 30.1 against 35.7 (the best of 32 tilings there, 29.1 us, was the old
-    kernel with one KV head per 1-warp program).
-
-    Groups above 4 keep the ``[QH, D]`` kernel's tiling (its previous default for every shape):
-    about 1024 query-slot elements per program, 4 warps, ``block_t`` 1 (2 above 1024); a group wider
-    than that (MQA, G = 32 or 64) stays in one program with 8-16 warps (at G = 64 and D = 256, 128
-    registers).
+    - ``G = 2`` (padded): the grouped kernel (:mod:`~triton_kernels.tail_merge_grouped_kernel`), 8
+      KV heads per program, 32 query elements per thread (2 warps at D = 128). Against the previous
+      default (the ``[QH, D]`` kernel, ``QH * D = 1024``, 4 warps): 128 x 96 tail 3 87.8 against
+      96.7 us, tail 32 374.0 against 557.2, B-short 19.8 against 23.2, B-medium 20.1 against 24.1,
+      B-beam14 12.8 against 16.1; the best tiling of each of those shapes.
+    - ``G = 4`` (padded; 3 and 4): the ``[QH, D]`` kernel with one KV head per 1-warp program (its 4
+      query slots, 2 per thread): B-4B 28.9-29.1 against 35.5-35.7 us for the previous default and
+      29.9-30.1 for the grouped kernel's best tiling.
+    - Otherwise (``G = 1``, ``G > 4``; unmeasured): the previous default, the ``[QH, D]`` kernel with
+      about 1024 query-slot elements per program, 4 warps, ``block_t`` 1 (2 above 1024); a group
+      wider than that (MQA, G = 32 or 64) stays in one program with 8-16 warps (at G = 64 and
+      D = 256, 128 registers). The grouped kernel spreads groups above 4 over threads and warps again
+      (167-225 registers at G = 16-32 on sm_90).
     """
     group_pad = triton.next_power_of_2(group_size)
-    if group_pad not in _GROUPED_KV_HEADS_PER_PROG:
-        target_slots = max(group_pad, 1024 // head_dim)
-        kv_heads_per_prog = max(1, min(triton.next_power_of_2(num_kv_heads), target_slots // group_pad))
-        tile = group_pad * kv_heads_per_prog * head_dim
-        block_t = 1 if tile <= 1024 else 2
-        num_warps = min(16, max(4, tile // 512))
-        return TailLaunchConfig(group_pad, kv_heads_per_prog, block_t, num_warps, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
-    kv_heads_per_prog = min(triton.next_power_of_2(num_kv_heads), _GROUPED_KV_HEADS_PER_PROG.get(group_pad, 1))
-    elements = group_pad * kv_heads_per_prog * head_dim
-    num_warps = min(16, max(1, elements // (32 * _GROUPED_ELEMENTS_PER_THREAD)))
-    return TailLaunchConfig(group_pad, kv_heads_per_prog, 1, num_warps, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK, grouped=True)
+    if group_pad == 2:
+        kv_heads_per_prog = min(triton.next_power_of_2(num_kv_heads), _GROUPED_KV_HEADS_PER_PROG)
+        elements = group_pad * kv_heads_per_prog * head_dim
+        num_warps = max(1, elements // (32 * _GROUPED_ELEMENTS_PER_THREAD))
+        return TailLaunchConfig(group_pad, kv_heads_per_prog, 1, num_warps, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK,
+                                grouped=True)
+    if group_pad == 4:
+        return TailLaunchConfig(group_pad, 1, 1, 1, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
+    target_slots = max(group_pad, 1024 // head_dim)
+    kv_heads_per_prog = max(1, min(triton.next_power_of_2(num_kv_heads), target_slots // group_pad))
+    tile = group_pad * kv_heads_per_prog * head_dim
+    block_t = 1 if tile <= 1024 else 2
+    num_warps = min(16, max(4, tile // 512))
+    return TailLaunchConfig(group_pad, kv_heads_per_prog, block_t, num_warps, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
 
 
 def _check_launchable(q: torch.Tensor, head_dim: int, group_size: int) -> None:
