@@ -44,7 +44,9 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "res
 #   2,000; W = 14 4% faster at 500, even at 1,000 and 1,500. The round-5 kernel (compile-time page
 #   size, leaner index and epilogue code) is 13% faster than FA4 + tail at 2,000 tokens and W = 30
 #   (B-long: 149.9 against 173.3 us, B-long.json) and gained 12% at W = 14 and 500 tokens while FA4
-#   + tail did not move, hence 2,048; W = 14 beyond 1,500 tokens is extrapolated from that.
+#   + tail did not move. Round 6 (B-medium prompt sweep at W = 30, sweep_prompt.json): the cascade
+#   14-17% faster at 1,000-2,000 tokens and 10% at 4,000 (264.1 against 294.2 us, 1.03x the floor),
+#   hence 4,096; W = 14 beyond 1,500 tokens and every prompt beyond 4,000 are extrapolated.
 # - One beam block, G = 3-4 (W = 16 at G = 4, 16-beam tiles, tail first): 8% faster at 100 tokens,
 #   even at 250, 4-5% slower at 500-1,500.
 # - Several beam blocks (W = 64, 128, 256 at G = 2; W = 30 at G = 4; the round-2/3 kernel): 4-12%
@@ -52,7 +54,7 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "res
 #   15% slower at 250).
 # - Long tails (16 and 64 tokens, W = 30) and head 64 favour the cascade further; fp16 too (against
 #   FlashInfer + tail, FA4 being bf16-only). Groups above 4 were not measured.
-CASCADE_MAX_MEAN_PROMPT = 2048
+CASCADE_MAX_MEAN_PROMPT = 4096
 CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
 CASCADE_MAX_GROUP = 4

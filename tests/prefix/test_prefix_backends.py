@@ -242,7 +242,7 @@ def test_declines_name_their_reason(fake_sm):
     assert auto(16, 2000, 30) == ("triton", [])  # G = 2, one beam block (B-long)
     assert auto(32, 250, 16) == ("triton", [])  # G = 4, one beam block
     for hq, prompt, beams, why in [
-        (16, 3000, 30, "mean prompt 3000 tokens > 2048 at W=30, G=2 (one beam block"),
+        (16, 5000, 30, "mean prompt 5000 tokens > 4096 at W=30, G=2 (one beam block"),
         (32, 500, 16, "mean prompt 500 tokens > 256 at W=16, G=4 (one beam block"),
         (16, 200, 64, "mean prompt 200 tokens > 128 at W=64, G=2 (several beam blocks"),
         (32, 250, 30, "mean prompt 250 tokens > 128 at W=30, G=4 (several beam blocks"),
@@ -343,10 +343,10 @@ def test_flashinfer_workspace_grows_for_a_bigger_plan():
     assert backend.workspace_bytes > small
 
 
-@pytest.mark.parametrize("group,one_block_up_to,one_block_limit", [(1, 64, 2048), (2, 32, 2048), (3, 16, 256),
+@pytest.mark.parametrize("group,one_block_up_to,one_block_limit", [(1, 64, 4096), (2, 32, 4096), (3, 16, 256),
                                                                   (4, 16, 256)])
 def test_cascade_prompt_limit_follows_the_beam_blocks(group, one_block_up_to, one_block_limit):
-    """2048 tokens (256 at groups 3-4) while one program's beam block (64 query rows) holds all W
+    """4096 tokens (256 at groups 3-4) while one program's beam block (64 query rows) holds all W
     beams, 128 beyond, and 128 when W is unknown."""
     from beam_shared_prefix.prefix.select import CASCADE_MAX_MEAN_PROMPT_SPLIT, cascade_prompt_limit
 
