@@ -32,7 +32,7 @@ from .triton import TritonPrefixBackend
 
 __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "resolve_prefix_backend",
            "cascade_prompt_limit",
-           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT",
+           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP",
            "CASCADE_MAX_GROUP"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
@@ -51,12 +51,17 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "res
 #   even at 250, 4-5% slower at 500-1,500.
 # - Several beam blocks (W = 64, 128, 256 at G = 2; W = 30 at G = 4; the round-2/3 kernel): 4-12%
 #   faster at prompts of 50-100 tokens, 5-44% slower from 200 tokens up (G = 4: 5% faster at 100,
-#   15% slower at 250).
+#   15% slower at 250). Round 6 (auto_rule_round6_*.json), against FA4 + the grouped tail kernel:
+#   G = 2 still faster (W = 64: 35% at 50 tokens, 23% at 100, 8% at 200; W = 256: 17% at 50, 8% at
+#   100), so 128 stays; G = 4 (W = 30) now 12% slower at 100 tokens (72.5 against 64.6 us), so at
+#   G = 3-4 several blocks never pick the cascade. One block at G = 4 (W = 16): 27% faster at 100
+#   tokens, 17% at 250 (above 256 not re-measured).
 # - Long tails (16 and 64 tokens, W = 30) and head 64 favour the cascade further; fp16 too (against
 #   FlashInfer + tail, FA4 being bf16-only). Groups above 4 were not measured.
 CASCADE_MAX_MEAN_PROMPT = 4096
 CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
+CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 0
 CASCADE_MAX_GROUP = 4
 
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
@@ -67,19 +72,26 @@ BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
 }
 
 
+def one_beam_block(beam_width: Optional[int], group_size: int, head_dim: int) -> bool:
+    """Whether one cascade program's beam block holds all ``W`` beams of a request (``False`` when ``W``
+    is unknown), i.e. whether the cascade reads each prompt once per KV head."""
+    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
+
+    if beam_width is None:
+        return False
+    return beam_width <= cascade_launch_config(int(beam_width), group_size, head_dim).beams_per_program
+
+
 def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: int) -> int:
     """The largest mean prompt (tokens) at which ``auto`` picks the cascade for this beam width and group:
     when one program's beam block holds all ``W`` beams of a request, :data:`CASCADE_MAX_MEAN_PROMPT`
     at groups up to 2 and :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP` above; when the prompt is read by
-    several blocks (or ``W`` is unknown), :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT`."""
-    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
-
-    if beam_width is None:
-        return CASCADE_MAX_MEAN_PROMPT_SPLIT
-    beams_per_program = cascade_launch_config(int(beam_width), group_size, head_dim).beams_per_program
-    if beam_width > beams_per_program:
-        return CASCADE_MAX_MEAN_PROMPT_SPLIT
-    return CASCADE_MAX_MEAN_PROMPT if group_size <= 2 else CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP
+    several blocks (or ``W`` is unknown), :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` at groups up to 2 and
+    :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` above."""
+    narrow = group_size <= 2
+    if not one_beam_block(beam_width, group_size, head_dim):
+        return CASCADE_MAX_MEAN_PROMPT_SPLIT if narrow else CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP
+    return CASCADE_MAX_MEAN_PROMPT if narrow else CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP
 
 
 def cascade_preferred(
@@ -108,7 +120,7 @@ def cascade_preferred(
         return False, "prompt lengths unknown"
     limit = cascade_prompt_limit(beam_width, group, head_dim)
     if mean_prompt_len > limit:
-        blocks = "one beam block" if limit != CASCADE_MAX_MEAN_PROMPT_SPLIT else "several beam blocks per request"
+        blocks = "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"measured slower than FA4 + tail there)")
     return True, ""

@@ -238,14 +238,14 @@ def test_declines_name_their_reason(fake_sm):
     assert auto(16, 100, 30) == ("triton", [])
     assert auto(16, 500, 30) == ("triton", [])
     assert auto(16, 100, 256) == ("triton", [])
-    assert auto(32, 100, 30) == ("triton", [])  # G = 4: two beam blocks, short prompt
+    assert auto(16, 100, 64) == ("triton", [])  # G = 2: two beam blocks, short prompt
     assert auto(16, 2000, 30) == ("triton", [])  # G = 2, one beam block (B-long)
     assert auto(32, 250, 16) == ("triton", [])  # G = 4, one beam block
     for hq, prompt, beams, why in [
         (16, 5000, 30, "mean prompt 5000 tokens > 4096 at W=30, G=2 (one beam block"),
         (32, 500, 16, "mean prompt 500 tokens > 256 at W=16, G=4 (one beam block"),
         (16, 200, 64, "mean prompt 200 tokens > 128 at W=64, G=2 (several beam blocks"),
-        (32, 250, 30, "mean prompt 250 tokens > 128 at W=30, G=4 (several beam blocks"),
+        (32, 100, 30, "mean prompt 100 tokens > 0 at W=30, G=4 (several beam blocks"),
         (16, 200, None, "> 128 at W=None"),  # beam width unknown: the stricter limit
         (64, 100, 30, "GQA group 8 > 4"),
     ]:
@@ -343,15 +343,16 @@ def test_flashinfer_workspace_grows_for_a_bigger_plan():
     assert backend.workspace_bytes > small
 
 
-@pytest.mark.parametrize("group,one_block_up_to,one_block_limit", [(1, 64, 4096), (2, 32, 4096), (3, 16, 256),
-                                                                  (4, 16, 256)])
-def test_cascade_prompt_limit_follows_the_beam_blocks(group, one_block_up_to, one_block_limit):
+@pytest.mark.parametrize("group,one_block_up_to,one_block_limit,split_limit",
+                         [(1, 64, 4096, 128), (2, 32, 4096, 128), (3, 16, 256, 0), (4, 16, 256, 0)])
+def test_cascade_prompt_limit_follows_the_beam_blocks(group, one_block_up_to, one_block_limit, split_limit):
     """4096 tokens (256 at groups 3-4) while one program's beam block (64 query rows) holds all W
-    beams, 128 beyond, and 128 when W is unknown."""
-    from beam_shared_prefix.prefix.select import CASCADE_MAX_MEAN_PROMPT_SPLIT, cascade_prompt_limit
+    beams; beyond, and when W is unknown, 128 tokens (none at groups 3-4)."""
+    from beam_shared_prefix.prefix.select import cascade_prompt_limit, one_beam_block
 
     assert cascade_prompt_limit(1, group, 128) == one_block_limit
     assert cascade_prompt_limit(one_block_up_to, group, 128) == one_block_limit
-    assert cascade_prompt_limit(one_block_up_to + 1, group, 128) == CASCADE_MAX_MEAN_PROMPT_SPLIT
-    assert cascade_prompt_limit(256, group, 64) == CASCADE_MAX_MEAN_PROMPT_SPLIT
-    assert cascade_prompt_limit(None, group, 128) == CASCADE_MAX_MEAN_PROMPT_SPLIT
+    assert one_beam_block(one_block_up_to, group, 128) and not one_beam_block(one_block_up_to + 1, group, 128)
+    assert cascade_prompt_limit(one_block_up_to + 1, group, 128) == split_limit
+    assert cascade_prompt_limit(256, group, 64) == split_limit
+    assert cascade_prompt_limit(None, group, 128) == split_limit
