@@ -54,7 +54,7 @@ class TailLaunchConfig:
             one is consumed: about ``3 + ceil(n / index_block) * 2`` dependent latencies instead of
             ``3 n`` for ``n`` earlier tokens.
         grouped: run :mod:`~triton_kernels.tail_merge_grouped_kernel` (the group in each thread's
-            registers; ``block_t`` 1 and ``index_block`` 0 only).
+            registers; ``block_t`` 1 and ``index_block`` 0 only; ``tokens_outer`` is ignored).
     """
 
     group_pad: int

@@ -1,13 +1,24 @@
-"""The fused tail kernel with the GQA group in each thread's registers (prototype under measurement).
+"""The fused tail kernel with the GQA group in each thread's registers (the default at G = 2).
 
-Same contract and arguments as :func:`triton_kernels.tail_merge_kernel.beam_tail_merge_kernel`; one
-program handles one beam row and ``KV_HEADS_PER_PROG`` KV heads. The difference is the tile: the
-queries are a 3-D ``[GROUP_PAD, KVH, D]`` block and each K/V row a ``[1, KVH, D]`` block in the same
-layout, so ``q * k`` broadcasts the K/V row over the group inside each thread's registers. With
-``num_warps`` chosen so that one pass of the threads covers ``[1, KVH, D]`` (``KVH * D / 256``
-warps for 16-byte vectors), each thread holds all ``G`` query heads of its KV head and loads,
-converts and indexes each K/V element once instead of once per query head; the index chain (source
-beam, page) is walked by ``G`` times fewer warps for the same work.
+Same contract, arguments and steps as :func:`triton_kernels.tail_merge_kernel.beam_tail_merge_kernel`
+(prefix state seeds the online softmax; this step's token from registers, also written to the
+row's own page; earlier generated positions gathered through ``cache_indirection``; normalise).
+One program handles one beam row and ``KV_HEADS_PER_PROG`` KV heads; the difference is the tile.
+
+Why: in the ``[QH, D]`` kernel each query head has its own threads, so a KV head's K/V row is
+loaded, converted to float32 and indexed once per query head of its group (G times), and every warp
+walks the tail's index chain. Here the queries are a 3-D ``[GROUP_PAD, KVH, D]`` block and each K/V
+row a ``[1, KVH, D]`` block in the same blocked layout, so ``q * k`` broadcasts the row over the
+group in registers. The launcher picks ``num_warps`` so that one pass of the threads covers
+``[1, KVH, D]`` (16-byte vectors along ``D``): Triton's blocked layout then places the leftover
+``GROUP_PAD`` dimension in each thread's registers, and each thread holds all query heads of its KV
+head. At G = 2 on sm_90 that is 280 warp-instructions per KV head of a row against 494
+(``docs/benchmarks.md``, "The sixth round"). With more warps than that, the group spreads over
+warps again: still correct, no longer deduplicated.
+
+Tail positions are walked one per iteration (a ``[1]`` vector keeps the interpreter's masks
+vectors); page numbers and pool offsets are int64; indices that would leave a buffer are masked,
+never dereferenced (:func:`triton_kernels.beam_index.source_beam_pages`).
 """
 
 import triton

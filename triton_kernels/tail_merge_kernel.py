@@ -1,5 +1,9 @@
 """The fused tail kernel: KV write, gather through ``cache_indirection``, attention and LSE merge.
 
+This is the ``[QH, D]``-tile kernel, the default at G = 4 (one KV head per 1-warp program) and for
+groups the grouped kernel does not serve (:mod:`triton_kernels.tail_merge_grouped_kernel`, the
+default at G = 2; :func:`triton_kernels.tail_merge.tail_launch_config` picks).
+
 One program handles one beam row and a block of ``KV_HEADS_PER_PROG`` KV heads. Its query heads
 are laid out as ``QH = KV_HEADS_PER_PROG * GROUP_PAD`` query slots (slot ``s`` serves KV head
 ``s // GROUP_PAD``, query head ``kv_head * GROUP + s % GROUP_PAD``), so the whole tile is a plain
@@ -11,7 +15,8 @@ Why a row and several KV heads per program: the index work of a tail position (i
 small tails (1-8 tokens) are the common case, so that chain of dependent loads is paid once for
 many heads rather than once per head. The K/V row of a KV head is loaded through the pointers of
 each of its ``G`` slots; the duplicates are the same addresses within one program, served by L1,
-so DRAM traffic stays one read per K/V row.
+so DRAM traffic stays one read per K/V row (but the loads, conversions and index work repeat per
+slot: what the grouped kernel removes).
 
 Per program, in order (everything that does not depend on the tail is loaded up front, so its
 latency overlaps the index chain of step 3):
