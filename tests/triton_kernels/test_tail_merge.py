@@ -433,6 +433,7 @@ GPU_CASES = [
     ([128, 5], 4, 40, 8, 256, 32, "NHD", torch.float16, 6, dict(strided=True)),  # G=5
     ([50, 17], 16, 32, 4, 64, 16, "HND", torch.bfloat16, 20, dict(prefix_dtype=torch.float16)),  # G=8
     ([31], 96, 16, 8, 128, 32, "HND", torch.bfloat16, 4, dict()),
+    ([60, 7], 6, 16, 8, 256, 32, "NHD", torch.bfloat16, 6, dict(divisor=2)),  # G=2, head 256: grouped, 4 warps
 ]
 
 
