@@ -257,16 +257,12 @@ def beam_tail_attention_merge(
         geom.num_kv_heads,
         geom.sm_scale * LOG2E, geom.lse_scale,
     )
-    if cfg.grouped:
-        kernel = beam_tail_merge_grouped_kernel
-        meta = dict(GROUP=geom.group_size, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog,
-                    HEAD_DIM=geom.head_dim, WRITE_KV=bool(write_kv), num_warps=cfg.num_warps, num_stages=1)
-    else:
-        kernel = beam_tail_merge_kernel
-        meta = dict(GROUP=geom.group_size, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog,
-                    HEAD_DIM=geom.head_dim, BLOCK_T=cfg.block_t, WRITE_KV=bool(write_kv),
-                    TOKENS_OUTER=bool(cfg.tokens_outer), INDEX_BLOCK=cfg.index_block, num_warps=cfg.num_warps,
-                    num_stages=1)
+    # Both kernels take the same arguments; the [QH, D] kernel has three more constexprs.
+    kernel = beam_tail_merge_grouped_kernel if cfg.grouped else beam_tail_merge_kernel
+    meta = dict(GROUP=geom.group_size, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog,
+                HEAD_DIM=geom.head_dim, WRITE_KV=bool(write_kv), num_warps=cfg.num_warps, num_stages=1)
+    if not cfg.grouped:
+        meta.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=bool(cfg.tokens_outer), INDEX_BLOCK=cfg.index_block)
     if q.is_cuda:
         with torch.cuda.device(q.device):
             kernel[grid](*args, **meta)

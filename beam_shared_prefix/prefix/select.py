@@ -31,8 +31,9 @@ from .reference import ReferencePrefixBackend
 from .triton import TritonPrefixBackend
 
 __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "resolve_prefix_backend",
-           "cascade_prompt_limit",
-           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP",
+           "cascade_prompt_limit", "one_beam_block",
+           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT",
+           "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP",
            "CASCADE_MAX_GROUP"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page

@@ -31,7 +31,7 @@ from triton_kernels import (
     cascade_supported,
 )
 
-from test_tail_merge import assert_matches, earlier_tail, expected_pool_after_write, make_sim, oracle
+from test_tail_merge import assert_matches, earlier_tail, expected_pool_after_write, make_sim, oracle, step_after
 
 
 def prompt_table(sim, step):
@@ -300,11 +300,6 @@ def test_cascade_property_matches_oracle(case):
     """Any beam width (including ones not a multiple of the tile), group, page size, layout, page-table
     encoding, tail length and tiling (KV heads per program included, dividing Hkv or not): the step
     matches the oracle and writes exactly its K/V."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    sim = make_sim(device, **case["sim"])
-    for _ in range(case["steps_before"]):
-        sim.begin_step()
-        sim.end_step()
-    step = sim.begin_step()
+    sim, step = step_after(case["sim"], case["steps_before"])
     out = run_cascade(sim, step, divisor=case["divisor"], launch_config=case["config"])
     assert_matches(out, oracle(sim, step), f"{case}")

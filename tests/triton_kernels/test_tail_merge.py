@@ -140,6 +140,15 @@ def earlier_tail(step):
     return (step.kv_lens - 1 - step.prompt_lens).tolist()
 
 
+def step_after(sim_kw, steps_before):
+    """A simulator on the test device (CUDA when present) run ``steps_before`` steps, and its next step."""
+    sim = make_sim("cuda" if torch.cuda.is_available() else "cpu", **sim_kw)
+    for _ in range(steps_before):
+        sim.begin_step()
+        sim.end_step()
+    return sim, sim.begin_step()
+
+
 # --------------------------------------------------------------------------------------------
 # against the oracle, over simulated steps
 
@@ -294,12 +303,7 @@ def test_tail_property_matches_oracle(case):
     """Either tile (grouped or ``[QH, D]``), any KV heads per program (dividing Hkv or not), warps,
     group (padded or not), page size, layout, page-table encoding, LSE layout and tail length: the
     step matches the oracle and writes exactly its K/V (``run_step`` checks the pool)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    sim = make_sim(device, **case["sim"])
-    for _ in range(case["steps_before"]):
-        sim.begin_step()
-        sim.end_step()
-    step = sim.begin_step()
+    sim, step = step_after(case["sim"], case["steps_before"])
     out = run_step("triton", sim, step, divisor=case["divisor"], lse_layout=case["lse_layout"],
                    launch_config=case["config"])
     assert_matches(out, oracle(sim, step), f"{case}")
