@@ -94,8 +94,8 @@ def _prefix_call(wl, table, prompt_lens, cfg, out, lse):
 def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: float, write_kv: bool = False,
                l2_flush: str = "read", prefix_only: bool = False) -> Dict:
     """Check and time every tiling of ``grid`` (``(beams, block_n, tail_block, num_warps, num_stages,
-    max_registers, heads_per_program, prompt_first, prompt_stages, tail_stages)``, ``max_registers``
-    and the stages 0 for the defaults) on
+    max_registers, heads_per_program, prompt_first, prompt_stages, tail_stages, tail_on_cores)``,
+    ``max_registers`` and the stages 0 for the defaults) on
     ``shape``; returns the shape's ``floor_us``, ``default``, ``best`` and ``all`` results (us, ulps)."""
     import numpy as np
 
@@ -127,10 +127,14 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     floor_us = full["bytes"] / bandwidth * 1e6
 
     configs = []
-    for beams, block_n, tail_block, warps, stages, max_regs, heads, prompt_first, prompt_stages, tail_stages in grid:
+    for beams, block_n, tail_block, warps, stages, max_regs, heads, prompt_first, prompt_stages, tail_stages, cores \
+            in grid:
+        if cores and prompt_first:  # the core tail runs before the prompt
+            continue
         cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages, max_regs or None,
-                                  heads, bool(prompt_first), prompt_stages or None, tail_stages or None)
-        if cfg.block_m > 128 or cfg.block_m < 16 or (warps > 4 and cfg.block_m < 64) or beams * tail_block < 32:
+                                  heads, bool(prompt_first), prompt_stages or None, tail_stages or None, bool(cores))
+        if cfg.block_m > 128 or cfg.block_m < 16 or (warps > 4 and cfg.block_m < 64) or (
+                beams * tail_block < 32 and not cores):
             continue
         configs.append(cfg)
     if default not in configs:
@@ -161,7 +165,8 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
 def _key(config: Dict) -> tuple:
     return (config["beams_per_program"], config["block_n"], config["tail_block"], config["num_warps"],
             config["num_stages"], config.get("max_registers"), config.get("heads_per_program", 1),
-            int(config.get("prompt_first", False)), config.get("prompt_stages"), config.get("tail_stages"))
+            int(config.get("prompt_first", False)), config.get("prompt_stages"), config.get("tail_stages"),
+            int(config.get("tail_on_cores", False)))
 
 
 def main(argv=None) -> int:
@@ -177,6 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-first", default="0", help="0: tail then prompt; 1: prompt then tail")
     p.add_argument("--prompt-stages", default="0", help="pipeline stages of the prompt loop (0: num_stages)")
     p.add_argument("--tail-stages", default="0", help="pipeline stages of the tail loop (0: num_stages)")
+    p.add_argument("--tail-on-cores", default="0", help="0: masked tensor-core tail blocks; 1: the tail on CUDA "
+                   "cores, before the prompt (prompt_first 1 is skipped with it)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--l2-flush", choices=("read", "write", "none"), default="read",
                    help="how L2 is emptied between timed calls (microbenchmarks.timing.L2Flush)")
@@ -196,14 +203,14 @@ def main(argv=None) -> int:
     grid = [] if args.default_only else list(itertools.product(
         ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps), ints(args.num_stages),
         ints(args.max_registers), ints(args.heads_per_program), ints(args.prompt_first), ints(args.prompt_stages),
-        ints(args.tail_stages)))
+        ints(args.tail_stages), ints(args.tail_on_cores)))
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
           f"(beams, block_n, tail_block, num_warps, num_stages, max_registers, heads_per_program, prompt_first, "
-          f"prompt_stages, tail_stages)", flush=True)
+          f"prompt_stages, tail_stages, tail_on_cores)", flush=True)
     report = []
     for name in args.shapes.split(","):
         r = tune_shape(SHAPES[name], grid, args.iters, bandwidth, args.write_kv, args.l2_flush, args.prefix_only)

@@ -85,6 +85,9 @@ class CascadeLaunchConfig:
             more than one, its K/V go to shared memory by ``cp.async`` instead of through registers.
         tail_stages: software-pipeline stages of the tail loop (``None``: ``num_stages``); 2 was
             7-75% slower than the default on the H200 (more spills), so the defaults leave it off.
+        tail_on_cores: attend the tail on CUDA cores, ``tail_block`` positions per step with the
+            group in each thread's registers, before the prompt (its state seeds the prompt loop),
+            instead of as masked tensor-core key blocks; excludes ``prompt_first``.
     """
 
     beams_per_program: int
@@ -98,6 +101,7 @@ class CascadeLaunchConfig:
     prompt_first: bool = False
     prompt_stages: Optional[int] = None
     tail_stages: Optional[int] = None
+    tail_on_cores: bool = False
 
     @property
     def block_m(self) -> int:
@@ -179,7 +183,7 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int) -> Cas
         raise TailMergeInputError(
             f"launch_config has beams_per_program={cfg.beams_per_program}, block_n={cfg.block_n}; they must be >= "
             f"{MIN_BEAMS_PER_PROGRAM} and >= {MIN_BLOCK_N} (tensor-core tiles).")
-    if cfg.tail_block * cfg.beams_per_program < MIN_TAIL_COLUMNS:
+    if not cfg.tail_on_cores and cfg.tail_block * cfg.beams_per_program < MIN_TAIL_COLUMNS:
         raise TailMergeInputError(
             f"launch_config has tail_block={cfg.tail_block} x beams_per_program={cfg.beams_per_program} = "
             f"{cfg.tail_block * cfg.beams_per_program} tail key columns; use at least {MIN_TAIL_COLUMNS}.")
@@ -192,6 +196,9 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int) -> Cas
         stages = getattr(cfg, name)
         if stages is not None and not (isinstance(stages, int) and 1 <= stages <= 4):
             raise TailMergeInputError(f"launch_config.{name}={stages!r} must be None or an int in [1, 4].")
+    if cfg.tail_on_cores and cfg.prompt_first:
+        raise TailMergeInputError("launch_config has tail_on_cores=True and prompt_first=True; the core tail runs "
+                                  "before the prompt (its state seeds the prompt loop): set prompt_first=False.")
     if cfg.max_registers is not None and not (isinstance(cfg.max_registers, int) and 64 <= cfg.max_registers <= 255):
         raise TailMergeInputError(f"launch_config.max_registers={cfg.max_registers!r} must be None or an int in "
                                   f"[64, 255].")
@@ -262,6 +269,7 @@ def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int
         PROMPT_FIRST=bool(cfg.prompt_first),
         PROMPT_STAGES=cfg.prompt_stages or cfg.num_stages,
         TAIL_STAGES=cfg.tail_stages or cfg.num_stages,
+        TAIL_CORES=bool(cfg.tail_on_cores),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

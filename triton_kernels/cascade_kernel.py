@@ -109,6 +109,88 @@ def _tail_block_pages(
 
 
 @triton.jit
+def _attend_tail_row(q3, m_i, l_i, acc, k_raw, v_raw, ok):
+    """Online-softmax update of the ``[GROUP_PAD, BEAMS, D]`` queries (float32, pre-scaled to base 2)
+    with one key/value row per beam (``[1, BEAMS, D]``, raw dtype); ``ok`` ``[1, BEAMS]`` masks a
+    beam's row. Every thread holds all query heads of its beams, so a K/V element is loaded and
+    converted once for the whole group."""
+    s = tl.where(ok, tl.sum(q3 * k_raw.to(tl.float32), axis=2), float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    return m_new, l_i * alpha + p, acc * alpha[:, :, None] + p[:, :, None] * v_raw.to(tl.float32)
+
+
+@triton.jit
+def _tail_on_cores(
+    q_ptr, new_k_ptr, new_v_ptr, kv_ptr, beam_pt_ptr, kv_lens_ptr, ci_ptr, stride_q_row, stride_q_head,
+    stride_new_k_row, stride_new_k_head, stride_new_v_row, stride_new_v_head, stride_kv_page, stride_kv_kv,
+    stride_kv_slot, stride_bpt_row, stride_bpt_col, stride_ci_req, stride_ci_beam, stride_ci_pos, req64, first_beam,
+    beam_width, kv_head, kv_head_off, head_ok, prompt_len, page_size, page_index_divisor, num_pages, max_seq_len,
+    qk_scale_log2, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BEAMS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TAIL_BLOCK: tl.constexpr, WRITE_KV: tl.constexpr,
+):
+    """The tail ``[P, L)`` of one KV head on CUDA cores: ``(m, l, acc)`` of its online softmax for the
+    tile's rows in group-major order (row ``g * BEAMS + slot``), ``[BLOCK_M]`` and ``[BLOCK_M, D]``
+    float32, base-2 ``m``. This step's token comes from ``new_k``/``new_v`` (and is stored to each
+    beam's own page with ``WRITE_KV``); earlier positions ``TAIL_BLOCK`` at a time, their index chains
+    (source beam, page) requested together before any of their K/V."""
+    BLOCK_M: tl.constexpr = BEAMS * GROUP_PAD
+    d = tl.arange(0, HEAD_DIM)
+    gq = tl.arange(0, GROUP_PAD)
+    slot = tl.arange(0, BEAMS)
+    beam = first_beam + slot
+    b_ok = beam < beam_width
+    b_row64 = req64 * beam_width + beam.to(tl.int64)
+    b_cur = tl.load(kv_lens_ptr + b_row64, mask=b_ok, other=0) - 1  # this step's position, per beam
+    b_gen_end = tl.minimum(b_cur, max_seq_len)
+    gen_stop = tl.max(tl.where(b_ok, b_gen_end, 0), axis=0)
+    q_ok = (gq < GROUP)[:, None, None] & b_ok[None, :, None]
+    q3 = tl.load(q_ptr + b_row64[None, :, None] * stride_q_row + (kv_head * GROUP + gq)[:, None, None] * stride_q_head
+                 + d[None, None, :], mask=q_ok, other=0.0).to(tl.float32) * qk_scale_log2
+    kd = d[None, None, :]
+    k_cur = tl.load(new_k_ptr + b_row64[None, :, None] * stride_new_k_row + kv_head * stride_new_k_head + kd,
+                    mask=b_ok[None, :, None], other=0.0)
+    v_cur = tl.load(new_v_ptr + b_row64[None, :, None] * stride_new_v_row + kv_head * stride_new_v_head + kd,
+                    mask=b_ok[None, :, None], other=0.0)
+    # This step's token first, never masked (a padding beam's zero row scores 0): m is finite from
+    # here on, so a masked position later is exp2(-inf) = 0, never (-inf) - (-inf).
+    m_i = tl.full([GROUP_PAD, BEAMS], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD, BEAMS], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BEAMS, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = _attend_tail_row(q3, m_i, l_i, acc, k_cur, v_cur, (slot >= 0)[None, :])
+    if WRITE_KV:
+        # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written:
+        # prompt pages are shared by every beam of the request.
+        w_ok = b_ok & (b_cur >= prompt_len) & (b_cur >= 0) & (b_cur < max_seq_len)
+        w_entry = tl.load(beam_pt_ptr + b_row64 * stride_bpt_row + (b_cur // page_size).to(tl.int64) * stride_bpt_col,
+                          mask=w_ok, other=-1)
+        w_page = (w_entry // page_index_divisor).to(tl.int64)
+        w_ok = tl.where(head_ok, w_ok & (w_entry >= 0) & (w_page < num_pages), False)  # (a scalar cannot `&` a mask)
+        w_offs = tl.where(w_ok, w_page, 0) * stride_kv_page + (b_cur % page_size).to(tl.int64) * stride_kv_slot
+        w_ptrs = kv_ptr + kv_head_off + w_offs[None, :, None] + kd
+        tl.store(w_ptrs, k_cur, mask=w_ok[None, :, None])
+        tl.store(w_ptrs + stride_kv_kv, v_cur, mask=w_ok[None, :, None])
+    ci_beam_ptr = ci_ptr + req64 * stride_ci_req + beam.to(tl.int64) * stride_ci_beam
+    tb = tl.arange(0, TAIL_BLOCK)
+    for t0 in range(prompt_len, gen_stop, TAIL_BLOCK):
+        pos = t0 + tb[:, None] + slot[None, :] * 0  # [TAIL_BLOCK, BEAMS]
+        pages = source_beam_pages(ci_beam_ptr[None, :] + pos.to(tl.int64) * stride_ci_pos, pos,
+                                  (pos < b_gen_end[None, :]) & b_ok[None, :], beam_pt_ptr, req64 * beam_width,
+                                  stride_bpt_row, stride_bpt_col, beam_width, page_size, page_index_divisor, num_pages)
+        for i in tl.static_range(TAIL_BLOCK):
+            page = tl.sum(tl.where(tb[:, None] == i, pages, 0), axis=0)  # position t0 + i, [BEAMS]
+            ok = page >= 0
+            slot_in_page = (t0 + i + slot * 0) % page_size  # (a tensor: the interpreter's loop index is an int)
+            offs = (tl.where(ok, page, 0).to(tl.int64) * stride_kv_page
+                    + slot_in_page.to(tl.int64) * stride_kv_slot)[None, :, None] + kv_head_off + kd
+            k_t = tl.load(kv_ptr + offs, mask=ok[None, :, None], other=0.0)
+            v_t = tl.load(kv_ptr + stride_kv_kv + offs, mask=ok[None, :, None], other=0.0)
+            m_i, l_i, acc = _attend_tail_row(q3, m_i, l_i, acc, k_t, v_t, ok[None, :])
+    return tl.reshape(m_i, [BLOCK_M]), tl.reshape(l_i, [BLOCK_M]), tl.reshape(acc, [BLOCK_M, HEAD_DIM])
+
+
+@triton.jit
 def _prompt_blocks(
     q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col, stride_kv_page,
     stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages, qk_scale_log2,
@@ -203,6 +285,7 @@ def beam_cascade_kernel(
     PROMPT_FIRST: tl.constexpr = False,
     PROMPT_STAGES: tl.constexpr = 1,
     TAIL_STAGES: tl.constexpr = 1,
+    TAIL_CORES: tl.constexpr = False,
 ):
     """Grid ``(R * num_beam_blocks, cdiv(Hkv, HEADS))``; arguments and element strides as the launchers
     in :mod:`triton_kernels.cascade` pass them; the module docstring gives the steps."""
@@ -224,13 +307,17 @@ def beam_cascade_kernel(
     first_pages = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (n // page_size) * stride_ppt_col,
                           mask=n < prompt_capacity, other=-1)
     m = tl.arange(0, BLOCK_M)
-    row_slot = m // GROUP_PAD
+    if TAIL_CORES:  # group-major rows (g * BEAMS + slot): the core tail's [G, BEAMS, D] state reshapes to them
+        row_slot = m % BEAMS
+        g = m // BEAMS
+    else:
+        row_slot = m // GROUP_PAD
+        g = m % GROUP_PAD
     row_beam = first_beam + row_slot
-    g = m % GROUP_PAD
     row_ok = (row_beam < beam_width) & (g < GROUP)
     row64 = req64 * beam_width + row_beam.to(tl.int64)
 
-    if not PREFIX_ONLY:
+    if not PREFIX_ONLY and not TAIL_CORES:
         # Tail key-block columns: column c is position t0 + c // BEAMS of beam slot c % BEAMS.
         tc = tl.arange(0, TAIL_COLS)
         tcol_slot = tc % BEAMS
@@ -281,7 +368,15 @@ def beam_cascade_kernel(
                 stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,
                 qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32)
 
-        if not PREFIX_ONLY:
+        if TAIL_CORES and not PREFIX_ONLY:
+            m_i, l_i, acc = _tail_on_cores(
+                q_ptr, new_k_ptr, new_v_ptr, kv_ptr, beam_pt_ptr, kv_lens_ptr, ci_ptr, stride_q_row, stride_q_head,
+                stride_new_k_row, stride_new_k_head, stride_new_v_row, stride_new_v_head, stride_kv_page,
+                stride_kv_kv, stride_kv_slot, stride_bpt_row, stride_bpt_col, stride_ci_req, stride_ci_beam,
+                stride_ci_pos, req64, first_beam, beam_width, kv_head, kv_head_off, head_ok, prompt_len, page_size,
+                page_index_divisor, num_pages, max_seq_len, qk_scale_log2, GROUP, GROUP_PAD, BEAMS, HEAD_DIM,
+                TAIL_BLOCK, WRITE_KV)
+        elif not PREFIX_ONLY:
             # 2. The generated positions [P, L), TAIL_BLOCK per key block, this step's token
             #    included: its column reads new_k/new_v instead of the cache (a 4-token tail is one
             #    key block). The next block's pages are requested before this block's K/V are

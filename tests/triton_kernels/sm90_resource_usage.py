@@ -123,7 +123,8 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         GROUP=g, GROUP_PAD=cfg.group_pad, BEAMS=cfg.beams_per_program, HEADS=cfg.heads_per_program, HEAD_DIM=d, BLOCK_N=cfg.block_n,
         TAIL_BLOCK=cfg.tail_block, WRITE_KV=True, PREFIX_ONLY=prefix_only, ALIGNED_ROWS=True, DOT_FP32=False,
         PROMPT_FIRST=cfg.prompt_first, PROMPT_STAGES=cfg.prompt_stages or cfg.num_stages,
-        TAIL_STAGES=cfg.tail_stages or cfg.num_stages, page_size=PAGE_SIZE, page_index_divisor=1,
+        TAIL_STAGES=cfg.tail_stages or cfg.num_stages, TAIL_CORES=cfg.tail_on_cores, page_size=PAGE_SIZE,
+        page_index_divisor=1,
     )
     compiled = _compile_sm90(beam_cascade_kernel, pointers, constexprs, ("qk_scale_log2",), _CASCADE_DIV16_INTS,
                              cfg.num_warps, cfg.num_stages)

@@ -119,6 +119,14 @@ TILINGS = [
     # Two KV heads per program over Hkv = 3: the second program's spare head repeats head 2.
     ("two_heads_per_program", CascadeLaunchConfig(16, 4, block_n=32, tail_block=4, num_warps=4, num_stages=1,
                                                   heads_per_program=2)),
+    # The tail on CUDA cores (group-major rows), its state seeding the prompt loop: 3 positions per
+    # step (a 5-token tail takes two steps, the second partly masked), and over two KV heads with a
+    # pipelined prompt at 8 warps and a 128-register cap (two 8-warp programs per SM).
+    ("tail_on_cores", CascadeLaunchConfig(16, 4, block_n=32, tail_block=4, num_warps=4, num_stages=1,
+                                          tail_on_cores=True)),
+    ("tail_on_cores_8_warps_capped", CascadeLaunchConfig(32, 4, block_n=32, tail_block=2, num_warps=8, num_stages=1,
+                                                         heads_per_program=2, prompt_stages=2, max_registers=128,
+                                                         tail_on_cores=True)),
     # A register cap (maxnreg, CUDA only: the interpreter has no registers) forces spills.
     ("wide_group_pad_capped", CascadeLaunchConfig(16, 8, block_n=64, tail_block=2, num_warps=8, num_stages=3,
                                                   max_registers=128)),
