@@ -107,7 +107,8 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
                            wl.prompt_lens_host.astype(np.int32), wl.beam_width, shape.page_size, wl.num_pages)
     table = torch.from_numpy(plan.page_table.copy()).cuda()
     group = shape.heads // shape.kv_heads
-    default = cascade_launch_config(shape.beams, group, shape.head_dim)
+    # The library's own choice for this launch: the prompt table's width is part of it.
+    default = cascade_launch_config(shape.beams, group, shape.head_dim, table.shape[1] * shape.page_size)
     prompt_lens = torch.from_numpy(plan.prompt_lens.astype("int32")).cuda()
 
     def make_call(cfg, out):

@@ -15,6 +15,7 @@ benchmarks, and as a plain prefix backend in front of the separate tail kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ MIN_BEAMS_PER_PROGRAM = 16
 MIN_BLOCK_N = 32
 # Columns of a tail key block (tail_block x beams per program): 16 failed to compile on Triton 3.6.
 MIN_TAIL_COLUMNS = 32
+# Prompt tables of at most this many tokens (columns x page size) take the one-block tiling of
+# 32-beam tiles: every prompt of the launch then fits one key block (cascade_launch_config).
+ONE_BLOCK_PROMPT_TOKENS = 128
 # Query rows of one tile (beams x padded group): 128 keeps the fp32 accumulator at 64 registers per
 # thread with 8 warps at D = 128.
 MAX_BLOCK_M = {64: 128, 128: 128}
@@ -123,9 +127,15 @@ def cascade_supported(group_size: int, head_dim: int) -> Tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def cascade_launch_config(beam_width: int, group_size: int, head_dim: int) -> CascadeLaunchConfig:
+def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
+                          prompt_capacity: Optional[int] = None) -> CascadeLaunchConfig:
     """The default tiling for a shape (requires :func:`cascade_supported`), from H200 sweeps
     (``python -m microbenchmarks.tune_cascade``; ``docs/results/h200/tune_cascade*.json``).
+
+    ``prompt_capacity`` is the prompt page table's width in tokens (``None``: unknown). It bounds
+    every prompt of the launch and is a shape, known on the host without a sync; under CUDA graphs
+    the table is allocated at its maximum width, so a captured graph keeps the tiling for the
+    longest prompts it may see.
 
     - Beams per program: up to 64 query rows per tile (32 beams at G = 2): the kernel is latency-
       bound at decode shapes and the register file, not the tensor cores, limits how many programs
@@ -147,6 +157,15 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int) -> Ca
       chain) were 0-12% slower at B-short, B-medium and B-beam14 (12% at B-medium with the prompt
       first) and a cap of 128 or 168 registers 30-100% slower, both from spills
       (``tune_cascade_heads.json``, ``tune_cascade_fused_current_and_maxnreg.json``).
+    - 16-beam tiles at G = 2-4 and ``D = 128`` (beam widths up to 16 at G = 2; every width at G =
+      3-4): the tail on CUDA cores before the prompt, the prompt in 64-token blocks with a 2-stage
+      pipeline, and at 32 rows a 128-register cap (45 KB of shared memory: 4 programs per SM).
+      Against the masked tensor-core tail (``tune_cascade_round7_tail_on_cores_*.json``): B-beam14
+      52.9-53.0 against 56.4-56.9 us, B-4B 104.5 against 116.1 (uncapped; capped at 4 warps it was
+      slower than 177 us). In 32-beam tiles the core tail was slower: B-short 37.0 against 33.7 us.
+    - 32-beam tiles at G = 2 whose prompt table holds at most 128 tokens (``prompt_capacity``): one
+      128-token prompt block, one stage, the tail first: 32.3 against 33.2 us at B-short
+      (``tune_cascade_round5_block128.json``; 66.9 against 59.2 us at B-medium, where it does not apply).
     """
     group_pad = triton.next_power_of_2(group_size)
     rows_cap = min(64, MAX_BLOCK_M[head_dim])
@@ -155,6 +174,13 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int) -> Ca
     block_m = beams * group_pad
     num_warps = 4 if block_m <= 64 else 8
     tail_block = max(4, MIN_TAIL_COLUMNS // beams)
+    if head_dim == 128 and beams == 16 and 2 <= group_pad <= 4:
+        return CascadeLaunchConfig(beams, group_pad, block_n=64, tail_block=4, num_warps=4, num_stages=1,
+                                   max_registers=128 if block_m <= 32 else None, prompt_stages=2,
+                                   tail_on_cores=True)
+    if (head_dim == 128 and beams == 32 and block_m == 64 and prompt_capacity is not None
+            and prompt_capacity <= ONE_BLOCK_PROMPT_TOKENS):
+        return CascadeLaunchConfig(beams, group_pad, block_n=128, tail_block=tail_block, num_warps=4, num_stages=1)
     if head_dim == 128 and block_m <= 64:
         return CascadeLaunchConfig(beams, group_pad, block_n=64, tail_block=tail_block, num_warps=num_warps,
                                    num_stages=1, prompt_first=(block_m == 64 and beams == 32), prompt_stages=3)
@@ -167,13 +193,14 @@ def _is_pow2(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and (x & (x - 1)) == 0
 
 
-def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int) -> CascadeLaunchConfig:
+def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int,
+                    prompt_capacity: Optional[int] = None) -> CascadeLaunchConfig:
     ok, reason = cascade_supported(group_size, head_dim)
     if not ok:
         raise TailMergeInputError(f"{reason}; use the prefix backend + tail kernel path (backend='fa4' or "
                                   f"'flashinfer').")
     if cfg is None:
-        return cascade_launch_config(beam_width, group_size, head_dim)
+        return cascade_launch_config(beam_width, group_size, head_dim, prompt_capacity)
     if not isinstance(cfg, CascadeLaunchConfig):
         raise TailMergeInputError(f"launch_config must be a CascadeLaunchConfig or None, got {type(cfg).__name__}.")
     for name in ("beams_per_program", "group_pad", "block_n", "tail_block", "num_warps", "heads_per_program"):
@@ -344,7 +371,8 @@ def beam_cascade_attention(
     )
     _check_device(q)
     _check_prompt_table(prompt_page_table, geom.num_requests, q.device)
-    cfg = _resolve_config(launch_config, geom.beam_width, geom.group_size, geom.head_dim)
+    cfg = _resolve_config(launch_config, geom.beam_width, geom.group_size, geom.head_dim,
+                          prompt_page_table.shape[1] * geom.page_size)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
         per_request = prompt_lens[:: geom.beam_width]
@@ -447,7 +475,9 @@ def beam_prefix_attention(
         _fail("lse overlaps q or kv_cache in memory; pass a separate LSE buffer.")
     _check_device(q)
     group_size = num_qo_heads // num_kv_heads
-    cfg = _resolve_config(launch_config, beam_width, group_size, head_dim)
+    cfg = _resolve_config(launch_config, beam_width, group_size, head_dim, prompt_page_table.shape[1] * page_size)
+    if launch_config is None:  # the register cap is the fused step's (its tail's state); the prompt alone spills under it
+        cfg = dataclasses.replace(cfg, max_registers=None)
     if validate_indices:
         _check_prompt_values(prompt_page_table, prompt_lens, page_size, num_pages)
     if num_rows == 0:

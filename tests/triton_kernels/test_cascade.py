@@ -82,6 +82,10 @@ CASES = [
     # G=2, head 128, 20 beams: the default 32-beam tile attends the prompt first (pipelined, 3 blocks).
     ("g2_d128_w20_prompt_first", dict(prompts=[150, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=160),
      dict(), 3, {}),
+    # The same tile with every prompt in one 128-token block (a 4-column table of 32-token pages):
+    # the one-block tiling, the tail first.
+    ("g2_d128_w20_one_block", dict(prompts=[100, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=128),
+     dict(), 3, {}),
     # G=3 (padded to 4), page size 32, strided q/new_k/new_v/out, fp16 (the interpreter runs its dots as on the GPU).
     ("g3_d64_pg32_strided_fp16", dict(prompts=[33, 2], beams=3, hq=6, hkv=2, d=64, pg=32, dtype=torch.float16),
      dict(strided=True), 4, {}),
@@ -264,12 +268,22 @@ def test_check_mode_names_a_prompt_page_outside_the_pool(device):
 
 def test_default_config_fits_the_tile_limits():
     for w, g, d in [(30, 2, 128), (30, 4, 128), (14, 2, 128), (96, 2, 128), (256, 8, 128), (4, 1, 64)]:
-        cfg = cascade_launch_config(w, g, d)
-        assert cfg.beams_per_program >= 16 and cfg.group_pad >= g
-        assert cfg.block_m <= 128 and cfg.tail_block * cfg.beams_per_program >= 32
-    # The prompt goes first only in 32-beam, 64-row tiles at D = 128 (where it was measured faster).
-    assert cascade_launch_config(30, 2, 128).prompt_first and cascade_launch_config(30, 2, 128).prompt_stages == 3
-    assert not cascade_launch_config(14, 2, 128).prompt_first and not cascade_launch_config(30, 4, 128).prompt_first
+        for capacity in (None, 128, 4096):
+            cfg = cascade_launch_config(w, g, d, capacity)
+            assert cfg.beams_per_program >= 16 and cfg.group_pad >= g and cfg.block_m <= 128
+            assert cfg.tail_on_cores or cfg.tail_block * cfg.beams_per_program >= 32
+            assert not (cfg.tail_on_cores and cfg.prompt_first)
+    # The prompt goes first only in 32-beam, 64-row tiles at D = 128 (where it was measured faster),
+    # unless the prompt table holds one 128-token block: then one block, the tail first.
+    for capacity in (None, 160, 4096):
+        cfg = cascade_launch_config(30, 2, 128, capacity)
+        assert cfg.prompt_first and cfg.prompt_stages == 3 and cfg.block_n == 64
+    one_block = cascade_launch_config(30, 2, 128, 128)
+    assert not one_block.prompt_first and one_block.block_n == 128 and one_block.num_stages == 1
+    # 16-beam tiles at G = 2-4 and D = 128 attend the tail on CUDA cores, capped at 128 registers at 32 rows.
+    assert cascade_launch_config(14, 2, 128).tail_on_cores and cascade_launch_config(14, 2, 128).max_registers == 128
+    assert cascade_launch_config(30, 4, 128).tail_on_cores and cascade_launch_config(30, 4, 128).max_registers is None
+    assert not cascade_launch_config(4, 1, 64).tail_on_cores and not cascade_launch_config(96, 2, 128).tail_on_cores
     assert not cascade_supported(2, 256)[0]
 
 
@@ -286,11 +300,13 @@ def cascade_cases(draw):
     group = draw(st.sampled_from([1, 2, 3, 4, 5, 8]))
     group_pad = 1 << (group - 1).bit_length()
     beams_per_program = draw(st.sampled_from([b for b in (16, 32) if b * group_pad <= 128]))
-    tail_block = draw(st.sampled_from([t for t in (1, 2, 4) if t * beams_per_program >= 32]))
+    tail_on_cores = draw(st.booleans())
+    tail_block = draw(st.sampled_from([t for t in (1, 2, 4) if tail_on_cores or t * beams_per_program >= 32]))
     config = CascadeLaunchConfig(beams_per_program, group_pad, block_n=draw(st.sampled_from([32, 64])),
                                  tail_block=tail_block, num_warps=4, num_stages=draw(st.integers(1, 2)),
                                  heads_per_program=draw(st.sampled_from([1, 2, 4])),
-                                 prompt_first=draw(st.booleans()), prompt_stages=draw(st.sampled_from([None, 2])))
+                                 prompt_first=not tail_on_cores and draw(st.booleans()),
+                                 prompt_stages=draw(st.sampled_from([None, 2])), tail_on_cores=tail_on_cores)
     prompts = draw(st.lists(st.integers(1, 60), min_size=1, max_size=3))
     return dict(
         sim=dict(prompts=prompts, beams=draw(st.integers(1, 20)), hq=hkv * group, hkv=hkv, d=64,
