@@ -280,10 +280,8 @@ def _rows_aligned(*views) -> bool:
 
 
 def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int, write_kv: bool, prefix_only: bool,
-            device: torch.device, dtype: torch.dtype, prompt_capacity: int, aligned_rows: bool = False):
+            device: torch.device, dtype: torch.dtype, aligned_rows: bool = False):
     meta = dict(
-        # A table that fits one prompt block compiles the loop-free prompt pass (a shape, known here).
-        ONE_PROMPT_BLOCK=prompt_capacity <= cfg.block_n,
         GROUP=group_size,
         GROUP_PAD=cfg.group_pad,
         BEAMS=cfg.beams_per_program,
@@ -404,8 +402,7 @@ def beam_cascade_attention(
         geom.sm_scale * LOG2E,
     )
     aligned = _rows_aligned((new_k, new_k.stride()[:2]), (new_v, new_v.stride()[:2]), (kv_cache, geom.kv_strides))
-    _launch(grid, args, cfg, geom.group_size, geom.head_dim, write_kv, False, q.device, q.dtype,
-            prompt_page_table.shape[1] * geom.page_size, aligned)
+    _launch(grid, args, cfg, geom.group_size, geom.head_dim, write_kv, False, q.device, q.dtype, aligned)
     return out
 
 
@@ -505,5 +502,5 @@ def beam_prefix_attention(
         page_size, 1, num_pages, 1,
         sm_scale * LOG2E,
     )
-    _launch(grid, args, cfg, group_size, head_dim, False, True, q.device, q.dtype, prompt_page_table.shape[1] * page_size)
+    _launch(grid, args, cfg, group_size, head_dim, False, True, q.device, q.dtype)
     return out, lse

@@ -195,7 +195,6 @@ def _prompt_blocks(
     q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col, stride_kv_page,
     stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages, qk_scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PROMPT_STAGES: tl.constexpr, DOT_FP32: tl.constexpr,
-    ONE_BLOCK: tl.constexpr,
 ):
     """Fold the shared prompt ``[0, prompt_end)`` of one KV head into ``(m_i, l_i, acc)``, ``BLOCK_N``
     tokens per iteration with the next block's page entries requested early (``first_pages``: the
@@ -209,13 +208,6 @@ def _prompt_blocks(
     v_head_ptr = k_head_ptr + stride_kv_kv
     table_row_ptr = prompt_pt_ptr + req64 * stride_ppt_req
     block_slot_offs = (n % page_size) * stride_kv_slot
-    if ONE_BLOCK:  # the whole table fits one block: no loop, no next block's pages
-        tok_ok = (n < prompt_end) & (first_pages >= 0) & (first_pages < num_pages)
-        offs = tl.where(tok_ok, first_pages, 0).to(tl.int64) * stride_kv_page + block_slot_offs
-        k = tl.load(k_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
-        v = tl.load(v_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
-        s_p = tl.where((n < prompt_end)[None, :], _dot(q, tl.trans(k), DOT_FP32), float("-inf"))
-        return _online_softmax_block(s_p, qk_scale_log2, m_i, l_i, acc, v, DOT_FP32)
     pages = first_pages
     for start in tl.range(0, prompt_end, BLOCK_N, num_stages=PROMPT_STAGES):
         pos = start + n
@@ -296,7 +288,6 @@ def beam_cascade_kernel(
     PROMPT_STAGES: tl.constexpr = 1,
     TAIL_STAGES: tl.constexpr = 1,
     TAIL_CORES: tl.constexpr = False,
-    ONE_PROMPT_BLOCK: tl.constexpr = False,
 ):
     """Grid ``(R * num_beam_blocks, cdiv(Hkv, HEADS))``; arguments and element strides as the launchers
     in :mod:`triton_kernels.cascade` pass them; the module docstring gives the steps."""
@@ -377,7 +368,7 @@ def beam_cascade_kernel(
             m_i, l_i, acc = _prompt_blocks(
                 q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
                 stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,
-                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32, ONE_PROMPT_BLOCK)
+                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32)
 
         if TAIL_CORES and not PREFIX_ONLY:
             m_i, l_i, acc = _tail_on_cores(
@@ -440,7 +431,7 @@ def beam_cascade_kernel(
             m_i, l_i, acc = _prompt_blocks(
                 q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
                 stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,
-                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32, ONE_PROMPT_BLOCK)
+                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32)
 
         # 4. out = O / l. l >= 1 for every valid row of the whole step (its own current token is a
         #    finite column); the guard keeps invalid input (kv_len <= prompt_len, empty prompt) and

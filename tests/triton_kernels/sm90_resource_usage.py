@@ -114,10 +114,9 @@ _CASCADE_DIV16_INTS = {
 def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, dtype: str, prefix_only: bool = False,
                          prompt_capacity=None):
     """Compile the cascade kernel's default tiling of a shape (the whole step, or its prompt pass) for a
-    prompt table of ``prompt_capacity`` tokens (``None``: unknown, the loop)."""
+    prompt table of ``prompt_capacity`` tokens (``None``: unknown)."""
     g = hq // hkv
     cfg = cascade_launch_config(beam_width, g, d, prompt_capacity)
-    one_prompt_block = prompt_capacity is not None and prompt_capacity <= cfg.block_n
     pointers = dict(
         q_ptr=dtype, new_k_ptr=dtype, new_v_ptr=dtype, kv_ptr=dtype, prompt_pt_ptr="i32", beam_pt_ptr="i32",
         kv_lens_ptr="i32", prompt_lens_ptr="i32", ci_ptr="i32", out_ptr=dtype, lse_ptr="fp32",
@@ -126,8 +125,7 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         GROUP=g, GROUP_PAD=cfg.group_pad, BEAMS=cfg.beams_per_program, HEADS=cfg.heads_per_program, HEAD_DIM=d, BLOCK_N=cfg.block_n,
         TAIL_BLOCK=cfg.tail_block, WRITE_KV=True, PREFIX_ONLY=prefix_only, ALIGNED_ROWS=True, DOT_FP32=False,
         PROMPT_FIRST=cfg.prompt_first, PROMPT_STAGES=cfg.prompt_stages or cfg.num_stages,
-        TAIL_STAGES=cfg.tail_stages or cfg.num_stages, TAIL_CORES=cfg.tail_on_cores, ONE_PROMPT_BLOCK=one_prompt_block,
-        page_size=PAGE_SIZE,
+        TAIL_STAGES=cfg.tail_stages or cfg.num_stages, TAIL_CORES=cfg.tail_on_cores, page_size=PAGE_SIZE,
         page_index_divisor=1,
     )
     compiled = _compile_sm90(beam_cascade_kernel, pointers, constexprs, ("qk_scale_log2",), _CASCADE_DIV16_INTS,
