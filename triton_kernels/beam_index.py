@@ -9,7 +9,7 @@ caller marks invalid, a source beam outside ``[0, W)``, a negative entry, or a p
 import triton
 import triton.language as tl
 
-__all__ = ["source_beam_pages"]
+__all__ = ["source_beam_pages", "pages_of_source_beams"]
 
 
 @triton.jit
@@ -25,6 +25,18 @@ def source_beam_pages(
     divided by ``page_index_divisor`` (TensorRT-LLM block offsets; 1 for page numbers).
     """
     src = tl.load(ci_ptrs, mask=pos_ok, other=0)
+    return pages_of_source_beams(src, pos, pos_ok, page_table_ptr, first_src_row, stride_pt_row, stride_pt_col,
+                                 beam_width, page_size, page_index_divisor, num_pages)
+
+
+@triton.jit
+def pages_of_source_beams(
+    src, pos, pos_ok, page_table_ptr, first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size,
+    page_index_divisor, num_pages,
+):
+    """The chain's second link on its own: pages of positions ``pos`` of source beams ``src`` (the
+    ``cache_indirection`` entries, loaded where ``pos_ok``), so that a kernel can issue other loads
+    between the two links; arguments and result as :func:`source_beam_pages`."""
     src_ok = pos_ok & (src >= 0) & (src < beam_width)
     entry = tl.load(
         page_table_ptr + (first_src_row + src) * stride_pt_row + (pos // page_size).to(tl.int64) * stride_pt_col,

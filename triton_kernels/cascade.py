@@ -164,8 +164,10 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
       52.9-53.0 against 56.4-56.9 us, B-4B 104.5 against 116.1 (uncapped; capped at 4 warps it was
       slower than 177 us). In 32-beam tiles the core tail was slower: B-short 37.0 against 33.7 us.
     - 32-beam tiles at G = 2 whose prompt table holds at most 128 tokens (``prompt_capacity``): one
-      128-token prompt block, one stage, the tail first: 32.3 against 33.2 us at B-short
-      (``tune_cascade_round5_block128.json``; 66.9 against 59.2 us at B-medium, where it does not apply).
+      128-token prompt block, one stage, the prompt first, which the kernel then runs as straight-line
+      code with the tail's index chain split around the prompt's loads: 32.5 against 33.1 us (the
+      same block, the tail first) and 33.7 us (the long-prompt tiling) at B-short
+      (``tune_cascade_round7_tail_kv_order_v0_b_short.json``, ``tune_cascade_round7_defaults.json``).
     """
     group_pad = triton.next_power_of_2(group_size)
     rows_cap = min(64, MAX_BLOCK_M[head_dim])
@@ -180,7 +182,8 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
                                    tail_on_cores=True)
     if (head_dim == 128 and beams == 32 and block_m == 64 and prompt_capacity is not None
             and prompt_capacity <= ONE_BLOCK_PROMPT_TOKENS):
-        return CascadeLaunchConfig(beams, group_pad, block_n=128, tail_block=tail_block, num_warps=4, num_stages=1)
+        return CascadeLaunchConfig(beams, group_pad, block_n=128, tail_block=tail_block, num_warps=4, num_stages=1,
+                                   prompt_first=True)
     if head_dim == 128 and block_m <= 64:
         return CascadeLaunchConfig(beams, group_pad, block_n=64, tail_block=tail_block, num_warps=num_warps,
                                    num_stages=1, prompt_first=(block_m == 64 and beams == 32), prompt_stages=3)
@@ -280,8 +283,10 @@ def _rows_aligned(*views) -> bool:
 
 
 def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int, write_kv: bool, prefix_only: bool,
-            device: torch.device, dtype: torch.dtype, aligned_rows: bool = False):
+            device: torch.device, dtype: torch.dtype, prompt_capacity: int, aligned_rows: bool = False):
     meta = dict(
+        # The prompt table fits one block: a shape, known here; one compile more per tiling.
+        PROMPT_ONE_BLOCK=prompt_capacity <= cfg.block_n,
         GROUP=group_size,
         GROUP_PAD=cfg.group_pad,
         BEAMS=cfg.beams_per_program,
@@ -402,7 +407,8 @@ def beam_cascade_attention(
         geom.sm_scale * LOG2E,
     )
     aligned = _rows_aligned((new_k, new_k.stride()[:2]), (new_v, new_v.stride()[:2]), (kv_cache, geom.kv_strides))
-    _launch(grid, args, cfg, geom.group_size, geom.head_dim, write_kv, False, q.device, q.dtype, aligned)
+    _launch(grid, args, cfg, geom.group_size, geom.head_dim, write_kv, False, q.device, q.dtype,
+            prompt_page_table.shape[1] * geom.page_size, aligned)
     return out
 
 
@@ -502,5 +508,5 @@ def beam_prefix_attention(
         page_size, 1, num_pages, 1,
         sm_scale * LOG2E,
     )
-    _launch(grid, args, cfg, group_size, head_dim, False, True, q.device, q.dtype)
+    _launch(grid, args, cfg, group_size, head_dim, False, True, q.device, q.dtype, prompt_page_table.shape[1] * page_size)
     return out, lse

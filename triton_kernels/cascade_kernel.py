@@ -61,7 +61,7 @@ mode reports them by name.
 import triton
 import triton.language as tl
 
-from .beam_index import source_beam_pages
+from .beam_index import pages_of_source_beams, source_beam_pages
 
 __all__ = ["beam_cascade_kernel"]
 
@@ -288,11 +288,15 @@ def beam_cascade_kernel(
     PROMPT_STAGES: tl.constexpr = 1,
     TAIL_STAGES: tl.constexpr = 1,
     TAIL_CORES: tl.constexpr = False,
+    PROMPT_ONE_BLOCK: tl.constexpr = False,
 ):
     """Grid ``(R * num_beam_blocks, cdiv(Hkv, HEADS))``; arguments and element strides as the launchers
     in :mod:`triton_kernels.cascade` pass them; the module docstring gives the steps."""
     BLOCK_M: tl.constexpr = BEAMS * GROUP_PAD
     TAIL_COLS: tl.constexpr = TAIL_BLOCK * BEAMS
+    # The prompt first, and all of it one block (the launcher's PROMPT_ONE_BLOCK: the table fits
+    # BLOCK_N): straight-line code with the tail's chain split around the prompt's loads.
+    ONE_BLOCK_FIRST: tl.constexpr = PROMPT_ONE_BLOCK and PROMPT_FIRST and not PREFIX_ONLY and not TAIL_CORES
     pid = tl.program_id(0)
     req = pid // num_beam_blocks
     req64 = req.to(tl.int64)
@@ -342,11 +346,19 @@ def beam_cascade_kernel(
             w_ok = slot_ok & (slot_cur >= prompt_len) & (slot_cur >= 0) & (slot_cur < max_seq_len)
             w_entry = tl.load(beam_pt_ptr + slot_row64 * stride_bpt_row
                               + (slot_cur // page_size).to(tl.int64) * stride_bpt_col, mask=w_ok, other=-1)
-        first_tail_pages = _tail_block_pages(
-            ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
-            req64, beam_width, tcol_beam, prompt_len + tcol_step, tcol_gen_end, page_size, page_index_divisor,
-            num_pages,
-        )
+        if ONE_BLOCK_FIRST:
+            # Only the chain's first link here (source beams); its second (pages) is requested after
+            # the prompt block's K/V, so that it resolves behind them and the prompt's math.
+            first_pos = prompt_len + tcol_step
+            first_pos_ok = first_pos < tcol_gen_end
+            first_src = tl.load(ci_ptr + req64 * stride_ci_req + tcol_beam.to(tl.int64) * stride_ci_beam
+                                + first_pos.to(tl.int64) * stride_ci_pos, mask=first_pos_ok, other=0)
+        else:
+            first_tail_pages = _tail_block_pages(
+                ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
+                req64, beam_width, tcol_beam, prompt_len + tcol_step, tcol_gen_end, page_size, page_index_divisor,
+                num_pages,
+            )
         if WRITE_KV:
             w_page = (w_entry // page_index_divisor).to(tl.int64)
             w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
@@ -364,7 +376,20 @@ def beam_cascade_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        if PROMPT_FIRST:  # the tail's index chain, requested at the start, resolves behind the prompt
+        if ONE_BLOCK_FIRST:
+            # The prompt is one block: its K/V, then the tail's pages (source beams requested in
+            # step 1), then the prompt's math while those pages arrive.
+            tok_ok = (n < prompt_end) & (first_pages >= 0) & (first_pages < num_pages)
+            p_offs = tl.where(tok_ok, first_pages, 0).to(tl.int64) * stride_kv_page + (n % page_size) * stride_kv_slot
+            k_p = tl.load(kv_ptr + kv_head_off + p_offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+            v_p = tl.load(kv_ptr + kv_head_off + stride_kv_kv + p_offs[:, None] + d[None, :], mask=tok_ok[:, None],
+                          other=0.0)
+            first_tail_pages = pages_of_source_beams(
+                first_src, first_pos, first_pos_ok, beam_pt_ptr, req64 * beam_width, stride_bpt_row, stride_bpt_col,
+                beam_width, page_size, page_index_divisor, num_pages).to(tl.int64)
+            s_p = tl.where((n < prompt_end)[None, :], _dot(q, tl.trans(k_p), DOT_FP32), float("-inf"))
+            m_i, l_i, acc = _online_softmax_block(s_p, qk_scale_log2, m_i, l_i, acc, v_p, DOT_FP32)
+        elif PROMPT_FIRST:  # the tail's index chain, requested at the start, resolves behind the prompt
             m_i, l_i, acc = _prompt_blocks(
                 q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
                 stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,

@@ -83,7 +83,7 @@ CASES = [
     ("g2_d128_w20_prompt_first", dict(prompts=[150, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=160),
      dict(), 3, {}),
     # The same tile with every prompt in one 128-token block (a 4-column table of 32-token pages):
-    # the one-block tiling, the tail first.
+    # the one-block tiling, straight-line, the tail's index chain split around the prompt's loads.
     ("g2_d128_w20_one_block", dict(prompts=[100, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=128),
      dict(), 3, {}),
     # G=3 (padded to 4), page size 32, strided q/new_k/new_v/out, fp16 (the interpreter runs its dots as on the GPU).
@@ -274,12 +274,12 @@ def test_default_config_fits_the_tile_limits():
             assert cfg.tail_on_cores or cfg.tail_block * cfg.beams_per_program >= 32
             assert not (cfg.tail_on_cores and cfg.prompt_first)
     # The prompt goes first only in 32-beam, 64-row tiles at D = 128 (where it was measured faster),
-    # unless the prompt table holds one 128-token block: then one block, the tail first.
+    # at any prompt table width (one 128-token block when the table holds no more).
     for capacity in (None, 160, 4096):
         cfg = cascade_launch_config(30, 2, 128, capacity)
         assert cfg.prompt_first and cfg.prompt_stages == 3 and cfg.block_n == 64
     one_block = cascade_launch_config(30, 2, 128, 128)
-    assert not one_block.prompt_first and one_block.block_n == 128 and one_block.num_stages == 1
+    assert one_block.prompt_first and one_block.block_n == 128 and one_block.num_stages == 1
     # 16-beam tiles at G = 2-4 and D = 128 attend the tail on CUDA cores, capped at 128 registers at 32 rows.
     assert cascade_launch_config(14, 2, 128).tail_on_cores and cascade_launch_config(14, 2, 128).max_registers == 128
     assert cascade_launch_config(30, 4, 128).tail_on_cores and cascade_launch_config(30, 4, 128).max_registers is None
