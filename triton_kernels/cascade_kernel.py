@@ -37,6 +37,21 @@ Per program, in order:
 4. ``out = O / l``; with ``PREFIX_ONLY`` (the prompt pass alone, for check mode and the stage
    benchmarks) step 2 is skipped and the prefix LSE is stored as well.
 
+Two variants of that order:
+
+- ``PROMPT_ONE_BLOCK`` (the launcher sets it when the prompt table holds at most ``BLOCK_N``
+  tokens) with ``PROMPT_FIRST``: the prompt is one block, run as straight-line code, and the tail's
+  index chain is split around it. Step 1 requests only the source beams; their pages are requested
+  after the prompt block's K/V, so they resolve behind the prompt's math (32.5 against 33.1 us at
+  B-short, ``docs/benchmarks.md``, "The seventh round").
+- ``TAIL_CORES``: step 2 runs on CUDA cores before the prompt, one position at a time for
+  ``TAIL_BLOCK`` positions whose index chains are requested together, with the queries as a
+  ``[GROUP_PAD, BEAMS, D]`` block so that each thread holds every query head of its beams; the tile's
+  rows are then group-major (``g * BEAMS + slot``), and the tail's online-softmax state seeds the
+  prompt loop. Its state needs far fewer registers than a ``[BLOCK_M, TAIL_BLOCK * BEAMS]`` score
+  block, which lets 16-beam tiles run under a 128-register cap, 4 programs per SM (the default
+  there: 52.9 against 56.4 us at B-beam14).
+
 Why the generated positions come first in the other tiles: their index chain (source beam, then page, then K/V) is
 three dependent loads; walked first, its latency is paid before the prompt loop's instead of after
 it. Measured on the H200 against the prompt-first order with two tail positions per block: 37.9 us
@@ -55,7 +70,9 @@ finite value before it is used as an exponent offset, so a key block with no val
 index the masks rejected) leaves the state unchanged instead of producing NaN. Page numbers and pool
 offsets are int64. Indices that would leave the pool (a page outside ``[0, num_pages)``, a source
 beam outside ``[0, W)``, a position past ``max_seq_len``) are masked, never dereferenced; check
-mode reports them by name.
+mode reports them by name. Prompt scores are masked by position only, so a prompt page outside
+the pool reads as zero K/V rather than dropping out of the softmax (the output of such a call is
+wrong either way; the mask saves a second load of the page entries per block).
 """
 
 import triton
