@@ -120,6 +120,10 @@ TILINGS = [
     # The prompt before the tail, its loop pipelined deeper than the launch's stages.
     ("prompt_first_pipelined", CascadeLaunchConfig(16, 4, block_n=32, tail_block=4, num_warps=4, num_stages=1,
                                                    prompt_first=True, prompt_stages=3, tail_stages=2)),
+    # The prompt first with every prompt in one 64-token block (3 pages of 16): the straight-line
+    # schedule, the tail's source beams and pages requested on either side of the prompt's loads.
+    ("prompt_first_one_block", CascadeLaunchConfig(16, 4, block_n=64, tail_block=2, num_warps=4, num_stages=1,
+                                                   prompt_first=True, heads_per_program=2)),
     # Two KV heads per program over Hkv = 3: the second program's spare head repeats head 2.
     ("two_heads_per_program", CascadeLaunchConfig(16, 4, block_n=32, tail_block=4, num_warps=4, num_stages=1,
                                                   heads_per_program=2)),
