@@ -32,8 +32,8 @@ from .triton import TritonPrefixBackend
 
 __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "resolve_prefix_backend",
            "cascade_prompt_limit", "one_beam_block",
-           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT",
-           "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP",
+           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP",
+           "CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL",
            "CASCADE_MAX_GROUP"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
@@ -59,10 +59,17 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "res
 #   tokens, 17% at 250 (above 256 not re-measured).
 # - Long tails (16 and 64 tokens, W = 30) and head 64 favour the cascade further; fp16 too (against
 #   FlashInfer + tail, FA4 being bf16-only). Groups above 4 were not measured.
+# - Round 7: at G = 3-4 and head 128 the cascade's 16-beam tiles attend the tail on CUDA cores
+#   (triton_kernels.cascade.cascade_launch_config), against FA4 + tail (auto_rule_round7_*.json):
+#   one block (W = 16) 30% faster at 250 tokens, 20% at 500, 14% at 1,000, 9% at 2,000, 5% at
+#   4,000, hence 4,096 as at G <= 2; several blocks (W = 30) 23% faster at 50 tokens, 14% at 100,
+#   4% at 200, even at 300, 11% slower at 500 (96.8 against 87.0 us, B-4B.json), hence 256. The
+#   limits measured before it (256 and none) stay for the tensor-core tail (head 64).
 CASCADE_MAX_MEAN_PROMPT = 4096
-CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
-CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 0
+CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
+CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL = 256
+CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL = 0
 CASCADE_MAX_GROUP = 4
 
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
@@ -84,15 +91,22 @@ def one_beam_block(beam_width: Optional[int], group_size: int, head_dim: int) ->
 
 
 def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: int) -> int:
-    """The largest mean prompt (tokens) at which ``auto`` picks the cascade for this beam width and group:
-    when one program's beam block holds all ``W`` beams of a request, :data:`CASCADE_MAX_MEAN_PROMPT`
-    at groups up to 2 and :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP` above; when the prompt is read by
-    several blocks (or ``W`` is unknown), :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` at groups up to 2 and
-    :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` above."""
-    narrow = group_size <= 2
-    if not one_beam_block(beam_width, group_size, head_dim):
-        return CASCADE_MAX_MEAN_PROMPT_SPLIT if narrow else CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP
-    return CASCADE_MAX_MEAN_PROMPT if narrow else CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP
+    """The largest mean prompt (tokens) at which ``auto`` picks the cascade for this beam width and group.
+
+    When one program's beam block holds all ``W`` beams of a request: :data:`CASCADE_MAX_MEAN_PROMPT`
+    (at groups 3-4 only where the kernel's tiling attends the tail on CUDA cores, head 128;
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL` with its tensor-core tail). When the prompt is
+    read by several blocks (or ``W`` is unknown): :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` at groups up
+    to 2, :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` above with the core tail and
+    :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL` with the tensor-core tail."""
+    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
+
+    one = one_beam_block(beam_width, group_size, head_dim)
+    if group_size <= 2:
+        return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT
+    if cascade_launch_config(int(beam_width or 1), group_size, head_dim).tail_on_cores:
+        return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP
+    return CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL
 
 
 def cascade_preferred(

@@ -240,12 +240,13 @@ def test_declines_name_their_reason(fake_sm):
     assert auto(16, 100, 256) == ("triton", [])
     assert auto(16, 100, 64) == ("triton", [])  # G = 2: two beam blocks, short prompt
     assert auto(16, 2000, 30) == ("triton", [])  # G = 2, one beam block (B-long)
-    assert auto(32, 250, 16) == ("triton", [])  # G = 4, one beam block
+    assert auto(32, 2000, 16) == ("triton", [])  # G = 4, one beam block (the core tail)
+    assert auto(32, 100, 30) == ("triton", [])  # G = 4, two beam blocks, short prompt
     for hq, prompt, beams, why in [
         (16, 5000, 30, "mean prompt 5000 tokens > 4096 at W=30, G=2 (one beam block"),
-        (32, 500, 16, "mean prompt 500 tokens > 256 at W=16, G=4 (one beam block"),
+        (32, 5000, 16, "mean prompt 5000 tokens > 4096 at W=16, G=4 (one beam block"),
         (16, 200, 64, "mean prompt 200 tokens > 128 at W=64, G=2 (several beam blocks"),
-        (32, 100, 30, "mean prompt 100 tokens > 0 at W=30, G=4 (several beam blocks"),
+        (32, 500, 30, "mean prompt 500 tokens > 256 at W=30, G=4 (several beam blocks"),  # B-4B
         (16, 200, None, "> 128 at W=None"),  # beam width unknown: the stricter limit
         (64, 100, 30, "GQA group 8 > 4"),
     ]:
@@ -343,16 +344,21 @@ def test_flashinfer_workspace_grows_for_a_bigger_plan():
     assert backend.workspace_bytes > small
 
 
-@pytest.mark.parametrize("group,one_block_up_to,one_block_limit,split_limit",
-                         [(1, 64, 4096, 128), (2, 32, 4096, 128), (3, 16, 256, 0), (4, 16, 256, 0)])
-def test_cascade_prompt_limit_follows_the_beam_blocks(group, one_block_up_to, one_block_limit, split_limit):
-    """4096 tokens (256 at groups 3-4) while one program's beam block (64 query rows) holds all W
-    beams; beyond, and when W is unknown, 128 tokens (none at groups 3-4)."""
+@pytest.mark.parametrize("group,head_dim,one_block_up_to,one_block_limit,split_limit", [
+    (1, 128, 64, 4096, 128), (2, 128, 32, 4096, 128), (2, 64, 32, 4096, 128),
+    # groups 3-4: head 128 attends the tail on CUDA cores (round 7); head 64 keeps the tensor-core
+    # tail and the limits measured for it
+    (3, 128, 16, 4096, 256), (4, 128, 16, 4096, 256), (4, 64, 16, 256, 0),
+])
+def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block_up_to, one_block_limit, split_limit):
+    """4096 tokens while one program's beam block (64 query rows) holds all W beams (256 at groups
+    3-4 with the tensor-core tail); beyond, and when W is unknown, 128 tokens at groups up to 2 and
+    256 at groups 3-4 with the core tail (none with the tensor-core tail)."""
     from beam_shared_prefix.prefix.select import cascade_prompt_limit, one_beam_block
 
-    assert cascade_prompt_limit(1, group, 128) == one_block_limit
-    assert cascade_prompt_limit(one_block_up_to, group, 128) == one_block_limit
-    assert one_beam_block(one_block_up_to, group, 128) and not one_beam_block(one_block_up_to + 1, group, 128)
-    assert cascade_prompt_limit(one_block_up_to + 1, group, 128) == split_limit
-    assert cascade_prompt_limit(256, group, 64) == split_limit
-    assert cascade_prompt_limit(None, group, 128) == split_limit
+    assert cascade_prompt_limit(1, group, head_dim) == one_block_limit
+    assert cascade_prompt_limit(one_block_up_to, group, head_dim) == one_block_limit
+    assert one_beam_block(one_block_up_to, group, head_dim) and not one_beam_block(one_block_up_to + 1, group, head_dim)
+    assert cascade_prompt_limit(one_block_up_to + 1, group, head_dim) == split_limit
+    assert cascade_prompt_limit(256, group, head_dim) == split_limit
+    assert cascade_prompt_limit(None, group, head_dim) == split_limit
