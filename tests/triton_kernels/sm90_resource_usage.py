@@ -76,7 +76,8 @@ def _resources(compiled):
     return tuple(int(x) for x in m.groups())
 
 
-def _compile_sm90(kernel, pointers, constexprs, float_args, div16_ints, num_warps: int, num_stages: int):
+def _compile_sm90(kernel, pointers, constexprs, float_args, div16_ints, num_warps: int, num_stages: int,
+                  maxnreg=None):
     """Compile ``kernel`` for sm_90: ``pointers`` maps pointer arguments to element types, ``constexprs``
     gives the constexpr values, ``float_args`` are fp32 scalars, every other argument is an i32;
     pointers and ``div16_ints`` are specialised as multiples of 16, as Triton's runtime does."""
@@ -92,17 +93,21 @@ def _compile_sm90(kernel, pointers, constexprs, float_args, div16_ints, num_warp
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in div16_ints}
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-# (name, W, Hq, Hkv, D, dtype): the cascade kernel's default tiling at the presets it can serve.
+# (name, W, Hq, Hkv, D, dtype, prompt table tokens): the cascade kernel's default tiling at the
+# presets it can serve (B-short's 4-page table takes the one-block tiling; None: a wide table).
 CASCADE_SHAPES = [
-    ("B-short/B-medium", 30, 16, 8, 128, "bf16"),
-    ("B-4B", 30, 32, 8, 128, "bf16"),
-    ("B-beam14", 14, 16, 8, 128, "bf16"),
-    ("A", 96, 16, 8, 128, "bf16"),
-    ("G8-D64-fp16", 8, 64, 8, 64, "fp16"),
+    ("B-short", 30, 16, 8, 128, "bf16", 128),
+    ("B-medium", 30, 16, 8, 128, "bf16", None),
+    ("B-4B", 30, 32, 8, 128, "bf16", None),
+    ("B-beam14", 14, 16, 8, 128, "bf16", None),
+    ("A", 96, 16, 8, 128, "bf16", None),
+    ("G8-D64-fp16", 8, 64, 8, 64, "fp16", None),
 ]
 _CASCADE_DIV16_INTS = {
     "stride_q_row", "stride_q_head", "stride_new_k_row", "stride_new_k_head", "stride_new_v_row",
@@ -117,6 +122,8 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
     prompt table of ``prompt_capacity`` tokens (``None``: unknown)."""
     g = hq // hkv
     cfg = cascade_launch_config(beam_width, g, d, prompt_capacity)
+    if prefix_only:  # as beam_prefix_attention launches it: the fused step's register cap is dropped
+        cfg = dataclasses.replace(cfg, max_registers=None)
     pointers = dict(
         q_ptr=dtype, new_k_ptr=dtype, new_v_ptr=dtype, kv_ptr=dtype, prompt_pt_ptr="i32", beam_pt_ptr="i32",
         kv_lens_ptr="i32", prompt_lens_ptr="i32", ci_ptr="i32", out_ptr=dtype, lse_ptr="fp32",
@@ -130,7 +137,7 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         page_index_divisor=1,
     )
     compiled = _compile_sm90(beam_cascade_kernel, pointers, constexprs, ("qk_scale_log2",), _CASCADE_DIV16_INTS,
-                             cfg.num_warps, cfg.num_stages)
+                             cfg.num_warps, cfg.num_stages, cfg.max_registers)
     regs, stack, shared, local = _resources(compiled)
     ptx = compiled.asm["ptx"]
     return dict(
@@ -195,9 +202,10 @@ def main() -> None:
         compare = [int(x) for x in sys.argv[sys.argv.index("--compare-index-block") + 1].split(",")]
     for shape in SHAPES:
         print(json.dumps(compile_sm90(*shape)), flush=True)
-    for shape in CASCADE_SHAPES:
+    for *shape, prompt_capacity in CASCADE_SHAPES:
         for prefix_only in (False, True):
-            print(json.dumps(compile_cascade_sm90(*shape, prefix_only=prefix_only)), flush=True)
+            print(json.dumps(compile_cascade_sm90(*shape, prefix_only=prefix_only, prompt_capacity=prompt_capacity)),
+                  flush=True)
     for shape in (SHAPES[0], SHAPES[2]):  # 16/8 and 32/8, D 128
         for ib in compare:
             print(json.dumps(compile_sm90(*shape, index_block=ib)), flush=True)
