@@ -1,9 +1,9 @@
 """Sweep the one-launch cascade kernel's tiling on the GPU: ``python -m microbenchmarks.tune_cascade``.
 
 For each shape, every :class:`triton_kernels.CascadeLaunchConfig` of the grid (beams per program x
-``block_n`` x ``tail_block`` x warps x stages x register cap x KV heads per program, tiles over 128
-query rows skipped) is run on the
-shape's workload, compared with the default tiling's output and timed as a CUDA graph with CUDA
+``block_n`` x ``tail_block`` x warps x stages x register cap x KV heads per program x prompt first x
+pipeline stages of the prompt and the tail x tail on CUDA cores; tiles over 128 query rows
+skipped) is run on the shape's workload, compared with the default tiling's output and timed as a CUDA graph with CUDA
 events, L2 flushed between calls, median of ``--iters`` calls. Tilings change the summation order
 and where the softmax weights are rounded to the KV dtype before ``P V`` (relative to a different
 running max), so outputs differ by a few units of the dtype; ``max |out - ref| / max |ref|`` above
@@ -14,7 +14,8 @@ backend runs it in front of the tail kernel) is tuned instead, against the prefi
 The KV write is off unless ``--write-kv``; with it, every call stores the same K/V (the tail never
 reads this step's slot from the cache), so every call still sees the same inputs.
 Times are reported against the step's floor (all bytes the step must move over the copy bandwidth
-measured in the same run). It informs :func:`triton_kernels.cascade.cascade_launch_config`; it is
+measured in the same run). The default a shape is compared with is the library's own choice for
+its launch, which depends on the prompt table's width (one 128-token block at B-short). It informs :func:`triton_kernels.cascade.cascade_launch_config`; it is
 not a test.
 """
 
