@@ -79,6 +79,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import pages_of_source_beams, source_beam_pages
+from .tail_merge_grouped_kernel import attend_grouped_row
 
 __all__ = ["beam_cascade_kernel"]
 
@@ -126,16 +127,23 @@ def _tail_block_pages(
 
 
 @triton.jit
-def _attend_tail_row(q3, m_i, l_i, acc, k_raw, v_raw, ok):
-    """Online-softmax update of the ``[GROUP_PAD, BEAMS, D]`` queries (float32, pre-scaled to base 2)
-    with one key/value row per beam (``[1, BEAMS, D]``, raw dtype); ``ok`` ``[1, BEAMS]`` masks a
-    beam's row. Every thread holds all query heads of its beams, so a K/V element is loaded and
-    converted once for the whole group."""
-    s = tl.where(ok, tl.sum(q3 * k_raw.to(tl.float32), axis=2), float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new)
-    return m_new, l_i * alpha + p, acc * alpha[:, :, None] + p[:, :, None] * v_raw.to(tl.float32)
+def _own_slot_entry(beam_pt_ptr, row64, cur, ok, prompt_len, stride_bpt_row, stride_bpt_col, max_seq_len, page_size):
+    """Where each row writes this step's K/V, first link: ``(w_ok, entry)``, the row's page-table entry
+    for its position ``cur`` (``-1`` where not written). A position inside the prompt (``kv_len <=
+    prompt_len``, invalid input) is never written: prompt pages are shared by every beam of a request."""
+    w_ok = ok & (cur >= prompt_len) & (cur >= 0) & (cur < max_seq_len)
+    entry = tl.load(beam_pt_ptr + row64 * stride_bpt_row + (cur // page_size).to(tl.int64) * stride_bpt_col,
+                    mask=w_ok, other=-1)
+    return w_ok, entry
+
+
+@triton.jit
+def _own_slot_offsets(w_ok, entry, cur, page_index_divisor, num_pages, page_size, stride_kv_page, stride_kv_slot):
+    """Second link of :func:`_own_slot_entry`: the store mask with the entry's validity folded in, and
+    the slot's pool offset (int64, page and slot terms; 0 where masked)."""
+    page = (entry // page_index_divisor).to(tl.int64)
+    w_ok = w_ok & (entry >= 0) & (page < num_pages)
+    return w_ok, tl.where(w_ok, page, 0) * stride_kv_page + (cur % page_size).to(tl.int64) * stride_kv_slot
 
 
 @triton.jit
@@ -175,16 +183,13 @@ def _tail_on_cores(
     m_i = tl.full([GROUP_PAD, BEAMS], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD, BEAMS], tl.float32)
     acc = tl.zeros([GROUP_PAD, BEAMS, HEAD_DIM], tl.float32)
-    m_i, l_i, acc = _attend_tail_row(q3, m_i, l_i, acc, k_cur, v_cur, (slot >= 0)[None, :])
+    m_i, l_i, acc = attend_grouped_row(q3, m_i, l_i, acc, k_cur, v_cur, (slot >= 0)[None, :])
     if WRITE_KV:
-        # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written:
-        # prompt pages are shared by every beam of the request.
-        w_ok = b_ok & (b_cur >= prompt_len) & (b_cur >= 0) & (b_cur < max_seq_len)
-        w_entry = tl.load(beam_pt_ptr + b_row64 * stride_bpt_row + (b_cur // page_size).to(tl.int64) * stride_bpt_col,
-                          mask=w_ok, other=-1)
-        w_page = (w_entry // page_index_divisor).to(tl.int64)
-        w_ok = tl.where(head_ok, w_ok & (w_entry >= 0) & (w_page < num_pages), False)  # (a scalar cannot `&` a mask)
-        w_offs = tl.where(w_ok, w_page, 0) * stride_kv_page + (b_cur % page_size).to(tl.int64) * stride_kv_slot
+        w_ok, w_entry = _own_slot_entry(beam_pt_ptr, b_row64, b_cur, b_ok, prompt_len, stride_bpt_row, stride_bpt_col,
+                                        max_seq_len, page_size)
+        w_ok, w_offs = _own_slot_offsets(w_ok, w_entry, b_cur, page_index_divisor, num_pages, page_size, stride_kv_page,
+                                         stride_kv_slot)
+        w_ok = tl.where(head_ok, w_ok, False)  # (a scalar cannot `&` a mask)
         w_ptrs = kv_ptr + kv_head_off + w_offs[None, :, None] + kd
         tl.store(w_ptrs, k_cur, mask=w_ok[None, :, None])
         tl.store(w_ptrs + stride_kv_kv, v_cur, mask=w_ok[None, :, None])
@@ -203,8 +208,28 @@ def _tail_on_cores(
                     + slot_in_page.to(tl.int64) * stride_kv_slot)[None, :, None] + kv_head_off + kd
             k_t = tl.load(kv_ptr + offs, mask=ok[None, :, None], other=0.0)
             v_t = tl.load(kv_ptr + stride_kv_kv + offs, mask=ok[None, :, None], other=0.0)
-            m_i, l_i, acc = _attend_tail_row(q3, m_i, l_i, acc, k_t, v_t, ok[None, :])
+            m_i, l_i, acc = attend_grouped_row(q3, m_i, l_i, acc, k_t, v_t, ok[None, :])
     return tl.reshape(m_i, [BLOCK_M]), tl.reshape(l_i, [BLOCK_M]), tl.reshape(acc, [BLOCK_M, HEAD_DIM])
+
+
+@triton.jit
+def _prompt_block_kv(k_head_ptr, v_head_ptr, pages, pos, prompt_end, slot_offs, num_pages, stride_kv_page, d):
+    """K and V (``[BLOCK_N, D]``) of prompt positions ``pos`` on their ``pages`` (``slot_offs``: the
+    slots' offsets in a page): zeros past the prompt and for a page outside the pool."""
+    tok_ok = (pos < prompt_end) & (pages >= 0) & (pages < num_pages)
+    offs = tl.where(tok_ok, pages, 0).to(tl.int64) * stride_kv_page + slot_offs
+    k = tl.load(k_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+    v = tl.load(v_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _fold_prompt_block(q, k, v, pos, prompt_end, qk_scale_log2, m_i, l_i, acc, DOT_FP32: tl.constexpr):
+    """Fold one prompt block into ``(m_i, l_i, acc)``. Scores are masked by position only: a page
+    outside the pool reads as zero K/V (its load is masked; check mode names it), so the mask needs
+    no second copy of the page entries."""
+    s_p = tl.where((pos < prompt_end)[None, :], _dot(q, tl.trans(k), DOT_FP32), float("-inf"))
+    return _online_softmax_block(s_p, qk_scale_log2, m_i, l_i, acc, v, DOT_FP32)
 
 
 @triton.jit
@@ -228,21 +253,15 @@ def _prompt_blocks(
     pages = first_pages
     for start in tl.range(0, prompt_end, BLOCK_N, num_stages=PROMPT_STAGES):
         pos = start + n
-        tok_ok = (pos < prompt_end) & (pages >= 0) & (pages < num_pages)
         if BLOCK_N % page_size == 0:
             slot_offs = block_slot_offs
         else:
             slot_offs = (pos % page_size) * stride_kv_slot
-        offs = tl.where(tok_ok, pages, 0).to(tl.int64) * stride_kv_page + slot_offs
-        k = tl.load(k_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
-        v = tl.load(v_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+        k, v = _prompt_block_kv(k_head_ptr, v_head_ptr, pages, pos, prompt_end, slot_offs, num_pages, stride_kv_page, d)
         next_pos = pos + BLOCK_N
         pages = tl.load(table_row_ptr + (next_pos // page_size) * stride_ppt_col, mask=next_pos < prompt_end,
                         other=-1)
-        # Scores are masked by position only: a page outside the pool reads as zero K/V (its load is
-        # masked; check mode names it), so the mask needs no second copy of the page entries.
-        s_p = tl.where((pos < prompt_end)[None, :], _dot(q, tl.trans(k), DOT_FP32), float("-inf"))
-        m_i, l_i, acc = _online_softmax_block(s_p, qk_scale_log2, m_i, l_i, acc, v, DOT_FP32)
+        m_i, l_i, acc = _fold_prompt_block(q, k, v, pos, prompt_end, qk_scale_log2, m_i, l_i, acc, DOT_FP32)
     return m_i, l_i, acc
 
 
@@ -354,15 +373,13 @@ def beam_cascade_kernel(
         tail_stop = tl.max(tl.where(tcol_ok, tl.minimum(tcol_cur + 1, max_seq_len), 0), axis=0)
         if WRITE_KV:
             # Where each beam writes this step's K/V: its own page at L - 1, requested next to the
-            # tail's source beams. A position inside the prompt (kv_len <= prompt_len, invalid
-            # input) is never written: prompt pages are shared by every beam of the request.
+            # tail's source beams.
             slot = tl.arange(0, BEAMS)
             slot_ok = first_beam + slot < beam_width
             slot_row64 = req64 * beam_width + (first_beam + slot).to(tl.int64)
             slot_cur = tl.load(kv_lens_ptr + slot_row64, mask=slot_ok, other=0) - 1
-            w_ok = slot_ok & (slot_cur >= prompt_len) & (slot_cur >= 0) & (slot_cur < max_seq_len)
-            w_entry = tl.load(beam_pt_ptr + slot_row64 * stride_bpt_row
-                              + (slot_cur // page_size).to(tl.int64) * stride_bpt_col, mask=w_ok, other=-1)
+            w_ok, w_entry = _own_slot_entry(beam_pt_ptr, slot_row64, slot_cur, slot_ok, prompt_len, stride_bpt_row,
+                                            stride_bpt_col, max_seq_len, page_size)
         if ONE_BLOCK_FIRST:
             # Only the chain's first link here (source beams); its second (pages) is requested after
             # the prompt block's K/V, so that it resolves behind them and the prompt's math.
@@ -377,9 +394,8 @@ def beam_cascade_kernel(
                 num_pages,
             )
         if WRITE_KV:
-            w_page = (w_entry // page_index_divisor).to(tl.int64)
-            w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
-            w_offs = tl.where(w_ok, w_page, 0) * stride_kv_page + (slot_cur % page_size).to(tl.int64) * stride_kv_slot
+            w_ok, w_offs = _own_slot_offsets(w_ok, w_entry, slot_cur, page_index_divisor, num_pages, page_size,
+                                             stride_kv_page, stride_kv_slot)
 
     for hh in range(HEADS):
         # A program past the last KV head (Hkv not a multiple of HEADS) repeats it and stores nothing
@@ -396,6 +412,9 @@ def beam_cascade_kernel(
         if ONE_BLOCK_FIRST:
             # The prompt is one block: its K/V, then the tail's pages (source beams requested in
             # step 1), then the prompt's math while those pages arrive.
+            # Written out, not through _prompt_block_kv: this order of the address arithmetic is the
+            # sm_90 code timed on the H200; the helper's order compiles differently (8 fewer spilled
+            # bytes) and has not been timed.
             tok_ok = (n < prompt_end) & (first_pages >= 0) & (first_pages < num_pages)
             p_offs = tl.where(tok_ok, first_pages, 0).to(tl.int64) * stride_kv_page + (n % page_size) * stride_kv_slot
             k_p = tl.load(kv_ptr + kv_head_off + p_offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
@@ -404,8 +423,7 @@ def beam_cascade_kernel(
             first_tail_pages = pages_of_source_beams(
                 first_src, first_pos, first_pos_ok, beam_pt_ptr, req64 * beam_width, stride_bpt_row, stride_bpt_col,
                 beam_width, page_size, page_index_divisor, num_pages).to(tl.int64)
-            s_p = tl.where((n < prompt_end)[None, :], _dot(q, tl.trans(k_p), DOT_FP32), float("-inf"))
-            m_i, l_i, acc = _online_softmax_block(s_p, qk_scale_log2, m_i, l_i, acc, v_p, DOT_FP32)
+            m_i, l_i, acc = _fold_prompt_block(q, k_p, v_p, n, prompt_end, qk_scale_log2, m_i, l_i, acc, DOT_FP32)
         elif PROMPT_FIRST:  # the tail's index chain, requested at the start, resolves behind the prompt
             m_i, l_i, acc = _prompt_blocks(
                 q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,

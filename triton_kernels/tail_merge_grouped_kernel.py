@@ -26,13 +26,14 @@ import triton.language as tl
 
 from .beam_index import source_beam_pages
 
-__all__ = ["beam_tail_merge_grouped_kernel"]
+__all__ = ["beam_tail_merge_grouped_kernel", "attend_grouped_row"]
 
 
 @triton.jit
-def _attend_row(q, m_i, l_i, acc, k_raw, v_raw, ok):
+def attend_grouped_row(q, m_i, l_i, acc, k_raw, v_raw, ok):
     """Online-softmax update with one key/value row per KV head (``[1, KVH, D]``, raw dtype) for the
-    ``[G, KVH, D]`` queries (``q`` pre-scaled to base 2); ``ok`` (``[1, KVH]``) masks the row."""
+    ``[G, KVH, D]`` queries (``q`` float32, pre-scaled to base 2); ``ok`` (``[1, KVH]``) masks the row.
+    The cascade kernel's core tail calls it with beams in place of KV heads."""
     s = tl.where(ok, tl.sum(q * k_raw.to(tl.float32), axis=2), float("-inf"))
     m_new = tl.maximum(m_i, s)
     alpha = tl.exp2(m_i - m_new)
@@ -132,7 +133,7 @@ def beam_tail_merge_grouped_kernel(
 
     # 2. This step's token, from registers: its score is finite, so m is finite from here on.
     q = q.to(tl.float32) * qk_scale_log2
-    m_i, l_i, acc = _attend_row(q, m_i, l_i, acc, k_cur, v_cur, (kv_head >= 0)[None, :])  # never masked
+    m_i, l_i, acc = attend_grouped_row(q, m_i, l_i, acc, k_cur, v_cur, (kv_head >= 0)[None, :])  # never masked
 
     if WRITE_KV:
         # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written.
@@ -161,7 +162,7 @@ def beam_tail_merge_grouped_kernel(
         ok = tok_ok[:, None, None] & kv_row_ok
         k_t = tl.load(kv_ptr + offs, mask=ok, other=0.0)
         v_t = tl.load(kv_ptr + stride_kv_kv + offs, mask=ok, other=0.0)
-        m_i, l_i, acc = _attend_row(q, m_i, l_i, acc, k_t, v_t, tok_ok[:, None] & kv_head_ok[None, :])
+        m_i, l_i, acc = attend_grouped_row(q, m_i, l_i, acc, k_t, v_t, tok_ok[:, None] & kv_head_ok[None, :])
 
     # 4. Normalise: l >= 1 (the term that set the running max adds 2^0).
     inv_l = 1.0 / l_i
