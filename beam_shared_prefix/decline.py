@@ -1,11 +1,28 @@
 """When the library declines a shape because the default per-beam decode would be faster.
 
-The rule is measured, not guessed: ``docs/results/h200/decline_g2.json`` holds the H200 sweep
-(64 requests, GQA 16/8, head 128, page 32, tail 4, bf16; beam widths 2/4/8/14/30 x prompts of
-32/100/500/2000 tokens; ``beam-shared-prefix-bench --preset B-medium --sweep beams=2,4,8,14,30
---sweep prompt=32,100,500,2000 --arms fa4,decode``) and ``docs/benchmarks.md`` its table. What the
-library saves is the prompt KV that ``W - 1`` beams no longer re-read, so the measured crossover
-follows ``(W - 1) * P``, the prompt tokens saved per request:
+The rule is measured, not guessed, on the H200 (64 requests, head 128, page 32, tail 4, bf16; GQA
+16/8 and 32/8; ``docs/benchmarks.md``, "The decline rule"), and it depends on which path serves:
+
+**The one-launch cascade** (backend ``triton``, or ``auto`` where it picks the cascade:
+:func:`beam_shared_prefix.prefix.select.cascade_serves`). Its cost is nearly flat at short
+prompts (18-25 us at 32-100 tokens) while per-beam decode grows with ``W x P``, so what decides
+is the beam width; the grid (``decline_g2_auto*.json``, ``decline_g4_auto*.json``) gives the
+smallest mean prompt at which both head shapes were at least 10% faster (the margin against
+run-to-run noise near the crossover):
+
+| beam width W | served from a mean prompt of | measured just below (G = 2 / G = 4) |
+| --- | --- | --- |
+| 2 | 500 tokens (1.26x / 1.15x) | 300: 1.09x / 1.25x; 200: 0.95x / 1.16x |
+| 3 | 150 (1.18x / 1.50x) | 100: 1.08x / 1.22x |
+| 4-5 | 50 (1.14x / 1.13x) | 32: 1.02x / 0.93x |
+| 6 and more | 32 (W = 6: 1.34x / 1.26x; W = 8: 1.65x / 1.50x) | not measured below 32 |
+
+A batch the two-launch rule below serves is served as well: ``auto`` picks the cascade only where
+it measured faster than the two-launch paths.
+
+**The two-launch paths** (FA4 or FlashInfer prefix + tail kernel; ``decline_g2.json``,
+``decline_g4.json``). What the library saves is the prompt KV that ``W - 1`` beams no longer
+re-read, so the crossover follows ``(W - 1) * P``:
 
 | (W - 1) * P | measured speedup over FlashInfer per-beam decode |
 | --- | --- |
@@ -13,14 +30,15 @@ follows ``(W - 1) * P``, the prompt tokens saved per request:
 | 416 - 500 (W 14 P 32, W 2 P 500) | 1.09x, 0.98x: declined (no margin) |
 | >= 700 | 1.12x - 10.3x: served |
 
-So the rule serves a batch only when ``(W - 1) * mean prompt >= MIN_SHARED_PROMPT_TOKENS = 600``.
-When the prompt length is unknown (a CUDA graph serves any prompt; TensorRT-LLM's selection cache
-key holds no prompt length), beam widths below ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined: at
-8 beams and more the library lost only to 32-token prompts in the sweep, and at 14 and more never.
+So it serves a batch only when ``(W - 1) * mean prompt >= MIN_SHARED_PROMPT_TOKENS = 600``.
 
-The same grid at GQA 32/8 (``docs/results/h200/decline_g4.json``) agrees: every point the rule
-serves was at least 12% faster. Extrapolation, stated: request count and head size were not varied.
-Re-run the sweep for a very different shape (``docs/benchmarks.md`` says how).
+**Prompt length unknown** (a CUDA graph serves any prompt; TensorRT-LLM's selection cache key
+holds no prompt length): beam widths below ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8
+beams and more the two-launch paths lost only to 32-token prompts, and the cascade lost nowhere in
+either grid.
+
+Extrapolation, stated: request count and head size were not varied. Re-run the grids for a very
+different shape (``docs/benchmarks.md`` says how).
 
 The function is pure and cheap (integer arithmetic), independent of TensorRT-LLM and of the
 benchmark code. Unknown quantities are passed as ``None`` and judged as described above.
@@ -30,7 +48,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["should_decline", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT", "MIN_SHARED_PROMPT_TOKENS"]
+__all__ = ["should_decline", "cascade_min_prompt", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
+           "MIN_SHARED_PROMPT_TOKENS", "CASCADE_MIN_PROMPT"]
 
 #: Beam search proper: with one beam nothing is shared.
 MIN_BEAM_WIDTH = 2
@@ -38,6 +57,13 @@ MIN_BEAM_WIDTH = 2
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
 #: ``(W - 1) * mean prompt`` below this (prompt tokens saved per request) is declined.
 MIN_SHARED_PROMPT_TOKENS = 600
+#: With the one-launch cascade serving: ``(beam width from, smallest mean prompt served)``, by width.
+CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
+
+
+def cascade_min_prompt(beam_width: int) -> int:
+    """The smallest mean prompt (tokens) served at ``beam_width`` (>= 2) when the cascade serves."""
+    return [tokens for width, tokens in CASCADE_MIN_PROMPT if width <= beam_width][-1]
 
 
 def should_decline(
@@ -47,6 +73,8 @@ def should_decline(
     num_qo_heads: Optional[int],
     num_kv_heads: Optional[int],
     head_dim: Optional[int],
+    *,
+    one_launch: bool = False,
 ) -> Optional[str]:
     """The reason to leave this shape to the default per-beam decode, or ``None`` to serve it.
 
@@ -57,6 +85,8 @@ def should_decline(
             CUDA graph that serves any prompt).
         num_qo_heads, num_kv_heads, head_dim: the layer's attention shape (not judged: the
             crossover scales alike for both arms).
+        one_launch: whether the one-launch cascade serves the batch (its own, lower thresholds);
+            ``False``: a prefix backend + the tail kernel (two launches).
 
     Returns:
         A one-line reason naming the measured threshold (logged by the caller), or ``None``.
@@ -74,6 +104,16 @@ def should_decline(
             )
         return None
     saved = (w - 1) * float(prompt_len)
+    if one_launch:
+        # Served where the cascade measured faster, and wherever the two-launch paths are (auto picks
+        # the cascade only where it beat them).
+        least = cascade_min_prompt(w)
+        if float(prompt_len) < least and saved < MIN_SHARED_PROMPT_TOKENS:
+            return (
+                f"mean prompt {float(prompt_len):.0f} < {least} tokens at beam width {w} with the one-launch "
+                f"cascade: per-beam decode is faster or within 10% here (measured on the H200, docs/benchmarks.md)"
+            )
+        return None
     if saved < MIN_SHARED_PROMPT_TOKENS:
         return (
             f"(beam width {w} - 1) x prompt {float(prompt_len):.0f} = {saved:.0f} shared prompt tokens < "

@@ -113,11 +113,15 @@ def decline_markdown(doc: Dict) -> str:
         s = p["shape"]
         mean_prompt = (p.get("prompt_lens") or {}).get("mean", s["prompt"])
         libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok"]
-        lib = min(libs, key=lambda a: a["time_us"]) if libs else None
+        # What the library serves: its auto arm where the grid has one, else its fastest arm.
+        auto = [a for a in libs if a["name"] == "library/auto"]
+        lib = auto[0] if auto else (min(libs, key=lambda a: a["time_us"]) if libs else None)
         dec = _best_time(p["arms"], ("fi-decode-tc", "fi-decode-cc"))
         speedup = None if lib is None or dec is None else dec["time_us"] / lib["time_us"]
         measured = "-" if speedup is None else ("slower" if speedup < 1 else "faster")
-        rule = should_decline(s["requests"], s["beams"], mean_prompt, s["heads"], s["kv_heads"], s["head_dim"])
+        one_launch = lib is not None and (lib.get("info") or {}).get("backend") == "triton"
+        rule = should_decline(s["requests"], s["beams"], mean_prompt, s["heads"], s["kv_heads"], s["head_dim"],
+                              one_launch=one_launch)
         lines.append(
             f"| {s['beams']} | {mean_prompt:.0f} | {(s['beams'] - 1) * mean_prompt:.0f} | "
             f"{'-' if lib is None else _us(lib['time_us']) + ' (' + lib['name'] + ')'} | "

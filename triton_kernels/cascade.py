@@ -63,6 +63,9 @@ MIN_TAIL_COLUMNS = 32
 # Prompt tables of at most this many tokens (columns x page size) take the one-block tiling of
 # 32-beam tiles: every prompt of the launch then fits one key block (cascade_launch_config).
 ONE_BLOCK_PROMPT_TOKENS = 128
+# Beams of one tile: the masked tail key block has tail_block x beams columns of which each row sees
+# tail_block, so its waste grows with the beams (64-beam tiles at G = 1: 91 against FA4 + tail's 58 us).
+MAX_BEAMS_PER_PROGRAM = 32
 # Query rows of one tile (beams x padded group): 128 keeps the fp32 accumulator at 64 registers per
 # thread with 8 warps at D = 128.
 MAX_BLOCK_M = {64: 128, 128: 128}
@@ -171,7 +174,7 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
     """
     group_pad = triton.next_power_of_2(group_size)
     rows_cap = min(64, MAX_BLOCK_M[head_dim])
-    cap = max(MIN_BEAMS_PER_PROGRAM, rows_cap // group_pad)
+    cap = max(MIN_BEAMS_PER_PROGRAM, min(MAX_BEAMS_PER_PROGRAM, rows_cap // group_pad))
     beams = max(MIN_BEAMS_PER_PROGRAM, min(triton.next_power_of_2(beam_width), cap))
     block_m = beams * group_pad
     num_warps = 4 if block_m <= 64 else 8

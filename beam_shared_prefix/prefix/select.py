@@ -30,11 +30,11 @@ from .flashinfer import FlashInferPrefixBackend
 from .reference import ReferencePrefixBackend
 from .triton import TritonPrefixBackend
 
-__all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "resolve_prefix_backend",
-           "cascade_prompt_limit", "one_beam_block",
-           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP",
-           "CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL",
-           "CASCADE_MAX_GROUP"]
+__all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "choose_prefix_backend",
+           "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
+           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA",
+           "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL",
+           "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL", "CASCADE_MAX_MEAN_PROMPT_GROUP_8", "CASCADE_MAX_GROUP"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
@@ -58,19 +58,27 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "choose_prefix_backend", "res
 #   G = 3-4 several blocks never pick the cascade. One block at G = 4 (W = 16): 27% faster at 100
 #   tokens, 17% at 250 (above 256 not re-measured).
 # - Long tails (16 and 64 tokens, W = 30) and head 64 favour the cascade further; fp16 too (against
-#   FlashInfer + tail, FA4 being bf16-only). Groups above 4 were not measured.
+#   FlashInfer + tail, FA4 being bf16-only). Groups above 4: round 8, below.
 # - Round 7: at G = 3-4 and head 128 the cascade's 16-beam tiles attend the tail on CUDA cores
 #   (triton_kernels.cascade.cascade_launch_config), against FA4 + tail (auto_rule_round7_*.json):
 #   one block (W = 16) 30% faster at 250 tokens, 20% at 500, 14% at 1,000, 9% at 2,000, 5% at
 #   4,000, hence 4,096 as at G <= 2; several blocks (W = 30) 23% faster at 50 tokens, 14% at 100,
 #   4% at 200, even at 300, 11% slower at 500 (96.8 against 87.0 us, B-4B.json), hence 256. The
 #   limits measured before it (256 and none) stay for the tensor-core tail (head 64).
+# - Round 8 (auto_rule_round8_*.json, against FA4 + tail): G = 1 with one block faster everywhere
+#   measured (W = 14: 32% at 100 tokens, 11% at 2,000; W = 30: 20% and 4%); several blocks at G = 1
+#   (W = 64, two 32-beam tiles) 5% faster at 50 tokens, 6-34% slower from 100 up, hence never. G = 8
+#   (16-beam tiles of 128 rows): W = 8 13% faster at 100 tokens, 31% slower at 500; W = 16 24%
+#   faster at 100, 9% at 150, 7% at 250, 19% slower at 500; W = 30 (several blocks) 13% faster at
+#   100, even at 150, 3% slower at 250; hence 128 tokens at G = 5-8 (G = 5-7 pad to the same tile).
 CASCADE_MAX_MEAN_PROMPT = 4096
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
+CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA = 0
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
 CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL = 0
-CASCADE_MAX_GROUP = 4
+CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
+CASCADE_MAX_GROUP = 8
 
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
     "reference": ReferencePrefixBackend,
@@ -93,17 +101,23 @@ def one_beam_block(beam_width: Optional[int], group_size: int, head_dim: int) ->
 def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: int) -> int:
     """The largest mean prompt (tokens) at which ``auto`` picks the cascade for this beam width and group.
 
-    When one program's beam block holds all ``W`` beams of a request: :data:`CASCADE_MAX_MEAN_PROMPT`
-    (at groups 3-4 only where the kernel's tiling attends the tail on CUDA cores, head 128;
-    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL` with its tensor-core tail). When the prompt is
-    read by several blocks (or ``W`` is unknown): :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` at groups up
-    to 2, :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` above with the core tail and
-    :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL` with the tensor-core tail."""
+    | group | one beam block holds all ``W`` beams | several blocks (or ``W`` unknown) |
+    | --- | --- | --- |
+    | 1 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA` |
+    | 2 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` |
+    | 3-4, tail on CUDA cores (head 128) | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` |
+    | 3-4, tensor-core tail (head 64) | :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL` |
+    | 5-8 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` |
+    """
     from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
 
     one = one_beam_block(beam_width, group_size, head_dim)
+    if group_size == 1:
+        return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA
     if group_size <= 2:
         return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT
+    if group_size > 4:
+        return CASCADE_MAX_MEAN_PROMPT_GROUP_8
     if cascade_launch_config(int(beam_width or 1), group_size, head_dim).tail_on_cores:
         return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP
     return CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL
@@ -139,6 +153,28 @@ def cascade_preferred(
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"measured slower than FA4 + tail there)")
     return True, ""
+
+
+def cascade_serves(
+    requested: str,
+    mean_prompt_len: Optional[float],
+    num_qo_heads: int,
+    num_kv_heads: int,
+    beam_width: Optional[int],
+    head_dim: int,
+) -> bool:
+    """Whether the one-launch cascade would serve a CUDA batch under the ``requested`` backend setting:
+    ``"triton"`` where the kernel tiles the shape, ``"auto"`` where :func:`cascade_preferred` picks it.
+    (The decline rule's thresholds differ for it and for the two-launch paths.)"""
+    if requested == "triton":
+        try:
+            from triton_kernels.cascade import cascade_supported  # deferred: triton is imported on first use
+        except ImportError:  # pragma: no cover - triton is a dependency
+            return False
+        return cascade_supported(num_qo_heads // max(num_kv_heads, 1), head_dim)[0]
+    if requested == "auto":
+        return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)[0]
+    return False
 
 
 def choose_prefix_backend(

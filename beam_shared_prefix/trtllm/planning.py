@@ -38,6 +38,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ..decline import should_decline
+from ..prefix.select import cascade_serves
 from .gates import batch_decline_reason, decline_log
 from .kv_cache import LayerKV, PageAdapter, adapter_for
 from .registration import current_settings
@@ -135,7 +136,10 @@ class StepInfo:
         """The per-step decline rule's verdict for ``family`` (``None``: serve)."""
         if family.key not in self.declines:
             reason = None
-            if current_settings().decline == "auto":
+            settings = current_settings()
+            if settings.decline == "auto":
+                one_launch = cascade_serves(settings.backend, self.mean_prompt_len, family.num_qo_heads,
+                                            family.num_kv_heads, self.beam_width, family.head_dim)
                 reason = should_decline(
                     self.num_requests,
                     self.beam_width,
@@ -143,6 +147,7 @@ class StepInfo:
                     family.num_qo_heads,
                     family.num_kv_heads,
                     family.head_dim,
+                    one_launch=one_launch,
                 )
             self.declines[family.key] = reason
         return self.declines[family.key]

@@ -242,13 +242,17 @@ def test_declines_name_their_reason(fake_sm):
     assert auto(16, 2000, 30) == ("triton", [])  # G = 2, one beam block (B-long)
     assert auto(32, 2000, 16) == ("triton", [])  # G = 4, one beam block (the core tail)
     assert auto(32, 100, 30) == ("triton", [])  # G = 4, two beam blocks, short prompt
+    assert auto(8, 2000, 30) == ("triton", [])  # G = 1, one beam block
+    assert auto(64, 100, 30) == ("triton", [])  # G = 8, short prompt
     for hq, prompt, beams, why in [
         (16, 5000, 30, "mean prompt 5000 tokens > 4096 at W=30, G=2 (one beam block"),
         (32, 5000, 16, "mean prompt 5000 tokens > 4096 at W=16, G=4 (one beam block"),
         (16, 200, 64, "mean prompt 200 tokens > 128 at W=64, G=2 (several beam blocks"),
         (32, 500, 30, "mean prompt 500 tokens > 256 at W=30, G=4 (several beam blocks"),  # B-4B
         (16, 200, None, "> 128 at W=None"),  # beam width unknown: the stricter limit
-        (64, 100, 30, "GQA group 8 > 4"),
+        (8, 50, 64, "mean prompt 50 tokens > 0 at W=64, G=1 (several beam blocks"),
+        (64, 150, 16, "mean prompt 150 tokens > 128 at W=16, G=8 (one beam block"),
+        (128, 100, 30, "GQA group 16 > 8"),
     ]:
         name, declined = auto(hq, prompt, beams)
         assert name == "reference" and why in declined[0], declined
@@ -345,15 +349,19 @@ def test_flashinfer_workspace_grows_for_a_bigger_plan():
 
 
 @pytest.mark.parametrize("group,head_dim,one_block_up_to,one_block_limit,split_limit", [
-    (1, 128, 64, 4096, 128), (2, 128, 32, 4096, 128), (2, 64, 32, 4096, 128),
+    # G = 1: tiles of at most 32 beams; several blocks never (round 8)
+    (1, 128, 32, 4096, 0), (2, 128, 32, 4096, 128), (2, 64, 32, 4096, 128),
     # groups 3-4: head 128 attends the tail on CUDA cores (round 7); head 64 keeps the tensor-core
     # tail and the limits measured for it
     (3, 128, 16, 4096, 256), (4, 128, 16, 4096, 256), (4, 64, 16, 256, 0),
+    # groups 5-8: 16-beam tiles of 128 rows, 128 tokens either way (round 8)
+    (5, 128, 16, 128, 128), (8, 128, 16, 128, 128),
 ])
 def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block_up_to, one_block_limit, split_limit):
-    """4096 tokens while one program's beam block (64 query rows) holds all W beams (256 at groups
-    3-4 with the tensor-core tail); beyond, and when W is unknown, 128 tokens at groups up to 2 and
-    256 at groups 3-4 with the core tail (none with the tensor-core tail)."""
+    """4096 tokens while one program's beam block (at most 32 beams and 64 query rows) holds all W
+    beams (256 at groups 3-4 with the tensor-core tail, 128 at groups 5-8); beyond, and when W is
+    unknown: none at G = 1, 128 tokens at G = 2, 256 at groups 3-4 with the core tail (none with the
+    tensor-core tail), 128 at groups 5-8."""
     from beam_shared_prefix.prefix.select import cascade_prompt_limit, one_beam_block
 
     assert cascade_prompt_limit(1, group, head_dim) == one_block_limit

@@ -289,6 +289,8 @@ def test_default_config_fits_the_tile_limits():
     assert cascade_launch_config(30, 4, 128).tail_on_cores and cascade_launch_config(30, 4, 128).max_registers is None
     assert not cascade_launch_config(4, 1, 64).tail_on_cores and not cascade_launch_config(96, 2, 128).tail_on_cores
     assert not cascade_supported(2, 256)[0]
+    # At most 32 beams per tile: 64-beam tiles at G = 1 were 57% slower than FA4 + tail (round 8).
+    assert cascade_launch_config(64, 1, 128).beams_per_program == 32
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""The decline rule (beam_shared_prefix/decline.py): its thresholds, and its agreement with the H200 grids."""
+
+import json
+import pathlib
+
+import pytest
+
+from beam_shared_prefix.decline import (
+    CASCADE_MIN_PROMPT,
+    MIN_BEAM_WIDTH_ANY_PROMPT,
+    MIN_SHARED_PROMPT_TOKENS,
+    cascade_min_prompt,
+    should_decline,
+)
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results" / "h200"
+
+
+def decide(w, p, one_launch=False):
+    return should_decline(64, w, p, 16, 8, 128, one_launch=one_launch)
+
+
+@pytest.mark.parametrize("w,served_from,one_launch", [
+    # Two launches: (W - 1) x P >= 600.
+    (2, 600, False), (8, 86, False), (30, 21, False),
+    # One launch: the measured smallest prompt per beam width ...
+    (2, 500, True), (3, 150, True), (4, 50, True), (5, 50, True), (6, 32, True), (30, 21, True),
+    # ... or wherever the two-launch rule serves (64 beams x 16 tokens = 1,008 saved).
+    (64, 10, True),
+])
+def test_prompt_known_serves_from_the_measured_threshold(w, served_from, one_launch):
+    assert decide(w, served_from, one_launch) is None
+    reason = decide(w, served_from - 1, one_launch)
+    assert reason is not None and str(served_from - 1) in reason
+
+
+def test_reasons_name_the_value_and_the_limit():
+    assert "shared prompt tokens < 600" in decide(8, 40)
+    assert "mean prompt 100 < 150 tokens at beam width 3" in decide(3, 100, one_launch=True)
+    assert "beam width 1 < 2" in decide(1, 5000, one_launch=True)
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_prompt_unknown_serves_from_eight_beams(one_launch):
+    assert should_decline(None, MIN_BEAM_WIDTH_ANY_PROMPT, None, 16, 8, 128, one_launch=one_launch) is None
+    assert "prompt length unknown" in should_decline(None, MIN_BEAM_WIDTH_ANY_PROMPT - 1, None, 16, 8, 128,
+                                                     one_launch=one_launch)
+    assert should_decline(None, None, None, 16, 8, 128) is None
+
+
+def test_cascade_thresholds_only_fall_with_the_beam_width():
+    widths = [w for w, _ in CASCADE_MIN_PROMPT]
+    assert widths == sorted(widths) and widths[0] == 2
+    prompts = [cascade_min_prompt(w) for w in range(2, 300)]
+    assert prompts == sorted(prompts, reverse=True)
+
+
+def _grid_points(pattern):
+    for path in sorted(RESULTS.glob(pattern)):
+        for point in json.loads(path.read_text())["results"]:
+            arms = {a["name"]: a for a in point["arms"] if a["status"] == "ok"}
+            decode = min(arms[n]["time_us"] for n in ("fi-decode-tc", "fi-decode-cc") if n in arms)
+            yield path.name, point["shape"], arms, decode
+
+
+@pytest.mark.parametrize("pattern,arm,margin", [
+    ("decline_g[24]_auto*.json", "library/auto", 1.10),
+    ("decline_g[24].json", "library/fa4", 1.10),
+])
+def test_rule_agrees_with_the_h200_grids(pattern, arm, margin):
+    """Every grid point the rule serves was at least ``margin`` x faster than per-beam decode, with the
+    path the rule assumes (the cascade where ``auto`` chose it). Declined points may have been faster:
+    the rule keeps a margin (and the one-launch table is the per-width minimum over both head shapes)."""
+    points = list(_grid_points(pattern))
+    assert len(points) >= 40
+    served = 0
+    for name, s, arms, decode in points:
+        lib = arms[arm]
+        one_launch = lib["info"].get("backend") == "triton"
+        if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
+                          one_launch=one_launch) is None:
+            served += 1
+            speedup = decode / lib["time_us"]
+            assert speedup >= margin, f"{name}: W={s['beams']} P={s['prompt']} served at {speedup:.2f}x"
+    assert served >= 20
+    assert MIN_SHARED_PROMPT_TOKENS == 600
