@@ -211,6 +211,25 @@ def test_per_step_decline_hands_the_step_to_fallback(trt, monkeypatch):
     assert [type(f).__name__ for f in selected(short)] == ["BeamSharedPrefixFmha"]
 
 
+@pytest.mark.parametrize("head_dim,served", [(64, True), (256, False)])
+def test_per_step_decline_follows_the_serving_path(trt, monkeypatch, head_dim, served):
+    """8 beams over a mean prompt of 45 tokens under ``auto``: at head 64 the one-launch cascade
+    serves, from 32 tokens at this width; at head 256 (which the cascade does not tile) a prefix
+    backend + the tail kernel would, from (8 - 1) x 86 tokens (docs/benchmarks.md, "The decline rule")."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
+    # The rule judges the GPU choice of `auto`; on this CPU the wrapper then runs the torch path.
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "auto")
+    register()
+    setup = build(model, prompts=(40, 50), beam_width=8, head_dim=head_dim)
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step)
+    assert_close(gen_rows(out, 0, setup.sim), setup.oracle(step), f"head_dim={head_dim}")
+    assert stats()["generation_forwards"] == (1 if served else 0)
+    assert stats()["delegated_steps"] == (0 if served else 1)
+
+
 def test_beam_width_decline_is_a_selection_gate(trt, monkeypatch, caplog):
     """Beam width is constant within the cache key (doc 2.4, 3.3), so the rule's beam-width part declines
     at selection: fallback is chosen and cached, and the reason is logged."""
