@@ -175,6 +175,10 @@ def _attend_history(
             page_index_divisor,
         )
         k, v = gather_beam_kv(kv_cache, kv_layout, page, slot)
+        # Positions past a row's history read whatever the pool holds there (possibly NaN in a
+        # never-written slot); zeroed, they cannot reach the output as 0 x NaN.
+        k = torch.where(valid[..., None, None], k, 0.0)
+        v = torch.where(valid[..., None, None], v, 0.0)
         t = torch.arange(max_len, device=dev)[None, :]
         if new_k is not None:
             cur = (t == klen[a:b, None] - 1)[..., None, None]

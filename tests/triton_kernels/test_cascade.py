@@ -153,6 +153,44 @@ def test_cascade_tilings_agree_with_oracle(config, device):
     assert max(earlier_tail(step)) == 5
 
 
+def poison_unread_slots(sim, step):
+    """NaN in every pool slot that holds no K/V of this step's history (positions ``[0, kv_len - 1)``
+    through each row's page table): slots past a prompt or a tail, and unused pages. The kernel
+    must never let them reach the output (a masked score times a NaN value is NaN)."""
+    table = step.beam_page_table.cpu().long()
+    written = torch.zeros(sim.num_pages, sim.page_size, dtype=torch.bool)
+    for row, kv_len in enumerate(step.kv_lens.cpu().tolist()):
+        pos = torch.arange(kv_len - 1)
+        written[table[row, pos // sim.page_size], pos % sim.page_size] = True
+    pool = sim.kv_cache
+    if sim.kv_layout == "HND":  # [pages, 2, Hkv, page_size, D]
+        unread = ~written[:, None, None, :, None].to(pool.device)
+    else:  # [pages, 2, page_size, Hkv, D]
+        unread = ~written[:, None, :, None, None].to(pool.device)
+    pool.masked_fill_(unread.expand_as(pool), float("nan"))
+    return int(unread.sum())
+
+
+@pytest.mark.parametrize("config", [None, TILINGS[0][1], dict(TILINGS)["tail_on_cores"]],
+                         ids=["default_one_block", "beam_blocks_tail2", "tail_on_cores"])
+def test_cascade_never_reads_an_unwritten_slot(config, device):
+    """The pool's slots past each prompt and tail (where beams write later steps, possibly right now)
+    and its unused pages hold NaN: the output still matches the oracle. The kernel loads K/V rows
+    with no mask, pointing rows it must not read at this step's own new K/V rows."""
+    sim = make_sim(device, prompts=[100, 40, 7], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=128, seed=21)
+    for s in range(4):
+        step = sim.begin_step()
+        if s == 3:
+            assert poison_unread_slots(sim, step) > 0
+            table = step.beam_page_table
+            out = torch.full_like(step.q, float("nan"))
+            beam_cascade_attention(step.q, step.new_k, step.new_v, sim.kv_cache, prompt_table(sim, step), table,
+                                   step.kv_lens, step.prompt_lens, step.cache_indirection, step.beam_width, out,
+                                   kv_layout=sim.kv_layout, launch_config=config)
+            assert_matches(out, oracle(sim, step), f"config {config}, tails {earlier_tail(step)}")
+        sim.end_step(write_kv=s < 3)
+
+
 def test_cascade_write_kv_false_leaves_the_pool_untouched(device):
     sim = make_sim(device, prompts=[6, 21], beams=3, hq=4, hkv=2, d=64, seed=5)
     sim.begin_step()
