@@ -27,9 +27,9 @@ Per program, in order:
 3. The prompt ``[0, P)``, read once per program and head from the request's prompt page table (never
    more than the table's ``prompt_capacity`` tokens), ``BLOCK_N`` tokens per iteration with the next
    block's page entries requested early: ``S = Q K^T`` and ``O += P V`` on tensor cores with the
-   online softmax. Every prompt score is masked to ``pos < P``, and no value past the prompt is
-   read: the slots past the prompt in beam 0's last page are where beam 0 writes its generated
-   tokens, and an unwritten slot's garbage must not reach ``P V`` as ``0 x NaN``. The loop has its own
+   online softmax. Every prompt load is masked to ``pos < P``: the slots past the prompt in beam
+   0's last page are where beam 0 writes its generated tokens, so they are never read here (no
+   race, and an unwritten slot's garbage cannot reach ``P V`` as ``0 x NaN``). The loop has its own
    software-pipeline depth (``PROMPT_STAGES``): with two or more, its K/V go to shared memory by
    ``cp.async`` instead of through registers. With ``PROMPT_FIRST`` it runs before step 2, so the
    tail's index chain, requested in step 1, resolves behind the prompt's loads (the default for
@@ -73,16 +73,6 @@ beam outside ``[0, W)``, a position past ``max_seq_len``) are masked, never dere
 mode reports them by name. Prompt scores are masked by position only, so a prompt page outside
 the pool reads as zero K/V rather than dropping out of the softmax (the output of such a call is
 wrong either way; the mask saves a second load of the page entries per block).
-
-Register-loaded K/V rows are loaded without a mask where a stand-in is at hand: a tail column with
-no cached token (this step's, a padding beam's, one past its beam's tail) reads its beam's
-``new_k``/``new_v`` row (padding beams: the block's last real beam), and in the one-block prompt
-pass a slot past the prompt reads its K from the pool (page 0 for a page outside it) and its V
-from this step's ``new_v`` row. Every such value is finite or has its score masked, so nothing
-reaches ``P V`` but a zero weight times a finite value; a masked load would zero its registers
-first and keep its predicate alive (B-short's fused step: 3,032 to 2,703 static sm_90 instructions,
-104 to 24 bytes of stack). ``test_cascade_never_reads_an_unwritten_slot`` fills every slot outside
-the step's history with NaN.
 """
 
 import triton
@@ -204,9 +194,6 @@ def _tail_on_cores(
         tl.store(w_ptrs, k_cur, mask=w_ok[None, :, None])
         tl.store(w_ptrs + stride_kv_kv, v_cur, mask=w_ok[None, :, None])
     ci_beam_ptr = ci_ptr + req64 * stride_ci_req + beam.to(tl.int64) * stride_ci_beam
-    b_src_row64 = req64 * beam_width + tl.minimum(beam, beam_width - 1).to(tl.int64)  # padding beams: the last
-    new_k_rows = new_k_ptr + b_src_row64[None, :, None] * stride_new_k_row + kv_head * stride_new_k_head + kd
-    new_v_rows = new_v_ptr + b_src_row64[None, :, None] * stride_new_v_row + kv_head * stride_new_v_head + kd
     tb = tl.arange(0, TAIL_BLOCK)
     for t0 in range(prompt_len, gen_stop, TAIL_BLOCK):
         pos = t0 + tb[:, None] + slot[None, :] * 0  # [TAIL_BLOCK, BEAMS]
@@ -219,9 +206,8 @@ def _tail_on_cores(
             slot_in_page = (t0 + i + slot * 0) % page_size  # (a tensor: the interpreter's loop index is an int)
             offs = (tl.where(ok, page, 0).to(tl.int64) * stride_kv_page
                     + slot_in_page.to(tl.int64) * stride_kv_slot)[None, :, None] + kv_head_off + kd
-            # A masked position reads its beam's new K/V row instead (finite, its score masked).
-            k_t = tl.load(tl.where(ok[None, :, None], kv_ptr + offs, new_k_rows))
-            v_t = tl.load(tl.where(ok[None, :, None], kv_ptr + stride_kv_kv + offs, new_v_rows))
+            k_t = tl.load(kv_ptr + offs, mask=ok[None, :, None], other=0.0)
+            v_t = tl.load(kv_ptr + stride_kv_kv + offs, mask=ok[None, :, None], other=0.0)
             m_i, l_i, acc = attend_grouped_row(q3, m_i, l_i, acc, k_t, v_t, ok[None, :])
     return tl.reshape(m_i, [BLOCK_M]), tl.reshape(l_i, [BLOCK_M]), tl.reshape(acc, [BLOCK_M, HEAD_DIM])
 
@@ -426,18 +412,14 @@ def beam_cascade_kernel(
         if ONE_BLOCK_FIRST:
             # The prompt is one block: its K/V, then the tail's pages (source beams requested in
             # step 1), then the prompt's math while those pages arrive.
-            # Written out, not through _prompt_block_kv: unmasked K, V redirected (module docstring).
+            # Written out, not through _prompt_block_kv: this order of the address arithmetic is the
+            # sm_90 code timed on the H200; the helper's order compiles differently (8 fewer spilled
+            # bytes) and has not been timed.
             tok_ok = (n < prompt_end) & (first_pages >= 0) & (first_pages < num_pages)
             p_offs = tl.where(tok_ok, first_pages, 0).to(tl.int64) * stride_kv_page + (n % page_size) * stride_kv_slot
-            # K unmasked: a slot past the prompt (or of a page outside the pool, clamped to page 0)
-            # is in the pool, and its score is masked below. Its V is the block's first beam's
-            # new_v row instead (finite: 0 x NaN would poison P V).
-            k_p = tl.load(kv_ptr + kv_head_off + p_offs[:, None] + d[None, :])
-            v_first = new_v_ptr + (req64 * beam_width + first_beam) * stride_new_v_row + kv_head * stride_new_v_head
-            v_prow = tl.where(tok_ok, kv_ptr + kv_head_off + stride_kv_kv + p_offs, v_first)
-            if ALIGNED_ROWS:
-                v_prow = tl.multiple_of(v_prow, 16)
-            v_p = tl.load(v_prow[:, None] + d[None, :])
+            k_p = tl.load(kv_ptr + kv_head_off + p_offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+            v_p = tl.load(kv_ptr + kv_head_off + stride_kv_kv + p_offs[:, None] + d[None, :], mask=tok_ok[:, None],
+                          other=0.0)
             first_tail_pages = pages_of_source_beams(
                 first_src, first_pos, first_pos_ok, beam_pt_ptr, req64 * beam_width, stride_bpt_row, stride_bpt_col,
                 beam_width, page_size, page_index_divisor, num_pages).to(tl.int64)
@@ -467,12 +449,8 @@ def beam_cascade_kernel(
                                 + d[None, :], mask=slot_ok[:, None], other=0.0)
                 v_new = tl.load(new_v_ptr + slot_row64[:, None] * stride_new_v_row + kv_head * stride_new_v_head
                                 + d[None, :], mask=slot_ok[:, None], other=0.0)
-            # A column with no cached K/V reads its beam's new_k/new_v row: this step's token for
-            # the current column, a finite stand-in (masked out of the scores) for every other, so
-            # the loads need no mask. Padding beams take the block's last real beam's row.
-            tcol_src_row64 = req64 * beam_width + tl.minimum(tcol_beam, beam_width - 1).to(tl.int64)
-            tcol_new_k = new_k_ptr + tcol_src_row64 * stride_new_k_row + kv_head * stride_new_k_head
-            tcol_new_v = new_v_ptr + tcol_src_row64 * stride_new_v_row + kv_head * stride_new_v_head
+            tcol_new_k = new_k_ptr + tcol_row64 * stride_new_k_row + kv_head * stride_new_k_head
+            tcol_new_v = new_v_ptr + tcol_row64 * stride_new_v_row + kv_head * stride_new_v_head
             t_pages = first_tail_pages
             for t0 in tl.range(prompt_len, tail_stop, TAIL_BLOCK, num_stages=TAIL_STAGES):
                 tpos = t0 + tcol_step
@@ -481,15 +459,15 @@ def beam_cascade_kernel(
                 col_ok = gen_ok | is_cur
                 toffs = (tl.where(gen_ok, t_pages, 0) * stride_kv_page + kv_head_off
                          + (tpos % page_size).to(tl.int64) * stride_kv_slot)
-                k_row = tl.where(gen_ok, kv_ptr + toffs, tcol_new_k)
-                v_row = tl.where(gen_ok, kv_ptr + stride_kv_kv + toffs, tcol_new_v)
+                k_row = tl.where(is_cur, tcol_new_k, kv_ptr + toffs)
+                v_row = tl.where(is_cur, tcol_new_v, kv_ptr + stride_kv_kv + toffs)
                 if ALIGNED_ROWS:
                     # The select hides the rows' alignment from the compiler; restated (the launcher
                     # checked the base pointers and strides), the rows load as 16-byte vectors.
                     k_row = tl.multiple_of(k_row, 16)
                     v_row = tl.multiple_of(v_row, 16)
-                k_t = tl.load(k_row[:, None] + d[None, :])
-                v_t = tl.load(v_row[:, None] + d[None, :])
+                k_t = tl.load(k_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
+                v_t = tl.load(v_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
                 t_pages = _tail_block_pages(
                     ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row,
                     stride_bpt_col, req64, beam_width, tcol_beam, tpos + TAIL_BLOCK, tcol_gen_end, page_size,

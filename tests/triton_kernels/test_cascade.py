@@ -175,8 +175,8 @@ def poison_unread_slots(sim, step):
                          ids=["default_one_block", "beam_blocks_tail2", "tail_on_cores"])
 def test_cascade_never_reads_an_unwritten_slot(config, device):
     """The pool's slots past each prompt and tail (where beams write later steps, possibly right now)
-    and its unused pages hold NaN: the output still matches the oracle. The kernel loads K/V rows
-    with no mask, pointing rows it must not read at this step's own new K/V rows."""
+    and its unused pages hold NaN: the output still matches the oracle, so no such slot reaches
+    ``P V`` (a masked score times a NaN value is NaN), on the one-block, multi-block and core-tail paths."""
     sim = make_sim(device, prompts=[100, 40, 7], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=128, seed=21)
     for s in range(4):
         step = sim.begin_step()
