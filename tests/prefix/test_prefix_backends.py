@@ -348,6 +348,19 @@ def test_flashinfer_workspace_grows_for_a_bigger_plan():
     assert backend.workspace_bytes > small
 
 
+def test_cascade_serves_follows_the_backend_setting():
+    """The decline rule's question: will the one-launch cascade serve this batch?"""
+    from beam_shared_prefix.prefix.select import cascade_serves
+
+    assert cascade_serves("triton", None, 16, 8, None, 128)  # forced: wherever the kernel tiles the shape
+    assert not cascade_serves("triton", 100, 16, 8, 30, 256)
+    assert cascade_serves("auto", 100, 16, 8, 30, 128)
+    assert not cascade_serves("auto", 5000, 16, 8, 30, 128)  # auto: FA4 + tail there
+    assert not cascade_serves("auto", None, 16, 8, 30, 128)  # prompt unknown
+    for other in ("fa4", "flashinfer", "reference"):
+        assert not cascade_serves(other, 100, 16, 8, 30, 128)
+
+
 @pytest.mark.parametrize("group,head_dim,one_block_up_to,one_block_limit,split_limit", [
     # G = 1: tiles of at most 32 beams; several blocks never (round 8)
     (1, 128, 32, 4096, 0), (2, 128, 32, 4096, 128), (2, 64, 32, 4096, 128),
