@@ -23,8 +23,10 @@ eagerly (compiles the Triton and FA4 kernels), capture ``run()``, then before ea
 step's inputs into the captured tensors and call ``plan()`` (a no-op while the composition is
 unchanged; an in-place rewrite of the fixed buffers when it changes). A captured ``run()`` stays
 valid while the number of requests, the beam width and the attention shape stay the same. In this
-mode ``backend="auto"`` picks the backend at a shape's first plan and keeps it, whatever the
-prompt lengths of later batches (a captured launch cannot switch kernels).
+mode ``backend="auto"`` picks the backend once per shape, at its first plan, and keeps it (a captured
+launch cannot switch kernels); it judges the shape at the longest prompt the capture can serve
+(``max_prompt_pages`` pages), not at the first batch's prompts
+(:func:`~beam_shared_prefix.prefix.select.graph_rule_prompt`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from .prefix.base import (
 )
 from .prefix.buffers import DeviceBuffer
 from .prefix.flashinfer import PREFIX_KERNELS
-from .prefix.select import BACKEND_CLASSES, cascade_preferred, resolve_prefix_backend
+from .prefix.select import BACKEND_CLASSES, cascade_preferred, graph_rule_prompt, resolve_prefix_backend
 
 __all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
 
@@ -190,7 +192,11 @@ class BeamSharedPrefixAttention:
         hq, hkv, d, pg, dtype, _ = problem_key
         mean_prompt = float(step_plan.prompt_lens.mean()) if step_plan.num_requests else None
         side = None
-        if not self.use_cuda_graph and self.requested_backend == "auto":
+        if self.use_cuda_graph:
+            # One choice for every prompt the capture may serve, not the first batch's (often a
+            # warm-up's dummy prompts): judged at the prompt table's width.
+            mean_prompt = graph_rule_prompt(self.max_prompt_pages * pg, hq, hkv, step_plan.beam_width, d)
+        elif self.requested_backend == "auto":
             side = cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d)[0]
         cache_key = (problem_key, side)
         name = self._backend_for_problem.get(cache_key)
@@ -198,8 +204,9 @@ class BeamSharedPrefixAttention:
             name = resolve_prefix_backend(self.requested_backend, self.device, dtype, d, hq, hkv, pg, self.kv_layout,
                                           mean_prompt_len=mean_prompt, beam_width=step_plan.beam_width)
             self._backend_for_problem[cache_key] = name
-            logger.info("beam_shared_prefix: prefix backend %s serves Hq=%d Hkv=%d D=%d page %d %s, mean prompt %s "
+            logger.info("beam_shared_prefix: prefix backend %s serves Hq=%d Hkv=%d D=%d page %d %s, %s %s "
                         "(requested %s)", name, hq, hkv, d, pg, _dtype_name(dtype),
+                        "CUDA graph, judged at a prompt of" if self.use_cuda_graph else "mean prompt",
                         "unknown" if mean_prompt is None else f"{mean_prompt:.0f}", self.requested_backend)
         backend = self._backends.get(name)
         if backend is None:

@@ -30,7 +30,7 @@ from .flashinfer import FlashInferPrefixBackend
 from .reference import ReferencePrefixBackend
 from .triton import TritonPrefixBackend
 
-__all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "choose_prefix_backend",
+__all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "graph_rule_prompt", "choose_prefix_backend",
            "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL",
@@ -153,6 +153,26 @@ def cascade_preferred(
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"measured slower than FA4 + tail there)")
     return True, ""
+
+
+def graph_rule_prompt(prompt_capacity: int, num_qo_heads: int, num_kv_heads: int, beam_width: Optional[int],
+                      head_dim: int) -> int:
+    """The mean prompt (tokens) at which ``auto`` judges a CUDA-graph wrapper's shape, once: a captured
+    launch serves every prompt up to ``prompt_capacity`` (its prompt table's width in tokens), so the
+    cascade is taken only if it measured faster than FA4 + tail at that length. One exception: where
+    one beam block holds all of a request's beams (limit :data:`CASCADE_MAX_MEAN_PROMPT`), the
+    cascade was faster at every prompt measured, by a margin that shrinks slowly (16% at 1,000-2,000
+    tokens, 10% at 4,000 at G = 2), so a wider capacity is judged at that limit and keeps it."""
+    from triton_kernels.cascade import cascade_supported  # deferred: triton is imported on first use
+
+    group = num_qo_heads // max(num_kv_heads, 1)
+    if group > CASCADE_MAX_GROUP or not cascade_supported(group, head_dim)[0]:
+        return int(prompt_capacity)  # not the cascade's shape: cascade_preferred names the reason
+    one = one_beam_block(beam_width, group, head_dim)
+    limit = cascade_prompt_limit(beam_width, group, head_dim)
+    if one and limit == CASCADE_MAX_MEAN_PROMPT:
+        return int(min(prompt_capacity, limit))
+    return int(prompt_capacity)
 
 
 def cascade_serves(

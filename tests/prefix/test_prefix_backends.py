@@ -348,6 +348,20 @@ def test_flashinfer_workspace_grows_for_a_bigger_plan():
     assert backend.workspace_bytes > small
 
 
+def test_graph_rule_prompt_judges_the_widest_prompt_a_capture_serves():
+    """CUDA-graph wrappers decide once for every prompt up to the table's width: at that width, except
+    that one beam block (cascade measured faster at every prompt) is judged at most at its limit."""
+    from beam_shared_prefix.prefix.select import CASCADE_MAX_MEAN_PROMPT, graph_rule_prompt
+
+    assert graph_rule_prompt(8192, 16, 8, 30, 128) == CASCADE_MAX_MEAN_PROMPT  # G = 2, one block: the cascade
+    assert graph_rule_prompt(1024, 16, 8, 30, 128) == 1024
+    assert graph_rule_prompt(8192, 16, 8, 96, 128) == 8192  # several blocks: FA4 + tail unless the table is short
+    assert graph_rule_prompt(96, 16, 8, 96, 128) == 96
+    assert graph_rule_prompt(8192, 32, 4, 16, 128) == 8192  # G = 8
+    assert graph_rule_prompt(8192, 32, 8, 16, 64) == 8192  # G = 4, head 64: limit 256, not the one-block limit
+    assert graph_rule_prompt(8192, 16, 8, 30, 256) == 8192  # not tiled
+
+
 def test_cascade_serves_follows_the_backend_setting():
     """The decline rule's question: will the one-launch cascade serve this batch?"""
     from beam_shared_prefix.prefix.select import cascade_serves
