@@ -150,7 +150,8 @@ def test_check_mode_names_a_bad_page(device):
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph-mode"])
 def test_auto_rule_is_decided_per_side_of_the_prompt_threshold(monkeypatch, graph):
     """Eagerly, the wrapper asks the rule with the batch's mean prompt once per (shape, side of the
-    threshold); in CUDA-graph mode once per shape (a captured run() cannot switch kernels)."""
+    threshold); in CUDA-graph mode once per shape (a captured run() cannot switch kernels), with the
+    longest prompt its table serves (8,192 tokens here; one beam block: judged at the 4,096 limit)."""
     asked = []
 
     def resolve(requested, *a, mean_prompt_len=None, beam_width=None, **k):
@@ -175,4 +176,4 @@ def test_auto_rule_is_decided_per_side_of_the_prompt_threshold(monkeypatch, grap
     plan_lens([120, 300])  # same side: no new decision
     long_prompt = CASCADE_MAX_MEAN_PROMPT * 2
     plan_lens([long_prompt, long_prompt])
-    assert asked == ([200.0] if graph else [200.0, float(long_prompt)])
+    assert asked == ([CASCADE_MAX_MEAN_PROMPT] if graph else [200.0, float(long_prompt)])
