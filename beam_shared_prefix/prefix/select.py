@@ -70,7 +70,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "graph_rule
 #   (W = 64, two 32-beam tiles) 5% faster at 50 tokens, 6-34% slower from 100 up, hence never. G = 8
 #   (16-beam tiles of 128 rows): W = 8 13% faster at 100 tokens, 31% slower at 500; W = 16 24%
 #   faster at 100, 9% at 150, 7% at 250, 19% slower at 500; W = 30 (several blocks) 13% faster at
-#   100, even at 150, 3% slower at 250; hence 128 tokens at G = 5-8 (G = 5-7 pad to the same tile).
+#   100, even at 150, 3% slower at 250; hence 128 tokens at G = 5-8 (G = 5-7 pad to the same tile;
+#   head 64 not measured there, extrapolated from head 128, as head 64 favoured the cascade at G = 2).
 CASCADE_MAX_MEAN_PROMPT = 4096
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
 CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA = 0
