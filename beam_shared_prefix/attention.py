@@ -192,15 +192,15 @@ class BeamSharedPrefixAttention:
         hq, hkv, d, pg, dtype, _ = problem_key
         mean_prompt = float(step_plan.prompt_lens.mean()) if step_plan.num_requests else None
         side = None
-        if self.use_cuda_graph:
-            # One choice for every prompt the capture may serve, not the first batch's (often a
-            # warm-up's dummy prompts): judged at the prompt table's width.
-            mean_prompt = graph_rule_prompt(self.max_prompt_pages * pg, hq, hkv, step_plan.beam_width, d)
-        elif self.requested_backend == "auto":
+        if not self.use_cuda_graph and self.requested_backend == "auto":
             side = cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d)[0]
         cache_key = (problem_key, side)
         name = self._backend_for_problem.get(cache_key)
         if name is None:
+            if self.use_cuda_graph:
+                # One choice for every prompt the capture may serve, not the first batch's (often a
+                # warm-up's dummy prompts): judged at the prompt table's width.
+                mean_prompt = graph_rule_prompt(self.max_prompt_pages * pg, hq, hkv, step_plan.beam_width, d)
             name = resolve_prefix_backend(self.requested_backend, self.device, dtype, d, hq, hkv, pg, self.kv_layout,
                                           mean_prompt_len=mean_prompt, beam_width=step_plan.beam_width)
             self._backend_for_problem[cache_key] = name
