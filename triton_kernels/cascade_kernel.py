@@ -266,6 +266,65 @@ def _prompt_blocks(
 
 
 @triton.jit
+def _tail_block_rows(t_pages, tpos, tcol_cur, tcol_ok, tcol_new_k, tcol_new_v, kv_ptr, kv_head_off, page_size,
+                     stride_kv_page, stride_kv_kv, stride_kv_slot, ALIGNED_ROWS: tl.constexpr):
+    """Row pointers of a tail key block's K and V columns and their validity ``(k_row, v_row, col_ok)``:
+    position ``tpos[c]`` on page ``t_pages[c]``, or this step's ``new_k``/``new_v`` row at ``L - 1``."""
+    gen_ok = t_pages >= 0
+    is_cur = (tpos == tcol_cur) & tcol_ok
+    col_ok = gen_ok | is_cur
+    toffs = (tl.where(gen_ok, t_pages, 0) * stride_kv_page + kv_head_off
+             + (tpos % page_size).to(tl.int64) * stride_kv_slot)
+    k_row = tl.where(is_cur, tcol_new_k, kv_ptr + toffs)
+    v_row = tl.where(is_cur, tcol_new_v, kv_ptr + stride_kv_kv + toffs)
+    if ALIGNED_ROWS:
+        # The select hides the rows' alignment from the compiler; restated (the launcher
+        # checked the base pointers and strides), the rows load as 16-byte vectors.
+        k_row = tl.multiple_of(k_row, 16)
+        v_row = tl.multiple_of(v_row, 16)
+    return k_row, v_row, col_ok
+
+
+@triton.jit
+def _fold_tail_block(q, k_t, v_t, col_ok, tcol_slot, row_slot, qk_scale_log2, m_i, l_i, acc, DOT_FP32: tl.constexpr):
+    """Fold one tail key block: row ``m`` sees the valid columns of its own beam slot only."""
+    # Folding validity into the column's beam slot (-1: no row) leaves one compare per score.
+    col_seen_by = tl.where(col_ok, tcol_slot, -1)
+    s_t = tl.where(row_slot[:, None] == col_seen_by[None, :], _dot(q, tl.trans(k_t), DOT_FP32), float("-inf"))
+    return _online_softmax_block(s_t, qk_scale_log2, m_i, l_i, acc, v_t, DOT_FP32)
+
+
+@triton.jit
+def _tail_key_blocks(
+    q, m_i, l_i, acc, t_start, t_pages, kv_ptr, kv_head_off, tcol_new_k, tcol_new_v, tcol_step, tcol_cur, tcol_ok,
+    tcol_slot, tcol_beam, tcol_gen_end, row_slot, tail_stop, ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos,
+    beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, page_size, page_index_divisor, num_pages,
+    stride_kv_page, stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+    TAIL_STAGES: tl.constexpr, ALIGNED_ROWS: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Fold the generated positions ``[t_start, tail_stop)`` of one KV head into ``(m_i, l_i, acc)`` as
+    masked tensor-core key blocks of ``TAIL_BLOCK x BEAMS`` columns (column ``c``: position ``t0 +
+    tcol_step[c]`` of beam slot ``tcol_slot[c]``; ``t_pages``: the first block's pages, ``-1`` where
+    masked). The next block's pages are requested before this block's K/V are consumed."""
+    d = tl.arange(0, HEAD_DIM)
+    for t0 in tl.range(t_start, tail_stop, TAIL_BLOCK, num_stages=TAIL_STAGES):
+        tpos = t0 + tcol_step
+        k_row, v_row, col_ok = _tail_block_rows(t_pages, tpos, tcol_cur, tcol_ok, tcol_new_k, tcol_new_v, kv_ptr,
+                                                kv_head_off, page_size, stride_kv_page, stride_kv_kv, stride_kv_slot,
+                                                ALIGNED_ROWS)
+        k_t = tl.load(k_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
+        v_t = tl.load(v_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
+        t_pages = _tail_block_pages(
+            ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row,
+            stride_bpt_col, req64, beam_width, tcol_beam, tpos + TAIL_BLOCK, tcol_gen_end, page_size,
+            page_index_divisor, num_pages,
+        )
+        m_i, l_i, acc = _fold_tail_block(q, k_t, v_t, col_ok, tcol_slot, row_slot, qk_scale_log2, m_i, l_i, acc,
+                                         DOT_FP32)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def beam_cascade_kernel(
     q_ptr,
     new_k_ptr,
@@ -451,34 +510,12 @@ def beam_cascade_kernel(
                                 + d[None, :], mask=slot_ok[:, None], other=0.0)
             tcol_new_k = new_k_ptr + tcol_row64 * stride_new_k_row + kv_head * stride_new_k_head
             tcol_new_v = new_v_ptr + tcol_row64 * stride_new_v_row + kv_head * stride_new_v_head
-            t_pages = first_tail_pages
-            for t0 in tl.range(prompt_len, tail_stop, TAIL_BLOCK, num_stages=TAIL_STAGES):
-                tpos = t0 + tcol_step
-                gen_ok = t_pages >= 0
-                is_cur = (tpos == tcol_cur) & tcol_ok
-                col_ok = gen_ok | is_cur
-                toffs = (tl.where(gen_ok, t_pages, 0) * stride_kv_page + kv_head_off
-                         + (tpos % page_size).to(tl.int64) * stride_kv_slot)
-                k_row = tl.where(is_cur, tcol_new_k, kv_ptr + toffs)
-                v_row = tl.where(is_cur, tcol_new_v, kv_ptr + stride_kv_kv + toffs)
-                if ALIGNED_ROWS:
-                    # The select hides the rows' alignment from the compiler; restated (the launcher
-                    # checked the base pointers and strides), the rows load as 16-byte vectors.
-                    k_row = tl.multiple_of(k_row, 16)
-                    v_row = tl.multiple_of(v_row, 16)
-                k_t = tl.load(k_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
-                v_t = tl.load(v_row[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
-                t_pages = _tail_block_pages(
-                    ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row,
-                    stride_bpt_col, req64, beam_width, tcol_beam, tpos + TAIL_BLOCK, tcol_gen_end, page_size,
-                    page_index_divisor, num_pages,
-                )
-                # A column a row may see: its own beam's, and valid. Folding validity into the
-                # column's beam slot (-1: no row) leaves one compare per score.
-                col_seen_by = tl.where(col_ok, tcol_slot, -1)
-                s_t = tl.where(row_slot[:, None] == col_seen_by[None, :], _dot(q, tl.trans(k_t), DOT_FP32),
-                               float("-inf"))
-                m_i, l_i, acc = _online_softmax_block(s_t, qk_scale_log2, m_i, l_i, acc, v_t, DOT_FP32)
+            m_i, l_i, acc = _tail_key_blocks(
+                q, m_i, l_i, acc, prompt_len, first_tail_pages, kv_ptr, kv_head_off, tcol_new_k, tcol_new_v, tcol_step,
+                tcol_cur, tcol_ok, tcol_slot, tcol_beam, tcol_gen_end, row_slot, tail_stop, ci_ptr, stride_ci_req,
+                stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, page_size,
+                page_index_divisor, num_pages, stride_kv_page, stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM,
+                TAIL_BLOCK, TAIL_STAGES, ALIGNED_ROWS, DOT_FP32)
 
             if WRITE_KV:  # issued once the loads it needs have long arrived: it stalls nothing
                 w_mask = tl.where(head_ok, w_ok, False)[:, None]
