@@ -33,8 +33,8 @@ from .triton import TritonPrefixBackend
 __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "graph_rule_prompt", "choose_prefix_backend",
            "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA",
-           "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL",
-           "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL", "CASCADE_MAX_MEAN_PROMPT_GROUP_8", "CASCADE_MAX_GROUP"]
+           "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
+           "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
@@ -63,22 +63,28 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "graph_rule
 #   (triton_kernels.cascade.cascade_launch_config), against FA4 + tail (auto_rule_round7_*.json):
 #   one block (W = 16) 30% faster at 250 tokens, 20% at 500, 14% at 1,000, 9% at 2,000, 5% at
 #   4,000, hence 4,096 as at G <= 2; several blocks (W = 30) 23% faster at 50 tokens, 14% at 100,
-#   4% at 200, even at 300, 11% slower at 500 (96.8 against 87.0 us, B-4B.json), hence 256. The
-#   limits measured before it (256 and none) stay for the tensor-core tail (head 64).
+#   4% at 200, even at 300, 11% slower at 500 (96.8 against 87.0 us, B-4B.json), hence 256.
 # - Round 8 (auto_rule_round8_*.json, against FA4 + tail): G = 1 with one block faster everywhere
 #   measured (W = 14: 32% at 100 tokens, 11% at 2,000; W = 30: 20% and 4%); several blocks at G = 1
 #   (W = 64, two 32-beam tiles) 5% faster at 50 tokens, 6-34% slower from 100 up, hence never. G = 8
 #   (16-beam tiles of 128 rows): W = 8 13% faster at 100 tokens, 31% slower at 500; W = 16 24%
 #   faster at 100, 9% at 150, 7% at 250, 19% slower at 500; W = 30 (several blocks) 13% faster at
-#   100, even at 150, 3% slower at 250; hence 128 tokens at G = 5-8 (G = 5-7 pad to the same tile;
-#   head 64 not measured there, extrapolated from head 128, as head 64 favoured the cascade at G = 2).
+#   100, even at 150, 3% slower at 250; hence 128 tokens at G = 5-8 (G = 5-7 pad to the same tile).
+# - Round 9, head 64 (auto_rule_round9_*.json, against FA4 + tail; the limits of head 64 had been
+#   taken from older kernels or from head 128). G = 4 (the tensor-core tail at head 64): one block
+#   (W = 16) 42% faster at 250 tokens, 35% at 500, 29% at 1,000, 25% at 2,000, 22% at 4,000;
+#   several blocks (W = 30) 23% faster at 50-100, 14% at 250, even at 500, 16% slower at 1,000: the
+#   limits of head 128 (4,096 and 256) hold at head 64 too. G = 8: W = 8 18% faster at 100, 7% at
+#   250, 6% slower at 500; W = 16 31%, 22% and 6% faster at 100, 250 and 500, 12% slower at 1,000;
+#   W = 30 (two blocks) 18% and 9% faster at 100 and 250, 6% slower at 500; hence 256 at head 64.
+#   G = 1 (one block) 25-35% faster at 500-4,000 tokens, as at head 128. G = 2, W = 64 (two blocks):
+#   30%, 22% and 8% faster at 100, 250 and 500; the limit stays 128, measured at W up to 256.
 CASCADE_MAX_MEAN_PROMPT = 4096
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
 CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA = 0
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
-CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL = 256
-CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL = 0
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
+CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 = 256
 CASCADE_MAX_GROUP = 8
 
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
@@ -106,22 +112,18 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     | --- | --- | --- |
     | 1 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA` |
     | 2 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` |
-    | 3-4, tail on CUDA cores (head 128) | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` |
-    | 3-4, tensor-core tail (head 64) | :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL` |
-    | 5-8 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` |
+    | 3-4 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` |
+    | 5-8, head 128 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` |
+    | 5-8, head 64 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` |
     """
-    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
-
     one = one_beam_block(beam_width, group_size, head_dim)
     if group_size == 1:
         return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA
     if group_size <= 2:
         return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT
     if group_size > 4:
-        return CASCADE_MAX_MEAN_PROMPT_GROUP_8
-    if cascade_launch_config(int(beam_width or 1), group_size, head_dim).tail_on_cores:
-        return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP
-    return CASCADE_MAX_MEAN_PROMPT_WIDE_GROUP_TC_TAIL if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_TC_TAIL
+        return CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 if head_dim == 64 else CASCADE_MAX_MEAN_PROMPT_GROUP_8
+    return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP
 
 
 def cascade_preferred(

@@ -358,7 +358,8 @@ def test_graph_rule_prompt_judges_the_widest_prompt_a_capture_serves():
     assert graph_rule_prompt(8192, 16, 8, 96, 128) == 8192  # several blocks: FA4 + tail unless the table is short
     assert graph_rule_prompt(96, 16, 8, 96, 128) == 96
     assert graph_rule_prompt(8192, 32, 4, 16, 128) == 8192  # G = 8
-    assert graph_rule_prompt(8192, 32, 8, 16, 64) == 8192  # G = 4, head 64: limit 256, not the one-block limit
+    assert graph_rule_prompt(8192, 32, 8, 16, 64) == CASCADE_MAX_MEAN_PROMPT  # G = 4, head 64, one block (round 9)
+    assert graph_rule_prompt(8192, 32, 8, 30, 64) == 8192  # G = 4, several blocks: limit 256
     assert graph_rule_prompt(8192, 16, 8, 30, 256) == 8192  # not tiled
 
 
@@ -378,17 +379,16 @@ def test_cascade_serves_follows_the_backend_setting():
 @pytest.mark.parametrize("group,head_dim,one_block_up_to,one_block_limit,split_limit", [
     # G = 1: tiles of at most 32 beams; several blocks never (round 8)
     (1, 128, 32, 4096, 0), (2, 128, 32, 4096, 128), (2, 64, 32, 4096, 128),
-    # groups 3-4: head 128 attends the tail on CUDA cores (round 7); head 64 keeps the tensor-core
-    # tail and the limits measured for it
-    (3, 128, 16, 4096, 256), (4, 128, 16, 4096, 256), (4, 64, 16, 256, 0),
-    # groups 5-8: 16-beam tiles of 128 rows, 128 tokens either way (round 8)
-    (5, 128, 16, 128, 128), (8, 128, 16, 128, 128),
+    # groups 3-4: head 128 attends the tail on CUDA cores (round 7), head 64 on tensor cores; the
+    # same limits measured for both (round 9)
+    (3, 128, 16, 4096, 256), (4, 128, 16, 4096, 256), (4, 64, 16, 4096, 256),
+    # groups 5-8: 16-beam tiles of 128 rows, 128 tokens either way at head 128 (round 8), 256 at head 64 (round 9)
+    (5, 128, 16, 128, 128), (8, 128, 16, 128, 128), (8, 64, 16, 256, 256),
 ])
 def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block_up_to, one_block_limit, split_limit):
     """4096 tokens while one program's beam block (at most 32 beams and 64 query rows) holds all W
-    beams (256 at groups 3-4 with the tensor-core tail, 128 at groups 5-8); beyond, and when W is
-    unknown: none at G = 1, 128 tokens at G = 2, 256 at groups 3-4 with the core tail (none with the
-    tensor-core tail), 128 at groups 5-8."""
+    beams (at groups 5-8: 128 at head 128, 256 at head 64); beyond, and when W is unknown: none at
+    G = 1, 128 tokens at G = 2, 256 at groups 3-4, as at groups 5-8 otherwise."""
     from beam_shared_prefix.prefix.select import cascade_prompt_limit, one_beam_block
 
     assert cascade_prompt_limit(1, group, head_dim) == one_block_limit
