@@ -32,8 +32,8 @@ from .triton import TritonPrefixBackend
 
 __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "graph_rule_prompt", "choose_prefix_backend",
            "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
-           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA",
-           "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
+           "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
+           "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
@@ -77,10 +77,12 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "graph_rule
 #   limits of head 128 (4,096 and 256) hold at head 64 too. G = 8: W = 8 18% faster at 100, 7% at
 #   250, 6% slower at 500; W = 16 31%, 22% and 6% faster at 100, 250 and 500, 12% slower at 1,000;
 #   W = 30 (two blocks) 18% and 9% faster at 100 and 250, 6% slower at 500; hence 256 at head 64.
-#   G = 1 (one block) 25-35% faster at 500-4,000 tokens, as at head 128. G = 2, W = 64 (two blocks):
-#   30%, 22% and 8% faster at 100, 250 and 500; the limit stays 128, measured at W up to 256.
+#   G = 1 (one block) 25-35% faster at 500-4,000 tokens, as at head 128. G = 2, several blocks: W =
+#   64 30%, 22% and 8% faster at 100, 250 and 500, 10% slower at 1,000; W = 128 27%, 19% and 5%
+#   faster; W = 256 15% and 5% faster at 100 and 250, 14% slower at 500; hence 256 at head 64.
 CASCADE_MAX_MEAN_PROMPT = 4096
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
+CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64 = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA = 0
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
@@ -111,7 +113,7 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     | group | one beam block holds all ``W`` beams | several blocks (or ``W`` unknown) |
     | --- | --- | --- |
     | 1 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA` |
-    | 2 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` |
+    | 2 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64`) |
     | 3-4 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` |
     | 5-8, head 128 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` |
     | 5-8, head 64 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` |
@@ -120,7 +122,9 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     if group_size == 1:
         return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA
     if group_size <= 2:
-        return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT
+        if one:
+            return CASCADE_MAX_MEAN_PROMPT
+        return CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64 if head_dim == 64 else CASCADE_MAX_MEAN_PROMPT_SPLIT
     if group_size > 4:
         return CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 if head_dim == 64 else CASCADE_MAX_MEAN_PROMPT_GROUP_8
     return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP
