@@ -32,8 +32,7 @@ re-read, so the crossover follows ``(W - 1) * P``:
 
 So it serves a batch only when ``(W - 1) * mean prompt >= MIN_SHARED_PROMPT_TOKENS = 600``.
 
-**Prompt length unknown** (a CUDA graph serves any prompt; TensorRT-LLM's selection cache key
-holds no prompt length): beam widths below ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8
+**Prompt length unknown** (a CUDA graph serves any prompt): beam widths below ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8
 beams and more the two-launch paths lost only to 32-token prompts, and the cascade lost nowhere in
 either grid.
 
@@ -99,8 +98,8 @@ def should_decline(
     if prompt_len is None:
         if w < MIN_BEAM_WIDTH_ANY_PROMPT:
             return (
-                f"beam width {w} < {MIN_BEAM_WIDTH_ANY_PROMPT} with the prompt length unknown (CUDA graph or "
-                f"selection): narrow beams pay only with long prompts (measured on the H200, docs/benchmarks.md)"
+                f"beam width {w} < {MIN_BEAM_WIDTH_ANY_PROMPT} with the prompt length unknown (a CUDA graph): "
+                f"narrow beams pay only with long prompts (measured on the H200, docs/benchmarks.md)"
             )
         return None
     saved = (w - 1) * float(prompt_len)

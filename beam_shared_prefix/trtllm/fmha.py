@@ -8,9 +8,10 @@ Selection (sections 2.1, 2.3, 2.4):
 
 - ``_is_available(attn)``: the layer gates of :func:`gates.layer_decline_reason`.
 - ``_is_supported(..., phase)``: ``CONTEXT`` is always declined. Batch and call gates apply to the
-  generation rows. The parts of the decline rule that depend only on beam width and head shape
-  apply here; the rest is per step (``planning.py``). Every condition is invariant within the
-  manager's selection-cache key.
+  generation rows. Every condition is invariant within the manager's selection-cache key. The
+  decline rule is not applied here: its verdict at a beam width depends on the prompt length
+  (eager steps) or on whether the step is a CUDA graph (prompt unknown), neither of which the key
+  holds, so it is judged per step (``planning.py``) and a declined step goes to ``fallback``.
 
 Mixed batches (context and generation requests in one step). TensorRT-LLM's manager asks each
 library in order the phase-less question first, then ``CONTEXT``/``GENERATION``; it builds a
@@ -41,7 +42,6 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from ..decline import should_decline
 from .gates import batch_decline_reason, call_decline_reason, decline_log, layer_decline_reason
 from .kv_cache import adapter_for
 from .planning import Family, ensure_prepare_hook, register_instance, runtime_view, step_for_forward, wrapper_for
@@ -144,9 +144,6 @@ class BeamSharedPrefixFmhaMixin:
         reason = batch_decline_reason(metadata) or call_decline_reason(attn, q, k, v, metadata, forward_args)
         if reason is None:
             reason = self._layer_kv_reason(metadata, q)
-        if reason is None and current_settings().decline == "auto":
-            # Only the key-invariant quantities; prompt length and request count are judged per step.
-            reason = should_decline(None, int(metadata.beam_width), None, attn.num_heads, attn.num_kv_heads, attn.head_dim)
         if reason is not None:
             _log_decline(reason)
             return False

@@ -230,17 +230,29 @@ def test_per_step_decline_follows_the_serving_path(trt, monkeypatch, head_dim, s
     assert stats()["delegated_steps"] == (0 if served else 1)
 
 
-def test_beam_width_decline_is_a_selection_gate(trt, monkeypatch, caplog):
-    """Beam width is constant within the cache key (doc 2.4, 3.3), so the rule's beam-width part declines
-    at selection: fallback is chosen and cached, and the reason is logged."""
+@pytest.mark.parametrize("prompts,graph,served,reason", [
+    ((90, 120), False, True, None),
+    ((20, 30), False, False, "mean prompt 25 < 50 tokens at beam width 4"),
+    ((90, 120), True, False, "beam width 4 < 8 with the prompt length unknown"),
+])
+def test_narrow_beams_are_judged_per_step(trt, monkeypatch, caplog, prompts, graph, served, reason):
+    """4 beams: the selection takes the library (the beam width alone decides nothing: the rule's
+    verdict needs the prompt length); each step is then judged. Eagerly the one-launch cascade serves
+    4 beams from a mean prompt of 50 tokens; a CUDA-graph step serves any prompt, so it follows the
+    unknown-prompt rule (8 beams or more) and goes to fallback, at capture as at every replay."""
     model = trt(layout="new")
     monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "auto")  # the rule judges auto's GPU choice
     register()
-    setup = build(model, prompts=(90, 120), beam_width=4)
+    setup = build(model, prompts=prompts, beam_width=4)
     step = setup.sim.begin_step()
+    metadata = setup.engine.graph_metadata(len(prompts)) if graph else None
     with caplog.at_level("DEBUG", logger="beam_shared_prefix.trtllm"):
-        out, _ = setup.run(step)
-    assert_close(gen_rows(out, 0, setup.sim), setup.oracle(step), "fallback")
-    assert [type(f).__name__ for f in selected(setup)] == ["FallbackFmha"]
-    assert "beam width 4 < 8" in caplog.text and stats()["generation_forwards"] == 0
+        out, _ = setup.run(step, metadata=metadata)
+    assert_close(gen_rows(out, 0, setup.sim), setup.oracle(step), f"prompts={prompts} graph={graph}")
+    assert [type(f).__name__ for f in selected(setup)] == ["BeamSharedPrefixFmha"]
+    assert stats()["generation_forwards"] == (1 if served else 0)
+    assert stats()["delegated_steps"] == (0 if served else 1)
+    if reason is not None:
+        assert reason in caplog.text

@@ -233,15 +233,19 @@ def test_decline_reason_logged_once(enabled, caplog):
     assert caplog.text.count("sliding-window attention") == 1
 
 
-def test_selection_is_invariant_within_the_cache_key(enabled, monkeypatch):
+# 8 beams judged by the two-launch rule (the CPU backend), 4 beams by the cascade's (auto's GPU choice).
+@pytest.mark.parametrize("beam_width,backend", [(8, "reference"), (4, "auto")])
+def test_selection_is_invariant_within_the_cache_key(enabled, monkeypatch, beam_width, backend):
     """Doc 2.4: nothing the library checks varies inside a selection-cache key. The manager's sanity
     check re-runs the uncached selection on every hit: prompt and KV lengths that change, requests that
     finish and join, a CUDA-graph metadata (is_cuda_graph is not in the key) and the decline rule on
-    (prompt length is judged per step) never make the library's answer disagree with the cached one."""
+    (prompt length is judged per step) never make the library's answer disagree with the cached one,
+    also at 4 beams, where the rule's verdict changes with the prompt and with the CUDA graph."""
     monkeypatch.setenv("TRTLLM_FMHA_CACHE_SANITY_CHECK", "1")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
     register()
-    setup = build(enabled, prompts=(20, 90), beam_width=8, max_seq_len=160)
+    setup = build(enabled, prompts=(20, 90), beam_width=beam_width, max_seq_len=160)
     sim = setup.sim
     graph = setup.engine.graph_metadata(2)
     for s in range(6):
