@@ -33,7 +33,8 @@ from .triton import TritonPrefixBackend
 __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "graph_rule_prompt", "choose_prefix_backend",
            "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
-           "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
+           "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
+           "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
@@ -80,10 +81,14 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "graph_rule
 #   G = 1 (one block) 25-35% faster at 500-4,000 tokens, as at head 128. G = 2, several blocks: W =
 #   64 30%, 22% and 8% faster at 100, 250 and 500, 10% slower at 1,000; W = 128 27%, 19% and 5%
 #   faster; W = 256 15% and 5% faster at 100 and 250, 14% slower at 500; hence 256 at head 64.
+#   G = 1, several blocks (32-beam tiles of 32 rows): W = 64 (two tiles) 17% faster at 50 and 100
+#   tokens, 10% at 250, 3% slower at 500; W = 128 14-36% and W = 256 19-40% slower from 100 up;
+#   hence 256 at head 64 for two tiles, never beyond (or with W unknown).
 CASCADE_MAX_MEAN_PROMPT = 4096
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
 CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64 = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA = 0
+CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64 = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
 CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 = 256
@@ -95,6 +100,13 @@ BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
     "fa4": FA4PrefixBackend,
     "triton": TritonPrefixBackend,
 }
+
+
+def _beams_per_block(group_size: int, head_dim: int) -> int:
+    """Beams one cascade program holds at the widest beam widths (its tile's cap)."""
+    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
+
+    return cascade_launch_config(1 << 16, group_size, head_dim).beams_per_program
 
 
 def one_beam_block(beam_width: Optional[int], group_size: int, head_dim: int) -> bool:
@@ -112,7 +124,7 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
 
     | group | one beam block holds all ``W`` beams | several blocks (or ``W`` unknown) |
     | --- | --- | --- |
-    | 1 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA` |
+    | 1 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA` (head 64, two blocks: :data:`CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64`) |
     | 2 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64`) |
     | 3-4 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` |
     | 5-8, head 128 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` |
@@ -120,7 +132,11 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     """
     one = one_beam_block(beam_width, group_size, head_dim)
     if group_size == 1:
-        return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA
+        if one:
+            return CASCADE_MAX_MEAN_PROMPT
+        if head_dim == 64 and beam_width is not None and beam_width <= 2 * _beams_per_block(group_size, head_dim):
+            return CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64
+        return CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA
     if group_size <= 2:
         if one:
             return CASCADE_MAX_MEAN_PROMPT

@@ -432,3 +432,13 @@ def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block
     assert cascade_prompt_limit(one_block_up_to + 1, group, head_dim) == split_limit
     assert cascade_prompt_limit(256, group, head_dim) == split_limit
     assert cascade_prompt_limit(None, group, head_dim) == split_limit
+
+
+def test_two_beam_blocks_without_gqa_at_head_64():
+    """G = 1, head 64: two 32-beam tiles take the cascade up to 256 tokens (round 9: 10-17% faster at
+    W = 64), wider beams never (14-40% slower at W = 128 and 256)."""
+    from beam_shared_prefix.prefix.select import cascade_prompt_limit
+
+    assert cascade_prompt_limit(64, 1, 64) == 256 and cascade_prompt_limit(33, 1, 64) == 256
+    assert cascade_prompt_limit(65, 1, 64) == 0 and cascade_prompt_limit(None, 1, 64) == 0
+    assert cascade_prompt_limit(64, 1, 128) == 0
