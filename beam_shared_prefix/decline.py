@@ -1,7 +1,8 @@
 """When the library declines a shape because the default per-beam decode would be faster.
 
-The rule is measured, not guessed, on the H200 (64 requests, head 128, page 32, tail 4, bf16; GQA
-16/8 and 32/8; ``docs/benchmarks.md``, "The decline rule"), and it depends on which path serves:
+The rule is measured, not guessed, on the H200 (64 requests, head 128 and for the cascade head 64,
+page 32, tail 4, bf16; GQA 16/8 and 32/8; ``docs/benchmarks.md``, "The decline rule"), and it
+depends on which path serves:
 
 **The one-launch cascade** (backend ``triton``, or ``auto`` where it picks the cascade:
 :func:`beam_shared_prefix.prefix.select.cascade_serves`). Its cost is nearly flat at short
@@ -20,6 +21,19 @@ run-to-run noise near the crossover):
 A batch the two-launch rule below serves is served as well: ``auto`` picks the cascade only where
 it measured faster than the two-launch paths.
 
+At head 64 (ninth round, ``decline_g[24]_d64_auto*.json``) per-beam decode moves half the bytes
+and the cascade's short-prompt cost barely falls (22 us), so it pays from longer prompts; the
+two-launch clause is not applied there (2 beams were 1.09x at 1,000 tokens and 1.03x at 2,000,
+under the margin):
+
+| beam width W | served from a mean prompt of (head 64) | measured just below (G = 2 / G = 4) |
+| --- | --- | --- |
+| 2 | never (G = 2: 0.54x-1.09x from 32 to 2,000 tokens) | |
+| 3 | 500 (1.28x / 1.44x) | 250: 1.04x; 150: 0.80x / 1.01x |
+| 4-5 | 250 (1.30x; G = 4 1.28x at 150) | 150: 0.98x; 100: 1.00x |
+| 6-7 | 100 (1.36x; G = 4 1.21x at 50) | 50: 1.09x; 32: 1.00x |
+| 8 and more | 32 (1.24x; G = 4 1.52x at 50) | not measured below 32 |
+
 **The two-launch paths** (FA4 or FlashInfer prefix + tail kernel; ``decline_g2.json``,
 ``decline_g4.json``). What the library saves is the prompt KV that ``W - 1`` beams no longer
 re-read, so the crossover follows ``(W - 1) * P``:
@@ -36,8 +50,9 @@ So it serves a batch only when ``(W - 1) * mean prompt >= MIN_SHARED_PROMPT_TOKE
 beams and more the two-launch paths lost only to 32-token prompts, and the cascade lost nowhere in
 either grid.
 
-Extrapolation, stated: request count and head size were not varied. Re-run the grids for a very
-different shape (``docs/benchmarks.md`` says how).
+Extrapolation, stated: the request count was not varied, and the head size only for the cascade
+(64 and 128; the two-launch rule was measured at head 128). Re-run the grids for a very different
+shape (``docs/benchmarks.md`` says how).
 
 The function is pure and cheap (integer arithmetic), independent of TensorRT-LLM and of the
 benchmark code. Unknown quantities are passed as ``None`` and judged as described above.
@@ -48,7 +63,7 @@ from __future__ import annotations
 from typing import Optional
 
 __all__ = ["should_decline", "cascade_min_prompt", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
-           "MIN_SHARED_PROMPT_TOKENS", "CASCADE_MIN_PROMPT"]
+           "MIN_SHARED_PROMPT_TOKENS", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64"]
 
 #: Beam search proper: with one beam nothing is shared.
 MIN_BEAM_WIDTH = 2
@@ -58,11 +73,16 @@ MIN_BEAM_WIDTH_ANY_PROMPT = 8
 MIN_SHARED_PROMPT_TOKENS = 600
 #: With the one-launch cascade serving: ``(beam width from, smallest mean prompt served)``, by width.
 CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
+#: The same at head 64 (and below); narrower widths than the first are never served.
+CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
 
 
-def cascade_min_prompt(beam_width: int) -> int:
-    """The smallest mean prompt (tokens) served at ``beam_width`` (>= 2) when the cascade serves."""
-    return [tokens for width, tokens in CASCADE_MIN_PROMPT if width <= beam_width][-1]
+def cascade_min_prompt(beam_width: int, head_dim: Optional[int] = None) -> Optional[int]:
+    """The smallest mean prompt (tokens) served at ``beam_width`` (>= 2) when the cascade serves, at
+    ``head_dim`` (``None``: head 128's table); ``None`` where no prompt measured was served."""
+    table = CASCADE_MIN_PROMPT_HEAD_64 if head_dim is not None and head_dim <= 64 else CASCADE_MIN_PROMPT
+    served = [tokens for width, tokens in table if width <= beam_width]
+    return served[-1] if served else None
 
 
 def should_decline(
@@ -82,8 +102,8 @@ def should_decline(
         beam_width: ``W``, beams per request (``None``: unknown; not judged).
         prompt_len: prompt length in tokens; for a batch, its mean (``None``: unknown, e.g. a
             CUDA graph that serves any prompt).
-        num_qo_heads, num_kv_heads, head_dim: the layer's attention shape (not judged: the
-            crossover scales alike for both arms).
+        num_qo_heads, num_kv_heads, head_dim: the layer's attention shape; the head size picks the
+            cascade's table (head 64 or head 128; ``None``: head 128's), the rest is not judged.
         one_launch: whether the one-launch cascade serves the batch (its own, lower thresholds);
             ``False``: a prefix backend + the tail kernel (two launches).
 
@@ -104,13 +124,20 @@ def should_decline(
         return None
     saved = (w - 1) * float(prompt_len)
     if one_launch:
-        # Served where the cascade measured faster, and wherever the two-launch paths are (auto picks
-        # the cascade only where it beat them).
-        least = cascade_min_prompt(w)
-        if float(prompt_len) < least and saved < MIN_SHARED_PROMPT_TOKENS:
+        least = cascade_min_prompt(w, head_dim)
+        if least is None:
+            return (
+                f"beam width {w} at head {head_dim} with the one-launch cascade: per-beam decode was faster or "
+                f"within 10% at every prompt measured (up to 2,000 tokens; H200, docs/benchmarks.md)"
+            )
+        # Served where the cascade measured faster; at head 128 also wherever the two-launch paths
+        # are (auto picks the cascade only where it beat them; not measured at head 64).
+        two_launch_serves = saved >= MIN_SHARED_PROMPT_TOKENS and not (head_dim is not None and head_dim <= 64)
+        if float(prompt_len) < least and not two_launch_serves:
             return (
                 f"mean prompt {float(prompt_len):.0f} < {least} tokens at beam width {w} with the one-launch "
-                f"cascade: per-beam decode is faster or within 10% here (measured on the H200, docs/benchmarks.md)"
+                f"cascade{' at head ' + str(head_dim) if head_dim is not None and head_dim <= 64 else ''}: "
+                f"per-beam decode is faster or within 10% here (measured on the H200, docs/benchmarks.md)"
             )
         return None
     if saved < MIN_SHARED_PROMPT_TOKENS:

@@ -7,6 +7,7 @@ import pytest
 
 from beam_shared_prefix.decline import (
     CASCADE_MIN_PROMPT,
+    CASCADE_MIN_PROMPT_HEAD_64,
     MIN_BEAM_WIDTH_ANY_PROMPT,
     MIN_SHARED_PROMPT_TOKENS,
     cascade_min_prompt,
@@ -34,6 +35,21 @@ def test_prompt_known_serves_from_the_measured_threshold(w, served_from, one_lau
     assert reason is not None and str(served_from - 1) in reason
 
 
+@pytest.mark.parametrize("w,served_from", [(3, 500), (4, 250), (5, 250), (6, 100), (7, 100), (8, 32), (64, 32)])
+def test_head_64_serves_from_its_own_threshold(w, served_from):
+    """At head 64 the cascade pays from longer prompts, and the two-launch clause does not apply
+    (3 beams x 499 tokens would pass it)."""
+    assert should_decline(64, w, served_from, 16, 8, 64, one_launch=True) is None
+    reason = should_decline(64, w, served_from - 1, 16, 8, 64, one_launch=True)
+    assert reason is not None and f"{served_from - 1} < {served_from} tokens" in reason and "head 64" in reason
+
+
+def test_head_64_never_serves_two_beams():
+    reason = should_decline(64, 2, 2000, 16, 8, 64, one_launch=True)
+    assert reason is not None and "beam width 2 at head 64" in reason
+    assert should_decline(64, 2, 2000, 16, 8, 128, one_launch=True) is None  # head 128: from 500
+
+
 def test_reasons_name_the_value_and_the_limit():
     assert "shared prompt tokens < 600" in decide(8, 40)
     assert "mean prompt 100 < 150 tokens at beam width 3" in decide(3, 100, one_launch=True)
@@ -48,11 +64,13 @@ def test_prompt_unknown_serves_from_eight_beams(one_launch):
     assert should_decline(None, None, None, 16, 8, 128) is None
 
 
-def test_cascade_thresholds_only_fall_with_the_beam_width():
-    widths = [w for w, _ in CASCADE_MIN_PROMPT]
-    assert widths == sorted(widths) and widths[0] == 2
-    prompts = [cascade_min_prompt(w) for w in range(2, 300)]
+@pytest.mark.parametrize("table,head_dim", [(CASCADE_MIN_PROMPT, 128), (CASCADE_MIN_PROMPT_HEAD_64, 64)])
+def test_cascade_thresholds_only_fall_with_the_beam_width(table, head_dim):
+    widths = [w for w, _ in table]
+    assert widths == sorted(widths) and widths[0] >= 2
+    prompts = [cascade_min_prompt(w, head_dim) for w in range(widths[0], 300)]
     assert prompts == sorted(prompts, reverse=True)
+    assert all(cascade_min_prompt(w, head_dim) is None for w in range(2, widths[0]))
 
 
 def _grid_points(pattern):
@@ -65,6 +83,7 @@ def _grid_points(pattern):
 
 @pytest.mark.parametrize("pattern,arm,margin", [
     ("decline_g[24]_auto*.json", "library/auto", 1.10),
+    ("decline_g[24]_d64_auto*.json", "library/auto", 1.10),
     ("decline_g[24].json", "library/fa4", 1.10),
 ])
 def test_rule_agrees_with_the_h200_grids(pattern, arm, margin):

@@ -238,14 +238,14 @@ def test_per_step_decline_follows_the_serving_path(trt, monkeypatch, head_dim, s
 def test_narrow_beams_are_judged_per_step(trt, monkeypatch, caplog, prompts, graph, served, reason):
     """4 beams: the selection takes the library (the beam width alone decides nothing: the rule's
     verdict needs the prompt length); each step is then judged. Eagerly the one-launch cascade serves
-    4 beams from a mean prompt of 50 tokens; a CUDA-graph step serves any prompt, so it follows the
+    4 beams at head 128 from a mean prompt of 50 tokens; a CUDA-graph step serves any prompt, so it follows the
     unknown-prompt rule (8 beams or more) and goes to fallback, at capture as at every replay."""
     model = trt(layout="new")
     monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "auto")  # the rule judges auto's GPU choice
     register()
-    setup = build(model, prompts=prompts, beam_width=4)
+    setup = build(model, prompts=prompts, beam_width=4, head_dim=128)  # head 128's table (head 64: from 250)
     step = setup.sim.begin_step()
     metadata = setup.engine.graph_metadata(len(prompts)) if graph else None
     with caplog.at_level("DEBUG", logger="beam_shared_prefix.trtllm"):

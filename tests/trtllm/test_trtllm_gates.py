@@ -245,7 +245,7 @@ def test_selection_is_invariant_within_the_cache_key(enabled, monkeypatch, beam_
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
     register()
-    setup = build(enabled, prompts=(20, 90), beam_width=beam_width, max_seq_len=160)
+    setup = build(enabled, prompts=(20, 90), beam_width=beam_width, max_seq_len=160, head_dim=128)
     sim = setup.sim
     graph = setup.engine.graph_metadata(2)
     for s in range(6):
