@@ -46,12 +46,24 @@ re-read, so the crossover follows ``(W - 1) * P``:
 
 So it serves a batch only when ``(W - 1) * mean prompt >= MIN_SHARED_PROMPT_TOKENS = 600``.
 
+**Few beam rows** (``decline_requests.json``, ninth round, GQA 16/8, head 128, the cascade): every
+path runs one program per request and KV head (or per beam block), so a step with few requests
+leaves the GPU underfilled while per-beam decode spreads over every beam. With ``R x W`` beam rows:
+
+| R x W | speedup over per-beam decode |
+| --- | --- |
+| 8-32 (R = 1: W = 8, 30; R = 4: W = 8; P = 100, 500) | 0.55x - 0.89x: declined |
+| >= 120 (R = 4 x 30, R = 16 x 8 and 30) | 1.24x - 7.97x: served |
+
+So it serves a batch only when ``R x W >= MIN_BEAM_ROWS = 120`` (the smallest measured that won;
+32 lost), before the rules below.
+
 **Prompt length unknown** (a CUDA graph serves any prompt): beam widths below ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8
 beams and more the two-launch paths lost only to 32-token prompts, and the cascade lost nowhere in
 either grid.
 
-Extrapolation, stated: the request count was not varied, and the head size only for the cascade
-(64 and 128; the two-launch rule was measured at head 128). Re-run the grids for a very different
+Extrapolation, stated: the request count was varied only at head 128 with the cascade, and the
+head size only for the cascade (64 and 128; the two-launch rule was measured at head 128). Re-run the grids for a very different
 shape (``docs/benchmarks.md`` says how).
 
 The function is pure and cheap (integer arithmetic), independent of TensorRT-LLM and of the
@@ -63,10 +75,12 @@ from __future__ import annotations
 from typing import Optional
 
 __all__ = ["should_decline", "cascade_min_prompt", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
-           "MIN_SHARED_PROMPT_TOKENS", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64"]
+           "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64"]
 
 #: Beam search proper: with one beam nothing is shared.
 MIN_BEAM_WIDTH = 2
+#: Fewer beam rows (requests x beam width) than this are left to the default kernel.
+MIN_BEAM_ROWS = 120
 #: With an unknown prompt length, narrower beams are left to the default kernel.
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
 #: ``(W - 1) * mean prompt`` below this (prompt tokens saved per request) is declined.
@@ -115,6 +129,12 @@ def should_decline(
     w = int(beam_width)
     if w < MIN_BEAM_WIDTH:
         return f"beam width {w} < {MIN_BEAM_WIDTH}: no beams share a prompt"
+    if num_requests is not None and int(num_requests) * w < MIN_BEAM_ROWS:
+        rows = int(num_requests) * w
+        return (
+            f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {MIN_BEAM_ROWS}: too few programs "
+            f"to fill the GPU, per-beam decode is faster here (measured on the H200, docs/benchmarks.md)"
+        )
     if prompt_len is None:
         if w < MIN_BEAM_WIDTH_ANY_PROMPT:
             return (

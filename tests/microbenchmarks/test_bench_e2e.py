@@ -45,9 +45,9 @@ def test_e2e_runs_with_tensorrt_llm(tmp_path):
     if not model:
         pytest.fail("set TRTLLM_E2E_MODEL to a model directory (e.g. Qwen3-0.6B) to run the end-to-end arm")
     out = tmp_path / "e2e.json"
-    # 8 beams: the decline rule serves them on CUDA-graph steps too (prompt unknown there; 4 beams are
-    # served only on eager steps, and the arm captures graphs by default).
-    rc = e2e_trtllm.main(["--model", model, "--requests", "2", "--beams", "8", "--prompt", "100", "--max-tokens", "3",
+    # 16 requests x 8 beams: the decline rule serves them on CUDA-graph steps too (prompt unknown there,
+    # so 8 beams or more; and at least 120 beam rows).
+    rc = e2e_trtllm.main(["--model", model, "--requests", "16", "--beams", "8", "--prompt", "100", "--max-tokens", "3",
                           "--repeats", "1", "--json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())

@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+from beam_shared_prefix import decline
 from beam_shared_prefix.trtllm import register, stats
 from interface_model import build
 
@@ -186,6 +187,12 @@ def test_unknown_fmha_params_variant_fails_clearly(trt, monkeypatch):
         ours.run_generation(OtherParams())
 
 
+def few_requests(monkeypatch):
+    """Let the interface model's 2-request batches past the beam-rows threshold (it is tested on its own in
+    tests/test_decline.py and below), so that a test can judge the prompt and width parts of the rule."""
+    monkeypatch.setattr(decline, "MIN_BEAM_ROWS", 1)
+
+
 def test_per_step_decline_hands_the_step_to_fallback(trt, monkeypatch):
     """Per-step decline (docs/trtllm.md): a short-prompt batch is handed to fallback at run time while the
     selection (cached per key, doc 2.4) stays with the library; a long-prompt batch of the same key is
@@ -194,6 +201,7 @@ def test_per_step_decline_hands_the_step_to_fallback(trt, monkeypatch):
     monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
     monkeypatch.setenv("TRTLLM_FMHA_CACHE_SANITY_CHECK", "1")
+    few_requests(monkeypatch)
     register()
     short = build(model, prompts=(20, 30), beam_width=8)
     step = short.sim.begin_step()
@@ -221,6 +229,7 @@ def test_per_step_decline_follows_the_serving_path(trt, monkeypatch, head_dim, s
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
     # The rule judges the GPU choice of `auto`; on this CPU the wrapper then runs the torch path.
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "auto")
+    few_requests(monkeypatch)
     register()
     setup = build(model, prompts=(40, 50), beam_width=8, head_dim=head_dim)
     step = setup.sim.begin_step()
@@ -244,6 +253,7 @@ def test_narrow_beams_are_judged_per_step(trt, monkeypatch, caplog, prompts, gra
     monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "auto")  # the rule judges auto's GPU choice
+    few_requests(monkeypatch)
     register()
     setup = build(model, prompts=prompts, beam_width=4, head_dim=128)  # head 128's table (head 64: from 250)
     step = setup.sim.begin_step()
@@ -256,3 +266,21 @@ def test_narrow_beams_are_judged_per_step(trt, monkeypatch, caplog, prompts, gra
     assert stats()["delegated_steps"] == (0 if served else 1)
     if reason is not None:
         assert reason in caplog.text
+
+
+def test_few_beam_rows_go_to_fallback(trt, monkeypatch, caplog):
+    """2 requests x 8 beams = 16 beam rows: one program per request and KV head leaves the GPU idle and
+    per-beam decode was faster on the H200 (R x W < 120, docs/benchmarks.md), so the step goes to
+    fallback even with prompts the width's table serves."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "auto")
+    register()
+    setup = build(model, prompts=(90, 120), beam_width=8, head_dim=128)
+    step = setup.sim.begin_step()
+    with caplog.at_level("DEBUG", logger="beam_shared_prefix.trtllm"):
+        out, _ = setup.run(step)
+    assert_close(gen_rows(out, 0, setup.sim), setup.oracle(step), "few rows (fallback)")
+    assert stats()["generation_forwards"] == 0 and stats()["delegated_steps"] == 1
+    assert "16 beam rows < 120" in caplog.text

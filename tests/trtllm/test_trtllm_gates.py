@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from beam_shared_prefix import decline
 from beam_shared_prefix.trtllm import register, stats
 from beam_shared_prefix.trtllm.gates import decline_log
 from interface_model import PositionEmbeddingType, QuantMode, build
@@ -244,6 +245,7 @@ def test_selection_is_invariant_within_the_cache_key(enabled, monkeypatch, beam_
     monkeypatch.setenv("TRTLLM_FMHA_CACHE_SANITY_CHECK", "1")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
+    monkeypatch.setattr(decline, "MIN_BEAM_ROWS", 1)  # 2 requests: judge the prompt part of the rule
     register()
     setup = build(enabled, prompts=(20, 90), beam_width=beam_width, max_seq_len=160, head_dim=128)
     sim = setup.sim
