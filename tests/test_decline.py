@@ -110,6 +110,7 @@ def test_rule_agrees_with_the_h200_grids(pattern, arm, margin, least_points, lea
                           one_launch=one_launch) is None:
             served += 1
             speedup = decode / lib["time_us"]
-            assert speedup >= margin, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} served at {speedup:.2f}x"
+            where = f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']}"
+            assert speedup >= margin, f"{where} served at {speedup:.2f}x"
     assert served >= least_served
     assert MIN_SHARED_PROMPT_TOKENS == 600
