@@ -91,10 +91,15 @@ CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
 CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
 
 
+def _narrow_head(head_dim: Optional[int]) -> bool:
+    """Whether head 64's cascade table applies (head 128's for ``None``)."""
+    return head_dim is not None and head_dim <= 64
+
+
 def cascade_min_prompt(beam_width: int, head_dim: Optional[int] = None) -> Optional[int]:
     """The smallest mean prompt (tokens) served at ``beam_width`` (>= 2) when the cascade serves, at
     ``head_dim`` (``None``: head 128's table); ``None`` where no prompt measured was served."""
-    table = CASCADE_MIN_PROMPT_HEAD_64 if head_dim is not None and head_dim <= 64 else CASCADE_MIN_PROMPT
+    table = CASCADE_MIN_PROMPT_HEAD_64 if _narrow_head(head_dim) else CASCADE_MIN_PROMPT
     served = [tokens for width, tokens in table if width <= beam_width]
     return served[-1] if served else None
 
@@ -152,11 +157,12 @@ def should_decline(
             )
         # Served where the cascade measured faster; at head 128 also wherever the two-launch paths
         # are (auto picks the cascade only where it beat them; not measured at head 64).
-        two_launch_serves = saved >= MIN_SHARED_PROMPT_TOKENS and not (head_dim is not None and head_dim <= 64)
+        narrow = _narrow_head(head_dim)
+        two_launch_serves = saved >= MIN_SHARED_PROMPT_TOKENS and not narrow
         if float(prompt_len) < least and not two_launch_serves:
             return (
                 f"mean prompt {float(prompt_len):.0f} < {least} tokens at beam width {w} with the one-launch "
-                f"cascade{' at head ' + str(head_dim) if head_dim is not None and head_dim <= 64 else ''}: "
+                f"cascade{f' at head {head_dim}' if narrow else ''}: "
                 f"per-beam decode is faster or within 10% here (measured on the H200, docs/benchmarks.md)"
             )
         return None

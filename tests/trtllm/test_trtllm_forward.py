@@ -187,22 +187,28 @@ def test_unknown_fmha_params_variant_fails_clearly(trt, monkeypatch):
         ours.run_generation(OtherParams())
 
 
-def few_requests(monkeypatch):
-    """Let the interface model's 2-request batches past the beam-rows threshold (it is tested on its own in
-    tests/test_decline.py and below), so that a test can judge the prompt and width parts of the rule."""
-    monkeypatch.setattr(decline, "MIN_BEAM_ROWS", 1)
+def register_with_decline(trt, monkeypatch, backend=None, any_rows=True):
+    """Install the model and the library with the decline rule on (``backend``: the prefix backend the
+    rule judges). ``any_rows`` lets the interface model's 2-request batches past the beam-rows
+    threshold (tested on its own in tests/test_decline.py and below), so that a test can judge the
+    prompt and width parts of the rule."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
+    if backend is not None:
+        monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
+    if any_rows:
+        monkeypatch.setattr(decline, "MIN_BEAM_ROWS", 1)
+    register()
+    return model
 
 
 def test_per_step_decline_hands_the_step_to_fallback(trt, monkeypatch):
     """Per-step decline (docs/trtllm.md): a short-prompt batch is handed to fallback at run time while the
     selection (cached per key, doc 2.4) stays with the library; a long-prompt batch of the same key is
     served. Sanity check on: the cached choice never disagrees with a fresh selection."""
-    model = trt(layout="new")
-    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
-    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
     monkeypatch.setenv("TRTLLM_FMHA_CACHE_SANITY_CHECK", "1")
-    few_requests(monkeypatch)
-    register()
+    model = register_with_decline(trt, monkeypatch)
     short = build(model, prompts=(20, 30), beam_width=8)
     step = short.sim.begin_step()
     out, _ = short.run(step)
@@ -224,13 +230,8 @@ def test_per_step_decline_follows_the_serving_path(trt, monkeypatch, head_dim, s
     """8 beams over a mean prompt of 45 tokens under ``auto``: at head 64 the one-launch cascade
     serves, from 32 tokens at this width; at head 256 (which the cascade does not tile) a prefix
     backend + the tail kernel would, from (8 - 1) x 86 tokens (docs/benchmarks.md, "The decline rule")."""
-    model = trt(layout="new")
-    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
-    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
     # The rule judges the GPU choice of `auto`; on this CPU the wrapper then runs the torch path.
-    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "auto")
-    few_requests(monkeypatch)
-    register()
+    model = register_with_decline(trt, monkeypatch, backend="auto")
     setup = build(model, prompts=(40, 50), beam_width=8, head_dim=head_dim)
     step = setup.sim.begin_step()
     out, _ = setup.run(step)
@@ -249,12 +250,7 @@ def test_narrow_beams_are_judged_per_step(trt, monkeypatch, caplog, prompts, gra
     verdict needs the prompt length); each step is then judged. Eagerly the one-launch cascade serves
     4 beams at head 128 from a mean prompt of 50 tokens; a CUDA-graph step serves any prompt, so it follows the
     unknown-prompt rule (8 beams or more) and goes to fallback, at capture as at every replay."""
-    model = trt(layout="new")
-    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
-    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
-    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "auto")  # the rule judges auto's GPU choice
-    few_requests(monkeypatch)
-    register()
+    model = register_with_decline(trt, monkeypatch, backend="auto")  # the rule judges auto's GPU choice
     setup = build(model, prompts=prompts, beam_width=4, head_dim=128)  # head 128's table (head 64: from 250)
     step = setup.sim.begin_step()
     metadata = setup.engine.graph_metadata(len(prompts)) if graph else None
@@ -272,11 +268,7 @@ def test_few_beam_rows_go_to_fallback(trt, monkeypatch, caplog):
     """2 requests x 8 beams = 16 beam rows: one program per request and KV head leaves the GPU idle and
     per-beam decode was faster on the H200 (R x W < 120, docs/benchmarks.md), so the step goes to
     fallback even with prompts the width's table serves."""
-    model = trt(layout="new")
-    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
-    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
-    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "auto")
-    register()
+    model = register_with_decline(trt, monkeypatch, backend="auto", any_rows=False)
     setup = build(model, prompts=(90, 120), beam_width=8, head_dim=128)
     step = setup.sim.begin_step()
     with caplog.at_level("DEBUG", logger="beam_shared_prefix.trtllm"):
