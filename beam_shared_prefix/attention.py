@@ -26,7 +26,7 @@ valid while the number of requests, the beam width and the attention shape stay 
 mode ``backend="auto"`` picks the backend once per shape, at its first plan, and keeps it (a captured
 launch cannot switch kernels); it judges the shape at the longest prompt the capture can serve
 (``max_prompt_pages`` pages), not at the first batch's prompts
-(:func:`~beam_shared_prefix.prefix.select.graph_rule_prompt`).
+(:func:`~beam_shared_prefix.prefix.select.graph_rule_prompt`), and at ``max_requests`` requests.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from .prefix.base import (
 )
 from .prefix.buffers import DeviceBuffer
 from .prefix.flashinfer import PREFIX_KERNELS
-from .prefix.select import BACKEND_CLASSES, cascade_preferred, graph_rule_prompt, resolve_prefix_backend
+from .prefix.select import (BACKEND_CLASSES, cascade_preferred, graph_rule_prompt, resolve_prefix_backend,
+                            split_kv_preferred)
 
 __all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
 
@@ -185,24 +186,30 @@ class BeamSharedPrefixAttention:
         return self._planner
 
     def _backend_for(self, problem_key: tuple, step_plan: StepPlan) -> PrefixBackend:
-        # The auto rule depends on the batch (mean prompt, beam width) only through whether it
-        # prefers the cascade, so the choice is cached per (shape, that answer) and logged once each.
-        # In CUDA-graph mode it is made once per shape, at its first plan, and kept: a captured run()
-        # launches the kernels of the backend it was captured with, so it must not change under it.
+        # The auto rule depends on the batch (requests, mean prompt, beam width) only through whether
+        # it prefers FlashInfer's split prompt and whether it prefers the cascade, so the choice is
+        # cached per (shape, those answers) and logged once each. In CUDA-graph mode it is made once
+        # per shape, at its first plan, and kept: a captured run() launches the kernels of the
+        # backend it was captured with, so it must not change under it.
         hq, hkv, d, pg, dtype, _ = problem_key
         mean_prompt = float(step_plan.prompt_lens.mean()) if step_plan.num_requests else None
+        num_requests = step_plan.num_requests
         side = None
         if not self.use_cuda_graph and self.requested_backend == "auto":
-            side = cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d)[0]
+            side = (split_kv_preferred(num_requests, mean_prompt, hq, hkv, step_plan.beam_width, d)[0],
+                    cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d)[0])
         cache_key = (problem_key, side)
         name = self._backend_for_problem.get(cache_key)
         if name is None:
             if self.use_cuda_graph:
-                # One choice for every prompt the capture may serve, not the first batch's (often a
-                # warm-up's dummy prompts): judged at the prompt table's width.
+                # One choice for every batch the capture may serve, not the first batch's (often a
+                # warm-up's dummy prompts): judged at the prompt table's width and the wrapper's
+                # request capacity (TensorRT-LLM sizes graph metadata for that graph's batch).
                 mean_prompt = graph_rule_prompt(self.max_prompt_pages * pg, hq, hkv, step_plan.beam_width, d)
+                num_requests = self.max_requests
             name = resolve_prefix_backend(self.requested_backend, self.device, dtype, d, hq, hkv, pg, self.kv_layout,
-                                          mean_prompt_len=mean_prompt, beam_width=step_plan.beam_width)
+                                          mean_prompt_len=mean_prompt, beam_width=step_plan.beam_width,
+                                          num_requests=num_requests)
             self._backend_for_problem[cache_key] = name
             logger.info("beam_shared_prefix: prefix backend %s serves Hq=%d Hkv=%d D=%d page %d %s, %s %s "
                         "(requested %s)", name, hq, hkv, d, pg, _dtype_name(dtype),

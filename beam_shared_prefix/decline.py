@@ -56,14 +56,26 @@ leaves the GPU underfilled while per-beam decode spreads over every beam. With `
 | >= 120 (R = 4 x 30, R = 16 x 8 and 30) | 1.24x - 7.97x: served |
 
 So it serves a batch only when ``R x W >= MIN_BEAM_ROWS = 120`` (the smallest measured that won;
-32 lost), before the rules below.
+32 lost), before the rules below. One exception (tenth round, ``small_batches_backends*.json``):
+FlashInfer's prefill splits each prompt over many CTAs, so where it serves (``backend="flashinfer"``,
+or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
+follows the prompt KV that the ``W`` beams no longer re-read, ``R x W x P``:
+
+| R x W x P (R = 1-8, W = 8-30, P = 500-4,000) | FlashInfer + tail over per-beam decode |
+| --- | --- |
+| 4,000 - 16,000 | 0.66x - 0.95x: declined |
+| 30,000 - 32,000 | 0.96x - 1.14x: declined (no margin) |
+| >= 60,000 | 1.35x - 3.99x: served |
+
+so a batch of fewer rows is served there when ``R x W x mean prompt >=
+MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60,000`` (measured at GQA 2, head 128 and 8-30 beams; only there).
 
 **Prompt length unknown** (a CUDA graph serves any prompt): beam widths below
 ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8 beams and more the two-launch paths lost
 only to 32-token prompts, and the cascade lost nowhere in any grid (head 64: 1.24x at 32 tokens).
 
-Extrapolation, stated: the request count was varied only at head 128 with the cascade, and the
-head size only for the cascade (64 and 128; the two-launch rule was measured at head 128). Re-run
+Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
+the split-prompt exception) and at head 64 with the cascade, and the head size only for the cascade (64 and 128; the two-launch rule was measured at head 128). Re-run
 the grids for a very different shape (``docs/benchmarks.md`` says how).
 
 The function is pure and cheap (integer arithmetic), independent of TensorRT-LLM and of the
@@ -75,12 +87,15 @@ from __future__ import annotations
 from typing import Optional
 
 __all__ = ["should_decline", "cascade_min_prompt", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
-           "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64"]
+           "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "CASCADE_MIN_PROMPT",
+           "CASCADE_MIN_PROMPT_HEAD_64"]
 
 #: Beam search proper: with one beam nothing is shared.
 MIN_BEAM_WIDTH = 2
 #: Fewer beam rows (requests x beam width) than this are left to the default kernel.
 MIN_BEAM_ROWS = 120
+#: Fewer beam rows are still served by FlashInfer's split prompt from this many ``R x W x P`` tokens.
+MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60_000
 #: With an unknown prompt length, narrower beams are left to the default kernel.
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
 #: ``(W - 1) * mean prompt`` below this (prompt tokens saved per request) is declined.
@@ -113,6 +128,7 @@ def should_decline(
     head_dim: Optional[int],
     *,
     one_launch: bool = False,
+    split_kv: bool = False,
 ) -> Optional[str]:
     """The reason to leave this shape to the default per-beam decode, or ``None`` to serve it.
 
@@ -125,6 +141,8 @@ def should_decline(
             cascade's table (head 64 or head 128; ``None``: head 128's), the rest is not judged.
         one_launch: whether the one-launch cascade serves the batch (its own, lower thresholds);
             ``False``: a prefix backend + the tail kernel (two launches).
+        split_kv: whether FlashInfer's prefix backend serves it (its prefill splits each prompt over
+            the GPU, so fewer beam rows pay from :data:`MIN_BEAM_ROW_TOKENS_SPLIT_KV`); two launches.
 
     Returns:
         A one-line reason naming the measured threshold (logged by the caller), or ``None``.
@@ -134,8 +152,21 @@ def should_decline(
     w = int(beam_width)
     if w < MIN_BEAM_WIDTH:
         return f"beam width {w} < {MIN_BEAM_WIDTH}: no beams share a prompt"
-    if num_requests is not None and int(num_requests) * w < MIN_BEAM_ROWS:
-        rows = int(num_requests) * w
+    rows = None if num_requests is None else int(num_requests) * w
+    # The exception is measured at GQA 2, head 128, 8-30 beams; elsewhere few rows stay declined.
+    split_measured = (split_kv and not one_launch and w >= MIN_BEAM_WIDTH_ANY_PROMPT and head_dim == 128
+                      and num_qo_heads is not None and num_kv_heads is not None
+                      and num_qo_heads == 2 * num_kv_heads)
+    split_pays = (split_measured and rows is not None and prompt_len is not None
+                  and rows * float(prompt_len) >= MIN_BEAM_ROW_TOKENS_SPLIT_KV)
+    if rows is not None and rows < MIN_BEAM_ROWS and not split_pays:
+        if split_measured and prompt_len is not None:
+            return (
+                f"{int(num_requests)} requests x beam width {w} x mean prompt {float(prompt_len):.0f} = "
+                f"{rows * float(prompt_len):.0f} < {MIN_BEAM_ROW_TOKENS_SPLIT_KV} with FlashInfer's split prompt and "
+                f"{rows} beam rows < {MIN_BEAM_ROWS}: per-beam decode is faster or within 10% here (measured on the "
+                f"H200, docs/benchmarks.md)"
+            )
         return (
             f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {MIN_BEAM_ROWS}: too few programs "
             f"to fill the GPU, per-beam decode is faster here (measured on the H200, docs/benchmarks.md)"

@@ -78,13 +78,16 @@ def decline_reason(shape: BenchShape) -> Optional[str]:
     """What :func:`beam_shared_prefix.decline.should_decline` says of this shape (``None``: served)."""
     try:
         from beam_shared_prefix.decline import should_decline
-        from beam_shared_prefix.prefix.select import cascade_serves
+        from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
     except ImportError:
         return None
     # As the library's default (backend "auto") on a GPU would judge it.
-    one_launch = cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams, shape.head_dim)
+    one_launch = cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams, shape.head_dim,
+                                num_requests=shape.requests)
+    split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
+                                 shape.head_dim)
     return should_decline(shape.requests, shape.beams, shape.prompt, shape.heads, shape.kv_heads, shape.head_dim,
-                          one_launch=one_launch)
+                          one_launch=one_launch, split_kv=split_kv)
 
 
 def _short_error(exc: BaseException) -> str:

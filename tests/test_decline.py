@@ -59,6 +59,20 @@ def test_few_beam_rows_are_declined():
     assert should_decline(None, 8, 100, 16, 8, 128, one_launch=True) is None  # unknown: not judged
 
 
+def test_few_beam_rows_with_long_prompts_are_served_by_the_split_prompt():
+    """Where FlashInfer's split prompt serves (GQA 2, head 128, 8 beams and more), fewer than 120 rows
+    are served from R x W x P = 60,000 (1.35x-3.99x on the H200; 0.96x-1.14x at 30,000-32,000)."""
+    assert should_decline(2, 30, 1000, 16, 8, 128, split_kv=True) is None  # 60,000
+    reason = should_decline(2, 30, 999, 16, 8, 128, split_kv=True)
+    assert reason is not None and "59940 < 60000 with FlashInfer's split prompt" in reason
+    assert should_decline(1, 8, 7500, 16, 8, 128, split_kv=True) is None
+    # Not where it was not measured, nor on the other paths, nor with the prompt unknown (a CUDA graph).
+    for args, kw in [((2, 30, 2000, 32, 8, 128), {}), ((2, 30, 2000, 16, 8, 64), {}), ((8, 4, 2000, 16, 8, 128), {}),
+                     ((2, 30, 2000, 16, 8, 128), dict(one_launch=True)), ((2, 30, None, 16, 8, 128), {})]:
+        assert "beam rows < 120" in should_decline(*args, split_kv=True, **kw), args
+    assert "beam rows < 120" in should_decline(2, 30, 2000, 16, 8, 128)
+
+
 def test_reasons_name_the_value_and_the_limit():
     assert "shared prompt tokens < 600" in decide(8, 40)
     assert "mean prompt 100 < 150 tokens at beam width 3" in decide(3, 100, one_launch=True)
@@ -80,6 +94,26 @@ def test_cascade_thresholds_only_fall_with_the_beam_width(table, head_dim):
     prompts = [cascade_min_prompt(w, head_dim) for w in range(widths[0], 300)]
     assert prompts == sorted(prompts, reverse=True)
     assert all(cascade_min_prompt(w, head_dim) is None for w in range(2, widths[0]))
+
+
+def test_rule_agrees_with_the_small_batch_grids():
+    """1-16 requests (tenth round): every point the rule serves, with the path ``auto`` takes there
+    (FlashInfer's split prompt, the cascade or FA4), was at least 1.10x faster than per-beam decode."""
+    from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
+
+    points = served = 0
+    for name, s, arms, decode in _grid_points("small_batches_backends*.json"):
+        shape = (s["prompt"], s["heads"], s["kv_heads"], s["beams"], s["head_dim"])
+        one_launch = cascade_serves("auto", *shape, num_requests=s["requests"])
+        split_kv = flashinfer_serves("auto", s["requests"], *shape)
+        path = "library/flashinfer" if split_kv else "library/triton" if one_launch else "library/fa4"
+        points += 1
+        if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
+                          one_launch=one_launch, split_kv=split_kv) is None:
+            served += 1
+            speedup = decode / arms[path]["time_us"]
+            assert speedup >= 1.10, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} {path} at {speedup:.2f}x"
+    assert points >= 40 and served >= 25
 
 
 def _grid_points(pattern):

@@ -3,15 +3,18 @@
 Rule of ``"auto"`` (:func:`choose_prefix_backend`), in order:
 
 1. not a CUDA device: ``reference`` (the torch path, the library's CPU path);
-2. ``triton`` (the one-launch cascade kernel) when the batch's prompts are short enough for its
+2. ``flashinfer`` when the batch has so few requests that the cascade would run few programs for
+   its prompt length, where FlashInfer's prefill, which splits each prompt over many CTAs, measured
+   faster than the cascade and FA4 (:func:`split_kv_preferred`; GQA 2, head 128, one beam block);
+3. ``triton`` (the one-launch cascade kernel) when the batch's prompts are short enough for its
    beam width and its GQA group small enough that it measured faster than the two-launch paths on
    the H200 (:func:`cascade_preferred`; it also needs :meth:`TritonPrefixBackend.is_available`);
-3. ``fa4`` when :meth:`FA4PrefixBackend.is_available` accepts the shape (SM90/SM100, bf16, head size
+4. ``fa4`` when :meth:`FA4PrefixBackend.is_available` accepts the shape (SM90/SM100, bf16, head size
    64/128, page size other than 128, ``flash_attn.cute`` importable): measured on the H200 at
    128 requests x 96 beams x 3,000-token prompts (GQA 16/8, head 128, page 32), FA4's prefix took
    0.86 ms against FlashInfer's 1.27 ms;
-4. ``flashinfer`` when importable and the shape is supported (bf16/fp16, head size 64/128/256);
-5. ``reference``, with a warning: correct everywhere, slow on a GPU.
+5. ``flashinfer`` when importable and the shape is supported (bf16/fp16, head size 64/128/256);
+6. ``reference``, with a warning: correct everywhere, slow on a GPU.
 
 An explicit ``"fa4"`` that declines falls back to ``"flashinfer"`` (the decline is logged with its
 reason); an explicit ``"flashinfer"`` or a declined ``"fa4"`` with no FlashInfer raises, since the
@@ -30,7 +33,8 @@ from .flashinfer import FlashInferPrefixBackend
 from .reference import ReferencePrefixBackend
 from .triton import TritonPrefixBackend
 
-__all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "graph_rule_prompt", "choose_prefix_backend",
+__all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_preferred", "flashinfer_serves",
+           "cascade_programs", "SPLIT_KV_MAX_PROGRAMS", "SPLIT_KV_PROMPT", "graph_rule_prompt", "choose_prefix_backend",
            "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
@@ -93,6 +97,25 @@ CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
 CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 = 256
 CASCADE_MAX_GROUP = 8
+
+# Few requests (tenth round, small_batches_backends*.json: GQA 16/8, head 128, page 32, tail 4, 1-16
+# requests of 8, 16 and 30 beams, 500-4,000 tokens). The cascade runs one program per request, KV
+# head and beam block, each attending the whole prompt in turn, so with few programs its time grows
+# with the prompt (1 request x 30 beams: 20, 28, 43 and 72 us at 500, 1,000, 2,000 and 4,000
+# tokens; 16-beam tiles 40 and 125 us at 1,000 and 4,000), while FlashInfer's paged prefill splits
+# each prompt over the GPU (22-26 us for the whole step). FA4 does not split either (40 us at
+# 2,000). FlashInfer + tail was faster than the cascade where the cascade runs at most 128
+# programs and the mean prompt reaches the larger of a floor and a length per program:
+# - 64-row tiles (W = 17-32): 1,000 tokens and 60 per program. Faster by 22% (1 request, 1,000
+#   tokens), 11% (2 requests, 1,000), 29% (4, 2,000) and 18% (8, 4,000), the points at the line;
+#   even or slower below it (4 requests at 1,000: 3% slower; 8 at 1,000: 32%; 16 at 4,000: 37%;
+#   1 request at 500: 10%).
+# - 32-row tiles (W <= 16, tail on CUDA cores): 500 tokens and 8 per program. Faster by 17-49% from
+#   500 tokens up to 64 programs; at 128 programs even at 1,000 tokens (16 beams 3% slower, 8 beams
+#   11% faster) and 39-64% faster at 4,000.
+SPLIT_KV_MAX_PROGRAMS = 128
+#: ``{tile rows: (smallest mean prompt, tokens per cascade program)}`` at which ``auto`` picks FlashInfer.
+SPLIT_KV_PROMPT = {64: (1000, 60), 32: (500, 8)}
 
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
     "reference": ReferencePrefixBackend,
@@ -178,6 +201,70 @@ def cascade_preferred(
     return True, ""
 
 
+def cascade_programs(num_requests: int, beam_width: int, num_kv_heads: int, group_size: int, head_dim: int) -> int:
+    """Programs of one cascade launch: one per request, beam block and group of KV heads."""
+    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
+
+    cfg = cascade_launch_config(int(beam_width), group_size, head_dim)
+    blocks = -(-int(beam_width) // cfg.beams_per_program)
+    return int(num_requests) * blocks * -(-int(num_kv_heads) // cfg.heads_per_program)
+
+
+def split_kv_preferred(
+    num_requests: Optional[int],
+    mean_prompt_len: Optional[float],
+    num_qo_heads: int,
+    num_kv_heads: int,
+    beam_width: Optional[int],
+    head_dim: int = 128,
+) -> Tuple[bool, str]:
+    """Whether ``auto`` picks FlashInfer (its prefill splits a prompt over many CTAs) ahead of the
+    cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 2, head 128, one beam
+    block (:data:`SPLIT_KV_PROMPT`); elsewhere never. ``num_requests`` and ``mean_prompt_len``
+    (tokens) are the batch's; ``None`` (unknown) never prefers it."""
+    if num_requests is None or mean_prompt_len is None or beam_width is None:
+        return False, "request count, beam width or prompt length unknown"
+    group = num_qo_heads // max(num_kv_heads, 1)
+    if group != 2 or head_dim != 128:
+        return False, f"GQA {group}, head {head_dim}: FlashInfer's split prompt measured only at GQA 2, head 128"
+    try:
+        from triton_kernels.cascade import cascade_launch_config, cascade_supported  # deferred import
+    except ImportError as exc:  # pragma: no cover - triton is a dependency
+        return False, f"triton_kernels does not import: {exc}"
+    if not cascade_supported(group, head_dim)[0] or not one_beam_block(beam_width, group, head_dim):
+        return False, f"W={beam_width} takes several beam blocks: not measured against FlashInfer's split prompt"
+    programs = cascade_programs(num_requests, beam_width, num_kv_heads, group, head_dim)
+    if programs > SPLIT_KV_MAX_PROGRAMS:
+        return False, f"{programs} cascade programs > {SPLIT_KV_MAX_PROGRAMS}: the cascade fills the GPU"
+    rows = cascade_launch_config(int(beam_width), group, head_dim).block_m
+    floor, per_program = SPLIT_KV_PROMPT[64 if rows >= 64 else 32]
+    least = max(floor, per_program * programs)
+    if mean_prompt_len < least:
+        return False, (f"mean prompt {mean_prompt_len:.0f} < {least} tokens for {programs} cascade programs "
+                       f"of {rows} rows: the cascade or FA4 measured as fast there")
+    return True, (f"{num_requests} request(s) run {programs} cascade programs of {rows} rows for a mean prompt of "
+                  f"{mean_prompt_len:.0f} >= {least} tokens: FlashInfer's split prompt measured faster")
+
+
+def flashinfer_serves(
+    requested: str,
+    num_requests: Optional[int],
+    mean_prompt_len: Optional[float],
+    num_qo_heads: int,
+    num_kv_heads: int,
+    beam_width: Optional[int],
+    head_dim: int,
+) -> bool:
+    """Whether FlashInfer's prefix backend (split prompt) serves a CUDA batch under the ``requested``
+    setting: ``"flashinfer"`` always, ``"auto"`` where :func:`split_kv_preferred` picks it."""
+    if requested == "flashinfer":
+        return True
+    if requested == "auto":
+        return split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
+                                  head_dim)[0]
+    return False
+
+
 def graph_rule_prompt(prompt_capacity: int, num_qo_heads: int, num_kv_heads: int, beam_width: Optional[int],
                       head_dim: int) -> int:
     """The mean prompt (tokens) at which ``auto`` judges a CUDA-graph wrapper's shape, once: a captured
@@ -205,9 +292,11 @@ def cascade_serves(
     num_kv_heads: int,
     beam_width: Optional[int],
     head_dim: int,
+    num_requests: Optional[int] = None,
 ) -> bool:
     """Whether the one-launch cascade would serve a CUDA batch under the ``requested`` backend setting:
-    ``"triton"`` where the kernel tiles the shape, ``"auto"`` where :func:`cascade_preferred` picks it.
+    ``"triton"`` where the kernel tiles the shape, ``"auto"`` where :func:`cascade_preferred` picks it
+    and :func:`split_kv_preferred` (``num_requests``: the batch's, ``None`` unknown) does not.
     (The decline rule's thresholds differ for it and for the two-launch paths.)"""
     if requested == "triton":
         try:
@@ -216,6 +305,8 @@ def cascade_serves(
             return False
         return cascade_supported(num_qo_heads // max(num_kv_heads, 1), head_dim)[0]
     if requested == "auto":
+        if split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)[0]:
+            return False
         return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)[0]
     return False
 
@@ -230,19 +321,26 @@ def choose_prefix_backend(
     kv_layout: str = "HND",
     mean_prompt_len: Optional[float] = None,
     beam_width: Optional[int] = None,
+    num_requests: Optional[int] = None,
 ) -> Tuple[str, List[str]]:
     """The ``backend="auto"`` choice for a shape: ``(name, [reasons the faster backends declined])``.
 
-    ``mean_prompt_len`` (tokens, the batch's mean) and ``beam_width`` let the rule pick the one-launch
+    ``mean_prompt_len`` (tokens, the batch's mean), ``beam_width`` and ``num_requests`` let the rule
+    pick FlashInfer's split prompt for few requests (:func:`split_kv_preferred`) or the one-launch
     cascade (:func:`cascade_preferred`).
     """
     device = torch.device(device)
     if device.type != "cuda":
         return "reference", [f"device {device} is not CUDA: the torch reference path serves it"]
     declined = []
+    split, split_why = split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
+                                          head_dim)
     preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)
     candidates = ("triton", "fa4", "flashinfer") if preferred else ("fa4", "flashinfer")
-    if not preferred:
+    if split:
+        candidates = ("flashinfer",) + candidates[:-1]
+        declined.append(f"triton and fa4: {split_why}")
+    elif not preferred:
         declined.append(f"triton: {why}")
     for name in candidates:
         ok, reason = BACKEND_CLASSES[name].is_available(
@@ -265,10 +363,12 @@ def resolve_prefix_backend(
     kv_layout: str = "HND",
     mean_prompt_len: Optional[float] = None,
     beam_width: Optional[int] = None,
+    num_requests: Optional[int] = None,
 ) -> str:
     """The backend that will run for ``requested`` (``auto``/``triton``/``fa4``/``flashinfer``/``reference``).
 
-    ``mean_prompt_len``: the batch's mean prompt length (tokens), and ``beam_width``, for the ``auto`` rule.
+    ``mean_prompt_len``: the batch's mean prompt length (tokens), ``beam_width`` and ``num_requests``,
+    for the ``auto`` rule.
 
     Declines are logged on the ``beam_shared_prefix`` logger with their reason.
 
@@ -277,7 +377,7 @@ def resolve_prefix_backend(
     """
     if requested == "auto":
         name, declined = choose_prefix_backend(device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size,
-                                               kv_layout, mean_prompt_len, beam_width)
+                                               kv_layout, mean_prompt_len, beam_width, num_requests)
         for reason in declined:
             logger.info("beam_shared_prefix: backend=auto declined %s", reason)
         if name == "reference" and torch.device(device).type == "cuda":

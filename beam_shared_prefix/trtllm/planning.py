@@ -38,7 +38,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ..decline import should_decline
-from ..prefix.select import cascade_serves
+from ..prefix.select import cascade_serves, flashinfer_serves
 from .gates import batch_decline_reason, decline_log
 from .kv_cache import LayerKV, PageAdapter, adapter_for
 from .registration import current_settings
@@ -138,8 +138,10 @@ class StepInfo:
             reason = None
             settings = current_settings()
             if settings.decline == "auto":
-                one_launch = cascade_serves(settings.backend, self.mean_prompt_len, family.num_qo_heads,
-                                            family.num_kv_heads, self.beam_width, family.head_dim)
+                shape = (self.mean_prompt_len, family.num_qo_heads, family.num_kv_heads, self.beam_width,
+                         family.head_dim)
+                one_launch = cascade_serves(settings.backend, *shape, num_requests=self.num_requests)
+                split_kv = flashinfer_serves(settings.backend, self.num_requests, *shape)
                 reason = should_decline(
                     self.num_requests,
                     self.beam_width,
@@ -148,6 +150,7 @@ class StepInfo:
                     family.num_kv_heads,
                     family.head_dim,
                     one_launch=one_launch,
+                    split_kv=split_kv,
                 )
             self.declines[family.key] = reason
         return self.declines[family.key]

@@ -37,6 +37,7 @@ from beam_shared_prefix.prefix import (
     resolve_prefix_backend,
 )
 from beam_shared_prefix.prefix.buffers import DeviceBuffer, padded_page_table
+from beam_shared_prefix.prefix.select import split_kv_preferred
 from beam_shared_prefix.reference import LOG2E, reference_prefix_attention
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
 
@@ -269,6 +270,60 @@ def test_declines_name_their_reason(fake_sm):
     fake_sm((7, 5))
     ok, why = FlashInferPrefixBackend.is_available(cuda, bf16, 128, 16, 8, 32)
     assert not ok and "8.0" in why
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes a GPU on a CPU-only machine")
+def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, monkeypatch):
+    """Few cascade programs for a long prompt (GQA 2, head 128, one beam block): ``auto`` tries
+    FlashInfer (its prefill splits each prompt) before the cascade and FA4; with many requests, an
+    unknown request count, or a shape not measured, the order is the usual one."""
+    cuda = torch.device("cuda")
+    fake_sm((9, 0))
+    monkeypatch.setattr(FlashInferPrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))
+
+    def auto(requests, prompt, beams=30, hq=16, head_dim=128):
+        return choose_prefix_backend(cuda, torch.bfloat16, head_dim, hq, 8, 32, mean_prompt_len=prompt,
+                                     beam_width=beams, num_requests=requests)
+
+    name, declined = auto(2, 2000)
+    assert name == "flashinfer" and "16 cascade programs of 64 rows" in declined[0] and ">= 1000 tokens" in declined[0]
+    assert auto(4, 1000) == ("triton", [])  # 32 programs need 1,920 tokens
+    assert auto(16, 4000) == ("triton", [])  # 128 programs of 64 rows: the cascade
+    assert auto(64, 4000) == ("triton", [])  # 512 programs fill the GPU
+    assert auto(None, 4000) == ("triton", [])
+    assert auto(8, 1000, beams=16)[0] == "flashinfer"  # 32-row tiles: 512 tokens for 64 programs
+    assert auto(16, 1000, beams=16) == ("triton", [])  # 1,024 for 128
+    assert auto(2, 2000, beams=16, hq=32)[0] == "triton"  # G = 4: not measured
+    assert auto(2, 2000, head_dim=64)[0] == "triton"  # head 64: not measured
+    name, declined = auto(2, 2000, beams=64)  # several blocks: the usual order (FA4 is not installed here)
+    assert name == "flashinfer" and "> 128 at W=64" in declined[0] and "fa4:" in declined[1]
+    assert "several beam blocks" in split_kv_preferred(2, 2000, 16, 8, 64, 128)[1]
+
+
+def test_split_kv_rule_agrees_with_the_h200_grids():
+    """1-16 requests of 8, 16 and 30 beams, 500-4,000 tokens (GQA 16/8, head 128; tenth round): the
+    backend ``auto`` picks between FlashInfer's split prompt, the cascade and FA4 was at most 12%
+    slower than the fastest of them measured (the largest: 16 requests x 8 beams at 1,000 tokens, the
+    cascade against FlashInfer), and FlashInfer wherever the cascade was 15% slower or more."""
+    from beam_shared_prefix.prefix.select import cascade_preferred
+
+    results = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200"
+    points = 0
+    for path in sorted(results.glob("small_batches_backends*.json")):
+        for point in json.loads(path.read_text())["results"]:
+            arms = {a["name"]: a["time_us"] for a in point["arms"] if a["status"] == "ok"}
+            s, prompt = point["shape"], point["prompt_lens"]["mean"]
+            split = split_kv_preferred(s["requests"], prompt, s["heads"], s["kv_heads"], s["beams"], s["head_dim"])[0]
+            cascade = cascade_preferred(prompt, s["heads"], s["kv_heads"], s["beams"], s["head_dim"])[0]
+            picked = "library/flashinfer" if split else "library/triton" if cascade else "library/fa4"
+            library = {k: v for k, v in arms.items() if k.startswith("library/")}
+            where = f"{path.name}: R={s['requests']} W={s['beams']} P={s['prompt']}"
+            assert picked in library, where
+            assert library[picked] <= 1.12 * min(library.values()), f"{where}: {picked} {library[picked]:.1f} us"
+            if library["library/triton"] >= 1.15 * library["library/flashinfer"]:
+                assert split, f"{where}: the cascade {library['library/triton']:.1f} us, FlashInfer not picked"
+            points += 1
+    assert points >= 40
 
 
 def test_auto_on_cpu_is_the_reference():

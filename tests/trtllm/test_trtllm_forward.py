@@ -276,3 +276,15 @@ def test_few_beam_rows_go_to_fallback(trt, monkeypatch, caplog):
     assert_close(gen_rows(out, 0, setup.sim), setup.oracle(step), "few rows (fallback)")
     assert stats()["generation_forwards"] == 0 and stats()["delegated_steps"] == 1
     assert "16 beam rows < 120" in caplog.text
+
+
+def test_few_beam_rows_with_long_prompts_are_served(trt, monkeypatch):
+    """2 requests x 8 beams with 3,800-4,000-token prompts (GQA 2, head 128): under ``auto`` FlashInfer's
+    split prompt serves so few requests, and 16 rows x 3,900 tokens >= 60,000 measured faster than
+    per-beam decode on the H200 (docs/benchmarks.md), so the library serves the step."""
+    model = register_with_decline(trt, monkeypatch, backend="auto", any_rows=False)
+    setup = build(model, prompts=(3800, 4000), beam_width=8, head_dim=128, max_seq_len=4096)
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step)
+    assert_close(gen_rows(out, 0, setup.sim), setup.oracle(step), "few rows, long prompts (served)")
+    assert stats()["generation_forwards"] >= 1 and stats()["delegated_steps"] == 0
