@@ -110,9 +110,9 @@ CASCADE_MAX_GROUP = 8
 #   tokens), 11% (2 requests, 1,000), 29% (4, 2,000) and 18% (8, 4,000), the points at the line;
 #   even or slower below it (4 requests at 1,000: 3% slower; 8 at 1,000: 32%; 16 at 4,000: 37%;
 #   1 request at 500: 10%).
-# - 32-row tiles (W <= 16, tail on CUDA cores): 500 tokens and 8 per program. Faster by 17-49% from
-#   500 tokens up to 64 programs; at 128 programs even at 1,000 tokens (16 beams 3% slower, 8 beams
-#   11% faster) and 39-64% faster at 4,000.
+# - 32-row tiles (W <= 16, tail on CUDA cores): 500 tokens and 8 per program. Faster by 8% (4
+#   requests x 8 beams at 500 tokens) to 4.9x from 500 tokens up to 64 programs; at 128 programs
+#   even at 1,000 tokens (16 beams 3% slower, 8 beams 12% faster) and 45-63% faster at 4,000.
 SPLIT_KV_MAX_PROGRAMS = 128
 #: ``{tile rows: (smallest mean prompt, tokens per cascade program)}`` at which ``auto`` picks FlashInfer.
 SPLIT_KV_PROMPT = {64: (1000, 60), 32: (500, 8)}
