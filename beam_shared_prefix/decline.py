@@ -96,6 +96,8 @@ MIN_BEAM_WIDTH = 2
 MIN_BEAM_ROWS = 120
 #: Fewer beam rows are still served by FlashInfer's split prompt from this many ``R x W x P`` tokens.
 MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60_000
+# The narrowest beam width at which that exception was measured (8-30 beams).
+_SPLIT_KV_MEASURED_FROM_WIDTH = 8
 #: With an unknown prompt length, narrower beams are left to the default kernel.
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
 #: ``(W - 1) * mean prompt`` below this (prompt tokens saved per request) is declined.
@@ -153,24 +155,24 @@ def should_decline(
     if w < MIN_BEAM_WIDTH:
         return f"beam width {w} < {MIN_BEAM_WIDTH}: no beams share a prompt"
     rows = None if num_requests is None else int(num_requests) * w
-    # The exception is measured at GQA 2, head 128, 8-30 beams; elsewhere few rows stay declined.
-    split_measured = (split_kv and not one_launch and w >= MIN_BEAM_WIDTH_ANY_PROMPT and head_dim == 128
-                      and num_qo_heads is not None and num_kv_heads is not None
-                      and num_qo_heads == 2 * num_kv_heads)
-    split_pays = (split_measured and rows is not None and prompt_len is not None
-                  and rows * float(prompt_len) >= MIN_BEAM_ROW_TOKENS_SPLIT_KV)
-    if rows is not None and rows < MIN_BEAM_ROWS and not split_pays:
-        if split_measured and prompt_len is not None:
+    if rows is not None and rows < MIN_BEAM_ROWS:
+        # The exception is measured at GQA 2, head 128, 8-30 beams; elsewhere few rows stay declined.
+        split_measured = (split_kv and not one_launch and prompt_len is not None and head_dim == 128
+                          and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and num_kv_heads is not None
+                          and num_qo_heads == 2 * num_kv_heads)
+        if not split_measured:
+            return (
+                f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {MIN_BEAM_ROWS}: too few "
+                f"programs to fill the GPU, per-beam decode is faster here (measured on the H200, docs/benchmarks.md)"
+            )
+        row_tokens = rows * float(prompt_len)
+        if row_tokens < MIN_BEAM_ROW_TOKENS_SPLIT_KV:
             return (
                 f"{int(num_requests)} requests x beam width {w} x mean prompt {float(prompt_len):.0f} = "
-                f"{rows * float(prompt_len):.0f} < {MIN_BEAM_ROW_TOKENS_SPLIT_KV} with FlashInfer's split prompt and "
+                f"{row_tokens:.0f} < {MIN_BEAM_ROW_TOKENS_SPLIT_KV} with FlashInfer's split prompt and "
                 f"{rows} beam rows < {MIN_BEAM_ROWS}: per-beam decode is faster or within 10% here (measured on the "
                 f"H200, docs/benchmarks.md)"
             )
-        return (
-            f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {MIN_BEAM_ROWS}: too few programs "
-            f"to fill the GPU, per-beam decode is faster here (measured on the H200, docs/benchmarks.md)"
-        )
     if prompt_len is None:
         if w < MIN_BEAM_WIDTH_ANY_PROMPT:
             return (

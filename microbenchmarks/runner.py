@@ -82,10 +82,10 @@ def decline_reason(shape: BenchShape) -> Optional[str]:
     except ImportError:
         return None
     # As the library's default (backend "auto") on a GPU would judge it.
-    one_launch = cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams, shape.head_dim,
-                                num_requests=shape.requests)
     split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
                                  shape.head_dim)
+    one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
+                                                 shape.head_dim)
     return should_decline(shape.requests, shape.beams, shape.prompt, shape.heads, shape.kv_heads, shape.head_dim,
                           one_launch=one_launch, split_kv=split_kv)
 

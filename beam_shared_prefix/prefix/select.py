@@ -34,7 +34,7 @@ from .reference import ReferencePrefixBackend
 from .triton import TritonPrefixBackend
 
 __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_preferred", "flashinfer_serves",
-           "cascade_programs", "SPLIT_KV_MAX_PROGRAMS", "SPLIT_KV_PROMPT", "graph_rule_prompt", "choose_prefix_backend",
+           "SPLIT_KV_MAX_PROGRAMS", "SPLIT_KV_PROMPT", "graph_rule_prompt", "choose_prefix_backend",
            "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
@@ -201,15 +201,6 @@ def cascade_preferred(
     return True, ""
 
 
-def cascade_programs(num_requests: int, beam_width: int, num_kv_heads: int, group_size: int, head_dim: int) -> int:
-    """Programs of one cascade launch: one per request, beam block and group of KV heads."""
-    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
-
-    cfg = cascade_launch_config(int(beam_width), group_size, head_dim)
-    blocks = -(-int(beam_width) // cfg.beams_per_program)
-    return int(num_requests) * blocks * -(-int(num_kv_heads) // cfg.heads_per_program)
-
-
 def split_kv_preferred(
     num_requests: Optional[int],
     mean_prompt_len: Optional[float],
@@ -227,16 +218,17 @@ def split_kv_preferred(
     group = num_qo_heads // max(num_kv_heads, 1)
     if group != 2 or head_dim != 128:
         return False, f"GQA {group}, head {head_dim}: FlashInfer's split prompt measured only at GQA 2, head 128"
-    try:
-        from triton_kernels.cascade import cascade_launch_config, cascade_supported  # deferred import
-    except ImportError as exc:  # pragma: no cover - triton is a dependency
-        return False, f"triton_kernels does not import: {exc}"
-    if not cascade_supported(group, head_dim)[0] or not one_beam_block(beam_width, group, head_dim):
+    if num_requests > SPLIT_KV_MAX_PROGRAMS:  # every request runs a program per KV head group at least
+        return False, f"{num_requests} requests > {SPLIT_KV_MAX_PROGRAMS}: the cascade fills the GPU"
+    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
+
+    cfg = cascade_launch_config(int(beam_width), group, head_dim)
+    if beam_width > cfg.beams_per_program:
         return False, f"W={beam_width} takes several beam blocks: not measured against FlashInfer's split prompt"
-    programs = cascade_programs(num_requests, beam_width, num_kv_heads, group, head_dim)
+    programs = int(num_requests) * -(-int(num_kv_heads) // cfg.heads_per_program)
     if programs > SPLIT_KV_MAX_PROGRAMS:
         return False, f"{programs} cascade programs > {SPLIT_KV_MAX_PROGRAMS}: the cascade fills the GPU"
-    rows = cascade_launch_config(int(beam_width), group, head_dim).block_m
+    rows = cfg.block_m
     floor, per_program = SPLIT_KV_PROMPT[64 if rows >= 64 else 32]
     least = max(floor, per_program * programs)
     if mean_prompt_len < least:

@@ -140,8 +140,9 @@ class StepInfo:
             if settings.decline == "auto":
                 shape = (self.mean_prompt_len, family.num_qo_heads, family.num_kv_heads, self.beam_width,
                          family.head_dim)
-                one_launch = cascade_serves(settings.backend, *shape, num_requests=self.num_requests)
                 split_kv = flashinfer_serves(settings.backend, self.num_requests, *shape)
+                # With FlashInfer's split prompt ruled out just above, the cascade's rule need not see R.
+                one_launch = not split_kv and cascade_serves(settings.backend, *shape)
                 reason = should_decline(
                     self.num_requests,
                     self.beam_width,

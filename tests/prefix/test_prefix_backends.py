@@ -300,6 +300,15 @@ def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, 
     assert "several beam blocks" in split_kv_preferred(2, 2000, 16, 8, 64, 128)[1]
 
 
+def _h200_grid_points(pattern):
+    """``(file name, shape, mean prompt, {arm: us})`` of every point of the committed H200 grids matching
+    ``pattern`` (arms that ran)."""
+    for path in sorted((Path(__file__).resolve().parents[2] / "docs" / "results" / "h200").glob(pattern)):
+        for point in json.loads(path.read_text())["results"]:
+            arms = {a["name"]: a["time_us"] for a in point["arms"] if a["status"] == "ok"}
+            yield path.name, point["shape"], point["prompt_lens"]["mean"], arms
+
+
 def test_split_kv_rule_agrees_with_the_h200_grids():
     """1-16 requests of 8, 16 and 30 beams, 500-4,000 tokens (GQA 16/8, head 128; tenth round): the
     backend ``auto`` picks between FlashInfer's split prompt, the cascade and FA4 was at most 12%
@@ -307,22 +316,18 @@ def test_split_kv_rule_agrees_with_the_h200_grids():
     cascade against FlashInfer), and FlashInfer wherever the cascade was 15% slower or more."""
     from beam_shared_prefix.prefix.select import cascade_preferred
 
-    results = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200"
     points = 0
-    for path in sorted(results.glob("small_batches_backends*.json")):
-        for point in json.loads(path.read_text())["results"]:
-            arms = {a["name"]: a["time_us"] for a in point["arms"] if a["status"] == "ok"}
-            s, prompt = point["shape"], point["prompt_lens"]["mean"]
-            split = split_kv_preferred(s["requests"], prompt, s["heads"], s["kv_heads"], s["beams"], s["head_dim"])[0]
-            cascade = cascade_preferred(prompt, s["heads"], s["kv_heads"], s["beams"], s["head_dim"])[0]
-            picked = "library/flashinfer" if split else "library/triton" if cascade else "library/fa4"
-            library = {k: v for k, v in arms.items() if k.startswith("library/")}
-            where = f"{path.name}: R={s['requests']} W={s['beams']} P={s['prompt']}"
-            assert picked in library, where
-            assert library[picked] <= 1.12 * min(library.values()), f"{where}: {picked} {library[picked]:.1f} us"
-            if library["library/triton"] >= 1.15 * library["library/flashinfer"]:
-                assert split, f"{where}: the cascade {library['library/triton']:.1f} us, FlashInfer not picked"
-            points += 1
+    for name, s, prompt, arms in _h200_grid_points("small_batches_backends*.json"):
+        split = split_kv_preferred(s["requests"], prompt, s["heads"], s["kv_heads"], s["beams"], s["head_dim"])[0]
+        cascade = cascade_preferred(prompt, s["heads"], s["kv_heads"], s["beams"], s["head_dim"])[0]
+        picked = "library/flashinfer" if split else "library/triton" if cascade else "library/fa4"
+        library = {k: v for k, v in arms.items() if k.startswith("library/")}
+        where = f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']}"
+        assert picked in library, where
+        assert library[picked] <= 1.12 * min(library.values()), f"{where}: {picked} {library[picked]:.1f} us"
+        if library["library/triton"] >= 1.15 * library["library/flashinfer"]:
+            assert split, f"{where}: the cascade {library['library/triton']:.1f} us, FlashInfer not picked"
+        points += 1
     assert points >= 40
 
 
@@ -447,22 +452,17 @@ def test_auto_rule_agrees_with_the_h200_grids():
     beams even)."""
     from beam_shared_prefix.prefix.select import cascade_preferred
 
-    results = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200"
     points = 0
     for pattern in AUTO_RULE_GRIDS:
-        for path in sorted(results.glob(pattern)):
-            for point in json.loads(path.read_text())["results"]:
-                arms = {a["name"]: a["time_us"] for a in point["arms"] if a["status"] == "ok"}
-                s = point["shape"]
-                picked, _ = cascade_preferred(point["prompt_lens"]["mean"], s["heads"], s["kv_heads"], s["beams"],
-                                              s["head_dim"])
-                cascade, two_launch = arms["library/triton"], arms["library/fa4"]
-                where = f"{path.name}: W={s['beams']} P={s['prompt']} {s['heads']}/{s['kv_heads']} D={s['head_dim']}"
-                if picked:
-                    assert cascade <= 1.05 * two_launch, f"{where}: cascade {cascade:.1f} against {two_launch:.1f} us"
-                else:
-                    assert two_launch <= 1.12 * cascade, f"{where}: FA4 + tail {two_launch:.1f} against {cascade:.1f} us"
-                points += 1
+        for name, s, prompt, arms in _h200_grid_points(pattern):
+            picked, _ = cascade_preferred(prompt, s["heads"], s["kv_heads"], s["beams"], s["head_dim"])
+            cascade, two_launch = arms["library/triton"], arms["library/fa4"]
+            where = f"{name}: W={s['beams']} P={s['prompt']} {s['heads']}/{s['kv_heads']} D={s['head_dim']}"
+            if picked:
+                assert cascade <= 1.05 * two_launch, f"{where}: cascade {cascade:.1f} against {two_launch:.1f} us"
+            else:
+                assert two_launch <= 1.12 * cascade, f"{where}: FA4 + tail {two_launch:.1f} against {cascade:.1f} us"
+            points += 1
     assert points >= 70
 
 
