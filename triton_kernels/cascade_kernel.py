@@ -22,8 +22,11 @@ Per program, in order:
    step's token (position ``L - 1``) is one of those columns, read from ``new_k``/``new_v`` instead
    of the cache, so a 4-token tail is one key block. The next block's pages are requested before
    this block's K/V are consumed; the loop bound is read on the device, so one CUDA-graph capture
-   serves every tail length. Then this step's K/V are stored to each beam's own page (``WRITE_KV``),
-   from registers loaded with the queries, so the store waits on nothing.
+   serves every tail length. Then this step's K/V are stored to each beam's own page (``WRITE_KV``).
+   They are loaded for that store only after the tail, when the key block's current-token column
+   has brought their rows into cache: held through the tail they cost 64 registers, and spills at
+   multi-block prompts (57.7 against 59.9 us at B-medium, 145.5 against 148.3 at B-long, B-short
+   unchanged; ``docs/benchmarks.md``, "The eleventh round").
 3. The prompt ``[0, P)``, read once per program and head from the request's prompt page table (never
    more than the table's ``prompt_capacity`` tokens), ``BLOCK_N`` tokens per iteration with the next
    block's page entries requested early: ``S = Q K^T`` and ``O += P V`` on tensor cores with the
@@ -503,11 +506,6 @@ def beam_cascade_kernel(
             #    key block). The next block's pages are requested before this block's K/V are
             #    consumed. Device-side bounds: no tail-length limit, one CUDA-graph capture for
             #    every tail length. Then this step's K/V go to each beam's own page.
-            if WRITE_KV:  # this step's K/V for the write after the tail, loaded with the queries
-                k_new = tl.load(new_k_ptr + slot_row64[:, None] * stride_new_k_row + kv_head * stride_new_k_head
-                                + d[None, :], mask=slot_ok[:, None], other=0.0)
-                v_new = tl.load(new_v_ptr + slot_row64[:, None] * stride_new_v_row + kv_head * stride_new_v_head
-                                + d[None, :], mask=slot_ok[:, None], other=0.0)
             tcol_new_k = new_k_ptr + tcol_row64 * stride_new_k_row + kv_head * stride_new_k_head
             tcol_new_v = new_v_ptr + tcol_row64 * stride_new_v_row + kv_head * stride_new_v_head
             m_i, l_i, acc = _tail_key_blocks(
@@ -517,7 +515,11 @@ def beam_cascade_kernel(
                 page_index_divisor, num_pages, stride_kv_page, stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM,
                 TAIL_BLOCK, TAIL_STAGES, ALIGNED_ROWS, DOT_FP32)
 
-            if WRITE_KV:  # issued once the loads it needs have long arrived: it stalls nothing
+            if WRITE_KV:  # loaded here, not before the tail: the tail's current-token column cached these rows
+                k_new = tl.load(new_k_ptr + slot_row64[:, None] * stride_new_k_row + kv_head * stride_new_k_head
+                                + d[None, :], mask=slot_ok[:, None], other=0.0)
+                v_new = tl.load(new_v_ptr + slot_row64[:, None] * stride_new_v_row + kv_head * stride_new_v_head
+                                + d[None, :], mask=slot_ok[:, None], other=0.0)
                 w_mask = tl.where(head_ok, w_ok, False)[:, None]
                 w_ptrs = kv_ptr + (w_offs + kv_head_off)[:, None] + d[None, :]
                 tl.store(w_ptrs, k_new, mask=w_mask)
