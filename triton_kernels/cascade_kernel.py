@@ -25,7 +25,7 @@ Per program, in order:
    serves every tail length. Then this step's K/V are stored to each beam's own page (``WRITE_KV``).
    They are loaded for that store only after the tail, when the key block's current-token column
    has brought their rows into cache: held through the tail they cost 64 registers, and spills at
-   multi-block prompts (57.7 against 59.9 us at B-medium, 145.5 against 148.3 at B-long, B-short
+   multi-block prompts (57.7 against 59.9 us at B-medium, 145.5 against 148.5 at B-long, B-short
    unchanged; ``docs/benchmarks.md``, "The eleventh round").
 3. The prompt ``[0, P)``, read once per program and head from the request's prompt page table (never
    more than the table's ``prompt_capacity`` tokens), ``BLOCK_N`` tokens per iteration with the next
