@@ -197,7 +197,7 @@ class BeamSharedPrefixAttention:
         side = None
         if not self.use_cuda_graph and self.requested_backend == "auto":
             side = (split_kv_preferred(num_requests, mean_prompt, hq, hkv, step_plan.beam_width, d)[0],
-                    cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d)[0])
+                    cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d, num_requests)[0])
         cache_key = (problem_key, side)
         name = self._backend_for_problem.get(cache_key)
         if name is None:

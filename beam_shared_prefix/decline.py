@@ -68,14 +68,17 @@ follows the prompt KV that the ``W`` beams no longer re-read, ``R x W x P``:
 | >= 60,000 | 1.35x - 3.99x: served |
 
 so a batch of fewer rows is served there when ``R x W x mean prompt >=
-MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60,000`` (measured at GQA 2, head 128 and 8-30 beams; only there).
+MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60,000`` (measured at 8-30 beams, GQA 2 at head 128 in the tenth round;
+GQA 4 at head 128 and GQA 2 at head 64 in the eleventh, ``small_batches_backends_{g4,d64}.json``:
+every point served 1.14x-3.8x faster than per-beam decode, the narrowest margin 2 requests x 8 beams
+x 4,000 tokens at head 64; only there).
 
 **Prompt length unknown** (a CUDA graph serves any prompt): beam widths below
 ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8 beams and more the two-launch paths lost
 only to 32-token prompts, and the cascade lost nowhere in any grid (head 64: 1.24x at 32 tokens).
 
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
-the split-prompt exception) and at head 64 with the cascade, and the head size only for the cascade (64 and 128; the two-launch rule was measured at head 128). Re-run
+the split-prompt exception) and at head 64 (the cascade, and FlashInfer at GQA 2), and the head size only for the cascade (64 and 128; the two-launch rule was measured at head 128). Re-run
 the grids for a very different shape (``docs/benchmarks.md`` says how).
 
 The function is pure and cheap (integer arithmetic), independent of TensorRT-LLM and of the
@@ -98,6 +101,9 @@ MIN_BEAM_ROWS = 120
 MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60_000
 # The narrowest beam width at which that exception was measured (8-30 beams).
 _SPLIT_KV_MEASURED_FROM_WIDTH = 8
+# ``(GQA group, head size)`` where it was measured: those of ``prefix.select.SPLIT_KV_PROMPT``
+# (a test keeps the two equal; this module imports nothing of the library).
+_SPLIT_KV_MEASURED_SHAPES = frozenset({(2, 128), (4, 128), (2, 64)})
 #: With an unknown prompt length, narrower beams are left to the default kernel.
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
 #: ``(W - 1) * mean prompt`` below this (prompt tokens saved per request) is declined.
@@ -156,10 +162,12 @@ def should_decline(
         return f"beam width {w} < {MIN_BEAM_WIDTH}: no beams share a prompt"
     rows = None if num_requests is None else int(num_requests) * w
     if rows is not None and rows < MIN_BEAM_ROWS:
-        # The exception is measured at GQA 2, head 128, 8-30 beams; elsewhere few rows stay declined.
-        split_measured = (split_kv and not one_launch and prompt_len is not None and head_dim == 128
-                          and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and num_kv_heads is not None
-                          and num_qo_heads == 2 * num_kv_heads)
+        # The exception is measured at 8-30 beams and the shapes of _SPLIT_KV_MEASURED_SHAPES;
+        # elsewhere few rows stay declined.
+        group = (num_qo_heads // num_kv_heads if num_qo_heads is not None and num_kv_heads
+                 and num_qo_heads % num_kv_heads == 0 else None)
+        split_measured = (split_kv and not one_launch and prompt_len is not None
+                          and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and (group, head_dim) in _SPLIT_KV_MEASURED_SHAPES)
         if not split_measured:
             return (
                 f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {MIN_BEAM_ROWS}: too few "

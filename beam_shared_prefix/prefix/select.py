@@ -5,10 +5,12 @@ Rule of ``"auto"`` (:func:`choose_prefix_backend`), in order:
 1. not a CUDA device: ``reference`` (the torch path, the library's CPU path);
 2. ``flashinfer`` when the batch has so few requests that the cascade would run few programs for
    its prompt length, where FlashInfer's prefill, which splits each prompt over many CTAs, measured
-   faster than the cascade and FA4 (:func:`split_kv_preferred`; GQA 2, head 128, one beam block);
+   faster than the cascade and FA4 (:func:`split_kv_preferred`; GQA 2 and 4 at head 128, GQA 2 at
+   head 64);
 3. ``triton`` (the one-launch cascade kernel) when the batch's prompts are short enough for its
-   beam width and its GQA group small enough that it measured faster than the two-launch paths on
-   the H200 (:func:`cascade_preferred`; it also needs :meth:`TritonPrefixBackend.is_available`);
+   beam width, GQA group and (with few requests) program count that it measured faster than the
+   two-launch paths on the H200 (:func:`cascade_preferred`; it also needs
+   :meth:`TritonPrefixBackend.is_available`);
 4. ``fa4`` when :meth:`FA4PrefixBackend.is_available` accepts the shape (SM90/SM100, bf16, head size
    64/128, page size other than 128, ``flash_attn.cute`` importable): measured on the H200 at
    128 requests x 96 beams x 3,000-token prompts (GQA 16/8, head 128, page 32), FA4's prefix took
@@ -113,9 +115,43 @@ CASCADE_MAX_GROUP = 8
 # - 32-row tiles (W <= 16, tail on CUDA cores): 500 tokens and 8 per program. Faster by 8% (4
 #   requests x 8 beams at 500 tokens) to 4.9x from 500 tokens up to 64 programs; at 128 programs
 #   even at 1,000 tokens (16 beams 3% slower, 8 beams 12% faster) and 45-63% faster at 4,000.
+#
+# Eleventh round (small_batches_backends_{g4,d64,c,g4_c,g4_d,d64_b}.json: 1-32 requests of 8, 16 and
+# 30 beams, 250-4,000 tokens, GQA 32/8 at head 128 and 16/8 at head 64, with FA4 + tail measured
+# too):
+# - GQA 4, head 128 (16-beam tiles of 64 rows; 30 beams take two): the same 1,000 tokens and 60 per
+#   program, counting both beam blocks' programs. FlashInfer 2-4x faster than the cascade and FA4
+#   at 4,000 tokens up to 64 programs, 20% faster than FA4 at 1,000 with 8-16; FA4 faster from 32
+#   programs at 1,000 tokens and at 128 (16 requests x 8-16 beams: 80 against 97-108 us at 4,000).
+# - Head 64, GQA 2: 64-row tiles (30 beams) 1,000 and 60, as at head 128; 32-row tiles (8-16 beams)
+#   1,000 tokens and 30 per program: FlashInfer 10-14% faster than the cascade at 1,000 tokens with 8
+#   and 16 programs, within 3% at 32 and 10% slower at 64; 1.7-2.3x faster at 4,000 up to 64
+#   programs, and at 128 faster with 8 beams (61 against FA4's 70 us), 11% slower with 16.
 SPLIT_KV_MAX_PROGRAMS = 128
-#: ``{tile rows: (smallest mean prompt, tokens per cascade program)}`` at which ``auto`` picks FlashInfer.
-SPLIT_KV_PROMPT = {64: (1000, 60), 32: (500, 8)}
+#: ``{(GQA group, head size): {tile rows: (smallest mean prompt, tokens per cascade program)}}`` at
+#: which ``auto`` picks FlashInfer; shapes not listed never (not measured).
+SPLIT_KV_PROMPT = {
+    (2, 128): {64: (1000, 60), 32: (500, 8)},
+    (4, 128): {64: (1000, 60)},
+    (2, 64): {64: (1000, 60), 32: (1000, 30)},
+}
+#: The most beam blocks per request at which each shape of :data:`SPLIT_KV_PROMPT` was measured.
+SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 1, (4, 128): 2, (2, 64): 1}
+
+# Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
+# (at most 128: under one per SM) each attends its whole prompt in turn, and FA4 overtakes it at
+# shorter prompts than with 64 requests:
+# - GQA 4, head 128, one block (16 beams): 4 requests 6% and 16 requests 5% faster than FA4 at 250
+#   tokens, 7% slower and even at 500, 24% and 15% slower at 1,000, 26-35% slower at 4,000. With 32
+#   requests (256 programs) the cascade is 10-47% faster from 250 to 4,000 tokens. Hence 256 tokens
+#   up to 128 programs at groups 3-4 (G = 3 shares G = 4's tiles; measured at G = 4).
+# - GQA 2, head 64, one block: 3% slower than FA4 at 2,000 tokens with 16 requests, 10-13% at
+#   4,000 (faster at 1,000); hence 2,048.
+# - GQA 2, head 128: within 7% of FA4 either way at 8 and 16 requests up to 4,000 tokens; no limit.
+CASCADE_FEW_PROGRAMS = 128
+#: ``{(GQA group, head size): mean prompt limit}`` of the cascade with at most
+#: :data:`CASCADE_FEW_PROGRAMS` programs and one beam block (groups 3 and 4 share an entry).
+CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048}
 
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
     "reference": ReferencePrefixBackend,
@@ -175,11 +211,14 @@ def cascade_preferred(
     num_kv_heads: int,
     beam_width: Optional[int] = None,
     head_dim: int = 128,
+    num_requests: Optional[int] = None,
 ) -> Tuple[bool, str]:
     """Whether ``auto`` picks the one-launch cascade for a batch: ``(True, "")`` or ``(False, reason)``.
 
     ``mean_prompt_len`` is the batch's mean prompt length in tokens (``None``: unknown, not preferred);
-    ``beam_width`` the batch's ``W`` (``None``: unknown, the stricter prompt limit applies).
+    ``beam_width`` the batch's ``W`` (``None``: unknown, the stricter prompt limit applies);
+    ``num_requests`` the batch's ``R`` (``None``: unknown, judged as many): with few cascade programs
+    some shapes have a lower limit (:data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS`).
     """
     group = num_qo_heads // max(num_kv_heads, 1)
     if group > CASCADE_MAX_GROUP:
@@ -198,7 +237,31 @@ def cascade_preferred(
         blocks = "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"measured slower than FA4 + tail there)")
+    few = _few_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
+    if few is not None and mean_prompt_len > few[1]:
+        return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {few[1]} with {few[0]} cascade programs "
+                       f"(<= {CASCADE_FEW_PROGRAMS}) at G={group}, head {head_dim}: measured slower than FA4 + tail there")
     return True, ""
+
+
+def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, group: int, head_dim: int):
+    """``(programs, beam blocks, tile rows)`` of the cascade's default tiling for a batch."""
+    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
+
+    cfg = cascade_launch_config(int(beam_width), group, head_dim)
+    blocks = -(-int(beam_width) // cfg.beams_per_program)
+    return int(num_requests) * -(-int(num_kv_heads) // cfg.heads_per_program) * blocks, blocks, cfg.block_m
+
+
+def _few_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
+    """``(programs, limit)`` where the few-programs prompt limit applies to a batch, else ``None``."""
+    limit = CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS.get((4 if group in (3, 4) else group, head_dim))
+    if limit is None or num_requests is None or beam_width is None:
+        return None
+    programs, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
+    if blocks > 1 or programs > CASCADE_FEW_PROGRAMS:
+        return None
+    return programs, limit
 
 
 def split_kv_preferred(
@@ -210,26 +273,26 @@ def split_kv_preferred(
     head_dim: int = 128,
 ) -> Tuple[bool, str]:
     """Whether ``auto`` picks FlashInfer (its prefill splits a prompt over many CTAs) ahead of the
-    cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 2, head 128, one beam
-    block (:data:`SPLIT_KV_PROMPT`); elsewhere never. ``num_requests`` and ``mean_prompt_len``
-    (tokens) are the batch's; ``None`` (unknown) never prefers it."""
+    cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 2 and 4 at head 128 and
+    GQA 2 at head 64 (:data:`SPLIT_KV_PROMPT`, up to :data:`SPLIT_KV_MAX_BEAM_BLOCKS` beam blocks);
+    elsewhere never. ``num_requests`` and ``mean_prompt_len`` (tokens) are the batch's; ``None``
+    (unknown) never prefers it."""
     if num_requests is None or mean_prompt_len is None or beam_width is None:
         return False, "request count, beam width or prompt length unknown"
     group = num_qo_heads // max(num_kv_heads, 1)
-    if group != 2 or head_dim != 128:
-        return False, f"GQA {group}, head {head_dim}: FlashInfer's split prompt measured only at GQA 2, head 128"
+    by_rows = SPLIT_KV_PROMPT.get((group, head_dim))
+    if by_rows is None:
+        measured = ", ".join(f"GQA {g} at head {d}" for g, d in SPLIT_KV_PROMPT)
+        return False, f"GQA {group}, head {head_dim}: FlashInfer's split prompt measured only at {measured}"
     if num_requests > SPLIT_KV_MAX_PROGRAMS:  # every request runs a program per KV head group at least
         return False, f"{num_requests} requests > {SPLIT_KV_MAX_PROGRAMS}: the cascade fills the GPU"
-    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
-
-    cfg = cascade_launch_config(int(beam_width), group, head_dim)
-    if beam_width > cfg.beams_per_program:
-        return False, f"W={beam_width} takes several beam blocks: not measured against FlashInfer's split prompt"
-    programs = int(num_requests) * -(-int(num_kv_heads) // cfg.heads_per_program)
+    programs, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
+    if blocks > SPLIT_KV_MAX_BEAM_BLOCKS[(group, head_dim)]:
+        return False, (f"W={beam_width} takes {blocks} beam blocks: not measured against FlashInfer's split prompt "
+                       f"at GQA {group}, head {head_dim}")
     if programs > SPLIT_KV_MAX_PROGRAMS:
         return False, f"{programs} cascade programs > {SPLIT_KV_MAX_PROGRAMS}: the cascade fills the GPU"
-    rows = cfg.block_m
-    floor, per_program = SPLIT_KV_PROMPT[64 if rows >= 64 else 32]
+    floor, per_program = by_rows[64 if rows >= 64 else 32]
     least = max(floor, per_program * programs)
     if mean_prompt_len < least:
         return False, (f"mean prompt {mean_prompt_len:.0f} < {least} tokens for {programs} cascade programs "
@@ -299,7 +362,7 @@ def cascade_serves(
     if requested == "auto":
         if split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)[0]:
             return False
-        return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)[0]
+        return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim, num_requests)[0]
     return False
 
 
@@ -327,7 +390,8 @@ def choose_prefix_backend(
     declined = []
     split, split_why = split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
                                           head_dim)
-    preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)
+    preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
+                                       num_requests)
     candidates = ("triton", "fa4", "flashinfer") if preferred else ("fa4", "flashinfer")
     if split:
         candidates = ("flashinfer",) + candidates[:-1]

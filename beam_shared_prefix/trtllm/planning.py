@@ -141,8 +141,7 @@ class StepInfo:
                 shape = (self.mean_prompt_len, family.num_qo_heads, family.num_kv_heads, self.beam_width,
                          family.head_dim)
                 split_kv = flashinfer_serves(settings.backend, self.num_requests, *shape)
-                # With FlashInfer's split prompt ruled out just above, the cascade's rule need not see R.
-                one_launch = not split_kv and cascade_serves(settings.backend, *shape)
+                one_launch = not split_kv and cascade_serves(settings.backend, *shape, self.num_requests)
                 reason = should_decline(
                     self.num_requests,
                     self.beam_width,
