@@ -70,7 +70,7 @@ follows the prompt KV that the ``W`` beams no longer re-read, ``R x W x P``:
 so a batch of fewer rows is served there when ``R x W x mean prompt >=
 MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60,000`` (measured at 8-30 beams, GQA 2 at head 128 in the tenth round;
 GQA 4 at head 128 and GQA 2 at head 64 in the eleventh, ``small_batches_backends_{g4,d64}.json``:
-every point served 1.14x-3.8x faster than per-beam decode, the narrowest margin 2 requests x 8 beams
+every point served 1.14x-3.35x faster than per-beam decode, the narrowest margin 2 requests x 8 beams
 x 4,000 tokens at head 64; only there).
 
 **Prompt length unknown** (a CUDA graph serves any prompt): beam widths below

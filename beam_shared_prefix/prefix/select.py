@@ -120,13 +120,14 @@ CASCADE_MAX_GROUP = 8
 # 30 beams, 250-4,000 tokens, GQA 32/8 at head 128 and 16/8 at head 64, with FA4 + tail measured
 # too):
 # - GQA 4, head 128 (16-beam tiles of 64 rows; 30 beams take two): the same 1,000 tokens and 60 per
-#   program, counting both beam blocks' programs. FlashInfer 2-4x faster than the cascade and FA4
-#   at 4,000 tokens up to 64 programs, 20% faster than FA4 at 1,000 with 8-16; FA4 faster from 32
-#   programs at 1,000 tokens and at 128 (16 requests x 8-16 beams: 80 against 97-108 us at 4,000).
+#   program, counting both beam blocks' programs. At 4,000 tokens up to 64 programs FlashInfer was
+#   1.6-4.0x faster than the cascade and 1.1-2.6x faster than FA4; at 1,000 tokens with 8-16
+#   programs 3-26% faster than FA4; from 32 programs at 1,000 tokens within 4% of FA4 or slower, and
+#   at 128 programs slower (16 requests x 8-16 beams at 4,000: 97-108 against FA4's 80-81 us).
 # - Head 64, GQA 2: 64-row tiles (30 beams) 1,000 and 60, as at head 128; 32-row tiles (8-16 beams)
-#   1,000 tokens and 30 per program: FlashInfer 10-14% faster than the cascade at 1,000 tokens with 8
-#   and 16 programs, within 3% at 32 and 10% slower at 64; 1.7-2.3x faster at 4,000 up to 64
-#   programs, and at 128 faster with 8 beams (61 against FA4's 70 us), 11% slower with 16.
+#   1,000 tokens and 30 per program. At 1,000 tokens FlashInfer was 11-21% faster than the cascade
+#   with 8 and 16 programs, within 3% at 32 and 10-25% slower at 64. At 4,000 it was 1.5-3.1x faster
+#   up to 64 programs; at 128, faster with 8 beams (61 against FA4's 70 us) and 11% slower with 16.
 SPLIT_KV_MAX_PROGRAMS = 128
 #: ``{(GQA group, head size): {tile rows: (smallest mean prompt, tokens per cascade program)}}`` at
 #: which ``auto`` picks FlashInfer; shapes not listed never (not measured).
