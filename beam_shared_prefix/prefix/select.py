@@ -142,10 +142,10 @@ SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 1, (4, 128): 2, (2, 64): 1}
 # Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
 # (at most 128: under one per SM) each attends its whole prompt in turn, and FA4 overtakes it at
 # shorter prompts than with 64 requests:
-# - GQA 4, head 128, one block (16 beams): 4 requests 6% and 16 requests 5% faster than FA4 at 250
-#   tokens, 7% slower and even at 500, 24% and 15% slower at 1,000, 26-35% slower at 4,000. With 32
-#   requests (256 programs) the cascade is 10-47% faster from 250 to 4,000 tokens. Hence 256 tokens
-#   up to 128 programs at groups 3-4 (G = 3 shares G = 4's tiles; measured at G = 4).
+# - GQA 4, head 128, one block (16 beams): 4 requests 6% and 16 requests 13% faster than FA4 at 250
+#   tokens, 7% slower and even at 500, 24% and 15% slower at 1,000, and 1-16 requests 34-60% slower
+#   at 4,000. With 32 requests (256 programs) the cascade is 6-46% faster from 250 to 4,000 tokens.
+#   Hence 256 tokens up to 128 programs at groups 3-4 (G = 3 shares G = 4's tiles; measured at G = 4).
 # - GQA 2, head 64, one block: 3% slower than FA4 at 2,000 tokens with 16 requests, 10-13% at
 #   4,000 (faster at 1,000); hence 2,048.
 # - GQA 2, head 128: within 7% of FA4 either way at 8 and 16 requests up to 4,000 tokens; no limit.
