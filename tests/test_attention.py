@@ -206,6 +206,29 @@ def test_backend_selection_on_cpu():
             plan_step(att, sim, step)
 
 
+def test_auto_rejudges_the_backend_when_the_request_count_changes_it(monkeypatch):
+    """Eager ``auto`` caches its choice per answer of the rule, and the cascade's answer depends on the
+    request count (few programs at GQA 4: FA4 from 257 tokens; many: the cascade): a batch of 2
+    requests and one of 65 with the same prompts must each be judged, with their own count."""
+    import beam_shared_prefix.attention as attention_module
+
+    calls = []
+
+    def resolve(requested, *args, num_requests=None, **kw):
+        calls.append(num_requests)
+        return "reference"
+
+    monkeypatch.setattr(attention_module, "resolve_prefix_backend", resolve)
+    att = BeamSharedPrefixAttention("cpu", backend="auto", check=False)
+    pg, prompt, hq, hkv, d, w = 32, 300, 8, 2, 128, 16  # GQA 4, one 16-beam block per request
+    for requests in (2, 65, 2):
+        pages = -(-prompt // pg)
+        indptr = [i * pages for i in range(requests + 1)]
+        indices = list(range(requests * pages))
+        att.plan(indptr, indices, [prompt] * requests, w, hq, hkv, d, pg, requests * pages + 1, torch.bfloat16)
+    assert calls == [2, 65]  # the third batch reuses the first answer's choice
+
+
 def test_settings_from_environment(monkeypatch):
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_CHECK", "1")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "reference")
