@@ -101,7 +101,7 @@ def test_cascade_thresholds_only_fall_with_the_beam_width(table, head_dim):
 
 def test_rule_agrees_with_the_small_batch_grids():
     """1-16 requests (GQA 2 at head 128, tenth round; GQA 4 at head 128 and GQA 2 at head 64,
-    eleventh): every point the rule serves, with the path ``auto`` takes there (FlashInfer's split
+    eleventh; 48-256 beams at all three, twelfth): every point the rule serves, with the path ``auto`` takes there (FlashInfer's split
     prompt, the cascade or FA4), was at least 1.10x faster than per-beam decode."""
     from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 
@@ -117,7 +117,7 @@ def test_rule_agrees_with_the_small_batch_grids():
             served += 1
             speedup = decode / arms[path]["time_us"]
             assert speedup >= 1.10, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} {path} at {speedup:.2f}x"
-    assert points >= 100 and served >= 60
+    assert points >= 190 and served >= 145
 
 
 def _grid_points(pattern):

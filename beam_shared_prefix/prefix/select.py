@@ -41,7 +41,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
-           "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP"]
+           "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP",
+           "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
@@ -128,6 +129,14 @@ CASCADE_MAX_GROUP = 8
 #   1,000 tokens and 30 per program. At 1,000 tokens FlashInfer was 11-21% faster than the cascade
 #   with 8 and 16 programs, within 3% at 32 and 10-25% slower at 64. At 4,000 it was 1.5-3.1x faster
 #   up to 64 programs; at 128, faster with 8 beams (61 against FA4's 70 us) and 11% slower with 16.
+#
+# Twelfth round, wider beams (small_batches_backends_wide*.json: 1-16 requests of 48, 64, 128 and 256
+# beams, 500-4,000 tokens, with FA4 + tail and the cascade): the same lengths, counting every beam
+# block's programs, hold for two blocks at GQA 2 (48-64 beams; head 128 and head 64) and for three
+# and four at GQA 4 (48-64 beams of 16-beam tiles). At 4,000 tokens FlashInfer was 1.2-2.3x faster
+# than FA4 up to 64 programs (1 request x 64 beams: 30.4 against 65.1 us at head 128, 29.1 against
+# 66.5 at head 64) and slower at 128 (8 x 64: 94.0 against 70.5). Four blocks at GQA 2 (128 beams)
+# were 3-5% slower than FA4 at 4,000 tokens even with 1-2 requests, so GQA 2 stops at two.
 SPLIT_KV_MAX_PROGRAMS = 128
 #: ``{(GQA group, head size): {tile rows: (smallest mean prompt, tokens per cascade program)}}`` at
 #: which ``auto`` picks FlashInfer; shapes not listed never (not measured).
@@ -137,7 +146,7 @@ SPLIT_KV_PROMPT = {
     (2, 64): {64: (1000, 60), 32: (1000, 30)},
 }
 #: The most beam blocks per request at which each shape of :data:`SPLIT_KV_PROMPT` was measured.
-SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 1, (4, 128): 2, (2, 64): 1}
+SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2}
 
 # Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
 # (at most 128: under one per SM) each attends its whole prompt in turn, and FA4 overtakes it at
@@ -153,6 +162,14 @@ CASCADE_FEW_PROGRAMS = 128
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with at most
 #: :data:`CASCADE_FEW_PROGRAMS` programs and one beam block (groups 3 and 4 share an entry).
 CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048}
+# Two beam blocks at GQA 2 (33-64 beams) with at most 128 programs (twelfth round, the wide files):
+# the cascade was 8-14% faster than FA4 at 500 tokens with 1-8 requests at head 128 and within 2%
+# of it at 1,000 (7% faster with 8 requests); 9% slower at 2,000. At head 64, 1-8 requests, 7-12%
+# faster at 1,000 tokens and 4-6% slower at 2,000. With 16 requests (256 programs) at head 128 the
+# two were within 3% at 500 tokens, so the usual 128-token limit stays there.
+#: ``{(GQA group, head size): mean prompt limit}`` of the cascade with two beam blocks and at most
+#: :data:`CASCADE_FEW_PROGRAMS` programs (it raises :func:`cascade_prompt_limit`'s several-block limit).
+CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS = {(2, 128): 1024, (2, 64): 1024}
 
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
     "reference": ReferencePrefixBackend,
@@ -234,6 +251,9 @@ def cascade_preferred(
     if mean_prompt_len is None:
         return False, "prompt lengths unknown"
     limit = cascade_prompt_limit(beam_width, group, head_dim)
+    two_blocks = _two_blocks_few_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
+    if two_blocks is not None:
+        limit = max(limit, two_blocks[1])
     if mean_prompt_len > limit:
         blocks = "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
@@ -261,6 +281,17 @@ def _few_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
         return None
     programs, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
     if blocks > 1 or programs > CASCADE_FEW_PROGRAMS:
+        return None
+    return programs, limit
+
+
+def _two_blocks_few_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
+    """``(programs, limit)`` where the two-block few-programs prompt limit applies to a batch, else ``None``."""
+    limit = CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS.get((group, head_dim))
+    if limit is None or num_requests is None or beam_width is None:
+        return None
+    programs, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
+    if blocks != 2 or programs > CASCADE_FEW_PROGRAMS:
         return None
     return programs, limit
 

@@ -309,9 +309,17 @@ def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, 
     assert auto(16, 2000, head_dim=64) == ("triton", [])
     name, declined = auto(16, 4000, head_dim=64)
     assert name == "flashinfer" and "> 2048 with 128 cascade programs" in declined[0]
-    name, declined = auto(2, 2000, beams=64)  # several blocks: the usual order (FA4 is not installed here)
-    assert name == "flashinfer" and "> 128 at W=64" in declined[0] and "fa4:" in declined[1]
-    assert "takes 2 beam blocks" in split_kv_preferred(2, 2000, 16, 8, 64, 128)[1]
+    # Two beam blocks (W = 33-64) at GQA 2: FlashInfer's split prompt, counting both blocks' programs
+    assert auto(2, 2000, beams=64)[0] == "flashinfer"  # 2 x 8 x 2 = 32 programs need 1,920 tokens
+    name, declined = auto(4, 2000, beams=64)  # 64 programs need 3,840: the usual order (no FA4 here)
+    assert name == "flashinfer" and "> 1024 at W=64" in declined[0] and "fa4:" in declined[1]
+    # ... where with two blocks and at most 128 programs the cascade serves up to 1,024 tokens
+    assert auto(8, 1000, beams=64) == ("triton", [])  # 128 programs
+    assert "> 128 at W=64" in auto(16, 500, beams=64)[1][0]  # 256 programs: the usual limit
+    assert "> 128 at W=128" in auto(1, 500, beams=128)[1][0]  # four blocks: the usual limit
+    assert "takes 4 beam blocks" in split_kv_preferred(1, 4000, 16, 8, 128, 128)[1]
+    assert split_kv_preferred(1, 4000, 32, 8, 64, 128)[0]  # GQA 4: 4 blocks of 16 beams
+    assert "takes 5 beam blocks" in split_kv_preferred(1, 4000, 32, 8, 80, 128)[1]
 
 
 def _h200_grid_points(pattern):
@@ -325,7 +333,8 @@ def _h200_grid_points(pattern):
 
 def test_split_kv_rule_agrees_with_the_h200_grids():
     """1-32 requests of 8, 16 and 30 beams, 250-4,000 tokens (GQA 16/8 at head 128, tenth round;
-    GQA 32/8 at head 128 and 16/8 at head 64, eleventh): the backend ``auto`` picks between
+    GQA 32/8 at head 128 and 16/8 at head 64, eleventh), and 1-16 requests of 48-256 beams (twelfth,
+    ``small_batches_backends_wide*.json``): the backend ``auto`` picks between
     FlashInfer's split prompt, the cascade and FA4 was at most 12% slower than the fastest of those
     measured at the point (the largest: 16 requests x 8 beams at 1,000 tokens, the cascade against
     FlashInfer), and FlashInfer wherever every other backend measured was 15% slower or more."""
@@ -347,7 +356,7 @@ def test_split_kv_rule_agrees_with_the_h200_grids():
             assert split, f"{where}: FlashInfer {library['flashinfer']:.1f} us not picked, {library}"
         points += 1
         seen.add((hq // hkv, d))
-    assert points >= 120 and seen == {(2, 128), (4, 128), (2, 64)}
+    assert points >= 210 and seen == {(2, 128), (4, 128), (2, 64)}
 
 
 def test_auto_on_cpu_is_the_reference():
