@@ -42,7 +42,8 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from .gates import batch_decline_reason, call_decline_reason, decline_log, layer_decline_reason
+from .gates import (batch_decline_reason, call_decline_reason, decline_log, layer_decline_reason,
+                    prefix_shape_decline_reason)
 from .kv_cache import adapter_for
 from .planning import Family, ensure_prepare_hook, register_instance, runtime_view, step_for_forward, wrapper_for
 from .registration import FALLBACK_NAME, LIB_NAME, OUT_OF_TREE_MARK, current_settings
@@ -167,7 +168,8 @@ class BeamSharedPrefixFmhaMixin:
         expected = (2, attn.num_kv_heads, layer.page_size, attn.head_dim)
         if pool.dim() != 5 or tuple(pool.shape[1:]) != expected:
             return f"KV pool view of shape {tuple(pool.shape)} is not [pages, 2, Hkv, page_size, D] = [*, {expected}]"
-        return None
+        return prefix_shape_decline_reason(current_settings().backend, str(pool.device), str(pool.dtype).replace(
+            "torch.", ""), attn.head_dim, attn.num_heads, attn.num_kv_heads, layer.page_size)
 
     def _takes_context(self, lib, q, k, v, metadata, forward_args) -> Optional[bool]:
         """Whether ``lib`` takes the CONTEXT phase of this batch (``None``: this tree cannot ask).

@@ -21,6 +21,7 @@ request count) are never gated on here; the per-step planner handles those (``pl
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import threading
@@ -30,6 +31,8 @@ from .kv_cache import manager_decline_reason
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
+    "MAX_GROUP_SIZE",
+    "prefix_shape_decline_reason",
     "layer_decline_reason",
     "batch_decline_reason",
     "call_decline_reason",
@@ -125,6 +128,52 @@ def backend_decline_reason(backend: str) -> Optional[str]:
     return None
 
 
+# The tail kernel's widest GQA group (triton_kernels.tail_merge.MAX_GROUP_SIZE; kept here so that
+# the layer gate does not import Triton; tests/trtllm/test_trtllm_gates.py keeps the two equal).
+MAX_GROUP_SIZE = 64
+
+
+@functools.lru_cache(maxsize=None)
+def prefix_shape_decline_reason(backend: str, device: str, dtype_name: str, head_dim: int, num_heads: int,
+                                num_kv_heads: int, page_size: int, kv_layout: str = "HND") -> Optional[str]:
+    """Why no GPU prefix backend the configured ``backend`` may run serves this layer's pool, or ``None``.
+
+    Known once the layer's KV pool exists (dtype, page size). ``auto``, ``fa4`` and ``flashinfer``
+    need FA4 or FlashInfer for the shape (``fa4`` falls back to FlashInfer; ``auto`` takes one of
+    them whenever the cascade is not picked, and otherwise would run the torch reference prefix on
+    the GPU, slower than the default kernel); ``triton`` needs the cascade to tile the shape or
+    FlashInfer (its fallback). Without this, the plan raises inside TensorRT-LLM's ``prepare()``.
+    """
+    import torch
+
+    from ..prefix.select import BACKEND_CLASSES
+
+    dtype = getattr(torch, dtype_name)
+
+    def serves(name):
+        return BACKEND_CLASSES[name].is_available(device, dtype, head_dim, num_heads, num_kv_heads, page_size,
+                                                  kv_layout)
+
+    if backend == "reference" or not device.startswith("cuda"):  # off the GPU the reference prefix is the path
+        return None
+    candidates = {"auto": ("fa4", "flashinfer"), "fa4": ("fa4", "flashinfer"), "flashinfer": ("flashinfer",),
+                  "triton": ("flashinfer",)}.get(backend, ("flashinfer",))
+    if backend == "triton":
+        from triton_kernels import cascade_supported
+
+        if cascade_supported(num_heads // num_kv_heads, head_dim)[0] and dtype in (torch.bfloat16, torch.float16):
+            return None
+    why = []
+    for name in candidates:
+        ok, reason = serves(name)
+        if ok:
+            return None
+        why.append(f"{name}: {reason}")
+    return (f"TLLM_BEAM_SHARED_PREFIX_BACKEND={backend}: no prefix backend serves {dtype_name} K/V, head_dim="
+            f"{head_dim}, {num_heads}/{num_kv_heads} heads, page size {page_size} ({'; '.join(why)}); install "
+            f"flashinfer-python ('beam-shared-prefix[flashinfer]') for this shape")
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -151,6 +200,9 @@ def layer_decline_reason(attn, backend: str = "auto") -> Optional[str]:
     num_kv_heads = getattr(attn, "num_kv_heads", 0) or 0
     if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
         return f"num_heads={num_heads} is not a positive multiple of num_kv_heads={num_kv_heads}"
+    if num_heads // num_kv_heads > MAX_GROUP_SIZE:
+        return (f"GQA group {num_heads // num_kv_heads} ({num_heads}/{num_kv_heads} heads) exceeds {MAX_GROUP_SIZE}, "
+                f"the widest group the tail kernel tiles")
     if backend == "triton":
         # A shape the cascade kernel does not tile falls back to FlashInfer at plan time; without
         # FlashInfer that would fail mid-serving, so the layer is declined up front instead.

@@ -42,12 +42,13 @@ def library_of(layer):
         (dict(attention_chunk_size=64), "chunked (local) attention"),
         (dict(head_dim=96), "head_dim=96 is not one of (64, 128, 256)"),
         (dict(num_heads=6, num_kv_heads=4), "num_heads=6 is not a positive multiple of num_kv_heads=4"),
+        (dict(num_heads=128, num_kv_heads=1), "GQA group 128 (128/1 heads) exceeds 64"),
         (dict(quant_mode=QuantMode.FP8_KV_CACHE), "KV cache quantization (fp8 kv cache)"),
         (dict(kv_cache_dtype="nvfp4"), "KV cache quantization (kv_cache_dtype='nvfp4')"),
         (dict(position_embedding_type=PositionEmbeddingType.rope_gpt_neox), "RoPE is applied inside the attention backend"),
         (dict(skip_correction_threshold=0.5), None),  # declined by Fmha.is_available itself (doc 2.1), no reason of ours
     ],
-    ids=["served", "mla", "sparse", "spec-dec", "chunked", "head96", "heads6-4", "fp8-kv", "nvfp4-kv", "rope", "skip-corr"],
+    ids=["served", "mla", "sparse", "spec-dec", "chunked", "head96", "heads6-4", "group128", "fp8-kv", "nvfp4-kv", "rope", "skip-corr"],
 )
 def test_layer_gates(enabled, attn_kwargs, reason):
     """Doc 2.1 (_is_available runs once per manager), 6.3 (layer-level gates) and 5.2 (RoPE ownership)."""
@@ -61,12 +62,17 @@ def test_layer_gates(enabled, attn_kwargs, reason):
         assert decline_log.seen(reason)
 
 
-def test_layer_gate_names_a_missing_backend(enabled, monkeypatch):
-    """A backend that is not installed declines the layer with the install command."""
+def _hide_packages(monkeypatch, *names):
+    """Make ``importlib.util.find_spec`` report ``names`` as not installed (the gates' only probe)."""
     import importlib.util
 
-    if importlib.util.find_spec("flashinfer") is not None:
-        pytest.skip("flashinfer is installed here; the decline cannot be shown")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in names else real(name, *a))
+
+
+def test_layer_gate_names_a_missing_backend(enabled, monkeypatch):
+    """A backend that is not installed declines the layer with the install command."""
+    _hide_packages(monkeypatch, "flashinfer")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "flashinfer")
     register()  # re-reads the settings
     layer = enabled.module(".trtllm").TrtllmAttention(0, 4, 64, 2)
@@ -77,16 +83,56 @@ def test_layer_gate_names_a_missing_backend(enabled, monkeypatch):
 def test_triton_backend_declines_a_shape_it_cannot_tile_without_its_fallback(enabled, monkeypatch):
     """backend=triton: a layer the cascade kernel does not tile (head 256) would fall back to FlashInfer
     at plan time; without FlashInfer it is declined at selection, with the reason, not failed mid-serving."""
-    import importlib.util
-
-    if importlib.util.find_spec("flashinfer") is not None:
-        pytest.skip("flashinfer is installed here; the decline cannot be shown")
+    _hide_packages(monkeypatch, "flashinfer")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "triton")
     register()  # re-reads the settings
     trtllm = enabled.module(".trtllm")
     assert library_of(trtllm.TrtllmAttention(0, 4, 64, 2)) is not None  # tiled: served
     assert library_of(trtllm.TrtllmAttention(1, 4, 256, 2)) is None
     assert decline_log.seen("head_dim=256 is not tiled by the cascade kernel")
+
+
+def test_tail_group_limit_matches_the_kernel():
+    from beam_shared_prefix.trtllm.gates import MAX_GROUP_SIZE
+    from triton_kernels.tail_merge import MAX_GROUP_SIZE as KERNEL_MAX_GROUP_SIZE
+
+    assert MAX_GROUP_SIZE == KERNEL_MAX_GROUP_SIZE
+
+
+@pytest.mark.parametrize(
+    "backend, serving, dtype, reason",
+    [
+        ("fa4", {"fa4"}, "bfloat16", None),
+        ("fa4", {"flashinfer"}, "float16", None),  # FA4 declines fp16; FlashInfer, its fallback, serves
+        ("fa4", set(), "float16", "TLLM_BEAM_SHARED_PREFIX_BACKEND=fa4: no prefix backend serves float16"),
+        ("auto", set(), "float16", "fa4: no fa4; flashinfer: no flashinfer"),  # else: the reference prefix on the GPU
+        ("auto", {"flashinfer"}, "float16", None),
+        ("flashinfer", {"fa4"}, "bfloat16", "flashinfer: no flashinfer"),
+        ("triton", set(), "bfloat16", None),  # the cascade tiles 16/8 at head 128
+        ("reference", set(), "bfloat16", None),
+    ],
+)
+def test_prefix_shape_gate(monkeypatch, backend, serving, dtype, reason):
+    """Once the layer's pool is known (dtype, page size): a configured backend none of whose prefix
+    kernels serve the shape declines the layer, instead of raising in ``prepare()`` (or running the
+    torch reference prefix on the GPU, for ``auto``)."""
+    from beam_shared_prefix.prefix.select import BACKEND_CLASSES
+    from beam_shared_prefix.trtllm.gates import prefix_shape_decline_reason
+
+    for name in ("fa4", "flashinfer"):
+        monkeypatch.setattr(BACKEND_CLASSES[name], "is_available",
+                            classmethod(lambda cls, *a, _n=name: (_n in serving, f"no {_n}")))
+    prefix_shape_decline_reason.cache_clear()
+    try:
+        got = prefix_shape_decline_reason(backend, "cuda:0", dtype, 128, 16, 8, 32)
+        cpu = prefix_shape_decline_reason(backend, "cpu", dtype, 128, 16, 8, 32)
+    finally:
+        prefix_shape_decline_reason.cache_clear()
+    assert cpu is None  # off the GPU the reference prefix is the library's path
+    if reason is None:
+        assert got is None
+    else:
+        assert reason in got and "install flashinfer-python" in got
 
 
 def forward_args(model, setup, **overrides):
