@@ -456,6 +456,9 @@ class BeamSharedPrefixAttention:
                  f"{tuple(beam_page_table.shape)}.")
         if kv_lens.dim() != 1 or kv_lens.dtype != torch.int32 or kv_lens.shape[0] != rows:
             fail(f"kv_lens must be int32 [{rows}] (one per beam row), got {kv_lens.dtype} {tuple(kv_lens.shape)}.")
+        if rows > 1 and kv_lens.stride(0) != 1:
+            fail(f"kv_lens has stride {kv_lens.stride(0)}; the kernels read one int32 per beam row at unit stride. "
+                 f"Pass kv_lens.contiguous().")
         if (cache_indirection.dim() != 3 or cache_indirection.dtype != torch.int32
                 or cache_indirection.shape[0] < R or cache_indirection.shape[1] < W):
             fail(f"cache_indirection must be int32 [>= R={R}, >= W={W}, max_seq_len], got {cache_indirection.dtype} "

@@ -6,7 +6,7 @@ entry naming a beam that does not exist, a kernel that wrote the wrong rows, a N
 :class:`BeamSharedPrefixCheckError` naming the stage:
 
 - ``"indices"``: the plan's prompt pages and the used entries of ``beam_page_table`` lie in the
-  pool; ``kv_lens`` follow the prompts and fit the cache; ``cache_indirection`` entries of the
+  pool, and beam 0's prompt columns of the table are the plan's prompt pages; ``kv_lens`` follow the prompts and fit the cache; ``cache_indirection`` entries of the
   earlier generated positions are beams in ``[0, W)``;
 - ``"prefix"``: the prefix backend's output and LSE are finite and match
   :func:`~beam_shared_prefix.reference.reference_prefix_attention`;
@@ -160,6 +160,21 @@ def check_indices(
                    f"{int(pages[i, c])}, outside the pool [0, {num_pages}); the page table is stale, belongs to "
                    f"another pool, or page_index_divisor is wrong."
         )
+    # The plan's prompt pages are beam 0's. A table in another encoding (a wrong page_index_divisor), a
+    # plan from an earlier batch or another pool's table can keep every page inside the pool; this
+    # catches them, since the prefix reads the plan's pages and the tail and the KV write the table's.
+    indptr = step_plan.kv_page_indptr
+    for r in range(step_plan.num_requests):
+        want = prompt_pages[int(indptr[r]):int(indptr[r + 1])]
+        got = pages[r * W, : want.numel()]
+        differ = torch.nonzero(got != want).flatten()
+        if differ.numel():
+            c = int(differ[0])
+            raise BeamSharedPrefixCheckError(
+                stage, f"beam_page_table[{r * W}, {c}]={int(table[r * W, c])} // page_index_divisor={page_index_divisor} "
+                       f"= page {int(got[c])}, but the plan's prompt page {c} of request {r} is {int(want[c])}: the "
+                       f"plan belongs to another batch (re-plan), or page_index_divisor is wrong for this table."
+            )
     earlier = klen - 1 - plen
     if int(earlier.max()) > 0:
         ind = cache_indirection.cpu()

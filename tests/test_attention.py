@@ -255,6 +255,7 @@ def _mutations(sim, step):
         "pool dtype": (dict(kv_cache=other.half()), "kv_cache has dtype float16"),
         "table dtype": (dict(beam_page_table=step.beam_page_table.long()), "int32"),
         "kv_lens length": (dict(kv_lens=step.kv_lens[:-1]), "one per beam row"),
+        "kv_lens strided": (dict(kv_lens=torch.stack([step.kv_lens, step.kv_lens], 1)[:, 0]), "kv_lens has stride 2"),
         "indirection width": (dict(cache_indirection=step.cache_indirection[:, :2]), ">= W=3"),
         "new_k alone": (dict(new_k=step.new_k, new_v=None), "both new_k and new_v"),
         "new_k heads": (dict(new_k=step.new_k[:, :1], new_v=step.new_v[:, :1]), "Hkv=2"),
@@ -359,6 +360,20 @@ def test_check_mode_catches_a_page_outside_the_pool():
     bad_ind[0, 1, pos] = 7  # beam 7 of 3
     with pytest.raises(BeamSharedPrefixCheckError, match="stage 'indices'.*not a beam"):
         att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, bad_ind, step.new_k, step.new_v)
+
+
+def test_check_mode_catches_a_table_the_plan_does_not_match():
+    """A prompt page inside the pool but not the plan's (a plan from another batch, a table in another
+    encoding): the prefix would read the plan's pages, the tail and the KV write the table's."""
+    sim, step, att = _check_setup()
+    W = step.beam_width
+    table = step.beam_page_table.clone()
+    table[W, 0] = (table[W, 0] + 1) % sim.num_pages  # request 1, beam 0, first prompt page
+    kv_before = sim.kv_cache.clone()
+    with pytest.raises(BeamSharedPrefixCheckError,
+                       match=rf"stage 'indices'.*beam_page_table\[{W}, 0\].*prompt page 0 of request 1"):
+        att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    assert torch.equal(sim.kv_cache, kv_before)  # stopped before any kernel wrote
 
 
 def test_check_mode_off_runs_no_check(monkeypatch):

@@ -128,6 +128,13 @@ def _need_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
         _fail(f"{name} has a negative stride {tuple(x.stride())}; pass a view with non-negative strides.")
 
 
+def _need_unit_stride(name: str, x: torch.Tensor) -> None:
+    """A 1-D per-row tensor the kernels index as ``ptr + row`` (no stride argument)."""
+    if x.shape[0] > 1 and x.stride(0) != 1:
+        _fail(f"{name} has stride {x.stride(0)}; the kernels read one int32 per row at unit stride. "
+              f"Pass {name}.contiguous().")
+
+
 def _byte_span(x: torch.Tensor) -> Optional[Tuple[int, int]]:
     if x.numel() == 0:
         return None
@@ -235,6 +242,7 @@ def check_step_args(
         _need_dtype(name, x, (torch.int32,))
         if x.shape[0] != num_rows:
             _fail(f"{name} has {x.shape[0]} entries but q has {num_rows} rows; pass one entry per beam row.")
+        _need_unit_stride(name, x)
     _need_dim("beam_page_table", beam_page_table, 2, "[>= rows, max_pages] int32")
     _need_dtype("beam_page_table", beam_page_table, (torch.int32,))
     if beam_page_table.shape[0] < num_rows:

@@ -334,6 +334,11 @@ BAD_INPUTS = [
      "pass a page table with at least 4 columns"),
     ("lse_layout_shape", lambda a: dict(prefix_lse=a["prefix_lse"].t().contiguous()), "needs (4, 6)"),
     ("kv_lens_dtype", lambda a: dict(kv_lens=a["kv_lens"].long()), "kv_lens has dtype int64"),
+    # A strided view of the lengths would be read at unit stride: other rows' values, silently.
+    ("kv_lens_strided", lambda a: dict(kv_lens=torch.stack([a["kv_lens"], a["kv_lens"] + 9], 1)[:, 0]),
+     "kv_lens has stride 2"),
+    ("prompt_lens_strided", lambda a: dict(prompt_lens=torch.stack([a["prompt_lens"], a["prompt_lens"]], 1)[:, 1]),
+     "prompt_lens has stride 2"),
     ("rows_not_multiple_of_beam", lambda a: dict(beam_width=3), "not a multiple of beam_width=3"),
     ("layout_string", lambda a: dict(kv_layout="HDN"), "kv_layout='HDN' is not supported"),
     ("lse_base_string", lambda a: dict(prefix_lse_base="e"), "prefix_lse_base='e' is not supported"),
