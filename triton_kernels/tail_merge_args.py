@@ -230,6 +230,13 @@ def check_step_args(
         )
     if num_pages < 1 or page_size < 1:
         _fail(f"kv_cache has {num_pages} pages of {page_size} tokens; both must be >= 1.")
+    # The tail kernels add a KV head's offset in int32 (the page term is int64); a view with the
+    # heads outside the pages could overflow it.
+    head_span = (pool_heads - 1) * kv_strides[2] + (page_size - 1) * kv_strides[3] + pool_dim
+    if head_span >= 2**31:
+        _fail(f"kv_cache's heads and slots span {head_span} elements within a page (strides "
+              f"{tuple(kv_cache.stride())}), past int32; pass a pool view whose pages hold their heads "
+              f"([pages, 2, Hkv, Pg, D] or [pages, 2, Pg, Hkv, D]).")
     for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)):
         _need_last_dim_contiguous(name, x)
 
