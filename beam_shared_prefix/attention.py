@@ -405,9 +405,16 @@ class BeamSharedPrefixAttention:
         return beam_tail_attention_merge_torch
 
     def _current_kv(self, kv_cache, beam_page_table, kv_lens, rows, page_size, page_index_divisor):
-        """This step's K/V ``[rows, Hkv, D]`` read back from ``kv_len - 1`` of each row's own page."""
-        pos = kv_lens[:rows].long() - 1
-        page = beam_page_table[:rows].gather(1, (pos // page_size)[:, None]).squeeze(1).long() // page_index_divisor
+        """This step's K/V ``[rows, Hkv, D]`` read back from ``kv_len - 1`` of each row's own page.
+
+        Indices are clamped into the table and the pool, as the kernels mask theirs: an invalid
+        ``kv_len`` or page entry (reported by check mode) reads some slot of the pool, never past it
+        (on a GPU an out-of-range gather is a device-side assert that ends the process's CUDA context).
+        """
+        pos = (kv_lens[:rows].long() - 1).clamp(min=0)
+        col = (pos // page_size).clamp(max=beam_page_table.shape[1] - 1)
+        page = (beam_page_table[:rows].gather(1, col[:, None]).squeeze(1).long() // page_index_divisor).clamp(
+            0, kv_cache.shape[0] - 1)
         slot = pos % page_size
         if self.kv_layout == "HND":
             return kv_cache[page, 0, :, slot, :], kv_cache[page, 1, :, slot, :]

@@ -376,6 +376,20 @@ def test_check_mode_catches_a_table_the_plan_does_not_match():
     assert torch.equal(sim.kv_cache, kv_before)  # stopped before any kernel wrote
 
 
+@pytest.mark.parametrize("bad_len", [0, 10_000])
+def test_engine_written_kv_with_an_invalid_length_fails_clearly(bad_len):
+    """``new_k=None`` reads this step's K/V back from the cache at ``kv_len - 1``: an invalid length is
+    clamped there (no index error, which on a GPU would be a device-side assert) and check mode names it."""
+    sim, step, att = _check_setup()
+    kv_lens = step.kv_lens.clone()
+    kv_lens[1] = bad_len
+    with pytest.raises(BeamSharedPrefixCheckError, match=r"stage 'indices'.*kv_lens\[1\]"):
+        att.run(step.q, sim.kv_cache, step.beam_page_table, kv_lens, step.cache_indirection)
+    att.check = False
+    out = att.run(step.q, sim.kv_cache, step.beam_page_table, kv_lens, step.cache_indirection)
+    assert out.shape == step.q.shape
+
+
 def test_check_mode_off_runs_no_check(monkeypatch):
     from beam_shared_prefix import check as chk
 

@@ -76,13 +76,19 @@ def beam_tail_attention_merge_torch(
     # Earlier generated positions [P, L-1), each from the pages of its source beam.
     num_earlier = (klen - 1 - plen).clamp(min=0)
     max_earlier = int(num_earlier.max())  # host sync: the reason this path is not graph-capturable
+    # Every index is masked where the kernel masks it (a position past the indirection or the page
+    # table, a source beam outside [0, W), a page outside the pool): invalid input reads nothing
+    # out of bounds here either (check mode reports it).
+    cols, num_pages = beam_page_table.shape[1], geom.num_pages
     t = plen[:, None] + torch.arange(max_earlier, device=dev)[None, :]
-    earlier_valid = t < (klen - 1)[:, None]
-    t_safe = torch.where(earlier_valid, t, torch.zeros_like(t))
+    t_ok = (t < (klen - 1)[:, None]) & (t < geom.max_seq_len) & (t // pg < cols)
+    t_safe = torch.where(t_ok, t, torch.zeros_like(t))
     src_beam = cache_indirection[req[:, None], beam[:, None], t_safe].long()
-    src_beam = torch.where(earlier_valid, src_beam, beam[:, None].expand_as(src_beam))
-    src_row = req[:, None] * W + src_beam
-    page = beam_page_table[src_row, t_safe // pg].long() // page_index_divisor
+    src_ok = t_ok & (src_beam >= 0) & (src_beam < W)
+    src_row = req[:, None] * W + torch.where(src_ok, src_beam, beam[:, None].expand_as(src_beam))
+    entry = beam_page_table[src_row, t_safe // pg].long()
+    page = entry // page_index_divisor
+    earlier_valid = src_ok & (entry >= 0) & (page < num_pages)
     page = torch.where(earlier_valid, page, torch.zeros_like(page))
     slot = t_safe % pg
     k = torch.cat([k_pool[page, slot].float(), new_k.float()[:, None]], dim=1)  # [rows, T+1, Hkv, D]
@@ -112,9 +118,13 @@ def beam_tail_attention_merge_torch(
     if write_kv:
         # Like the kernel, never write inside the prompt (kv_len <= prompt_len is invalid input):
         # prompt pages are shared by all beams of the request.
-        w_rows = row[klen - 1 >= plen]
-        wpos = klen[w_rows] - 1
-        wpage = beam_page_table[w_rows, wpos // pg].long() // page_index_divisor
+        wpos = klen - 1
+        w_ok = (wpos >= plen) & (wpos < geom.max_seq_len) & (wpos // pg < cols)
+        w_entry = beam_page_table[row, torch.where(w_ok, wpos // pg, torch.zeros_like(wpos))].long()
+        w_ok &= (w_entry >= 0) & (w_entry // page_index_divisor < num_pages)
+        w_rows = row[w_ok]
+        wpos = wpos[w_rows]
+        wpage = w_entry[w_rows] // page_index_divisor
         wslot = wpos % pg
         k_pool[wpage, wslot] = new_k[w_rows]
         v_pool[wpage, wslot] = new_v[w_rows]

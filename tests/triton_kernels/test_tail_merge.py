@@ -415,14 +415,19 @@ def test_validate_indices_reports_bad_values(impl, name, change, message, device
 
 
 @pytest.mark.parametrize("config", [None, TailLaunchConfig(2, 2, 1, 4, index_block=0),
-                                    TailLaunchConfig(2, 2, 1, 1, grouped=True)], ids=["default", "chain", "grouped"])
+                                    TailLaunchConfig(2, 2, 1, 1, grouped=True), "torch"],
+                         ids=["default", "chain", "grouped", "torch"])
 @pytest.mark.parametrize("name,change", [(b[0], b[1]) for b in BAD_VALUES], ids=[b[0] for b in BAD_VALUES])
 def test_kernel_masks_bad_indices_without_validation(name, change, config, device):
-    """Without check mode, bad indices are masked in the kernel: no fault, the pool is not written
-    outside the rows' own pages, and a write position inside the (shared) prompt is skipped."""
+    """Without check mode, bad indices are masked in the kernel (and in the torch path, the same
+    way): no fault, the pool is not written outside the rows' own pages, and a write position
+    inside the (shared) prompt is skipped."""
     sim, step, args = _bad_value_case(device, change)
     before = sim.kv_cache.clone()
-    beam_tail_attention_merge(**args, launch_config=config)
+    if config == "torch":
+        IMPLS["torch"](**args)
+    else:
+        beam_tail_attention_merge(**args, launch_config=config)
     assert not torch.isnan(args["out"]).any()
     changed = (sim.kv_cache != before).flatten(2).any(dim=2)  # [pages, 2]
     allowed = torch.zeros_like(changed)
