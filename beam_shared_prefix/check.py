@@ -6,8 +6,9 @@ entry naming a beam that does not exist, a kernel that wrote the wrong rows, a N
 :class:`BeamSharedPrefixCheckError` naming the stage:
 
 - ``"indices"``: the plan's prompt pages and the used entries of ``beam_page_table`` lie in the
-  pool, and beam 0's prompt columns of the table are the plan's prompt pages; ``kv_lens`` follow the prompts and fit the cache; ``cache_indirection`` entries of the
-  earlier generated positions are beams in ``[0, W)``;
+  pool, and beam 0's prompt columns of the table are the plan's prompt pages; ``kv_lens`` follow
+  the prompts and fit the cache; ``cache_indirection`` entries of the earlier generated positions
+  are beams in ``[0, W)``;
 - ``"prefix"``: the prefix backend's output and LSE are finite and match
   :func:`~beam_shared_prefix.reference.reference_prefix_attention`;
 - ``"tail"``: the final output is finite and matches

@@ -144,18 +144,13 @@ def prefix_shape_decline_reason(backend: str, device: str, dtype_name: str, head
     the GPU, slower than the default kernel); ``triton`` needs the cascade to tile the shape or
     FlashInfer (its fallback). Without this, the plan raises inside TensorRT-LLM's ``prepare()``.
     """
+    if backend == "reference" or not device.startswith("cuda"):  # off the GPU the reference prefix is the path
+        return None
     import torch
 
     from ..prefix.select import BACKEND_CLASSES
 
     dtype = getattr(torch, dtype_name)
-
-    def serves(name):
-        return BACKEND_CLASSES[name].is_available(device, dtype, head_dim, num_heads, num_kv_heads, page_size,
-                                                  kv_layout)
-
-    if backend == "reference" or not device.startswith("cuda"):  # off the GPU the reference prefix is the path
-        return None
     candidates = {"auto": ("fa4", "flashinfer"), "fa4": ("fa4", "flashinfer"), "flashinfer": ("flashinfer",),
                   "triton": ("flashinfer",)}.get(backend, ("flashinfer",))
     if backend == "triton":
@@ -165,7 +160,8 @@ def prefix_shape_decline_reason(backend: str, device: str, dtype_name: str, head
             return None
     why = []
     for name in candidates:
-        ok, reason = serves(name)
+        ok, reason = BACKEND_CLASSES[name].is_available(device, dtype, head_dim, num_heads, num_kv_heads, page_size,
+                                                        kv_layout)
         if ok:
             return None
         why.append(f"{name}: {reason}")
