@@ -353,7 +353,8 @@ def cascade_cases(draw):
                                  prompt_stages=draw(st.sampled_from([None, 2])), tail_on_cores=tail_on_cores)
     prompts = draw(st.lists(st.integers(1, 60), min_size=1, max_size=3))
     return dict(
-        sim=dict(prompts=prompts, beams=draw(st.integers(1, 20)), hq=hkv * group, hkv=hkv, d=64,
+        sim=dict(prompts=prompts, beams=draw(st.integers(1, 20)), hq=hkv * group, hkv=hkv,
+                 d=draw(st.sampled_from([64, 128])),
                  pg=draw(st.sampled_from([4, 8, 16, 32, 64])), layout=draw(st.sampled_from(["HND", "NHD"])),
                  max_seq_len=72, seed=draw(st.integers(0, 2**16))),
         steps_before=draw(st.integers(0, 6)),
@@ -365,8 +366,8 @@ def cascade_cases(draw):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cascade_cases())
 def test_cascade_property_matches_oracle(case):
-    """Any beam width (including ones not a multiple of the tile), group, page size, layout, page-table
-    encoding, tail length and tiling (KV heads per program included, dividing Hkv or not): the step
+    """Any beam width (including ones not a multiple of the tile), group, head size (64 or 128), page
+    size, layout, page-table encoding, tail length and tiling (KV heads per program included, dividing Hkv or not): the step
     matches the oracle and writes exactly its K/V."""
     sim, step = step_after(case["sim"], case["steps_before"])
     out = run_cascade(sim, step, divisor=case["divisor"], launch_config=case["config"])
