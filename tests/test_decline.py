@@ -117,7 +117,7 @@ def test_rule_agrees_with_the_small_batch_grids():
             served += 1
             speedup = decode / arms[path]["time_us"]
             assert speedup >= 1.10, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} {path} at {speedup:.2f}x"
-    assert points >= 190 and served >= 145
+    assert points >= 200 and served >= 150
 
 
 def _grid_points(pattern):

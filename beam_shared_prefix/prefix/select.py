@@ -136,7 +136,8 @@ CASCADE_MAX_GROUP = 8
 # and four at GQA 4 (48-64 beams of 16-beam tiles). At 4,000 tokens FlashInfer was 1.2-2.3x faster
 # than FA4 up to 64 programs (1 request x 64 beams: 30.4 against 65.1 us at head 128, 29.1 against
 # 66.5 at head 64) and slower at 128 (8 x 64: 94.0 against 70.5). Four blocks at GQA 2 (128 beams)
-# were 3-5% slower than FA4 at 4,000 tokens even with 1-2 requests, so GQA 2 stops at two.
+# were 3-5% slower than FA4 at 4,000 tokens even with 1-2 requests, and three (96 beams, 1-8
+# requests, 1,000 and 3,000 tokens) 3-7% slower, so GQA 2 stops at two.
 SPLIT_KV_MAX_PROGRAMS = 128
 #: ``{(GQA group, head size): {tile rows: (smallest mean prompt, tokens per cascade program)}}`` at
 #: which ``auto`` picks FlashInfer; shapes not listed never (not measured).
