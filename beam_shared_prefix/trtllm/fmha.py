@@ -45,7 +45,8 @@ from typing import Dict, Optional
 from .gates import (batch_decline_reason, call_decline_reason, decline_log, layer_decline_reason,
                     prefix_shape_decline_reason)
 from .kv_cache import adapter_for
-from .planning import Family, ensure_prepare_hook, register_instance, runtime_view, step_for_forward, wrapper_for
+from .planning import (DeclinedStep, Family, ensure_prepare_hook, register_instance, runtime_view, step_for_forward,
+                       wrapper_for)
 from .registration import FALLBACK_NAME, LIB_NAME, OUT_OF_TREE_MARK, current_settings
 
 __all__ = ["BeamSharedPrefixFmhaMixin", "fmha_class_for", "stats"]
@@ -281,6 +282,10 @@ class BeamSharedPrefixFmhaMixin:
             return None
         if pool.dim() != 5 or tuple(pool.shape[1:]) != (2, attn.num_kv_heads, layer.page_size, attn.head_dim):
             return None
+        # A layer whose pool no configured prefix backend serves is never selected: not planned either.
+        if prefix_shape_decline_reason(current_settings().backend, str(pool.device), str(pool.dtype).replace(
+                "torch.", ""), attn.head_dim, attn.num_heads, attn.num_kv_heads, layer.page_size) is not None:
+            return None
         return self._family_from(adapter, pool.dtype)
 
     def _run_rows(self, qkv_rows, out_rows, metadata, state, step, family) -> None:
@@ -325,6 +330,9 @@ class BeamSharedPrefixFmhaMixin:
             return None
         delegate = self._get_delegate()
         if delegate is None:
+            if isinstance(step, DeclinedStep) or reason.startswith("planning failed"):
+                raise RuntimeError(f"beam_shared_prefix: {reason}, and no {FALLBACK_NAME!r} library to hand the "
+                                   f"step to; remove beam_shared_prefix from TLLM_FMHA_LIBS for this engine")
             decline_log(logging.WARNING, f"{reason}; no {FALLBACK_NAME!r} library to hand the step to, serving it")
             return None
         decline_log(logging.INFO, f"step handed to {FALLBACK_NAME!r}: {reason}")

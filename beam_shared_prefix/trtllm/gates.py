@@ -35,6 +35,7 @@ __all__ = [
     "prefix_shape_decline_reason",
     "layer_decline_reason",
     "batch_decline_reason",
+    "step_decline_reason",
     "call_decline_reason",
     "DeclineLog",
     "decline_log",
@@ -229,8 +230,6 @@ def batch_decline_reason(metadata) -> Optional[str]:
     if num_generations <= 0:
         return "no generation rows in the batch"
     beam_width = int(getattr(metadata, "beam_width", 1) or 1)
-    if beam_width <= 1:
-        return "beam width 1 (the library serves beam search)"
     if getattr(metadata, "is_cross", False):
         return "cross attention"
     if getattr(metadata, "enable_helix", False):
@@ -240,7 +239,9 @@ def batch_decline_reason(metadata) -> Optional[str]:
     indirection = getattr(metadata, "cache_indirection", None)
     if indirection is None:
         return "no cache_indirection on the metadata"
-    if indirection.dim() != 3 or indirection.shape[1] < beam_width:
+    if indirection.dim() != 3 or indirection.shape[1] < max(beam_width, 2):
+        if indirection.dim() == 3 and indirection.shape[1] <= 1:
+            return "an engine without beam search (cache_indirection holds one beam; the library serves beam search)"
         return (
             f"cache_indirection of shape {tuple(indirection.shape)} was sized for fewer beams than "
             f"beam_width={beam_width}"
@@ -256,6 +257,21 @@ def batch_decline_reason(metadata) -> Optional[str]:
     reason = manager_decline_reason(getattr(metadata, "kv_cache_manager", None))
     if reason:
         return reason
+    return None
+
+
+def step_decline_reason(metadata) -> Optional[str]:
+    """Why this step's generation rows go to ``fallback`` though the batch's key selected the library.
+
+    Per step, not at selection: TensorRT-LLM's eager warm-up can run generation rows with
+    ``beam_width`` left at 1 on an engine sized for beams (it sets ``max_beam_width`` only with a
+    ``cache_indirection`` buffer or in graph warm-up), and the selection key holds no beam width. A
+    decline at selection would cache ``fallback`` for the real beam steps of that key.
+    """
+    num_generations = int(getattr(metadata, "num_generations", 0) or 0)
+    beam_width = int(getattr(metadata, "beam_width", 1) or 1)
+    if beam_width <= 1:
+        return f"beam width {beam_width} on this step ({num_generations} generation rows; a warm-up or dummy step)"
     if num_generations % beam_width:
         return f"{num_generations} generation rows are not a multiple of beam_width={beam_width}"
     return None

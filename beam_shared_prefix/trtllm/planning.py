@@ -39,7 +39,7 @@ import numpy as np
 
 from ..decline import should_decline
 from ..prefix.select import cascade_serves, flashinfer_serves
-from .gates import batch_decline_reason, decline_log
+from .gates import batch_decline_reason, decline_log, step_decline_reason
 from .kv_cache import LayerKV, PageAdapter, adapter_for
 from .registration import current_settings
 
@@ -156,6 +156,17 @@ class StepInfo:
         return self.declines[family.key]
 
 
+@dataclass
+class DeclinedStep:
+    """A step the library's key selected but whose generation rows go to ``fallback`` as a whole
+    (:func:`gates.step_decline_reason`); ``forward`` hands it over instead of planning it."""
+
+    reason: str
+
+    def decline_reason(self, family) -> str:
+        return self.reason
+
+
 class _MetadataState:
     """Planning state of one metadata object."""
 
@@ -221,6 +232,10 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[StepInfo]:
     if reason is not None:
         state.step, state.step_reason = None, reason
         return None
+    reason = step_decline_reason(metadata)
+    if reason is not None:
+        state.step, state.step_reason = DeclinedStep(reason), None
+        return state.step
     beam_width = int(metadata.beam_width)
     num_contexts = int(metadata.num_contexts)
     num_rows = int(metadata.num_generations)
@@ -255,8 +270,27 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[StepInfo]:
     _learn_families(adapter)
     for family in list(adapter.families.values()):
         if step.decline_reason(family) is None:
-            wrapper_for(metadata, state, step, family)
+            try:
+                wrapper_for(metadata, state, step, family)
+            except Exception as exc:
+                if not isinstance(exc, _planning_errors()):
+                    raise
+                # Inside TensorRT-LLM's prepare(): a family the library cannot plan goes to `fallback`
+                # for this step (logged), rather than failing the engine's step.
+                step.declines[family.key] = f"planning failed: {exc}"
+                decline_log(logging.WARNING, f"{step.declines[family.key]} (handed to the default kernel)")
     return step
+
+
+def _planning_errors() -> tuple:
+    """The library's own refusals (imported here: the adapter imports neither Triton nor the wrapper
+    until a step is planned)."""
+    from triton_kernels.tail_merge_args import TailMergeInputError
+
+    from ..attention import AttentionInputError
+    from ..prefix.base import PrefixBackendError
+
+    return PrefixBackendError, AttentionInputError, TailMergeInputError, ImportError
 
 
 _instances: "weakref.WeakSet" = weakref.WeakSet()

@@ -1424,10 +1424,12 @@ class Engine:
     def graph_metadata(self, batch_size: int):
         return self.metadata.create_cuda_graph_metadata(batch_size)
 
-    def prepare(self, step, context_prompt_lens: Sequence[int] = (), metadata=None, seed: int = 0):
+    def prepare(self, step, context_prompt_lens: Sequence[int] = (), metadata=None, seed: int = 0,
+                beam_width: Optional[int] = None):
         """Fill ``metadata`` for ``step`` (+ context requests) and call ``prepare()``; returns the fused QKV.
 
         Row order (doc 3.2): context requests' tokens, then generation rows request-major.
+        ``beam_width`` overrides ``metadata.beam_width`` (the eager warm-up's width 1 on beam rows).
         """
         m = metadata if metadata is not None else self.metadata
         m.kv_cache_manager = self.manager
@@ -1435,10 +1437,13 @@ class Engine:
         context_ids = [self.manager.add_context_request(p) for p in context_prompt_lens]
         rows = step.num_rows
         num_requests = len(step.request_ids)
-        m.beam_width = step.beam_width if num_requests else 1
+        m.beam_width = beam_width if beam_width is not None else step.beam_width if num_requests else 1
         m.num_contexts = len(context_ids)
         m.seq_lens = torch.tensor(list(context_prompt_lens) + [1] * rows, dtype=torch.int32)
-        m.request_ids = context_ids + list(step.request_ids)
+        gen_ids = list(step.request_ids)
+        if beam_width == 1 and step.beam_width > 1:  # width-1 metadata on beam rows: one id per row
+            gen_ids = [rid for rid in gen_ids for _ in range(step.beam_width)]
+        m.request_ids = context_ids + gen_ids
         m.prompt_lens = list(context_prompt_lens) + step.prompt_lens.cpu().tolist()
         interface = self.model.module(".interface")
         m.kv_cache_params = interface.KVCacheParams(

@@ -212,7 +212,7 @@ def test_call_gates(enabled, case, reason):
 @pytest.mark.parametrize(
     "case, reason",
     [
-        ("beam1", "beam width 1"),
+        ("one_beam_engine", "an engine without beam search"),
         ("spec_dec", "speculative decoding"),
         ("cross", "cross attention"),
         ("helix", "helix (context) parallelism"),
@@ -239,8 +239,8 @@ def test_batch_gates(enabled, case, reason):
         step.kv_lens, step.prompt_lens = step.kv_lens[:0], step.prompt_lens[:0]
     qkv = setup.engine.prepare(step, contexts)
     m = setup.engine.metadata
-    if case == "beam1":
-        m.beam_width = 1
+    if case == "one_beam_engine":
+        m.cache_indirection = m.cache_indirection[:, :1]
     elif case == "spec_dec":
         m.use_spec_decoding = True
     elif case == "cross":
@@ -265,6 +265,72 @@ def test_batch_gates(enabled, case, reason):
     out = torch.empty(qkv.shape[0], 4 * 64, dtype=qkv.dtype)
     assert not ours.is_supported(qkv, None, None, m, forward_args(enabled, setup, output=out))
     assert decline_log.seen(reason)
+
+
+def test_a_beam_width_one_step_is_handed_over_and_not_cached(enabled):
+    """TensorRT-LLM's eager warm-up can run generation rows with ``beam_width`` left at 1 on an engine
+    sized for beams (``model_engine`` sets ``max_beam_width`` only with a ``cache_indirection`` buffer
+    or in graph warm-up), and the selection key holds no beam width. Such a step is selected and
+    handed to ``fallback`` as a whole: declining it at selection would cache ``fallback`` for the
+    key's real beam steps. Both orders: the width-1 step first, and after a served beam step."""
+    setup = build(enabled, prompts=(37,), beam_width=4)
+    sim, engine, layer = setup.sim, setup.engine, setup.layer
+    ours = library_of(layer)
+
+    def forward(step, beam_width=None):
+        qkv = engine.prepare(step, beam_width=beam_width)
+        out = torch.empty(qkv.shape[0], 4 * 64, dtype=qkv.dtype)
+        layer.forward(qkv, None, None, engine.metadata, output=out)
+        return out
+
+    for order in ("width-1 first", "beam step first"):
+        before = dict(stats())
+        if order == "beam step first":
+            forward(sim.begin_step())
+            sim.end_step()
+        forward(sim.begin_step(), beam_width=1)  # the warm-up's metadata: 4 rows, beam_width 1
+        sim.end_step(write_kv=False)
+        forward(sim.begin_step())
+        sim.end_step()
+        after = stats()
+        assert after["delegated_steps"] - before["delegated_steps"] == 1, order
+        served = 2 if order == "beam step first" else 1
+        assert after["generation_forwards"] - before["generation_forwards"] == served, order
+    assert decline_log.seen("beam width 1 on this step (4 generation rows; a warm-up or dummy step)")
+    cached = list(layer._fmha_manager._cache.values())
+    assert cached and all(lib is ours for lib in cached), cached  # the key kept the library
+
+
+def test_a_layer_the_prefix_gate_declines_is_neither_selected_nor_planned(enabled, monkeypatch):
+    """A layer whose pool no configured prefix backend serves (here: FlashInfer failing to import,
+    simulated) goes to ``fallback``, and ``prepare()`` does not plan it (which would raise there)."""
+    from beam_shared_prefix.trtllm import fmha
+
+    monkeypatch.setattr(fmha, "prefix_shape_decline_reason", lambda *a, **k: "flashinfer: import failed (simulated)")
+    setup = build(enabled)
+    before = dict(stats())
+    setup.run(setup.sim.begin_step())
+    assert stats()["generation_forwards"] == before["generation_forwards"]
+    assert stats()["wrappers"] == before["wrappers"]  # nothing planned
+    assert decline_log.seen("flashinfer: import failed (simulated)")
+
+
+def test_a_family_that_fails_to_plan_is_handed_over(enabled, monkeypatch):
+    """A refusal while planning inside ``prepare()`` hands the step to ``fallback`` (logged) instead of
+    failing TensorRT-LLM's step."""
+    from beam_shared_prefix.prefix.base import PrefixBackendError
+    from beam_shared_prefix.trtllm import planning
+
+    def refuse(*args, **kwargs):
+        raise PrefixBackendError("flashinfer failed to import (simulated)")
+
+    monkeypatch.setattr(planning, "_new_wrapper", refuse)
+    setup = build(enabled)
+    before = dict(stats())
+    setup.run(setup.sim.begin_step())
+    assert stats()["delegated_steps"] - before["delegated_steps"] == 1
+    assert stats()["generation_forwards"] == before["generation_forwards"]
+    assert decline_log.seen("planning failed: flashinfer failed to import (simulated)")
 
 
 def test_decline_reason_logged_once(enabled, caplog):
