@@ -260,7 +260,9 @@ class V2PageAdapter(PageAdapter):
 
 
 _adapters: Dict[int, Tuple[weakref.ref, PageAdapter]] = {}
-_adapters_lock = threading.Lock()
+# Re-entrant: a garbage-collection pass inside the locked region can run `_drop` of a freed manager
+# on this thread.
+_adapters_lock = threading.RLock()
 
 
 def adapter_for(manager) -> PageAdapter:

@@ -181,7 +181,9 @@ class _MetadataState:
 
 
 _states: Dict[int, _MetadataState] = {}
-_states_lock = threading.Lock()
+# Re-entrant: a garbage-collection pass inside the locked region can run `_drop` of a freed metadata
+# object on this thread.
+_states_lock = threading.RLock()
 
 
 def metadata_state(metadata, create: bool = True) -> Optional[_MetadataState]:

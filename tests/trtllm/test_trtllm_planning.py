@@ -178,3 +178,55 @@ def test_trees_without_runtime_views(setup):
     del m.prompt_lens_cpu_runtime, m.kv_lens_runtime
     without = planning.plan_metadata(m)
     assert list(without.prompt_lens) == list(with_views.prompt_lens) and without.base_key == with_views.base_key
+
+
+@pytest.mark.parametrize("registry", ["adapters", "metadata states"])
+def test_a_collection_inside_the_registry_lock_does_not_deadlock(registry, monkeypatch):
+    """The weakref callbacks that drop a freed manager's adapter (or a freed metadata's state) take the
+    registry's lock; a garbage-collection pass can run them on the thread that holds it (here forced at
+    an allocation inside the locked region), which must not block on its own lock."""
+    import gc
+    import threading
+
+    from beam_shared_prefix.trtllm import kv_cache, planning
+
+    class KVCacheManager:  # a V1 manager (by its class name) in a reference cycle: only gc frees it
+        kv_factor = 2
+        tokens_per_block = 32
+
+        def __init__(self):
+            self.me = self
+
+    class Metadata:
+        def __init__(self):
+            self.me = self
+
+    if registry == "adapters":
+        cls, attr, register_one = kv_cache.V1PageAdapter, "__init__", lambda: kv_cache.adapter_for(KVCacheManager())
+    else:
+        cls, attr, register_one = planning._MetadataState, "__init__", lambda: planning.metadata_state(Metadata())
+    done, errors = [], []
+
+    def run():
+        gc.disable()
+        try:
+            register_one()  # becomes garbage at once (a cycle, collected only by gc.collect)
+            original = getattr(cls, attr)
+
+            def collecting_init(self, *args):
+                gc.collect()
+                original(self, *args)
+
+            monkeypatch.setattr(cls, attr, collecting_init)
+            register_one()
+            done.append(True)
+        except Exception as exc:  # surfaced below, not lost in the thread
+            errors.append(exc)
+        finally:
+            gc.enable()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not errors, errors
+    assert done, f"registering a new entry deadlocked while the {registry} registry's lock was held"
