@@ -274,6 +274,14 @@ def step_decline_reason(metadata) -> Optional[str]:
         return f"beam width {beam_width} on this step ({num_generations} generation rows; a warm-up or dummy step)"
     if num_generations % beam_width:
         return f"{num_generations} generation rows are not a multiple of beam_width={beam_width}"
+    # One id per generation request, beam_width rows each: rows of single-beam requests on a beam
+    # engine would otherwise be planned as beams of one request (one prompt, one page table).
+    ids = getattr(metadata, "request_ids", None)
+    if ids is not None:
+        num_contexts = int(getattr(metadata, "num_contexts", 0) or 0)
+        if len(ids) - num_contexts != num_generations // beam_width:
+            return (f"{len(ids) - num_contexts} generation request ids for {num_generations} rows of beam width "
+                    f"{beam_width} (expected {num_generations // beam_width}, one per request)")
     return None
 
 

@@ -301,6 +301,21 @@ def test_a_beam_width_one_step_is_handed_over_and_not_cached(enabled):
     assert cached and all(lib is ours for lib in cached), cached  # the key kept the library
 
 
+def test_step_gate_names_rows_that_are_not_beams_of_the_listed_requests(enabled):
+    """Rows of more requests than ``request_ids`` lists per beam width (single-beam requests on a beam
+    engine, say) are not planned as beams of fewer requests: the step goes to ``fallback``."""
+    from beam_shared_prefix.trtllm.gates import step_decline_reason
+
+    setup = build(enabled, prompts=(37, 70), beam_width=3)
+    setup.engine.prepare(setup.sim.begin_step())
+    m = setup.engine.metadata
+    assert step_decline_reason(m) is None
+    m.request_ids = list(m.request_ids) + [99, 100]
+    assert step_decline_reason(m) == "4 generation request ids for 6 rows of beam width 3 (expected 2, one per request)"
+    m.request_ids = m.request_ids[:1]
+    assert "1 generation request ids for 6 rows" in step_decline_reason(m)
+
+
 def test_a_layer_the_prefix_gate_declines_is_neither_selected_nor_planned(enabled, monkeypatch):
     """A layer whose pool no configured prefix backend serves (here: FlashInfer failing to import,
     simulated) goes to ``fallback``, and ``prepare()`` does not plan it (which would raise there)."""
