@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import re
 import threading
-from typing import Optional
+from typing import Dict, Optional
 
 from .kv_cache import manager_decline_reason
 
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("beam_shared_prefix.trtllm")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _HALF_DTYPE_NAMES = ("bfloat16", "float16")
@@ -49,23 +51,32 @@ _PLAIN_KV_DTYPES = ("auto", "bfloat16", "float16", "bf16", "fp16", "half")
 
 
 class DeclineLog:
-    """Logs each distinct decline reason once per process."""
+    """Logs each kind of decline reason once per process.
+
+    Reasons that differ only in their numbers (per-step ones name request counts and mean prompt
+    lengths) are one kind: a long-running server logs and keeps one line per kind, not per value.
+    """
 
     def __init__(self):
-        self._seen = set()
+        self._seen: Dict[str, str] = {}  # kind -> the first message of that kind
         self._lock = threading.Lock()
 
+    @staticmethod
+    def _kind(message: str) -> str:
+        return _NUMBER.sub("#", message)
+
     def __call__(self, level: int, message: str) -> None:
+        kind = self._kind(message)
         with self._lock:
-            if message in self._seen:
+            if kind in self._seen:
                 return
-            self._seen.add(message)
+            self._seen[kind] = message
         logger.log(level, "beam_shared_prefix declines: %s", message)
 
     def seen(self, message_part: str) -> bool:
-        """Whether a logged reason contains ``message_part`` (tests)."""
+        """Whether a logged reason (the first of its kind) contains ``message_part`` (tests)."""
         with self._lock:
-            return any(message_part in m for m in self._seen)
+            return any(message_part in message for message in self._seen.values())
 
     def reset(self) -> None:
         with self._lock:

@@ -361,6 +361,18 @@ def test_decline_reason_logged_once(enabled, caplog):
     assert caplog.text.count("sliding-window attention") == 1
 
 
+def test_reasons_differing_in_numbers_are_logged_once(caplog):
+    """Per-step reasons name counts and prompt lengths; a server that sees many of them keeps and logs
+    one line per kind of reason, not one per value."""
+    decline_log.reset()
+    with caplog.at_level(logging.DEBUG, logger="beam_shared_prefix.trtllm"):
+        for prompt in range(100, 600):
+            decline_log(logging.INFO, f"step handed to 'fallback': mean prompt {prompt} < 1000 tokens")
+        decline_log(logging.INFO, "step handed to 'fallback': another kind")
+    assert caplog.text.count("step handed to") == 2
+    assert len(decline_log._seen) == 2 and decline_log.seen("mean prompt 100 < 1000")
+
+
 # 8 beams judged by the two-launch rule (the CPU backend), 4 beams by the cascade's (auto's GPU choice).
 @pytest.mark.parametrize("beam_width,backend", [(8, "reference"), (4, "auto")])
 def test_selection_is_invariant_within_the_cache_key(enabled, monkeypatch, beam_width, backend):
