@@ -33,7 +33,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 
@@ -219,8 +219,9 @@ def runtime_view(metadata, name: str, fallback: str):
     return view
 
 
-def plan_metadata(metadata, from_hook: bool = False) -> Optional[StepInfo]:
-    """Plan this step of ``metadata`` (host only); returns ``None`` when the batch is not eligible.
+def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo, DeclinedStep]]:
+    """Plan this step of ``metadata`` (host only); returns ``None`` when the batch is not eligible, a
+    :class:`DeclinedStep` when its key is but this step goes to ``fallback`` as a whole.
 
     Called after ``prepare()``. Plans every attention family already known on the KV cache
     manager, so that a fresh (e.g. CUDA-graph) metadata has its wrappers planned before its first
