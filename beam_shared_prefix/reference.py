@@ -127,7 +127,10 @@ def dense_attention(
     hkv = k.shape[2]
     g = hq // hkv
     qf = q.float().view(n, hkv, g, d)
-    s = torch.einsum("nhgd,nthd->nhgt", qf, k.float()) * sm_scale
+    # Invalid positions may hold anything (unwritten memory): zero them, since 0 x NaN is NaN.
+    k = torch.where(valid[:, :, None, None], k.float(), 0.0)
+    v = torch.where(valid[:, :, None, None], v.float(), 0.0)
+    s = torch.einsum("nhgd,nthd->nhgt", qf, k) * sm_scale
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     lse_nat = torch.logsumexp(s, dim=-1)  # [n, hkv, g]
     p = torch.exp(s - torch.where(torch.isfinite(lse_nat), lse_nat, torch.zeros_like(lse_nat))[..., None])

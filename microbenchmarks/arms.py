@@ -102,6 +102,9 @@ class Arm:
     name: str = "arm"
     kind: str = "baseline"
     expect: str = "full"
+    # Whether the arm stores this step's K/V at kv_len - 1 (the library and its tail stage do; the
+    # FlashInfer baselines read a cache already holding it).
+    writes_kv: bool = False
     work: str = "full"
     description: str = ""
 
@@ -143,6 +146,7 @@ class LibraryArm(Arm):
     """
 
     kind = "library"
+    writes_kv = True
 
     def __init__(self, backend: str, prefix_kernel: Optional[str] = None, tail_impl: str = "triton"):
         self.backend = backend
@@ -344,6 +348,7 @@ class TailStageArm(Arm):
 
     kind = "stage"
     expect = "full"
+    writes_kv = True
     work = "tail"
 
     def __init__(self, impl: str = "triton"):

@@ -8,6 +8,13 @@ Metric: ``rel_err = max |out - ref| / max |ref|`` over the checked rows, in floa
 when every checked element is finite and ``rel_err <= tol`` (2e-2 for bf16, 4e-3 for fp16: a few
 units in the last place of the dtype, the tolerance TensorRT-LLM's beam prefix check mode uses).
 A prefix-only arm is compared on its output and on its base-2 LSE (absolute error <= 2e-2).
+
+Besides the checked rows, every element of the output must be finite (it was poisoned with NaN),
+and the KV pool may change only where the step writes: an arm that writes this step's K/V must
+store ``new_k``/``new_v`` at ``kv_len - 1`` of each row's own page (those slots are poisoned before
+its check call and restored after it), and no arm may change any other slot (a per-slot
+fingerprint taken before the arm ran). A pool an arm wrote outside those slots is rebuilt before
+the next arm runs.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import torch
 
 from .workload import BenchWorkload, select_requests
 
-__all__ = ["CheckResult", "Oracle", "pick_check_requests", "compare", "merge_results", "OUT_TOL", "LSE_TOL"]
+__all__ = ["CheckResult", "Oracle", "pick_check_requests", "compare", "merge_results", "OUT_TOL", "LSE_TOL",
+           "slot_fingerprint", "write_slots", "set_write_slots", "stray_writes", "pool_write_problem"]
 
 OUT_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 LSE_TOL = 2e-2
@@ -62,7 +70,10 @@ def pick_check_requests(num_requests: int, max_requests: int, seed: int = 0) -> 
 
 
 class Oracle:
-    """Float32 reference results of one workload on a subset of requests, computed lazily once."""
+    """Float32 reference results of one workload on a subset of requests, computed once.
+
+    :func:`precompute` runs before any arm touches the workload (``runner.run_point``): an arm that
+    writes into the wrong slots must not corrupt the reference it is checked against."""
 
     def __init__(self, wl: BenchWorkload, max_requests: int = 4):
         self.wl = wl
@@ -75,6 +86,11 @@ class Oracle:
     def rows(self) -> torch.Tensor:
         """Beam rows (int64, ``[n]``) of the checked requests in the full batch."""
         return self.sub["rows"]
+
+    def precompute(self) -> None:
+        """Compute both references now, from the untouched workload."""
+        self.full()
+        self.prefix()
 
     def full(self) -> torch.Tensor:
         """``[n, Hq, D]`` float32: attention over prompt + tail with this step's K/V from new_k/new_v."""
@@ -126,7 +142,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, lse: Optio
             msg = f"LSE max abs error {lse_err:.3g} > {LSE_TOL}"
     if nonfinite:
         msg = f"{nonfinite} non-finite elements (an unwritten or overflowing output)"
-    elif rel > tol:
+    elif not rel <= tol:  # (also a NaN in the reference: rel is NaN)
         msg = f"relative error {rel:.3g} > tolerance {tol}"
     return CheckResult(
         ok=ok, rel_err=rel, max_abs_err=max_abs, ref_max_abs=ref_max, tol=tol,
@@ -148,3 +164,65 @@ def merge_results(results: Sequence[CheckResult]) -> CheckResult:
         lse_max_abs_err=None if any(r.lse_max_abs_err is None for r in results) else max(r.lse_max_abs_err for r in results),
         message=worst.message,
     )
+
+
+def slot_fingerprint(wl: BenchWorkload) -> torch.Tensor:
+    """``[num_pages, page_size]`` int64: the sum of each pool slot's K and V bit patterns, all heads (a
+    write changes it, short of a collision)."""
+    bits = wl.kv_cache.view(torch.int16)
+    dims = (1, 2, 4) if wl.kv_layout == "HND" else (1, 3, 4)
+    return bits.sum(dim=dims, dtype=torch.int64)
+
+
+def write_slots(wl: BenchWorkload):
+    """``(page, slot, pos)`` (int64 ``[rows]``): where each row's step writes its K/V (``kv_len - 1``)."""
+    pg = wl.shape.page_size
+    pos = wl.kv_lens.long() - 1
+    page = wl.beam_page_table.long().gather(1, (pos // pg)[:, None]).squeeze(1)
+    return page, pos % pg, pos
+
+
+def _slot_view(wl: BenchWorkload, page, slot, which: int) -> torch.Tensor:
+    pool = wl.kv_cache
+    return pool[page, which, :, slot, :] if wl.kv_layout == "HND" else pool[page, which, slot, :, :]
+
+
+def set_write_slots(wl: BenchWorkload, value: Optional[float] = None) -> None:
+    """Fill the step's write slots with ``value`` (poison), or with ``new_k``/``new_v`` (``None``: restore)."""
+    page, slot, _ = write_slots(wl)
+    pool = wl.kv_cache
+    for which, new in ((0, wl.new_k), (1, wl.new_v)):
+        src = new if value is None else torch.full_like(new, value)
+        if wl.kv_layout == "HND":
+            pool[page, which, :, slot, :] = src
+        else:
+            pool[page, which, slot, :, :] = src
+
+
+def stray_writes(wl: BenchWorkload, before: torch.Tensor, writes_kv: bool) -> torch.Tensor:
+    """``[n, 2]`` (page, slot) of the pool slots changed since ``before`` (:func:`slot_fingerprint`)
+    that the step does not write (``kv_len - 1`` of each row's page, when ``writes_kv``)."""
+    allowed = torch.zeros_like(before, dtype=torch.bool)
+    if writes_kv:
+        page, slot, _ = write_slots(wl)
+        allowed[page, slot] = True
+    return torch.nonzero((slot_fingerprint(wl) != before) & ~allowed)
+
+
+def pool_write_problem(wl: BenchWorkload, before: torch.Tensor, writes_kv: bool) -> str:
+    """``""`` if the pool holds this step's K/V at each row's write slot (when ``writes_kv``) and no
+    other slot changed since ``before`` (:func:`slot_fingerprint`); else why not."""
+    page, slot, pos = write_slots(wl)
+    stray = stray_writes(wl, before, writes_kv)
+    if stray.numel():
+        p, t = (int(v) for v in stray[0])
+        return (f"pool slot {t} of page {p} changed ({stray.shape[0]} slots in all), which this step does not "
+                f"write: a K/V write to a wrong slot")
+    if writes_kv:
+        for which, (name, want) in enumerate((("K", wl.new_k), ("V", wl.new_v))):
+            got = _slot_view(wl, page, slot, which)
+            if not torch.equal(got, want):
+                row = int(torch.nonzero((got != want).flatten(1).any(1))[0])
+                return (f"this step's {name} of row {row} is not at kv_len - 1 = {int(pos[row])} (page "
+                        f"{int(page[row])}, slot {int(slot[row])}): the KV write is missing or misplaced")
+    return ""

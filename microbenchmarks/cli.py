@@ -199,10 +199,13 @@ def _emit(doc: Dict, args, log) -> int:
             log(f"--plot needs matplotlib ({exc}); pip install 'beam-shared-prefix[bench]'")
             return 2
     failed = [(p["label"], a["name"]) for p in doc["results"] for a in p["arms"] if a["status"] == "check_failed"]
+    crashed = [(p["label"], a["name"]) for p in doc["results"] for a in p["arms"]
+               if a["status"] == "failed" and a["kind"] == "library"]
     if failed:
         log("ORACLE CHECK FAILED: " + "; ".join(f"{name} at {label}" for label, name in failed))
-        return 1
-    return 0
+    if crashed:
+        log("LIBRARY ARM FAILED: " + "; ".join(f"{name} at {label}" for label, name in crashed))
+    return 1 if failed or crashed else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

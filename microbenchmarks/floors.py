@@ -39,6 +39,7 @@ __all__ = [
     "count_traffic",
     "count_flops",
     "distinct_tail_entries",
+    "mean_traffic",
     "measure_copy_bandwidth",
     "measure_matmul_rate",
     "floor_times",
@@ -75,6 +76,13 @@ class Traffic:
         d["total"] = self.total
         d["assembled"] = self.assembled
         return d
+
+
+def mean_traffic(traffics: "list[Traffic]") -> Traffic:
+    """The term-by-term mean (rounded) of several input sets' :class:`Traffic`."""
+    n = len(traffics)
+    fields = asdict(traffics[0]).keys()
+    return Traffic(**{f: int(round(sum(getattr(t, f) for t in traffics) / n)) for f in fields})
 
 
 def distinct_tail_entries(tail_ancestry: np.ndarray) -> int:
@@ -192,8 +200,8 @@ def stage_work(work: str, traffic: Traffic, flops: int, prompt_lens: np.ndarray,
 
     - prefix: prompt KV + q + the prefix state written (``rows * Hq * (D*s + 4)``) + the prompt
       page indices and indptr; FLOPs ``4 D Hq W sum_r P_r``.
-    - tail: tail KV + new K/V + q + out + the prefix state read + the rest of the metadata;
-      FLOPs ``4 D Hq rows T``.
+    - tail: tail KV + new K/V + q + out + the prefix state read + the rest of the metadata (the
+      prompt page indices and indptr are the prefix's); FLOPs ``4 D Hq rows T``.
     """
     prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
     R = prompt_lens.shape[0]
@@ -201,14 +209,16 @@ def stage_work(work: str, traffic: Traffic, flops: int, prompt_lens: np.ndarray,
     state = traffic.prefix_state_round_trip // 2
     if work == "full":
         return {"bytes": traffic.total, "flops": flops}
+    prompt_metadata = 4 * (R + 1 + int(-(-prompt_lens // page_size).sum()))
     if work == "prefix":
         return {
-            "bytes": traffic.prompt_kv + traffic.q + state + 4 * (R + 1 + int(-(-prompt_lens // page_size).sum())),
+            "bytes": traffic.prompt_kv + traffic.q + state + prompt_metadata,
             "flops": int(4 * head_dim * heads * beams * int(prompt_lens.sum())),
         }
     if work == "tail":
         return {
-            "bytes": traffic.tail_kv + traffic.new_kv + traffic.q + traffic.out + state + traffic.metadata,
+            "bytes": (traffic.tail_kv + traffic.new_kv + traffic.q + traffic.out + state
+                      + traffic.metadata - prompt_metadata),
             "flops": int(4 * head_dim * heads * rows * tail),
         }
     raise ValueError(f"work={work!r}; use 'full', 'prefix' or 'tail'.")

@@ -8,6 +8,7 @@ timed. The result is a plain dict (the JSON schema of :mod:`.report`).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import traceback
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from .arms import Arm, ArmSkipped, LibraryArm, RunContext
-from .check import Oracle, compare, merge_results
-from .floors import count_flops, count_traffic, floor_times, stage_work
+from .check import Oracle, compare, merge_results, pool_write_problem, set_write_slots, slot_fingerprint, stray_writes
+from .floors import count_flops, count_traffic, floor_times, mean_traffic, stage_work
 from .shapes import BenchShape
 from .timing import GraphedCall, capture_graph, time_cpu, time_cuda
 from .workload import BenchWorkload, build_workload
@@ -103,20 +104,34 @@ def _poison(prepared, fn) -> None:
         fn.result.fill_(float("nan"))
 
 
-def _check_arm(arm: Arm, prepared: list, fns: list, oracles: Sequence[Oracle], dtype) -> Dict:
+def _check_arm(arm: Arm, prepared: list, fns: list, oracles: Sequence[Oracle], dtype,
+               fingerprints: Sequence[torch.Tensor]) -> Dict:
+    """One poisoned call per input set: the checked rows against the oracle, every output element
+    finite, and the pool written exactly where the step writes (:mod:`.check`)."""
     results = []
-    for p, fn, orc in zip(prepared, fns, oracles, strict=True):
+    for p, fn, orc, before in zip(prepared, fns, oracles, fingerprints, strict=True):
+        wl = orc.wl
         _poison(p, fn)
+        if arm.writes_kv:
+            set_write_slots(wl, float("nan"))  # so that a missing write cannot pass on an earlier arm's
         result = fn()
-        if orc.wl.device.type == "cuda":
+        if wl.device.type == "cuda":
             torch.cuda.synchronize()
         out, lse = p.outputs(result)
         rows = orc.rows
         if arm.expect == "prefix":
             o_ref, lse_ref = orc.prefix()
-            results.append(compare(out[rows], o_ref, dtype, None if lse is None else lse[rows], lse_ref))
+            checked = compare(out[rows], o_ref, dtype, None if lse is None else lse[rows], lse_ref)
         else:
-            results.append(compare(out[rows], orc.full(), dtype))
+            checked = compare(out[rows], orc.full(), dtype)
+        problem = pool_write_problem(wl, before, arm.writes_kv)
+        set_write_slots(wl)  # every later arm reads the step's K/V in place, whatever this one did
+        unwritten = int((~torch.isfinite(out)).sum())
+        if not problem and unwritten:
+            problem = f"{unwritten} non-finite output elements in all rows (an unwritten output)"
+        if problem:
+            checked = dataclasses.replace(checked, ok=False, message=problem)
+        results.append(checked)
     return merge_results(results).to_dict()
 
 
@@ -154,10 +169,19 @@ def run_point(
         for i in range(sets)
     ]
     oracles = [Oracle(wl, max_requests=opts.check_requests if is_cuda else wl.num_requests) for wl in wls]
+    if opts.check:
+        for orc in oracles:
+            orc.precompute()  # before any arm writes into the pool
     elem = wls[0].q.element_size()
-    traffic = count_traffic(wls[0].prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.kv_heads,
-                            shape.head_dim, shape.page_size, elem, wls[0].tail_ancestry)
-    flops = count_flops(wls[0].prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.head_dim)
+    # The floors of the sets, averaged: the times are medians over every set, whose prompt lengths
+    # (with --prompt-jitter) and beam ancestries (distinct tail entries) differ.
+    traffic = mean_traffic([
+        count_traffic(wl.prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.kv_heads, shape.head_dim,
+                      shape.page_size, elem, wl.tail_ancestry)
+        for wl in wls
+    ])
+    flops = int(round(sum(count_flops(wl.prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.head_dim)
+                          for wl in wls) / len(wls)))
     floors = floor_times(traffic, flops, rates.copy_bandwidth, rates.matmul_rate)
     works = {
         w: stage_work(w, traffic, flops, wls[0].prompt_lens_host, shape.tail, shape.beams, shape.heads,
@@ -179,6 +203,7 @@ def run_point(
         prepared = []
         fns = []
         try:
+            fingerprints = [slot_fingerprint(wl) for wl in wls] if opts.check else []
             for wl in wls:
                 prepared.append(arm.prepare(wl, ctx))
             res["info"] = dict(prepared[0].info)
@@ -193,7 +218,14 @@ def run_point(
                     if is_cuda:
                         torch.cuda.synchronize()
             if opts.check:
-                res["check"] = _check_arm(arm, prepared, fns, oracles, wls[0].dtype)
+                res["check"] = _check_arm(arm, prepared, fns, oracles, wls[0].dtype, fingerprints)
+                for i, (wl, before) in enumerate(zip(wls, fingerprints)):
+                    if stray_writes(wl, before, arm.writes_kv).numel():
+                        # This arm wrote outside the step's slots: the next arms get a fresh pool
+                        # (the same seed builds the same inputs; the references were computed first).
+                        wls[i] = build_workload(shape, device, seed=opts.seed + i, kv_layout=opts.kv_layout,
+                                                with_baseline_pages=opts.baselines_need_pages)
+                        oracles[i].wl = wls[i]
                 if not res["check"]["ok"]:
                     res["status"] = "check_failed"
                     res["reason"] = res["check"]["message"]
@@ -261,8 +293,10 @@ def _derive(arm_results: List[Dict], works: Dict) -> None:
         if r["status"] != "ok" or not t:
             continue
         w = works[r["work"]]
-        r["speedup_vs_decode"] = decode / t if decode else None
-        r["speedup_vs_cascade"] = cascade / t if cascade else None
+        # A stage alone is not a step: its speedup over a whole step would flatter it.
+        full = r["work"] == "full"
+        r["speedup_vs_decode"] = decode / t if decode and full else None
+        r["speedup_vs_cascade"] = cascade / t if cascade and full else None
         r["floor_multiple"] = t / w["floor_us"] if w.get("floor_us") else None
         r["achieved_GBps"] = w["bytes"] / (t * 1e-6) / 1e9
         r["achieved_TFLOPs"] = w["flops"] / (t * 1e-6) / 1e12

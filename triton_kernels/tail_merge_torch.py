@@ -91,8 +91,13 @@ def beam_tail_attention_merge_torch(
     earlier_valid = src_ok & (entry >= 0) & (page < num_pages)
     page = torch.where(earlier_valid, page, torch.zeros_like(page))
     slot = t_safe % pg
-    k = torch.cat([k_pool[page, slot].float(), new_k.float()[:, None]], dim=1)  # [rows, T+1, Hkv, D]
-    v = torch.cat([v_pool[page, slot].float(), new_v.float()[:, None]], dim=1)
+    # Masked positions read some slot of page 0; zero them, as the kernel's masked loads do: a weight
+    # of 0 times an unwritten slot's NaN would still be NaN.
+    keep = earlier_valid[:, :, None, None]
+    k_earlier = torch.where(keep, k_pool[page, slot].float(), 0.0)
+    v_earlier = torch.where(keep, v_pool[page, slot].float(), 0.0)
+    k = torch.cat([k_earlier, new_k.float()[:, None]], dim=1)  # [rows, T+1, Hkv, D]
+    v = torch.cat([v_earlier, new_v.float()[:, None]], dim=1)
     valid = torch.cat([earlier_valid, torch.ones(rows, 1, dtype=torch.bool, device=dev)], dim=1)
 
     # Base-2 online-softmax equivalent: scores already scaled by sm_scale * log2(e).

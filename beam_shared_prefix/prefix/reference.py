@@ -83,8 +83,12 @@ class ReferencePrefixBackend(PrefixBackend):
                 v = v_pool[pages].reshape(n, tokens, hkv, d).permute(0, 2, 1, 3).float()
             # Rows of a request, grouped by KV head: [n, Hkv, W * G, D].
             qf = q[r0 * W:r1 * W].float().reshape(n, W, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(n, hkv, W * g, d)
-            scores = torch.einsum("nhqd,nhtd->nhqt", qf, k) * problem.sm_scale
             valid = positions[None, :] < self._prompt_lens_view[r0:r1].long()[:, None]  # [n, T]
+            # Slots past the prompt (beam 0's generated tokens, or unwritten memory) are zeroed, as
+            # the kernels' masked loads do: a weight of 0 times a NaN there would still be NaN.
+            k = torch.where(valid[:, None, :, None], k, 0.0)
+            v = torch.where(valid[:, None, :, None], v, 0.0)
+            scores = torch.einsum("nhqd,nhtd->nhqt", qf, k) * problem.sm_scale
             scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
             lse_nat = torch.logsumexp(scores, dim=-1)  # [n, Hkv, W * G]; finite: every prompt has >= 1 token
             probs = torch.exp(scores - lse_nat[..., None])

@@ -101,6 +101,18 @@ def test_reference_backend_matches_oracle(layout, hq, hkv, dtype, pg):
     run_prefix(ReferencePrefixBackend("cpu", kv_layout=layout), sim, step, plan, sm_scale=0.3)
 
 
+def test_reference_backend_ignores_nan_past_the_prompt():
+    """The slots past a prompt in its last page belong to beam 0's generated tokens or are unwritten
+    (a pool from torch.empty can hold NaN there): masked, they must not reach the output as 0 x NaN."""
+    sim, step, plan = make_case("cpu", (9, 37), 2, 4, 2, 16, 8)
+    for r, p_len in enumerate(plan.prompt_lens):
+        last = int(plan.kv_page_indices[plan.kv_page_indptr[r + 1] - 1])
+        slot = int(p_len) % 8
+        if slot:
+            sim.kv_cache[last, :, :, slot:, :] = float("nan")  # HND: [pages, 2, Hkv, Pg, D]
+    run_prefix(ReferencePrefixBackend("cpu"), sim, step, plan)
+
+
 def test_reference_backend_tolerance_detects_a_wrong_page():
     sim, step, plan = make_case("cpu", (9, 16), 2, 4, 2, 16, 4)
     indices = plan.kv_page_indices.copy()
