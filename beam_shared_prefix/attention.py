@@ -31,6 +31,7 @@ launch cannot switch kernels); it judges the shape at the longest prompt the cap
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Dict, Hashable, Optional, Tuple
 
@@ -53,6 +54,14 @@ __all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
 
 TAIL_IMPLS = ("auto", "triton", "torch")
 DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _index(name: str, value) -> int:
+    """An integer argument (ints and integer numpy/torch scalars; never a float silently truncated)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise AttentionInputError(f"{name}={value!r} must be an integer.") from None
 
 
 class AttentionInputError(ValueError):
@@ -264,19 +273,23 @@ class BeamSharedPrefixAttention:
         ensure_not_capturing("BeamSharedPrefixAttention.plan()")
         if dtype not in DTYPES:
             raise AttentionInputError(f"dtype={dtype} is not supported; use torch.bfloat16 or torch.float16.")
-        num_qo_heads, num_kv_heads, head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
+        num_qo_heads, num_kv_heads, head_dim = (_index(n, v) for n, v in (
+            ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)))
         if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
             raise AttentionInputError(
                 f"num_qo_heads={num_qo_heads} must be a positive multiple of num_kv_heads={num_kv_heads} (GQA/MHA)."
             )
         if head_dim < 1:
             raise AttentionInputError(f"head_dim={head_dim} must be >= 1.")
-        planner = self._planner_for(int(page_size), int(num_cache_pages))
+        planner = self._planner_for(_index("page_size", page_size), _index("num_cache_pages", num_cache_pages))
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
         problem_key = (num_qo_heads, num_kv_heads, head_dim, int(page_size), dtype, default_sm_scale(head_dim, sm_scale))
         active = self._active
         if active is not None and active[0] is step_plan and active[1] == problem_key:
             return step_plan
+        # A plan that fails part-way leaves no active plan: run() refuses instead of mixing the old
+        # plan's buffers with the new shapes.
+        self._active = None
         backend = self._backend_for(problem_key, step_plan)
         backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, int(page_size), dtype, problem_key[5])
         self._prepare_buffers(step_plan, problem_key, backend)

@@ -19,6 +19,7 @@ before anything reaches a kernel.
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence, Tuple, Union
@@ -132,6 +133,18 @@ def _as_int_array(name: str, value: ArrayLike) -> np.ndarray:
     return _checked_int_array(name, value).astype(np.int64, copy=False)
 
 
+def _as_int(name: str, value) -> int:
+    """An integer scalar argument (a float is refused, not truncated)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise PlanError(f"{name}={value!r} must be an integer.") from None
+
+
+# Lengths, offsets and page numbers go to the kernels as int32.
+_INT32_MAX = 2**31 - 1
+
+
 def build_step_plan(
     prompt_page_indptr: ArrayLike,
     prompt_page_indices: ArrayLike,
@@ -163,9 +176,9 @@ def build_step_plan(
             inconsistent lengths, a prompt longer than its pages hold, or a page index outside
             ``[0, num_cache_pages)``.
     """
-    beam_width = int(beam_width)
-    page_size = int(page_size)
-    num_cache_pages = int(num_cache_pages)
+    beam_width = _as_int("beam_width", beam_width)
+    page_size = _as_int("page_size", page_size)
+    num_cache_pages = _as_int("num_cache_pages", num_cache_pages)
     if beam_width < 1:
         raise PlanError(f"beam_width={beam_width} must be >= 1.")
     if max_beam_width is not None and beam_width > int(max_beam_width):
@@ -178,11 +191,18 @@ def build_step_plan(
         raise PlanError(f"page_size={page_size} must be >= 1 (tokens per KV page).")
     if num_cache_pages < 1:
         raise PlanError(f"num_cache_pages={num_cache_pages} must be >= 1: the KV pool holds no page.")
+    for name, value in (("page_size", page_size), ("num_cache_pages", num_cache_pages)):
+        if value > _INT32_MAX:
+            raise PlanError(f"{name}={value} exceeds the int32 range the kernels index with ({_INT32_MAX}).")
 
     indptr = _as_int_array("prompt_page_indptr", prompt_page_indptr)
     indices = _as_int_array("prompt_page_indices", prompt_page_indices)
     lens = _as_int_array("prompt_lens", prompt_lens)
     num_requests = lens.shape[0]
+    if num_requests and int(lens.max()) > _INT32_MAX:
+        r = int(np.argmax(lens))
+        raise PlanError(f"prompt_lens[{r}]={int(lens[r])} exceeds the int32 range the kernels index with "
+                        f"({_INT32_MAX}).")
     if num_requests == 0:
         raise PlanError("empty batch: prompt_lens has 0 requests; plan only batches with >= 1 generation request.")
     if indptr.shape[0] != num_requests + 1:
@@ -284,10 +304,12 @@ class StepPlanner:
     """
 
     def __init__(self, page_size: int, num_cache_pages: int, max_beam_width: Optional[int] = None, capacity: int = 8):
-        self.page_size = int(page_size)
-        self.num_cache_pages = int(num_cache_pages)
-        self.max_beam_width = None if max_beam_width is None else int(max_beam_width)
-        self.capacity = int(capacity)
+        self.page_size = _as_int("page_size", page_size)
+        self.num_cache_pages = _as_int("num_cache_pages", num_cache_pages)
+        self.max_beam_width = None if max_beam_width is None else _as_int("max_beam_width", max_beam_width)
+        self.capacity = _as_int("capacity", capacity)
+        if self.capacity < 1:
+            raise PlanError(f"capacity={self.capacity} must be >= 1 (plans kept by the planner).")
         self._plans: "OrderedDict[Hashable, StepPlan]" = OrderedDict()
         self.num_builds = 0  # plans built (cache misses), for tests and benchmarks
         # The inputs of the last plan found or built without a caller key: a serving loop repeats
@@ -337,6 +359,7 @@ class StepPlanner:
         at all. Without a key, the inputs are compared with those of the last unkeyed plan (a
         memcmp: the steady state of a serving loop), and otherwise a digest of them is the key.
         """
+        beam_width = _as_int("beam_width", beam_width)
         unkeyed = key is None
         if unkeyed:
             arrays = (

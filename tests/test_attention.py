@@ -184,6 +184,23 @@ def test_plan_validation():
         BeamSharedPrefixAttention("cpu", use_cuda_graph=True, max_requests=4, max_beam_width=4)
 
 
+def test_a_plan_that_fails_leaves_no_active_plan():
+    """A graph-mode wrapper whose second plan grows past its fixed buffers (more query heads) refuses
+    that plan, naming the shape, and run() then refuses too, instead of running the old plan's
+    buffers with new shapes."""
+    sim = make_sim()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", check=False, use_cuda_graph=True, max_requests=3,
+                                    max_beam_width=3, max_prompt_pages=8)
+    plan_step(att, sim, step)
+    with pytest.raises(RuntimeError, match=r"plan of shape \(9, 8, 16\).*a new wrapper for another attention shape"):
+        att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, step.beam_width,
+                 2 * sim.num_qo_heads, sim.num_kv_heads, sim.head_dim, sim.page_size, sim.num_pages, sim.dtype)
+    with pytest.raises(AttentionInputError, match="run\\(\\) before plan\\(\\)"):
+        att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection,
+                new_k=step.new_k, new_v=step.new_v)
+
+
 def test_plan_refused_during_graph_capture(monkeypatch):
     sim = make_sim()
     step = sim.begin_step()

@@ -422,5 +422,22 @@ def test_page_size_and_pool_size_below_one():
         plan(num_cache_pages=0)
 
 
+@pytest.mark.parametrize("args, message", [
+    (dict(beam_width=2.9), r"beam_width=2.9 must be an integer"),  # never truncated to 2
+    (dict(page_size=16.0), r"page_size=16.0 must be an integer"),
+    (dict(lens=(2**31, 8), indptr=(0, 2, 3), page_size=2**30), r"prompt_lens\[0\]=2147483648 exceeds the int32"),
+    (dict(page_size=2**31), r"page_size=2147483648 exceeds the int32"),
+])
+def test_sizes_are_integers_within_int32(args, message):
+    with pytest.raises(PlanError, match=message):
+        plan(**args)
+    assert plan(beam_width=np.int64(4)).beam_width == 4  # integer scalars of any type
+
+
+def test_planner_capacity_must_be_positive():
+    with pytest.raises(PlanError, match=r"capacity=0 must be >= 1"):
+        StepPlanner(16, 8, capacity=0)
+
+
 def test_plan_error_is_a_value_error():
     assert issubclass(PlanError, ValueError)

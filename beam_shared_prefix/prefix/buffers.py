@@ -51,9 +51,11 @@ class DeviceBuffer:
         if self._storage is None or numel > self._storage.numel():
             if self._storage is not None and self.frozen:
                 raise RuntimeError(
-                    f"{self.name}: a plan needs {numel} elements but the CUDA-graph buffer holds "
-                    f"{self._storage.numel()} and cannot move (captured graphs read it in place); construct "
-                    f"the wrapper with larger max_requests / max_beam_width / max_prompt_pages."
+                    f"{self.name}: a plan of shape {tuple(shape)} needs {numel} elements but the CUDA-graph "
+                    f"buffer holds {self._storage.numel()} and cannot move (captured graphs read it in "
+                    f"place). Its size was fixed by the first plan from max_requests / max_beam_width / "
+                    f"max_prompt_pages and that plan's heads and head size: construct the wrapper with "
+                    f"larger max_* arguments, or a new wrapper for another attention shape."
                 )
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"{self.name}: cannot allocate during CUDA-graph capture; plan before capturing.")
