@@ -11,8 +11,8 @@ A prefix-only arm is compared on its output and on its base-2 LSE (absolute erro
 
 Besides the checked rows, every element of the output must be finite (it was poisoned with NaN),
 and the KV pool may change only where the step writes: an arm that writes this step's K/V must
-store ``new_k``/``new_v`` at ``kv_len - 1`` of each row's own page (those slots are poisoned before
-its check call and restored after it), and no arm may change any other slot (a per-slot
+store ``new_k``/``new_v`` at ``kv_len - 1`` of each row's own page (those slots hold a sentinel
+before its check call and are restored after it), and no arm may change any other slot (a per-slot
 fingerprint taken before the arm ran). A pool an arm wrote outside those slots is rebuilt before
 the next arm runs.
 """

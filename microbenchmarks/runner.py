@@ -104,6 +104,10 @@ def _poison(prepared, fn) -> None:
         fn.result.fill_(float("nan"))
 
 
+# A finite value no random K/V row equals (bf16 and fp16 hold it exactly).
+WRITE_SLOT_POISON = 1000.0
+
+
 def _check_arm(arm: Arm, prepared: list, fns: list, oracles: Sequence[Oracle], dtype,
                fingerprints: Sequence[torch.Tensor]) -> Dict:
     """One poisoned call per input set: the checked rows against the oracle, every output element
@@ -113,7 +117,10 @@ def _check_arm(arm: Arm, prepared: list, fns: list, oracles: Sequence[Oracle], d
         wl = orc.wl
         _poison(p, fn)
         if arm.writes_kv:
-            set_write_slots(wl, float("nan"))  # so that a missing write cannot pass on an earlier arm's
+            # So that a missing write cannot pass on an earlier arm's. Finite: a kernel that loads a
+            # masked slot (and weights it 0) is not failed here; one that reads this step's K/V from
+            # the cache instead of new_k/new_v is.
+            set_write_slots(wl, WRITE_SLOT_POISON)
         result = fn()
         if wl.device.type == "cuda":
             torch.cuda.synchronize()
