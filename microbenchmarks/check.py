@@ -171,7 +171,10 @@ def slot_fingerprint(wl: BenchWorkload) -> torch.Tensor:
     write changes it, short of a collision)."""
     bits = wl.kv_cache.view(torch.int16)
     dims = (1, 2, 4) if wl.kv_layout == "HND" else (1, 3, 4)
-    return bits.sum(dim=dims, dtype=torch.int64)
+    # In chunks of pages: the int64 sum may widen its input first (4x the pool for a whole-pool call).
+    per_page = bits[0].numel() if bits.shape[0] else 1
+    chunk = max(1, (32 << 20) // per_page)
+    return torch.cat([bits[i:i + chunk].sum(dim=dims, dtype=torch.int64) for i in range(0, bits.shape[0], chunk)])
 
 
 def write_slots(wl: BenchWorkload):
