@@ -101,3 +101,21 @@ def test_pick_check_requests():
     assert pick_check_requests(3, 4) == [0, 1, 2]
     picks = pick_check_requests(128, 4, seed=0)
     assert len(picks) == 4 and picks[0] == 0 and picks[-1] == 127 and picks == sorted(set(picks))
+
+
+def test_a_point_floor_is_the_mean_of_its_input_sets():
+    """The time of a point is a median over its sets, so its floor averages theirs (prompt lengths
+    differ with jitter, ancestries always)."""
+    from microbenchmarks.arms import PrefixStageArm
+    from microbenchmarks.runner import Rates, RunOptions, run_point
+
+    shape = BenchShape(requests=3, beams=4, prompt=40, tail=6, heads=4, kv_heads=2, head_dim=16, page_size=8,
+                       prompt_jitter=0.5)
+    point = run_point(shape, [PrefixStageArm("reference")], RunOptions(sets=3, iters=1, warmup=0, plan_repeats=0),
+                      Rates(copy_bandwidth=1e12), "cpu")
+    totals = []
+    for i in range(3):
+        wl = build_workload(shape, "cpu", seed=i)
+        totals.append(count_traffic(wl.prompt_lens_host, 6, 4, 4, 2, 16, 8, 2, wl.tail_ancestry).total)
+    assert len(set(totals)) > 1  # the sets differ, so the mean is not set 0's by chance
+    assert point["traffic_bytes"]["total"] == round(sum(totals) / 3)
