@@ -135,7 +135,7 @@ def dense_attention(
     lse_nat = torch.logsumexp(s, dim=-1)  # [n, hkv, g]
     p = torch.exp(s - torch.where(torch.isfinite(lse_nat), lse_nat, torch.zeros_like(lse_nat))[..., None])
     p = torch.where(valid[:, None, None, :], p, torch.zeros_like(p))
-    out = torch.einsum("nhgt,nthd->nhgd", p, v.float())
+    out = torch.einsum("nhgt,nthd->nhgd", p, v)
     return out.reshape(n, hq, d), (lse_nat * LOG2E).reshape(n, hq)
 
 

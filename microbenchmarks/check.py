@@ -185,21 +185,16 @@ def write_slots(wl: BenchWorkload):
     return page, pos % pg, pos
 
 
-def _slot_view(wl: BenchWorkload, page, slot, which: int) -> torch.Tensor:
-    pool = wl.kv_cache
-    return pool[page, which, :, slot, :] if wl.kv_layout == "HND" else pool[page, which, slot, :, :]
+def _slot_index(wl: BenchWorkload, page, slot, which: int) -> tuple:
+    """Index of the ``[rows, Hkv, D]`` K (``which`` 0) or V (1) rows at ``(page, slot)`` in the pool."""
+    return (page, which, slice(None), slot) if wl.kv_layout == "HND" else (page, which, slot)
 
 
 def set_write_slots(wl: BenchWorkload, value: Optional[float] = None) -> None:
     """Fill the step's write slots with ``value`` (poison), or with ``new_k``/``new_v`` (``None``: restore)."""
     page, slot, _ = write_slots(wl)
-    pool = wl.kv_cache
     for which, new in ((0, wl.new_k), (1, wl.new_v)):
-        src = new if value is None else torch.full_like(new, value)
-        if wl.kv_layout == "HND":
-            pool[page, which, :, slot, :] = src
-        else:
-            pool[page, which, slot, :, :] = src
+        wl.kv_cache[_slot_index(wl, page, slot, which)] = new if value is None else torch.full_like(new, value)
 
 
 def stray_writes(wl: BenchWorkload, before: torch.Tensor, writes_kv: bool) -> torch.Tensor:
@@ -212,18 +207,17 @@ def stray_writes(wl: BenchWorkload, before: torch.Tensor, writes_kv: bool) -> to
     return torch.nonzero((slot_fingerprint(wl) != before) & ~allowed)
 
 
-def pool_write_problem(wl: BenchWorkload, before: torch.Tensor, writes_kv: bool) -> str:
+def pool_write_problem(wl: BenchWorkload, stray: torch.Tensor, writes_kv: bool) -> str:
     """``""`` if the pool holds this step's K/V at each row's write slot (when ``writes_kv``) and no
-    other slot changed since ``before`` (:func:`slot_fingerprint`); else why not."""
+    other slot changed (``stray``: :func:`stray_writes`); else why not."""
     page, slot, pos = write_slots(wl)
-    stray = stray_writes(wl, before, writes_kv)
     if stray.numel():
         p, t = (int(v) for v in stray[0])
         return (f"pool slot {t} of page {p} changed ({stray.shape[0]} slots in all), which this step does not "
                 f"write: a K/V write to a wrong slot")
     if writes_kv:
         for which, (name, want) in enumerate((("K", wl.new_k), ("V", wl.new_v))):
-            got = _slot_view(wl, page, slot, which)
+            got = wl.kv_cache[_slot_index(wl, page, slot, which)]
             if not torch.equal(got, want):
                 row = int(torch.nonzero((got != want).flatten(1).any(1))[0])
                 return (f"this step's {name} of row {row} is not at kv_len - 1 = {int(pos[row])} (page "

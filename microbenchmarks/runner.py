@@ -12,7 +12,7 @@ import dataclasses
 import gc
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -109,11 +109,12 @@ WRITE_SLOT_POISON = 1000.0
 
 
 def _check_arm(arm: Arm, prepared: list, fns: list, oracles: Sequence[Oracle], dtype,
-               fingerprints: Sequence[torch.Tensor]) -> Dict:
+               fingerprints: Sequence[torch.Tensor]) -> Tuple[Dict, List[int]]:
     """One poisoned call per input set: the checked rows against the oracle, every output element
-    finite, and the pool written exactly where the step writes (:mod:`.check`)."""
-    results = []
-    for p, fn, orc, before in zip(prepared, fns, oracles, fingerprints, strict=True):
+    finite, and the pool written exactly where the step writes (:mod:`.check`). Returns the check
+    and the input sets whose pool the arm changed outside the step's write slots."""
+    results, corrupted = [], []
+    for i, (p, fn, orc, before) in enumerate(zip(prepared, fns, oracles, fingerprints, strict=True)):
         wl = orc.wl
         _poison(p, fn)
         if arm.writes_kv:
@@ -131,7 +132,10 @@ def _check_arm(arm: Arm, prepared: list, fns: list, oracles: Sequence[Oracle], d
             checked = compare(out[rows], o_ref, dtype, None if lse is None else lse[rows], lse_ref)
         else:
             checked = compare(out[rows], orc.full(), dtype)
-        problem = pool_write_problem(wl, before, arm.writes_kv)
+        stray = stray_writes(wl, before, arm.writes_kv)
+        if stray.numel():
+            corrupted.append(i)
+        problem = pool_write_problem(wl, stray, arm.writes_kv)
         set_write_slots(wl)  # every later arm reads the step's K/V in place, whatever this one did
         unwritten = int((~torch.isfinite(out)).sum())
         if not problem and unwritten:
@@ -139,7 +143,7 @@ def _check_arm(arm: Arm, prepared: list, fns: list, oracles: Sequence[Oracle], d
         if problem:
             checked = dataclasses.replace(checked, ok=False, message=problem)
         results.append(checked)
-    return merge_results(results).to_dict()
+    return merge_results(results).to_dict(), corrupted
 
 
 def run_point(
@@ -225,14 +229,13 @@ def run_point(
                     if is_cuda:
                         torch.cuda.synchronize()
             if opts.check:
-                res["check"] = _check_arm(arm, prepared, fns, oracles, wls[0].dtype, fingerprints)
-                for i, (wl, before) in enumerate(zip(wls, fingerprints)):
-                    if stray_writes(wl, before, arm.writes_kv).numel():
-                        # This arm wrote outside the step's slots: the next arms get a fresh pool
-                        # (the same seed builds the same inputs; the references were computed first).
-                        wls[i] = build_workload(shape, device, seed=opts.seed + i, kv_layout=opts.kv_layout,
-                                                with_baseline_pages=opts.baselines_need_pages)
-                        oracles[i].wl = wls[i]
+                res["check"], corrupted = _check_arm(arm, prepared, fns, oracles, wls[0].dtype, fingerprints)
+                for i in corrupted:
+                    # This arm wrote outside the step's slots: the next arms get a fresh pool (the
+                    # same seed builds the same inputs; the references were computed first).
+                    wls[i] = build_workload(shape, device, seed=opts.seed + i, kv_layout=opts.kv_layout,
+                                            with_baseline_pages=opts.baselines_need_pages)
+                    oracles[i].wl = wls[i]
                 if not res["check"]["ok"]:
                     res["status"] = "check_failed"
                     res["reason"] = res["check"]["message"]

@@ -252,14 +252,16 @@ def cascade_preferred(
     if mean_prompt_len is None:
         return False, "prompt lengths unknown"
     limit = cascade_prompt_limit(beam_width, group, head_dim)
-    two_blocks = _two_blocks_few_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
+    two_blocks = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, 2, num_requests, num_kv_heads,
+                                     beam_width, group, head_dim)
     if two_blocks is not None:
         limit = max(limit, two_blocks[1])
     if mean_prompt_len > limit:
         blocks = "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"measured slower than FA4 + tail there)")
-    few = _few_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
+    few = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS, 1, num_requests, num_kv_heads, beam_width, group,
+                              head_dim)
     if few is not None and mean_prompt_len > few[1]:
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {few[1]} with {few[0]} cascade programs "
                        f"(<= {CASCADE_FEW_PROGRAMS}) at G={group}, head {head_dim}: measured slower than FA4 + tail there")
@@ -275,24 +277,15 @@ def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, gro
     return int(num_requests) * -(-int(num_kv_heads) // cfg.heads_per_program) * blocks, blocks, cfg.block_m
 
 
-def _few_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
-    """``(programs, limit)`` where the few-programs prompt limit applies to a batch, else ``None``."""
-    limit = CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS.get((4 if group in (3, 4) else group, head_dim))
+def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_width, group, head_dim):
+    """``(programs, limit)`` of ``table`` (``{(group, head size): limit}``; groups 3 and 4 share an
+    entry) for a batch of at most :data:`CASCADE_FEW_PROGRAMS` cascade programs in ``beam_blocks``
+    beam blocks per request, else ``None``."""
+    limit = table.get((4 if group in (3, 4) else group, head_dim))
     if limit is None or num_requests is None or beam_width is None:
         return None
     programs, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
-    if blocks > 1 or programs > CASCADE_FEW_PROGRAMS:
-        return None
-    return programs, limit
-
-
-def _two_blocks_few_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
-    """``(programs, limit)`` where the two-block few-programs prompt limit applies to a batch, else ``None``."""
-    limit = CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS.get((group, head_dim))
-    if limit is None or num_requests is None or beam_width is None:
-        return None
-    programs, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
-    if blocks != 2 or programs > CASCADE_FEW_PROGRAMS:
+    if blocks != beam_blocks or programs > CASCADE_FEW_PROGRAMS:
         return None
     return programs, limit
 

@@ -45,8 +45,7 @@ from typing import Dict, Optional
 from .gates import (batch_decline_reason, call_decline_reason, decline_log, layer_decline_reason,
                     prefix_shape_decline_reason)
 from .kv_cache import adapter_for
-from .planning import (DeclinedStep, Family, ensure_prepare_hook, register_instance, runtime_view, step_for_forward,
-                       wrapper_for)
+from .planning import Family, ensure_prepare_hook, register_instance, runtime_view, step_for_forward, wrapper_for
 from .registration import FALLBACK_NAME, LIB_NAME, OUT_OF_TREE_MARK, current_settings
 
 __all__ = ["BeamSharedPrefixFmhaMixin", "fmha_class_for", "stats"]
@@ -169,8 +168,14 @@ class BeamSharedPrefixFmhaMixin:
         expected = (2, attn.num_kv_heads, layer.page_size, attn.head_dim)
         if pool.dim() != 5 or tuple(pool.shape[1:]) != expected:
             return f"KV pool view of shape {tuple(pool.shape)} is not [pages, 2, Hkv, page_size, D] = [*, {expected}]"
-        return prefix_shape_decline_reason(current_settings().backend, str(pool.device), str(pool.dtype).replace(
-            "torch.", ""), attn.head_dim, attn.num_heads, attn.num_kv_heads, layer.page_size)
+        return self._prefix_shape_reason(layer)
+
+    def _prefix_shape_reason(self, layer) -> Optional[str]:
+        """:func:`gates.prefix_shape_decline_reason` for this layer's pool."""
+        pool, attn = layer.pool, self.attn
+        return prefix_shape_decline_reason(current_settings().backend, str(pool.device),
+                                           str(pool.dtype).replace("torch.", ""), attn.head_dim, attn.num_heads,
+                                           attn.num_kv_heads, layer.page_size)
 
     def _takes_context(self, lib, q, k, v, metadata, forward_args) -> Optional[bool]:
         """Whether ``lib`` takes the CONTEXT phase of this batch (``None``: this tree cannot ask).
@@ -283,8 +288,7 @@ class BeamSharedPrefixFmhaMixin:
         if pool.dim() != 5 or tuple(pool.shape[1:]) != (2, attn.num_kv_heads, layer.page_size, attn.head_dim):
             return None
         # A layer whose pool no configured prefix backend serves is never selected: not planned either.
-        if prefix_shape_decline_reason(current_settings().backend, str(pool.device), str(pool.dtype).replace(
-                "torch.", ""), attn.head_dim, attn.num_heads, attn.num_kv_heads, layer.page_size) is not None:
+        if self._prefix_shape_reason(layer) is not None:
             return None
         return self._family_from(adapter, pool.dtype)
 
@@ -330,7 +334,7 @@ class BeamSharedPrefixFmhaMixin:
             return None
         delegate = self._get_delegate()
         if delegate is None:
-            if isinstance(step, DeclinedStep) or reason.startswith("planning failed"):
+            if step.must_hand_over(family):
                 raise RuntimeError(f"beam_shared_prefix: {reason}, and no {FALLBACK_NAME!r} library to hand the "
                                    f"step to; remove beam_shared_prefix from TLLM_FMHA_LIBS for this engine")
             decline_log(logging.WARNING, f"{reason}; no {FALLBACK_NAME!r} library to hand the step to, serving it")

@@ -118,6 +118,7 @@ class StepInfo:
     base_key: tuple
     pages: Dict[int, Tuple[np.ndarray, np.ndarray, tuple]] = field(default_factory=dict)
     declines: Dict[tuple, Optional[str]] = field(default_factory=dict)
+    unplannable: set = field(default_factory=set)  # family keys whose planning failed this step
 
     def pages_for(self, metadata, family: Family, layer: LayerKV) -> Tuple[np.ndarray, np.ndarray, tuple]:
         """Beam 0's prompt pages in ``family``'s pool, and the full plan key (read once per step)."""
@@ -155,6 +156,10 @@ class StepInfo:
             self.declines[family.key] = reason
         return self.declines[family.key]
 
+    def must_hand_over(self, family: Family) -> bool:
+        """Whether the library cannot run ``family`` this step even with no library to hand it to."""
+        return family.key in self.unplannable
+
 
 @dataclass
 class DeclinedStep:
@@ -165,6 +170,9 @@ class DeclinedStep:
 
     def decline_reason(self, family) -> str:
         return self.reason
+
+    def must_hand_over(self, family) -> bool:
+        return True
 
 
 class _MetadataState:
@@ -281,6 +289,7 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
                 # Inside TensorRT-LLM's prepare(): a family the library cannot plan goes to `fallback`
                 # for this step (logged), rather than failing the engine's step.
                 step.declines[family.key] = f"planning failed: {exc}"
+                step.unplannable.add(family.key)
                 decline_log(logging.WARNING, f"{step.declines[family.key]} (handed to the default kernel)")
     return step
 
