@@ -71,7 +71,9 @@ so a batch of fewer rows is served there when ``R x W x mean prompt >=
 MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60,000`` (measured at 8-30 beams, GQA 2 at head 128 in the tenth round;
 GQA 4 at head 128 and GQA 2 at head 64 in the eleventh, ``small_batches_backends_{g4,d64}.json``:
 every point served 1.14x-3.35x faster than per-beam decode, the narrowest margin 2 requests x 8 beams
-x 4,000 tokens at head 64; only there).
+x 4,000 tokens at head 64; only there). GQA 4 at head 64 (thirteenth round,
+``small_batches_backends_g4_d64*.json``) is served from 120,000: at 64,000 it measured 1.02x-1.41x
+(4 x 8 x 2,000 the narrowest), at 120,000-128,000 1.38x-1.63x.
 
 **Prompt length unknown** (a CUDA graph serves any prompt): beam widths below
 ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8 beams and more the two-launch paths lost
@@ -102,8 +104,12 @@ MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60_000
 # The narrowest beam width at which that exception was measured (8-30 beams).
 _SPLIT_KV_MEASURED_FROM_WIDTH = 8
 # ``(GQA group, head size)`` where it was measured: those of ``prefix.select.SPLIT_KV_PROMPT``
-# (a test keeps the two equal; this module imports nothing of the library).
-_SPLIT_KV_MEASURED_SHAPES = frozenset({(2, 128), (4, 128), (2, 64)})
+# (a test keeps the two equal; this module imports nothing of the library), with the ``R x W x P``
+# served from there. GQA 4 at head 64 needs more: at 64,000 it measured 1.02x (4 x 8 x 2,000) to
+# 1.41x, at 120,000-128,000 1.38x-1.63x (per-beam decode there reads half head 128's bytes).
+_SPLIT_KV_MIN_ROW_TOKENS = {(2, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (4, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV,
+                            (2, 64): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (4, 64): 120_000}
+_SPLIT_KV_MEASURED_SHAPES = frozenset(_SPLIT_KV_MIN_ROW_TOKENS)
 #: With an unknown prompt length, narrower beams are left to the default kernel.
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
 #: ``(W - 1) * mean prompt`` below this (prompt tokens saved per request) is declined.
@@ -174,10 +180,11 @@ def should_decline(
                 f"programs to fill the GPU, per-beam decode is faster here (measured on the H200, docs/benchmarks.md)"
             )
         row_tokens = rows * float(prompt_len)
-        if row_tokens < MIN_BEAM_ROW_TOKENS_SPLIT_KV:
+        least_row_tokens = _SPLIT_KV_MIN_ROW_TOKENS[(group, head_dim)]
+        if row_tokens < least_row_tokens:
             return (
                 f"{int(num_requests)} requests x beam width {w} x mean prompt {float(prompt_len):.0f} = "
-                f"{row_tokens:.0f} < {MIN_BEAM_ROW_TOKENS_SPLIT_KV} with FlashInfer's split prompt and "
+                f"{row_tokens:.0f} < {least_row_tokens} with FlashInfer's split prompt and "
                 f"{rows} beam rows < {MIN_BEAM_ROWS}: per-beam decode is faster or within 10% here (measured on the "
                 f"H200, docs/benchmarks.md)"
             )

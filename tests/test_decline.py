@@ -60,16 +60,19 @@ def test_few_beam_rows_are_declined():
 
 
 def test_few_beam_rows_with_long_prompts_are_served_by_the_split_prompt():
-    """Where FlashInfer's split prompt serves (GQA 2 and 4 at head 128, GQA 2 at head 64; 8 beams and
-    more), fewer than 120 rows are served from R x W x P = 60,000 (1.14x-3.99x on the H200; 0.96x-1.14x
-    at 30,000-32,000 at GQA 2, head 128)."""
+    """Where FlashInfer's split prompt serves (GQA 2 and 4 at head 128 and head 64; 8 beams and more),
+    fewer than 120 rows are served from R x W x P = 60,000 (1.14x-3.99x on the H200; 0.96x-1.14x at
+    30,000-32,000 at GQA 2, head 128), and from 120,000 at GQA 4, head 64."""
     for hq, d in ((16, 128), (32, 128), (16, 64)):
         assert should_decline(2, 30, 1000, hq, 8, d, split_kv=True) is None  # 60,000
         reason = should_decline(2, 30, 999, hq, 8, d, split_kv=True)
         assert reason is not None and "59940 < 60000 with FlashInfer's split prompt" in reason
     assert should_decline(1, 8, 7500, 16, 8, 128, split_kv=True) is None
+    # GQA 4 at head 64 from 120,000 (64,000 measured 1.02x at 4 x 8 x 2,000)
+    assert should_decline(1, 30, 4000, 32, 8, 64, split_kv=True) is None
+    assert "64000 < 120000 with FlashInfer's split prompt" in should_decline(4, 8, 2000, 32, 8, 64, split_kv=True)
     # Not where it was not measured, nor on the other paths, nor with the prompt unknown (a CUDA graph).
-    for args, kw in [((2, 30, 2000, 64, 8, 128), {}), ((2, 30, 2000, 32, 8, 64), {}), ((2, 30, 2000, 8, 8, 128), {}),
+    for args, kw in [((2, 30, 2000, 64, 8, 128), {}), ((2, 30, 2000, 64, 8, 64), {}), ((2, 30, 2000, 8, 8, 128), {}),
                      ((8, 4, 2000, 16, 8, 128), {}),
                      ((2, 30, 2000, 16, 8, 128), dict(one_launch=True)), ((2, 30, None, 16, 8, 128), {})]:
         assert "beam rows < 120" in should_decline(*args, split_kv=True, **kw), args
@@ -101,7 +104,7 @@ def test_cascade_thresholds_only_fall_with_the_beam_width(table, head_dim):
 
 def test_rule_agrees_with_the_small_batch_grids():
     """1-16 requests (GQA 2 at head 128, tenth round; GQA 4 at head 128 and GQA 2 at head 64,
-    eleventh; 48-256 beams at all three, twelfth): every point the rule serves, with the path ``auto`` takes there (FlashInfer's split
+    eleventh; 48-256 beams at all three, twelfth; GQA 4 at head 64, thirteenth): every point the rule serves, with the path ``auto`` takes there (FlashInfer's split
     prompt, the cascade or FA4), was at least 1.10x faster than per-beam decode."""
     from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 

@@ -138,6 +138,14 @@ CASCADE_MAX_GROUP = 8
 # 66.5 at head 64) and slower at 128 (8 x 64: 94.0 against 70.5). Four blocks at GQA 2 (128 beams)
 # were 3-5% slower than FA4 at 4,000 tokens even with 1-2 requests, and three (96 beams, 1-8
 # requests, 1,000 and 3,000 tokens) 3-7% slower, so GQA 2 stops at two.
+#
+# Thirteenth round, GQA 4 at head 64 (small_batches_backends_g4_d64.json: 1-16 requests of 8, 16 and
+# 30 beams at 1,000 and 4,000 tokens; 16-beam tiles of 64 rows, 30 beams in two): the same 1,000
+# tokens and 60 per program. FlashInfer was 1.3-3.9x faster than the cascade and 1.3-3.0x faster than
+# FA4 at 4,000 tokens up to 64 programs (1 request x 8 beams: 21.2 against the cascade's 81.5 and
+# FA4's 63.3 us), 6-29% faster at 1,000 tokens with 8-16 programs; with 32 programs at 1,000 it was
+# 8-10% slower than FA4 at 16 and 30 beams (12% faster at 8), and at 128 programs slower (16 x 8
+# at 4,000: 75.1 against FA4's 67.0).
 SPLIT_KV_MAX_PROGRAMS = 128
 #: ``{(GQA group, head size): {tile rows: (smallest mean prompt, tokens per cascade program)}}`` at
 #: which ``auto`` picks FlashInfer; shapes not listed never (not measured).
@@ -145,9 +153,10 @@ SPLIT_KV_PROMPT = {
     (2, 128): {64: (1000, 60), 32: (500, 8)},
     (4, 128): {64: (1000, 60)},
     (2, 64): {64: (1000, 60), 32: (1000, 30)},
+    (4, 64): {64: (1000, 60)},
 }
 #: The most beam blocks per request at which each shape of :data:`SPLIT_KV_PROMPT` was measured.
-SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2}
+SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2}
 
 # Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
 # (at most 128: under one per SM) each attends its whole prompt in turn, and FA4 overtakes it at
@@ -159,10 +168,13 @@ SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2}
 # - GQA 2, head 64, one block: 3% slower than FA4 at 2,000 tokens with 16 requests, 10-13% at
 #   4,000 (faster at 1,000); hence 2,048.
 # - GQA 2, head 128: within 7% of FA4 either way at 8 and 16 requests up to 4,000 tokens; no limit.
+# - GQA 4, head 64, one block (thirteenth round, small_batches_backends_g4_d64{,_b}.json: 1-16 requests
+#   of 8 and 16 beams): the cascade 16-26% faster than FA4 at 250 tokens and 8-12% at 500, within 5%
+#   either way at 1,000, 11-14% slower at 2,000 and 17-29% at 4,000; hence 1,024.
 CASCADE_FEW_PROGRAMS = 128
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with at most
 #: :data:`CASCADE_FEW_PROGRAMS` programs and one beam block (groups 3 and 4 share an entry).
-CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048}
+CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048, (4, 64): 1024}
 # Two beam blocks at GQA 2 (33-64 beams) with at most 128 programs (twelfth round, the wide files):
 # the cascade was 8-14% faster than FA4 at 500 tokens with 1-8 requests at head 128 and within 2%
 # of it at 1,000 (7% faster with 8 requests); 9% slower at 2,000. At head 64, 1-8 requests, 7-12%
