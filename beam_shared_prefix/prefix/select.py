@@ -42,7 +42,7 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP",
-           "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS"]
+           "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "step_path"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
@@ -402,6 +402,46 @@ def cascade_serves(
             return False
         return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim, num_requests)[0]
     return False
+
+
+def _installed(name: str) -> bool:
+    """Whether a prefix backend's package imports here (FlashInfer, FA4; the others always do)."""
+    if name == "flashinfer":
+        from .flashinfer import _import_flashinfer
+
+        return _import_flashinfer() is not None
+    if name == "fa4":
+        from .fa4 import _import_fa4_forward
+
+        return _import_fa4_forward() is not None
+    return True
+
+
+def step_path(
+    requested: str,
+    num_requests: Optional[int],
+    mean_prompt_len: Optional[float],
+    num_qo_heads: int,
+    num_kv_heads: int,
+    beam_width: Optional[int],
+    head_dim: int,
+) -> Tuple[bool, bool]:
+    """``(split_kv, one_launch)``: whether FlashInfer's split prompt, or the one-launch cascade, serves a
+    CUDA batch under ``requested``, with the packages installed here (what the per-step decline rule
+    must judge). Unlike :func:`flashinfer_serves` and :func:`cascade_serves`, which model a machine with
+    every backend installed, a missing FlashInfer sends ``auto``'s few-request batches to the cascade
+    or FA4, and a missing FA4 sends ``fa4`` to FlashInfer."""
+    if requested == "fa4" and not _installed("fa4"):
+        requested = "flashinfer"
+    if requested == "auto" and not _installed("flashinfer"):
+        preferred = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
+                                      num_requests)[0]
+        return False, preferred
+    split_kv = flashinfer_serves(requested, num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
+                                 head_dim)
+    one_launch = not split_kv and cascade_serves(requested, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
+                                                 head_dim, num_requests)
+    return split_kv, one_launch
 
 
 def choose_prefix_backend(

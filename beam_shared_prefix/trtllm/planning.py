@@ -38,7 +38,7 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 
 from ..decline import should_decline
-from ..prefix.select import cascade_serves, flashinfer_serves
+from ..prefix.select import step_path
 from .gates import batch_decline_reason, decline_log, step_decline_reason
 from .kv_cache import LayerKV, PageAdapter, adapter_for
 from .registration import current_settings
@@ -141,8 +141,7 @@ class StepInfo:
             if settings.decline == "auto":
                 shape = (self.mean_prompt_len, family.num_qo_heads, family.num_kv_heads, self.beam_width,
                          family.head_dim)
-                split_kv = flashinfer_serves(settings.backend, self.num_requests, *shape)
-                one_launch = not split_kv and cascade_serves(settings.backend, *shape, self.num_requests)
+                split_kv, one_launch = step_path(settings.backend, self.num_requests, *shape)
                 reason = should_decline(
                     self.num_requests,
                     self.beam_width,

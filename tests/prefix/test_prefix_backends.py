@@ -547,3 +547,19 @@ def test_two_beam_blocks_without_gqa_at_head_64():
     assert cascade_prompt_limit(64, 1, 64) == 256 and cascade_prompt_limit(33, 1, 64) == 256
     assert cascade_prompt_limit(65, 1, 64) == 0 and cascade_prompt_limit(None, 1, 64) == 0
     assert cascade_prompt_limit(64, 1, 128) == 0
+
+
+@pytest.mark.parametrize("installed, requested, want", [
+    # R = 2, W = 30, P = 2,000, GQA 2 at head 128: auto's split prompt with FlashInfer, else the cascade.
+    ({"flashinfer", "fa4"}, "auto", (True, False)),
+    ({"fa4"}, "auto", (False, True)),
+    # An explicit fa4 without FA4 runs FlashInfer (the wrapper's fallback chain), split prompt and all.
+    ({"flashinfer"}, "fa4", (True, False)),
+    ({"flashinfer", "fa4"}, "fa4", (False, False)),
+    ({"flashinfer", "fa4"}, "triton", (False, True)),
+])
+def test_step_path_follows_the_installed_backends(monkeypatch, installed, requested, want):
+    from beam_shared_prefix.prefix import select
+
+    monkeypatch.setattr(select, "_installed", lambda name: name in installed or name in ("triton", "reference"))
+    assert select.step_path(requested, 2, 2000, 16, 8, 30, 128) == want
