@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Dict, Hashable, Optional, Tuple
+from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
 
@@ -91,11 +91,16 @@ class BeamSharedPrefixAttention:
             ``TRITON_INTERPRET=1``; the unfused torch path on a plain CPU), ``"triton"`` (the fused
             kernel) or ``"torch"`` (the unfused reference; one host sync, not graph-capturable).
         prefix_kernel: FlashInfer kernel family, ``"auto"`` | ``"fa2"`` | ``"fa3"`` (benchmarks force one).
+        report_errors: give the tail kernels a device error flag (:attr:`error_flags`): invalid
+            lengths, pages or indirection entries they mask are reported without a sync, read by
+            :meth:`poll_device_errors` or :meth:`device_errors`.
 
     Attributes:
         backend_name: the prefix backend serving the active plan (``None`` before the first plan).
         num_backend_plans: backend (re-)plans done: plans that were not a cache hit of the active one.
         num_plan_builds: step plans built by the planner (cache misses).
+        error_flags: ``int32 [1]`` on the device, the bits of :mod:`triton_kernels.device_errors` the
+            kernels set (``None`` with ``report_errors=False``); a fixed address, so CUDA graphs keep it.
     """
 
     def __init__(
@@ -110,6 +115,7 @@ class BeamSharedPrefixAttention:
         check: Optional[bool] = None,
         tail_impl: str = "auto",
         prefix_kernel: str = "auto",
+        report_errors: bool = True,
     ):
         settings = load_settings() if backend is None or check is None else None
         backend = settings.backend if backend is None else backend
@@ -149,6 +155,9 @@ class BeamSharedPrefixAttention:
         self.tail_impl = tail_impl
         self.prefix_kernel = prefix_kernel
         self.check_tolerance = None  # a CheckTolerance overrides the per-dtype defaults of check mode
+        self.error_flags = torch.zeros(1, dtype=torch.int32, device=self.device) if report_errors else None
+        self._errors_seen = 0
+        self._error_poll = None  # (pinned host word, event) of the copy in flight
 
         self._planner: Optional[StepPlanner] = None
         self._builds_before = 0
@@ -380,6 +389,7 @@ class BeamSharedPrefixAttention:
             backend.run_step(
                 q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection, new_k, new_v,
                 out, page_index_divisor=page_index_divisor, write_kv=write_kv, validate_indices=check,
+                error_flags=self.error_flags,
             )
         else:
             self._tail_function()(
@@ -387,6 +397,7 @@ class BeamSharedPrefixAttention:
                 step_plan.beam_width, prefix_out, lse.tensor, out,
                 sm_scale=sm_scale, kv_layout=self.kv_layout, page_index_divisor=page_index_divisor,
                 prefix_lse_layout=lse.layout, prefix_lse_base=lse.base, write_kv=write_kv, validate_indices=check,
+                error_flags=self.error_flags,
             )
         if check:
             chk.check_output_stage(out, expected, tol)
@@ -396,6 +407,50 @@ class BeamSharedPrefixAttention:
         return out
 
     __call__ = run
+
+    # ------------------------------------------------------------------------------------------
+    def device_errors(self, reset: bool = True) -> List[str]:
+        """The device error flag's messages (:data:`triton_kernels.device_errors.ERROR_BITS`): what the
+        kernels masked since the flag was last reset. Synchronises with the device; ``reset`` zeroes
+        the flag. ``[]`` with ``report_errors=False``."""
+        if self.error_flags is None:
+            return []
+        from triton_kernels.device_errors import decode_error_flags
+
+        value = int(self.error_flags.item())
+        if reset and value:
+            self.error_flags.zero_()
+            self._errors_seen = 0
+        return decode_error_flags(value)
+
+    def poll_device_errors(self) -> List[str]:
+        """Kinds of error the device flag has gained since the last poll, without waiting on the device.
+
+        On CUDA each poll copies the flag to pinned host memory behind the work queued so far and
+        reads the previous poll's copy if it has landed (so a kind is seen one poll late). Each kind
+        is returned once until :meth:`device_errors` resets the flag. Not during CUDA-graph capture.
+        """
+        if self.error_flags is None or self._capturing():
+            return []
+        from triton_kernels.device_errors import decode_error_flags
+
+        if self.device.type != "cuda":
+            value = int(self.error_flags.item())
+        else:
+            value = 0
+            if self._error_poll is not None:
+                host, event = self._error_poll
+                if not event.query():
+                    return []  # the previous copy is still queued behind the device's work
+                value = int(host[0])
+            else:
+                host, event = torch.zeros(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
+            host.copy_(self.error_flags, non_blocking=True)
+            event.record()
+            self._error_poll = (host, event)
+        new = value & ~self._errors_seen
+        self._errors_seen |= value
+        return decode_error_flags(new)
 
     # ------------------------------------------------------------------------------------------
     def _capturing(self) -> bool:

@@ -81,6 +81,8 @@ class Prepared:
         capturable: whether ``call`` may be captured in a CUDA graph.
         info: facts to report (resolved kernel, plan times...).
         keep: objects that must outlive the timing (wrappers, buffers).
+        device_errors: the wrapper's device error flag, read and reset (``None``: the arm has none);
+            the check fails an arm whose kernels flag valid input.
     """
 
     call: Callable[[], object]
@@ -89,6 +91,7 @@ class Prepared:
     capturable: bool = True
     info: Dict = field(default_factory=dict)
     keep: List = field(default_factory=list)
+    device_errors: Optional[Callable[[], List[str]]] = None
 
 
 def _identity_out(result):
@@ -224,7 +227,7 @@ class LibraryArm(Arm):
         if isinstance(kernel, str):
             info["prefix_kernel"] = kernel
         return Prepared(call=call, outputs=lambda r: (out, None), poison=[out], capturable=use_graph,
-                        info=info, keep=[attn])
+                        info=info, keep=[attn], device_errors=getattr(attn, "device_errors", None))
 
     def time_plans(self, wl: BenchWorkload, ctx: RunContext, repeats: int = 200) -> Dict[str, float]:
         """Host microseconds: ``first_plan_us`` on a fresh wrapper, ``replan_us`` (same inputs, the

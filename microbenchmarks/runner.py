@@ -140,6 +140,9 @@ def _check_arm(arm: Arm, prepared: list, fns: list, oracles: Sequence[Oracle], d
         unwritten = int((~torch.isfinite(out)).sum())
         if not problem and unwritten:
             problem = f"{unwritten} non-finite output elements in all rows (an unwritten output)"
+        flagged = p.device_errors() if p.device_errors is not None else []
+        if not problem and flagged:
+            problem = f"the kernels flagged valid input: {'; '.join(flagged)}"
         if problem:
             checked = dataclasses.replace(checked, ok=False, message=problem)
         results.append(checked)

@@ -108,8 +108,10 @@ def test_steps_match_oracle(tail_impl, layout, dtype, engine_writes_kv, divisor,
         ref = oracle(sim, step)
         out = run_step(att, sim, step, engine_writes_kv=engine_writes_kv, divisor=divisor)
         assert_matches(out, ref, dtype, f"step {s}")
+        assert att.poll_device_errors() == []
         # Later steps read the K/V the tail kernel (or the engine) stored.
         sim.end_step(write_kv=False)
+    assert att.device_errors() == []  # valid steps raise no device error flag
     assert att.backend_name == "reference"
     assert plans[0] is plans[1] is plans[2] and plans[3] is plans[4] is plans[5] and plans[2] is not plans[3]
     assert att.num_backend_plans == 2
@@ -405,6 +407,35 @@ def test_engine_written_kv_with_an_invalid_length_fails_clearly(bad_len):
     att.check = False
     out = att.run(step.q, sim.kv_cache, step.beam_page_table, kv_lens, step.cache_indirection)
     assert out.shape == step.q.shape
+
+
+@pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
+    """Without check mode nothing syncs: a row whose write slot has no page, or an indirection entry
+    that is not a beam, is masked by the kernel and reported through the device error flag, each kind
+    once by ``poll_device_errors`` and all of them by ``device_errors`` (which resets the flag)."""
+    sim = make_sim()
+    for _ in range(2):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl, check=False)
+    plan_step(att, sim, step)
+    table = step.beam_page_table.clone()
+    table[4, int(step.kv_lens[4] - 1) // sim.page_size] = -1  # row 4 has no page for this step's token
+    bad_ind = step.cache_indirection.clone()
+    bad_ind[0, 1, int(step.prompt_lens[0])] = 7  # beam 7 of 3
+    att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    # (beams that read their generated positions 16-18 from row 4's page see the same -1)
+    first = att.poll_device_errors()
+    assert [m for m in first if "write slot" in m and "K/V not written" in m], first
+    att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, bad_ind, step.new_k, step.new_v)
+    (second,) = att.poll_device_errors()  # only the new kind
+    assert "cache_indirection entry outside [0, beam_width)" in second
+    att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    assert att.poll_device_errors() == []  # kinds already reported
+    assert sorted(att.device_errors()) == sorted(first + [second]) and att.device_errors() == []
+    assert BeamSharedPrefixAttention("cpu", report_errors=False).device_errors() == []
 
 
 def test_check_mode_off_runs_no_check(monkeypatch):

@@ -25,6 +25,7 @@ import torch
 import triton
 
 from .cascade_kernel import beam_cascade_kernel
+from .device_errors import check_error_flags
 from .tail_merge_args import (
     KV_DTYPES,
     KV_LAYOUTS,
@@ -286,7 +287,8 @@ def _rows_aligned(*views) -> bool:
 
 
 def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int, write_kv: bool, prefix_only: bool,
-            device: torch.device, dtype: torch.dtype, prompt_capacity: int, aligned_rows: bool = False):
+            device: torch.device, dtype: torch.dtype, prompt_capacity: int, aligned_rows: bool = False,
+            error_flags=None):
     meta = dict(
         # The prompt table fits one block: a shape, known here; one compile more per tiling.
         PROMPT_ONE_BLOCK=prompt_capacity <= cfg.block_n,
@@ -310,6 +312,8 @@ def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int
     )
     if cfg.max_registers is not None and device.type == "cuda":
         meta["maxnreg"] = cfg.max_registers
+    if error_flags is not None:
+        meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
     if device.type == "cuda":
         with torch.cuda.device(device):
             return beam_cascade_kernel[grid](*args, **meta)
@@ -335,6 +339,7 @@ def beam_cascade_attention(
     write_kv=True,
     validate_indices=False,
     launch_config=None,
+    error_flags=None,
 ):
     """A whole beam-search decode step of one layer in one launch: prompt once per beam block, tail, KV write.
 
@@ -364,6 +369,9 @@ def beam_cascade_attention(
         write_kv: store ``new_k``/``new_v`` at ``L - 1`` of each row's own page in the same launch.
         validate_indices: check mode: read lengths, pages and indirection back and check them (host sync).
         launch_config: a :class:`CascadeLaunchConfig` (tuning and benchmarks).
+        error_flags: ``None``, or an ``int32 [1]`` tensor on q's device into which the kernel ORs one
+            bit per kind of invalid index or length it masked (:mod:`triton_kernels.device_errors`;
+            no sync).
 
     Returns:
         ``out``.
@@ -379,6 +387,7 @@ def beam_cascade_attention(
     )
     _check_device(q)
     _check_prompt_table(prompt_page_table, geom.num_requests, q.device)
+    check_error_flags(error_flags, q.device)
     cfg = _resolve_config(launch_config, geom.beam_width, geom.group_size, geom.head_dim,
                           prompt_page_table.shape[1] * geom.page_size)
     if validate_indices:
@@ -411,7 +420,7 @@ def beam_cascade_attention(
     )
     aligned = _rows_aligned((new_k, new_k.stride()[:2]), (new_v, new_v.stride()[:2]), (kv_cache, geom.kv_strides))
     _launch(grid, args, cfg, geom.group_size, geom.head_dim, write_kv, False, q.device, q.dtype,
-            prompt_page_table.shape[1] * geom.page_size, aligned)
+            prompt_page_table.shape[1] * geom.page_size, aligned, error_flags)
     return out
 
 

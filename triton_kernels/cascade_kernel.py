@@ -82,6 +82,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import pages_of_source_beams, source_beam_pages
+from .device_errors import KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, report_error
 from .tail_merge_grouped_kernel import attend_grouped_row
 
 __all__ = ["beam_cascade_kernel"]
@@ -116,7 +117,8 @@ def _online_softmax_block(s, scale_log2, m_i, l_i, acc, v, DOT_FP32: tl.constexp
 @triton.jit
 def _tail_block_pages(
     ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
-    req64, beam_width, col_beam, col_pos, col_beam_end, page_size, page_index_divisor, num_pages,
+    req64, beam_width, col_beam, col_pos, col_beam_end, page_size, page_index_divisor, num_pages, err_ptr=None,
+    REPORT_ERRORS: tl.constexpr = False,
 ):
     """Pages of a tail key block's columns (``[TAIL_BLOCK * BEAMS]`` int64), ``-1`` where masked.
 
@@ -125,7 +127,8 @@ def _tail_block_pages(
     """
     ci_ptrs = ci_ptr + req64 * stride_ci_req + col_beam.to(tl.int64) * stride_ci_beam + col_pos.to(tl.int64) * stride_ci_pos
     page = source_beam_pages(ci_ptrs, col_pos, col_pos < col_beam_end, beam_pt_ptr, req64 * beam_width,
-                             stride_bpt_row, stride_bpt_col, beam_width, page_size, page_index_divisor, num_pages)
+                             stride_bpt_row, stride_bpt_col, beam_width, page_size, page_index_divisor, num_pages,
+                             err_ptr, REPORT_ERRORS)
     return page.to(tl.int64)
 
 
@@ -141,11 +144,15 @@ def _own_slot_entry(beam_pt_ptr, row64, cur, ok, prompt_len, stride_bpt_row, str
 
 
 @triton.jit
-def _own_slot_offsets(w_ok, entry, cur, page_index_divisor, num_pages, page_size, stride_kv_page, stride_kv_slot):
+def _own_slot_offsets(w_ok, entry, cur, page_index_divisor, num_pages, page_size, stride_kv_page, stride_kv_slot,
+                      err_ptr=None, REPORT_ERRORS: tl.constexpr = False):
     """Second link of :func:`_own_slot_entry`: the store mask with the entry's validity folded in, and
     the slot's pool offset (int64, page and slot terms; 0 where masked)."""
     page = (entry // page_index_divisor).to(tl.int64)
-    w_ok = w_ok & (entry >= 0) & (page < num_pages)
+    entry_ok = (entry >= 0) & (page < num_pages)
+    if REPORT_ERRORS:
+        report_error(err_ptr, w_ok & ~entry_ok, WRITE_PAGE)
+    w_ok = w_ok & entry_ok
     return w_ok, tl.where(w_ok, page, 0) * stride_kv_page + (cur % page_size).to(tl.int64) * stride_kv_slot
 
 
@@ -156,7 +163,7 @@ def _tail_on_cores(
     stride_kv_slot, stride_bpt_row, stride_bpt_col, stride_ci_req, stride_ci_beam, stride_ci_pos, req64, first_beam,
     beam_width, kv_head, kv_head_off, head_ok, prompt_len, page_size, page_index_divisor, num_pages, max_seq_len,
     qk_scale_log2, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BEAMS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TAIL_BLOCK: tl.constexpr, WRITE_KV: tl.constexpr,
+    TAIL_BLOCK: tl.constexpr, WRITE_KV: tl.constexpr, err_ptr=None, REPORT_ERRORS: tl.constexpr = False,
 ):
     """The tail ``[P, L)`` of one KV head on CUDA cores: ``(m, l, acc)`` of its online softmax for the
     tile's rows in group-major order (row ``g * BEAMS + slot``), ``[BLOCK_M]`` and ``[BLOCK_M, D]``
@@ -173,6 +180,8 @@ def _tail_on_cores(
     b_cur = tl.load(kv_lens_ptr + b_row64, mask=b_ok, other=0) - 1  # this step's position, per beam
     b_gen_end = tl.minimum(b_cur, max_seq_len)
     gen_stop = tl.max(tl.where(b_ok, b_gen_end, 0), axis=0)
+    if REPORT_ERRORS:
+        report_error(err_ptr, b_ok & ((b_cur < prompt_len) | (b_cur < 0) | (b_cur >= max_seq_len)), KV_LEN)
     q_ok = (gq < GROUP)[:, None, None] & b_ok[None, :, None]
     q3 = tl.load(q_ptr + b_row64[None, :, None] * stride_q_row + (kv_head * GROUP + gq)[:, None, None] * stride_q_head
                  + d[None, None, :], mask=q_ok, other=0.0).to(tl.float32) * qk_scale_log2
@@ -191,7 +200,7 @@ def _tail_on_cores(
         w_ok, w_entry = _own_slot_entry(beam_pt_ptr, b_row64, b_cur, b_ok, prompt_len, stride_bpt_row, stride_bpt_col,
                                         max_seq_len, page_size)
         w_ok, w_offs = _own_slot_offsets(w_ok, w_entry, b_cur, page_index_divisor, num_pages, page_size, stride_kv_page,
-                                         stride_kv_slot)
+                                         stride_kv_slot, err_ptr, REPORT_ERRORS)
         w_ok = tl.where(head_ok, w_ok, False)  # (a scalar cannot `&` a mask)
         w_ptrs = kv_ptr + kv_head_off + w_offs[None, :, None] + kd
         tl.store(w_ptrs, k_cur, mask=w_ok[None, :, None])
@@ -202,7 +211,8 @@ def _tail_on_cores(
         pos = t0 + tb[:, None] + slot[None, :] * 0  # [TAIL_BLOCK, BEAMS]
         pages = source_beam_pages(ci_beam_ptr[None, :] + pos.to(tl.int64) * stride_ci_pos, pos,
                                   (pos < b_gen_end[None, :]) & b_ok[None, :], beam_pt_ptr, req64 * beam_width,
-                                  stride_bpt_row, stride_bpt_col, beam_width, page_size, page_index_divisor, num_pages)
+                                  stride_bpt_row, stride_bpt_col, beam_width, page_size, page_index_divisor, num_pages,
+                                  err_ptr, REPORT_ERRORS)
         for i in tl.static_range(TAIL_BLOCK):
             page = tl.sum(tl.where(tb[:, None] == i, pages, 0), axis=0)  # position t0 + i, [BEAMS]
             ok = page >= 0
@@ -240,6 +250,7 @@ def _prompt_blocks(
     q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col, stride_kv_page,
     stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages, qk_scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PROMPT_STAGES: tl.constexpr, DOT_FP32: tl.constexpr,
+    err_ptr=None, REPORT_ERRORS: tl.constexpr = False,
 ):
     """Fold the shared prompt ``[0, prompt_end)`` of one KV head into ``(m_i, l_i, acc)``, ``BLOCK_N``
     tokens per iteration with the next block's page entries requested early (``first_pages``: the
@@ -264,6 +275,8 @@ def _prompt_blocks(
         next_pos = pos + BLOCK_N
         pages = tl.load(table_row_ptr + (next_pos // page_size) * stride_ppt_col, mask=next_pos < prompt_end,
                         other=-1)
+        if REPORT_ERRORS:  # (the first block's pages are checked by the caller)
+            report_error(err_ptr, (next_pos < prompt_end) & ((pages < 0) | (pages >= num_pages)), PROMPT_PAGE)
         m_i, l_i, acc = _fold_prompt_block(q, k, v, pos, prompt_end, qk_scale_log2, m_i, l_i, acc, DOT_FP32)
     return m_i, l_i, acc
 
@@ -303,7 +316,8 @@ def _tail_key_blocks(
     tcol_slot, tcol_beam, tcol_gen_end, row_slot, tail_stop, ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos,
     beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, page_size, page_index_divisor, num_pages,
     stride_kv_page, stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM: tl.constexpr, TAIL_BLOCK: tl.constexpr,
-    TAIL_STAGES: tl.constexpr, ALIGNED_ROWS: tl.constexpr, DOT_FP32: tl.constexpr,
+    TAIL_STAGES: tl.constexpr, ALIGNED_ROWS: tl.constexpr, DOT_FP32: tl.constexpr, err_ptr=None,
+    REPORT_ERRORS: tl.constexpr = False,
 ):
     """Fold the generated positions ``[t_start, tail_stop)`` of one KV head into ``(m_i, l_i, acc)`` as
     masked tensor-core key blocks of ``TAIL_BLOCK x BEAMS`` columns (column ``c``: position ``t0 +
@@ -320,7 +334,7 @@ def _tail_key_blocks(
         t_pages = _tail_block_pages(
             ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row,
             stride_bpt_col, req64, beam_width, tcol_beam, tpos + TAIL_BLOCK, tcol_gen_end, page_size,
-            page_index_divisor, num_pages,
+            page_index_divisor, num_pages, err_ptr, REPORT_ERRORS,
         )
         m_i, l_i, acc = _fold_tail_block(q, k_t, v_t, col_ok, tcol_slot, row_slot, qk_scale_log2, m_i, l_i, acc,
                                          DOT_FP32)
@@ -387,6 +401,8 @@ def beam_cascade_kernel(
     TAIL_STAGES: tl.constexpr = 1,
     TAIL_CORES: tl.constexpr = False,
     PROMPT_ONE_BLOCK: tl.constexpr = False,
+    err_ptr=None,
+    REPORT_ERRORS: tl.constexpr = False,
 ):
     """Grid ``(R * num_beam_blocks, cdiv(Hkv, HEADS))``; arguments and element strides as the launchers
     in :mod:`triton_kernels.cascade` pass them; the module docstring gives the steps."""
@@ -410,6 +426,10 @@ def beam_cascade_kernel(
     prompt_end = tl.minimum(prompt_len, prompt_capacity)
     first_pages = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (n // page_size) * stride_ppt_col,
                           mask=n < prompt_capacity, other=-1)
+    if REPORT_ERRORS:
+        plen_n = prompt_len + n * 0  # (a vector: the interpreter cannot `&` a scalar into a mask)
+        report_error(err_ptr, (n == 0) & ((plen_n < 0) | (plen_n > prompt_capacity)), PROMPT_LEN)
+        report_error(err_ptr, (n < prompt_end) & ((first_pages < 0) | (first_pages >= num_pages)), PROMPT_PAGE)
     m = tl.arange(0, BLOCK_M)
     if TAIL_CORES:  # group-major rows (g * BEAMS + slot): the core tail's [G, BEAMS, D] state reshapes to them
         row_slot = m % BEAMS
@@ -433,6 +453,9 @@ def beam_cascade_kernel(
         # Earlier generated positions [P, tcol_gen_end) come from the cache, this step's from new_k/v.
         tcol_gen_end = tl.minimum(tcol_cur, max_seq_len)
         tail_stop = tl.max(tl.where(tcol_ok, tl.minimum(tcol_cur + 1, max_seq_len), 0), axis=0)
+        if REPORT_ERRORS:  # one column per beam
+            report_error(err_ptr, tcol_ok & (tcol_step == 0)
+                         & ((tcol_cur < prompt_len) | (tcol_cur < 0) | (tcol_cur >= max_seq_len)), KV_LEN)
         if WRITE_KV:
             # Where each beam writes this step's K/V: its own page at L - 1, requested next to the
             # tail's source beams.
@@ -453,11 +476,11 @@ def beam_cascade_kernel(
             first_tail_pages = _tail_block_pages(
                 ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
                 req64, beam_width, tcol_beam, prompt_len + tcol_step, tcol_gen_end, page_size, page_index_divisor,
-                num_pages,
+                num_pages, err_ptr, REPORT_ERRORS,
             )
         if WRITE_KV:
             w_ok, w_offs = _own_slot_offsets(w_ok, w_entry, slot_cur, page_index_divisor, num_pages, page_size,
-                                             stride_kv_page, stride_kv_slot)
+                                             stride_kv_page, stride_kv_slot, err_ptr, REPORT_ERRORS)
 
     for hh in range(HEADS):
         # A program past the last KV head (Hkv not a multiple of HEADS) repeats it and stores nothing
@@ -484,13 +507,13 @@ def beam_cascade_kernel(
                           other=0.0)
             first_tail_pages = pages_of_source_beams(
                 first_src, first_pos, first_pos_ok, beam_pt_ptr, req64 * beam_width, stride_bpt_row, stride_bpt_col,
-                beam_width, page_size, page_index_divisor, num_pages).to(tl.int64)
+                beam_width, page_size, page_index_divisor, num_pages, err_ptr, REPORT_ERRORS).to(tl.int64)
             m_i, l_i, acc = _fold_prompt_block(q, k_p, v_p, n, prompt_end, qk_scale_log2, m_i, l_i, acc, DOT_FP32)
         elif PROMPT_FIRST:  # the tail's index chain, requested at the start, resolves behind the prompt
             m_i, l_i, acc = _prompt_blocks(
                 q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
                 stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,
-                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32)
+                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32, err_ptr, REPORT_ERRORS)
 
         if TAIL_CORES and not PREFIX_ONLY:
             m_i, l_i, acc = _tail_on_cores(
@@ -499,7 +522,7 @@ def beam_cascade_kernel(
                 stride_kv_kv, stride_kv_slot, stride_bpt_row, stride_bpt_col, stride_ci_req, stride_ci_beam,
                 stride_ci_pos, req64, first_beam, beam_width, kv_head, kv_head_off, head_ok, prompt_len, page_size,
                 page_index_divisor, num_pages, max_seq_len, qk_scale_log2, GROUP, GROUP_PAD, BEAMS, HEAD_DIM,
-                TAIL_BLOCK, WRITE_KV)
+                TAIL_BLOCK, WRITE_KV, err_ptr, REPORT_ERRORS)
         elif not PREFIX_ONLY:
             # 2. The generated positions [P, L), TAIL_BLOCK per key block, this step's token
             #    included: its column reads new_k/new_v instead of the cache (a 4-token tail is one
@@ -513,7 +536,7 @@ def beam_cascade_kernel(
                 tcol_cur, tcol_ok, tcol_slot, tcol_beam, tcol_gen_end, row_slot, tail_stop, ci_ptr, stride_ci_req,
                 stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, page_size,
                 page_index_divisor, num_pages, stride_kv_page, stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM,
-                TAIL_BLOCK, TAIL_STAGES, ALIGNED_ROWS, DOT_FP32)
+                TAIL_BLOCK, TAIL_STAGES, ALIGNED_ROWS, DOT_FP32, err_ptr, REPORT_ERRORS)
 
             if WRITE_KV:  # loaded here, not before the tail: the tail's current-token column cached these rows
                 k_new = tl.load(new_k_ptr + slot_row64[:, None] * stride_new_k_row + kv_head * stride_new_k_head
@@ -530,7 +553,7 @@ def beam_cascade_kernel(
             m_i, l_i, acc = _prompt_blocks(
                 q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
                 stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,
-                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32)
+                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32, err_ptr, REPORT_ERRORS)
 
         # 4. out = O / l. l >= 1 for every valid row of the whole step (its own current token is a
         #    finite column); the guard keeps invalid input (kv_len <= prompt_len, empty prompt) and

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .device_errors import check_error_flags
 from .tail_merge_args import LOG2E, TailMergeInputError, check_tail_index_values, check_tail_merge_args
 from .tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel
 from .tail_merge_kernel import beam_tail_merge_kernel
@@ -183,6 +184,7 @@ def beam_tail_attention_merge(
     write_kv=True,
     validate_indices=False,
     launch_config=None,
+    error_flags=None,
 ):
     """Fused per-beam tail attention, KV write and LSE merge with the prefix state (one launch).
 
@@ -221,6 +223,8 @@ def beam_tail_attention_merge(
             inside the prompt (``kv_len <= prompt_len``) is skipped.
         launch_config: a :class:`TailLaunchConfig` overriding :func:`tail_launch_config` (tuning and
             benchmarks only; the tiling never changes results beyond float32 summation order).
+        error_flags: ``None``, or an ``int32 [1]`` tensor on q's device into which the kernel ORs one
+            bit per kind of invalid index it masked (:mod:`triton_kernels.device_errors`; no sync).
 
     Returns:
         ``out``.
@@ -232,6 +236,7 @@ def beam_tail_attention_merge(
         prefix_lse_base=prefix_lse_base,
     )
     _check_launchable(q, geom.head_dim, geom.group_size)
+    check_error_flags(error_flags, q.device)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     if geom.num_rows == 0:
@@ -263,6 +268,8 @@ def beam_tail_attention_merge(
                 HEAD_DIM=geom.head_dim, WRITE_KV=bool(write_kv), num_warps=cfg.num_warps, num_stages=1)
     if not cfg.grouped:
         meta.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=bool(cfg.tokens_outer), INDEX_BLOCK=cfg.index_block)
+    if error_flags is not None:
+        meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
     if q.is_cuda:
         with torch.cuda.device(q.device):
             kernel[grid](*args, **meta)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
+from .device_errors import KV_LEN, WRITE_PAGE, report_error
 
 __all__ = ["beam_tail_merge_grouped_kernel", "attend_grouped_row"]
 
@@ -90,6 +91,8 @@ def beam_tail_merge_grouped_kernel(
     KV_HEADS_PER_PROG: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    err_ptr=None,
+    REPORT_ERRORS: tl.constexpr = False,
 ):
     """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments as for ``beam_tail_merge_kernel``."""
     row = tl.program_id(0)
@@ -135,14 +138,20 @@ def beam_tail_merge_grouped_kernel(
     q = q.to(tl.float32) * qk_scale_log2
     m_i, l_i, acc = attend_grouped_row(q, m_i, l_i, acc, k_cur, v_cur, (kv_head >= 0)[None, :])  # never masked
 
+    # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written.
+    cur_h = cur + kv_head * 0
+    len_ok = (cur_h >= prompt_len) & (cur_h >= 0) & (cur_h < max_seq_len)
+    if REPORT_ERRORS:
+        report_error(err_ptr, (tl.arange(0, KV_HEADS_PER_PROG) == 0) & ~len_ok, KV_LEN)
     if WRITE_KV:
-        # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written.
-        cur_h = cur + kv_head * 0
-        w_ok = kv_head_ok & (cur_h >= prompt_len) & (cur_h >= 0) & (cur_h < max_seq_len)
+        w_ok = kv_head_ok & len_ok
         w_entry = tl.load(page_table_ptr + row64 * stride_pt_row + (cur_h // page_size) * stride_pt_col, mask=w_ok,
                           other=-1)
         w_page = (w_entry // page_index_divisor).to(tl.int64)
-        w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
+        entry_ok = (w_entry >= 0) & (w_page < num_pages)
+        if REPORT_ERRORS:
+            report_error(err_ptr, w_ok & ~entry_ok, WRITE_PAGE)
+        w_ok = w_ok & entry_ok
         w_offs = (w_page * stride_kv_page + (cur_h % page_size).to(tl.int64) * stride_kv_slot)[None, :, None] \
             + kv_head_offs
         tl.store(kv_ptr + w_offs, k_cur, mask=w_ok[None, :, None])
@@ -155,7 +164,7 @@ def beam_tail_merge_grouped_kernel(
         tv = t + one  # a 1-vector keeps every mask a vector (the CPU interpreter's rule)
         page = source_beam_pages(ind_row_ptr + tv.to(tl.int64) * stride_ind_pos, tv, tv < end_pos, page_table_ptr,
                                  first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size,
-                                 page_index_divisor, num_pages)
+                                 page_index_divisor, num_pages, err_ptr, REPORT_ERRORS)
         tok_ok = page >= 0
         tok_offs = page.to(tl.int64) * stride_kv_page + (tv % page_size).to(tl.int64) * stride_kv_slot
         offs = tok_offs[:, None, None] + kv_head_offs

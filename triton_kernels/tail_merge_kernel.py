@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
+from .device_errors import KV_LEN, WRITE_PAGE, report_error
 
 __all__ = ["beam_tail_merge_kernel"]
 
@@ -182,6 +183,8 @@ def beam_tail_merge_kernel(
     WRITE_KV: tl.constexpr,
     TOKENS_OUTER: tl.constexpr,
     INDEX_BLOCK: tl.constexpr = 0,
+    err_ptr=None,
+    REPORT_ERRORS: tl.constexpr = False,
 ):
     """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments and strides (in elements) as the launcher
     :func:`triton_kernels.beam_tail_attention_merge` passes them; the module docstring gives the steps."""
@@ -214,7 +217,10 @@ def beam_tail_merge_kernel(
     # inside the prompt (kv_len <= prompt_len, invalid input) is never written: prompt pages are
     # shared by all beams of the request.
     cur_slots = cur + slot * 0
-    w_ok = kv_head_ok & (g == 0) & (cur_slots >= prompt_len) & (cur_slots >= 0) & (cur_slots < max_seq_len)
+    len_ok = (cur_slots >= prompt_len) & (cur_slots >= 0) & (cur_slots < max_seq_len)
+    w_ok = kv_head_ok & (g == 0) & len_ok
+    if REPORT_ERRORS:
+        report_error(err_ptr, (slot == 0) & ~len_ok, KV_LEN)
 
     if INDEX_BLOCK > 0:
         # Index-block path: the loads that depend only on the lengths (the write position's page
@@ -232,6 +238,7 @@ def beam_tail_merge_kernel(
         lane_page = source_beam_pages(
             ind_row_ptr + lane_pos.to(tl.int64) * stride_ind_pos, lane_pos, lane_pos < end_pos, page_table_ptr,
             first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size, page_index_divisor, num_pages,
+            err_ptr, REPORT_ERRORS,
         )
 
     q_offs = row64 * stride_q_row + q_head[:, None] * stride_q_head + d[None, :]
@@ -288,7 +295,10 @@ def beam_tail_merge_kernel(
                 other=-1,
             )
         w_page = (w_entry // page_index_divisor).to(tl.int64)  # int32 division: entries are >= 0 when used
-        w_ok = w_ok & (w_entry >= 0) & (w_page < num_pages)
+        entry_ok = (w_entry >= 0) & (w_page < num_pages)
+        if REPORT_ERRORS:
+            report_error(err_ptr, w_ok & ~entry_ok, WRITE_PAGE)
+        w_ok = w_ok & entry_ok
         w_offs = (
             w_page[:, None] * stride_kv_page
             + (cur_slots % page_size).to(tl.int64)[:, None] * stride_kv_slot
@@ -310,7 +320,7 @@ def beam_tail_merge_kernel(
                 lane_page = source_beam_pages(
                     ind_row_ptr + lane_pos.to(tl.int64) * stride_ind_pos, lane_pos, lane_pos < end_pos,
                     page_table_ptr, first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size,
-                    page_index_divisor, num_pages,
+                    page_index_divisor, num_pages, err_ptr, REPORT_ERRORS,
                 )
                 tok_ok, k_tile, v_tile = _load_lane_tile(
                     kv_ptr, stride_kv_kv, stride_kv_page, stride_kv_slot, lane_page, lane, 0, ib_start + tok,
@@ -333,7 +343,8 @@ def beam_tail_merge_kernel(
             t = block_start + tok
             page = source_beam_pages(
                 ind_row_ptr + t.to(tl.int64) * stride_ind_pos, t, t < end_pos, page_table_ptr, first_src_row,
-                stride_pt_row, stride_pt_col, beam_width, page_size, page_index_divisor, num_pages,
+                stride_pt_row, stride_pt_col, beam_width, page_size, page_index_divisor, num_pages, err_ptr,
+                REPORT_ERRORS,
             )
             tok_ok = page >= 0
             tok_offs = page.to(tl.int64) * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from . import device_errors
+from .device_errors import check_error_flags
 from .tail_merge_args import LOG2E, check_tail_index_values, check_tail_merge_args
 
 __all__ = ["beam_tail_attention_merge_torch"]
@@ -45,13 +47,15 @@ def beam_tail_attention_merge_torch(
     prefix_lse_base="log2",
     write_kv=True,
     validate_indices=False,
+    error_flags=None,
 ):
     """Tail attention + KV write + LSE merge with the prefix, in unfused torch ops.
 
     Arguments, shapes and result are those of :func:`triton_kernels.beam_tail_attention_merge`:
     ``out[i, h] = merge(prefix state, attention of q[i, h] over beam row i's generated positions
     [prompt_len, kv_len))``, where position ``kv_len - 1`` is ``new_k``/``new_v`` and earlier ones
-    come from the pages of beam ``cache_indirection[r, b, t]``. Returns ``out``.
+    come from the pages of beam ``cache_indirection[r, b, t]``; ``error_flags`` gets the kernel's
+    bits for the same invalid values (:mod:`triton_kernels.device_errors`). Returns ``out``.
     """
     geom = check_tail_merge_args(
         q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
@@ -59,6 +63,7 @@ def beam_tail_attention_merge_torch(
         page_index_divisor=page_index_divisor, prefix_lse_layout=prefix_lse_layout,
         prefix_lse_base=prefix_lse_base,
     )
+    check_error_flags(error_flags, q.device)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     rows, W, pg = geom.num_rows, geom.beam_width, geom.page_size
@@ -90,6 +95,19 @@ def beam_tail_attention_merge_torch(
     page = entry // page_index_divisor
     earlier_valid = src_ok & (entry >= 0) & (page < num_pages)
     page = torch.where(earlier_valid, page, torch.zeros_like(page))
+    wpos = klen - 1
+    len_ok = (wpos >= plen) & (wpos >= 0) & (wpos < geom.max_seq_len)
+    w_ok = len_ok & (wpos // pg < cols)
+    w_entry = beam_page_table[row, torch.where(w_ok, wpos // pg, torch.zeros_like(wpos))].long()
+    entry_ok = (w_entry >= 0) & (w_entry // page_index_divisor < num_pages)
+    if error_flags is not None:
+        # The kernels' bits, as device tensors (no sync): a masked link of a valid position.
+        # (The kernels report a source beam only at positions inside the table and the cache.)
+        for bad, bit in ((~len_ok, device_errors.KV_LEN), (t_ok & ~src_ok, device_errors.SOURCE_BEAM),
+                         (src_ok & ~earlier_valid, device_errors.TAIL_PAGE),
+                         (w_ok & ~entry_ok if write_kv else None, device_errors.WRITE_PAGE)):
+            if bad is not None:
+                error_flags.bitwise_or_(bad.any().to(torch.int32) * int(bit.value))
     slot = t_safe % pg
     # Masked positions read some slot of page 0; zero them, as the kernel's masked loads do: a weight
     # of 0 times an unwritten slot's NaN would still be NaN.
@@ -123,11 +141,7 @@ def beam_tail_attention_merge_torch(
     if write_kv:
         # Like the kernel, never write inside the prompt (kv_len <= prompt_len is invalid input):
         # prompt pages are shared by all beams of the request.
-        wpos = klen - 1
-        w_ok = (wpos >= plen) & (wpos < geom.max_seq_len) & (wpos // pg < cols)
-        w_entry = beam_page_table[row, torch.where(w_ok, wpos // pg, torch.zeros_like(wpos))].long()
-        w_ok &= (w_entry >= 0) & (w_entry // page_index_divisor < num_pages)
-        w_rows = row[w_ok]
+        w_rows = row[w_ok & entry_ok]
         wpos = wpos[w_rows]
         wpage = w_entry[w_rows] // page_index_divisor
         wslot = wpos % pg

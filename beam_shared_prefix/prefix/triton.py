@@ -97,7 +97,8 @@ class TritonPrefixBackend(PrefixBackend):
         return out, LseDescriptor(lse, self.lse_layout, self.lse_base)
 
     def run_step(self, q, kv_cache, beam_page_table, kv_lens, prompt_lens_per_row, cache_indirection, new_k, new_v,
-                 out, page_index_divisor: int = 1, write_kv: bool = True, validate_indices: bool = False):
+                 out, page_index_divisor: int = 1, write_kv: bool = True, validate_indices: bool = False,
+                 error_flags=None):
         """The whole step in one launch (:func:`triton_kernels.beam_cascade_attention`; its arguments).
 
         ``prompt_lens_per_row`` is ``[rows]`` int32 on the device (the wrapper's per-row view of the plan).
@@ -109,4 +110,5 @@ class TritonPrefixBackend(PrefixBackend):
             q, new_k, new_v, kv_cache, self._page_table_view, beam_page_table, kv_lens, prompt_lens_per_row,
             cache_indirection, step_plan.beam_width, out, sm_scale=problem.sm_scale, kv_layout=self.kv_layout,
             page_index_divisor=page_index_divisor, write_kv=write_kv, validate_indices=validate_indices,
+            error_flags=error_flags,
         )

@@ -63,7 +63,9 @@ logger = logging.getLogger("beam_shared_prefix.trtllm")
 _WRAPPED_MARK = "_beam_shared_prefix_wrapped"
 
 #: Counters for tests and the end-to-end check (host side only; graph replays are not counted).
-stats: Dict[str, int] = {"plans": 0, "prepare_calls": 0, "steps_planned": 0, "wrappers": 0}
+stats: Dict[str, int] = {"plans": 0, "prepare_calls": 0, "steps_planned": 0, "wrappers": 0, "device_errors": 0}
+# Kinds of device error already logged (each once per process; the stats count every report).
+_logged_device_errors: set = set()
 
 
 def _capturing() -> bool:
@@ -238,6 +240,7 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
     if from_hook:
         state.hooked = True
         stats["prepare_calls"] += 1
+    poll_device_errors(state)
     reason = batch_decline_reason(metadata)
     if reason is not None:
         state.step, state.step_reason = None, reason
@@ -291,6 +294,21 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
                 step.unplannable.add(family.key)
                 decline_log(logging.WARNING, f"{step.declines[family.key]} (handed to the default kernel)")
     return step
+
+
+def poll_device_errors(state: _MetadataState) -> None:
+    """Log (ERROR, each kind once per process) what this metadata's wrappers' kernels masked in
+    earlier steps: their device error flags, read without waiting on the GPU (a kind shows up one
+    poll after the step that raised it). The step's output was wrong there, or its K/V not stored;
+    the message names the value and its likely cause. ``TLLM_BEAM_SHARED_PREFIX_CHECK=1`` stops at
+    the call instead."""
+    for wrapper in list(state.wrappers.values()):
+        for message in wrapper.poll_device_errors():
+            stats["device_errors"] += 1
+            if message not in _logged_device_errors:
+                _logged_device_errors.add(message)
+                logger.error("beam_shared_prefix: the attention kernels met %s. Set TLLM_BEAM_SHARED_PREFIX_CHECK=1 "
+                             "to stop at the call that passes it.", message)
 
 
 def _planning_errors() -> tuple:

@@ -1,5 +1,6 @@
 """The benchmark's gate before timing (``microbenchmarks/check.py`` through ``runner.run_point``): arms
-that corrupt the pool, skip the KV write or leave output rows unwritten fail, whatever the order of arms."""
+that corrupt the pool, skip the KV write, leave output rows unwritten or raise the device error flag
+on valid input fail, whatever the order of arms."""
 
 from __future__ import annotations
 
@@ -44,13 +45,16 @@ class BrokenLibrary(Arm):
                 out[SHAPE.beams:2 * SHAPE.beams] = float("nan")
             return result
 
-        return Prepared(call=call, outputs=inner.outputs, poison=inner.poison, capturable=False, keep=inner.keep)
+        flagged = (lambda: ["a spurious device error"]) if self.fault == "flags_valid_input" else inner.device_errors
+        return Prepared(call=call, outputs=inner.outputs, poison=inner.poison, capturable=False, keep=inner.keep,
+                        device_errors=flagged)
 
 
 @pytest.mark.parametrize("fault, message", [
     ("early_write", "a K/V write to a wrong slot"),
     ("no_write", "is not at kv_len - 1"),
     ("middle_request_unwritten", "non-finite output elements in all rows"),
+    ("flags_valid_input", "the kernels flagged valid input: a spurious device error"),
 ])
 def test_a_broken_arm_fails_and_the_next_arm_still_passes(fault, message, monkeypatch):
     """The reference is computed before any arm runs and the pool is repaired after each check, so

@@ -76,6 +76,10 @@ def _resources(compiled):
     return tuple(int(x) for x in m.groups())
 
 
+# Compiled as the wrapper launches them: with the device error flag (triton_kernels.device_errors).
+REPORT_ERRORS = True
+
+
 def _compile_sm90(kernel, pointers, constexprs, float_args, div16_ints, num_warps: int, num_stages: int,
                   maxnreg=None):
     """Compile ``kernel`` for sm_90: ``pointers`` maps pointer arguments to element types, ``constexprs``
@@ -126,7 +130,7 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         cfg = dataclasses.replace(cfg, max_registers=None)
     pointers = dict(
         q_ptr=dtype, new_k_ptr=dtype, new_v_ptr=dtype, kv_ptr=dtype, prompt_pt_ptr="i32", beam_pt_ptr="i32",
-        kv_lens_ptr="i32", prompt_lens_ptr="i32", ci_ptr="i32", out_ptr=dtype, lse_ptr="fp32",
+        kv_lens_ptr="i32", prompt_lens_ptr="i32", ci_ptr="i32", out_ptr=dtype, lse_ptr="fp32", err_ptr="i32",
     )
     constexprs = dict(
         GROUP=g, GROUP_PAD=cfg.group_pad, BEAMS=cfg.beams_per_program, HEADS=cfg.heads_per_program, HEAD_DIM=d, BLOCK_N=cfg.block_n,
@@ -134,7 +138,7 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         PROMPT_FIRST=cfg.prompt_first, PROMPT_STAGES=cfg.prompt_stages or cfg.num_stages,
         TAIL_STAGES=cfg.tail_stages or cfg.num_stages, TAIL_CORES=cfg.tail_on_cores,
         PROMPT_ONE_BLOCK=prompt_capacity is not None and prompt_capacity <= cfg.block_n, page_size=PAGE_SIZE,
-        page_index_divisor=1,
+        page_index_divisor=1, REPORT_ERRORS=REPORT_ERRORS,
     )
     compiled = _compile_sm90(beam_cascade_kernel, pointers, constexprs, ("qk_scale_log2",), _CASCADE_DIV16_INTS,
                              cfg.num_warps, cfg.num_stages, cfg.max_registers)
@@ -166,11 +170,11 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     pointers = dict(
         q_ptr=dtype, new_k_ptr=dtype, new_v_ptr=dtype, kv_ptr=dtype, page_table_ptr="i32", kv_lens_ptr="i32",
         prompt_lens_ptr="i32", cache_indirection_ptr="i32", prefix_out_ptr=prefix_dtype, prefix_lse_ptr="fp32",
-        out_ptr=dtype,
+        out_ptr=dtype, err_ptr="i32",
     )
     constexprs = dict(
         GROUP=g, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog, HEAD_DIM=d, WRITE_KV=True,
-        page_size=PAGE_SIZE, page_index_divisor=1,
+        page_size=PAGE_SIZE, page_index_divisor=1, REPORT_ERRORS=REPORT_ERRORS,
     )
     kernel = beam_tail_merge_grouped_kernel
     if not cfg.grouped:

@@ -22,6 +22,7 @@ import torch
 
 from beam_shared_prefix.plan import build_step_plan
 from beam_shared_prefix.reference import reference_prefix_attention
+from triton_kernels import device_errors
 from triton_kernels import (
     CascadeLaunchConfig,
     TailMergeInputError,
@@ -59,12 +60,14 @@ def run_cascade(sim, step, *, divisor=1, write_kv=True, launch_config=None, stri
         q, new_k, new_v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
         out = torch.full((rows, hq + 3, d), float("nan"), dtype=q.dtype, device=q.device)[:, 2:2 + hq]
     before = sim.kv_cache.clone()
+    flags = device_errors.new_error_flags(q.device)
     result = beam_cascade_attention(
         q, new_k, new_v, sim.kv_cache, prompt_table(sim, step), table, step.kv_lens, step.prompt_lens,
         step.cache_indirection, step.beam_width, out, kv_layout=sim.kv_layout, page_index_divisor=divisor,
-        write_kv=write_kv, validate_indices=validate, launch_config=launch_config,
+        write_kv=write_kv, validate_indices=validate, launch_config=launch_config, error_flags=flags,
     )
     assert result is out
+    assert int(flags) == 0, f"valid input raised {device_errors.decode_error_flags(int(flags))}"
     want_pool = expected_pool_after_write(sim, step, before) if write_kv else before
     assert torch.equal(sim.kv_cache, want_pool), "the pool differs from its snapshot plus this step's K/V"
     return out
@@ -189,6 +192,52 @@ def test_cascade_never_reads_an_unwritten_slot(config, device):
                                    kv_layout=sim.kv_layout, launch_config=config)
             assert_matches(out, oracle(sim, step), f"config {config}, tails {earlier_tail(step)}")
         sim.end_step(write_kv=s < 3)
+
+
+CASCADE_BAD_VALUES = [
+    # (name, change to the call's arguments, error bits it must raise)
+    ("prompt_page_outside_pool", lambda a: dict(prompt_page_table=a["prompt_page_table"] + 10_000),
+     device_errors.PROMPT_PAGE.value),
+    # (the prompt then also runs past every kv_len)
+    ("prompt_past_its_table", lambda a: dict(prompt_lens=a["prompt_lens"] + 200),
+     device_errors.PROMPT_LEN.value | device_errors.KV_LEN.value),
+    ("kv_len_not_past_prompt", lambda a: dict(kv_lens=a["prompt_lens"].clone()), device_errors.KV_LEN.value),
+    ("write_page_outside_pool", None, device_errors.WRITE_PAGE.value),
+    ("indirection_not_a_beam", lambda a: dict(cache_indirection=a["cache_indirection"] + 5),
+     device_errors.SOURCE_BEAM.value),
+    ("tail_page_outside_pool", lambda a: dict(beam_page_table=a["beam_page_table"] + 10_000),
+     device_errors.TAIL_PAGE.value | device_errors.WRITE_PAGE.value),
+]
+
+
+@pytest.mark.parametrize("config", [None, TILINGS[0][1], dict(TILINGS)["tail_on_cores"]],
+                         ids=["default_one_block", "beam_blocks_tail2", "tail_on_cores"])
+@pytest.mark.parametrize("name,change,bits", CASCADE_BAD_VALUES, ids=[c[0] for c in CASCADE_BAD_VALUES])
+def test_cascade_reports_what_it_masks(name, change, bits, config, device):
+    """Without check mode a bad page, length or indirection entry is masked, never dereferenced, and
+    its kind is ORed into the error flag on the device (exactly its bits: valid input raises none,
+    ``run_cascade`` checks that at every step)."""
+    sim = make_sim(device, prompts=[20, 7], beams=18, hq=6, hkv=2, d=64, seed=3)
+    for _ in range(3):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    args = dict(q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache,
+                prompt_page_table=prompt_table(sim, step), beam_page_table=step.beam_page_table,
+                kv_lens=step.kv_lens, prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection,
+                beam_width=step.beam_width, out=torch.full_like(step.q, float("nan")))
+    if change is None:  # row 5's page for this step's token: none
+        table = step.beam_page_table.clone()
+        table[5, int(step.kv_lens[5] - 1) // sim.page_size] = -1
+        args["beam_page_table"] = table
+    else:
+        args.update(change(args))
+    flags = device_errors.new_error_flags(device)
+    beam_cascade_attention(**args, kv_layout=sim.kv_layout, launch_config=config, error_flags=flags)
+    assert not torch.isnan(args["out"]).any()
+    assert int(flags) & bits == bits, (name, device_errors.decode_error_flags(int(flags)))
+    if name not in ("tail_page_outside_pool", "write_page_outside_pool"):  # (a page shared with other beams)
+        assert int(flags) == bits, (name, device_errors.decode_error_flags(int(flags)))
 
 
 def test_cascade_write_kv_false_leaves_the_pool_untouched(device):

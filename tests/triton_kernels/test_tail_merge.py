@@ -30,6 +30,7 @@ from beam_shared_prefix.reference import (
     reference_tail_attention,
 )
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
+from triton_kernels import device_errors
 from triton_kernels import (
     TailLaunchConfig,
     TailMergeInputError,
@@ -109,14 +110,16 @@ def run_step(impl, sim, step, *, lse_layout="NH", lse_base="log2", divisor=1, em
         prefix_lse = lse_buf.t()
         assert not prefix_lse.is_contiguous()
     before = kv_cache.clone()
+    flags = device_errors.new_error_flags(q.device)
     result = IMPLS[impl](
         q, new_k, new_v, kv_cache, table, step.kv_lens, step.prompt_lens, step.cache_indirection,
         step.beam_width, prefix_out, prefix_lse, out, kv_layout=sim.kv_layout, page_index_divisor=divisor,
         prefix_lse_layout=lse_layout, prefix_lse_base=lse_base, write_kv=write_kv,
-        validate_indices=(impl == "torch"),
+        validate_indices=(impl == "torch"), error_flags=flags,
         **({"launch_config": launch_config} if launch_config is not None else {}),
     )
     assert result is out
+    assert int(flags) == 0, f"valid input raised {device_errors.decode_error_flags(int(flags))}"
     want_pool = expected_pool_after_write(sim, step, before) if write_kv else before
     assert torch.equal(kv_cache, want_pool), "the pool differs from its snapshot plus this step's K/V"
     return out
@@ -386,6 +389,14 @@ BAD_VALUES = [
     ("page_outside_pool", lambda a: dict(beam_page_table=a["beam_page_table"] + 10_000), "is outside the pool"),
     ("indirection_not_a_beam", lambda a: dict(cache_indirection=a["cache_indirection"] + 5), "is not a beam in"),
 ]
+# The error-flag bits each case must raise without check mode (triton_kernels.device_errors).
+BAD_VALUE_BITS = {
+    "kv_len_not_past_prompt": device_errors.KV_LEN.value,
+    # (the tail then runs to max_seq_len, through page-table columns no page was allocated for: -1)
+    "kv_len_past_capacity": device_errors.KV_LEN.value | device_errors.TAIL_PAGE.value,
+    "page_outside_pool": device_errors.TAIL_PAGE.value | device_errors.WRITE_PAGE.value,
+    "indirection_not_a_beam": device_errors.SOURCE_BEAM.value,
+}
 
 
 def _bad_value_case(device, change):
@@ -424,11 +435,14 @@ def test_kernel_masks_bad_indices_without_validation(name, change, config, devic
     inside the (shared) prompt is skipped."""
     sim, step, args = _bad_value_case(device, change)
     before = sim.kv_cache.clone()
+    flags = device_errors.new_error_flags(device)
     if config == "torch":
-        IMPLS["torch"](**args)
+        IMPLS["torch"](**args, error_flags=flags)
     else:
-        beam_tail_attention_merge(**args, launch_config=config)
+        beam_tail_attention_merge(**args, launch_config=config, error_flags=flags)
     assert not torch.isnan(args["out"]).any()
+    # ... and reported on the device: the case's bits, and no other (no sync in the call).
+    assert int(flags) == BAD_VALUE_BITS[name], (name, device_errors.decode_error_flags(int(flags)))
     changed = (sim.kv_cache != before).flatten(2).any(dim=2)  # [pages, 2]
     allowed = torch.zeros_like(changed)
     if name == "indirection_not_a_beam":  # only this case keeps a valid write position

@@ -35,6 +35,7 @@ def reset_library_state() -> None:
     fmha._classes.clear()
     planning._states.clear()
     planning._instances.clear()
+    planning._logged_device_errors.clear()
     kv_cache._adapters.clear()
     gates.decline_log.reset()
     registration._settings = None

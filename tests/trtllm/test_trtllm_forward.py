@@ -301,3 +301,24 @@ def test_few_beam_rows_with_long_prompts_are_served(trt, monkeypatch, caplog, fl
     else:
         assert stats()["generation_forwards"] == 0 and stats()["delegated_steps"] == 1
         assert "16 beam rows < 120" in caplog.text
+
+
+def test_a_masked_index_is_logged_at_the_next_prepare(trt, monkeypatch, caplog):
+    """Without check mode a bad ``cache_indirection`` entry is masked by the tail (no fault, no sync),
+    and the device error flag brings it to the log at a later ``prepare()``, as an ERROR naming the
+    value and its cause, once."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    setup = build(model, prompts=(37, 70), beam_width=3)
+    sim = setup.sim
+    for s in range(4):
+        step = sim.begin_step()
+        if s == 2:  # an entry that is no beam, at a generated position of request 0, beam 1
+            step.cache_indirection[0, 1, int(step.prompt_lens[0])] = 7
+        with caplog.at_level("ERROR", logger="beam_shared_prefix.trtllm"):
+            setup.run(step)
+        sim.end_step(write_kv=False)
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "cache_indirection entry outside [0, beam_width)" in errors[0].getMessage()
+    assert stats()["device_errors"] == 1 and stats()["generation_forwards"] == 4

@@ -1,0 +1,85 @@
+"""Device-side error flags: what the kernels mask instead of dereferencing, reported without a sync.
+
+The kernels never follow an index out of its buffer: a page outside the pool, a source beam outside
+``[0, W)``, a length past the cache are masked. Without check mode (which reads every index back
+on the host, a sync per call) such a value would leave no trace, although the step's output is
+then wrong and, for the write slot, this step's K/V is never stored. With an ``error_flags``
+tensor (``int32 [1]``) the kernels OR one bit per kind of bad value into it, with a predicated
+atomic on the lanes that hold one: valid input issues no atomic. The host reads the word whenever
+it syncs anyway and turns it into messages with :func:`decode_error_flags`.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .tail_merge_args import TailMergeInputError
+
+__all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "WRITE_PAGE", "ERROR_BITS",
+           "report_error", "decode_error_flags", "new_error_flags", "check_error_flags"]
+
+#: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
+PROMPT_PAGE = tl.constexpr(1)
+#: A prompt longer than the prompt page table holds (or negative): truncated to the table.
+PROMPT_LEN = tl.constexpr(2)
+#: A row's ``kv_len`` not past its prompt, or past ``max_seq_len``: this step's K/V not written, the
+#: tail cut at the cache's end.
+KV_LEN = tl.constexpr(4)
+#: A ``cache_indirection`` entry that is not a beam of the request: that position left out.
+SOURCE_BEAM = tl.constexpr(8)
+#: A generated position's page-table entry negative or outside the pool: that position left out.
+TAIL_PAGE = tl.constexpr(16)
+#: The page-table entry of a row's write slot negative or outside the pool: this step's K/V not written.
+WRITE_PAGE = tl.constexpr(32)
+
+#: ``{bit: message}``; each message names the value, what the kernel did and the likely cause.
+ERROR_BITS = {
+    1: "a prompt page-table entry outside the pool [0, num_pages): that prompt token's K/V read as zeros "
+       "(a stale plan, or a table of another pool)",
+    2: "a prompt length outside [0, prompt page table width x page size]: the prompt cut to the table "
+       "(plan with the step's prompt lengths)",
+    4: "a kv_len not past its prompt length, or past max_seq_len: this step's K/V not written and the tail "
+       "cut (pass kv_lens that include this step's token, within the cache)",
+    8: "a cache_indirection entry outside [0, beam_width): that generated position left out (the indirection "
+       "buffer belongs to another beam width or step)",
+    16: "a beam page-table entry of a generated position negative or outside the pool: that position left out "
+        "(block offsets stale, or page_index_divisor wrong)",
+    32: "the page-table entry of a row's write slot negative or outside the pool: this step's K/V not written "
+        "(no page allocated for the new token, or page_index_divisor wrong)",
+}
+
+
+@triton.jit
+def report_error(err_ptr, bad, CODE: tl.constexpr):
+    """OR ``CODE`` into ``err_ptr[0]`` where ``bad`` (a tensor of any shape) is true: one predicated
+    atomic per lane, so that no cross-warp reduction (a barrier) sits in the kernel's valid path."""
+    zero = tl.zeros(bad.shape, tl.int32)
+    tl.atomic_or(err_ptr + zero, zero + CODE, mask=bad)
+
+
+def decode_error_flags(value: int) -> list:
+    """The messages of the bits set in ``value`` (an error-flag word), in bit order; ``[]`` for 0."""
+    value = int(value)
+    known = [ERROR_BITS[bit] for bit in sorted(ERROR_BITS) if value & bit]
+    unknown = value & ~sum(ERROR_BITS)
+    if unknown:
+        known.append(f"unknown error bits {unknown:#x}")
+    return known
+
+
+def new_error_flags(device) -> torch.Tensor:
+    """A zeroed error-flag word (``int32 [1]``) on ``device``."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def check_error_flags(error_flags, device) -> None:
+    """Raise :class:`TailMergeInputError` unless ``error_flags`` is ``None`` or an ``int32 [1]`` tensor on
+    ``device``."""
+    if error_flags is None:
+        return
+    if (not isinstance(error_flags, torch.Tensor) or error_flags.dtype != torch.int32
+            or error_flags.numel() != 1 or error_flags.device != torch.device(device)):
+        got = (f"{error_flags.dtype} {tuple(error_flags.shape)} on {error_flags.device}"
+               if isinstance(error_flags, torch.Tensor) else type(error_flags).__name__)
+        raise TailMergeInputError(f"error_flags must be an int32 tensor of one element on {device}, got {got}; "
+                         f"make one with triton_kernels.device_errors.new_error_flags(device).")
