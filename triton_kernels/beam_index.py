@@ -9,7 +9,7 @@ caller marks invalid, a source beam outside ``[0, W)``, a negative entry, or a p
 import triton
 import triton.language as tl
 
-from .device_errors import SOURCE_BEAM, TAIL_PAGE, report_error
+from .device_errors import PAGE_BAD_ENTRY, PAGE_BAD_SOURCE
 
 __all__ = ["source_beam_pages", "pages_of_source_beams"]
 
@@ -17,7 +17,7 @@ __all__ = ["source_beam_pages", "pages_of_source_beams"]
 @triton.jit
 def source_beam_pages(
     ci_ptrs, pos, pos_ok, page_table_ptr, first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size,
-    page_index_divisor, num_pages, err_ptr=None, REPORT_ERRORS: tl.constexpr = False,
+    page_index_divisor, num_pages, REPORT_ERRORS: tl.constexpr = False,
 ):
     """Pages (int32, ``-1`` where masked) holding positions ``pos`` of the beams ``ci_ptrs`` point at.
 
@@ -25,18 +25,18 @@ def source_beam_pages(
     ``first_src_row`` is the page-table row of the request's beam 0 (``r * W``, int64), so source
     beam ``s`` reads row ``first_src_row + s`` at column ``pos // page_size``; page-table entries are
     divided by ``page_index_divisor`` (TensorRT-LLM block offsets; 1 for page numbers). With
-    ``REPORT_ERRORS`` a masked link of a valid position sets its bit in ``err_ptr[0]``
-    (:mod:`triton_kernels.device_errors`).
+    ``REPORT_ERRORS`` a masked link of a valid position gives ``PAGE_BAD_SOURCE`` (-2) or
+    ``PAGE_BAD_ENTRY`` (-3) instead of -1 (:func:`triton_kernels.device_errors.page_error_bits`).
     """
     src = tl.load(ci_ptrs, mask=pos_ok, other=0)
     return pages_of_source_beams(src, pos, pos_ok, page_table_ptr, first_src_row, stride_pt_row, stride_pt_col,
-                                 beam_width, page_size, page_index_divisor, num_pages, err_ptr, REPORT_ERRORS)
+                                 beam_width, page_size, page_index_divisor, num_pages, REPORT_ERRORS)
 
 
 @triton.jit
 def pages_of_source_beams(
     src, pos, pos_ok, page_table_ptr, first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size,
-    page_index_divisor, num_pages, err_ptr=None, REPORT_ERRORS: tl.constexpr = False,
+    page_index_divisor, num_pages, REPORT_ERRORS: tl.constexpr = False,
 ):
     """The chain's second link on its own: pages of positions ``pos`` of source beams ``src`` (the
     ``cache_indirection`` entries, loaded where ``pos_ok``), so that a kernel can issue other loads
@@ -50,6 +50,5 @@ def pages_of_source_beams(
     page = entry // page_index_divisor  # int32 division: entries are >= 0 when used
     page_ok = src_ok & (entry >= 0) & (page < num_pages)
     if REPORT_ERRORS:
-        report_error(err_ptr, pos_ok & ~src_ok, SOURCE_BEAM)
-        report_error(err_ptr, src_ok & ~page_ok, TAIL_PAGE)
+        return tl.where(page_ok, page, tl.where(src_ok, PAGE_BAD_ENTRY, tl.where(pos_ok, PAGE_BAD_SOURCE, -1)))
     return tl.where(page_ok, page, -1)

@@ -82,7 +82,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import pages_of_source_beams, source_beam_pages
-from .device_errors import KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, report_error
+from .device_errors import KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, error_bits, flush_errors, page_error_bits
 from .tail_merge_grouped_kernel import attend_grouped_row
 
 __all__ = ["beam_cascade_kernel"]
@@ -117,7 +117,7 @@ def _online_softmax_block(s, scale_log2, m_i, l_i, acc, v, DOT_FP32: tl.constexp
 @triton.jit
 def _tail_block_pages(
     ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
-    req64, beam_width, col_beam, col_pos, col_beam_end, page_size, page_index_divisor, num_pages, err_ptr=None,
+    req64, beam_width, col_beam, col_pos, col_beam_end, page_size, page_index_divisor, num_pages,
     REPORT_ERRORS: tl.constexpr = False,
 ):
     """Pages of a tail key block's columns (``[TAIL_BLOCK * BEAMS]`` int64), ``-1`` where masked.
@@ -128,7 +128,7 @@ def _tail_block_pages(
     ci_ptrs = ci_ptr + req64 * stride_ci_req + col_beam.to(tl.int64) * stride_ci_beam + col_pos.to(tl.int64) * stride_ci_pos
     page = source_beam_pages(ci_ptrs, col_pos, col_pos < col_beam_end, beam_pt_ptr, req64 * beam_width,
                              stride_bpt_row, stride_bpt_col, beam_width, page_size, page_index_divisor, num_pages,
-                             err_ptr, REPORT_ERRORS)
+                             REPORT_ERRORS)
     return page.to(tl.int64)
 
 
@@ -144,16 +144,15 @@ def _own_slot_entry(beam_pt_ptr, row64, cur, ok, prompt_len, stride_bpt_row, str
 
 
 @triton.jit
-def _own_slot_offsets(w_ok, entry, cur, page_index_divisor, num_pages, page_size, stride_kv_page, stride_kv_slot,
-                      err_ptr=None, REPORT_ERRORS: tl.constexpr = False):
-    """Second link of :func:`_own_slot_entry`: the store mask with the entry's validity folded in, and
-    the slot's pool offset (int64, page and slot terms; 0 where masked)."""
+def _own_slot_offsets(w_ok, entry, cur, page_index_divisor, num_pages, page_size, stride_kv_page, stride_kv_slot):
+    """Second link of :func:`_own_slot_entry`: the store mask with the entry's validity folded in, the
+    slot's pool offset (int64, page and slot terms; 0 where masked), and the error bits of rows
+    whose entry was masked (``WRITE_PAGE``)."""
     page = (entry // page_index_divisor).to(tl.int64)
     entry_ok = (entry >= 0) & (page < num_pages)
-    if REPORT_ERRORS:
-        report_error(err_ptr, w_ok & ~entry_ok, WRITE_PAGE)
+    w_err = error_bits(w_ok & ~entry_ok, WRITE_PAGE)
     w_ok = w_ok & entry_ok
-    return w_ok, tl.where(w_ok, page, 0) * stride_kv_page + (cur % page_size).to(tl.int64) * stride_kv_slot
+    return w_ok, tl.where(w_ok, page, 0) * stride_kv_page + (cur % page_size).to(tl.int64) * stride_kv_slot, w_err
 
 
 @triton.jit
@@ -163,11 +162,12 @@ def _tail_on_cores(
     stride_kv_slot, stride_bpt_row, stride_bpt_col, stride_ci_req, stride_ci_beam, stride_ci_pos, req64, first_beam,
     beam_width, kv_head, kv_head_off, head_ok, prompt_len, page_size, page_index_divisor, num_pages, max_seq_len,
     qk_scale_log2, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BEAMS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TAIL_BLOCK: tl.constexpr, WRITE_KV: tl.constexpr, err_ptr=None, REPORT_ERRORS: tl.constexpr = False,
+    TAIL_BLOCK: tl.constexpr, WRITE_KV: tl.constexpr, REPORT_ERRORS: tl.constexpr = False,
 ):
     """The tail ``[P, L)`` of one KV head on CUDA cores: ``(m, l, acc)`` of its online softmax for the
     tile's rows in group-major order (row ``g * BEAMS + slot``), ``[BLOCK_M]`` and ``[BLOCK_M, D]``
-    float32, base-2 ``m``. This step's token comes from ``new_k``/``new_v`` (and is stored to each
+    float32, base-2 ``m``, and error bits (``[BEAMS]`` lengths and write slots, ``[TAIL_BLOCK,
+    BEAMS]`` pages; zero unless ``REPORT_ERRORS``). This step's token comes from ``new_k``/``new_v`` (and is stored to each
     beam's own page with ``WRITE_KV``); earlier positions ``TAIL_BLOCK`` at a time, their index chains
     (source beam, page) requested together before any of their K/V."""
     BLOCK_M: tl.constexpr = BEAMS * GROUP_PAD
@@ -180,8 +180,7 @@ def _tail_on_cores(
     b_cur = tl.load(kv_lens_ptr + b_row64, mask=b_ok, other=0) - 1  # this step's position, per beam
     b_gen_end = tl.minimum(b_cur, max_seq_len)
     gen_stop = tl.max(tl.where(b_ok, b_gen_end, 0), axis=0)
-    if REPORT_ERRORS:
-        report_error(err_ptr, b_ok & ((b_cur < prompt_len) | (b_cur < 0) | (b_cur >= max_seq_len)), KV_LEN)
+    beam_err = error_bits(b_ok & ((b_cur < prompt_len) | (b_cur < 0) | (b_cur >= max_seq_len)), KV_LEN)
     q_ok = (gq < GROUP)[:, None, None] & b_ok[None, :, None]
     q3 = tl.load(q_ptr + b_row64[None, :, None] * stride_q_row + (kv_head * GROUP + gq)[:, None, None] * stride_q_head
                  + d[None, None, :], mask=q_ok, other=0.0).to(tl.float32) * qk_scale_log2
@@ -199,20 +198,24 @@ def _tail_on_cores(
     if WRITE_KV:
         w_ok, w_entry = _own_slot_entry(beam_pt_ptr, b_row64, b_cur, b_ok, prompt_len, stride_bpt_row, stride_bpt_col,
                                         max_seq_len, page_size)
-        w_ok, w_offs = _own_slot_offsets(w_ok, w_entry, b_cur, page_index_divisor, num_pages, page_size, stride_kv_page,
-                                         stride_kv_slot, err_ptr, REPORT_ERRORS)
+        w_ok, w_offs, w_err = _own_slot_offsets(w_ok, w_entry, b_cur, page_index_divisor, num_pages, page_size,
+                                                stride_kv_page, stride_kv_slot)
+        beam_err |= tl.where(head_ok, w_err, 0)
         w_ok = tl.where(head_ok, w_ok, False)  # (a scalar cannot `&` a mask)
         w_ptrs = kv_ptr + kv_head_off + w_offs[None, :, None] + kd
         tl.store(w_ptrs, k_cur, mask=w_ok[None, :, None])
         tl.store(w_ptrs + stride_kv_kv, v_cur, mask=w_ok[None, :, None])
     ci_beam_ptr = ci_ptr + req64 * stride_ci_req + beam.to(tl.int64) * stride_ci_beam
     tb = tl.arange(0, TAIL_BLOCK)
+    pos_err = tl.zeros([TAIL_BLOCK, BEAMS], tl.int32)
     for t0 in range(prompt_len, gen_stop, TAIL_BLOCK):
         pos = t0 + tb[:, None] + slot[None, :] * 0  # [TAIL_BLOCK, BEAMS]
         pages = source_beam_pages(ci_beam_ptr[None, :] + pos.to(tl.int64) * stride_ci_pos, pos,
                                   (pos < b_gen_end[None, :]) & b_ok[None, :], beam_pt_ptr, req64 * beam_width,
                                   stride_bpt_row, stride_bpt_col, beam_width, page_size, page_index_divisor, num_pages,
-                                  err_ptr, REPORT_ERRORS)
+                                  REPORT_ERRORS)
+        if REPORT_ERRORS:
+            pos_err |= page_error_bits(pages)
         for i in tl.static_range(TAIL_BLOCK):
             page = tl.sum(tl.where(tb[:, None] == i, pages, 0), axis=0)  # position t0 + i, [BEAMS]
             ok = page >= 0
@@ -222,7 +225,8 @@ def _tail_on_cores(
             k_t = tl.load(kv_ptr + offs, mask=ok[None, :, None], other=0.0)
             v_t = tl.load(kv_ptr + stride_kv_kv + offs, mask=ok[None, :, None], other=0.0)
             m_i, l_i, acc = attend_grouped_row(q3, m_i, l_i, acc, k_t, v_t, ok[None, :])
-    return tl.reshape(m_i, [BLOCK_M]), tl.reshape(l_i, [BLOCK_M]), tl.reshape(acc, [BLOCK_M, HEAD_DIM])
+    return (tl.reshape(m_i, [BLOCK_M]), tl.reshape(l_i, [BLOCK_M]), tl.reshape(acc, [BLOCK_M, HEAD_DIM]), beam_err,
+            pos_err)
 
 
 @triton.jit
@@ -250,12 +254,13 @@ def _prompt_blocks(
     q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col, stride_kv_page,
     stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages, qk_scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PROMPT_STAGES: tl.constexpr, DOT_FP32: tl.constexpr,
-    err_ptr=None, REPORT_ERRORS: tl.constexpr = False,
+    REPORT_ERRORS: tl.constexpr = False,
 ):
     """Fold the shared prompt ``[0, prompt_end)`` of one KV head into ``(m_i, l_i, acc)``, ``BLOCK_N``
     tokens per iteration with the next block's page entries requested early (``first_pages``: the
     first block's). The table's columns bound it (never a read past the table), whatever
-    ``prompt_lens`` says; every load is masked to the prompt."""
+    ``prompt_lens`` says; every load is masked to the prompt. Also returns the ``PROMPT_PAGE`` bits of
+    the blocks after the first (``[BLOCK_N]``; the caller checks the first block's pages)."""
     d = tl.arange(0, HEAD_DIM)
     n = tl.arange(0, BLOCK_N)
     # Scalar bases (the int64 part once), then per-token offsets: only the page term needs 64 bits;
@@ -265,6 +270,7 @@ def _prompt_blocks(
     table_row_ptr = prompt_pt_ptr + req64 * stride_ppt_req
     block_slot_offs = (n % page_size) * stride_kv_slot
     pages = first_pages
+    blocks_err = tl.zeros([BLOCK_N], tl.int32)
     for start in tl.range(0, prompt_end, BLOCK_N, num_stages=PROMPT_STAGES):
         pos = start + n
         if BLOCK_N % page_size == 0:
@@ -275,10 +281,10 @@ def _prompt_blocks(
         next_pos = pos + BLOCK_N
         pages = tl.load(table_row_ptr + (next_pos // page_size) * stride_ppt_col, mask=next_pos < prompt_end,
                         other=-1)
-        if REPORT_ERRORS:  # (the first block's pages are checked by the caller)
-            report_error(err_ptr, (next_pos < prompt_end) & ((pages < 0) | (pages >= num_pages)), PROMPT_PAGE)
+        if REPORT_ERRORS:
+            blocks_err |= error_bits((next_pos < prompt_end) & ((pages < 0) | (pages >= num_pages)), PROMPT_PAGE)
         m_i, l_i, acc = _fold_prompt_block(q, k, v, pos, prompt_end, qk_scale_log2, m_i, l_i, acc, DOT_FP32)
-    return m_i, l_i, acc
+    return m_i, l_i, acc, blocks_err
 
 
 @triton.jit
@@ -316,14 +322,16 @@ def _tail_key_blocks(
     tcol_slot, tcol_beam, tcol_gen_end, row_slot, tail_stop, ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos,
     beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, page_size, page_index_divisor, num_pages,
     stride_kv_page, stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM: tl.constexpr, TAIL_BLOCK: tl.constexpr,
-    TAIL_STAGES: tl.constexpr, ALIGNED_ROWS: tl.constexpr, DOT_FP32: tl.constexpr, err_ptr=None,
+    TAIL_STAGES: tl.constexpr, ALIGNED_ROWS: tl.constexpr, DOT_FP32: tl.constexpr,
     REPORT_ERRORS: tl.constexpr = False,
 ):
     """Fold the generated positions ``[t_start, tail_stop)`` of one KV head into ``(m_i, l_i, acc)`` as
     masked tensor-core key blocks of ``TAIL_BLOCK x BEAMS`` columns (column ``c``: position ``t0 +
     tcol_step[c]`` of beam slot ``tcol_slot[c]``; ``t_pages``: the first block's pages, ``-1`` where
-    masked). The next block's pages are requested before this block's K/V are consumed."""
+    masked). The next block's pages are requested before this block's K/V are consumed. Also returns
+    the error bits of the later blocks' pages (``[TAIL_COLS]``, zero unless ``REPORT_ERRORS``)."""
     d = tl.arange(0, HEAD_DIM)
+    blocks_err = tl.zeros(tcol_step.shape, tl.int32)
     for t0 in tl.range(t_start, tail_stop, TAIL_BLOCK, num_stages=TAIL_STAGES):
         tpos = t0 + tcol_step
         k_row, v_row, col_ok = _tail_block_rows(t_pages, tpos, tcol_cur, tcol_ok, tcol_new_k, tcol_new_v, kv_ptr,
@@ -334,11 +342,13 @@ def _tail_key_blocks(
         t_pages = _tail_block_pages(
             ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row,
             stride_bpt_col, req64, beam_width, tcol_beam, tpos + TAIL_BLOCK, tcol_gen_end, page_size,
-            page_index_divisor, num_pages, err_ptr, REPORT_ERRORS,
+            page_index_divisor, num_pages, REPORT_ERRORS,
         )
+        if REPORT_ERRORS:
+            blocks_err |= page_error_bits(t_pages.to(tl.int32))
         m_i, l_i, acc = _fold_tail_block(q, k_t, v_t, col_ok, tcol_slot, row_slot, qk_scale_log2, m_i, l_i, acc,
                                          DOT_FP32)
-    return m_i, l_i, acc
+    return m_i, l_i, acc, blocks_err
 
 
 @triton.jit
@@ -426,10 +436,11 @@ def beam_cascade_kernel(
     prompt_end = tl.minimum(prompt_len, prompt_capacity)
     first_pages = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (n // page_size) * stride_ppt_col,
                           mask=n < prompt_capacity, other=-1)
-    if REPORT_ERRORS:
-        plen_n = prompt_len + n * 0  # (a vector: the interpreter cannot `&` a scalar into a mask)
-        report_error(err_ptr, (n == 0) & ((plen_n < 0) | (plen_n > prompt_capacity)), PROMPT_LEN)
-        report_error(err_ptr, (n < prompt_end) & ((first_pages < 0) | (first_pages >= num_pages)), PROMPT_PAGE)
+    # Error bits (REPORT_ERRORS) are gathered in registers per program and ORed into the flag at its
+    # end (flush_errors): integer work only on the path.
+    plen_n = prompt_len + n * 0  # (a vector: the interpreter cannot `&` a scalar into a mask)
+    prompt_err = (error_bits((n == 0) & ((plen_n < 0) | (plen_n > prompt_capacity)), PROMPT_LEN)
+                  | error_bits((n < prompt_end) & ((first_pages < 0) | (first_pages >= num_pages)), PROMPT_PAGE))
     m = tl.arange(0, BLOCK_M)
     if TAIL_CORES:  # group-major rows (g * BEAMS + slot): the core tail's [G, BEAMS, D] state reshapes to them
         row_slot = m % BEAMS
@@ -453,9 +464,9 @@ def beam_cascade_kernel(
         # Earlier generated positions [P, tcol_gen_end) come from the cache, this step's from new_k/v.
         tcol_gen_end = tl.minimum(tcol_cur, max_seq_len)
         tail_stop = tl.max(tl.where(tcol_ok, tl.minimum(tcol_cur + 1, max_seq_len), 0), axis=0)
-        if REPORT_ERRORS:  # one column per beam
-            report_error(err_ptr, tcol_ok & (tcol_step == 0)
-                         & ((tcol_cur < prompt_len) | (tcol_cur < 0) | (tcol_cur >= max_seq_len)), KV_LEN)
+        # (one column per beam)
+        tail_err = error_bits(tcol_ok & (tcol_step == 0)
+                              & ((tcol_cur < prompt_len) | (tcol_cur < 0) | (tcol_cur >= max_seq_len)), KV_LEN)
         if WRITE_KV:
             # Where each beam writes this step's K/V: its own page at L - 1, requested next to the
             # tail's source beams.
@@ -476,12 +487,17 @@ def beam_cascade_kernel(
             first_tail_pages = _tail_block_pages(
                 ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
                 req64, beam_width, tcol_beam, prompt_len + tcol_step, tcol_gen_end, page_size, page_index_divisor,
-                num_pages, err_ptr, REPORT_ERRORS,
+                num_pages, REPORT_ERRORS,
             )
+            if REPORT_ERRORS:
+                tail_err |= page_error_bits(first_tail_pages.to(tl.int32))
         if WRITE_KV:
-            w_ok, w_offs = _own_slot_offsets(w_ok, w_entry, slot_cur, page_index_divisor, num_pages, page_size,
-                                             stride_kv_page, stride_kv_slot, err_ptr, REPORT_ERRORS)
+            w_ok, w_offs, write_err = _own_slot_offsets(w_ok, w_entry, slot_cur, page_index_divisor, num_pages,
+                                                        page_size, stride_kv_page, stride_kv_slot)
 
+    if TAIL_CORES and not PREFIX_ONLY:
+        core_beam_err = tl.zeros([BEAMS], tl.int32)
+        core_pos_err = tl.zeros([TAIL_BLOCK, BEAMS], tl.int32)
     for hh in range(HEADS):
         # A program past the last KV head (Hkv not a multiple of HEADS) repeats it and stores nothing
         # (masks through tl.where: the CPU interpreter cannot `&` a scalar into a mask).
@@ -507,22 +523,27 @@ def beam_cascade_kernel(
                           other=0.0)
             first_tail_pages = pages_of_source_beams(
                 first_src, first_pos, first_pos_ok, beam_pt_ptr, req64 * beam_width, stride_bpt_row, stride_bpt_col,
-                beam_width, page_size, page_index_divisor, num_pages, err_ptr, REPORT_ERRORS).to(tl.int64)
+                beam_width, page_size, page_index_divisor, num_pages, REPORT_ERRORS).to(tl.int64)
+            if REPORT_ERRORS:
+                tail_err |= page_error_bits(first_tail_pages.to(tl.int32))
             m_i, l_i, acc = _fold_prompt_block(q, k_p, v_p, n, prompt_end, qk_scale_log2, m_i, l_i, acc, DOT_FP32)
         elif PROMPT_FIRST:  # the tail's index chain, requested at the start, resolves behind the prompt
-            m_i, l_i, acc = _prompt_blocks(
+            m_i, l_i, acc, blocks_err = _prompt_blocks(
                 q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
                 stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,
-                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32, err_ptr, REPORT_ERRORS)
+                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32, REPORT_ERRORS)
+            prompt_err |= blocks_err
 
         if TAIL_CORES and not PREFIX_ONLY:
-            m_i, l_i, acc = _tail_on_cores(
+            m_i, l_i, acc, beam_err, pos_err = _tail_on_cores(
                 q_ptr, new_k_ptr, new_v_ptr, kv_ptr, beam_pt_ptr, kv_lens_ptr, ci_ptr, stride_q_row, stride_q_head,
                 stride_new_k_row, stride_new_k_head, stride_new_v_row, stride_new_v_head, stride_kv_page,
                 stride_kv_kv, stride_kv_slot, stride_bpt_row, stride_bpt_col, stride_ci_req, stride_ci_beam,
                 stride_ci_pos, req64, first_beam, beam_width, kv_head, kv_head_off, head_ok, prompt_len, page_size,
                 page_index_divisor, num_pages, max_seq_len, qk_scale_log2, GROUP, GROUP_PAD, BEAMS, HEAD_DIM,
-                TAIL_BLOCK, WRITE_KV, err_ptr, REPORT_ERRORS)
+                TAIL_BLOCK, WRITE_KV, REPORT_ERRORS)
+            core_beam_err |= beam_err
+            core_pos_err |= pos_err
         elif not PREFIX_ONLY:
             # 2. The generated positions [P, L), TAIL_BLOCK per key block, this step's token
             #    included: its column reads new_k/new_v instead of the cache (a 4-token tail is one
@@ -531,12 +552,13 @@ def beam_cascade_kernel(
             #    every tail length. Then this step's K/V go to each beam's own page.
             tcol_new_k = new_k_ptr + tcol_row64 * stride_new_k_row + kv_head * stride_new_k_head
             tcol_new_v = new_v_ptr + tcol_row64 * stride_new_v_row + kv_head * stride_new_v_head
-            m_i, l_i, acc = _tail_key_blocks(
+            m_i, l_i, acc, blocks_err = _tail_key_blocks(
                 q, m_i, l_i, acc, prompt_len, first_tail_pages, kv_ptr, kv_head_off, tcol_new_k, tcol_new_v, tcol_step,
                 tcol_cur, tcol_ok, tcol_slot, tcol_beam, tcol_gen_end, row_slot, tail_stop, ci_ptr, stride_ci_req,
                 stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, page_size,
                 page_index_divisor, num_pages, stride_kv_page, stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM,
-                TAIL_BLOCK, TAIL_STAGES, ALIGNED_ROWS, DOT_FP32, err_ptr, REPORT_ERRORS)
+                TAIL_BLOCK, TAIL_STAGES, ALIGNED_ROWS, DOT_FP32, REPORT_ERRORS)
+            tail_err |= blocks_err
 
             if WRITE_KV:  # loaded here, not before the tail: the tail's current-token column cached these rows
                 k_new = tl.load(new_k_ptr + slot_row64[:, None] * stride_new_k_row + kv_head * stride_new_k_head
@@ -550,10 +572,11 @@ def beam_cascade_kernel(
 
         # 3. The shared prompt, once for every row of the tile (before the tail with PROMPT_FIRST).
         if not PROMPT_FIRST:
-            m_i, l_i, acc = _prompt_blocks(
+            m_i, l_i, acc, blocks_err = _prompt_blocks(
                 q, m_i, l_i, acc, kv_ptr, kv_head_off, prompt_pt_ptr, req64, stride_ppt_req, stride_ppt_col,
                 stride_kv_page, stride_kv_kv, stride_kv_slot, first_pages, prompt_end, page_size, num_pages,
-                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32, err_ptr, REPORT_ERRORS)
+                qk_scale_log2, HEAD_DIM, BLOCK_N, PROMPT_STAGES, DOT_FP32, REPORT_ERRORS)
+            prompt_err |= blocks_err
 
         # 4. out = O / l. l >= 1 for every valid row of the whole step (its own current token is a
         #    finite column); the guard keeps invalid input (kv_len <= prompt_len, empty prompt) and
@@ -569,3 +592,14 @@ def beam_cascade_kernel(
         # One division per row and a multiply per element (a division per element costs ~10x).
         inv_l = 1.0 / l_safe
         tl.store(out_ptr + out_offs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=store_ok[:, None])
+
+    # 5. The error bits gathered on the way, after every load and store (REPORT_ERRORS).
+    if REPORT_ERRORS:
+        flush_errors(err_ptr, prompt_err)
+        if TAIL_CORES and not PREFIX_ONLY:
+            flush_errors(err_ptr, core_beam_err)
+            flush_errors(err_ptr, core_pos_err)
+        elif not PREFIX_ONLY:
+            flush_errors(err_ptr, tail_err)
+            if WRITE_KV:
+                flush_errors(err_ptr, write_err)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
-from .device_errors import KV_LEN, WRITE_PAGE, report_error
+from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, page_error_bits
 
 __all__ = ["beam_tail_merge_grouped_kernel", "attend_grouped_row"]
 
@@ -141,8 +141,9 @@ def beam_tail_merge_grouped_kernel(
     # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written.
     cur_h = cur + kv_head * 0
     len_ok = (cur_h >= prompt_len) & (cur_h >= 0) & (cur_h < max_seq_len)
-    if REPORT_ERRORS:
-        report_error(err_ptr, (tl.arange(0, KV_HEADS_PER_PROG) == 0) & ~len_ok, KV_LEN)
+    if REPORT_ERRORS:  # gathered here, ORed into the flag at the end
+        err = error_bits((tl.arange(0, KV_HEADS_PER_PROG) == 0) & ~len_ok, KV_LEN)
+        tail_err = tl.zeros([1], tl.int32)
     if WRITE_KV:
         w_ok = kv_head_ok & len_ok
         w_entry = tl.load(page_table_ptr + row64 * stride_pt_row + (cur_h // page_size) * stride_pt_col, mask=w_ok,
@@ -150,7 +151,7 @@ def beam_tail_merge_grouped_kernel(
         w_page = (w_entry // page_index_divisor).to(tl.int64)
         entry_ok = (w_entry >= 0) & (w_page < num_pages)
         if REPORT_ERRORS:
-            report_error(err_ptr, w_ok & ~entry_ok, WRITE_PAGE)
+            err |= error_bits(w_ok & ~entry_ok, WRITE_PAGE)
         w_ok = w_ok & entry_ok
         w_offs = (w_page * stride_kv_page + (cur_h % page_size).to(tl.int64) * stride_kv_slot)[None, :, None] \
             + kv_head_offs
@@ -164,7 +165,9 @@ def beam_tail_merge_grouped_kernel(
         tv = t + one  # a 1-vector keeps every mask a vector (the CPU interpreter's rule)
         page = source_beam_pages(ind_row_ptr + tv.to(tl.int64) * stride_ind_pos, tv, tv < end_pos, page_table_ptr,
                                  first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size,
-                                 page_index_divisor, num_pages, err_ptr, REPORT_ERRORS)
+                                 page_index_divisor, num_pages, REPORT_ERRORS)
+        if REPORT_ERRORS:
+            tail_err |= page_error_bits(page)
         tok_ok = page >= 0
         tok_offs = page.to(tl.int64) * stride_kv_page + (tv % page_size).to(tl.int64) * stride_kv_slot
         offs = tok_offs[:, None, None] + kv_head_offs
@@ -177,3 +180,6 @@ def beam_tail_merge_grouped_kernel(
     inv_l = 1.0 / l_i
     out_offs = row64 * stride_out_row + q_head[:, :, None] * stride_out_head + d[None, None, :]
     tl.store(out_ptr + out_offs, (acc * inv_l[:, :, None]).to(out_ptr.dtype.element_ty), mask=q_ok[:, :, None])
+    if REPORT_ERRORS:
+        flush_errors(err_ptr, err)
+        flush_errors(err_ptr, tail_err)

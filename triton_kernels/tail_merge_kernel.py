@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
-from .device_errors import KV_LEN, WRITE_PAGE, report_error
+from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, page_error_bits
 
 __all__ = ["beam_tail_merge_kernel"]
 
@@ -219,8 +219,8 @@ def beam_tail_merge_kernel(
     cur_slots = cur + slot * 0
     len_ok = (cur_slots >= prompt_len) & (cur_slots >= 0) & (cur_slots < max_seq_len)
     w_ok = kv_head_ok & (g == 0) & len_ok
-    if REPORT_ERRORS:
-        report_error(err_ptr, (slot == 0) & ~len_ok, KV_LEN)
+    if REPORT_ERRORS:  # gathered here, ORed into the flag at the end
+        err = error_bits((slot == 0) & ~len_ok, KV_LEN)
 
     if INDEX_BLOCK > 0:
         # Index-block path: the loads that depend only on the lengths (the write position's page
@@ -238,8 +238,10 @@ def beam_tail_merge_kernel(
         lane_page = source_beam_pages(
             ind_row_ptr + lane_pos.to(tl.int64) * stride_ind_pos, lane_pos, lane_pos < end_pos, page_table_ptr,
             first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size, page_index_divisor, num_pages,
-            err_ptr, REPORT_ERRORS,
+            REPORT_ERRORS,
         )
+        if REPORT_ERRORS:
+            lane_err = page_error_bits(lane_page)
 
     q_offs = row64 * stride_q_row + q_head[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=q_head_ok[:, None], other=0.0)
@@ -297,7 +299,7 @@ def beam_tail_merge_kernel(
         w_page = (w_entry // page_index_divisor).to(tl.int64)  # int32 division: entries are >= 0 when used
         entry_ok = (w_entry >= 0) & (w_page < num_pages)
         if REPORT_ERRORS:
-            report_error(err_ptr, w_ok & ~entry_ok, WRITE_PAGE)
+            err |= error_bits(w_ok & ~entry_ok, WRITE_PAGE)
         w_ok = w_ok & entry_ok
         w_offs = (
             w_page[:, None] * stride_kv_page
@@ -307,6 +309,10 @@ def beam_tail_merge_kernel(
         )
         tl.store(kv_ptr + w_offs, k_cur_raw, mask=w_ok[:, None])
         tl.store(kv_ptr + stride_kv_kv + w_offs, v_cur_raw, mask=w_ok[:, None])
+
+    if REPORT_ERRORS and INDEX_BLOCK == 0:
+        # The tile-at-a-time chain flushes as it goes: vectors carried past its loop spill there.
+        flush_errors(err_ptr, err)
 
     # 3. Earlier generated positions [prompt_len, kv_len - 1), gathered through cache_indirection.
     if INDEX_BLOCK > 0:
@@ -320,8 +326,10 @@ def beam_tail_merge_kernel(
                 lane_page = source_beam_pages(
                     ind_row_ptr + lane_pos.to(tl.int64) * stride_ind_pos, lane_pos, lane_pos < end_pos,
                     page_table_ptr, first_src_row, stride_pt_row, stride_pt_col, beam_width, page_size,
-                    page_index_divisor, num_pages, err_ptr, REPORT_ERRORS,
+                    page_index_divisor, num_pages, REPORT_ERRORS,
                 )
+                if REPORT_ERRORS:
+                    lane_err |= page_error_bits(lane_page)
                 tok_ok, k_tile, v_tile = _load_lane_tile(
                     kv_ptr, stride_kv_kv, stride_kv_page, stride_kv_slot, lane_page, lane, 0, ib_start + tok,
                     page_size, kv_head_offs, kv_head_ok, d, BLOCK_T, TOKENS_OUTER,
@@ -343,9 +351,11 @@ def beam_tail_merge_kernel(
             t = block_start + tok
             page = source_beam_pages(
                 ind_row_ptr + t.to(tl.int64) * stride_ind_pos, t, t < end_pos, page_table_ptr, first_src_row,
-                stride_pt_row, stride_pt_col, beam_width, page_size, page_index_divisor, num_pages, err_ptr,
+                stride_pt_row, stride_pt_col, beam_width, page_size, page_index_divisor, num_pages,
                 REPORT_ERRORS,
             )
+            if REPORT_ERRORS:
+                flush_errors(err_ptr, page_error_bits(page))
             tok_ok = page >= 0
             tok_offs = page.to(tl.int64) * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
             k_tile, v_tile = _load_kv_tile(
@@ -357,3 +367,6 @@ def beam_tail_merge_kernel(
     out_offs = row64 * stride_out_row + q_head[:, None] * stride_out_head + d[None, :]
     inv_l = 1.0 / l_i  # one division per row, a multiply per element
     tl.store(out_ptr + out_offs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=q_head_ok[:, None])
+    if REPORT_ERRORS and INDEX_BLOCK > 0:
+        flush_errors(err_ptr, err)
+        flush_errors(err_ptr, lane_err)
