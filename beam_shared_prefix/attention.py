@@ -91,16 +91,18 @@ class BeamSharedPrefixAttention:
             ``TRITON_INTERPRET=1``; the unfused torch path on a plain CPU), ``"triton"`` (the fused
             kernel) or ``"torch"`` (the unfused reference; one host sync, not graph-capturable).
         prefix_kernel: FlashInfer kernel family, ``"auto"`` | ``"fa2"`` | ``"fa3"`` (benchmarks force one).
-        report_errors: give the tail kernels a device error flag (:attr:`error_flags`): invalid
-            lengths, pages or indirection entries they mask are reported without a sync, read by
-            :meth:`poll_device_errors` or :meth:`device_errors`.
+        report_errors: give the kernels a device error flag (:attr:`error_flags`): invalid lengths,
+            pages or indirection entries they mask are reported without a sync, read by
+            :meth:`poll_device_errors` or :meth:`device_errors`. 1-4% slower on the H200 presets
+            (``docs/benchmarks.md``); ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS``
+            (default off).
 
     Attributes:
         backend_name: the prefix backend serving the active plan (``None`` before the first plan).
         num_backend_plans: backend (re-)plans done: plans that were not a cache hit of the active one.
         num_plan_builds: step plans built by the planner (cache misses).
         error_flags: ``int32 [1]`` on the device, the bits of :mod:`triton_kernels.device_errors` the
-            kernels set (``None`` with ``report_errors=False``); a fixed address, so CUDA graphs keep it.
+            kernels set (``None`` without ``report_errors``); a fixed address, so CUDA graphs keep it.
     """
 
     def __init__(
@@ -115,9 +117,9 @@ class BeamSharedPrefixAttention:
         check: Optional[bool] = None,
         tail_impl: str = "auto",
         prefix_kernel: str = "auto",
-        report_errors: bool = True,
+        report_errors: Optional[bool] = None,
     ):
-        settings = load_settings() if backend is None or check is None else None
+        settings = load_settings() if backend is None or check is None or report_errors is None else None
         backend = settings.backend if backend is None else backend
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not accepted; use one of {', '.join(BACKENDS)}.")
@@ -155,6 +157,7 @@ class BeamSharedPrefixAttention:
         self.tail_impl = tail_impl
         self.prefix_kernel = prefix_kernel
         self.check_tolerance = None  # a CheckTolerance overrides the per-dtype defaults of check mode
+        report_errors = bool(settings.report_errors if report_errors is None else report_errors)
         self.error_flags = torch.zeros(1, dtype=torch.int32, device=self.device) if report_errors else None
         self._errors_seen = 0
         self._error_poll = None  # (pinned host word, event) of the copy in flight

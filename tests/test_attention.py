@@ -98,7 +98,8 @@ def test_steps_match_oracle(tail_impl, layout, dtype, engine_writes_kv, divisor,
     """Several steps with beam reselection; a request finishes mid-run (re-plan); GQA group 2 and 3."""
     hq, hkv = (4, 2) if layout == "HND" else (6, 2)
     sim = make_sim(prompts=(5, 17, 1, 8), beams=3, hq=hq, hkv=hkv, layout=layout, dtype=dtype)
-    att = BeamSharedPrefixAttention("cpu", kv_layout=layout, backend="reference", tail_impl=tail_impl, check=check)
+    att = BeamSharedPrefixAttention("cpu", kv_layout=layout, backend="reference", tail_impl=tail_impl, check=check,
+                                    report_errors=True)
     plans = []
     for s in range(6):
         if s == 3:
@@ -419,7 +420,7 @@ def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
         sim.begin_step()
         sim.end_step()
     step = sim.begin_step()
-    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl, check=False)
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl, check=False, report_errors=True)
     plan_step(att, sim, step)
     table = step.beam_page_table.clone()
     table[4, int(step.kv_lens[4] - 1) // sim.page_size] = -1  # row 4 has no page for this step's token
@@ -435,7 +436,8 @@ def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
     att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
     assert att.poll_device_errors() == []  # kinds already reported
     assert sorted(att.device_errors()) == sorted(first + [second]) and att.device_errors() == []
-    assert BeamSharedPrefixAttention("cpu", report_errors=False).device_errors() == []
+    off = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl)  # the default: no flag
+    assert off.error_flags is None and off.device_errors() == [] and off.poll_device_errors() == []
 
 
 def test_check_mode_off_runs_no_check(monkeypatch):

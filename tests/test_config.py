@@ -8,6 +8,7 @@ from beam_shared_prefix.config import (
     ENV_BACKEND,
     ENV_CHECK,
     ENV_DECLINE,
+    ENV_REPORT_ERRORS,
     ConfigError,
     Settings,
     load_settings,
@@ -15,7 +16,7 @@ from beam_shared_prefix.config import (
 
 
 def test_defaults_from_empty_env():
-    assert load_settings({}) == Settings(backend="auto", check=False, decline="auto")
+    assert load_settings({}) == Settings(backend="auto", check=False, decline="auto", report_errors=False)
 
 
 def test_blank_values_mean_default():
@@ -27,7 +28,8 @@ def test_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv(ENV_BACKEND, "reference")
     monkeypatch.setenv(ENV_CHECK, "1")
     monkeypatch.delenv(ENV_DECLINE, raising=False)
-    assert load_settings() == Settings(backend="reference", check=True, decline="auto")
+    monkeypatch.setenv(ENV_REPORT_ERRORS, "1")
+    assert load_settings() == Settings(backend="reference", check=True, decline="auto", report_errors=True)
 
 
 @pytest.mark.parametrize("value", BACKENDS)
@@ -47,8 +49,9 @@ def test_each_decline_mode_accepted(value):
     ("1", True), ("true", True), ("YES", True), (" on ", True),
     ("0", False), ("false", False), ("No", False), ("off", False), ("", False),
 ])
-def test_check_flag_values(value, expected):
+def test_flag_values(value, expected):
     assert load_settings({ENV_CHECK: value}).check is expected
+    assert load_settings({ENV_REPORT_ERRORS: value}).report_errors is expected
 
 
 def test_accepted_values_are_documented():
@@ -56,7 +59,7 @@ def test_accepted_values_are_documented():
 
     for value in BACKENDS + DECLINE_MODES:
         assert f"``{value}``" in config.__doc__, f"{value} missing from the settings table"
-    for name in (ENV_BACKEND, ENV_CHECK, ENV_DECLINE):
+    for name in (ENV_BACKEND, ENV_CHECK, ENV_DECLINE, ENV_REPORT_ERRORS):
         assert f"``{name}``" in config.__doc__
 
 

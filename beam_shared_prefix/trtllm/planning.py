@@ -390,6 +390,7 @@ def _new_wrapper(metadata, state: _MetadataState, step: StepInfo):
         max_beam_width=int(metadata.cache_indirection.shape[1]),
         max_prompt_pages=int(manager.max_blocks_per_seq) if graph else None,
         check=settings.check,
+        report_errors=settings.report_errors,
         tail_impl="auto",  # the fused kernel on CUDA (and under TRITON_INTERPRET=1), the torch tail on a plain CPU
     )
 

@@ -304,11 +304,12 @@ def test_few_beam_rows_with_long_prompts_are_served(trt, monkeypatch, caplog, fl
 
 
 def test_a_masked_index_is_logged_at_the_next_prepare(trt, monkeypatch, caplog):
-    """Without check mode a bad ``cache_indirection`` entry is masked by the tail (no fault, no sync),
-    and the device error flag brings it to the log at a later ``prepare()``, as an ERROR naming the
-    value and its cause, once."""
+    """With ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS=1`` and without check mode, a bad
+    ``cache_indirection`` entry is masked by the tail (no fault, no sync), and the device error flag
+    brings it to the log at a later ``prepare()``, as an ERROR naming the value and its cause, once."""
     model = trt(layout="new")
     monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS", "1")
     register()
     setup = build(model, prompts=(37, 70), beam_width=3)
     sim = setup.sim
