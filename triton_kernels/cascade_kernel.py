@@ -73,7 +73,8 @@ finite value before it is used as an exponent offset, so a key block with no val
 index the masks rejected) leaves the state unchanged instead of producing NaN. Page numbers and pool
 offsets are int64. Indices that would leave the pool (a page outside ``[0, num_pages)``, a source
 beam outside ``[0, W)``, a position past ``max_seq_len``) are masked, never dereferenced; check
-mode reports them by name. Prompt scores are masked by position only, so a prompt page outside
+mode reports them by name, and with ``REPORT_ERRORS`` each program ORs one bit per kind it masked
+into ``err_ptr[0]`` after its last store (:mod:`triton_kernels.device_errors`). Prompt scores are masked by position only, so a prompt page outside
 the pool reads as zero K/V rather than dropping out of the softmax (the output of such a call is
 wrong either way; the mask saves a second load of the page entries per block).
 """
@@ -167,9 +168,9 @@ def _tail_on_cores(
     """The tail ``[P, L)`` of one KV head on CUDA cores: ``(m, l, acc)`` of its online softmax for the
     tile's rows in group-major order (row ``g * BEAMS + slot``), ``[BLOCK_M]`` and ``[BLOCK_M, D]``
     float32, base-2 ``m``, and error bits (``[BEAMS]`` lengths and write slots, ``[TAIL_BLOCK,
-    BEAMS]`` pages; zero unless ``REPORT_ERRORS``). This step's token comes from ``new_k``/``new_v`` (and is stored to each
-    beam's own page with ``WRITE_KV``); earlier positions ``TAIL_BLOCK`` at a time, their index chains
-    (source beam, page) requested together before any of their K/V."""
+    BEAMS]`` pages; zero unless ``REPORT_ERRORS``). This step's token comes from ``new_k``/``new_v``
+    (and is stored to each beam's own page with ``WRITE_KV``); earlier positions ``TAIL_BLOCK`` at a
+    time, their index chains (source beam, page) requested together before any of their K/V."""
     BLOCK_M: tl.constexpr = BEAMS * GROUP_PAD
     d = tl.arange(0, HEAD_DIM)
     gq = tl.arange(0, GROUP_PAD)

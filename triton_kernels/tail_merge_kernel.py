@@ -45,7 +45,9 @@ Scores are in base 2: ``q`` is pre-multiplied by ``sm_scale * log2(e)`` so ``exp
 softmax. Page numbers and every pool offset are int64 (pools can exceed 2^31 elements). Indices
 that would leave the pool (a page outside ``[0, num_pages)``, a source beam outside ``[0, W)``,
 a position past ``max_seq_len``) are masked rather than dereferenced: the kernel never reads or
-writes outside its buffers. Such values are bugs upstream; check mode reports them by name.
+writes outside its buffers. Such values are bugs upstream; check mode reports them by name, and
+with ``REPORT_ERRORS`` the kernel ORs one bit per kind into ``err_ptr[0]`` without a sync
+(:mod:`triton_kernels.device_errors`).
 """
 
 import triton
