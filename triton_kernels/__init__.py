@@ -6,6 +6,8 @@
 - :func:`beam_cascade_attention`: the whole step in one launch (the prompt on tensor cores once per
   block of beams, then the tail), for short and medium prompts; :func:`beam_prefix_attention`, its
   prompt part alone.
+- :mod:`triton_kernels.device_errors`: the optional device error flag those kernels take
+  (``error_flags=``): one bit per kind of invalid index they mask, and its decoding.
 """
 
 from .cascade import (
