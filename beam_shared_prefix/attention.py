@@ -418,12 +418,16 @@ class BeamSharedPrefixAttention:
         the flag. ``[]`` with ``report_errors=False``."""
         if self.error_flags is None:
             return []
+        if self._capturing():
+            raise RuntimeError("device_errors() reads the device (a sync), which CUDA-graph capture forbids; "
+                               "call it outside capture, or use poll_device_errors().")
         from triton_kernels.device_errors import decode_error_flags
 
         value = int(self.error_flags.item())
         if reset and value:
             self.error_flags.zero_()
             self._errors_seen = 0
+            self._error_poll = None  # a copy still in flight holds the old bits
         return decode_error_flags(value)
 
     def poll_device_errors(self) -> List[str]:
@@ -448,8 +452,9 @@ class BeamSharedPrefixAttention:
                 value = int(host[0])
             else:
                 host, event = torch.zeros(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
-            host.copy_(self.error_flags, non_blocking=True)
-            event.record()
+            with torch.cuda.device(self.device):  # the stream and event of the wrapper's device
+                host.copy_(self.error_flags, non_blocking=True)
+                event.record()
             self._error_poll = (host, event)
         new = value & ~self._errors_seen
         self._errors_seen |= value
@@ -484,8 +489,17 @@ class BeamSharedPrefixAttention:
         """
         pos = (kv_lens[:rows].long() - 1).clamp(min=0)
         col = (pos // page_size).clamp(max=beam_page_table.shape[1] - 1)
-        page = (beam_page_table[:rows].gather(1, col[:, None]).squeeze(1).long() // page_index_divisor).clamp(
-            0, kv_cache.shape[0] - 1)
+        entry = beam_page_table[:rows].gather(1, col[:, None]).squeeze(1).long()
+        page = (entry // page_index_divisor).clamp(0, kv_cache.shape[0] - 1)
+        if self.error_flags is not None:
+            # The engine's write slot, as the tail kernels judge their own (device ops, no sync).
+            from triton_kernels import device_errors
+
+            cur = kv_lens[:rows].long() - 1
+            len_bad = (cur < 0) | (cur // page_size >= beam_page_table.shape[1])
+            entry_bad = ~len_bad & ((entry < 0) | (entry // page_index_divisor >= kv_cache.shape[0]))
+            for bad, bit in ((len_bad, device_errors.KV_LEN), (entry_bad, device_errors.WRITE_PAGE)):
+                self.error_flags.bitwise_or_(bad.any().to(torch.int32) * int(bit.value))
         slot = pos % page_size
         if self.kv_layout == "HND":
             return kv_cache[page, 0, :, slot, :], kv_cache[page, 1, :, slot, :]

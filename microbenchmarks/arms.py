@@ -60,6 +60,7 @@ class RunContext:
     use_graphs: bool = True
     graph_baselines: bool = False
     fi_workspace_bytes: int = 512 << 20
+    report_errors: bool = False  # the library arms' device error flag (off, as in serving, unless asked)
     _fi_workspace: Optional[torch.Tensor] = None
 
     def fi_workspace(self) -> torch.Tensor:
@@ -171,6 +172,8 @@ class LibraryArm(Arm):
             max_beam_width=wl.beam_width,
             max_prompt_pages=int(-(-wl.prompt_lens_host.max() // wl.shape.page_size)),
         )
+        if _accepts(cls, "report_errors"):
+            kwargs["report_errors"] = ctx.report_errors  # explicit: the environment does not change a timing
         if _accepts(cls, "tail_impl"):
             kwargs["tail_impl"] = self.tail_impl
         elif self.tail_impl != "triton":

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the FlashInfer baselines in their CUDA-graph mode (default: eager, their best "
                         "device time; host time is excluded either way)")
     m.add_argument("--fi-workspace-mb", type=int, default=512, help="float workspace of the FlashInfer baselines")
+    m.add_argument("--report-errors", action="store_true",
+                   help="time the library with its device error flag on (TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS=1; "
+                        "off by default, as in serving); the check then also fails an arm that flags valid input")
     m.add_argument("--no-check", action="store_true", help="skip the oracle check (not recommended)")
     m.add_argument("--check-requests", type=int, default=4, help="requests (all their beams) checked per set on a GPU")
     m.add_argument("--kv-layout", choices=("HND", "NHD"), default="HND")
@@ -282,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         use_graphs=not args.no_graphs, check=not args.no_check, check_requests=args.check_requests,
         kv_layout=args.kv_layout, seed=args.seed, plan_repeats=args.plan_repeats,
         baselines_need_pages=any(a.kind == "baseline" for a in arms), graph_baselines=args.graph_baselines,
-        fi_workspace_mb=args.fi_workspace_mb,
+        fi_workspace_mb=args.fi_workspace_mb, report_errors=args.report_errors,
     )
     if not gpu:
         opts.sets = min(opts.sets, 2)

@@ -43,6 +43,7 @@ class RunOptions:
     baselines_need_pages: bool = True
     graph_baselines: bool = False
     fi_workspace_mb: int = 512
+    report_errors: bool = False
 
 
 @dataclass
@@ -206,7 +207,7 @@ def run_point(
         f = floor_times_simple(d["bytes"], d["flops"], rates)
         d["floor_us"] = f
     ctx = RunContext(device=device, use_graphs=opts.use_graphs and is_cuda, graph_baselines=opts.graph_baselines,
-                     fi_workspace_bytes=opts.fi_workspace_mb << 20)
+                     fi_workspace_bytes=opts.fi_workspace_mb << 20, report_errors=opts.report_errors)
     arm_results = []
     plan_times = {}
     for arm in arms:

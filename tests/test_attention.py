@@ -440,6 +440,25 @@ def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
     assert off.error_flags is None and off.device_errors() == [] and off.poll_device_errors() == []
 
 
+@pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_engine_written_kv_without_a_page_raises_the_flag(tail_impl):
+    """``new_k=None`` (the engine wrote this step's K/V): a row whose write slot has no page entry
+    is read back from a clamped slot, and reported (WRITE_PAGE), not read silently."""
+    sim = make_sim()
+    for _ in range(2):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl, check=False, report_errors=True)
+    plan_step(att, sim, step)
+    att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection)
+    assert att.device_errors() == []
+    table = step.beam_page_table.clone()
+    table[1, int(step.kv_lens[1] - 1) // sim.page_size] = -1
+    att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection)
+    assert [m for m in att.device_errors() if "write slot" in m]
+
+
 def test_check_mode_off_runs_no_check(monkeypatch):
     from beam_shared_prefix import check as chk
 

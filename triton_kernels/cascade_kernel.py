@@ -83,7 +83,8 @@ import triton
 import triton.language as tl
 
 from .beam_index import pages_of_source_beams, source_beam_pages
-from .device_errors import KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, error_bits, flush_errors, page_error_bits
+from .device_errors import (KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, error_bits, flush_errors, kv_len_bad,
+                            page_error_bits)
 from .tail_merge_grouped_kernel import attend_grouped_row
 
 __all__ = ["beam_cascade_kernel"]
@@ -181,7 +182,7 @@ def _tail_on_cores(
     b_cur = tl.load(kv_lens_ptr + b_row64, mask=b_ok, other=0) - 1  # this step's position, per beam
     b_gen_end = tl.minimum(b_cur, max_seq_len)
     gen_stop = tl.max(tl.where(b_ok, b_gen_end, 0), axis=0)
-    beam_err = error_bits(b_ok & ((b_cur < prompt_len) | (b_cur < 0) | (b_cur >= max_seq_len)), KV_LEN)
+    beam_err = error_bits(b_ok & kv_len_bad(b_cur, prompt_len, max_seq_len), KV_LEN)
     q_ok = (gq < GROUP)[:, None, None] & b_ok[None, :, None]
     q3 = tl.load(q_ptr + b_row64[None, :, None] * stride_q_row + (kv_head * GROUP + gq)[:, None, None] * stride_q_head
                  + d[None, None, :], mask=q_ok, other=0.0).to(tl.float32) * qk_scale_log2
@@ -466,8 +467,7 @@ def beam_cascade_kernel(
         tcol_gen_end = tl.minimum(tcol_cur, max_seq_len)
         tail_stop = tl.max(tl.where(tcol_ok, tl.minimum(tcol_cur + 1, max_seq_len), 0), axis=0)
         # (one column per beam)
-        tail_err = error_bits(tcol_ok & (tcol_step == 0)
-                              & ((tcol_cur < prompt_len) | (tcol_cur < 0) | (tcol_cur >= max_seq_len)), KV_LEN)
+        tail_err = error_bits(tcol_ok & (tcol_step == 0) & kv_len_bad(tcol_cur, prompt_len, max_seq_len), KV_LEN)
         if WRITE_KV:
             # Where each beam writes this step's K/V: its own page at L - 1, requested next to the
             # tail's source beams.

@@ -17,7 +17,7 @@ import triton.language as tl
 from .tail_merge_args import TailMergeInputError
 
 __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "WRITE_PAGE", "ERROR_BITS",
-           "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits", "page_error_bits", "flush_errors",
+           "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits", "kv_len_bad", "page_error_bits", "flush_errors",
            "decode_error_flags", "new_error_flags", "check_error_flags"]
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
@@ -62,6 +62,15 @@ def error_bits(bad, CODE: tl.constexpr):
     """``CODE`` where ``bad``, else 0 (int32, ``bad``'s shape): integer work only on the kernel's path;
     the bits are ORed into the flag once, at the program's end (:func:`flush_errors`)."""
     return tl.where(bad, CODE, 0)
+
+
+@triton.jit
+def kv_len_bad(cur, prompt_len, max_seq_len):
+    """Whether a row's position ``cur = kv_len - 1`` is invalid (``KV_LEN``): negative, past the cache,
+    or inside the prompt. ``kv_len == 1`` is exempt from the last: TensorRT-LLM's warm-up and CUDA-graph
+    padding rows have no prompt and one token, and are planned with a one-token prompt; no real
+    generation row has ``kv_len < 2``. (Their K/V is not written either way.)"""
+    return ((cur < prompt_len) & (cur >= 1)) | (cur < 0) | (cur >= max_seq_len)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
-from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, page_error_bits
+from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, page_error_bits
 
 __all__ = ["beam_tail_merge_grouped_kernel", "attend_grouped_row"]
 
@@ -138,14 +138,14 @@ def beam_tail_merge_grouped_kernel(
     q = q.to(tl.float32) * qk_scale_log2
     m_i, l_i, acc = attend_grouped_row(q, m_i, l_i, acc, k_cur, v_cur, (kv_head >= 0)[None, :])  # never masked
 
-    # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written.
-    cur_h = cur + kv_head * 0
-    len_ok = (cur_h >= prompt_len) & (cur_h >= 0) & (cur_h < max_seq_len)
     if REPORT_ERRORS:  # gathered here, ORed into the flag at the end
-        err = error_bits((tl.arange(0, KV_HEADS_PER_PROG) == 0) & ~len_ok, KV_LEN)
+        err = error_bits((tl.arange(0, KV_HEADS_PER_PROG) == 0) & kv_len_bad(cur + kv_head * 0, prompt_len, max_seq_len),
+                         KV_LEN)
         tail_err = tl.zeros([1], tl.int32)
     if WRITE_KV:
-        w_ok = kv_head_ok & len_ok
+        # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written.
+        cur_h = cur + kv_head * 0
+        w_ok = kv_head_ok & (cur_h >= prompt_len) & (cur_h >= 0) & (cur_h < max_seq_len)
         w_entry = tl.load(page_table_ptr + row64 * stride_pt_row + (cur_h // page_size) * stride_pt_col, mask=w_ok,
                           other=-1)
         w_page = (w_entry // page_index_divisor).to(tl.int64)

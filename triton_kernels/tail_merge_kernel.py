@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
-from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, page_error_bits
+from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, page_error_bits
 
 __all__ = ["beam_tail_merge_kernel"]
 
@@ -219,10 +219,9 @@ def beam_tail_merge_kernel(
     # inside the prompt (kv_len <= prompt_len, invalid input) is never written: prompt pages are
     # shared by all beams of the request.
     cur_slots = cur + slot * 0
-    len_ok = (cur_slots >= prompt_len) & (cur_slots >= 0) & (cur_slots < max_seq_len)
-    w_ok = kv_head_ok & (g == 0) & len_ok
+    w_ok = kv_head_ok & (g == 0) & (cur_slots >= prompt_len) & (cur_slots >= 0) & (cur_slots < max_seq_len)
     if REPORT_ERRORS:  # gathered here, ORed into the flag at the end
-        err = error_bits((slot == 0) & ~len_ok, KV_LEN)
+        err = error_bits((slot == 0) & kv_len_bad(cur_slots, prompt_len, max_seq_len), KV_LEN)
 
     if INDEX_BLOCK > 0:
         # Index-block path: the loads that depend only on the lengths (the write position's page

@@ -96,14 +96,15 @@ def beam_tail_attention_merge_torch(
     earlier_valid = src_ok & (entry >= 0) & (page < num_pages)
     page = torch.where(earlier_valid, page, torch.zeros_like(page))
     wpos = klen - 1
-    len_ok = (wpos >= plen) & (wpos >= 0) & (wpos < geom.max_seq_len)
-    w_ok = len_ok & (wpos // pg < cols)
+    w_ok = (wpos >= plen) & (wpos >= 0) & (wpos < geom.max_seq_len) & (wpos // pg < cols)
     w_entry = beam_page_table[row, torch.where(w_ok, wpos // pg, torch.zeros_like(wpos))].long()
     entry_ok = (w_entry >= 0) & (w_entry // page_index_divisor < num_pages)
     if error_flags is not None:
         # The kernels' bits, as device tensors (no sync): a masked link of a valid position.
         # (The kernels report a source beam only at positions inside the table and the cache.)
-        for bad, bit in ((~len_ok, device_errors.KV_LEN), (t_ok & ~src_ok, device_errors.SOURCE_BEAM),
+        # (kv_len 1 is exempt from "inside the prompt": device_errors.kv_len_bad says why)
+        len_bad = ((wpos < plen) & (wpos >= 1)) | (wpos < 0) | (wpos >= geom.max_seq_len)
+        for bad, bit in ((len_bad, device_errors.KV_LEN), (t_ok & ~src_ok, device_errors.SOURCE_BEAM),
                          (src_ok & ~earlier_valid, device_errors.TAIL_PAGE),
                          (w_ok & ~entry_ok if write_kv else None, device_errors.WRITE_PAGE)):
             if bad is not None:

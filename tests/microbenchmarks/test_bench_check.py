@@ -95,3 +95,24 @@ def test_a_crashed_library_arm_gives_exit_status_1(tmp_path, capsys):
     write_json(doc, str(src))
     assert cli.main(["--from-json", str(src)]) == 1
     assert "LIBRARY ARM FAILED" in capsys.readouterr().out
+
+
+def test_report_errors_times_the_library_with_its_flag_and_checks_it(monkeypatch):
+    """``--report-errors``: the library arms' wrappers get the device error flag (whatever the
+    environment says), valid input raises none, and the check reads it."""
+    from beam_shared_prefix import attention
+
+    made = []
+    real_init = attention.BeamSharedPrefixAttention.__init__
+
+    def spy(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(attention.BeamSharedPrefixAttention, "__init__", spy)
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS", "0")
+    point = run_point(SHAPE, [LibraryArm("reference", tail_impl="torch")],
+                      RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0, report_errors=True), Rates(), "cpu")
+    (arm,) = point["arms"]
+    assert arm["status"] == "ok", arm.get("reason")
+    assert made and all(w.error_flags is not None for w in made)

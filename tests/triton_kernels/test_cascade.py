@@ -240,6 +240,25 @@ def test_cascade_reports_what_it_masks(name, change, bits, config, device):
         assert int(flags) == bits, (name, device_errors.decode_error_flags(int(flags)))
 
 
+@pytest.mark.parametrize("config", [None, TILINGS[0][1], dict(TILINGS)["tail_on_cores"]],
+                         ids=["default_one_block", "beam_blocks_tail2", "tail_on_cores"])
+def test_cascade_dummy_rows_raise_no_error_bit(config, device):
+    """A request of TensorRT-LLM's padding rows (kv_len 1, planned with a one-token prompt) next to
+    real ones: no bit (``device_errors.kv_len_bad``)."""
+    sim = make_sim(device, prompts=[20, 7], beams=18, hq=6, hkv=2, d=64, seed=3)
+    sim.begin_step()
+    sim.end_step()
+    step = sim.begin_step()
+    W = step.beam_width
+    kv_lens, prompt_lens = step.kv_lens.clone(), step.prompt_lens.clone()
+    kv_lens[W:2 * W], prompt_lens[W:2 * W] = 1, 1
+    flags = device_errors.new_error_flags(device)
+    beam_cascade_attention(step.q, step.new_k, step.new_v, sim.kv_cache, prompt_table(sim, step), step.beam_page_table,
+                           kv_lens, prompt_lens, step.cache_indirection, W, torch.empty_like(step.q),
+                           kv_layout=sim.kv_layout, launch_config=config, error_flags=flags)
+    assert int(flags) == 0, device_errors.decode_error_flags(int(flags))
+
+
 def test_cascade_write_kv_false_leaves_the_pool_untouched(device):
     sim = make_sim(device, prompts=[6, 21], beams=3, hq=4, hkv=2, d=64, seed=5)
     sim.begin_step()

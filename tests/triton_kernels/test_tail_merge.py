@@ -450,6 +450,26 @@ def test_kernel_masks_bad_indices_without_validation(name, change, config, devic
     assert not (changed & ~allowed).any(), f"{name}: the kernel wrote outside the rows' write pages"
 
 
+@pytest.mark.parametrize("config", [None, TailLaunchConfig(2, 2, 1, 4, index_block=0),
+                                    TailLaunchConfig(2, 2, 1, 1, grouped=True), "torch"],
+                         ids=["default", "chain", "grouped", "torch"])
+def test_dummy_rows_raise_no_error_bit(config, device):
+    """TensorRT-LLM's warm-up and CUDA-graph padding rows have no prompt and kv_len 1; the adapter
+    plans them with a one-token prompt. Not an error (``device_errors.kv_len_bad``): no bit."""
+    def dummies(a):  # request 1's rows (2 and 3)
+        kv_lens, prompt_lens = a["kv_lens"].clone(), a["prompt_lens"].clone()
+        kv_lens[2:4], prompt_lens[2:4] = 1, 1
+        return dict(kv_lens=kv_lens, prompt_lens=prompt_lens)
+
+    _, _, args = _bad_value_case(device, dummies)
+    flags = device_errors.new_error_flags(device)
+    if config == "torch":
+        IMPLS["torch"](**args, error_flags=flags)
+    else:
+        beam_tail_attention_merge(**args, launch_config=config, error_flags=flags)
+    assert int(flags) == 0, device_errors.decode_error_flags(int(flags))
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: bigger shapes, bf16/fp16, head 256, page sizes to 128, int64 offsets, CUDA graphs
 
