@@ -410,11 +410,9 @@ def test_engine_written_kv_with_an_invalid_length_fails_clearly(bad_len):
     assert out.shape == step.q.shape
 
 
-@pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
-def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
-    """Without check mode nothing syncs: a row whose write slot has no page, or an indirection entry
-    that is not a beam, is masked by the kernel and reported through the device error flag, each kind
-    once by ``poll_device_errors`` and all of them by ``device_errors`` (which resets the flag)."""
+def _flagged_setup(tail_impl):
+    """A third step (earlier generated tokens to gather) planned on a wrapper with the device error
+    flag and without check mode: ``(sim, step, att)``."""
     sim = make_sim()
     for _ in range(2):
         sim.begin_step()
@@ -422,6 +420,15 @@ def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
     step = sim.begin_step()
     att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl, check=False, report_errors=True)
     plan_step(att, sim, step)
+    return sim, step, att
+
+
+@pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
+    """Without check mode nothing syncs: a row whose write slot has no page, or an indirection entry
+    that is not a beam, is masked by the kernel and reported through the device error flag, each kind
+    once by ``poll_device_errors`` and all of them by ``device_errors`` (which resets the flag)."""
+    sim, step, att = _flagged_setup(tail_impl)
     table = step.beam_page_table.clone()
     table[4, int(step.kv_lens[4] - 1) // sim.page_size] = -1  # row 4 has no page for this step's token
     bad_ind = step.cache_indirection.clone()
@@ -444,13 +451,7 @@ def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
 def test_engine_written_kv_without_a_page_raises_the_flag(tail_impl):
     """``new_k=None`` (the engine wrote this step's K/V): a row whose write slot has no page entry
     is read back from a clamped slot, and reported (WRITE_PAGE), not read silently."""
-    sim = make_sim()
-    for _ in range(2):
-        sim.begin_step()
-        sim.end_step()
-    step = sim.begin_step()
-    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl, check=False, report_errors=True)
-    plan_step(att, sim, step)
+    sim, step, att = _flagged_setup(tail_impl)
     att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection)
     assert att.device_errors() == []
     table = step.beam_page_table.clone()
