@@ -17,7 +17,8 @@ import triton.language as tl
 from .tail_merge_args import TailMergeInputError
 
 __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "WRITE_PAGE", "ERROR_BITS",
-           "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits", "kv_len_bad", "page_error_bits", "flush_errors",
+           "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits", "kv_len_bad", "page_error_bits", "or_reduce",
+           "flush_errors",
            "decode_error_flags", "new_error_flags", "check_error_flags"]
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
@@ -77,6 +78,17 @@ def kv_len_bad(cur, prompt_len, max_seq_len):
 def page_error_bits(page):
     """The error bits a page vector from ``pages_of_source_beams(REPORT_ERRORS=True)`` carries."""
     return tl.where(page == PAGE_BAD_SOURCE, SOURCE_BEAM, 0) | tl.where(page == PAGE_BAD_ENTRY, TAIL_PAGE, 0)
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def or_reduce(bits):
+    """The OR of a 1-D bit vector, a scalar (to carry one register through a loop, not a vector)."""
+    return tl.reduce(bits, 0, _bit_or)
 
 
 @triton.jit

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
-from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, page_error_bits
+from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, or_reduce, page_error_bits
 
 __all__ = ["beam_tail_merge_kernel"]
 
@@ -311,10 +311,6 @@ def beam_tail_merge_kernel(
         tl.store(kv_ptr + w_offs, k_cur_raw, mask=w_ok[:, None])
         tl.store(kv_ptr + stride_kv_kv + w_offs, v_cur_raw, mask=w_ok[:, None])
 
-    if REPORT_ERRORS and INDEX_BLOCK == 0:
-        # The tile-at-a-time chain flushes as it goes: vectors carried past its loop spill there.
-        flush_errors(err_ptr, err)
-
     # 3. Earlier generated positions [prompt_len, kv_len - 1), gathered through cache_indirection.
     if INDEX_BLOCK > 0:
         # Outer loop: INDEX_BLOCK positions whose pages sit in registers (lane_page). Inner loop:
@@ -348,6 +344,8 @@ def beam_tail_merge_kernel(
                 v_tile = v_next
                 tok_ok = next_ok
     else:
+        # (a scalar: a [BLOCK_T] vector carried through this loop spilled with Triton 3.9)
+        tile_err = or_reduce(tl.zeros([BLOCK_T], tl.int32))
         for block_start in range(start_pos, end_pos, BLOCK_T):
             t = block_start + tok
             page = source_beam_pages(
@@ -356,7 +354,7 @@ def beam_tail_merge_kernel(
                 REPORT_ERRORS,
             )
             if REPORT_ERRORS:
-                flush_errors(err_ptr, page_error_bits(page))
+                tile_err |= or_reduce(page_error_bits(page))
             tok_ok = page >= 0
             tok_offs = page.to(tl.int64) * stride_kv_page + (t % page_size).to(tl.int64) * stride_kv_slot
             k_tile, v_tile = _load_kv_tile(
@@ -368,6 +366,9 @@ def beam_tail_merge_kernel(
     out_offs = row64 * stride_out_row + q_head[:, None] * stride_out_head + d[None, :]
     inv_l = 1.0 / l_i  # one division per row, a multiply per element
     tl.store(out_ptr + out_offs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=q_head_ok[:, None])
-    if REPORT_ERRORS and INDEX_BLOCK > 0:
+    if REPORT_ERRORS:
         flush_errors(err_ptr, err)
-        flush_errors(err_ptr, lane_err)
+        if INDEX_BLOCK > 0:
+            flush_errors(err_ptr, lane_err)
+        else:
+            tl.atomic_or(err_ptr, tile_err, mask=tile_err != 0, sem="relaxed")
