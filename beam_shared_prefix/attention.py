@@ -31,14 +31,13 @@ launch cannot switch kernels); it judges the shape at the longest prompt the cap
 
 from __future__ import annotations
 
-import operator
 import os
 from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
 
 from .config import BACKENDS, load_settings
-from .plan import StepPlan, StepPlanner
+from .plan import StepPlan, StepPlanner, _as_int
 from .prefix.base import (
     PrefixBackend,
     default_sm_scale,
@@ -54,14 +53,6 @@ __all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
 
 TAIL_IMPLS = ("auto", "triton", "torch")
 DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _index(name: str, value) -> int:
-    """An integer argument (ints and integer numpy/torch scalars; never a float silently truncated)."""
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise AttentionInputError(f"{name}={value!r} must be an integer.") from None
 
 
 class AttentionInputError(ValueError):
@@ -285,17 +276,19 @@ class BeamSharedPrefixAttention:
         ensure_not_capturing("BeamSharedPrefixAttention.plan()")
         if dtype not in DTYPES:
             raise AttentionInputError(f"dtype={dtype} is not supported; use torch.bfloat16 or torch.float16.")
-        num_qo_heads, num_kv_heads, head_dim = (_index(n, v) for n, v in (
-            ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)))
+        num_qo_heads, num_kv_heads, head_dim, page_size, num_cache_pages = (
+            _as_int(n, v, AttentionInputError) for n, v in (
+                ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                ("page_size", page_size), ("num_cache_pages", num_cache_pages)))
         if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
             raise AttentionInputError(
                 f"num_qo_heads={num_qo_heads} must be a positive multiple of num_kv_heads={num_kv_heads} (GQA/MHA)."
             )
         if head_dim < 1:
             raise AttentionInputError(f"head_dim={head_dim} must be >= 1.")
-        planner = self._planner_for(_index("page_size", page_size), _index("num_cache_pages", num_cache_pages))
+        planner = self._planner_for(page_size, num_cache_pages)
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
-        problem_key = (num_qo_heads, num_kv_heads, head_dim, int(page_size), dtype, default_sm_scale(head_dim, sm_scale))
+        problem_key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, default_sm_scale(head_dim, sm_scale))
         active = self._active
         if active is not None and active[0] is step_plan and active[1] == problem_key:
             return step_plan
@@ -303,7 +296,7 @@ class BeamSharedPrefixAttention:
         # plan's buffers with the new shapes.
         self._active = None
         backend = self._backend_for(problem_key, step_plan)
-        backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, int(page_size), dtype, problem_key[5])
+        backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, problem_key[5])
         self._prepare_buffers(step_plan, problem_key, backend)
         self._active = (step_plan, problem_key, backend)
         self.num_backend_plans += 1
@@ -498,8 +491,8 @@ class BeamSharedPrefixAttention:
             cur = kv_lens[:rows].long() - 1
             len_bad = (cur < 0) | (cur // page_size >= beam_page_table.shape[1])
             entry_bad = ~len_bad & ((entry < 0) | (entry // page_index_divisor >= kv_cache.shape[0]))
-            for bad, bit in ((len_bad, device_errors.KV_LEN), (entry_bad, device_errors.WRITE_PAGE)):
-                self.error_flags.bitwise_or_(bad.any().to(torch.int32) * int(bit.value))
+            device_errors.flag_where(self.error_flags, len_bad, device_errors.KV_LEN)
+            device_errors.flag_where(self.error_flags, entry_bad, device_errors.WRITE_PAGE)
         slot = pos % page_size
         if self.kv_layout == "HND":
             return kv_cache[page, 0, :, slot, :], kv_cache[page, 1, :, slot, :]

@@ -133,12 +133,13 @@ def _as_int_array(name: str, value: ArrayLike) -> np.ndarray:
     return _checked_int_array(name, value).astype(np.int64, copy=False)
 
 
-def _as_int(name: str, value) -> int:
-    """An integer scalar argument (a float is refused, not truncated)."""
+def _as_int(name: str, value, error=PlanError) -> int:
+    """An integer scalar argument (ints and integer numpy/torch scalars; a float is refused, not
+    truncated); ``error`` is the exception class raised otherwise."""
     try:
         return operator.index(value)
     except TypeError:
-        raise PlanError(f"{name}={value!r} must be an integer.") from None
+        raise error(f"{name}={value!r} must be an integer.") from None
 
 
 # Lengths, offsets and page numbers go to the kernels as int32.

@@ -18,8 +18,7 @@ from .tail_merge_args import TailMergeInputError
 
 __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "WRITE_PAGE", "ERROR_BITS",
            "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits", "kv_len_bad", "page_error_bits", "or_reduce",
-           "flush_errors",
-           "decode_error_flags", "new_error_flags", "check_error_flags"]
+           "flush_errors", "flag_where", "decode_error_flags", "new_error_flags", "check_error_flags"]
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
 PROMPT_PAGE = tl.constexpr(1)
@@ -99,6 +98,12 @@ def flush_errors(err_ptr, bits):
     loads across them.)"""
     zero = tl.zeros(bits.shape, tl.int32)
     tl.atomic_or(err_ptr + zero, bits, mask=bits != 0, sem="relaxed")
+
+
+def flag_where(error_flags: torch.Tensor, bad: torch.Tensor, bit) -> None:
+    """Host-side twin of the kernels' bits, for torch paths: OR ``bit`` into ``error_flags`` if any
+    element of ``bad`` is true, as device ops (no sync)."""
+    error_flags.bitwise_or_(bad.any().to(torch.int32) * int(getattr(bit, "value", bit)))
 
 
 def decode_error_flags(value: int) -> list:

@@ -108,7 +108,7 @@ def beam_tail_attention_merge_torch(
                          (src_ok & ~earlier_valid, device_errors.TAIL_PAGE),
                          (w_ok & ~entry_ok if write_kv else None, device_errors.WRITE_PAGE)):
             if bad is not None:
-                error_flags.bitwise_or_(bad.any().to(torch.int32) * int(bit.value))
+                device_errors.flag_where(error_flags, bad, bit)
     slot = t_safe % pg
     # Masked positions read some slot of page 0; zero them, as the kernel's masked loads do: a weight
     # of 0 times an unwritten slot's NaN would still be NaN.
