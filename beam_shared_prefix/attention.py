@@ -445,9 +445,9 @@ class BeamSharedPrefixAttention:
                 value = int(host[0])
             else:
                 host, event = torch.zeros(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
-            with torch.cuda.device(self.device):  # the stream and event of the wrapper's device
-                host.copy_(self.error_flags, non_blocking=True)
-                event.record()
+            # The copy runs on the current stream of the flag's device; the event follows it there.
+            host.copy_(self.error_flags, non_blocking=True)
+            event.record(torch.cuda.current_stream(self.device))
             self._error_poll = (host, event)
         new = value & ~self._errors_seen
         self._errors_seen |= value

@@ -73,7 +73,10 @@ GQA 4 at head 128 and GQA 2 at head 64 in the eleventh, ``small_batches_backends
 every point served 1.14x-3.35x faster than per-beam decode, the narrowest margin 2 requests x 8 beams
 x 4,000 tokens at head 64; only there). GQA 4 at head 64 (thirteenth round,
 ``small_batches_backends_g4_d64*.json``) is served from 120,000: at 64,000 it measured 1.02x-1.41x
-(4 x 8 x 2,000 the narrowest), at 120,000-128,000 1.38x-1.63x.
+(4 x 8 x 2,000 the narrowest), at 120,000-128,000 1.38x-1.63x. GQA 1 and 3 (fourteenth round,
+``small_batches_backends_g[13]*.json``): from 60,000 at GQA 1 (1.13x-4.17x; the narrowest 4 x 8 x
+2,000 at head 64) and GQA 3 at head 128 (1.31x-3.44x), from 120,000 at GQA 3, head 64 (1.06x at
+4 x 8 x 2,000; 1.43x-1.83x from 120,000).
 
 **Prompt length unknown** (a CUDA graph serves any prompt): beam widths below
 ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8 beams and more the two-launch paths lost
@@ -107,8 +110,13 @@ _SPLIT_KV_MEASURED_FROM_WIDTH = 8
 # (a test keeps the two equal; this module imports nothing of the library), with the ``R x W x P``
 # served from there. GQA 4 at head 64 needs more: at 64,000 it measured 1.02x (4 x 8 x 2,000) to
 # 1.41x, at 120,000-128,000 1.38x-1.63x (per-beam decode there reads half head 128's bytes).
+# GQA 1 and 3 (fourteenth round, small_batches_backends_g[13]*.json): from 60,000 at GQA 1 (head 128
+# 1.39x-4.17x, head 64 1.13x-1.94x) and at GQA 3, head 128 (1.31x-3.44x); GQA 3 at head 64 from
+# 120,000 (1.06x at 4 x 8 x 2,000; 1.43x-1.83x from 120,000).
 _SPLIT_KV_MIN_ROW_TOKENS = {(2, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (4, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV,
-                            (2, 64): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (4, 64): 120_000}
+                            (2, 64): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (4, 64): 120_000,
+                            (1, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (1, 64): MIN_BEAM_ROW_TOKENS_SPLIT_KV,
+                            (3, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (3, 64): 120_000}
 _SPLIT_KV_MEASURED_SHAPES = frozenset(_SPLIT_KV_MIN_ROW_TOKENS)
 #: With an unknown prompt length, narrower beams are left to the default kernel.
 MIN_BEAM_WIDTH_ANY_PROMPT = 8

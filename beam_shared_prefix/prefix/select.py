@@ -5,8 +5,7 @@ Rule of ``"auto"`` (:func:`choose_prefix_backend`), in order:
 1. not a CUDA device: ``reference`` (the torch path, the library's CPU path);
 2. ``flashinfer`` when the batch has so few requests that the cascade would run few programs for
    its prompt length, where FlashInfer's prefill, which splits each prompt over many CTAs, measured
-   faster than the cascade and FA4 (:func:`split_kv_preferred`; GQA 2 and 4 at head 128, GQA 2 at
-   head 64);
+   faster than the cascade and FA4 (:func:`split_kv_preferred`; GQA 1-4 at head 128 and head 64);
 3. ``triton`` (the one-launch cascade kernel) when the batch's prompts are short enough for its
    beam width, GQA group and (with few requests) program count that it measured faster than the
    two-launch paths on the H200 (:func:`cascade_preferred`; it also needs
@@ -42,7 +41,7 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP",
-           "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "step_path"]
+           "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
@@ -146,17 +145,37 @@ CASCADE_MAX_GROUP = 8
 # FA4's 63.3 us), 6-29% faster at 1,000 tokens with 8-16 programs; with 32 programs at 1,000 it was
 # 8-10% slower than FA4 at 16 and 30 beams (12% faster at 8), and at 128 programs slower (16 x 8
 # at 4,000: 75.1 against FA4's 67.0).
+#
+# Fourteenth round, GQA 1 and 3 (small_batches_backends_g{1,3}{,_b,_d64}.json: 1-16 requests of 8,
+# 16 and 30 beams at 250-4,000 tokens, GQA 8/8 and 24/8 at head 128 and head 64). Before it `auto`
+# never took FlashInfer there and was up to 4.2x slower than it (GQA 1, 1 request x 30 beams x
+# 4,000 tokens: the cascade's 103.8 against 24.8 us). FlashInfer against the faster of the cascade
+# and FA4: with up to 32 programs 2-27% faster at 1,000 tokens and 1.7-3.0x at 4,000, from 1% faster
+# to 30% slower at 500; with 33-64 programs 5-23% slower at 1,000, from 2% slower to 25% faster at
+# 2,000, 1.15-1.7x faster at 4,000; with 65-128 programs slower at every length up to 4,000 (by 4-26% at 4,000),
+# except GQA 1 at head 64 with 8 beams (16-row tiles): 3% faster at 2,000, 23% at 4,000. Hence
+# 1,000 tokens and 30 per program, up to 64 programs except at GQA 1, head 64
+# (SPLIT_KV_MAX_PROGRAMS_BY_SHAPE; there 128 programs take FlashInfer at 3,840 tokens, 9% slower
+# than FA4 with 30 beams at 4,000).
 SPLIT_KV_MAX_PROGRAMS = 128
 #: ``{(GQA group, head size): {tile rows: (smallest mean prompt, tokens per cascade program)}}`` at
-#: which ``auto`` picks FlashInfer; shapes not listed never (not measured).
+#: which ``auto`` picks FlashInfer; shapes not listed never (not measured). Tiles of fewer than 64
+#: rows take the 32-row entry.
 SPLIT_KV_PROMPT = {
     (2, 128): {64: (1000, 60), 32: (500, 8)},
     (4, 128): {64: (1000, 60)},
     (2, 64): {64: (1000, 60), 32: (1000, 30)},
     (4, 64): {64: (1000, 60)},
+    (1, 128): {32: (1000, 30)},
+    (1, 64): {32: (1000, 30)},
+    (3, 128): {64: (1000, 30)},
+    (3, 64): {64: (1000, 30)},
 }
 #: The most beam blocks per request at which each shape of :data:`SPLIT_KV_PROMPT` was measured.
-SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2}
+SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2, (1, 128): 1, (1, 64): 1, (3, 128): 2,
+                            (3, 64): 2}
+#: Shapes where FlashInfer's split prompt stops below :data:`SPLIT_KV_MAX_PROGRAMS` cascade programs.
+SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(1, 128): 64, (3, 128): 64, (3, 64): 64}
 
 # Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
 # (at most 128: under one per SM) each attends its whole prompt in turn, and FA4 overtakes it at
@@ -171,10 +190,22 @@ SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2}
 # - GQA 4, head 64, one block (thirteenth round, small_batches_backends_g4_d64{,_b}.json: 1-16 requests
 #   of 8 and 16 beams): the cascade 16-26% faster than FA4 at 250 tokens and 8-12% at 500, within 5%
 #   either way at 1,000, 11-14% slower at 2,000 and 17-29% at 4,000; hence 1,024.
+# - GQA 1 (fourteenth round, small_batches_backends_g1{,_b,_d64}.json: 1-16 requests of 8, 16 and 30
+#   beams; 16-row tiles up to 16 beams, 32-row tiles above). Head 128, 16-row tiles: the cascade
+#   8-25% faster than FA4 at 250-500 tokens, from 2% faster to 3% slower at 1,000 (8-128 programs),
+#   7-11% slower at 2,000 with 8-64 programs; 32-row tiles: within 8% either way at 250 tokens, 2-15%
+#   slower at 500, 7-36% at 1,000. Head 64: 16-row tiles faster or within 1% everywhere measured
+#   (250-4,000 tokens); 32-row tiles faster up to 1,000 tokens, 6-16% slower at 2,000-4,000. Hence
+#   1,024 and 256 tokens at head 128 and 1,024 for 32-row tiles at head 64.
+# - GQA 3 shares GQA 4's tiles and limits; its grids (small_batches_backends_g3{,_b,_d64}.json)
+#   agree: at head 128 the cascade within 2% of FA4 at 250-500 tokens with few programs and 20-40%
+#   slower from 1,000; at head 64 within 4% at 1,000 and 13-25% slower from 2,000.
 CASCADE_FEW_PROGRAMS = 128
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with at most
-#: :data:`CASCADE_FEW_PROGRAMS` programs and one beam block (groups 3 and 4 share an entry).
-CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048, (4, 64): 1024}
+#: :data:`CASCADE_FEW_PROGRAMS` programs and one beam block (groups 3 and 4 share an entry); a
+#: ``{tile rows: limit}`` value where the limit depends on the tile (rows not listed: no limit).
+CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048, (4, 64): 1024, (1, 128): {16: 1024, 32: 256},
+                                        (1, 64): {32: 1024}}
 # Two beam blocks at GQA 2 (33-64 beams) with at most 128 programs (twelfth round, the wide files):
 # the cascade was 8-14% faster than FA4 at 500 tokens with 1-8 requests at head 128 and within 2%
 # of it at 1,000 (7% faster with 8 requests); 9% slower at 2,000. At head 64, 1-8 requests, 7-12%
@@ -290,15 +321,19 @@ def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, gro
 
 
 def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_width, group, head_dim):
-    """``(programs, limit)`` of ``table`` (``{(group, head size): limit}``; groups 3 and 4 share an
-    entry) for a batch of at most :data:`CASCADE_FEW_PROGRAMS` cascade programs in ``beam_blocks``
-    beam blocks per request, else ``None``."""
+    """``(programs, limit)`` of ``table`` (``{(group, head size): limit or {tile rows: limit}}``; groups
+    3 and 4 share an entry) for a batch of at most :data:`CASCADE_FEW_PROGRAMS` cascade programs in
+    ``beam_blocks`` beam blocks per request, else ``None``."""
     limit = table.get((4 if group in (3, 4) else group, head_dim))
     if limit is None or num_requests is None or beam_width is None:
         return None
-    programs, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
+    programs, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
     if blocks != beam_blocks or programs > CASCADE_FEW_PROGRAMS:
         return None
+    if isinstance(limit, dict):
+        limit = limit.get(rows)
+        if limit is None:
+            return None
     return programs, limit
 
 
@@ -311,9 +346,9 @@ def split_kv_preferred(
     head_dim: int = 128,
 ) -> Tuple[bool, str]:
     """Whether ``auto`` picks FlashInfer (its prefill splits a prompt over many CTAs) ahead of the
-    cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 2 and 4 at head 128 and
-    GQA 2 at head 64 (:data:`SPLIT_KV_PROMPT`, up to :data:`SPLIT_KV_MAX_BEAM_BLOCKS` beam blocks);
-    elsewhere never. ``num_requests`` and ``mean_prompt_len`` (tokens) are the batch's; ``None``
+    cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 1-4 at head 128 and head
+    64 (:data:`SPLIT_KV_PROMPT`, up to :data:`SPLIT_KV_MAX_BEAM_BLOCKS` beam blocks and
+    :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs); elsewhere never. ``num_requests`` and ``mean_prompt_len`` (tokens) are the batch's; ``None``
     (unknown) never prefers it."""
     if num_requests is None or mean_prompt_len is None or beam_width is None:
         return False, "request count, beam width or prompt length unknown"
@@ -328,8 +363,10 @@ def split_kv_preferred(
     if blocks > SPLIT_KV_MAX_BEAM_BLOCKS[(group, head_dim)]:
         return False, (f"W={beam_width} takes {blocks} beam blocks: not measured against FlashInfer's split prompt "
                        f"at GQA {group}, head {head_dim}")
-    if programs > SPLIT_KV_MAX_PROGRAMS:
-        return False, f"{programs} cascade programs > {SPLIT_KV_MAX_PROGRAMS}: the cascade fills the GPU"
+    most = SPLIT_KV_MAX_PROGRAMS_BY_SHAPE.get((group, head_dim), SPLIT_KV_MAX_PROGRAMS)
+    if programs > most:
+        return False, (f"{programs} cascade programs > {most} at GQA {group}, head {head_dim}: the cascade or FA4 "
+                       f"measured faster there")
     floor, per_program = by_rows[64 if rows >= 64 else 32]
     least = max(floor, per_program * programs)
     if mean_prompt_len < least:

@@ -176,6 +176,11 @@ class DeclinedStep:
         return True
 
 
+#: Steps between two reads of the device error flags: a read (a pinned copy and an event) costs
+#: tens of microseconds of host time, so errors are logged up to this many steps late.
+DEVICE_ERROR_POLL_STEPS = 8
+
+
 class _MetadataState:
     """Planning state of one metadata object."""
 
@@ -187,6 +192,7 @@ class _MetadataState:
         self.step_reason: Optional[str] = None
         self.wrappers: Dict[tuple, object] = {}
         self.planned_key: Dict[tuple, tuple] = {}
+        self.steps_since_poll = DEVICE_ERROR_POLL_STEPS - 1  # the first step polls
 
 
 _states: Dict[int, _MetadataState] = {}
@@ -298,10 +304,14 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
 
 def poll_device_errors(state: _MetadataState) -> None:
     """Log (ERROR, each kind once per process) what this metadata's wrappers' kernels masked in
-    earlier steps: their device error flags, read without waiting on the GPU (a kind shows up one
-    poll after the step that raised it). The step's output was wrong there, or its K/V not stored;
-    the message names the value and its likely cause. ``TLLM_BEAM_SHARED_PREFIX_CHECK=1`` stops at
-    the call instead."""
+    earlier steps: their device error flags, read without waiting on the GPU, every
+    :data:`DEVICE_ERROR_POLL_STEPS` steps (a kind shows up one poll after the step that raised it).
+    The step's output was wrong there, or its K/V not stored; the message names the value and its
+    likely cause. ``TLLM_BEAM_SHARED_PREFIX_CHECK=1`` stops at the call instead."""
+    state.steps_since_poll += 1
+    if state.steps_since_poll < DEVICE_ERROR_POLL_STEPS:
+        return
+    state.steps_since_poll = 0
     for wrapper in list(state.wrappers.values()):
         for message in wrapper.poll_device_errors():
             stats["device_errors"] += 1

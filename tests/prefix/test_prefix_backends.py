@@ -286,7 +286,7 @@ def test_declines_name_their_reason(fake_sm):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fakes a GPU on a CPU-only machine")
 def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, monkeypatch):
-    """Few cascade programs for a long prompt (GQA 2 and 4 at head 128, GQA 2 at head 64): ``auto``
+    """Few cascade programs for a long prompt (GQA 1-4 at head 128 and head 64): ``auto``
     tries FlashInfer (its prefill splits each prompt) before the cascade and FA4; with many
     requests, an unknown request count, or a shape not measured, the order is the usual one. With
     few programs at GQA 4 (head 128) and GQA 2 (head 64) the cascade gives way to FA4 sooner."""
@@ -306,7 +306,15 @@ def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, 
     assert auto(None, 4000) == ("triton", [])
     assert auto(8, 1000, beams=16)[0] == "flashinfer"  # 32-row tiles: 512 tokens for 64 programs
     assert auto(16, 1000, beams=16) == ("triton", [])  # 1,024 for 128
-    assert auto(2, 2000, hq=8)[0] == "triton"  # G = 1: not measured
+    # G = 1 (16-row tiles up to 16 beams, 32 rows above) and G = 3: up to 64 programs
+    assert auto(2, 2000, hq=8)[0] == "flashinfer"  # 16 programs
+    assert auto(8, 1000, beams=8, hq=8) == ("triton", [])  # 64 programs need 1,920 tokens
+    name, declined = auto(16, 4000, hq=8)  # 128 programs: FA4 (32-row tiles: the cascade up to 256 tokens)
+    assert name == "flashinfer" and "> 256 with 128 cascade programs" in declined[0] and "fa4:" in declined[1]
+    assert "128 cascade programs > 64 at GQA 1, head 128" in split_kv_preferred(16, 4000, 8, 8, 30, 128)[1]
+    assert split_kv_preferred(16, 4000, 8, 8, 8, 64)[0]  # GQA 1, head 64, 16-row tiles: up to 128
+    assert auto(8, 4000, beams=16, hq=24)[0] == "flashinfer"  # G = 3: 64 programs need 1,920 tokens
+    assert "measured only at" in split_kv_preferred(2, 4000, 64, 8, 30, 128)[1]  # G = 8: not measured
     # G = 4 (16-beam tiles of 64 rows; 30 beams take two, both counted)
     assert auto(2, 2000, beams=16, hq=32)[0] == "flashinfer"  # 16 programs
     assert auto(4, 4000, hq=32)[0] == "flashinfer"  # 4 x 8 x 2 = 64 programs need 3,840 tokens
@@ -353,13 +361,14 @@ def _h200_grid_points(pattern):
 def test_split_kv_rule_agrees_with_the_h200_grids():
     """1-32 requests of 8, 16 and 30 beams, 250-4,000 tokens (GQA 16/8 at head 128, tenth round;
     GQA 32/8 at head 128 and 16/8 at head 64, eleventh), and 1-16 requests of 48-256 beams (twelfth,
-    ``small_batches_backends_wide*.json``), and GQA 32/8 at head 64 (thirteenth,
-    ``small_batches_backends_g4_d64*.json``): the backend ``auto`` picks between FlashInfer's split
+    ``small_batches_backends_wide*.json``), GQA 32/8 at head 64 (thirteenth,
+    ``small_batches_backends_g4_d64*.json``), GQA 8/8 and 24/8 at both head sizes (fourteenth,
+    ``small_batches_backends_g[13]*.json``): the backend ``auto`` picks between FlashInfer's split
     prompt, the cascade and FA4 was at most 18% slower than the fastest of those measured at the point
     (the largest: GQA 4 at head 64, 4 requests x 8 beams at 1,000 tokens, the cascade's 27.8 against
     FlashInfer's 23.6 us; the rule counts programs, and 16 beams there, with the same programs, wanted
-    the cascade or FA4; next, 12% at GQA 2, head 128, 16 x 8 at 1,000), and FlashInfer wherever every
-    other backend measured was 15% slower or more."""
+    the cascade or FA4; next, 12% at GQA 2, head 128, 16 x 8 at 1,000; at GQA 1 and 3 at most 10%),
+    and FlashInfer wherever every other backend measured was 15% slower or more."""
     from beam_shared_prefix.prefix.select import cascade_preferred
 
     points = 0
@@ -378,7 +387,7 @@ def test_split_kv_rule_agrees_with_the_h200_grids():
             assert split, f"{where}: FlashInfer {library['flashinfer']:.1f} us not picked, {library}"
         points += 1
         seen.add((hq // hkv, d))
-    assert points >= 270 and seen == {(2, 128), (4, 128), (2, 64), (4, 64)}
+    assert points >= 470 and seen == {(1, 128), (2, 128), (3, 128), (4, 128), (1, 64), (2, 64), (3, 64), (4, 64)}
 
 
 def test_auto_on_cpu_is_the_reference():

@@ -306,20 +306,28 @@ def test_few_beam_rows_with_long_prompts_are_served(trt, monkeypatch, caplog, fl
 def test_a_masked_index_is_logged_at_the_next_prepare(trt, monkeypatch, caplog):
     """With ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS=1`` and without check mode, a bad
     ``cache_indirection`` entry is masked by the tail (no fault, no sync), and the device error flag
-    brings it to the log at a later ``prepare()``, as an ERROR naming the value and its cause, once."""
+    brings it to the log at a later ``prepare()`` (the flag is read every ``DEVICE_ERROR_POLL_STEPS``
+    steps), as an ERROR naming the value and its cause, once."""
+    from beam_shared_prefix.trtllm import planning
+
+    monkeypatch.setattr(planning, "DEVICE_ERROR_POLL_STEPS", 3)
     model = trt(layout="new")
     monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS", "1")
     register()
     setup = build(model, prompts=(37, 70), beam_width=3)
     sim = setup.sim
-    for s in range(4):
+    logged_at = []
+    for s in range(8):
         step = sim.begin_step()
-        if s == 2:  # an entry that is no beam, at a generated position of request 0, beam 1
+        if s == 1:  # an entry that is no beam, at a generated position of request 0, beam 1
             step.cache_indirection[0, 1, int(step.prompt_lens[0])] = 7
         with caplog.at_level("ERROR", logger="beam_shared_prefix.trtllm"):
             setup.run(step)
+        logged_at.append(len([r for r in caplog.records if r.levelname == "ERROR"]))
         sim.end_step(write_kv=False)
+    # polls at steps 0, 3 and 6 (their prepare() runs before their forward): step 1's bit is read at 3
+    assert logged_at == [0, 0, 0, 1, 1, 1, 1, 1]
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "cache_indirection entry outside [0, beam_width)" in errors[0].getMessage()
-    assert stats()["device_errors"] == 1 and stats()["generation_forwards"] == 4
+    assert stats()["device_errors"] == 1 and stats()["generation_forwards"] == 8
