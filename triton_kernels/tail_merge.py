@@ -23,6 +23,9 @@ from .tail_merge_kernel import beam_tail_merge_kernel
 
 __all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"]
 
+# Registers per thread at which one-warp tail programs still fill an SM's 32 program slots.
+_ONE_WARP_MAX_REGISTERS = 64
+
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # Measured with ptxas for sm_90: Triton 3.6 lays out the [QH, BLOCK_T, D] tile like the [QH, D]
 # tiles, Triton 3.9 the [BLOCK_T, QH, D] one (see tail_merge_kernel.py). Versions in between are
@@ -270,6 +273,11 @@ def beam_tail_attention_merge(
         meta.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=bool(cfg.tokens_outer), INDEX_BLOCK=cfg.index_block)
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
+        if cfg.num_warps == 1 and q.is_cuda:
+            # One-warp programs (G = 3-4, head 128) are held to 32 per SM by the block limit at up to 64
+            # registers; the flag's bits took 72 on sm_90 (28 programs per SM, 6% slower at B-4B).
+            # Capped at 64 they compile without spills.
+            meta.update(maxnreg=_ONE_WARP_MAX_REGISTERS)
     if q.is_cuda:
         with torch.cuda.device(q.device):
             kernel[grid](*args, **meta)

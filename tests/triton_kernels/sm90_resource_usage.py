@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from triton_kernels.cascade import cascade_launch_config  # noqa: E402
 from triton_kernels.cascade_kernel import beam_cascade_kernel  # noqa: E402
-from triton_kernels.tail_merge import tail_launch_config  # noqa: E402
+from triton_kernels.tail_merge import _ONE_WARP_MAX_REGISTERS, tail_launch_config  # noqa: E402
 from triton_kernels.tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel  # noqa: E402
 from triton_kernels.tail_merge_kernel import beam_tail_merge_kernel  # noqa: E402
 
@@ -182,8 +182,10 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     if not cfg.grouped:
         kernel = beam_tail_merge_kernel
         constexprs.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=cfg.tokens_outer, INDEX_BLOCK=cfg.index_block)
+    # The launcher caps one-warp programs at 64 registers when the flag is on.
+    maxnreg = _ONE_WARP_MAX_REGISTERS if report_errors and cfg.num_warps == 1 else None
     compiled = _compile_sm90(kernel, pointers, constexprs, ("qk_scale_log2", "lse_scale"), _DIV16_INTS,
-                             cfg.num_warps, 1)
+                             cfg.num_warps, 1, maxnreg=maxnreg)
     regs, stack, shared, local = _resources(compiled)
     return dict(
         kernel="tail",
