@@ -4,7 +4,7 @@
 | --- | --- | --- | --- |
 | ``TLLM_BEAM_SHARED_PREFIX_BACKEND`` | ``auto``, ``triton``, ``flashinfer``, ``fa4``, ``reference`` | ``auto`` | prefix backend |
 | ``TLLM_BEAM_SHARED_PREFIX_CHECK`` | ``0``, ``1`` | ``0`` | check mode: sync, validate and recompute every stage |
-| ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` | ``0``, ``1`` | ``0`` | device error flag: invalid indices the kernels mask are reported without a sync (1-4% slower on the H200 presets) |
+| ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` | ``0``, ``1`` | ``0`` | device error flag: invalid indices the kernels mask are reported without a sync (about 2% slower on the H200 presets, B-beam14 3%) |
 | ``TLLM_BEAM_SHARED_PREFIX_DECLINE`` | ``auto``, ``never`` | ``auto`` | ``auto`` declines shapes where the measured rule says the library is slower than the default kernel; ``never`` serves every supported shape |
 
 An invalid value raises :class:`ConfigError` naming the variable, the value and the accepted values.
