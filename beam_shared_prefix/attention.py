@@ -84,9 +84,9 @@ class BeamSharedPrefixAttention:
         prefix_kernel: FlashInfer kernel family, ``"auto"`` | ``"fa2"`` | ``"fa3"`` (benchmarks force one).
         report_errors: give the kernels a device error flag (:attr:`error_flags`): invalid lengths,
             pages or indirection entries they mask are reported without a sync, read by
-            :meth:`poll_device_errors` or :meth:`device_errors`. about 2% slower on the H200 presets
-            (B-beam14 3%; ``docs/benchmarks.md``); ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS``
-            (default off).
+            :meth:`poll_device_errors` or :meth:`device_errors`. About 2% slower on the H200
+            presets (B-beam14 3%; ``docs/benchmarks.md``); ``None`` reads
+            ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` (default off).
 
     Attributes:
         backend_name: the prefix backend serving the active plan (``None`` before the first plan).

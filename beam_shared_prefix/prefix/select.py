@@ -152,8 +152,9 @@ CASCADE_MAX_GROUP = 8
 # 4,000 tokens: the cascade's 103.8 against 24.8 us). FlashInfer against the faster of the cascade
 # and FA4: with up to 32 programs 2-27% faster at 1,000 tokens and 1.7-3.0x at 4,000, from 1% faster
 # to 30% slower at 500; with 33-64 programs 5-23% slower at 1,000, from 2% slower to 25% faster at
-# 2,000, 1.15-1.7x faster at 4,000; with 65-128 programs slower at every length up to 4,000 (by 4-26% at 4,000),
-# except GQA 1 at head 64 with 8 beams (16-row tiles): 3% faster at 2,000, 23% at 4,000. Hence
+# 2,000, 1.15-1.7x faster at 4,000; with 65-128 programs slower at every length up to 4,000 (by
+# 4-26% at 4,000), except GQA 1 at head 64 with 8 beams (16-row tiles): 3% faster at 2,000, 23% at
+# 4,000. Hence
 # 1,000 tokens and 30 per program, up to 64 programs except at GQA 1, head 64
 # (SPLIT_KV_MAX_PROGRAMS_BY_SHAPE; there 128 programs take FlashInfer at 3,840 tokens, 9% slower
 # than FA4 with 30 beams at 4,000).
@@ -192,14 +193,16 @@ SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(1, 128): 64, (3, 128): 64, (3, 64): 64}
 #   either way at 1,000, 11-14% slower at 2,000 and 17-29% at 4,000; hence 1,024.
 # - GQA 1 (fourteenth round, small_batches_backends_g1{,_b,_d64}.json: 1-16 requests of 8, 16 and 30
 #   beams; 16-row tiles up to 16 beams, 32-row tiles above). Head 128, 16-row tiles: the cascade
-#   8-25% faster than FA4 at 250-500 tokens, from 2% faster to 3% slower at 1,000 (8-128 programs),
-#   7-11% slower at 2,000 with 8-64 programs; 32-row tiles: within 8% either way at 250 tokens, 2-15%
-#   slower at 500, 7-36% at 1,000. Head 64: 16-row tiles faster or within 1% everywhere measured
-#   (250-4,000 tokens); 32-row tiles faster up to 1,000 tokens, 6-16% slower at 2,000-4,000. Hence
-#   1,024 and 256 tokens at head 128 and 1,024 for 32-row tiles at head 64.
+#   5-25% faster than FA4 at 250-500 tokens, from 10% faster (128 programs) to 11% slower (8
+#   programs, where FlashInfer serves) at 1,000, 4-11% slower at 2,000 with 8-64 programs and even
+#   with 128; 32-row tiles: within 8% either way at 250 tokens, 2-15% slower at 500, 7-37% at
+#   1,000. Head 64: 16-row tiles faster or within 1% everywhere measured (250-4,000 tokens);
+#   32-row tiles faster or even up to 1,000 tokens, 6-18% slower at 2,000-4,000. Hence 1,024 and
+#   256 tokens at head 128 and 1,024 for 32-row tiles at head 64.
 # - GQA 3 shares GQA 4's tiles and limits; its grids (small_batches_backends_g3{,_b,_d64}.json)
-#   agree: at head 128 the cascade within 2% of FA4 at 250-500 tokens with few programs and 20-40%
-#   slower from 1,000; at head 64 within 4% at 1,000 and 13-25% slower from 2,000.
+#   agree: at head 128 the cascade 9-15% faster than FA4 at 250 tokens with few programs, within 3%
+#   at 500 and 8-24% slower at 1,000; at head 64 within 4% at 1,000 where FlashInfer does not
+#   serve, 12-19% slower at 2,000.
 CASCADE_FEW_PROGRAMS = 128
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with at most
 #: :data:`CASCADE_FEW_PROGRAMS` programs and one beam block (groups 3 and 4 share an entry); a
@@ -348,8 +351,8 @@ def split_kv_preferred(
     """Whether ``auto`` picks FlashInfer (its prefill splits a prompt over many CTAs) ahead of the
     cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 1-4 at head 128 and head
     64 (:data:`SPLIT_KV_PROMPT`, up to :data:`SPLIT_KV_MAX_BEAM_BLOCKS` beam blocks and
-    :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs); elsewhere never. ``num_requests`` and ``mean_prompt_len`` (tokens) are the batch's; ``None``
-    (unknown) never prefers it."""
+    :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs); elsewhere never. ``num_requests`` and
+    ``mean_prompt_len`` (tokens) are the batch's; ``None`` (unknown) never prefers it."""
     if num_requests is None or mean_prompt_len is None or beam_width is None:
         return False, "request count, beam width or prompt length unknown"
     group = num_qo_heads // max(num_kv_heads, 1)
