@@ -56,7 +56,13 @@ leaves the GPU underfilled while per-beam decode spreads over every beam. With `
 | >= 120 (R = 4 x 30, R = 16 x 8 and 30) | 1.24x - 7.97x: served |
 
 So it serves a batch only when ``R x W >= MIN_BEAM_ROWS = 120`` (the smallest measured that won;
-32 lost), before the rules below. One exception (tenth round, ``small_batches_backends*.json``):
+32 lost), before the rules below. Those grids had 8 KV heads. With 2 (fourteenth round,
+``small_batches_backends_g7_d64.json``, ``_g8.json``: GQA 14/2 at head 64, 16/2 at head 128, 1-64
+requests of 8 and 30 beams, 500 and 2,000 tokens) the library's programs (one per request and KV
+head) are a quarter as many for the same rows, while per-beam decode's work shrinks with the heads:
+120-128 rows (4 x 30, 16 x 8) were 0.65x-0.97x of per-beam decode, 480 and more (16 x 30, 64 x 8)
+1.69x-5.3x. So with fewer than 8 KV heads the floor is ``120 x 8 / Hkv`` rows (:func:`min_beam_rows`:
+480 at 2 KV heads; 4 KV heads and MQA are interpolated, not measured). One exception (tenth round, ``small_batches_backends*.json``):
 FlashInfer's prefill splits each prompt over many CTAs, so where it serves (``backend="flashinfer"``,
 or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
 follows the prompt KV that the ``W`` beams no longer re-read, ``R x W x P``:
@@ -94,14 +100,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["should_decline", "cascade_min_prompt", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
+__all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
            "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "CASCADE_MIN_PROMPT",
            "CASCADE_MIN_PROMPT_HEAD_64"]
 
 #: Beam search proper: with one beam nothing is shared.
 MIN_BEAM_WIDTH = 2
-#: Fewer beam rows (requests x beam width) than this are left to the default kernel.
+#: Fewer beam rows (requests x beam width) than this are left to the default kernel (at 8 KV heads
+#: or more; :func:`min_beam_rows` scales it up for fewer).
 MIN_BEAM_ROWS = 120
+# The KV heads of the grids that measured MIN_BEAM_ROWS and the split prompt's exception.
+_MEASURED_KV_HEADS = 8
 #: Fewer beam rows are still served by FlashInfer's split prompt from this many ``R x W x P`` tokens.
 MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60_000
 # The narrowest beam width at which that exception was measured (8-30 beams).
@@ -126,6 +135,28 @@ MIN_SHARED_PROMPT_TOKENS = 600
 CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
 #: The same at head 64 (and below); narrower widths than the first are never served.
 CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
+
+
+def _scaled_by_kv_heads(value: int, num_kv_heads: Optional[int]) -> int:
+    """``value`` (measured at 8 KV heads) times ``8 / num_kv_heads`` below 8 KV heads, rounded up."""
+    if not num_kv_heads or num_kv_heads >= _MEASURED_KV_HEADS:
+        return value
+    return -(-value * _MEASURED_KV_HEADS // int(num_kv_heads))
+
+
+def min_beam_rows(num_kv_heads: Optional[int]) -> int:
+    """The fewest beam rows (``R x W``) served with ``num_kv_heads`` KV heads: :data:`MIN_BEAM_ROWS`,
+    measured at 8 KV heads, scaled up by ``8 / num_kv_heads`` below 8 (``None``: 8). The library runs
+    a program per request and KV head, per-beam decode one per beam row and KV head, so with fewer
+    KV heads the library needs more rows to fill the GPU (fourteenth round: at 2 KV heads 120-128
+    rows were 0.65x-0.97x of per-beam decode, 480-512 rows 1.69x-5.3x)."""
+    return _scaled_by_kv_heads(MIN_BEAM_ROWS, num_kv_heads)
+
+
+def _kv_heads_note(num_kv_heads: Optional[int]) -> str:
+    if not num_kv_heads or num_kv_heads >= _MEASURED_KV_HEADS:
+        return ""
+    return f" ({MIN_BEAM_ROWS} x {_MEASURED_KV_HEADS} / {int(num_kv_heads)} KV heads)"
 
 
 def _narrow_head(head_dim: Optional[int]) -> bool:
@@ -175,7 +206,8 @@ def should_decline(
     if w < MIN_BEAM_WIDTH:
         return f"beam width {w} < {MIN_BEAM_WIDTH}: no beams share a prompt"
     rows = None if num_requests is None else int(num_requests) * w
-    if rows is not None and rows < MIN_BEAM_ROWS:
+    least_rows = min_beam_rows(num_kv_heads)
+    if rows is not None and rows < least_rows:
         # The exception is measured at 8-30 beams and the shapes of _SPLIT_KV_MEASURED_SHAPES;
         # elsewhere few rows stay declined.
         group = (num_qo_heads // num_kv_heads if num_qo_heads is not None and num_kv_heads
@@ -184,16 +216,19 @@ def should_decline(
                           and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and (group, head_dim) in _SPLIT_KV_MEASURED_SHAPES)
         if not split_measured:
             return (
-                f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {MIN_BEAM_ROWS}: too few "
-                f"programs to fill the GPU, per-beam decode is faster here (measured on the H200, docs/benchmarks.md)"
+                f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {least_rows}"
+                f"{_kv_heads_note(num_kv_heads)}: too few programs to fill the GPU, per-beam decode is faster here "
+                f"(measured on the H200, docs/benchmarks.md)"
             )
         row_tokens = rows * float(prompt_len)
-        least_row_tokens = _SPLIT_KV_MIN_ROW_TOKENS[(group, head_dim)]
+        # Measured at 8 KV heads; scaled as the rows are (at 2 KV heads FlashInfer + tail beat
+        # per-beam decode only from 240,000: 0.78x-0.91x at 60,000-64,000, 1.17x-1.22x at 240,000-256,000).
+        least_row_tokens = _scaled_by_kv_heads(_SPLIT_KV_MIN_ROW_TOKENS[(group, head_dim)], num_kv_heads)
         if row_tokens < least_row_tokens:
             return (
                 f"{int(num_requests)} requests x beam width {w} x mean prompt {float(prompt_len):.0f} = "
                 f"{row_tokens:.0f} < {least_row_tokens} with FlashInfer's split prompt and "
-                f"{rows} beam rows < {MIN_BEAM_ROWS}: per-beam decode is faster or within 10% here (measured on the "
+                f"{rows} beam rows < {least_rows}: per-beam decode is faster or within 10% here (measured on the "
                 f"H200, docs/benchmarks.md)"
             )
     if prompt_len is None:

@@ -83,6 +83,23 @@ def test_few_beam_rows_with_long_prompts_are_served_by_the_split_prompt():
     assert "beam rows < 120" in should_decline(2, 30, 2000, 16, 8, 128)
 
 
+def test_fewer_kv_heads_need_more_beam_rows():
+    """120 rows were measured at 8 KV heads; with 2 (GQA 14/2 and 16/2, fourteenth round) 120-128 rows
+    lost to per-beam decode (0.65x-0.97x) and 480-512 won (1.69x-5.3x): the floor scales by 8 / Hkv,
+    and so does the split prompt's (FlashInfer + tail there: 0.78x-0.91x at 60,000-64,000 row tokens,
+    1.17x-1.22x at 240,000-256,000)."""
+    from beam_shared_prefix.decline import min_beam_rows
+
+    assert [min_beam_rows(h) for h in (None, 1, 2, 3, 4, 8, 16)] == [120, 960, 480, 320, 240, 120, 120]
+    reason = should_decline(16, 8, 2000, 16, 2, 128)
+    assert "128 beam rows < 480 (120 x 8 / 2 KV heads)" in reason
+    assert should_decline(16, 30, 500, 16, 2, 128) is None  # 480 rows
+    assert should_decline(16, 8, 2000, 16, 8, 128) is None  # the same rows at 8 KV heads
+    # FlashInfer's few-rows exception scales the same way: 60,000 -> 240,000 at 2 KV heads
+    assert "64000 < 240000 with FlashInfer's split prompt" in should_decline(2, 8, 4000, 4, 2, 128, split_kv=True)
+    assert should_decline(8, 8, 4000, 4, 2, 128, split_kv=True) is None  # 256,000
+
+
 def test_reasons_name_the_value_and_the_limit():
     assert "shared prompt tokens < 600" in decide(8, 40)
     assert "mean prompt 100 < 150 tokens at beam width 3" in decide(3, 100, one_launch=True)

@@ -275,12 +275,12 @@ def test_few_beam_rows_go_to_fallback(trt, monkeypatch, caplog):
         out, _ = setup.run(step)
     assert_close(gen_rows(out, 0, setup.sim), setup.oracle(step), "few rows (fallback)")
     assert stats()["generation_forwards"] == 0 and stats()["delegated_steps"] == 1
-    assert "16 beam rows < 120" in caplog.text
+    assert "16 beam rows < 480 (120 x 8 / 2 KV heads)" in caplog.text
 
 
 @pytest.mark.parametrize("flashinfer_installed", [True, False], ids=["flashinfer", "no_flashinfer"])
 def test_few_beam_rows_with_long_prompts_are_served(trt, monkeypatch, caplog, flashinfer_installed):
-    """2 requests x 8 beams with 3,800-4,000-token prompts (GQA 2, head 128): under ``auto`` FlashInfer's
+    """2 requests x 8 beams with 3,800-4,000-token prompts (GQA 16/8, head 128): under ``auto`` FlashInfer's
     split prompt serves so few requests, and 16 rows x 3,900 tokens >= 60,000 measured faster than
     per-beam decode on the H200 (docs/benchmarks.md), so the library serves the step. Without FlashInfer
     installed ``auto`` would run the cascade there, which has no such exception: the step is handed
@@ -291,7 +291,8 @@ def test_few_beam_rows_with_long_prompts_are_served(trt, monkeypatch, caplog, fl
     monkeypatch.setattr(select, "_installed",
                         lambda name: flashinfer_installed if name == "flashinfer" else real(name))
     model = register_with_decline(trt, monkeypatch, backend="auto", any_rows=False)
-    setup = build(model, prompts=(3800, 4000), beam_width=8, head_dim=128, max_seq_len=4096)
+    setup = build(model, prompts=(3800, 4000), beam_width=8, head_dim=128, max_seq_len=4096, num_qo_heads=16,
+                  num_kv_heads=8)
     step = setup.sim.begin_step()
     with caplog.at_level("DEBUG", logger="beam_shared_prefix.trtllm"):
         out, _ = setup.run(step)
