@@ -10,12 +10,18 @@ Both use ``TLLM_WORKER_USE_SINGLE_PROCESS=1`` so that the model runs in the chil
 library's host counters (:func:`beam_shared_prefix.trtllm.stats`) and its planning time are visible.
 Per variant: ``R`` random prompts of ``P`` token ids, beam width ``W``, ``--max-tokens`` new tokens
 (``ignore_eos``), ``--warmup`` untimed and ``--repeats`` timed ``generate`` calls. Reported:
-prompts/s (median), the library's generation forwards and planned steps, steps handed to the
-default kernel, and host planning time per planned step (the ``prepare()`` hook, timed here by
-wrapping :func:`beam_shared_prefix.trtllm.planning.plan_metadata`).
+prompts/s (median), the library's planned steps, its attention-layer forwards served and handed
+to the default kernel (one per layer and step), and host planning time per ``prepare()`` call and
+per planned step (the ``prepare()`` hook, timed here by wrapping
+:func:`beam_shared_prefix.trtllm.planning.plan_metadata`).
 
 Forwards replayed inside a CUDA graph run no Python, so with CUDA graphs on, ``generation_forwards``
-counts only eager forwards (warm-up and capture); ``steps_planned`` counts every step.
+counts only eager layer forwards (warm-up and capture); ``steps_planned`` counts every step.
+
+TensorRT-LLM trees that still have ``enable_trtllm_sampler`` (before ``sampler_type``) run beam
+search only with that sampler, which is switched on here; their documentation also asks for the
+overlap scheduler and CUDA graphs off with beam search (``--disable-overlap-scheduler
+--no-cuda-graph``).
 
 Run: ``python -m microbenchmarks.e2e_trtllm --model /path/to/Qwen3-0.6B --requests 8 --beams 16
 --prompt 500 --max-tokens 4 --json e2e.json``. Needs ``tensorrt_llm`` (it fails with a clear
@@ -34,7 +40,7 @@ import tempfile
 import time
 from typing import Dict, Optional, Sequence
 
-__all__ = ["TrtllmMissing", "require_tensorrt_llm", "variant_env", "main"]
+__all__ = ["TrtllmMissing", "require_tensorrt_llm", "variant_env", "beam_search_llm_kwargs", "main"]
 
 LIB = "beam_shared_prefix"
 
@@ -43,17 +49,40 @@ class TrtllmMissing(RuntimeError):
     """``tensorrt_llm`` is not importable here."""
 
 
-def require_tensorrt_llm():
-    """Import ``tensorrt_llm`` or raise :class:`TrtllmMissing` saying what to do."""
+def _missing(why: str) -> TrtllmMissing:
+    return TrtllmMissing(
+        f"the end-to-end arm needs TensorRT-LLM, which {why}. Run it on a machine with tensorrt_llm installed "
+        f"(pip install tensorrt_llm), or use the layer-level benchmark: beam-shared-prefix-bench --preset A."
+    )
+
+
+def require_tensorrt_llm(import_it: bool = True):
+    """Import ``tensorrt_llm`` (or, with ``import_it=False``, only find it: the parent process does
+    not start TensorRT-LLM's runtime) or raise :class:`TrtllmMissing` saying what to do."""
+    import importlib.util
+
+    if not import_it:
+        if importlib.util.find_spec("tensorrt_llm") is None:
+            raise _missing("is not installed here")
+        return None
     try:
         import tensorrt_llm  # noqa: F401
     except Exception as exc:  # ImportError, or a broken install raising anything at import
-        raise TrtllmMissing(
-            f"the end-to-end arm needs TensorRT-LLM, which does not import here ({type(exc).__name__}: {exc}). "
-            f"Run it on a machine with tensorrt_llm installed (pip install tensorrt_llm), or use the layer-level "
-            f"benchmark: beam-shared-prefix-bench --preset A."
-        ) from None
+        raise _missing(f"does not import here ({type(exc).__name__}: {exc})") from None
     return tensorrt_llm
+
+
+def beam_search_llm_kwargs(llm_arg_fields, disable_overlap_scheduler: bool = False) -> Dict[str, bool]:
+    """Extra ``LLM(...)`` arguments beam search needs on this TensorRT-LLM, from the names of its LLM
+    arguments (``TorchLlmArgs.model_fields``): ``enable_trtllm_sampler=True`` on trees that have that
+    switch (their Torch sampler has no beam search; newer trees pick the sampler by
+    ``sampler_type="auto"``), and ``disable_overlap_scheduler`` when asked."""
+    extra = {}
+    if "enable_trtllm_sampler" in llm_arg_fields:
+        extra["enable_trtllm_sampler"] = True
+    if disable_overlap_scheduler:
+        extra["disable_overlap_scheduler"] = True
+    return extra
 
 
 def variant_env(variant: str, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -88,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", default="off,on", help="comma list of off, on (default off,on)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run without CUDA graphs")
+    p.add_argument("--disable-overlap-scheduler", action="store_true",
+                   help="run without the overlap scheduler (older TensorRT-LLM needs it off for beam search)")
     p.add_argument("--kv-cache-fraction", type=float, default=0.5, help="free GPU memory fraction for the KV cache")
     p.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn from [10, vocab)")
     p.add_argument("--seed", type=int, default=0)
@@ -124,6 +155,12 @@ def run_child(args) -> Dict:
     from tensorrt_llm import LLM, SamplingParams
     from tensorrt_llm.llmapi import KvCacheConfig
 
+    if args.child == "on":
+        # The start-up hook registers the library where the package's .pth file is installed; this
+        # does it explicitly (idempotent), so the arm does not depend on how the package was installed.
+        from beam_shared_prefix.trtllm import register
+
+        register()
     plan_acc = _timed_planning() if args.child == "on" else None
     kv_kwargs = dict(enable_block_reuse=False, free_gpu_memory_fraction=args.kv_cache_fraction)
     try:
@@ -145,24 +182,23 @@ def run_child(args) -> Dict:
         llm_kwargs["cuda_graph_config"] = CudaGraphConfig(batch_sizes=[args.requests])
     else:
         llm_kwargs["cuda_graph_config"] = None
-    llm = LLM(**llm_kwargs)
-    try:
-        sampling = SamplingParams(max_tokens=args.max_tokens, n=args.beams, best_of=args.beams, use_beam_search=True,
-                                  ignore_eos=True, end_id=-1)
-    except TypeError:
-        sampling = SamplingParams(max_tokens=args.max_tokens, n=args.beams, best_of=args.beams, use_beam_search=True)
+    llm_kwargs.update(beam_search_llm_kwargs(_llm_arg_fields(), args.disable_overlap_scheduler))
+    # end_id=-1 with ignore_eos: no tokenizer is loaded, and every beam runs max_tokens steps.
+    sampling = SamplingParams(max_tokens=args.max_tokens, n=args.beams, best_of=args.beams, use_beam_search=True,
+                              ignore_eos=True, end_id=-1)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, args.vocab) for _ in range(args.prompt)] for _ in range(args.requests)]
-    for _ in range(args.warmup):
-        llm.generate(prompts, sampling)
-    stats_before = _library_stats() if args.child == "on" else {}
-    plan_before = dict(plan_acc) if plan_acc else None
-    walls = []
-    outputs = None
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, sampling)
-        walls.append(time.perf_counter() - t0)
+    with LLM(**llm_kwargs) as llm:
+        for _ in range(args.warmup):
+            llm.generate(prompts, sampling, use_tqdm=False)
+        stats_before = _library_stats() if args.child == "on" else {}
+        plan_before = dict(plan_acc) if plan_acc else None
+        walls = []
+        outputs = None
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+            walls.append(time.perf_counter() - t0)
     beams_returned = [len(o.outputs) for o in outputs] if outputs else []
     res = {
         "variant": args.child,
@@ -177,12 +213,21 @@ def run_child(args) -> Dict:
         res["library_stats_timed"] = {k: after.get(k, 0) - stats_before.get(k, 0) for k in after}
         calls = plan_acc["calls"] - plan_before["calls"]
         total = plan_acc["total_us"] - plan_before["total_us"]
+        planned = res["library_stats_timed"].get("steps_planned", 0)
         res["plan_calls_timed"] = calls
-        res["plan_host_us_per_step"] = total / calls if calls else None
-    shutdown = getattr(llm, "shutdown", None)
-    if callable(shutdown):
-        shutdown()
+        # Every prepare() call (context-only and declined steps too), and per step the library planned.
+        res["plan_host_us_per_prepare"] = total / calls if calls else None
+        res["plan_host_us_per_planned_step"] = total / planned if planned else None
     return res
+
+
+def _llm_arg_fields():
+    """Names of the PyTorch backend's LLM arguments (empty where this tree does not expose them)."""
+    try:
+        from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
+    except ImportError:
+        return set()
+    return set(getattr(TorchLlmArgs, "model_fields", {}))
 
 
 def _library_stats() -> Dict[str, int]:
@@ -206,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
-        require_tensorrt_llm()
+        require_tensorrt_llm(import_it=bool(args.child))
     except TrtllmMissing as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -233,10 +278,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         line = f"{r['variant']}: {r['prompts_per_s']:.2f} prompts/s (median wall {r['wall_s_median'] * 1e3:.1f} ms)"
         if r["variant"] == "on":
             st = r.get("library_stats_timed", {})
-            pu = r.get("plan_host_us_per_step")
+            per_step = r.get("plan_host_us_per_planned_step")
+            per_prepare = r.get("plan_host_us_per_prepare")
             line += (f"; library: {st.get('steps_planned', 0)} steps planned, {st.get('generation_forwards', 0)} eager "
-                     f"forwards served, {st.get('delegated_steps', 0)} steps to the default kernel; host planning "
-                     + ("-" if pu is None else f"{pu:.1f} us/step"))
+                     f"layer forwards served, {st.get('delegated_steps', 0)} layer forwards handed to the default "
+                     f"kernel; host planning "
+                     + ("-" if per_step is None else f"{per_step:.1f} us per planned step")
+                     + ("" if per_prepare is None else f" ({per_prepare:.1f} us per prepare())"))
         print(line)
     if summary:
         print(f"speedup on/off: {summary['speedup']:.2f}x; top beams identical: {summary['top_beams_equal']}")

@@ -34,6 +34,15 @@ def test_fails_clearly_without_tensorrt_llm(monkeypatch, capsys):
     assert "needs TensorRT-LLM" in err and "beam-shared-prefix-bench --preset A" in err
 
 
+def test_beam_search_llm_kwargs_follow_the_tree():
+    """Trees with ``enable_trtllm_sampler`` (before ``sampler_type``) need it on for beam search."""
+    old = {"model", "max_beam_width", "enable_trtllm_sampler", "disable_overlap_scheduler"}
+    new = {"model", "max_beam_width", "sampler_type", "disable_overlap_scheduler"}
+    assert e2e_trtllm.beam_search_llm_kwargs(old) == {"enable_trtllm_sampler": True}
+    assert e2e_trtllm.beam_search_llm_kwargs(new) == {}
+    assert e2e_trtllm.beam_search_llm_kwargs(new, disable_overlap_scheduler=True) == {"disable_overlap_scheduler": True}
+
+
 @pytest.mark.trtllm
 @pytest.mark.gpu
 def test_e2e_runs_with_tensorrt_llm(tmp_path):
