@@ -170,7 +170,8 @@ def run_child(args) -> Dict:
     llm_kwargs = dict(
         model=args.model,
         max_beam_width=args.beams,
-        max_batch_size=args.requests,
+        # Requests, not beams; older trees also refuse a SamplingParams.n above it (n = the beam width).
+        max_batch_size=max(args.requests, args.beams),
         max_seq_len=args.prompt + args.max_tokens + 8,
         max_num_tokens=max(8192, args.requests * (args.prompt + 8)),
         kv_cache_config=kv_config,
