@@ -62,9 +62,10 @@ requests of 8 and 30 beams, 500 and 2,000 tokens) the library's programs (one pe
 head) are a quarter as many for the same rows, while per-beam decode's work shrinks with the heads:
 120-128 rows (4 x 30, 16 x 8) were 0.65x-0.97x of per-beam decode, 480 and more (16 x 30, 64 x 8)
 1.69x-5.3x. So with fewer than 8 KV heads the floor is ``120 x 8 / Hkv`` rows (:func:`min_beam_rows`:
-480 at 2 KV heads; 4 KV heads and MQA are interpolated, not measured). One exception (tenth round, ``small_batches_backends*.json``):
-FlashInfer's prefill splits each prompt over many CTAs, so where it serves (``backend="flashinfer"``,
-or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
+480 at 2 KV heads; 4 KV heads and MQA are interpolated, not measured).
+
+One exception (tenth round, ``small_batches_backends*.json``): FlashInfer's prefill splits each
+prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
 follows the prompt KV that the ``W`` beams no longer re-read, ``R x W x P``:
 
 | R x W x P (R = 1-8, W = 8-30, P = 500-4,000) | FlashInfer + tail over per-beam decode |
@@ -153,12 +154,6 @@ def min_beam_rows(num_kv_heads: Optional[int]) -> int:
     return _scaled_by_kv_heads(MIN_BEAM_ROWS, num_kv_heads)
 
 
-def _kv_heads_note(num_kv_heads: Optional[int]) -> str:
-    if not num_kv_heads or num_kv_heads >= _MEASURED_KV_HEADS:
-        return ""
-    return f" ({MIN_BEAM_ROWS} x {_MEASURED_KV_HEADS} / {int(num_kv_heads)} KV heads)"
-
-
 def _narrow_head(head_dim: Optional[int]) -> bool:
     """Whether head 64's cascade table applies (head 128's for ``None``)."""
     return head_dim is not None and head_dim <= 64
@@ -215,10 +210,11 @@ def should_decline(
         split_measured = (split_kv and not one_launch and prompt_len is not None
                           and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and (group, head_dim) in _SPLIT_KV_MEASURED_SHAPES)
         if not split_measured:
+            scaled = ("" if least_rows == MIN_BEAM_ROWS
+                      else f" ({MIN_BEAM_ROWS} x {_MEASURED_KV_HEADS} / {num_kv_heads} KV heads)")
             return (
-                f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {least_rows}"
-                f"{_kv_heads_note(num_kv_heads)}: too few programs to fill the GPU, per-beam decode is faster here "
-                f"(measured on the H200, docs/benchmarks.md)"
+                f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {least_rows}{scaled}: too few "
+                f"programs to fill the GPU, per-beam decode is faster here (measured on the H200, docs/benchmarks.md)"
             )
         row_tokens = rows * float(prompt_len)
         # Measured at 8 KV heads; scaled as the rows are (at 2 KV heads FlashInfer + tail beat
