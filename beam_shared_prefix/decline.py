@@ -62,7 +62,18 @@ requests of 8 and 30 beams, 500 and 2,000 tokens) the library's programs (one pe
 head) are a quarter as many for the same rows, while per-beam decode's work shrinks with the heads:
 120-128 rows (4 x 30, 16 x 8) were 0.65x-0.97x of per-beam decode, 480 and more (16 x 30, 64 x 8)
 1.69x-5.3x. So with fewer than 8 KV heads the floor is ``120 x 8 / Hkv`` rows (:func:`min_beam_rows`:
-480 at 2 KV heads; 4 KV heads and MQA are interpolated, not measured).
+480 at 2 KV heads, 960 with one), i.e. ``R x W x Hkv >= 960``.
+
+Half of that serves from a mean prompt of 500 tokens (fifteenth round, ``small_batches_backends_{g5,g8_kv8,
+g7_kv4,g6_kv2,mqa}.json``: GQA 40/8, 64/8, 28/4, 12/2 and 8/1 at head 128, with every earlier few-request
+grid): every point of ``R x W x Hkv`` = 480-959 at 500 tokens or more was 1.13x-4.17x faster than per-beam
+decode on the path ``auto`` takes (4 KV heads: 4 x 30 and 16 x 8 rows 1.43x-1.92x; 2 KV heads: 8 x 30 and
+32 x 8 1.39x-1.92x; MQA: 16 x 30 and 64 x 8 1.27x-1.73x), except GQA 1 at head 64 (8 x 8 x 500 and 1,000:
+0.99x and 1.02x); below 500 tokens they lost (250 tokens at GQA 1: 0.96x-0.98x; 100 tokens at head 64:
+0.84x), and at 256 (``R x W x Hkv``) they lost everywhere measured without the split prompt (0.79x-1.03x).
+So ``R x W x Hkv >= 480`` is served from a mean prompt of :data:`FEW_ROWS_MIN_PROMPT` = 500 tokens
+(:func:`min_beam_rows` with ``prompt_len``), at head 128 and at head 64 for GQA 2-4 (where it was measured
+and won); at head 64 elsewhere the floor stays at 960.
 
 One exception (tenth round, ``small_batches_backends*.json``): FlashInfer's prefill splits each
 prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
@@ -102,14 +113,22 @@ from __future__ import annotations
 from typing import Optional
 
 __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
-           "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "CASCADE_MIN_PROMPT",
-           "CASCADE_MIN_PROMPT_HEAD_64"]
+           "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_LONG_PROMPT", "FEW_ROWS_MIN_PROMPT",
+           "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64"]
 
 #: Beam search proper: with one beam nothing is shared.
 MIN_BEAM_WIDTH = 2
 #: Fewer beam rows (requests x beam width) than this are left to the default kernel (at 8 KV heads
 #: or more; :func:`min_beam_rows` scales it up for fewer).
 MIN_BEAM_ROWS = 120
+#: From a mean prompt of :data:`FEW_ROWS_MIN_PROMPT` tokens this many rows are served instead (at 8 KV
+#: heads; scaled the same way), at head 128 and at head 64 for the groups of
+#: ``_FEW_ROWS_HEAD_64_GROUPS``.
+MIN_BEAM_ROWS_LONG_PROMPT = 60
+FEW_ROWS_MIN_PROMPT = 500
+# Head 64's groups where 60-119 rows (at 8 KV heads) won from 500 tokens (1.10x-1.25x at GQA 2-4);
+# GQA 1 at head 64 lost there (0.99x-1.02x), and GQA 5-8 at head 64 was not measured in that band.
+_FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
 # The KV heads of the grids that measured MIN_BEAM_ROWS and the split prompt's exception.
 _MEASURED_KV_HEADS = 8
 #: Fewer beam rows are still served by FlashInfer's split prompt from this many ``R x W x P`` tokens.
@@ -122,11 +141,16 @@ _SPLIT_KV_MEASURED_FROM_WIDTH = 8
 # 1.41x, at 120,000-128,000 1.38x-1.63x (per-beam decode there reads half head 128's bytes).
 # GQA 1 and 3 (fourteenth round, small_batches_backends_g[13]*.json): from 60,000 at GQA 1 (head 128
 # 1.39x-4.17x, head 64 1.13x-1.94x) and at GQA 3, head 128 (1.31x-3.44x); GQA 3 at head 64 from
-# 120,000 (1.06x at 4 x 8 x 2,000; 1.43x-1.83x from 120,000).
+# 120,000 (1.06x at 4 x 8 x 2,000; 1.43x-1.83x from 120,000). GQA 5-8 at head 128 (fifteenth round,
+# small_batches_backends_{g5,g8_kv8,g7_kv4,g6_kv2,mqa}.json, 1-8 KV heads) from 60,000 scaled by 8 / Hkv:
+# at 8 KV heads 1.37x-1.87x from 64,000 (1.13x at 32,000); at 4, 1.13x-1.14x at 64,000 and 1.21x-1.80x
+# from 120,000; at 2, 0.95x-1.18x below 240,000 and 1.17x-1.88x from it; at 1 (MQA), 1.02x-1.08x at
+# 240,000-256,000 and 1.17x at 512,000.
 _SPLIT_KV_MIN_ROW_TOKENS = {(2, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (4, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV,
                             (2, 64): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (4, 64): 120_000,
                             (1, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (1, 64): MIN_BEAM_ROW_TOKENS_SPLIT_KV,
-                            (3, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (3, 64): 120_000}
+                            (3, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (3, 64): 120_000,
+                            **{(g, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV for g in (5, 6, 7, 8)}}
 _SPLIT_KV_MEASURED_SHAPES = frozenset(_SPLIT_KV_MIN_ROW_TOKENS)
 #: With an unknown prompt length, narrower beams are left to the default kernel.
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
@@ -145,13 +169,22 @@ def _scaled_by_kv_heads(value: int, num_kv_heads: Optional[int]) -> int:
     return -(-value * _MEASURED_KV_HEADS // int(num_kv_heads))
 
 
-def min_beam_rows(num_kv_heads: Optional[int]) -> int:
+def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = None, group: Optional[int] = None,
+                  head_dim: Optional[int] = None) -> int:
     """The fewest beam rows (``R x W``) served with ``num_kv_heads`` KV heads: :data:`MIN_BEAM_ROWS`,
     measured at 8 KV heads, scaled up by ``8 / num_kv_heads`` below 8 (``None``: 8). The library runs
     a program per request and KV head, per-beam decode one per beam row and KV head, so with fewer
     KV heads the library needs more rows to fill the GPU (fourteenth round: at 2 KV heads 120-128
-    rows were 0.65x-0.97x of per-beam decode, 480-512 rows 1.69x-5.3x)."""
-    return _scaled_by_kv_heads(MIN_BEAM_ROWS, num_kv_heads)
+    rows were 0.65x-0.97x of per-beam decode, 480-512 rows 1.69x-5.3x).
+
+    From a mean prompt (``prompt_len``, tokens) of :data:`FEW_ROWS_MIN_PROMPT`, half as many:
+    :data:`MIN_BEAM_ROWS_LONG_PROMPT`, scaled the same way, at head 128 (``head_dim`` ``None`` counts as
+    128) and at head 64 for GQA ``group`` 2-4 (fifteenth round; the module docstring has the data)."""
+    rows = MIN_BEAM_ROWS
+    if prompt_len is not None and float(prompt_len) >= FEW_ROWS_MIN_PROMPT:
+        if head_dim is None or head_dim == 128 or (head_dim == 64 and group in _FEW_ROWS_HEAD_64_GROUPS):
+            rows = MIN_BEAM_ROWS_LONG_PROMPT
+    return _scaled_by_kv_heads(rows, num_kv_heads)
 
 
 def _narrow_head(head_dim: Optional[int]) -> bool:
@@ -201,17 +234,22 @@ def should_decline(
     if w < MIN_BEAM_WIDTH:
         return f"beam width {w} < {MIN_BEAM_WIDTH}: no beams share a prompt"
     rows = None if num_requests is None else int(num_requests) * w
-    least_rows = min_beam_rows(num_kv_heads)
+    group = (num_qo_heads // num_kv_heads if num_qo_heads is not None and num_kv_heads
+             and num_qo_heads % num_kv_heads == 0 else None)
+    least_rows = min_beam_rows(num_kv_heads, prompt_len, group, head_dim)
     if rows is not None and rows < least_rows:
         # The exception is measured at 8-30 beams and the shapes of _SPLIT_KV_MEASURED_SHAPES;
         # elsewhere few rows stay declined.
-        group = (num_qo_heads // num_kv_heads if num_qo_heads is not None and num_kv_heads
-                 and num_qo_heads % num_kv_heads == 0 else None)
         split_measured = (split_kv and not one_launch and prompt_len is not None
                           and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and (group, head_dim) in _SPLIT_KV_MEASURED_SHAPES)
         if not split_measured:
-            scaled = ("" if least_rows == MIN_BEAM_ROWS
-                      else f" ({MIN_BEAM_ROWS} x {_MEASURED_KV_HEADS} / {num_kv_heads} KV heads)")
+            base = MIN_BEAM_ROWS_LONG_PROMPT if least_rows < min_beam_rows(num_kv_heads) else MIN_BEAM_ROWS
+            scaled = ("" if least_rows == base else f" ({base} x {_MEASURED_KV_HEADS} / {num_kv_heads} KV heads)")
+            if base == MIN_BEAM_ROWS_LONG_PROMPT:
+                scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
+            elif prompt_len is not None and float(prompt_len) < FEW_ROWS_MIN_PROMPT:
+                scaled += (f" (half as many from a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens; "
+                           f"this one is {float(prompt_len):.0f})")
             return (
                 f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {least_rows}{scaled}: too few "
                 f"programs to fill the GPU, per-beam decode is faster here (measured on the H200, docs/benchmarks.md)"

@@ -158,6 +158,20 @@ CASCADE_MAX_GROUP = 8
 # 1,000 tokens and 30 per program, up to 64 programs except at GQA 1, head 64
 # (SPLIT_KV_MAX_PROGRAMS_BY_SHAPE; there 128 programs take FlashInfer at 3,840 tokens, 9% slower
 # than FA4 with 30 beams at 4,000).
+#
+# Fifteenth round, GQA 5-8 at head 128 (small_batches_backends_{g5,g8_kv8,g7_kv4,g6_kv2,mqa}.json and
+# the fourteenth round's _g8.json: GQA 40/8, 64/8, 28/4, 12/2, 8/1 and 16/2; 1-128 requests of 8, 16
+# and 30 beams at 500-4,000 tokens). The cascade's tiles there are 16 beams of 128 rows and it stops
+# at 128 tokens, so the other backends are FA4 + tail (one CTA per request, KV head and 128 rows,
+# reading the whole prompt: 20-21 us at 500 tokens, 38-40 at 2,000, 63-65 at 4,000 up to 32
+# programs) and FlashInfer + tail. FlashInfer against FA4: up to 8 cascade programs 4-22% faster at
+# 1,000 tokens (1 x 8 at GQA 5 and 8) and 1.4-2.8x at 2,000-4,000; 16 programs within 4-9% either
+# way at 1,000 and 1.3-1.9x faster at 2,000-4,000; 32 programs 2-21% slower at 1,000, from 4%
+# slower (4 x 30 at 28/4; 16 x 30 at 8/1) to 23% faster at 2,000 and 1.2-1.7x faster at 4,000; 64
+# programs from 14% faster (8 x 8 at 4,000) to 31% slower (8 x 30 at 4,000, 87.6 against 66.8 us);
+# at 500 tokens FA4 or within 5%. Hence GQA 2's 1,000 tokens and 60 per program, up to 32 programs
+# and two beam blocks (30 beams). Head 64 at GQA 5-8 was measured only at 14/2 (_g7_d64.json), where
+# FlashInfer + tail lost to per-beam decode at the few rows it would serve; not enabled there.
 SPLIT_KV_MAX_PROGRAMS = 128
 #: ``{(GQA group, head size): {tile rows: (smallest mean prompt, tokens per cascade program)}}`` at
 #: which ``auto`` picks FlashInfer; shapes not listed never (not measured). Tiles of fewer than 64
@@ -171,12 +185,17 @@ SPLIT_KV_PROMPT = {
     (1, 64): {32: (1000, 30)},
     (3, 128): {64: (1000, 30)},
     (3, 64): {64: (1000, 30)},
+    (5, 128): {64: (1000, 60)},
+    (6, 128): {64: (1000, 60)},
+    (7, 128): {64: (1000, 60)},
+    (8, 128): {64: (1000, 60)},
 }
 #: The most beam blocks per request at which each shape of :data:`SPLIT_KV_PROMPT` was measured.
 SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2, (1, 128): 1, (1, 64): 1, (3, 128): 2,
-                            (3, 64): 2}
+                            (3, 64): 2, (5, 128): 2, (6, 128): 2, (7, 128): 2, (8, 128): 2}
 #: Shapes where FlashInfer's split prompt stops below :data:`SPLIT_KV_MAX_PROGRAMS` cascade programs.
-SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(1, 128): 64, (3, 128): 64, (3, 64): 64}
+SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(1, 128): 64, (3, 128): 64, (3, 64): 64, (5, 128): 32, (6, 128): 32, (7, 128): 32,
+                                  (8, 128): 32}
 
 # Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
 # (at most 128: under one per SM) each attends its whole prompt in turn, and FA4 overtakes it at

@@ -314,7 +314,12 @@ def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, 
     assert "128 cascade programs > 64 at GQA 1, head 128" in split_kv_preferred(16, 4000, 8, 8, 30, 128)[1]
     assert split_kv_preferred(16, 4000, 8, 8, 8, 64)[0]  # GQA 1, head 64, 16-row tiles: up to 128
     assert auto(8, 4000, beams=16, hq=24)[0] == "flashinfer"  # G = 3: 64 programs need 1,920 tokens
-    assert "measured only at" in split_kv_preferred(2, 4000, 64, 8, 30, 128)[1]  # G = 8: not measured
+    # G = 5-8 at head 128 (16-beam tiles of 128 rows): up to 32 programs and two beam blocks; not at head 64
+    assert split_kv_preferred(2, 4000, 64, 8, 30, 128)[0]  # 32 programs need 1,920 tokens
+    assert "64 cascade programs > 32 at GQA 5, head 128" in split_kv_preferred(8, 4000, 40, 8, 8, 128)[1]
+    assert "takes 3 beam blocks" in split_kv_preferred(1, 4000, 28, 4, 48, 128)[1]
+    assert "measured only at" in split_kv_preferred(2, 4000, 64, 8, 30, 64)[1]  # G = 8, head 64: not measured
+    assert "measured only at" in split_kv_preferred(2, 4000, 16, 1, 30, 128)[1]  # G = 16: not measured
     # G = 4 (16-beam tiles of 64 rows; 30 beams take two, both counted)
     assert auto(2, 2000, beams=16, hq=32)[0] == "flashinfer"  # 16 programs
     assert auto(4, 4000, hq=32)[0] == "flashinfer"  # 4 x 8 x 2 = 64 programs need 3,840 tokens
@@ -391,8 +396,8 @@ def test_split_kv_rule_agrees_with_the_h200_grids():
             assert split, f"{where}: FlashInfer {library['flashinfer']:.1f} us not picked, {library}"
         points += 1
         seen.add((hq // hkv, d))
-    assert points >= 470 and seen == {(1, 128), (2, 128), (3, 128), (4, 128), (1, 64), (2, 64), (3, 64), (4, 64),
-                                      (7, 64), (8, 128)}
+    assert points >= 640 and seen == {(1, 128), (2, 128), (3, 128), (4, 128), (1, 64), (2, 64), (3, 64), (4, 64),
+                                      (5, 128), (6, 128), (7, 128), (8, 128), (7, 64)}
 
 
 def test_auto_on_cpu_is_the_reference():
