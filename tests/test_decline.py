@@ -124,3 +124,108 @@ def test_fewer_kv_heads_need_more_beam_rows():
     # FlashInfer's few-rows exception scales the same way: 60,000 -> 240,000 at 2 KV heads
     assert "64000 < 240000 with FlashInfer's split prompt" in should_decline(2, 8, 4000, 4, 2, 128, split_kv=True)
     assert should_decline(8, 8, 4000, 4, 2, 128, split_kv=True) is None  # 256,000
+
+
+def test_reasons_name_the_value_and_the_limit():
+    assert "shared prompt tokens < 600" in decide(8, 40)
+    assert "mean prompt 100 < 150 tokens at beam width 3" in decide(3, 100, one_launch=True)
+    assert "beam width 1 < 2" in decide(1, 5000, one_launch=True)
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_prompt_unknown_serves_from_eight_beams(one_launch):
+    assert should_decline(None, MIN_BEAM_WIDTH_ANY_PROMPT, None, 16, 8, 128, one_launch=one_launch) is None
+    assert "prompt length unknown" in should_decline(None, MIN_BEAM_WIDTH_ANY_PROMPT - 1, None, 16, 8, 128,
+                                                     one_launch=one_launch)
+    assert should_decline(None, None, None, 16, 8, 128) is None
+
+
+@pytest.mark.parametrize("table,head_dim", [(CASCADE_MIN_PROMPT, 128), (CASCADE_MIN_PROMPT_HEAD_64, 64)])
+def test_cascade_thresholds_only_fall_with_the_beam_width(table, head_dim):
+    widths = [w for w, _ in table]
+    assert widths == sorted(widths) and widths[0] >= 2
+    prompts = [cascade_min_prompt(w, head_dim) for w in range(widths[0], 300)]
+    assert prompts == sorted(prompts, reverse=True)
+    assert all(cascade_min_prompt(w, head_dim) is None for w in range(2, widths[0]))
+
+
+def test_rule_agrees_with_the_small_batch_grids():
+    """1-16 requests (GQA 2 at head 128, tenth round; GQA 4 at head 128 and GQA 2 at head 64,
+    eleventh; 48-256 beams at all three, twelfth; GQA 4 at head 64, thirteenth): every point the rule serves, with the path ``auto`` takes there (FlashInfer's split
+    prompt, the cascade or FA4), was at least 1.10x faster than per-beam decode."""
+    from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
+
+    points = served = 0
+    for name, s, arms, decode in _grid_points("small_batches_backends*.json"):
+        shape = (s["prompt"], s["heads"], s["kv_heads"], s["beams"], s["head_dim"])
+        one_launch = cascade_serves("auto", *shape, num_requests=s["requests"])
+        split_kv = flashinfer_serves("auto", s["requests"], *shape)
+        path = "library/flashinfer" if split_kv else "library/triton" if one_launch else "library/fa4"
+        points += 1
+        if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
+                          one_launch=one_launch, split_kv=split_kv) is None:
+            served += 1
+            speedup = decode / arms[path]["time_us"]
+            assert speedup >= 1.10, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} {path} at {speedup:.2f}x"
+    assert points >= 200 and served >= 150
+
+
+def test_rule_agrees_with_the_wrapper_checks():
+    """The wrapper checks (``*auto_check*.json``: ``library/auto`` through the plan/run wrapper against
+    per-beam decode, tenth to fifteenth rounds): every point the rule serves, on the backend the
+    wrapper ran, was at least 1.10x faster than per-beam decode."""
+    points = served = 0
+    for name, s, arms, decode in _grid_points("*auto_check*.json"):
+        lib = arms["library/auto"]
+        backend = lib["info"].get("backend")
+        points += 1
+        if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
+                          one_launch=backend == "triton", split_kv=backend == "flashinfer") is None:
+            served += 1
+            speedup = decode / lib["time_us"]
+            assert speedup >= 1.10, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} {backend} at {speedup:.2f}x"
+    assert points >= 80 and served >= 50, (points, served)
+
+
+def _grid_points(pattern):
+    """``(file, shape, arms, per-beam decode us)`` of every grid point that timed per-beam decode."""
+    for path in sorted(RESULTS.glob(pattern)):
+        for point in json.loads(path.read_text())["results"]:
+            arms = {a["name"]: a for a in point["arms"] if a["status"] == "ok"}
+            decode = [arms[n]["time_us"] for n in ("fi-decode-tc", "fi-decode-cc") if n in arms]
+            if decode:  # (the eleventh round's backend-only grids did not time it)
+                yield path.name, point["shape"], arms, min(decode)
+
+
+@pytest.mark.parametrize("pattern,arm,margin,least_points,least_served", [
+    ("decline_g[24]_auto*.json", "library/auto", 1.10, 40, 20),
+    ("decline_g[24]_d64_auto*.json", "library/auto", 1.10, 40, 20),
+    ("decline_requests*.json", "library/auto", 1.10, 12, 6),
+    ("decline_g[24].json", "library/fa4", 1.10, 40, 20),
+])
+def test_rule_agrees_with_the_h200_grids(pattern, arm, margin, least_points, least_served):
+    """Every grid point the rule serves was at least ``margin`` x faster than per-beam decode, with the
+    path the rule assumes (the cascade where ``auto`` chose it). Declined points may have been faster:
+    the rule keeps a margin (and the one-launch table is the per-width minimum over both head shapes)."""
+    points = list(_grid_points(pattern))
+    assert len(points) >= least_points
+    served = 0
+    for name, s, arms, decode in points:
+        lib = arms[arm]
+        one_launch = lib["info"].get("backend") == "triton"
+        if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
+                          one_launch=one_launch) is None:
+            served += 1
+            speedup = decode / lib["time_us"]
+            where = f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']}"
+            assert speedup >= margin, f"{where} served at {speedup:.2f}x"
+    assert served >= least_served
+    assert MIN_SHARED_PROMPT_TOKENS == 600
+
+
+def test_split_prompt_exception_covers_the_shapes_auto_measured():
+    """The few-rows exception applies exactly where ``auto``'s split-prompt rule was measured."""
+    from beam_shared_prefix import decline
+    from beam_shared_prefix.prefix.select import SPLIT_KV_PROMPT
+
+    assert decline._SPLIT_KV_MEASURED_SHAPES == set(SPLIT_KV_PROMPT)
