@@ -64,16 +64,17 @@ head) are a quarter as many for the same rows, while per-beam decode's work shri
 1.69x-5.3x. So with fewer than 8 KV heads the floor is ``120 x 8 / Hkv`` rows (:func:`min_beam_rows`:
 480 at 2 KV heads, 960 with one), i.e. ``R x W x Hkv >= 960``.
 
-Half of that serves from a mean prompt of 500 tokens (fifteenth round, ``small_batches_backends_{g5,g8_kv8,
-g7_kv4,g6_kv2,mqa}.json``: GQA 40/8, 64/8, 28/4, 12/2 and 8/1 at head 128, with every earlier few-request
-grid): every point of ``R x W x Hkv`` = 480-959 at 500 tokens or more was 1.13x-4.17x faster than per-beam
-decode on the path ``auto`` takes (4 KV heads: 4 x 30 and 16 x 8 rows 1.43x-1.92x; 2 KV heads: 8 x 30 and
-32 x 8 1.39x-1.92x; MQA: 16 x 30 and 64 x 8 1.27x-1.73x), except GQA 1 at head 64 (8 x 8 x 500 and 1,000:
-0.99x and 1.02x); below 500 tokens they lost (250 tokens at GQA 1: 0.96x-0.98x; 100 tokens at head 64:
-0.84x), and at 256 (``R x W x Hkv``) they lost everywhere measured without the split prompt (0.79x-1.03x).
-So ``R x W x Hkv >= 480`` is served from a mean prompt of :data:`FEW_ROWS_MIN_PROMPT` = 500 tokens
-(:func:`min_beam_rows` with ``prompt_len``), at head 128 and at head 64 for GQA 2-4 (where it was measured
-and won); at head 64 elsewhere the floor stays at 960.
+Half of that serves from a mean prompt of 500 tokens (fifteenth round,
+``small_batches_backends_{g5,g8_kv8,g7_kv4,g6_kv2,mqa}.json``: GQA 40/8, 64/8, 28/4, 12/2 and 8/1 at
+head 128, with every earlier few-request grid). Every point of ``R x W x Hkv`` = 480-959 at 500 tokens
+or more was 1.13x-4.17x faster than per-beam decode on the path ``auto`` takes (4 KV heads: 4 x 30 and
+16 x 8 rows, 1.43x-1.92x; 2 KV heads: 8 x 30 and 32 x 8, 1.39x-1.92x; MQA: 16 x 30 and 64 x 8,
+1.27x-1.73x), except GQA 1 at head 64 (8 x 8 x 500 and 1,000: 0.99x and 1.02x). Below 500 tokens they
+lost (250 tokens at GQA 1: 0.96x-0.98x; 100 tokens at head 64: 0.84x), and at 240-256 they lost at
+every point measured without the split prompt (0.50x-1.04x). So ``R x W x Hkv >= 480`` is served from
+a mean prompt of :data:`FEW_ROWS_MIN_PROMPT` = 500 tokens (:func:`min_beam_rows` with ``prompt_len``),
+at head 128 and at head 64 for GQA 2-4 (where it was measured and won); elsewhere at head 64 the floor
+stays at 960.
 
 One exception (tenth round, ``small_batches_backends*.json``): FlashInfer's prefill splits each
 prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
