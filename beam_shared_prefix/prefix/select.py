@@ -39,7 +39,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
-           "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
+           "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
+           "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path"]
 
@@ -96,6 +97,11 @@ CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64 = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA = 0
 CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64 = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
+# Fifteenth round: at head 64, groups 3-4, several blocks (30 beams), the cascade was 7-10% faster than
+# FA4 + tail at 500 tokens at GQA 3 with 1-16 requests (small_batches_backends_g3_d64.json; 3-6% slower
+# at 1,000) and even at GQA 4 with 64 requests (74.7 against 74.6 us, auto_rule_round9_g4_d64_w30_b.json;
+# 16% slower at 1,000); hence 512 there.
+CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64 = 512
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
 CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 = 256
 CASCADE_MAX_GROUP = 8
@@ -269,7 +275,7 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     | --- | --- | --- |
     | 1 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA` (head 64, two blocks: :data:`CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64`) |
     | 2 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64`) |
-    | 3-4 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` |
+    | 3-4 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64`) |
     | 5-8, head 128 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` |
     | 5-8, head 64 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` |
     """
@@ -286,7 +292,11 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
         return CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64 if head_dim == 64 else CASCADE_MAX_MEAN_PROMPT_SPLIT
     if group_size > 4:
         return CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 if head_dim == 64 else CASCADE_MAX_MEAN_PROMPT_GROUP_8
-    return CASCADE_MAX_MEAN_PROMPT if one else CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP
+    if one:
+        return CASCADE_MAX_MEAN_PROMPT
+    if head_dim == 64:
+        return CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64
+    return CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP
 
 
 def cascade_preferred(

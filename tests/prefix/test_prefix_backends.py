@@ -539,15 +539,16 @@ def test_auto_rule_agrees_with_the_h200_grids():
     # G = 1: tiles of at most 32 beams; several blocks never (round 8)
     (1, 128, 32, 4096, 0), (2, 128, 32, 4096, 128), (2, 64, 32, 4096, 256),
     # groups 3-4: head 128 attends the tail on CUDA cores (round 7), head 64 on tensor cores; the
-    # same limits measured for both (round 9)
-    (3, 128, 16, 4096, 256), (4, 128, 16, 4096, 256), (4, 64, 16, 4096, 256),
+    # same one-block limit for both (round 9), several blocks to 512 tokens at head 64 (round 15)
+    (3, 128, 16, 4096, 256), (4, 128, 16, 4096, 256), (3, 64, 16, 4096, 512), (4, 64, 16, 4096, 512),
     # groups 5-8: 16-beam tiles of 128 rows, 128 tokens either way at head 128 (round 8), 256 at head 64 (round 9)
     (5, 128, 16, 128, 128), (8, 128, 16, 128, 128), (8, 64, 16, 256, 256),
 ])
 def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block_up_to, one_block_limit, split_limit):
     """4096 tokens while one program's beam block (at most 32 beams and 64 query rows) holds all W
     beams (at groups 5-8: 128 at head 128, 256 at head 64); beyond, and when W is unknown: none at
-    G = 1, 128 tokens at G = 2 (256 at head 64), 256 at groups 3-4, as at groups 5-8 otherwise."""
+    G = 1, 128 tokens at G = 2 (256 at head 64), 256 at groups 3-4 (512 at head 64), as at groups 5-8
+    otherwise."""
     from beam_shared_prefix.prefix.select import cascade_prompt_limit, one_beam_block
 
     assert cascade_prompt_limit(1, group, head_dim) == one_block_limit
