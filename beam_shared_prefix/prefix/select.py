@@ -176,8 +176,10 @@ CASCADE_MAX_GROUP = 8
 # slower (4 x 30 at 28/4; 16 x 30 at 8/1) to 23% faster at 2,000 and 1.2-1.7x faster at 4,000; 64
 # programs from 14% faster (8 x 8 at 4,000) to 31% slower (8 x 30 at 4,000, 87.6 against 66.8 us);
 # at 500 tokens FA4 or within 5%. Hence GQA 2's 1,000 tokens and 60 per program, up to 32 programs
-# and two beam blocks (30 beams). Head 64 at GQA 5-8 was measured only at 14/2 (_g7_d64.json), where
-# FlashInfer + tail lost to per-beam decode at the few rows it would serve; not enabled there.
+# and two beam blocks (30 beams). Head 64 at GQA 7-8 (_g7_d64.json, _g8_d64.json, _g7_kv4_d64.json):
+# FlashInfer 1.4-2.8x faster than FA4 at 4,000 tokens up to 32 programs, but at 64 programs 8 x 8
+# wanted it (55.8 against FA4's 67.4 us) and 4 x 30 did not (83.0 against 66.5), so no program cap
+# keeps every pick within 18%; and most of those points are declined (few rows). Not enabled there.
 SPLIT_KV_MAX_PROGRAMS = 128
 #: ``{(GQA group, head size): {tile rows: (smallest mean prompt, tokens per cascade program)}}`` at
 #: which ``auto`` picks FlashInfer; shapes not listed never (not measured). Tiles of fewer than 64
