@@ -149,7 +149,11 @@ class BeamSharedPrefixAttention:
         self.prefix_kernel = prefix_kernel
         self.check_tolerance = None  # a CheckTolerance overrides the per-dtype defaults of check mode
         report_errors = bool(settings.report_errors if report_errors is None else report_errors)
-        self.error_flags = torch.zeros(1, dtype=torch.int32, device=self.device) if report_errors else None
+        self.error_flags = None
+        if report_errors:
+            from triton_kernels.device_errors import new_error_flags  # deferred: triton is imported on first use
+
+            self.error_flags = new_error_flags(self.device)
         self._errors_seen = 0
         self._error_poll = None  # (pinned host word, event) of the copy in flight
 
@@ -480,7 +484,8 @@ class BeamSharedPrefixAttention:
         ``kv_len`` or page entry (reported by check mode) reads some slot of the pool, never past it
         (on a GPU an out-of-range gather is a device-side assert that ends the process's CUDA context).
         """
-        pos = (kv_lens[:rows].long() - 1).clamp(min=0)
+        cur = kv_lens[:rows].long() - 1
+        pos = cur.clamp(min=0)
         col = (pos // page_size).clamp(max=beam_page_table.shape[1] - 1)
         entry = beam_page_table[:rows].gather(1, col[:, None]).squeeze(1).long()
         page = (entry // page_index_divisor).clamp(0, kv_cache.shape[0] - 1)
@@ -488,7 +493,6 @@ class BeamSharedPrefixAttention:
             # The engine's write slot, as the tail kernels judge their own (device ops, no sync).
             from triton_kernels import device_errors
 
-            cur = kv_lens[:rows].long() - 1
             len_bad = (cur < 0) | (cur // page_size >= beam_page_table.shape[1])
             entry_bad = ~len_bad & ((entry < 0) | (entry // page_index_divisor >= kv_cache.shape[0]))
             device_errors.flag_where(self.error_flags, len_bad, device_errors.KV_LEN)

@@ -182,11 +182,19 @@ def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = Non
     From a mean prompt (``prompt_len``, tokens) of :data:`FEW_ROWS_MIN_PROMPT`, half as many:
     :data:`MIN_BEAM_ROWS_LONG_PROMPT`, scaled the same way, at head 128 (``head_dim`` ``None`` counts as
     128) and at head 64 for GQA ``group`` 2-4 (fifteenth round; the module docstring has the data)."""
-    rows = MIN_BEAM_ROWS
-    if prompt_len is not None and float(prompt_len) >= FEW_ROWS_MIN_PROMPT:
-        if head_dim is None or head_dim == 128 or (head_dim == 64 and group in _FEW_ROWS_HEAD_64_GROUPS):
-            rows = MIN_BEAM_ROWS_LONG_PROMPT
-    return _scaled_by_kv_heads(rows, num_kv_heads)
+    return _scaled_by_kv_heads(_beam_rows_floor(prompt_len, group, head_dim), num_kv_heads)
+
+
+def _long_prompt_floor_applies(group: Optional[int], head_dim: Optional[int]) -> bool:
+    """Whether :data:`MIN_BEAM_ROWS_LONG_PROMPT` was measured to serve at this shape (head 128, or
+    ``None``; head 64 at the groups of ``_FEW_ROWS_HEAD_64_GROUPS``)."""
+    return head_dim is None or head_dim == 128 or (head_dim == 64 and group in _FEW_ROWS_HEAD_64_GROUPS)
+
+
+def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int]) -> int:
+    """The row floor at 8 KV heads, before :func:`_scaled_by_kv_heads`."""
+    long_prompt = prompt_len is not None and float(prompt_len) >= FEW_ROWS_MIN_PROMPT
+    return MIN_BEAM_ROWS_LONG_PROMPT if long_prompt and _long_prompt_floor_applies(group, head_dim) else MIN_BEAM_ROWS
 
 
 def _narrow_head(head_dim: Optional[int]) -> bool:
@@ -238,18 +246,18 @@ def should_decline(
     rows = None if num_requests is None else int(num_requests) * w
     group = (num_qo_heads // num_kv_heads if num_qo_heads is not None and num_kv_heads
              and num_qo_heads % num_kv_heads == 0 else None)
-    least_rows = min_beam_rows(num_kv_heads, prompt_len, group, head_dim)
+    base = _beam_rows_floor(prompt_len, group, head_dim)
+    least_rows = _scaled_by_kv_heads(base, num_kv_heads)
     if rows is not None and rows < least_rows:
         # The exception is measured at 8-30 beams and the shapes of _SPLIT_KV_MEASURED_SHAPES;
         # elsewhere few rows stay declined.
         split_measured = (split_kv and not one_launch and prompt_len is not None
                           and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and (group, head_dim) in _SPLIT_KV_MEASURED_SHAPES)
         if not split_measured:
-            base = MIN_BEAM_ROWS_LONG_PROMPT if least_rows < min_beam_rows(num_kv_heads) else MIN_BEAM_ROWS
             scaled = ("" if least_rows == base else f" ({base} x {_MEASURED_KV_HEADS} / {num_kv_heads} KV heads)")
             if base == MIN_BEAM_ROWS_LONG_PROMPT:
                 scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
-            elif prompt_len is not None and float(prompt_len) < FEW_ROWS_MIN_PROMPT:
+            elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):
                 scaled += (f" (half as many from a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens; "
                            f"this one is {float(prompt_len):.0f})")
             return (

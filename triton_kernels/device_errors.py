@@ -131,4 +131,4 @@ def check_error_flags(error_flags, device) -> None:
         got = (f"{error_flags.dtype} {tuple(error_flags.shape)} on {error_flags.device}"
                if isinstance(error_flags, torch.Tensor) else type(error_flags).__name__)
         raise TailMergeInputError(f"error_flags must be an int32 tensor of one element on {device}, got {got}; "
-                         f"make one with triton_kernels.device_errors.new_error_flags(device).")
+                                  f"make one with triton_kernels.device_errors.new_error_flags(device).")
