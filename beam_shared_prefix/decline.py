@@ -133,6 +133,12 @@ FEW_ROWS_MIN_PROMPT = 500
 _FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
 # The KV heads of the grids that measured MIN_BEAM_ROWS and the split prompt's exception.
 _MEASURED_KV_HEADS = 8
+# Above 8 KV heads the floors scale down, but no further than 16 KV heads' (sixteenth round,
+# small_batches_backends_{mha32,mha16_d64,g2_kv16}.json): at 16 KV heads (32/16, 16/16 at head 64)
+# R x W x Hkv >= 960 won at every point (1.23x-1.47x), 480-512 from 500 tokens at head 128 (1.17x-1.50x);
+# at 32 (MHA 32/32) R x W x Hkv = 960 measured 1.00x (1 x 30 x 100) and 1,024 1.17x-1.18x, so 32 KV
+# heads keep 16's floors (60 rows, 30 from 500 tokens: 1.53x-1.90x).
+_MAX_SCALED_KV_HEADS = 16
 #: Fewer beam rows are still served by FlashInfer's split prompt from this many ``R x W x P`` tokens.
 MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60_000
 # The narrowest beam width at which that exception was measured (8-30 beams).
@@ -165,10 +171,11 @@ CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
 
 
 def _scaled_by_kv_heads(value: int, num_kv_heads: Optional[int]) -> int:
-    """``value`` (measured at 8 KV heads) times ``8 / num_kv_heads`` below 8 KV heads, rounded up."""
-    if not num_kv_heads or num_kv_heads >= _MEASURED_KV_HEADS:
+    """``value`` (measured at 8 KV heads) times ``8 / num_kv_heads``, rounded up, with ``num_kv_heads``
+    capped at 16 (``None``: 8): what decides is ``R x W x Hkv`` (the module docstring has the data)."""
+    if not num_kv_heads:
         return value
-    return -(-value * _MEASURED_KV_HEADS // int(num_kv_heads))
+    return -(-value * _MEASURED_KV_HEADS // min(int(num_kv_heads), _MAX_SCALED_KV_HEADS))
 
 
 def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = None, group: Optional[int] = None,

@@ -109,8 +109,8 @@ def test_fewer_kv_heads_need_more_beam_rows():
     round: R x W x Hkv = 480-512 won at 4, 2 and 1 KV heads, 1.27x-1.92x; 240-256 lost, 0.79x-1.03x)."""
     from beam_shared_prefix.decline import min_beam_rows
 
-    assert [min_beam_rows(h) for h in (None, 1, 2, 3, 4, 8, 16)] == [120, 960, 480, 320, 240, 120, 120]
-    assert [min_beam_rows(h, 500) for h in (None, 1, 2, 3, 4, 8, 16)] == [60, 480, 240, 160, 120, 60, 60]
+    assert [min_beam_rows(h) for h in (None, 1, 2, 3, 4, 8, 16, 32)] == [120, 960, 480, 320, 240, 120, 60, 60]
+    assert [min_beam_rows(h, 500) for h in (None, 1, 2, 3, 4, 8, 16, 32)] == [60, 480, 240, 160, 120, 60, 30, 30]
     assert min_beam_rows(2, 499) == 480 and min_beam_rows(2, 500, 8, 64) == 480 and min_beam_rows(2, 500, 4, 64) == 240
     reason = should_decline(16, 8, 2000, 16, 2, 128)
     assert "128 beam rows < 240 (60 x 8 / 2 KV heads) at a mean prompt of 500 tokens or more" in reason
@@ -156,17 +156,24 @@ def test_rule_agrees_with_the_small_batch_grids():
     from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 
     points = served = 0
+    judged, retimed = set(), set()
     for name, s, arms, decode in _grid_points("small_batches_backends*.json"):
         shape = (s["prompt"], s["heads"], s["kv_heads"], s["beams"], s["head_dim"])
         one_launch = cascade_serves("auto", *shape, num_requests=s["requests"])
         split_kv = flashinfer_serves("auto", s["requests"], *shape)
         path = "library/flashinfer" if split_kv else "library/triton" if one_launch else "library/fa4"
+        key = (s["requests"], *shape)
+        if path not in arms:  # the tenth round timed no FA4: a later grid must have, at this point
+            retimed.add((key, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']}"))
+            continue
+        judged.add(key)
         points += 1
         if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
                           one_launch=one_launch, split_kv=split_kv) is None:
             served += 1
             speedup = decode / arms[path]["time_us"]
             assert speedup >= 1.10, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} {path} at {speedup:.2f}x"
+    assert not [where for key, where in retimed if key not in judged]
     assert points >= 200 and served >= 150
 
 

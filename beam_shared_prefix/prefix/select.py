@@ -185,7 +185,7 @@ SPLIT_KV_MAX_PROGRAMS = 128
 #: which ``auto`` picks FlashInfer; shapes not listed never (not measured). Tiles of fewer than 64
 #: rows take the 32-row entry.
 SPLIT_KV_PROMPT = {
-    (2, 128): {64: (1000, 60), 32: (500, 8)},
+    (2, 128): {64: (1000, 60), 32: (1000, 30)},
     (4, 128): {64: (1000, 60)},
     (2, 64): {64: (1000, 60), 32: (1000, 30)},
     (4, 64): {64: (1000, 60)},
@@ -202,7 +202,7 @@ SPLIT_KV_PROMPT = {
 SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2, (1, 128): 1, (1, 64): 1, (3, 128): 2,
                             (3, 64): 2, (5, 128): 2, (6, 128): 2, (7, 128): 2, (8, 128): 2}
 #: Shapes where FlashInfer's split prompt stops below :data:`SPLIT_KV_MAX_PROGRAMS` cascade programs.
-SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(1, 128): 64, (3, 128): 64, (3, 64): 64, (5, 128): 32, (6, 128): 32, (7, 128): 32,
+SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 64, (3, 64): 64, (5, 128): 32, (6, 128): 32, (7, 128): 32,
                                   (8, 128): 32}
 
 # Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
@@ -235,7 +235,7 @@ CASCADE_FEW_PROGRAMS = 128
 #: :data:`CASCADE_FEW_PROGRAMS` programs and one beam block (groups 3 and 4 share an entry); a
 #: ``{tile rows: limit}`` value where the limit depends on the tile (rows not listed: no limit).
 CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048, (4, 64): 1024, (1, 128): {16: 1024, 32: 256},
-                                        (1, 64): {32: 1024}}
+                                        (1, 64): {32: 1024}, (2, 128): {32: 256}}
 # Two beam blocks at GQA 2 (33-64 beams) with at most 128 programs (twelfth round, the wide files):
 # the cascade was 8-14% faster than FA4 at 500 tokens with 1-8 requests at head 128 and within 2%
 # of it at 1,000 (7% faster with 8 requests); 9% slower at 2,000. At head 64, 1-8 requests, 7-12%

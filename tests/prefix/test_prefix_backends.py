@@ -304,8 +304,15 @@ def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, 
     assert auto(16, 4000) == ("triton", [])  # 128 programs of 64 rows: the cascade
     assert auto(64, 4000) == ("triton", [])  # 512 programs fill the GPU
     assert auto(None, 4000) == ("triton", [])
-    assert auto(8, 1000, beams=16)[0] == "flashinfer"  # 32-row tiles: 512 tokens for 64 programs
-    assert auto(16, 1000, beams=16) == ("triton", [])  # 1,024 for 128
+    # 32-row tiles (8-16 beams): 1,000 tokens and 30 per program up to 64 programs; the cascade up to 256
+    # tokens with at most 128 programs, FA4 above (not installed here, so FlashInfer after it)
+    assert auto(4, 1000, beams=16)[0] == "flashinfer"  # 32 programs need 1,000 tokens
+    name, declined = auto(8, 1000, beams=16)  # 64 programs need 1,920
+    assert "< 1920 tokens for 64 cascade programs of 32 rows" in split_kv_preferred(8, 1000, 16, 8, 16, 128)[1]
+    assert name == "flashinfer" and "> 256 with 64 cascade programs" in declined[0] and "fa4:" in declined[1]
+    assert "128 cascade programs > 64 at GQA 2, head 128" in split_kv_preferred(16, 4000, 16, 8, 16, 128)[1]
+    assert auto(16, 250, beams=16) == ("triton", [])
+    assert auto(32, 1000, beams=16) == ("triton", [])  # 256 programs: the usual limit
     # G = 1 (16-row tiles up to 16 beams, 32 rows above) and G = 3: up to 64 programs
     assert auto(2, 2000, hq=8)[0] == "flashinfer"  # 16 programs
     assert auto(8, 1000, beams=8, hq=8) == ("triton", [])  # 64 programs need 1,920 tokens
@@ -379,6 +386,7 @@ def test_split_kv_rule_agrees_with_the_h200_grids():
 
     points = 0
     seen = set()
+    judged, retimed = set(), set()
     for name, s, prompt, arms in _h200_grid_points("small_batches_backends*.json"):
         r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
         split = split_kv_preferred(r, prompt, hq, hkv, w, d)[0]
@@ -389,14 +397,19 @@ def test_split_kv_rule_agrees_with_the_h200_grids():
         picked = "flashinfer" if split else "triton" if cascade else "fa4"
         library = {k.split("/")[1]: v for k, v in arms.items() if k.startswith("library/")}
         where = f"{name}: R={r} W={w} P={s['prompt']} {hq}/{hkv} D={d}"
-        assert picked in library, where
+        key = (r, w, s["prompt"], hq, hkv, d)
+        if picked not in library:  # the tenth round timed no FA4: a later grid must have, at this point
+            retimed.add((key, where))
+            continue
+        judged.add(key)
         assert library[picked] <= 1.18 * min(library.values()), f"{where}: {picked} {library[picked]:.1f} us, {library}"
         others = [v for k, v in library.items() if k != "flashinfer"]
         if others and min(others) >= 1.15 * library["flashinfer"]:
             assert split, f"{where}: FlashInfer {library['flashinfer']:.1f} us not picked, {library}"
         points += 1
         seen.add((hq // hkv, d))
-    assert points >= 660 and seen == {(1, 128), (2, 128), (3, 128), (4, 128), (1, 64), (2, 64), (3, 64), (4, 64),
+    assert not [where for key, where in retimed if key not in judged]
+    assert points >= 800 and seen == {(1, 128), (2, 128), (3, 128), (4, 128), (1, 64), (2, 64), (3, 64), (4, 64),
                                       (5, 128), (6, 128), (7, 128), (8, 128), (7, 64), (8, 64)}
 
 
