@@ -76,6 +76,15 @@ a mean prompt of :data:`FEW_ROWS_MIN_PROMPT` = 500 tokens (:func:`min_beam_rows`
 at head 128 and at head 64 for GQA 2-4 (where it was measured and won); elsewhere at head 64 the floor
 stays at 960.
 
+More KV heads need fewer rows, down to 16 KV heads' floors (sixteenth round,
+``small_batches_backends_{mha32,mha16_d64,g2_kv16}.json``: MHA 32/32 at head 128, MHA 16/16 at head 64
+and GQA 32/16, 1-64 requests of 8, 16 and 30 beams at 100, 500 and 2,000 tokens). At 16 KV heads every
+point of ``R x W x Hkv`` >= 960 won (from 1.23x at 100 tokens), 480-512 from 500 tokens at head 128
+(1.17x-1.50x on every backend) but not at head 64 (GQA 1: 0.90x-1.00x), and 256 lost below 2,000 tokens
+(0.73x-0.86x). At 32 KV heads ``R x W x Hkv`` = 960 measured 1.00x at 100 tokens (1 x 30), 1,024 1.17x-1.18x
+and 1,920-2,048 1.53x-1.87x, so the floors stop scaling at 16 KV heads: 60 rows, 30 from 500 tokens
+(:func:`min_beam_rows`; from 1.53x at 32 KV heads).
+
 One exception (tenth round, ``small_batches_backends*.json``): FlashInfer's prefill splits each
 prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
 follows the prompt KV that the ``W`` beams no longer re-read, ``R x W x P``:
@@ -135,9 +144,9 @@ _FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
 _MEASURED_KV_HEADS = 8
 # Above 8 KV heads the floors scale down, but no further than 16 KV heads' (sixteenth round,
 # small_batches_backends_{mha32,mha16_d64,g2_kv16}.json): at 16 KV heads (32/16, 16/16 at head 64)
-# R x W x Hkv >= 960 won at every point (1.23x-1.47x), 480-512 from 500 tokens at head 128 (1.17x-1.50x);
+# R x W x Hkv >= 960 won at every point (from 1.23x), 480-512 from 500 tokens at head 128 (1.17x-1.50x);
 # at 32 (MHA 32/32) R x W x Hkv = 960 measured 1.00x (1 x 30 x 100) and 1,024 1.17x-1.18x, so 32 KV
-# heads keep 16's floors (60 rows, 30 from 500 tokens: 1.53x-1.90x).
+# heads keep 16's floors (60 rows, 30 from 500 tokens: from 1.53x).
 _MAX_SCALED_KV_HEADS = 16
 #: Fewer beam rows are still served by FlashInfer's split prompt from this many ``R x W x P`` tokens.
 MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60_000
@@ -261,7 +270,10 @@ def should_decline(
         split_measured = (split_kv and not one_launch and prompt_len is not None
                           and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and (group, head_dim) in _SPLIT_KV_MEASURED_SHAPES)
         if not split_measured:
-            scaled = ("" if least_rows == base else f" ({base} x {_MEASURED_KV_HEADS} / {num_kv_heads} KV heads)")
+            scaled = ("" if least_rows == base else f" ({base} x {_MEASURED_KV_HEADS} / {num_kv_heads} KV heads)"
+                      if num_kv_heads <= _MAX_SCALED_KV_HEADS else
+                      f" ({base} x {_MEASURED_KV_HEADS} / {_MAX_SCALED_KV_HEADS}: the floor stops scaling at "
+                      f"{_MAX_SCALED_KV_HEADS} KV heads)")
             if base == MIN_BEAM_ROWS_LONG_PROMPT:
                 scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
             elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):

@@ -112,6 +112,13 @@ def test_fewer_kv_heads_need_more_beam_rows():
     assert [min_beam_rows(h) for h in (None, 1, 2, 3, 4, 8, 16, 32)] == [120, 960, 480, 320, 240, 120, 60, 60]
     assert [min_beam_rows(h, 500) for h in (None, 1, 2, 3, 4, 8, 16, 32)] == [60, 480, 240, 160, 120, 60, 30, 30]
     assert min_beam_rows(2, 499) == 480 and min_beam_rows(2, 500, 8, 64) == 480 and min_beam_rows(2, 500, 4, 64) == 240
+    # Above 8 KV heads down to 16's floors (sixteenth round): MHA 32/32, 1 x 30 x 100 measured 1.00x
+    reason = should_decline(1, 30, 100, 32, 32, 128)
+    assert "30 beam rows < 60 (120 x 8 / 16: the floor stops scaling at 16 KV heads)" in reason
+    assert should_decline(2, 30, 100, 32, 32, 128) is None  # 1.53x
+    assert should_decline(1, 30, 500, 32, 16, 128) is None  # 30 rows from 500 tokens at 16 KV heads: 1.50x
+    assert "30 beam rows < 60 (120 x 8 / 16 KV heads)" in should_decline(1, 30, 500, 16, 16, 64)  # GQA 1, head 64: 0.90x
+    assert should_decline(1, 16, 2000, 32, 16, 128, split_kv=True) is None  # 32,000 >= 60,000 x 8 / 16: 1.55x
     reason = should_decline(16, 8, 2000, 16, 2, 128)
     assert "128 beam rows < 240 (60 x 8 / 2 KV heads) at a mean prompt of 500 tokens or more" in reason
     assert "120 beam rows < 480 (120 x 8 / 2 KV heads)" in should_decline(4, 30, 400, 16, 2, 128)
