@@ -185,7 +185,7 @@ CASCADE_MAX_GROUP = 8
 # tenth round had not timed (small_batches_backends_g2_rows32{,_128prog,_250}.json at 16/8 and
 # small_batches_backends_g2_kv16{,_b}.json at 32/16: 1-16 requests, 250-4,000 tokens). The tenth
 # round's 500 tokens and 8 per program picked FlashInfer where FA4 was faster: 3-17% at 500 tokens
-# with 8-32 programs, 4-24% at 1,000 with 64-124, 15-32% at 2,000 and 6-19% at 4,000 with 128
+# with 8-32 programs, 4-41% at 1,000 with 64-128, 15-32% at 2,000 and 6-19% at 4,000 with 128
 # (16 x 16 x 2,000 at 16/8: 62.9 against 48.7 us). FlashInfer was the faster at 1,000 tokens with up
 # to 32 programs (4-17%: 22.2-26.6 against 26.7-27.7 us) and from 2,000 with up to 64 (1-10% at 64).
 # Hence 1,000 tokens and 30 per program, up to 64 programs (SPLIT_KV_MAX_PROGRAMS_BY_SHAPE; with
@@ -226,8 +226,8 @@ SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 64, (3, 
 #   4,000 (faster at 1,000); hence 2,048.
 # - GQA 2, head 128, 64-row tiles (17-32 beams): within 7% of FA4 either way at 8 and 16 requests up to
 #   4,000 tokens; no limit. 32-row tiles (8-16 beams; sixteenth round, the files above): the cascade
-#   within 2% of FA4 or faster at 250 tokens with 8-128 programs (19.7 against 21.1 us at 16 x 8),
-#   15-23% slower at 500 and 34-36% at 1,000 (16 x 16 x 1,000: 45.8 against 33.7); with 256 programs
+#   within 5% of FA4 or faster at 250 tokens with 8-128 programs (19.7 against 21.1 us at 16 x 8),
+#   15-29% slower at 500 and 35-53% at 1,000 (16 x 16 x 1,000: 45.8 against 33.7); with 256 programs
 #   (16 requests at 16 KV heads) even at 500 tokens (35.6 against 36.9). Hence 256 tokens there.
 # - GQA 4, head 64, one block (thirteenth round, small_batches_backends_g4_d64{,_b}.json: 1-16 requests
 #   of 8 and 16 beams): the cascade 16-26% faster than FA4 at 250 tokens and 8-12% at 500, within 5%
