@@ -158,8 +158,9 @@ def test_cascade_thresholds_only_fall_with_the_beam_width(table, head_dim):
 
 def test_rule_agrees_with_the_small_batch_grids():
     """1-16 requests (GQA 2 at head 128, tenth round; GQA 4 at head 128 and GQA 2 at head 64,
-    eleventh; 48-256 beams at all three, twelfth; GQA 4 at head 64, thirteenth): every point the rule serves, with the path ``auto`` takes there (FlashInfer's split
-    prompt, the cascade or FA4), was at least 1.10x faster than per-beam decode."""
+    eleventh; 48-256 beams at all three, twelfth; GQA 4 at head 64, thirteenth; GQA 1-8 with 1-32 KV heads,
+    fourteenth to sixteenth): every point the rule serves, with the path ``auto`` takes there
+    (FlashInfer's split prompt, the cascade or FA4), was at least 1.10x faster than per-beam decode."""
     from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 
     points = served = 0
