@@ -212,8 +212,8 @@ SPLIT_KV_PROMPT = {
 SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2, (1, 128): 1, (1, 64): 1, (3, 128): 2,
                             (3, 64): 2, (5, 128): 2, (6, 128): 2, (7, 128): 2, (8, 128): 2}
 #: Shapes where FlashInfer's split prompt stops below :data:`SPLIT_KV_MAX_PROGRAMS` cascade programs.
-SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 64, (3, 64): 64, (5, 128): 32, (6, 128): 32, (7, 128): 32,
-                                  (8, 128): 32}
+SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 64, (3, 64): 64, (5, 128): 32, (6, 128): 32,
+                                  (7, 128): 32, (8, 128): 32}
 
 # Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
 # (at most 128: under one per SM) each attends its whole prompt in turn, and FA4 overtakes it at

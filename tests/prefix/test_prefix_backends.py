@@ -289,7 +289,8 @@ def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, 
     """Few cascade programs for a long prompt (GQA 1-4 at head 128 and head 64): ``auto``
     tries FlashInfer (its prefill splits each prompt) before the cascade and FA4; with many
     requests, an unknown request count, or a shape not measured, the order is the usual one. With
-    few programs at GQA 4 (head 128) and GQA 2 (head 64) the cascade gives way to FA4 sooner."""
+    few programs at GQA 4 (head 128), GQA 2 (head 64) and GQA 2's 32-row tiles (head 128) the cascade
+    gives way to FA4 sooner."""
     cuda = torch.device("cuda")
     fake_sm((9, 0))
     monkeypatch.setattr(FlashInferPrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))
