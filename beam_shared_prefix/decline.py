@@ -179,12 +179,25 @@ CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
 CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
 
 
+def _scaling_kv_heads(num_kv_heads: Optional[int]) -> int:
+    """The KV heads the floors are scaled for: ``num_kv_heads`` capped at 16 (``None``: 8)."""
+    return min(int(num_kv_heads), _MAX_SCALED_KV_HEADS) if num_kv_heads else _MEASURED_KV_HEADS
+
+
 def _scaled_by_kv_heads(value: int, num_kv_heads: Optional[int]) -> int:
-    """``value`` (measured at 8 KV heads) times ``8 / num_kv_heads``, rounded up, with ``num_kv_heads``
-    capped at 16 (``None``: 8): what decides is ``R x W x Hkv`` (the module docstring has the data)."""
-    if not num_kv_heads:
-        return value
-    return -(-value * _MEASURED_KV_HEADS // min(int(num_kv_heads), _MAX_SCALED_KV_HEADS))
+    """``value`` (measured at 8 KV heads) times ``8 / Hkv`` for :func:`_scaling_kv_heads`' ``Hkv``, rounded
+    up: what decides is ``R x W x Hkv`` (the module docstring has the data)."""
+    return -(-value * _MEASURED_KV_HEADS // _scaling_kv_heads(num_kv_heads))
+
+
+def _kv_heads_note(base: int, num_kv_heads: Optional[int]) -> str:
+    """How the row floor ``base`` (at 8 KV heads) was scaled, for a decline message (``""`` if it was not)."""
+    heads = _scaling_kv_heads(num_kv_heads)
+    if heads == _MEASURED_KV_HEADS:
+        return ""
+    if heads < int(num_kv_heads):
+        return f" ({base} x {_MEASURED_KV_HEADS} / {heads}: the floor stops scaling at {heads} KV heads)"
+    return f" ({base} x {_MEASURED_KV_HEADS} / {heads} KV heads)"
 
 
 def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = None, group: Optional[int] = None,
@@ -270,10 +283,7 @@ def should_decline(
         split_measured = (split_kv and not one_launch and prompt_len is not None
                           and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and (group, head_dim) in _SPLIT_KV_MEASURED_SHAPES)
         if not split_measured:
-            scaled = ("" if least_rows == base else f" ({base} x {_MEASURED_KV_HEADS} / {num_kv_heads} KV heads)"
-                      if num_kv_heads <= _MAX_SCALED_KV_HEADS else
-                      f" ({base} x {_MEASURED_KV_HEADS} / {_MAX_SCALED_KV_HEADS}: the floor stops scaling at "
-                      f"{_MAX_SCALED_KV_HEADS} KV heads)")
+            scaled = _kv_heads_note(base, num_kv_heads)
             if base == MIN_BEAM_ROWS_LONG_PROMPT:
                 scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
             elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):

@@ -187,7 +187,7 @@ def test_rule_agrees_with_the_small_batch_grids():
 
 def test_rule_agrees_with_the_wrapper_checks():
     """The wrapper checks (``*auto_check*.json``: ``library/auto`` through the plan/run wrapper against
-    per-beam decode, tenth to fifteenth rounds): every point the rule serves, on the backend the
+    per-beam decode, tenth to sixteenth rounds): every point the rule serves, on the backend the
     wrapper ran, was at least 1.10x faster than per-beam decode."""
     points = served = 0
     for name, s, arms, decode in _grid_points("*auto_check*.json"):
