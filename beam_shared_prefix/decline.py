@@ -85,6 +85,16 @@ point of ``R x W x Hkv`` >= 960 won (from 1.23x at 100 tokens), 480-512 from 500
 and 1,920-2,048 1.53x-1.87x, so the floors stop scaling at 16 KV heads: 60 rows, 30 from 500 tokens
 (:func:`min_beam_rows`; from 1.53x at 32 KV heads).
 
+Head 256 (seventeenth round, ``small_batches_backends_{g2_d256,g2_kv4_d256,mha16_d256}.json``: GQA 16/8
+and 8/4, MHA 16/16, 1-64 requests of 4-30 beams at 100, 500 and 2,000 tokens) is served by FlashInfer +
+tail alone (neither the cascade nor FA4 tiles it), two launches whose fixed cost (24-28 us for one
+request) per-beam decode undercuts at short prompts. There the short-prompt floor is twice head 128's:
+:data:`MIN_BEAM_ROWS_HEAD_256` = 240 rows at 8 KV heads, scaled the same way. At 100 tokens
+``R x W x Hkv`` = 960-1,024 measured 1.04x-1.14x at 8 KV heads (under the margin), 1.09x at 4 and
+0.77x (4 x 16, served before this round) at 16; 1,920-2,048 1.16x-1.80x. From 500 tokens the
+long-prompt floor (60 rows at 8 KV heads) and from 60,000 ``R x W x P`` the split-prompt exception
+below hold at GQA 1-2 as at head 128: 1.20x-4.05x and 1.26x-4.24x.
+
 One exception (tenth round, ``small_batches_backends*.json``): FlashInfer's prefill splits each
 prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
 follows the prompt KV that the ``W`` beams no longer re-read, ``R x W x P``:
@@ -111,8 +121,9 @@ x 4,000 tokens at head 64; only there). GQA 4 at head 64 (thirteenth round,
 only to 32-token prompts, and the cascade lost nowhere in any grid (head 64: 1.24x at 32 tokens).
 
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
-the split-prompt exception) and at head 64 (the cascade, and FlashInfer at GQA 2), and the head size only for the cascade (64 and 128; the two-launch rule was measured at head 128). Re-run
-the grids for a very different shape (``docs/benchmarks.md`` says how).
+the split-prompt exception), at head 64 (the cascade, and FlashInfer at GQA 2) and at head 256
+(FlashInfer, GQA 1-2); the two-launch rule's ``(W - 1) x P`` was measured at head 128. Re-run the
+grids for a very different shape (``docs/benchmarks.md`` says how).
 
 The function is pure and cheap (integer arithmetic), independent of TensorRT-LLM and of the
 benchmark code. Unknown quantities are passed as ``None`` and judged as described above.
@@ -123,7 +134,8 @@ from __future__ import annotations
 from typing import Optional
 
 __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
-           "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_LONG_PROMPT", "FEW_ROWS_MIN_PROMPT",
+           "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_HEAD_256", "MIN_BEAM_ROWS_LONG_PROMPT",
+           "FEW_ROWS_MIN_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64"]
 
 #: Beam search proper: with one beam nothing is shared.
@@ -131,6 +143,8 @@ MIN_BEAM_WIDTH = 2
 #: Fewer beam rows (requests x beam width) than this are left to the default kernel (at 8 KV heads
 #: or more; :func:`min_beam_rows` scales it up for fewer).
 MIN_BEAM_ROWS = 120
+#: The same floor above head 128 (head 256: only FlashInfer + tail serves; seventeenth round).
+MIN_BEAM_ROWS_HEAD_256 = 240
 #: From a mean prompt of :data:`FEW_ROWS_MIN_PROMPT` tokens this many rows are served instead (at 8 KV
 #: heads; scaled the same way), at head 128 and at head 64 for the groups of
 #: ``_FEW_ROWS_HEAD_64_GROUPS``.
@@ -140,6 +154,9 @@ FEW_ROWS_MIN_PROMPT = 500
 # GQA 1 at head 64 lost there (0.99x-1.02x), and GQA 7-8 (64/8, 28/4; small_batches_backends_g8_d64.json,
 # _g7_kv4_d64.json) were under the margin at 500 tokens (1.03x-1.08x; 1.11x-1.23x from 1,000).
 _FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
+# Head 256's groups where it was measured (seventeenth round: GQA 16/8, 8/4 and MHA 16/16): 30-128 rows
+# (60 at 8 KV heads, scaled) won from 500 tokens, 1.20x-4.05x.
+_FEW_ROWS_HEAD_256_GROUPS = frozenset((1, 2))
 # The KV heads of the grids that measured MIN_BEAM_ROWS and the split prompt's exception.
 _MEASURED_KV_HEADS = 8
 # Above 8 KV heads the floors scale down, but no further than 16 KV heads' (sixteenth round,
@@ -167,7 +184,10 @@ _SPLIT_KV_MIN_ROW_TOKENS = {(2, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (4, 128): MI
                             (2, 64): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (4, 64): 120_000,
                             (1, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (1, 64): MIN_BEAM_ROW_TOKENS_SPLIT_KV,
                             (3, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (3, 64): 120_000,
-                            **{(g, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV for g in (5, 6, 7, 8)}}
+                            **{(g, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV for g in (5, 6, 7, 8)},
+                            # Head 256, where FlashInfer is the only backend (seventeenth round): 1.76x-2.42x
+                            # at 60,000-64,000 and 8 KV heads, 2.31x at 128,000 and 4, 2.13x at 32,000 and 16.
+                            (1, 256): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (2, 256): MIN_BEAM_ROW_TOKENS_SPLIT_KV}
 _SPLIT_KV_MEASURED_SHAPES = frozenset(_SPLIT_KV_MIN_ROW_TOKENS)
 #: With an unknown prompt length, narrower beams are left to the default kernel.
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
@@ -202,28 +222,34 @@ def _kv_heads_note(base: int, num_kv_heads: Optional[int]) -> str:
 
 def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = None, group: Optional[int] = None,
                   head_dim: Optional[int] = None) -> int:
-    """The fewest beam rows (``R x W``) served with ``num_kv_heads`` KV heads: :data:`MIN_BEAM_ROWS`,
-    measured at 8 KV heads, scaled up by ``8 / num_kv_heads`` below 8 (``None``: 8). The library runs
+    """The fewest beam rows (``R x W``) served with ``num_kv_heads`` KV heads: :data:`MIN_BEAM_ROWS`
+    (:data:`MIN_BEAM_ROWS_HEAD_256` above head 128), measured at 8 KV heads, scaled by ``8 /
+    num_kv_heads`` (``None``: 8; no further down than 16 KV heads' floor). The library runs
     a program per request and KV head, per-beam decode one per beam row and KV head, so with fewer
     KV heads the library needs more rows to fill the GPU (fourteenth round: at 2 KV heads 120-128
     rows were 0.65x-0.97x of per-beam decode, 480-512 rows 1.69x-5.3x).
 
     From a mean prompt (``prompt_len``, tokens) of :data:`FEW_ROWS_MIN_PROMPT`, half as many:
     :data:`MIN_BEAM_ROWS_LONG_PROMPT`, scaled the same way, at head 128 (``head_dim`` ``None`` counts as
-    128) and at head 64 for GQA ``group`` 2-4 (fifteenth round; the module docstring has the data)."""
+    128), at head 64 for GQA ``group`` 2-4 and at head 256 for GQA 1-2 (fifteenth and seventeenth
+    rounds; the module docstring has the data)."""
     return _scaled_by_kv_heads(_beam_rows_floor(prompt_len, group, head_dim), num_kv_heads)
 
 
 def _long_prompt_floor_applies(group: Optional[int], head_dim: Optional[int]) -> bool:
     """Whether :data:`MIN_BEAM_ROWS_LONG_PROMPT` was measured to serve at this shape (head 128, or
-    ``None``; head 64 at the groups of ``_FEW_ROWS_HEAD_64_GROUPS``)."""
-    return head_dim is None or head_dim == 128 or (head_dim == 64 and group in _FEW_ROWS_HEAD_64_GROUPS)
+    ``None``; head 64 and head 256 at the groups of ``_FEW_ROWS_HEAD_64_GROUPS`` and
+    ``_FEW_ROWS_HEAD_256_GROUPS``)."""
+    return (head_dim is None or head_dim == 128 or (head_dim == 64 and group in _FEW_ROWS_HEAD_64_GROUPS)
+            or (head_dim == 256 and group in _FEW_ROWS_HEAD_256_GROUPS))
 
 
 def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int]) -> int:
     """The row floor at 8 KV heads, before :func:`_scaled_by_kv_heads`."""
     long_prompt = prompt_len is not None and float(prompt_len) >= FEW_ROWS_MIN_PROMPT
-    return MIN_BEAM_ROWS_LONG_PROMPT if long_prompt and _long_prompt_floor_applies(group, head_dim) else MIN_BEAM_ROWS
+    if long_prompt and _long_prompt_floor_applies(group, head_dim):
+        return MIN_BEAM_ROWS_LONG_PROMPT
+    return MIN_BEAM_ROWS_HEAD_256 if head_dim is not None and head_dim > 128 else MIN_BEAM_ROWS
 
 
 def _narrow_head(head_dim: Optional[int]) -> bool:
@@ -284,10 +310,13 @@ def should_decline(
                           and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and (group, head_dim) in _SPLIT_KV_MEASURED_SHAPES)
         if not split_measured:
             scaled = _kv_heads_note(base, num_kv_heads)
+            if base == MIN_BEAM_ROWS_HEAD_256:
+                scaled += f" at head {head_dim}"
             if base == MIN_BEAM_ROWS_LONG_PROMPT:
                 scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
             elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):
-                scaled += (f" (half as many from a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens; "
+                fewer = _scaled_by_kv_heads(MIN_BEAM_ROWS_LONG_PROMPT, num_kv_heads)
+                scaled += (f" ({fewer} from a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens; "
                            f"this one is {float(prompt_len):.0f})")
             return (
                 f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {least_rows}{scaled}: too few "

@@ -63,11 +63,32 @@ def test_few_beam_rows_are_declined():
     assert should_decline(2, 30, 500, 16, 8, 128, one_launch=True) is None
     assert should_decline(8, 8, 500, 16, 8, 64, one_launch=True) is None  # head 64, GQA 2
     reason = should_decline(2, 30, 499, 16, 8, 128, one_launch=True)
-    assert "60 beam rows < 120 (half as many from a mean prompt of 500 tokens; this one is 499)" in reason
+    assert "60 beam rows < 120 (60 from a mean prompt of 500 tokens; this one is 499)" in reason
     assert "32 beam rows < 60 at a mean prompt of 500 tokens or more" in should_decline(4, 8, 500, 16, 8, 128)
-    for hq, d in ((8, 64), (64, 64), (16, 256)):  # GQA 1 and 8 at head 64, head 256: not measured winning
+    for hq, d in ((8, 64), (64, 64)):  # GQA 1 and 8 at head 64: not measured winning
         assert "64 beam rows < 120" in should_decline(8, 8, 2000, hq, 8, d, one_launch=True), (hq, d)
     assert "64 beam rows < 120" in should_decline(8, 8, None, 16, 8, 128)  # prompt unknown (a CUDA graph)
+
+
+def test_head_256_needs_more_rows_at_short_prompts():
+    """Head 256 (seventeenth round): FlashInfer + tail alone serves it (two launches, 24-28 us at one
+    request), so below 500 tokens the floor is 240 rows at 8 KV heads, scaled by KV heads (100 tokens:
+    R x W x Hkv = 960-1,024 measured 0.77x-1.14x, 1,920-2,048 1.16x-1.80x); from 500 tokens at GQA 1-2
+    head 128's 60 rows (1.20x-4.05x), and FlashInfer's few-rows exception from 60,000 (1.26x-4.24x)."""
+    from beam_shared_prefix.decline import MIN_BEAM_ROWS_HEAD_256, min_beam_rows
+
+    assert MIN_BEAM_ROWS_HEAD_256 == 240
+    assert [min_beam_rows(h, 100, 2, 256) for h in (4, 8, 16, 32)] == [480, 240, 120, 120]
+    assert [min_beam_rows(h, 500, 2, 256) for h in (4, 8, 16, 32)] == [120, 60, 30, 30]
+    assert min_beam_rows(8, 500, 4, 256) == 240  # GQA 4 at head 256: not measured
+    reason = should_decline(16, 8, 100, 16, 8, 256)  # 1.04x
+    assert "16 requests x beam width 8 = 128 beam rows < 240 at head 256 (60 from a mean prompt of 500" in reason
+    assert "64 beam rows < 120 (240 x 8 / 16 KV heads) at head 256" in should_decline(4, 16, 100, 16, 16, 256)  # 0.77x
+    assert should_decline(16, 16, 100, 16, 8, 256, split_kv=True) is None  # 1.78x
+    assert should_decline(4, 30, 100, 16, 16, 256, split_kv=True) is None  # 120 rows at 16 KV heads: 1.27x
+    assert should_decline(16, 4, 500, 16, 8, 256, split_kv=True) is None  # 64 rows from 500 tokens: 1.27x
+    assert should_decline(1, 30, 2000, 16, 8, 256, split_kv=True) is None  # 60,000 row tokens: 2.42x
+    assert "32000 < 60000 with FlashInfer's split prompt" in should_decline(1, 16, 2000, 16, 8, 256, split_kv=True)
 
 
 def test_few_beam_rows_with_long_prompts_are_served_by_the_split_prompt():
@@ -241,6 +262,9 @@ def test_rule_agrees_with_the_h200_grids(pattern, arm, margin, least_points, lea
 def test_split_prompt_exception_covers_the_shapes_auto_measured():
     """The few-rows exception applies exactly where ``auto``'s split-prompt rule was measured."""
     from beam_shared_prefix import decline
-    from beam_shared_prefix.prefix.select import SPLIT_KV_PROMPT
+    from beam_shared_prefix.prefix.select import SPLIT_KV_PROMPT, only_flashinfer_tiles
 
-    assert decline._SPLIT_KV_MEASURED_SHAPES == set(SPLIT_KV_PROMPT)
+    # ... and where FlashInfer is the only backend (head 256), whatever the batch
+    assert set(SPLIT_KV_PROMPT) <= decline._SPLIT_KV_MEASURED_SHAPES
+    extra = decline._SPLIT_KV_MEASURED_SHAPES - set(SPLIT_KV_PROMPT)
+    assert extra and all(only_flashinfer_tiles(d) for _, d in extra), extra

@@ -42,7 +42,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP",
-           "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path"]
+           "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
+           "only_flashinfer_tiles"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
@@ -424,6 +425,17 @@ def split_kv_preferred(
                   f"{mean_prompt_len:.0f} >= {least} tokens: FlashInfer's split prompt measured faster")
 
 
+def only_flashinfer_tiles(head_dim: int) -> bool:
+    """Whether FlashInfer is the only prefix backend for ``head_dim`` (head 256: neither the cascade nor
+    FA4 tiles it), so that ``auto`` always runs it, whatever the batch."""
+    from triton_kernels.cascade import SUPPORTED_HEAD_DIMS as CASCADE_HEAD_DIMS  # deferred: imports triton
+
+    from .fa4 import SUPPORTED_HEAD_DIMS as FA4_HEAD_DIMS
+    from .flashinfer import SUPPORTED_HEAD_DIMS as FLASHINFER_HEAD_DIMS
+
+    return head_dim in FLASHINFER_HEAD_DIMS and head_dim not in CASCADE_HEAD_DIMS + FA4_HEAD_DIMS
+
+
 def flashinfer_serves(
     requested: str,
     num_requests: Optional[int],
@@ -434,12 +446,13 @@ def flashinfer_serves(
     head_dim: int,
 ) -> bool:
     """Whether FlashInfer's prefix backend (split prompt) serves a CUDA batch under the ``requested``
-    setting: ``"flashinfer"`` always, ``"auto"`` where :func:`split_kv_preferred` picks it."""
+    setting: ``"flashinfer"`` always, ``"auto"`` where :func:`split_kv_preferred` picks it or no other
+    backend tiles the head size (:func:`only_flashinfer_tiles`)."""
     if requested == "flashinfer":
         return True
     if requested == "auto":
-        return split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                  head_dim)[0]
+        return only_flashinfer_tiles(head_dim) or split_kv_preferred(
+            num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)[0]
     return False
 
 
