@@ -91,9 +91,9 @@ tail alone (neither the cascade nor FA4 tiles it), two launches whose fixed cost
 request) per-beam decode undercuts at short prompts. There the short-prompt floor is twice head 128's:
 :data:`MIN_BEAM_ROWS_HEAD_256` = 240 rows at 8 KV heads, scaled the same way. At 100 tokens
 ``R x W x Hkv`` = 960-1,024 measured 1.04x-1.14x at 8 KV heads (under the margin), 1.09x at 4 and
-0.77x (4 x 16, served before this round) at 16; 1,920-2,048 1.16x-1.80x. From 500 tokens the
+0.77x (4 x 16, served before this round) at 16; 1,920-2,048 1.16x-1.78x. From 500 tokens the
 long-prompt floor (60 rows at 8 KV heads) and from 60,000 ``R x W x P`` the split-prompt exception
-below hold at GQA 1-2 as at head 128: 1.20x-4.05x and 1.26x-4.24x.
+below hold at GQA 1-2 as at head 128: 1.20x-6.16x and 1.76x-2.42x.
 
 One exception (tenth round, ``small_batches_backends*.json``): FlashInfer's prefill splits each
 prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
@@ -154,8 +154,8 @@ FEW_ROWS_MIN_PROMPT = 500
 # GQA 1 at head 64 lost there (0.99x-1.02x), and GQA 7-8 (64/8, 28/4; small_batches_backends_g8_d64.json,
 # _g7_kv4_d64.json) were under the margin at 500 tokens (1.03x-1.08x; 1.11x-1.23x from 1,000).
 _FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
-# Head 256's groups where it was measured (seventeenth round: GQA 16/8, 8/4 and MHA 16/16): 30-128 rows
-# (60 at 8 KV heads, scaled) won from 500 tokens, 1.20x-4.05x.
+# Head 256's groups where it was measured (seventeenth round: GQA 16/8, 8/4 and MHA 16/16): from 500
+# tokens every point from 60 rows at 8 KV heads (scaled: 30-479 rows) won, 1.20x-6.16x.
 _FEW_ROWS_HEAD_256_GROUPS = frozenset((1, 2))
 # The KV heads of the grids that measured MIN_BEAM_ROWS and the split prompt's exception.
 _MEASURED_KV_HEADS = 8
