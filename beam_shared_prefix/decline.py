@@ -82,8 +82,13 @@ and GQA 32/16, 1-64 requests of 8, 16 and 30 beams at 100, 500 and 2,000 tokens)
 point of ``R x W x Hkv`` >= 960 won (from 1.23x at 100 tokens), 480-512 from 500 tokens at head 128
 (1.17x-1.50x on every backend) but not at head 64 (GQA 1: 0.90x-1.00x), and 256 lost below 2,000 tokens
 (0.73x-0.86x). At 32 KV heads ``R x W x Hkv`` = 960 measured 1.00x at 100 tokens (1 x 30), 1,024 1.17x-1.18x
-and 1,920-2,048 1.53x-1.87x, so the floors stop scaling at 16 KV heads: 60 rows, 30 from 500 tokens
-(:func:`min_beam_rows`; from 1.53x at 32 KV heads).
+and 1,920-2,048 1.53x-1.87x, so scaling 16 KV heads' floors further (30 rows at 32) would serve 1.00x.
+Above 16 KV heads the floors are therefore products of their own (seventeenth round, with MHA 40/40 at
+head 128, ``small_batches_backends_mha40.json``): ``R x W x Hkv`` >= 1,024, and 512 from 500 tokens, up
+to 40 KV heads (32 rows and 16 at 32 KV heads, 26 and 13 at 40; never more rows than at 16). Every such
+point won: 1,024-1,280 row-heads 1.16x-1.34x at head 128 and 1.30x-2.17x at head 64 (MHA 32/32), 512-640
+from 500 tokens 1.14x-2.46x at head 128; GQA 1 at head 64 keeps the short-prompt product at every prompt
+(512 there: 0.95x-0.98x below 2,000 tokens).
 
 Head 256 (seventeenth round, ``small_batches_backends_{g2_d256,g2_kv4_d256,mha16_d256}.json``: GQA 16/8
 and 8/4, MHA 16/16, 1-64 requests of 4-30 beams at 100, 500 and 2,000 tokens) is served by FlashInfer +
@@ -162,9 +167,16 @@ _MEASURED_KV_HEADS = 8
 # Above 8 KV heads the floors scale down, but no further than 16 KV heads' (sixteenth round,
 # small_batches_backends_{mha32,mha16_d64,g2_kv16}.json): at 16 KV heads (32/16, 16/16 at head 64)
 # R x W x Hkv >= 960 won at every point (from 1.23x), 480-512 from 500 tokens at head 128 (1.17x-1.50x);
-# at 32 (MHA 32/32) R x W x Hkv = 960 measured 1.00x (1 x 30 x 100) and 1,024 1.17x-1.18x, so 32 KV
-# heads keep 16's floors (60 rows, 30 from 500 tokens: from 1.53x).
+# at 32 (MHA 32/32) R x W x Hkv = 960 measured 1.00x (1 x 30 x 100) and 1,024 1.17x-1.18x, so the
+# 8 / Hkv scaling stops at 16 KV heads (the split prompt's too); the row floors go on below.
 _MAX_SCALED_KV_HEADS = 16
+# Above 16 KV heads the row floors are products R x W x Hkv (seventeenth round, with MHA 40/40 at head
+# 128; small_batches_backends_{mha32,mha32_d64,mha40}.json): 1,024 row-heads won at every point
+# measured (32 KV heads: 1.17x-1.18x at head 128, 1.30x-2.17x at head 64; 40: 1.16x-1.34x at 1,200-1,280),
+# 960 not (1.00x at 32, 1 x 30 x 100); from 500 tokens 512 (1.14x-1.15x at 32, 1.33x-2.46x at 640 and
+# 40). Measured up to 40 KV heads, which more keep.
+_MANY_KV_HEADS_ROW_HEADS = {MIN_BEAM_ROWS: 1024, MIN_BEAM_ROWS_LONG_PROMPT: 512}
+_MAX_MEASURED_KV_HEADS = 40
 #: Fewer beam rows are still served by FlashInfer's split prompt from this many ``R x W x P`` tokens.
 MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60_000
 # The narrowest beam width at which that exception was measured (8-30 beams).
@@ -210,8 +222,34 @@ def _scaled_by_kv_heads(value: int, num_kv_heads: Optional[int]) -> int:
     return -(-value * _MEASURED_KV_HEADS // _scaling_kv_heads(num_kv_heads))
 
 
-def _kv_heads_note(base: int, num_kv_heads: Optional[int]) -> str:
+def _row_heads_above_16(base: int, num_kv_heads: Optional[int], head_dim: Optional[int]) -> Optional[int]:
+    """The ``R x W x Hkv`` product that replaces the row floor ``base`` above 16 KV heads, or ``None``
+    where it does not (16 KV heads or fewer; head 256, not measured there)."""
+    if not num_kv_heads or int(num_kv_heads) <= _MAX_SCALED_KV_HEADS or (head_dim is not None and head_dim > 128):
+        return None
+    return _MANY_KV_HEADS_ROW_HEADS.get(base)
+
+
+def _row_floor(base: int, num_kv_heads: Optional[int], head_dim: Optional[int]) -> int:
+    """The fewest beam rows for the floor ``base`` (rows at 8 KV heads) with ``num_kv_heads``: scaled by
+    ``8 / Hkv`` up to 16 KV heads (:func:`_scaled_by_kv_heads`); above, ``R x W x Hkv`` products
+    (``_MANY_KV_HEADS_ROW_HEADS``, up to 40 KV heads), or 16's value for floors not measured there."""
+    at_16 = _scaled_by_kv_heads(base, num_kv_heads)
+    row_heads = _row_heads_above_16(base, num_kv_heads, head_dim)
+    if row_heads is None:
+        return at_16
+    # (never above 16 KV heads' floor: 1,024 / 17 would ask one row more)
+    return min(at_16, -(-row_heads // min(int(num_kv_heads), _MAX_MEASURED_KV_HEADS)))
+
+
+def _kv_heads_note(base: int, num_kv_heads: Optional[int], head_dim: Optional[int]) -> str:
     """How the row floor ``base`` (at 8 KV heads) was scaled, for a decline message (``""`` if it was not)."""
+    row_heads = _row_heads_above_16(base, num_kv_heads, head_dim)
+    if row_heads is not None:
+        heads = min(int(num_kv_heads), _MAX_MEASURED_KV_HEADS)
+        if heads < int(num_kv_heads):
+            return f" ({row_heads:,} / {heads}: measured up to {heads} KV heads)"
+        return f" ({row_heads:,} row-heads / {heads} KV heads)"
     heads = _scaling_kv_heads(num_kv_heads)
     if heads == _MEASURED_KV_HEADS:
         return ""
@@ -233,7 +271,7 @@ def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = Non
     :data:`MIN_BEAM_ROWS_LONG_PROMPT`, scaled the same way, at head 128 (``head_dim`` ``None`` counts as
     128), at head 64 for GQA ``group`` 2-4 and at head 256 for GQA 1-2 (fifteenth and seventeenth
     rounds; the module docstring has the data)."""
-    return _scaled_by_kv_heads(_beam_rows_floor(prompt_len, group, head_dim), num_kv_heads)
+    return _row_floor(_beam_rows_floor(prompt_len, group, head_dim), num_kv_heads, head_dim)
 
 
 def _long_prompt_floor_applies(group: Optional[int], head_dim: Optional[int]) -> bool:
@@ -302,20 +340,20 @@ def should_decline(
     group = (num_qo_heads // num_kv_heads if num_qo_heads is not None and num_kv_heads
              and num_qo_heads % num_kv_heads == 0 else None)
     base = _beam_rows_floor(prompt_len, group, head_dim)
-    least_rows = _scaled_by_kv_heads(base, num_kv_heads)
+    least_rows = _row_floor(base, num_kv_heads, head_dim)
     if rows is not None and rows < least_rows:
         # The exception is measured at 8-30 beams and the shapes of _SPLIT_KV_MEASURED_SHAPES;
         # elsewhere few rows stay declined.
         split_measured = (split_kv and not one_launch and prompt_len is not None
                           and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and (group, head_dim) in _SPLIT_KV_MEASURED_SHAPES)
         if not split_measured:
-            scaled = _kv_heads_note(base, num_kv_heads)
+            scaled = _kv_heads_note(base, num_kv_heads, head_dim)
             if base == MIN_BEAM_ROWS_HEAD_256:
                 scaled += f" at head {head_dim}"
             if base == MIN_BEAM_ROWS_LONG_PROMPT:
                 scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
             elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):
-                fewer = _scaled_by_kv_heads(MIN_BEAM_ROWS_LONG_PROMPT, num_kv_heads)
+                fewer = _row_floor(MIN_BEAM_ROWS_LONG_PROMPT, num_kv_heads, head_dim)
                 scaled += (f" ({fewer} from a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens; "
                            f"this one is {float(prompt_len):.0f})")
             return (

@@ -130,13 +130,9 @@ def test_fewer_kv_heads_need_more_beam_rows():
     round: R x W x Hkv = 480-512 won at 4, 2 and 1 KV heads, 1.27x-1.92x; 240-256 lost, 0.79x-1.03x)."""
     from beam_shared_prefix.decline import min_beam_rows
 
-    assert [min_beam_rows(h) for h in (None, 1, 2, 3, 4, 8, 16, 32)] == [120, 960, 480, 320, 240, 120, 60, 60]
-    assert [min_beam_rows(h, 500) for h in (None, 1, 2, 3, 4, 8, 16, 32)] == [60, 480, 240, 160, 120, 60, 30, 30]
+    assert [min_beam_rows(h) for h in (None, 1, 2, 3, 4, 8, 16)] == [120, 960, 480, 320, 240, 120, 60]
+    assert [min_beam_rows(h, 500) for h in (None, 1, 2, 3, 4, 8, 16)] == [60, 480, 240, 160, 120, 60, 30]
     assert min_beam_rows(2, 499) == 480 and min_beam_rows(2, 500, 8, 64) == 480 and min_beam_rows(2, 500, 4, 64) == 240
-    # Above 8 KV heads down to 16's floors (sixteenth round): MHA 32/32, 1 x 30 x 100 measured 1.00x
-    reason = should_decline(1, 30, 100, 32, 32, 128)
-    assert "30 beam rows < 60 (120 x 8 / 16: the floor stops scaling at 16 KV heads)" in reason
-    assert should_decline(2, 30, 100, 32, 32, 128) is None  # 1.53x
     assert should_decline(1, 30, 500, 32, 16, 128) is None  # 30 rows from 500 tokens at 16 KV heads: 1.50x
     assert "30 beam rows < 60 (120 x 8 / 16 KV heads)" in should_decline(1, 30, 500, 16, 16, 64)  # GQA 1, head 64: 0.90x
     assert should_decline(1, 16, 2000, 32, 16, 128, split_kv=True) is None  # 32,000 >= 60,000 x 8 / 16: 1.55x
@@ -152,6 +148,25 @@ def test_fewer_kv_heads_need_more_beam_rows():
     # FlashInfer's few-rows exception scales the same way: 60,000 -> 240,000 at 2 KV heads
     assert "64000 < 240000 with FlashInfer's split prompt" in should_decline(2, 8, 4000, 4, 2, 128, split_kv=True)
     assert should_decline(8, 8, 4000, 4, 2, 128, split_kv=True) is None  # 256,000
+
+
+def test_more_than_16_kv_heads_count_row_heads():
+    """Above 16 KV heads (MHA 32/32 at heads 128 and 64, sixteenth round; MHA 40/40, seventeenth) the
+    floors are R x W x Hkv = 1,024 (1.16x-2.17x; 960 measured 1.00x at 32 KV heads, 1 x 30 x 100) and
+    512 from 500 tokens (1.14x-2.46x), up to 40 KV heads; never above 16 KV heads' rows; head 256
+    (not measured there) keeps 16's."""
+    from beam_shared_prefix.decline import min_beam_rows
+
+    assert [min_beam_rows(h) for h in (16, 17, 24, 32, 40, 64)] == [60, 60, 43, 32, 26, 26]
+    assert [min_beam_rows(h, 500) for h in (16, 17, 24, 32, 40, 64)] == [30, 30, 22, 16, 13, 13]
+    assert [min_beam_rows(h, 500, 2, 256) for h in (16, 32)] == [30, 30]
+    assert "30 beam rows < 32 (1,024 row-heads / 32 KV heads)" in should_decline(1, 30, 100, 32, 32, 128)  # 1.00x
+    assert should_decline(2, 16, 100, 32, 32, 128) is None  # 1,024 row-heads: 1.18x
+    assert should_decline(1, 30, 100, 40, 40, 128) is None  # 1,200: 1.16x
+    assert should_decline(2, 8, 500, 32, 32, 128) is None  # 512 from 500 tokens: 1.14x
+    assert "8 beam rows < 13 (512 row-heads / 40 KV heads)" in should_decline(1, 8, 500, 40, 40, 128)  # 1.03x
+    assert "16 beam rows < 32" in should_decline(1, 16, 500, 32, 32, 64)  # GQA 1 at head 64: no long-prompt floor
+    assert "(1,024 / 40: measured up to 40 KV heads)" in should_decline(1, 16, 100, 64, 64, 128)
 
 
 def test_reasons_name_the_value_and_the_limit():
