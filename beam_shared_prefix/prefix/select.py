@@ -446,13 +446,14 @@ def flashinfer_serves(
     head_dim: int,
 ) -> bool:
     """Whether FlashInfer's prefix backend (split prompt) serves a CUDA batch under the ``requested``
-    setting: ``"flashinfer"`` always, ``"auto"`` where :func:`split_kv_preferred` picks it or no other
-    backend tiles the head size (:func:`only_flashinfer_tiles`)."""
-    if requested == "flashinfer":
+    setting: ``"flashinfer"`` always; every setting where no other backend tiles the head size
+    (:func:`only_flashinfer_tiles`: ``"fa4"`` and ``"triton"`` fall back to FlashInfer there, as
+    :func:`resolve_prefix_backend` does); else ``"auto"`` where :func:`split_kv_preferred` picks it."""
+    if requested == "flashinfer" or (requested in ("auto", "fa4", "triton") and only_flashinfer_tiles(head_dim)):
         return True
     if requested == "auto":
-        return only_flashinfer_tiles(head_dim) or split_kv_preferred(
-            num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)[0]
+        return split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
+                                  head_dim)[0]
     return False
 
 

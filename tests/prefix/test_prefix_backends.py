@@ -418,6 +418,23 @@ def test_split_kv_rule_agrees_with_the_h200_grids():
                                       (5, 128), (6, 128), (7, 128), (8, 128), (5, 64), (6, 64), (7, 64), (8, 64)}
 
 
+def test_head_256_is_flashinfers_whatever_the_batch():
+    """Neither the cascade nor FA4 tiles head 256, so ``auto`` (and ``fa4``, ``triton``, through their
+    fallback) runs FlashInfer there at any batch, and the decline rule judges those steps on
+    FlashInfer's path (its few-rows exception; seventeenth round)."""
+    from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves, only_flashinfer_tiles
+
+    assert only_flashinfer_tiles(256) and not any(only_flashinfer_tiles(d) for d in (64, 128, 96))
+    for r, w, p in ((1, 30, 2000), (64, 30, 100), (None, 30, None)):
+        assert flashinfer_serves("auto", r, p, 16, 8, w, 256), (r, w, p)
+        assert not cascade_serves("auto", p, 16, 8, w, 256, r)
+    assert not flashinfer_serves("auto", 64, 100, 16, 8, 30, 128)  # head 128: the cascade's
+    # fa4 and triton fall back to FlashInfer where they do not tile the shape (resolve_prefix_backend)
+    assert flashinfer_serves("fa4", 1, 2000, 16, 8, 30, 256) and flashinfer_serves("triton", 1, 2000, 16, 8, 30, 256)
+    assert not flashinfer_serves("fa4", 1, 2000, 16, 8, 30, 128) and not flashinfer_serves("reference", 1, 2000, 16, 8,
+                                                                                              30, 256)
+
+
 def test_auto_on_cpu_is_the_reference():
     assert choose_prefix_backend("cpu", torch.bfloat16, 128, 16, 8, 32)[0] == "reference"
     assert resolve_prefix_backend("auto", "cpu", torch.bfloat16, 128, 16, 8, 32) == "reference"
