@@ -618,3 +618,6 @@ def test_step_path_follows_the_installed_backends(monkeypatch, installed, reques
 
     monkeypatch.setattr(select, "_installed", lambda name: name in installed or name in ("triton", "reference"))
     assert select.step_path(requested, 2, 2000, 16, 8, 30, 128) == want
+    # Head 256: FlashInfer's whenever it is installed, whatever was asked (the others fall back to it)
+    head_256 = (True, False) if "flashinfer" in installed else (False, False)
+    assert select.step_path(requested, 2, 2000, 16, 8, 30, 256) == head_256
