@@ -145,8 +145,8 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
 
 #: Beam search proper: with one beam nothing is shared.
 MIN_BEAM_WIDTH = 2
-#: Fewer beam rows (requests x beam width) than this are left to the default kernel (at 8 KV heads
-#: or more; :func:`min_beam_rows` scales it up for fewer).
+#: Fewer beam rows (requests x beam width) than this are left to the default kernel (at 8 KV heads;
+#: :func:`min_beam_rows` scales it by the KV heads).
 MIN_BEAM_ROWS = 120
 #: The same floor above head 128 (head 256: only FlashInfer + tail serves; seventeenth round).
 MIN_BEAM_ROWS_HEAD_256 = 240
@@ -262,7 +262,8 @@ def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = Non
                   head_dim: Optional[int] = None) -> int:
     """The fewest beam rows (``R x W``) served with ``num_kv_heads`` KV heads: :data:`MIN_BEAM_ROWS`
     (:data:`MIN_BEAM_ROWS_HEAD_256` above head 128), measured at 8 KV heads, scaled by ``8 /
-    num_kv_heads`` (``None``: 8; no further down than 16 KV heads' floor). The library runs
+    num_kv_heads`` up to 16 KV heads (``None``: 8) and above 16 an ``R x W x Hkv`` product
+    (:func:`_row_floor`). The library runs
     a program per request and KV head, per-beam decode one per beam row and KV head, so with fewer
     KV heads the library needs more rows to fill the GPU (fourteenth round: at 2 KV heads 120-128
     rows were 0.65x-0.97x of per-beam decode, 480-512 rows 1.69x-5.3x).
