@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--report-errors", action="store_true",
                    help="time the library with its device error flag on (TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS=1; "
                         "off by default, as in serving); the check then also fails an arm that flags valid input")
+    m.add_argument("--kernel-times", action="store_true",
+                   help="also time every arm's kernels in a CUPTI trace (torch.profiler): the span from its first "
+                        "kernel's start to its last kernel's end, without the launch and event latency that the "
+                        "events include (FlashInfer's benchmarks report this); the events' time stays the "
+                        "headline")
     m.add_argument("--no-check", action="store_true", help="skip the oracle check (not recommended)")
     m.add_argument("--check-requests", type=int, default=4, help="requests (all their beams) checked per set on a GPU")
     m.add_argument("--kv-layout", choices=("HND", "NHD"), default="HND")
@@ -285,7 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         use_graphs=not args.no_graphs, check=not args.no_check, check_requests=args.check_requests,
         kv_layout=args.kv_layout, seed=args.seed, plan_repeats=args.plan_repeats,
         baselines_need_pages=any(a.kind == "baseline" for a in arms), graph_baselines=args.graph_baselines,
-        fi_workspace_mb=args.fi_workspace_mb, report_errors=args.report_errors,
+        fi_workspace_mb=args.fi_workspace_mb, report_errors=args.report_errors, kernel_times=args.kernel_times,
     )
     if not gpu:
         opts.sets = min(opts.sets, 2)
@@ -295,6 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rates = Rates()
     if gpu:
         from .floors import measure_copy_bandwidth, measure_matmul_rate
+        from .timing import measure_event_overhead
         from .workload import torch_dtype
 
         log("measuring copy bandwidth and matmul rate ...")
@@ -302,8 +308,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dtypes = {s.dtype for s in shapes}
         rate_by_dtype = {d: measure_matmul_rate(torch_dtype(d), device) for d in dtypes}
         rates.matmul_rate = min(rate_by_dtype.values())
+        rates.event_overhead_us = measure_event_overhead(l2_flush=opts.l2_flush)
         log(f"copy bandwidth {rates.copy_bandwidth / 1e12:.2f} TB/s, matmul "
-            + ", ".join(f"{d} {r / 1e12:.0f} TFLOP/s" for d, r in rate_by_dtype.items()))
+            + ", ".join(f"{d} {r / 1e12:.0f} TFLOP/s" for d, r in rate_by_dtype.items())
+            + f"; an empty kernel measures {rates.event_overhead_us:.1f} us with these events")
 
     results = []
     progress = _progress(len(shapes) * len(arms), enabled=sys.stdout.isatty() or len(shapes) > 1)

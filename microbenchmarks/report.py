@@ -6,7 +6,7 @@ JSON document (``schema = "beam-shared-prefix-bench/1"``)::
       "schema": ..., "argv": [...], "created": ISO time,
       "environment": {"device", "gpu", "cpu_fallback", "torch", "triton", "flashinfer", "flash_attn_4",
                       "cutlass_dsl", "beam_shared_prefix", "git_commit"},
-      "rates": {"copy_bandwidth_GBps", "matmul_TFLOPs"},
+      "rates": {"copy_bandwidth_GBps", "matmul_TFLOPs", "event_overhead_us"},
       "options": {...},                     # RunOptions
       "note": str or null,                  # e.g. why the CPU path ran
       "results": [                          # one per shape point (several with --sweep)
@@ -19,7 +19,9 @@ JSON document (``schema = "beam-shared-prefix-bench/1"``)::
                    "reason", "graphed", "graph_error", "info", "check": {...},
                    "time_us", "time_min_us", "time_set_medians_us", "samples",
                    "speedup_vs_decode", "speedup_vs_cascade", "floor_multiple",
-                   "achieved_GBps", "achieved_TFLOPs"}]}
+                   "achieved_GBps", "achieved_TFLOPs",
+                   # with --kernel-times: the calls' kernel spans in a CUPTI trace
+                   "kernel_us", "kernel_set_medians_us", "kernel_floor_multiple" (or "kernel_error")}]}
       ]
     }
 """
@@ -126,6 +128,25 @@ def _num(x, unit: str) -> str:
     return f"{x:.3g}{unit}"
 
 
+def _has_kernel_times(point: Dict) -> bool:
+    return any("kernel_us" in a or "kernel_error" in a for a in point["arms"])
+
+
+def _kernel_cell(a: Dict) -> str:
+    if a.get("kernel_error"):
+        return "trace failed"
+    if a.get("kernel_us") is None:
+        return "-"
+    return f"{_us(a['kernel_us'])} ({_num(a.get('kernel_floor_multiple'), 'x')})"
+
+
+def point_header(point: Dict) -> List[str]:
+    """The table's columns for one point (a kernel-span column when the run traced kernels)."""
+    if _has_kernel_times(point):
+        return HEADER[:6] + ["kernels (x floor)"] + HEADER[6:]
+    return list(HEADER)
+
+
 def point_rows(point: Dict) -> List[List[str]]:
     """Table rows of one point: floors first, then every arm."""
     rows = []
@@ -137,6 +158,7 @@ def point_rows(point: Dict) -> List[List[str]]:
                      f"{tb['assembled'] / 1e6:.3g} MB", "", "+ prefix o/lse round trip"])
     if point.get("flops") is not None:
         rows.append(["floor: compute", "", _us(fl.get("compute_us")), "", "", "", "", _num(point["flops"] / 1e9, " GFLOP"), ""])
+    floor_rows = len(rows)
     for a in point["arms"]:
         if a["status"] == "ok":
             chk = a.get("check")
@@ -156,6 +178,9 @@ def point_rows(point: Dict) -> List[List[str]]:
             ])
         else:
             rows.append([a["name"], "", a["status"], "", "", "", "", "", (a.get("reason") or "")[:160]])
+    if _has_kernel_times(point):
+        for i, r in enumerate(rows):  # one row per arm after the floors', in order
+            r.insert(6, "" if i < floor_rows else _kernel_cell(point["arms"][i - floor_rows]))
     return rows
 
 
@@ -169,11 +194,12 @@ def print_point(point: Dict, console=None) -> None:
     if point.get("decline_reason"):
         title += f"  [declined by the rule: {point['decline_reason']}]"
     rows = point_rows(point)
+    header = point_header(point)
     if console is not None:
         from rich.table import Table
 
         table = Table(title=title, title_justify="left")
-        for h in HEADER:
+        for h in header:
             table.add_column(h, overflow="fold", no_wrap=h in ("arm", "time (median)"))
         for r in rows:
             style = "dim" if r[0].startswith("floor") else ("red" if r[2] in ("failed", "check_failed") else None)
@@ -181,8 +207,8 @@ def print_point(point: Dict, console=None) -> None:
         console.print(table)
     else:
         print(title)
-        widths = [max(len(str(r[i])) for r in rows + [HEADER]) for i in range(len(HEADER))]
-        for r in [HEADER] + rows:
+        widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+        for r in [header] + rows:
             print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
     plan = point.get("plan") or {}
     for name, p in plan.items():
@@ -200,7 +226,9 @@ def print_summary(doc: Dict, console=None) -> None:
     for p in doc["results"]:
         libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok"]
         parts = [f"{a['name']}: {_us(a['time_us'])} ({_fmt(a.get('speedup_vs_decode'), '.2f')}x decode, "
-                 f"{_fmt(a.get('floor_multiple'), '.2f')}x floor)" for a in libs]
+                 f"{_fmt(a.get('floor_multiple'), '.2f')}x floor"
+                 + (f"; kernels {_us(a['kernel_us'])}, {_fmt(a.get('kernel_floor_multiple'), '.2f')}x"
+                    if a.get("kernel_us") else "") + ")" for a in libs]
         lines.append(f"{p['label']}: " + ("; ".join(parts) if parts else "no library arm ran"))
     for line in lines:
         (console.print(line) if console is not None else print(line))

@@ -20,7 +20,7 @@ from .arms import Arm, ArmSkipped, LibraryArm, RunContext
 from .check import Oracle, compare, merge_results, pool_write_problem, set_write_slots, slot_fingerprint, stray_writes
 from .floors import count_flops, count_traffic, floor_times, mean_traffic, stage_work
 from .shapes import BenchShape
-from .timing import GraphedCall, capture_graph, time_cpu, time_cuda
+from .timing import GraphedCall, capture_graph, time_cpu, time_cuda, time_kernels
 from .workload import BenchWorkload, build_workload
 
 __all__ = ["RunOptions", "Rates", "run_point", "estimate_workload_bytes", "decline_reason"]
@@ -44,6 +44,7 @@ class RunOptions:
     graph_baselines: bool = False
     fi_workspace_mb: int = 512
     report_errors: bool = False
+    kernel_times: bool = False
 
 
 @dataclass
@@ -52,12 +53,14 @@ class Rates:
 
     copy_bandwidth: Optional[float] = None  # bytes/s, read + write
     matmul_rate: Optional[float] = None  # FLOP/s in the benchmark dtype
+    event_overhead_us: Optional[float] = None  # an empty kernel's time under the same events
 
     def to_dict(self) -> Dict:
         """JSON-ready dict of the fields (used in the results document)."""
         return {
             "copy_bandwidth_GBps": None if self.copy_bandwidth is None else self.copy_bandwidth / 1e9,
             "matmul_TFLOPs": None if self.matmul_rate is None else self.matmul_rate / 1e12,
+            "event_overhead_us": self.event_overhead_us,
         }
 
 
@@ -250,6 +253,13 @@ def run_point(
                 res["time_min_us"] = timing.min_us
                 res["time_set_medians_us"] = timing.set_medians_us
                 res["samples"] = len(timing.all_us)
+                if is_cuda and opts.kernel_times:
+                    try:
+                        spans = time_kernels(fns, opts.iters, opts.warmup, l2_flush=opts.l2_flush)
+                        res["kernel_us"] = spans.median_us
+                        res["kernel_set_medians_us"] = spans.set_medians_us
+                    except Exception as exc:  # the events' time stands; say why the trace did not
+                        res["kernel_error"] = _short_error(exc)
             if isinstance(arm, LibraryArm) and res["status"] == "ok" and opts.plan_repeats:
                 plan_times[arm.name] = arm.time_plans(wls[0], ctx, opts.plan_repeats)
                 res["plan"] = plan_times[arm.name]
@@ -312,5 +322,7 @@ def _derive(arm_results: List[Dict], works: Dict) -> None:
         r["speedup_vs_decode"] = decode / t if decode and full else None
         r["speedup_vs_cascade"] = cascade / t if cascade and full else None
         r["floor_multiple"] = t / w["floor_us"] if w.get("floor_us") else None
+        k = r.get("kernel_us")
+        r["kernel_floor_multiple"] = k / w["floor_us"] if k and w.get("floor_us") else None
         r["achieved_GBps"] = w["bytes"] / (t * 1e-6) / 1e9
         r["achieved_TFLOPs"] = w["flops"] / (t * 1e-6) / 1e12

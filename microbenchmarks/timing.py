@@ -1,4 +1,4 @@
-"""Timing: CUDA events per call with a queued backlog, CUDA-graph capture, and a CPU timer.
+"""Timing: CUDA events per call with a queued backlog, CUDA-graph capture, kernel spans, a CPU timer.
 
 Device time of one call is measured between two CUDA events recorded around it. So that the host
 (FA4 spends 120-210 us of Python per eager call) never starves the GPU, calls are enqueued in
@@ -9,6 +9,12 @@ does in a real model; input sets are rotated call by call. Two flushes: ``read``
 buffer larger than L2, leaving L2 full of clean lines, as the weight-reading GEMMs before an
 attention layer do; ``write`` memsets it, leaving L2 full of dirty lines that the timed call must
 write back to HBM as it misses (up to the whole L2, 50 MB on an H200, charged to the call).
+
+What the events cannot separate. Two events around one launch also measure the launch itself: on
+the H200 an empty kernel measures about 4 us this way (:func:`measure_event_overhead`), a quarter of
+a 16 us floor. :func:`time_kernels` measures the same calls a second way, as FlashInfer's
+benchmarks do: the span of each call's kernels in the CUPTI trace (``torch.profiler``), from its
+first kernel's start to its last kernel's end, with the gaps between kernels of one call included.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["GraphedCall", "capture_graph", "time_cuda", "time_cpu", "TimingResult", "L2_FLUSH_MODES", "L2Flush"]
+__all__ = ["GraphedCall", "capture_graph", "time_cuda", "time_cpu", "time_kernels", "call_spans_us",
+           "measure_event_overhead", "TimingResult", "L2_FLUSH_MODES", "L2Flush", "CALL_START", "CALL_END"]
 
 # How L2 is emptied between timed calls (see the module docstring).
 L2_FLUSH_MODES = ("read", "write", "none")
@@ -133,6 +140,38 @@ class L2Flush:
             self.buffer.zero_()
 
 
+def _run_backlogged(fns: Sequence[Callable[[], object]], total: int, warmup: int, enqueue: Callable[[int], None],
+                    max_backlog_us: float = 200_000.0) -> int:
+    """Warm every call up, then ``enqueue(j)`` for ``j < total`` in chunks, each queued behind a
+    ``torch.cuda._sleep`` spin that covers the chunk's host time, so the GPU runs the chunk back to
+    back (no host gap inside or between calls); returns after the device finishes. The host time is
+    probed by enqueueing the first calls once more, unqueued: returns how many (they come first)."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    # Host time per call (enqueue only, measured on the first calls), to size the spin.
+    probe = min(len(fns), total)
+    t0 = time.perf_counter()
+    for j in range(probe):
+        enqueue(j)
+    host_us = (time.perf_counter() - t0) / max(probe, 1) * 1e6 + 10.0
+    torch.cuda.synchronize()
+    chunk = int(max(1, min(total, max_backlog_us // host_us)))
+    have_sleep = hasattr(torch.cuda, "_sleep")
+    cpu_per_us = _cycles_per_us() if have_sleep else 0.0
+    k = 0
+    while k < total:
+        n = min(chunk, total - k)
+        if have_sleep:
+            torch.cuda._sleep(int(1.5 * n * host_us * cpu_per_us))
+        for j in range(k, k + n):
+            enqueue(j)
+        k += n
+    torch.cuda.synchronize()
+    return probe
+
+
 def time_cuda(
     fns: Sequence[Callable[[], object]],
     iters: int = 20,
@@ -152,42 +191,106 @@ def time_cuda(
         l2_flush: ``read``, ``write`` or ``none`` (:class:`L2Flush`).
     """
     nsets = len(fns)
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    flush = L2Flush(l2_flush, flush_l2_bytes)
-
-    # Host time per call (enqueue only), to size the spin that keeps the GPU queue ahead.
-    t0 = time.perf_counter()
-    for fn in fns:
-        flush()
-        fn()
-    host_us = (time.perf_counter() - t0) / nsets * 1e6 + 10.0
-    torch.cuda.synchronize()
-
     total = iters * nsets
-    chunk = int(max(1, min(total, max_backlog_us // host_us)))
+    flush = L2Flush(l2_flush, flush_l2_bytes)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
-    have_sleep = hasattr(torch.cuda, "_sleep")
-    cpu_per_us = _cycles_per_us() if have_sleep else 0.0
-    k = 0
-    while k < total:
-        n = min(chunk, total - k)
-        if have_sleep:
-            torch.cuda._sleep(int(1.5 * n * host_us * cpu_per_us))
-        for j in range(k, k + n):
-            flush()
-            starts[j].record()
-            fns[j % nsets]()
-            ends[j].record()
-        k += n
+
+    def enqueue(j: int) -> None:
+        flush()
+        starts[j].record()
+        fns[j % nsets]()
+        ends[j].record()
+
+    _run_backlogged(fns, total, warmup, enqueue, max_backlog_us)
     torch.cuda.synchronize()
     per_set: List[List[float]] = [[] for _ in range(nsets)]
     for j in range(total):
         per_set[j % nsets].append(starts[j].elapsed_time(ends[j]) * 1e3)
     del flush
+    return TimingResult(per_set)
+
+
+def measure_event_overhead(iters: int = 50, l2_flush: str = "read") -> float:
+    """Median event time (us) of a one-element kernel under :func:`time_cuda`: the least any call
+    measures with these events (launch and event latency, no bytes)."""
+    x = torch.zeros(1, device="cuda")
+    return time_cuda([lambda: x.add_(1.0)], iters=iters, warmup=3, l2_flush=l2_flush).median_us
+
+
+# Kernel names that bracket each call in a trace (the flush and the backlog's spin fall outside).
+CALL_START = "_bench_call_start"
+CALL_END = "_bench_call_end"
+
+
+def call_spans_us(kernels: Sequence[tuple]) -> List[float]:
+    """Per-call kernel spans (us) from a trace's kernels ``(name, start_us, end_us)``.
+
+    Each call is bracketed by a ``CALL_START`` and a ``CALL_END`` kernel; its span runs from the
+    earliest start to the latest end among the kernels between them (gaps between them included).
+    Kernels outside a bracket (flushes, spins, warm-up) are ignored. Raises ``ValueError`` for a
+    call with no kernel or a bracket left open (the trace lost records).
+    """
+    spans: List[float] = []
+    current: Optional[list] = None
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        if CALL_START in name:
+            if current is not None:
+                raise ValueError(f"call {len(spans)}: a second start before its end (the trace lost records)")
+            current = []
+        elif CALL_END in name:
+            if not current:
+                raise ValueError(f"call {len(spans)} has no kernel in the trace")
+            spans.append(max(e for _, e in current) - min(b for b, _ in current))
+            current = None
+        elif current is not None:
+            current.append((start, end))
+    if current is not None:
+        raise ValueError(f"call {len(spans)}: no end in the trace (it lost records)")
+    return spans
+
+
+def time_kernels(
+    fns: Sequence[Callable[[], object]],
+    iters: int = 20,
+    warmup: int = 3,
+    l2_flush: str = "read",
+    flush_l2_bytes: int = 256 << 20,
+    max_backlog_us: float = 200_000.0,
+) -> TimingResult:
+    """Kernel span of each call (us) in a CUPTI trace, ``iters`` calls per set, sets rotated call by
+    call, L2 flushed between calls and calls queued as in :func:`time_cuda` (host gaps would land
+    inside a multi-kernel call's span). Launch and event latency are not in it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .markers import _bench_call_end as call_end
+    from .markers import _bench_call_start as call_start
+
+    nsets = len(fns)
+    total = iters * nsets
+    flush = L2Flush(l2_flush, flush_l2_bytes)
+    tick = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def enqueue(j: int) -> None:
+        flush()
+        call_start[(1,)](tick)
+        fns[j % nsets]()
+        call_end[(1,)](tick)
+
+    enqueue(0)  # compiles the markers outside the trace
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        probe = _run_backlogged(fns, total, warmup, enqueue, max_backlog_us)
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    spans = call_spans_us(kernels)
+    if len(spans) != probe + total:
+        raise RuntimeError(f"the kernel trace holds {len(spans)} calls, expected {probe + total}: the profiler "
+                           "dropped records; time with events only (leave out --kernel-times)")
+    spans = spans[probe:]
+    per_set: List[List[float]] = [[] for _ in range(nsets)]
+    for j, t in enumerate(spans):
+        per_set[j % nsets].append(float(t))
     return TimingResult(per_set)
 
 

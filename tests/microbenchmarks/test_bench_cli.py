@@ -27,7 +27,7 @@ def test_preset_a_without_gpu_writes_json(no_gpu, tmp_path, capsys):
     assert doc["schema"] == SCHEMA
     assert set(doc) >= {"argv", "environment", "rates", "options", "note", "results"}
     assert doc["environment"]["gpu"] is False and doc["environment"]["cpu_fallback"] is True
-    assert doc["rates"] == {"copy_bandwidth_GBps": None, "matmul_TFLOPs": None}
+    assert doc["rates"] == {"copy_bandwidth_GBps": None, "matmul_TFLOPs": None, "event_overhead_us": None}
     (point,) = doc["results"]
     assert point["shape"]["name"] == "A-cpu" and point["shape"]["heads"] == 16 and point["shape"]["kv_heads"] == 8
     assert point["shape"]["requests"] == 2 and point["shape"]["beams"] == 8

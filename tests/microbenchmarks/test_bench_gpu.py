@@ -15,11 +15,12 @@ def test_every_arm_runs_checks_and_times(tmp_path):
 
     out = tmp_path / "gpu.json"
     rc = cli.main(["--requests", "4", "--beams", "8", "--prompt", "200", "--tail", "5", "--sets", "2", "--iters", "3",
-                   "--plan-repeats", "20", "--json", str(out)])
+                   "--plan-repeats", "20", "--kernel-times", "--json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["environment"]["gpu"] is True
     assert doc["rates"]["copy_bandwidth_GBps"] > 100 and doc["rates"]["matmul_TFLOPs"] > 10
+    assert 0 < doc["rates"]["event_overhead_us"] < 50
     (point,) = doc["results"]
     arms = {a["name"]: a for a in point["arms"]}
     assert set(arms) == ALL_ARMS
@@ -28,6 +29,9 @@ def test_every_arm_runs_checks_and_times(tmp_path):
     for name, a in arms.items():
         assert a["check"]["ok"] and a["time_us"] > 0, name
         assert a["floor_multiple"] > 0, name
+        # Every arm's kernels were found in the trace; their span leaves out the launch the events include.
+        assert "kernel_error" not in a, (name, a.get("kernel_error"))
+        assert 0 < a["kernel_us"] < a["time_us"] and a["kernel_floor_multiple"] > 0, name
         if a["kind"] == "stage":
             # A stage is not a whole step: no step speedup, only a multiple of its own floor.
             assert a["speedup_vs_decode"] is None and a["speedup_vs_cascade"] is None, name
