@@ -29,9 +29,11 @@ def test_every_arm_runs_checks_and_times(tmp_path):
     for name, a in arms.items():
         assert a["check"]["ok"] and a["time_us"] > 0, name
         assert a["floor_multiple"] > 0, name
-        # Every arm's kernels were found in the trace; their span leaves out the launch the events include.
+        # Every arm's kernels were found in the trace. A graph's span leaves out the ~3 us of launch and
+        # event latency the events include; an eager multi-kernel call's span is about its event time.
         assert "kernel_error" not in a, (name, a.get("kernel_error"))
-        assert 0 < a["kernel_us"] < a["time_us"] and a["kernel_floor_multiple"] > 0, name
+        assert 0 < a["kernel_us"] < (1.0 if a["graphed"] else 1.1) * a["time_us"], name
+        assert a["kernel_floor_multiple"] > 0, name
         if a["kind"] == "stage":
             # A stage is not a whole step: no step speedup, only a multiple of its own floor.
             assert a["speedup_vs_decode"] is None and a["speedup_vs_cascade"] is None, name
