@@ -52,32 +52,38 @@ def _shape_line(point: Dict, rates: Dict) -> str:
         f"{s['heads']}/{s['kv_heads']} heads. Floor {_us(fl['floor_us'])} (memory {_us(fl['memory_us'])}, "
         f"compute {_us(fl['compute_us'])}; assembled {_us(fl['assembled_floor_us'])}) at "
         f"{rates['copy_bandwidth_GBps']:.0f} GB/s and {rates['matmul_TFLOPs']:.0f} TFLOP/s."
+        + (f" An empty kernel measures {rates['event_overhead_us']:.1f} us with the events."
+           if rates.get("event_overhead_us") else "")
     )
 
 
 def point_markdown(point: Dict, rates: Dict) -> str:
-    """One shape point as a markdown table (arm, time, vs decode, vs cascade, x floor)."""
+    """One shape point as a markdown table (arm, time, vs decode, vs cascade, x floor; with kernel
+    spans in the run, their time and multiple of the floor too)."""
     work = point.get("work") or {}
+    spans = any(a.get("kernel_us") for a in point["arms"])
     lines = [
         f"**{point['shape'].get('name') or point['label']}**: {_shape_line(point, rates)}",
         "",
-        "| arm | time | vs per-beam decode | vs cascade | x floor |",
-        "| --- | --- | --- | --- | --- |",
+        "| arm | time | vs per-beam decode | vs cascade | x floor |" + (" kernels (x floor) |" if spans else ""),
+        "| --- | --- | --- | --- | --- |" + (" --- |" if spans else ""),
     ]
     for a in point["arms"]:
         name = a["name"]
         if a["status"] != "ok":
-            lines.append(f"| {name} | {a['status']} | | | |")
+            lines.append(f"| {name} | {a['status']} | | | |" + (" |" if spans else ""))
             continue
+        kernels = (f" {_us(a['kernel_us'])} ({_x(a.get('kernel_floor_multiple'))}) |" if a.get("kernel_us")
+                   else " - |") if spans else ""
         if a["kind"] == "stage":
             own = (work.get(a["work"]) or {}).get("floor_us")
             floor = f"{_x(a.get('floor_multiple'))} (own floor {_us(own)})"
-            lines.append(f"| {name} | {_us(a['time_us'])} | - | - | {floor} |")
+            lines.append(f"| {name} | {_us(a['time_us'])} | - | - | {floor} |" + kernels)
         else:
             bold = "**" if a["kind"] == "library" else ""
             lines.append(
                 f"| {bold}{name}{bold} | {bold}{_us(a['time_us'])}{bold} | {_x(a.get('speedup_vs_decode'))} | "
-                f"{_x(a.get('speedup_vs_cascade'))} | {_x(a.get('floor_multiple'))} |"
+                f"{_x(a.get('speedup_vs_cascade'))} | {_x(a.get('floor_multiple'))} |" + kernels
             )
     return "\n".join(lines)
 
