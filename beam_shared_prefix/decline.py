@@ -98,7 +98,10 @@ request) per-beam decode undercuts at short prompts. There the short-prompt floo
 ``R x W x Hkv`` = 960-1,024 measured 1.04x-1.14x at 8 KV heads (under the margin), 1.09x at 4 and
 0.77x (4 x 16, served before this round) at 16; 1,920-2,048 1.16x-1.78x. From 500 tokens the
 long-prompt floor (60 rows at 8 KV heads) and from 60,000 ``R x W x P`` the split-prompt exception
-below hold at GQA 1-2 as at head 128: 1.20x-6.16x and 1.76x-2.42x.
+below hold at GQA 1-2 as at head 128: 1.20x-6.16x and 1.76x-2.42x. The long-prompt floor holds at
+GQA 4 too (eighteenth round, ``small_batches_backends_{g4_d256,g4_kv4_d256,g4_kv1_d256}.json``, GQA
+32/8, 16/4 and 4/1: the 24 points it adds were 1.22x-4.37x, none under the margin); the split-prompt
+exception there is not measured.
 
 One exception (tenth round, ``small_batches_backends*.json``): FlashInfer's prefill splits each
 prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
@@ -159,9 +162,10 @@ FEW_ROWS_MIN_PROMPT = 500
 # GQA 1 at head 64 lost there (0.99x-1.02x), and GQA 7-8 (64/8, 28/4; small_batches_backends_g8_d64.json,
 # _g7_kv4_d64.json) were under the margin at 500 tokens (1.03x-1.08x; 1.11x-1.23x from 1,000).
 _FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
-# Head 256's groups where it was measured (seventeenth round: GQA 16/8, 8/4 and MHA 16/16): from 500
-# tokens every point from 60 rows at 8 KV heads (scaled: 30-479 rows) won, 1.20x-6.16x.
-_FEW_ROWS_HEAD_256_GROUPS = frozenset((1, 2))
+# Head 256's groups where it was measured (seventeenth round: GQA 16/8, 8/4 and MHA 16/16; eighteenth:
+# GQA 32/8, 16/4 and 4/1): from 500 tokens every point from 60 rows at 8 KV heads (scaled: 30-479
+# rows) won, 1.20x-6.16x at GQA 1-2 and 1.22x-4.37x at GQA 4. GQA 3 and above 4 are not measured.
+_FEW_ROWS_HEAD_256_GROUPS = frozenset((1, 2, 4))
 # The KV heads of the grids that measured MIN_BEAM_ROWS and the split prompt's exception.
 _MEASURED_KV_HEADS = 8
 # Above 8 KV heads the floors scale down, but no further than 16 KV heads' (sixteenth round,
@@ -270,8 +274,8 @@ def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = Non
 
     From a mean prompt (``prompt_len``, tokens) of :data:`FEW_ROWS_MIN_PROMPT`, half as many:
     :data:`MIN_BEAM_ROWS_LONG_PROMPT`, scaled the same way, at head 128 (``head_dim`` ``None`` counts as
-    128), at head 64 for GQA ``group`` 2-4 and at head 256 for GQA 1-2 (fifteenth and seventeenth
-    rounds; the module docstring has the data)."""
+    128), at head 64 for GQA ``group`` 2-4 and at head 256 for GQA 1, 2 and 4 (fifteenth, seventeenth
+    and eighteenth rounds; the module docstring has the data)."""
     return _row_floor(_beam_rows_floor(prompt_len, group, head_dim), num_kv_heads, head_dim)
 
 

@@ -80,7 +80,10 @@ def test_head_256_needs_more_rows_at_short_prompts():
     assert MIN_BEAM_ROWS_HEAD_256 == 240
     assert [min_beam_rows(h, 100, 2, 256) for h in (4, 8, 16, 32)] == [480, 240, 120, 120]
     assert [min_beam_rows(h, 500, 2, 256) for h in (4, 8, 16, 32)] == [120, 60, 30, 30]
-    assert min_beam_rows(8, 500, 4, 256) == 240  # GQA 4 at head 256: not measured
+    assert min_beam_rows(8, 500, 4, 256) == 60  # GQA 4 at head 256 (eighteenth round): 1.22x-4.37x
+    assert min_beam_rows(8, 500, 3, 256) == 240  # GQA 3 at head 256: not measured
+    assert should_decline(16, 4, 500, 32, 8, 256, split_kv=True) is None  # 64 rows at GQA 4: 1.22x
+    assert "64 beam rows < 240" in should_decline(16, 4, 100, 32, 8, 256, split_kv=True)  # 100 tokens: 0.93x
     reason = should_decline(16, 8, 100, 16, 8, 256)  # 1.04x
     assert "16 requests x beam width 8 = 128 beam rows < 240 at head 256 (60 from a mean prompt of 500" in reason
     assert "64 beam rows < 120 (240 x 8 / 16 KV heads) at head 256" in should_decline(4, 16, 100, 16, 16, 256)  # 0.77x
