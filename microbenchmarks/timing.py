@@ -202,8 +202,7 @@ def time_cuda(
         fns[j % nsets]()
         ends[j].record()
 
-    _run_backlogged(fns, total, warmup, enqueue, max_backlog_us)
-    torch.cuda.synchronize()
+    _run_backlogged(fns, total, warmup, enqueue, max_backlog_us)  # (returns once the device is done)
     per_set: List[List[float]] = [[] for _ in range(nsets)]
     for j in range(total):
         per_set[j % nsets].append(starts[j].elapsed_time(ends[j]) * 1e3)

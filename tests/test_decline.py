@@ -74,7 +74,8 @@ def test_head_256_needs_more_rows_at_short_prompts():
     """Head 256 (seventeenth round): FlashInfer + tail alone serves it (two launches, 24-28 us at one
     request), so below 500 tokens the floor is 240 rows at 8 KV heads, scaled by KV heads (100 tokens:
     R x W x Hkv = 960-1,024 measured 0.77x-1.14x, 1,920-2,048 1.16x-1.78x); from 500 tokens at GQA 1-2
-    head 128's 60 rows (1.20x-6.16x), and FlashInfer's few-rows exception from 60,000 (1.76x-2.42x)."""
+    head 128's 60 rows (1.20x-6.16x; GQA 4 too since the eighteenth round, 1.22x-4.37x), and at GQA 1-2
+    FlashInfer's few-rows exception from 60,000 (1.76x-2.42x)."""
     from beam_shared_prefix.decline import MIN_BEAM_ROWS_HEAD_256, min_beam_rows
 
     assert MIN_BEAM_ROWS_HEAD_256 == 240
