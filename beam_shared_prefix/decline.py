@@ -100,8 +100,16 @@ request) per-beam decode undercuts at short prompts. There the short-prompt floo
 long-prompt floor (60 rows at 8 KV heads) and from 60,000 ``R x W x P`` the split-prompt exception
 below hold at GQA 1-2 as at head 128: 1.20x-6.16x and 1.76x-2.42x. The long-prompt floor holds at
 GQA 4 too (eighteenth round, ``small_batches_backends_{g4_d256,g4_kv4_d256,g4_kv1_d256}.json``, GQA
-32/8, 16/4 and 4/1: the 24 points it adds were 1.22x-4.37x, none under the margin); the split-prompt
-exception there is not measured.
+32/8, 16/4 and 4/1: the 24 points it adds were 1.22x-4.37x, none under the margin). The nineteenth
+round measured GQA 3 and 8 (``small_batches_backends_{g3_d256,g8_d256,g8_kv2_d256}.json``: GQA 24/8,
+64/8 and 16/2, 1-64 requests of 4-30 beams at 100, 500 and 2,000 tokens) and the split prompt at GQA
+3, 4 and 8 (``*_d256_split.json``: 1-8 requests of 8-30 beams at 1,000 and 4,000 tokens). At GQA 3, 4
+and 8 the short-prompt floor is head 128's 120 rows: at 100 tokens ``R x W x Hkv`` = 960-1,024
+measured 1.35x-1.58x (GQA 2: 1.04x-1.14x), 480-512 0.85x-1.00x. The long-prompt floor holds at GQA 3
+and 8 (1.16x-4.54x), and the split-prompt exception from 60,000 at GQA 3, 4 and 8 (1.91x-3.30x at 8 KV
+heads; 1.86x-2.27x from 240,000 at 2). Over the 13 head-256 grids (516 points) the rule now serves 285
+points, the slowest at 1.16x; 87 more than before, at 1.16x-5.49x. GQA 5-7 are not measured and keep
+the 240-row floor.
 
 One exception (tenth round, ``small_batches_backends*.json``): FlashInfer's prefill splits each
 prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
@@ -130,7 +138,7 @@ only to 32-token prompts, and the cascade lost nowhere in any grid (head 64: 1.2
 
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
 the split-prompt exception), at head 64 (the cascade, and FlashInfer at GQA 2) and at head 256
-(FlashInfer, GQA 1, 2 and 4); the two-launch rule's ``(W - 1) x P`` was measured at head 128. Re-run the
+(FlashInfer, GQA 1-4 and 8); the two-launch rule's ``(W - 1) x P`` was measured at head 128. Re-run the
 grids for a very different shape (``docs/benchmarks.md`` says how).
 
 The function is pure and cheap (integer arithmetic), independent of TensorRT-LLM and of the
@@ -163,9 +171,16 @@ FEW_ROWS_MIN_PROMPT = 500
 # _g7_kv4_d64.json) were under the margin at 500 tokens (1.03x-1.08x; 1.11x-1.23x from 1,000).
 _FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
 # Head 256's groups where it was measured (seventeenth round: GQA 16/8, 8/4 and MHA 16/16; eighteenth:
-# GQA 32/8, 16/4 and 4/1): from 500 tokens every point from 60 rows at 8 KV heads (scaled: 30-479
-# rows) won, 1.20x-6.16x at GQA 1-2 and 1.22x-4.37x at GQA 4. GQA 3 and above 4 are not measured.
-_FEW_ROWS_HEAD_256_GROUPS = frozenset((1, 2, 4))
+# GQA 32/8, 16/4 and 4/1; nineteenth: GQA 24/8, 64/8 and 16/2): from 500 tokens every point from 60 rows
+# at 8 KV heads (scaled: 30-479 rows) won, 1.20x-6.16x at GQA 1-2, 1.22x-4.37x at GQA 4, 1.26x-4.54x
+# at GQA 3 and 1.16x-2.59x at GQA 8. GQA 5-7 and above 8 are not measured.
+_FEW_ROWS_HEAD_256_GROUPS = frozenset((1, 2, 3, 4, 8))
+# Head 256's groups whose short-prompt floor is head 128's MIN_BEAM_ROWS, not MIN_BEAM_ROWS_HEAD_256: at
+# 100 tokens R x W x Hkv = 960-1,024 measured 1.35x-1.58x at GQA 3, 4 and 8 (8, 4 and 2 KV heads;
+# nineteenth round, with the eighteenth's GQA 4 grids) against 1.04x-1.14x at GQA 2; 480-512 lost at
+# every group (0.85x-1.00x). Per-beam decode re-reads each beam's KV once per KV head for G query heads,
+# so the wider the group, the sooner sharing the prompt pays.
+_SHORT_ROWS_HEAD_256_GROUPS = frozenset((3, 4, 8))
 # The KV heads of the grids that measured MIN_BEAM_ROWS and the split prompt's exception.
 _MEASURED_KV_HEADS = 8
 # Above 8 KV heads the floors scale down, but no further than 16 KV heads' (sixteenth round,
@@ -203,7 +218,11 @@ _SPLIT_KV_MIN_ROW_TOKENS = {(2, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (4, 128): MI
                             **{(g, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV for g in (5, 6, 7, 8)},
                             # Head 256, where FlashInfer is the only backend (seventeenth round): 1.76x-2.42x
                             # at 60,000-64,000 and 8 KV heads, 2.31x at 128,000 and 4, 2.13x at 32,000 and 16.
-                            (1, 256): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (2, 256): MIN_BEAM_ROW_TOKENS_SPLIT_KV}
+                            (1, 256): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (2, 256): MIN_BEAM_ROW_TOKENS_SPLIT_KV,
+                            # GQA 3, 4 and 8 at head 256 (nineteenth round, *_d256_split.json: 1-8 requests of
+                            # 8-30 beams at 1,000 and 4,000 tokens): 1.91x-3.30x from 60,000 at 8 KV heads
+                            # (1.08x-1.16x at 16,000); at 2 KV heads (16/2) 1.86x-2.27x from 240,000.
+                            **{(g, 256): MIN_BEAM_ROW_TOKENS_SPLIT_KV for g in (3, 4, 8)}}
 _SPLIT_KV_MEASURED_SHAPES = frozenset(_SPLIT_KV_MIN_ROW_TOKENS)
 #: With an unknown prompt length, narrower beams are left to the default kernel.
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
@@ -292,7 +311,9 @@ def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim
     long_prompt = prompt_len is not None and float(prompt_len) >= FEW_ROWS_MIN_PROMPT
     if long_prompt and _long_prompt_floor_applies(group, head_dim):
         return MIN_BEAM_ROWS_LONG_PROMPT
-    return MIN_BEAM_ROWS_HEAD_256 if head_dim is not None and head_dim > 128 else MIN_BEAM_ROWS
+    if head_dim is not None and head_dim > 128 and not (head_dim == 256 and group in _SHORT_ROWS_HEAD_256_GROUPS):
+        return MIN_BEAM_ROWS_HEAD_256
+    return MIN_BEAM_ROWS
 
 
 def _narrow_head(head_dim: Optional[int]) -> bool:
