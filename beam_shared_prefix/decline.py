@@ -159,7 +159,8 @@ MIN_BEAM_WIDTH = 2
 #: Fewer beam rows (requests x beam width) than this are left to the default kernel (at 8 KV heads;
 #: :func:`min_beam_rows` scales it by the KV heads).
 MIN_BEAM_ROWS = 120
-#: The same floor above head 128 (head 256: only FlashInfer + tail serves; seventeenth round).
+#: The same floor above head 128 (head 256: only FlashInfer + tail serves; seventeenth round), except head
+#: 256 at the GQA groups of ``_SHORT_ROWS_HEAD_256_GROUPS``, which keep :data:`MIN_BEAM_ROWS` (nineteenth).
 MIN_BEAM_ROWS_HEAD_256 = 240
 #: From a mean prompt of :data:`FEW_ROWS_MIN_PROMPT` tokens this many rows are served instead (at 8 KV
 #: heads; scaled the same way), at head 128 and at head 64 for the groups of
@@ -284,7 +285,7 @@ def _kv_heads_note(base: int, num_kv_heads: Optional[int], head_dim: Optional[in
 def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = None, group: Optional[int] = None,
                   head_dim: Optional[int] = None) -> int:
     """The fewest beam rows (``R x W``) served with ``num_kv_heads`` KV heads: :data:`MIN_BEAM_ROWS`
-    (:data:`MIN_BEAM_ROWS_HEAD_256` above head 128), measured at 8 KV heads, scaled by ``8 /
+    (:data:`MIN_BEAM_ROWS_HEAD_256` above head 128, but for head 256 at GQA 3, 4 and 8), measured at 8 KV heads, scaled by ``8 /
     num_kv_heads`` up to 16 KV heads (``None``: 8) and above 16 an ``R x W x Hkv`` product
     (:func:`_row_floor`). The library runs
     a program per request and KV head, per-beam decode one per beam row and KV head, so with fewer
@@ -293,8 +294,8 @@ def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = Non
 
     From a mean prompt (``prompt_len``, tokens) of :data:`FEW_ROWS_MIN_PROMPT`, half as many:
     :data:`MIN_BEAM_ROWS_LONG_PROMPT`, scaled the same way, at head 128 (``head_dim`` ``None`` counts as
-    128), at head 64 for GQA ``group`` 2-4 and at head 256 for GQA 1, 2 and 4 (fifteenth, seventeenth
-    and eighteenth rounds; the module docstring has the data)."""
+    128), at head 64 for GQA ``group`` 2-4 and at head 256 for GQA 1-4 and 8 (fifteenth and seventeenth
+    to nineteenth rounds; the module docstring has the data)."""
     return _row_floor(_beam_rows_floor(prompt_len, group, head_dim), num_kv_heads, head_dim)
 
 
