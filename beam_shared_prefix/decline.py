@@ -105,7 +105,7 @@ round measured GQA 3 and 8 (``small_batches_backends_{g3_d256,g8_d256,g8_kv2_d25
 64/8 and 16/2, 1-64 requests of 4-30 beams at 100, 500 and 2,000 tokens) and the split prompt at GQA
 3, 4 and 8 (``*_d256_split.json``: 1-8 requests of 8-30 beams at 1,000 and 4,000 tokens). At GQA 3, 4
 and 8 the short-prompt floor is head 128's 120 rows: at 100 tokens ``R x W x Hkv`` = 960-1,024
-measured 1.35x-1.58x (GQA 2: 1.04x-1.14x), 480-512 0.85x-1.00x. The long-prompt floor holds at GQA 3
+measured 1.35x-1.58x (GQA 2: 1.04x-1.14x), 480-512 0.85x-1.13x (1.09x-1.13x only at one KV head). The long-prompt floor holds at GQA 3
 and 8 (1.16x-4.54x), and the split-prompt exception from 60,000 at GQA 3, 4 and 8 (1.91x-3.30x at 8 KV
 heads; 1.86x-2.27x from 240,000 at 2). Over the 13 head-256 grids (516 points) the rule now serves 285
 points, the slowest at 1.16x; 87 more than before, at 1.16x-5.49x. GQA 5-7 are not measured and keep
@@ -177,9 +177,9 @@ _FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
 # at GQA 3 and 1.16x-2.59x at GQA 8. GQA 5-7 and above 8 are not measured.
 _FEW_ROWS_HEAD_256_GROUPS = frozenset((1, 2, 3, 4, 8))
 # Head 256's groups whose short-prompt floor is head 128's MIN_BEAM_ROWS, not MIN_BEAM_ROWS_HEAD_256: at
-# 100 tokens R x W x Hkv = 960-1,024 measured 1.35x-1.58x at GQA 3, 4 and 8 (8, 4 and 2 KV heads;
-# nineteenth round, with the eighteenth's GQA 4 grids) against 1.04x-1.14x at GQA 2; 480-512 lost at
-# every group (0.85x-1.00x). Per-beam decode re-reads each beam's KV once per KV head for G query heads,
+# 100 tokens R x W x Hkv = 960-1,024 measured 1.35x-1.58x at GQA 3, 4 and 8 (8, 4 and 2 KV heads; 4/1: 1.51x-1.61x;
+# nineteenth round, with the eighteenth's GQA 4 grids) against 1.04x-1.14x at GQA 2; 480-512 lost or
+# were under the margin (0.85x-1.00x; 1.09x-1.13x at 4/1). Per-beam decode re-reads each beam's KV once per KV head for G query heads,
 # so the wider the group, the sooner sharing the prompt pays.
 _SHORT_ROWS_HEAD_256_GROUPS = frozenset((3, 4, 8))
 # The KV heads of the grids that measured MIN_BEAM_ROWS and the split prompt's exception.

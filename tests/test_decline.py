@@ -74,7 +74,7 @@ def test_head_256_needs_more_rows_at_short_prompts():
     """Head 256 (seventeenth round): FlashInfer + tail alone serves it (two launches, 24-28 us at one
     request), so below 500 tokens the floor at GQA 1-2 is 240 rows at 8 KV heads, scaled by KV heads (100
     tokens: R x W x Hkv = 960-1,024 measured 0.77x-1.14x, 1,920-2,048 1.16x-1.78x); at GQA 3, 4 and 8
-    head 128's 120 (nineteenth round: 960-1,024 measured 1.35x-1.58x, 480-512 0.85x-1.00x). From 500
+    head 128's 120 (nineteenth round: 960-1,024 measured 1.35x-1.58x, 480-512 0.85x-1.13x). From 500
     tokens head 128's 60 rows at GQA 1-4 and 8 (1.16x-6.16x), and FlashInfer's few-rows exception from
     60,000 (GQA 1-2: 1.76x-2.42x; GQA 3, 4, 8: 1.86x-3.30x). GQA 5-7 are not measured: 240 rows."""
     from beam_shared_prefix.decline import MIN_BEAM_ROWS_HEAD_256, min_beam_rows
