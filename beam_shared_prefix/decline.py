@@ -177,10 +177,10 @@ _FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
 # at GQA 3 and 1.16x-2.59x at GQA 8. GQA 5-7 and above 8 are not measured.
 _FEW_ROWS_HEAD_256_GROUPS = frozenset((1, 2, 3, 4, 8))
 # Head 256's groups whose short-prompt floor is head 128's MIN_BEAM_ROWS, not MIN_BEAM_ROWS_HEAD_256: at
-# 100 tokens R x W x Hkv = 960-1,024 measured 1.35x-1.58x at GQA 3, 4 and 8 (8, 4 and 2 KV heads; 4/1: 1.51x-1.61x;
-# nineteenth round, with the eighteenth's GQA 4 grids) against 1.04x-1.14x at GQA 2; 480-512 lost or
-# were under the margin (0.85x-1.00x; 1.09x-1.13x at 4/1). Per-beam decode re-reads each beam's KV once per KV head for G query heads,
-# so the wider the group, the sooner sharing the prompt pays.
+# 100 tokens R x W x Hkv = 960-1,024 measured 1.35x-1.58x at GQA 3, 4 and 8 (8, 4 and 2 KV heads; 4/1:
+# 1.51x-1.61x; nineteenth round, with the eighteenth's GQA 4 grids) against 1.04x-1.14x at GQA 2;
+# 480-512 lost or were under the margin (0.85x-1.00x; 1.09x-1.13x at 4/1). Per-beam decode re-reads each
+# beam's KV once per KV head for G query heads, so the wider the group, the sooner sharing the prompt pays.
 _SHORT_ROWS_HEAD_256_GROUPS = frozenset((3, 4, 8))
 # The KV heads of the grids that measured MIN_BEAM_ROWS and the split prompt's exception.
 _MEASURED_KV_HEADS = 8
