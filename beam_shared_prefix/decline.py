@@ -105,11 +105,11 @@ round measured GQA 3 and 8 (``small_batches_backends_{g3_d256,g8_d256,g8_kv2_d25
 64/8 and 16/2, 1-64 requests of 4-30 beams at 100, 500 and 2,000 tokens) and the split prompt at GQA
 3, 4 and 8 (``*_d256_split.json``: 1-8 requests of 8-30 beams at 1,000 and 4,000 tokens). At GQA 3, 4
 and 8 the short-prompt floor is head 128's 120 rows: at 100 tokens ``R x W x Hkv`` = 960-1,024
-measured 1.35x-1.58x (GQA 2: 1.04x-1.14x), 480-512 0.85x-1.13x (1.09x-1.13x only at one KV head). The long-prompt floor holds at GQA 3
-and 8 (1.16x-4.54x), and the split-prompt exception from 60,000 at GQA 3, 4 and 8 (1.91x-3.30x at 8 KV
-heads; 1.86x-2.27x from 240,000 at 2). Over the 13 head-256 grids (516 points) the rule now serves 285
-points, the slowest at 1.16x; 87 more than before, at 1.16x-5.49x. GQA 5-7 are not measured and keep
-the 240-row floor.
+measured 1.35x-1.61x (GQA 2: 1.04x-1.14x), 480-512 0.85x-1.13x (1.09x-1.13x only at one KV head).
+The long-prompt floor holds at GQA 3 and 8 (1.16x-4.54x), and the split-prompt exception from 60,000
+at GQA 3, 4 and 8 (1.91x-3.30x at 8 KV heads; 1.86x-2.27x from 240,000 at 2). Over the 13 head-256
+grids (516 points) the rule now serves 285 points, the slowest at 1.16x; 87 more than before, at
+1.16x-5.49x. GQA 5-7 are not measured and keep the 240-row floor.
 
 One exception (tenth round, ``small_batches_backends*.json``): FlashInfer's prefill splits each
 prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
@@ -285,8 +285,9 @@ def _kv_heads_note(base: int, num_kv_heads: Optional[int], head_dim: Optional[in
 def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = None, group: Optional[int] = None,
                   head_dim: Optional[int] = None) -> int:
     """The fewest beam rows (``R x W``) served with ``num_kv_heads`` KV heads: :data:`MIN_BEAM_ROWS`
-    (:data:`MIN_BEAM_ROWS_HEAD_256` above head 128, but for head 256 at GQA 3, 4 and 8), measured at 8 KV heads, scaled by ``8 /
-    num_kv_heads`` up to 16 KV heads (``None``: 8) and above 16 an ``R x W x Hkv`` product
+    (:data:`MIN_BEAM_ROWS_HEAD_256` above head 128, but for head 256 at GQA 3, 4 and 8), measured at 8
+    KV heads, scaled by ``8 / num_kv_heads`` up to 16 KV heads (``None``: 8) and above 16 an ``R x W x
+    Hkv`` product
     (:func:`_row_floor`). The library runs
     a program per request and KV head, per-beam decode one per beam row and KV head, so with fewer
     KV heads the library needs more rows to fill the GPU (fourteenth round: at 2 KV heads 120-128
