@@ -59,6 +59,11 @@ class TimingResult:
         """Fastest call (us)."""
         return float(np.min(self.all_us))
 
+    @classmethod
+    def from_rotated(cls, calls_us: Sequence[float], nsets: int) -> "TimingResult":
+        """Group per-call times of calls that rotate over ``nsets`` input sets (call ``j`` ran set ``j % nsets``)."""
+        return cls([[float(t) for t in calls_us[s::nsets]] for s in range(nsets)])
+
     def to_dict(self) -> dict:
         """JSON-ready dict of the fields (used in the results document)."""
         return {
@@ -203,11 +208,8 @@ def time_cuda(
         ends[j].record()
 
     _run_backlogged(fns, total, warmup, enqueue, max_backlog_us)  # (returns once the device is done)
-    per_set: List[List[float]] = [[] for _ in range(nsets)]
-    for j in range(total):
-        per_set[j % nsets].append(starts[j].elapsed_time(ends[j]) * 1e3)
     del flush
-    return TimingResult(per_set)
+    return TimingResult.from_rotated([starts[j].elapsed_time(ends[j]) * 1e3 for j in range(total)], nsets)
 
 
 def measure_event_overhead(iters: int = 50, l2_flush: str = "read") -> float:
@@ -286,11 +288,7 @@ def time_kernels(
     if len(spans) != probe + total:
         raise RuntimeError(f"the kernel trace holds {len(spans)} calls, expected {probe + total}: the profiler "
                            "dropped records; time with events only (leave out --kernel-times)")
-    spans = spans[probe:]
-    per_set: List[List[float]] = [[] for _ in range(nsets)]
-    for j, t in enumerate(spans):
-        per_set[j % nsets].append(float(t))
-    return TimingResult(per_set)
+    return TimingResult.from_rotated(spans[probe:], nsets)
 
 
 def time_cpu(fns: Sequence[Callable[[], object]], iters: int = 5, warmup: int = 1) -> TimingResult:
@@ -298,10 +296,9 @@ def time_cpu(fns: Sequence[Callable[[], object]], iters: int = 5, warmup: int = 
     for fn in fns:
         for _ in range(warmup):
             fn()
-    per_set: List[List[float]] = [[] for _ in fns]
+    calls_us = []
     for j in range(iters * len(fns)):
-        s = j % len(fns)
         t0 = time.perf_counter()
-        fns[s]()
-        per_set[s].append((time.perf_counter() - t0) * 1e6)
-    return TimingResult(per_set)
+        fns[j % len(fns)]()
+        calls_us.append((time.perf_counter() - t0) * 1e6)
+    return TimingResult.from_rotated(calls_us, len(fns))
