@@ -107,9 +107,17 @@ round measured GQA 3 and 8 (``small_batches_backends_{g3_d256,g8_d256,g8_kv2_d25
 and 8 the short-prompt floor is head 128's 120 rows: at 100 tokens ``R x W x Hkv`` = 960-1,024
 measured 1.35x-1.61x (GQA 2: 1.04x-1.14x), 480-512 0.85x-1.13x (1.09x-1.13x only at one KV head).
 The long-prompt floor holds at GQA 3 and 8 (1.16x-4.54x), and the split-prompt exception from 60,000
-at GQA 3, 4 and 8 (1.91x-3.30x at 8 KV heads; 1.86x-2.27x from 240,000 at 2). Over the 13 head-256
-grids (516 points) the rule now serves 285 points, the slowest at 1.16x; 87 more than before, at
-1.16x-5.49x. GQA 5-7 are not measured and keep the 240-row floor.
+at GQA 3, 4 and 8 (1.91x-3.30x at 8 KV heads; 1.86x-2.27x from 240,000 at 2). The twentieth round
+measured GQA 5-7 (``small_batches_backends_{g5,g6,g7,g6_kv2}_d256.json`` and ``*_d256_split.json``: GQA
+40/8, 48/8, 56/8 and 12/2), which behave as GQA 3-4 and 8 do: at 100 tokens 960-1,024 row-heads 1.41x-1.54x,
+480-512 0.99x-1.04x; from 500 tokens every point from 60 rows 1.18x-4.07x. So the floors are one rule
+over GQA 1-8 at head 256 (groups above 8 are not measured and keep 240 rows at every prompt). Its
+split-prompt exception starts at half head 128's row tokens,
+:data:`MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256` = 30,000 at 8 KV heads (per-beam decode reads twice the
+bytes per prompt token there): over the 20 head-256 grids 30,000-32,000 measured 1.26x-1.74x at 8 KV
+heads and its scaled equivalents 1.20x-1.64x at 1, 2, 4 and 16, against 0.71x-1.17x at 15,000-16,000
+(scaled). Over those grids (780 points) the rule serves 486 points, none under 1.14x; 138 more than
+the nineteenth round's rule, at 1.18x-3.24x.
 
 One exception (tenth round, ``small_batches_backends*.json``): FlashInfer's prefill splits each
 prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
@@ -138,7 +146,7 @@ only to 32-token prompts, and the cascade lost nowhere in any grid (head 64: 1.2
 
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
 the split-prompt exception), at head 64 (the cascade, and FlashInfer at GQA 2) and at head 256
-(FlashInfer, GQA 1-4 and 8); the two-launch rule's ``(W - 1) x P`` was measured at head 128. Re-run the
+(FlashInfer, GQA 1-8); the two-launch rule's ``(W - 1) x P`` was measured at head 128. Re-run the
 grids for a very different shape (``docs/benchmarks.md`` says how).
 
 The function is pure and cheap (integer arithmetic), independent of TensorRT-LLM and of the
@@ -152,7 +160,7 @@ from typing import Optional
 __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
            "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_HEAD_256", "MIN_BEAM_ROWS_LONG_PROMPT",
            "FEW_ROWS_MIN_PROMPT",
-           "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64"]
+           "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64"]
 
 #: Beam search proper: with one beam nothing is shared.
 MIN_BEAM_WIDTH = 2
@@ -172,16 +180,18 @@ FEW_ROWS_MIN_PROMPT = 500
 # _g7_kv4_d64.json) were under the margin at 500 tokens (1.03x-1.08x; 1.11x-1.23x from 1,000).
 _FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
 # Head 256's groups where it was measured (seventeenth round: GQA 16/8, 8/4 and MHA 16/16; eighteenth:
-# GQA 32/8, 16/4 and 4/1; nineteenth: GQA 24/8, 64/8 and 16/2): from 500 tokens every point from 60 rows
-# at 8 KV heads (scaled: 30-479 rows) won, 1.20x-6.16x at GQA 1-2, 1.22x-4.37x at GQA 4, 1.26x-4.54x
-# at GQA 3 and 1.16x-2.59x at GQA 8. GQA 5-7 and above 8 are not measured.
-_FEW_ROWS_HEAD_256_GROUPS = frozenset((1, 2, 3, 4, 8))
+# GQA 32/8, 16/4 and 4/1; nineteenth: GQA 24/8, 64/8 and 16/2; twentieth: GQA 40/8, 48/8, 56/8 and 12/2):
+# from 500 tokens every point from 60 rows at 8 KV heads (scaled: 30-479 rows) won, 1.20x-6.16x at GQA
+# 1-2, 1.22x-4.37x at GQA 4, 1.26x-4.54x at GQA 3, 1.16x-2.59x at GQA 8 and 1.18x-4.07x at GQA 5-7.
+# Groups above 8 are not measured.
+_FEW_ROWS_HEAD_256_GROUPS = frozenset(range(1, 9))
 # Head 256's groups whose short-prompt floor is head 128's MIN_BEAM_ROWS, not MIN_BEAM_ROWS_HEAD_256: at
 # 100 tokens R x W x Hkv = 960-1,024 measured 1.35x-1.58x at GQA 3, 4 and 8 (8, 4 and 2 KV heads; 4/1:
-# 1.51x-1.61x; nineteenth round, with the eighteenth's GQA 4 grids) against 1.04x-1.14x at GQA 2;
-# 480-512 lost or were under the margin (0.85x-1.00x; 1.09x-1.13x at 4/1). Per-beam decode re-reads each
-# beam's KV once per KV head for G query heads, so the wider the group, the sooner sharing the prompt pays.
-_SHORT_ROWS_HEAD_256_GROUPS = frozenset((3, 4, 8))
+# 1.51x-1.61x; nineteenth round, with the eighteenth's GQA 4 grids) and 1.41x-1.54x at GQA 5-7 (8 and 2
+# KV heads; twentieth) against 1.04x-1.14x at GQA 2; 480-512 lost or were under the margin (0.85x-1.04x;
+# 1.09x-1.13x at 4/1). Per-beam decode re-reads each beam's KV once per KV head for G query heads, so
+# the wider the group, the sooner sharing the prompt pays.
+_SHORT_ROWS_HEAD_256_GROUPS = frozenset(range(3, 9))
 # The KV heads of the grids that measured MIN_BEAM_ROWS and the split prompt's exception.
 _MEASURED_KV_HEADS = 8
 # Above 8 KV heads the floors scale down, but no further than 16 KV heads' (sixteenth round,
@@ -199,6 +209,8 @@ _MANY_KV_HEADS_ROW_HEADS = {MIN_BEAM_ROWS: 1024, MIN_BEAM_ROWS_LONG_PROMPT: 512}
 _MAX_MEASURED_KV_HEADS = 40
 #: Fewer beam rows are still served by FlashInfer's split prompt from this many ``R x W x P`` tokens.
 MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60_000
+#: The same at head 256, where per-beam decode reads twice head 128's bytes per prompt token.
+MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256 = 30_000
 # The narrowest beam width at which that exception was measured (8-30 beams).
 _SPLIT_KV_MEASURED_FROM_WIDTH = 8
 # ``(GQA group, head size)`` where it was measured: those of ``prefix.select.SPLIT_KV_PROMPT``
@@ -217,13 +229,13 @@ _SPLIT_KV_MIN_ROW_TOKENS = {(2, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (4, 128): MI
                             (1, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (1, 64): MIN_BEAM_ROW_TOKENS_SPLIT_KV,
                             (3, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (3, 64): 120_000,
                             **{(g, 128): MIN_BEAM_ROW_TOKENS_SPLIT_KV for g in (5, 6, 7, 8)},
-                            # Head 256, where FlashInfer is the only backend (seventeenth round): 1.76x-2.42x
-                            # at 60,000-64,000 and 8 KV heads, 2.31x at 128,000 and 4, 2.13x at 32,000 and 16.
-                            (1, 256): MIN_BEAM_ROW_TOKENS_SPLIT_KV, (2, 256): MIN_BEAM_ROW_TOKENS_SPLIT_KV,
-                            # GQA 3, 4 and 8 at head 256 (nineteenth round, *_d256_split.json: 1-8 requests of
-                            # 8-30 beams at 1,000 and 4,000 tokens): 1.91x-3.30x from 60,000 at 8 KV heads
-                            # (1.08x-1.16x at 16,000); at 2 KV heads (16/2) 1.86x-2.27x from 240,000.
-                            **{(g, 256): MIN_BEAM_ROW_TOKENS_SPLIT_KV for g in (3, 4, 8)}}
+                            # Head 256, where FlashInfer is the only backend (seventeenth to twentieth
+                            # rounds, small_batches_backends_*_d256*.json, GQA 1-8 with 1-16 KV heads): at
+                            # 8 KV heads 1.26x-1.74x at 30,000-32,000 and 1.76x-3.30x from 60,000, against
+                            # 0.91x-1.15x at 15,000-16,000; scaled by 8 / Hkv: 1.37x-1.64x at 60,000-64,000
+                            # and 4 KV heads, 1.26x-1.50x at 120,000-128,000 and 2, 1.49x-1.56x at
+                            # 240,000-256,000 and 1, 1.20x-1.45x at 15,000-16,000 and 16 (MHA 16/16).
+                            **{(g, 256): MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256 for g in range(1, 9)}}
 _SPLIT_KV_MEASURED_SHAPES = frozenset(_SPLIT_KV_MIN_ROW_TOKENS)
 #: With an unknown prompt length, narrower beams are left to the default kernel.
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
@@ -285,7 +297,7 @@ def _kv_heads_note(base: int, num_kv_heads: Optional[int], head_dim: Optional[in
 def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = None, group: Optional[int] = None,
                   head_dim: Optional[int] = None) -> int:
     """The fewest beam rows (``R x W``) served with ``num_kv_heads`` KV heads: :data:`MIN_BEAM_ROWS`
-    (:data:`MIN_BEAM_ROWS_HEAD_256` above head 128, but for head 256 at GQA 3, 4 and 8), measured at 8
+    (:data:`MIN_BEAM_ROWS_HEAD_256` above head 128, but for head 256 at GQA 3-8), measured at 8
     KV heads, scaled by ``8 / num_kv_heads`` up to 16 KV heads (``None``: 8) and above 16 an ``R x W x
     Hkv`` product
     (:func:`_row_floor`). The library runs
@@ -295,8 +307,8 @@ def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = Non
 
     From a mean prompt (``prompt_len``, tokens) of :data:`FEW_ROWS_MIN_PROMPT`, half as many:
     :data:`MIN_BEAM_ROWS_LONG_PROMPT`, scaled the same way, at head 128 (``head_dim`` ``None`` counts as
-    128), at head 64 for GQA ``group`` 2-4 and at head 256 for GQA 1-4 and 8 (fifteenth and seventeenth
-    to nineteenth rounds; the module docstring has the data)."""
+    128), at head 64 for GQA ``group`` 2-4 and at head 256 for GQA 1-8 (fifteenth and seventeenth
+    to twentieth rounds; the module docstring has the data)."""
     return _row_floor(_beam_rows_floor(prompt_len, group, head_dim), num_kv_heads, head_dim)
 
 

@@ -73,37 +73,43 @@ def test_few_beam_rows_are_declined():
 def test_head_256_needs_more_rows_at_short_prompts():
     """Head 256 (seventeenth round): FlashInfer + tail alone serves it (two launches, 24-28 us at one
     request), so below 500 tokens the floor at GQA 1-2 is 240 rows at 8 KV heads, scaled by KV heads (100
-    tokens: R x W x Hkv = 960-1,024 measured 0.77x-1.14x, 1,920-2,048 1.16x-1.78x); at GQA 3, 4 and 8
-    head 128's 120 (nineteenth round: 960-1,024 measured 1.35x-1.58x, 480-512 0.85x-1.13x). From 500
-    tokens head 128's 60 rows at GQA 1-4 and 8 (1.16x-6.16x), and FlashInfer's few-rows exception from
-    60,000 (GQA 1-2: 1.76x-2.42x; GQA 3, 4, 8: 1.86x-3.30x). GQA 5-7 are not measured: 240 rows."""
-    from beam_shared_prefix.decline import MIN_BEAM_ROWS_HEAD_256, min_beam_rows
+    tokens: R x W x Hkv = 960-1,024 measured 0.77x-1.14x, 1,920-2,048 1.16x-1.78x); at GQA 3-8 head
+    128's 120 (nineteenth and twentieth rounds: 960-1,024 measured 1.35x-1.58x, 480-512 0.85x-1.13x).
+    From 500 tokens head 128's 60 rows at GQA 1-8 (1.16x-6.16x), and FlashInfer's few-rows exception
+    from 30,000 row tokens at 8 KV heads (1.26x-1.74x at 30,000-32,000; 0.91x-1.15x at 15,000-16,000).
+    Groups above 8 are not measured: 240 rows."""
+    from beam_shared_prefix.decline import MIN_BEAM_ROWS_HEAD_256, MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256, min_beam_rows
 
-    assert MIN_BEAM_ROWS_HEAD_256 == 240
+    assert MIN_BEAM_ROWS_HEAD_256 == 240 and MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256 == 30_000
     assert [min_beam_rows(h, 100, 2, 256) for h in (4, 8, 16, 32)] == [480, 240, 120, 120]
     assert [min_beam_rows(h, 500, 2, 256) for h in (4, 8, 16, 32)] == [120, 60, 30, 30]
-    assert [min_beam_rows(8, 500, g, 256) for g in (3, 4, 5, 8)] == [60, 60, 240, 60]
-    assert [min_beam_rows(8, 100, g, 256) for g in (1, 2, 3, 4, 5, 8)] == [240, 240, 120, 120, 240, 120]
+    assert [min_beam_rows(8, 500, g, 256) for g in (1, 3, 5, 6, 7, 8, 16)] == [60, 60, 60, 60, 60, 60, 240]
+    assert [min_beam_rows(8, 100, g, 256) for g in (1, 2, 3, 4, 5, 6, 7, 8, 16)] == [240, 240] + [120] * 6 + [240]
     assert min_beam_rows(2, 100, 8, 256) == 480  # GQA 16/2: 16 x 30 at 100 tokens, 1.44x; 64 x 4, 0.99x
     assert should_decline(16, 4, 500, 32, 8, 256, split_kv=True) is None  # 64 rows at GQA 4: 1.22x
     assert "64 beam rows < 120" in should_decline(16, 4, 100, 32, 8, 256, split_kv=True)  # 100 tokens: 0.93x
     assert should_decline(4, 30, 100, 64, 8, 256, split_kv=True) is None  # 120 rows at GQA 8: 1.44x
+    assert should_decline(4, 30, 100, 56, 8, 256, split_kv=True) is None  # 120 rows at GQA 7: 1.47x
+    assert "64 beam rows < 120" in should_decline(4, 16, 100, 40, 8, 256, split_kv=True)  # GQA 5: 1.04x
     assert should_decline(16, 30, 100, 16, 2, 256, split_kv=True) is None  # 480 rows at 2 KV heads: 1.44x
+    assert should_decline(16, 30, 100, 12, 2, 256, split_kv=True) is None  # GQA 6 at 2 KV heads: 1.49x
     reason = should_decline(16, 8, 100, 16, 8, 256)  # 1.04x
     assert "16 requests x beam width 8 = 128 beam rows < 240 at head 256 (60 from a mean prompt of 500" in reason
     assert "64 beam rows < 120 (240 x 8 / 16 KV heads) at head 256" in should_decline(4, 16, 100, 16, 16, 256)  # 0.77x
     assert should_decline(16, 16, 100, 16, 8, 256, split_kv=True) is None  # 1.78x
     assert should_decline(4, 30, 100, 16, 16, 256, split_kv=True) is None  # 120 rows at 16 KV heads: 1.27x
     assert should_decline(16, 4, 500, 16, 8, 256, split_kv=True) is None  # 64 rows from 500 tokens: 1.27x
-    assert should_decline(1, 30, 2000, 16, 8, 256, split_kv=True) is None  # 60,000 row tokens: 2.42x
-    assert "32000 < 60000 with FlashInfer's split prompt" in should_decline(1, 16, 2000, 16, 8, 256, split_kv=True)
-    # The split prompt at GQA 3, 4 and 8 (nineteenth round): from 60,000 at 8 KV heads, 240,000 at 2
-    assert should_decline(2, 8, 4000, 64, 8, 256, split_kv=True) is None  # 64,000: 1.91x
-    assert should_decline(1, 16, 4000, 24, 8, 256, split_kv=True) is None  # 64,000: 2.39x
-    assert "32000 < 60000 with FlashInfer's split prompt" in should_decline(4, 8, 1000, 32, 8, 256, split_kv=True)
-    assert should_decline(2, 30, 4000, 16, 2, 256, split_kv=True) is None  # 240,000: 1.93x
-    assert "128000 < 240000 with FlashInfer's split prompt" in should_decline(8, 16, 1000, 16, 2, 256, split_kv=True)
-    assert "30 beam rows < 240" in should_decline(1, 30, 4000, 40, 8, 256, split_kv=True)  # GQA 5: not measured
+    assert should_decline(16, 4, 500, 56, 8, 256, split_kv=True) is None  # the same at GQA 7: 1.18x
+    # The split prompt: from 30,000 row tokens at 8 KV heads, 120,000 at 2, 15,000 at 16
+    assert should_decline(1, 16, 2000, 16, 8, 256, split_kv=True) is None  # 32,000: 1.59x
+    assert should_decline(4, 8, 1000, 64, 8, 256, split_kv=True) is None  # 32,000 at GQA 8: 1.26x
+    assert should_decline(1, 30, 1000, 40, 8, 256, split_kv=True) is None  # 30,000 at GQA 5: 1.42x
+    assert "16000 < 30000 with FlashInfer's split prompt" in should_decline(1, 8, 2000, 16, 8, 256, split_kv=True)  # 1.06x
+    assert "16000 < 30000 with FlashInfer's split prompt" in should_decline(2, 8, 1000, 56, 8, 256, split_kv=True)  # 1.07x
+    assert should_decline(8, 16, 1000, 16, 2, 256, split_kv=True) is None  # 128,000 at 2 KV heads: 1.26x
+    assert "64000 < 120000 with FlashInfer's split prompt" in should_decline(4, 16, 1000, 16, 2, 256, split_kv=True)  # 1.09x
+    assert should_decline(1, 8, 2000, 16, 16, 256, split_kv=True) is None  # 16,000 at 16 KV heads: 1.30x
+    assert "30 beam rows < 240" in should_decline(1, 30, 4000, 128, 8, 256, split_kv=True)  # GQA 16: not measured
 
 
 def test_few_beam_rows_with_long_prompts_are_served_by_the_split_prompt():
