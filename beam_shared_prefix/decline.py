@@ -34,6 +34,21 @@ under the margin):
 | 6-7 | 100 (1.36x; G = 4 1.21x at 50) | 50: 1.09x; 32: 1.00x |
 | 8 and more | 32 (1.24x; G = 4 1.52x at 50) | not measured below 32 |
 
+**More than 8 KV heads, fewer than 8 beams** (twentieth round, ``narrow_beams_auto_check_*.json``:
+16 and 64 requests of 2-8 beams at 32-2,000 tokens, GQA 32/16 and MHA 32/32 and 64/64, head 128,
+``auto`` on the cascade). The tables above were measured at 8 KV heads; with more, per-beam decode has
+more programs to spread narrow beams over, and the cascade's table served losers (beam width 2 at
+500-2,000 tokens 0.93x-0.98x at 16 requests, 4 at 50 tokens 0.89x-0.96x). There, on every path
+(:data:`NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT`):
+
+| beam width W | served from a mean prompt of (more than 8 KV heads) | measured just below |
+| --- | --- | --- |
+| 2 | never (0.93x-1.31x from 500 to 2,000 tokens, 9 of 18 points under 1.10x) | |
+| 3 | 1,000 (1.24x-1.67x) | 500: 1.09x-1.67x |
+| 4-5 | 250 (1.13x-1.89x) | 100: 1.03x-1.37x |
+| 6-7 | 50 (1.18x-1.59x) | not measured below 50 |
+| 8 and more | as above (32 tokens: 1.21x-1.71x) | |
+
 **The two-launch paths** (FA4 or FlashInfer prefix + tail kernel; ``decline_g2.json``,
 ``decline_g4.json``). What the library saves is the prompt KV that ``W - 1`` beams no longer
 re-read, so the crossover follows ``(W - 1) * P``:
@@ -160,7 +175,8 @@ from typing import Optional
 __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
            "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_HEAD_256", "MIN_BEAM_ROWS_LONG_PROMPT",
            "FEW_ROWS_MIN_PROMPT",
-           "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64"]
+           "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
+           "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt"]
 
 #: Beam search proper: with one beam nothing is shared.
 MIN_BEAM_WIDTH = 2
@@ -204,7 +220,9 @@ _MAX_SCALED_KV_HEADS = 16
 # 128; small_batches_backends_{mha32,mha32_d64,mha40}.json): 1,024 row-heads won at every point
 # measured (32 KV heads: 1.17x-1.18x at head 128, 1.30x-2.17x at head 64; 40: 1.16x-1.34x at 1,200-1,280),
 # 960 not (1.00x at 32, 1 x 30 x 100); from 500 tokens 512 (1.14x-1.15x at 32, 1.33x-2.46x at 640 and
-# 40). Measured up to 40 KV heads, which more keep.
+# 40). Measured up to 40 KV heads, which more keep: at 64 (MHA 64/64, twentieth round, mha64_auto_check.json
+# and _d64_auto_check.json) 40's floors served 51 points at 1.28x-10.3x, where the product would also serve
+# 1 x 8 x 500 at head 64 (8 rows, 0.95x).
 _MANY_KV_HEADS_ROW_HEADS = {MIN_BEAM_ROWS: 1024, MIN_BEAM_ROWS_LONG_PROMPT: 512}
 _MAX_MEASURED_KV_HEADS = 40
 #: Fewer beam rows are still served by FlashInfer's split prompt from this many ``R x W x P`` tokens.
@@ -245,6 +263,11 @@ MIN_SHARED_PROMPT_TOKENS = 600
 CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
 #: The same at head 64 (and below); narrower widths than the first are never served.
 CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
+#: Above :data:`NARROW_BEAMS_MEASURED_KV_HEADS` KV heads, beams narrower than 8 need this mean prompt on
+#: every path, ``(beam width from, tokens)``; beam width 2 is never served there (twentieth round).
+NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT = ((3, 1000), (4, 250), (6, 50))
+#: The KV heads at which the narrow-beam tables above were measured (and fewer).
+NARROW_BEAMS_MEASURED_KV_HEADS = 8
 
 
 def _scaling_kv_heads(num_kv_heads: Optional[int]) -> int:
@@ -343,6 +366,16 @@ def cascade_min_prompt(beam_width: int, head_dim: Optional[int] = None) -> Optio
     return served[-1] if served else None
 
 
+def narrow_beams_min_prompt(beam_width: int, num_kv_heads: Optional[int]) -> Optional[int]:
+    """The smallest mean prompt (tokens) served at ``beam_width`` with ``num_kv_heads`` KV heads on any
+    path: 0 (no such limit) at 8 beams and more or at most :data:`NARROW_BEAMS_MEASURED_KV_HEADS` KV
+    heads (``None``: 8), ``None`` where no prompt measured was served (beam width 2 above 8 KV heads)."""
+    if beam_width >= 8 or not num_kv_heads or num_kv_heads <= NARROW_BEAMS_MEASURED_KV_HEADS:
+        return 0
+    served = [tokens for width, tokens in NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT if width <= beam_width]
+    return served[-1] if served else None
+
+
 def should_decline(
     num_requests: Optional[int],
     beam_width: Optional[int],
@@ -418,6 +451,16 @@ def should_decline(
                 f"narrow beams pay only with long prompts (measured on the H200, docs/benchmarks.md)"
             )
         return None
+    least_narrow = narrow_beams_min_prompt(w, num_kv_heads)
+    if least_narrow is None or float(prompt_len) < least_narrow:
+        # The tables below were measured at 8 KV heads; with more, per-beam decode has more programs
+        # to spread narrow beams over and wins longer prompts (0.89x-0.98x where they served).
+        served = "at every prompt measured (up to 2,000 tokens)" if least_narrow is None else (
+            f"below a mean prompt of {least_narrow} tokens (this one is {float(prompt_len):.0f})")
+        return (
+            f"beam width {w} with {int(num_kv_heads)} KV heads (more than {NARROW_BEAMS_MEASURED_KV_HEADS}): per-beam "
+            f"decode was faster or within 10% {served} (measured on the H200, docs/benchmarks.md)"
+        )
     saved = (w - 1) * float(prompt_len)
     if one_launch:
         least = cascade_min_prompt(w, head_dim)

@@ -11,6 +11,7 @@ from beam_shared_prefix.decline import (
     MIN_BEAM_WIDTH_ANY_PROMPT,
     MIN_SHARED_PROMPT_TOKENS,
     cascade_min_prompt,
+    narrow_beams_min_prompt,
     should_decline,
 )
 
@@ -211,6 +212,29 @@ def test_cascade_thresholds_only_fall_with_the_beam_width(table, head_dim):
     prompts = [cascade_min_prompt(w, head_dim) for w in range(widths[0], 300)]
     assert prompts == sorted(prompts, reverse=True)
     assert all(cascade_min_prompt(w, head_dim) is None for w in range(2, widths[0]))
+
+
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_narrow_beams_need_longer_prompts_above_8_kv_heads(one_launch):
+    """Twentieth round (``narrow_beams_auto_check_*.json``: 16 and 64 requests of 2-8 beams at 32-2,000
+    tokens, GQA 32/16 and MHA 32/32 and 64/64, head 128): the cascade's narrow-beam table, measured at 8
+    KV heads, served losers above it (beam width 2 at 500-2,000 tokens 0.93x-0.98x, 4 at 50 tokens
+    0.89x-0.96x). Above 8 KV heads beam width 2 is declined at every prompt, 3 served from 1,000 tokens
+    (1.24x-1.67x; 500: 1.09x), 4-5 from 250 (1.13x-1.89x; 100: 1.03x-1.37x), 6-7 from 50 (1.18x-1.59x),
+    on every path; 8 and more as before (32 tokens: 1.21x-1.71x)."""
+    assert [narrow_beams_min_prompt(w, 16) for w in (2, 3, 4, 5, 6, 7, 8, 30)] == [None, 1000, 250, 250, 50, 50, 0, 0]
+    assert [narrow_beams_min_prompt(w, h) for w, h in ((2, 8), (3, None), (2, 1))] == [0, 0, 0]
+    reason = should_decline(16, 2, 2000, 32, 16, 128, one_launch=one_launch)  # 0.94x
+    assert "beam width 2 with 16 KV heads (more than 8)" in reason and "every prompt measured" in reason
+    assert "below a mean prompt of 1000 tokens (this one is 500)" in should_decline(
+        16, 3, 500, 32, 32, 128, one_launch=one_launch)  # 1.09x
+    assert should_decline(16, 3, 1000, 32, 32, 128, one_launch=one_launch) is None  # 1.24x
+    assert "below a mean prompt of 250" in should_decline(64, 4, 100, 64, 64, 128, one_launch=one_launch)  # 1.06x
+    assert "below a mean prompt of 50" in should_decline(64, 6, 32, 64, 64, 128, one_launch=one_launch)
+    assert should_decline(16, 8, 32, 64, 64, 128, one_launch=True) is None  # 1.62x
+    # At 8 KV heads the cascade's table is unchanged
+    assert should_decline(64, 2, 500, 16, 8, 128, one_launch=True) is None
+    assert should_decline(64, 4, 50, 16, 8, 128, one_launch=True) is None
 
 
 def test_rule_agrees_with_the_small_batch_grids():
