@@ -161,7 +161,9 @@ only to 32-token prompts, and the cascade lost nowhere in any grid (head 64: 1.2
 
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
 the split-prompt exception), at head 64 (the cascade, and FlashInfer at GQA 2) and at head 256
-(FlashInfer, GQA 1-8); the two-launch rule's ``(W - 1) x P`` was measured at head 128. Re-run the
+(FlashInfer, GQA 1-8); the two-launch rule's ``(W - 1) x P`` was measured at head 128; beams narrower
+than 8 above 8 KV heads were measured on the cascade at head 128 (16-64 KV heads), and their table is
+applied to every path and head size. Re-run the
 grids for a very different shape (``docs/benchmarks.md`` says how).
 
 The function is pure and cheap (integer arithmetic), independent of TensorRT-LLM and of the
