@@ -1,9 +1,7 @@
 """The decline rule (beam_shared_prefix/decline.py): its thresholds, and its agreement with the H200 grids."""
 
-import json
-import pathlib
-
 import pytest
+from h200_grids import grid_points
 
 from beam_shared_prefix.decline import (
     CASCADE_MIN_PROMPT,
@@ -14,8 +12,6 @@ from beam_shared_prefix.decline import (
     narrow_beams_min_prompt,
     should_decline,
 )
-
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results" / "h200"
 
 
 def decide(w, p, one_launch=False):
@@ -79,7 +75,7 @@ def test_head_256_needs_more_rows_at_short_prompts():
     From 500 tokens head 128's 60 rows at GQA 1-8 (1.16x-6.16x), and FlashInfer's few-rows exception
     from 30,000 row tokens at 8 KV heads (1.26x-1.74x at 30,000-32,000; 0.91x-1.15x at 15,000-16,000).
     Groups above 8 are not measured: 240 rows."""
-    from beam_shared_prefix.decline import MIN_BEAM_ROWS_HEAD_256, MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256, min_beam_rows
+    from beam_shared_prefix.decline import MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256, MIN_BEAM_ROWS_HEAD_256, min_beam_rows
 
     assert MIN_BEAM_ROWS_HEAD_256 == 240 and MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256 == 30_000
     assert [min_beam_rows(h, 100, 2, 256) for h in (4, 8, 16, 32)] == [480, 240, 120, 120]
@@ -285,12 +281,10 @@ def test_rule_agrees_with_the_wrapper_checks():
 
 def _grid_points(pattern):
     """``(file, shape, arms, per-beam decode us)`` of every grid point that timed per-beam decode."""
-    for path in sorted(RESULTS.glob(pattern)):
-        for point in json.loads(path.read_text())["results"]:
-            arms = {a["name"]: a for a in point["arms"] if a["status"] == "ok"}
-            decode = [arms[n]["time_us"] for n in ("fi-decode-tc", "fi-decode-cc") if n in arms]
-            if decode:  # (the eleventh round's backend-only grids did not time it)
-                yield path.name, point["shape"], arms, min(decode)
+    for name, shape, _, arms in grid_points(pattern):
+        decode = [arms[n]["time_us"] for n in ("fi-decode-tc", "fi-decode-cc") if n in arms]
+        if decode:  # (the eleventh round's backend-only grids did not time it)
+            yield name, shape, arms, min(decode)
 
 
 @pytest.mark.parametrize("pattern,arm,margin,least_points,least_served", [

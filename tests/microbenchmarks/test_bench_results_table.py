@@ -1,13 +1,11 @@
 """The markdown tables of ``results_table``: a kernel-span column only for runs that traced kernels."""
 
 import json
-import pathlib
 
 import pytest
+from h200_grids import RESULTS
 
 from microbenchmarks.results_table import point_markdown
-
-RESULTS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "h200"
 
 
 def _cells(line):

@@ -16,12 +16,10 @@ float32 from float32 accumulation of 16-bit products (``1e-2 + 1e-3 * |lse|``).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from h200_grids import grid_points
 
 from beam_shared_prefix.plan import build_step_plan
 from beam_shared_prefix.prefix import (
@@ -365,10 +363,8 @@ def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, 
 def _h200_grid_points(pattern):
     """``(file name, shape, mean prompt, {arm: us})`` of every point of the committed H200 grids matching
     ``pattern`` (arms that ran)."""
-    for path in sorted((Path(__file__).resolve().parents[2] / "docs" / "results" / "h200").glob(pattern)):
-        for point in json.loads(path.read_text())["results"]:
-            arms = {a["name"]: a["time_us"] for a in point["arms"] if a["status"] == "ok"}
-            yield path.name, point["shape"], point["prompt_lens"]["mean"], arms
+    for name, shape, prompt, arms in grid_points(pattern):
+        yield name, shape, prompt, {arm: record["time_us"] for arm, record in arms.items()}
 
 
 def test_split_kv_rule_agrees_with_the_h200_grids():
