@@ -2,6 +2,8 @@
 
 import pytest
 from h200_grids import grid_points
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from beam_shared_prefix.decline import (
     CASCADE_MIN_PROMPT,
@@ -322,3 +324,28 @@ def test_split_prompt_exception_covers_the_shapes_auto_measured():
     assert set(SPLIT_KV_PROMPT) <= decline._SPLIT_KV_MEASURED_SHAPES
     extra = decline._SPLIT_KV_MEASURED_SHAPES - set(SPLIT_KV_PROMPT)
     assert extra and all(only_flashinfer_tiles(d) for _, d in extra), extra
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    requests=st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128]),
+    beams=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 14, 16, 30, 64, 96, 256]),
+    # around every threshold of the tables, and between them
+    prompts=st.lists(st.sampled_from([16, 32, 49, 50, 99, 100, 149, 150, 249, 250, 499, 500, 999, 1000, 2000,
+                                      3999, 4000, 8000, 20_000]), min_size=2, max_size=2),
+    kv_heads=st.sampled_from([1, 2, 4, 8, 12, 16, 32, 40, 64]),
+    group=st.integers(1, 16),
+    head_dim=st.sampled_from([64, 128, 256]),
+    one_launch=st.booleans(),
+    split_kv=st.booleans(),
+)
+def test_a_longer_prompt_is_never_declined_where_a_shorter_one_is_served(requests, beams, prompts, kv_heads, group,
+                                                                          head_dim, one_launch, split_kv):
+    """Every threshold of the rule asks for a long enough prompt (the cascade's and the narrow-beam
+    tables, ``(W - 1) x P``, the long-prompt row floors, the split prompt's ``R x W x P``), so serving
+    is monotone in the mean prompt: a rule edit that breaks this is a table typo."""
+    short, long = sorted(prompts)
+    args = (requests, beams)
+    shape = (group * kv_heads, kv_heads, head_dim)
+    if should_decline(*args, short, *shape, one_launch=one_launch, split_kv=split_kv) is None:
+        assert should_decline(*args, long, *shape, one_launch=one_launch, split_kv=split_kv) is None
