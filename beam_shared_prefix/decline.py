@@ -37,8 +37,9 @@ under the margin):
 **More than 8 KV heads, fewer than 8 beams** (twentieth round, ``narrow_beams_auto_check_*.json``:
 16 and 64 requests of 2-8 beams at 32-2,000 tokens, GQA 32/16 and MHA 32/32 and 64/64, head 128,
 ``auto`` on the cascade). The tables above were measured at 8 KV heads; with more, per-beam decode has
-more programs to spread narrow beams over, and the cascade's table served losers (beam width 2 at
-500-2,000 tokens 0.93x-0.98x at 16 requests, 4 at 50 tokens 0.89x-0.96x). There, on every path
+more programs to spread narrow beams over, and the cascade's table served shapes that lost (beam width
+2 at 500-2,000 tokens: 4 of 18 points at 0.93x-0.98x; 4 at 50 tokens: 5 of 6 at 0.89x-0.96x). There, on
+every path
 (:data:`NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT`):
 
 | beam width W | served from a mean prompt of (more than 8 KV heads) | measured just below |
