@@ -38,7 +38,7 @@ under the margin):
 16 and 64 requests of 2-8 beams at 32-2,000 tokens, GQA 32/16 and MHA 32/32 and 64/64, head 128,
 ``auto`` on the cascade). The tables above were measured at 8 KV heads; with more, per-beam decode has
 more programs to spread narrow beams over, and the cascade's table served shapes that lost (beam width
-2 at 500-2,000 tokens: 4 of 18 points at 0.93x-0.98x; 4 at 50 tokens: 5 of 6 at 0.89x-0.96x). There, on
+2 at 500-2,000 tokens: 5 of 18 points at 0.93x-0.98x; 4 at 50 tokens: 5 of 6 at 0.89x-0.96x). There, on
 every path
 (:data:`NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT`):
 
