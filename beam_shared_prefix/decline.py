@@ -267,8 +267,9 @@ CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
 #: The same at head 64 (and below); narrower widths than the first are never served.
 CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
 #: Above :data:`NARROW_BEAMS_MEASURED_KV_HEADS` KV heads, beams narrower than 8 need this mean prompt on
-#: every path, ``(beam width from, tokens)``; beam width 2 is never served there (twentieth round).
-NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT = ((3, 1000), (4, 250), (6, 50))
+#: every path, ``(beam width from, tokens)``; beam width 2 is never served there, 8 and more as with fewer
+#: KV heads (twentieth round).
+NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT = ((3, 1000), (4, 250), (6, 50), (8, 0))
 #: The KV heads at which the narrow-beam tables above were measured (and fewer).
 NARROW_BEAMS_MEASURED_KV_HEADS = 8
 
@@ -364,7 +365,12 @@ def _narrow_head(head_dim: Optional[int]) -> bool:
 def cascade_min_prompt(beam_width: int, head_dim: Optional[int] = None) -> Optional[int]:
     """The smallest mean prompt (tokens) served at ``beam_width`` (>= 2) when the cascade serves, at
     ``head_dim`` (``None``: head 128's table); ``None`` where no prompt measured was served."""
-    table = CASCADE_MIN_PROMPT_HEAD_64 if _narrow_head(head_dim) else CASCADE_MIN_PROMPT
+    return _table_min_prompt(CASCADE_MIN_PROMPT_HEAD_64 if _narrow_head(head_dim) else CASCADE_MIN_PROMPT, beam_width)
+
+
+def _table_min_prompt(table, beam_width: int) -> Optional[int]:
+    """The tokens of the last ``(width from, tokens)`` row of ``table`` at or below ``beam_width``; ``None``
+    below its first row."""
     served = [tokens for width, tokens in table if width <= beam_width]
     return served[-1] if served else None
 
@@ -373,10 +379,9 @@ def narrow_beams_min_prompt(beam_width: int, num_kv_heads: Optional[int]) -> Opt
     """The smallest mean prompt (tokens) served at ``beam_width`` with ``num_kv_heads`` KV heads on any
     path: 0 (no such limit) at 8 beams and more or at most :data:`NARROW_BEAMS_MEASURED_KV_HEADS` KV
     heads (``None``: 8), ``None`` where no prompt measured was served (beam width 2 above 8 KV heads)."""
-    if beam_width >= 8 or not num_kv_heads or num_kv_heads <= NARROW_BEAMS_MEASURED_KV_HEADS:
+    if not num_kv_heads or num_kv_heads <= NARROW_BEAMS_MEASURED_KV_HEADS:
         return 0
-    served = [tokens for width, tokens in NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT if width <= beam_width]
-    return served[-1] if served else None
+    return _table_min_prompt(NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT, beam_width)
 
 
 def should_decline(
