@@ -160,6 +160,29 @@ x 4,000 tokens at head 64; only there). GQA 4 at head 64 (thirteenth round,
 ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8 beams and more the two-launch paths lost
 only to 32-token prompts, and the cascade lost nowhere in any grid (head 64: 1.24x at 32 tokens).
 
+**Long tails** (twenty-first round, ``tail_auto_check_*.json``: 311 points, 8-64 requests of 4-256
+beams at 100-4,000 tokens with 4-1,024 generated tokens per beam; GQA 16/8, 32/8, 64/8 and 8/1 and MHA
+32/32 at head 128, 16/8 and 16/2 at head 64, 16/8 at head 256). Every table above was measured at a
+4-token tail. Every path reads each beam's own generated tokens a short block at a time behind a chain
+of dependent loads (source beam, page, K/V), so the library's time grows by about 1 us per generated
+token per wave of programs, while per-beam decode's grows only with the bytes. The rule without a tail
+clause served 58 of those points slower than per-beam decode or under the margin (0.22x-1.08x; 64 x 4 x
+100 at 256 tokens: 0.28x; 8 x 8 x 500 at 256: 0.22x; 64 x 30 x 100 at 1,024: 0.85x). Past
+:data:`TAIL_MEASURED_LEN` generated tokens a step is served only while its mean prompt holds enough
+tokens per generated token (:data:`TAIL_MIN_PROMPT_PER_TOKEN`), half the smallest ratio that lost:
+
+| beam width W | served while mean tail <= | the smallest prompt per tail token that lost |
+| --- | --- | --- |
+| 2-11 | mean prompt / 125 | 62.5 (64 x 8 x 4,000 at 64 tokens, MQA 8/1: 1.06x) |
+| 12-47 | mean prompt / 16 | 7.8 (8 x 30 x 2,000 at 256 tokens: 1.03x) |
+| 48 and more | mean prompt / 4 | none lost (0.78: 64 x 64 x 100 at 128 tokens, 1.34x) |
+
+Over those grids it serves 136 points, the slowest 1.28x (118 with more than 4 generated tokens), and
+declines 97 that were faster (1.11x-6.42x). A first fit that let the tail grow with ``R x W / Hq``
+served 8 losers on the later grids (MQA, and 2 KV heads at head 64): few KV heads make per-beam decode
+cheap and leave the library few programs. :func:`tail_decline_reason` is this clause alone; a CUDA
+graph, whose tail is unknown at capture, cannot hand a step over and logs it instead.
+
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
 the split-prompt exception), at head 64 (the cascade, and FlashInfer at GQA 2) and at head 256
 (FlashInfer, GQA 1-8); the two-launch rule's ``(W - 1) x P`` was measured at head 128; beams narrower
@@ -179,7 +202,8 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_HEAD_256", "MIN_BEAM_ROWS_LONG_PROMPT",
            "FEW_ROWS_MIN_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
-           "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt"]
+           "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
+           "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "max_tail_len", "tail_decline_reason"]
 
 #: Beam search proper: with one beam nothing is shared.
 MIN_BEAM_WIDTH = 2
@@ -272,6 +296,14 @@ CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
 NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT = ((3, 1000), (4, 250), (6, 50), (8, 0))
 #: The KV heads at which the narrow-beam tables above were measured (and fewer).
 NARROW_BEAMS_MEASURED_KV_HEADS = 8
+#: The tail (generated tokens per beam, this step's included) at which every clause above was measured;
+#: a mean tail up to this is judged by them alone.
+TAIL_MEASURED_LEN = 4
+#: Past it, a step is served while its mean prompt holds at least this many tokens per generated token
+#: of the mean tail, ``(beam width from, prompt tokens per tail token)`` (twenty-first round,
+#: ``tail_auto_check_*.json``): half the smallest ratio that lost in each band (2-11 beams: 64 x 8 x 4,000
+#: at 64 tokens, 1.06x; 12-47: 8 x 30 x 2,000 at 256, 1.03x; 48 and more: none lost, 1.34x at 0.78).
+TAIL_MIN_PROMPT_PER_TOKEN = ((2, 125), (12, 16), (48, 4))
 
 
 def _scaling_kv_heads(num_kv_heads: Optional[int]) -> int:
@@ -384,6 +416,34 @@ def narrow_beams_min_prompt(beam_width: int, num_kv_heads: Optional[int]) -> Opt
     return _table_min_prompt(NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT, beam_width)
 
 
+def max_tail_len(beam_width: int, prompt_len: float) -> float:
+    """The longest mean tail (generated tokens per beam, this step's included) served with this beam width
+    and mean prompt: ``max(TAIL_MEASURED_LEN, prompt_len / TAIL_MIN_PROMPT_PER_TOKEN[beam_width])``, in tokens."""
+    per_token = _table_min_prompt(TAIL_MIN_PROMPT_PER_TOKEN, int(beam_width))
+    if per_token is None:
+        return float(TAIL_MEASURED_LEN)
+    return max(float(TAIL_MEASURED_LEN), float(prompt_len) / per_token)
+
+
+def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float],
+                        tail_len: Optional[float]) -> Optional[str]:
+    """The long-tail clause of :func:`should_decline` alone: the reason to leave a step whose beams have
+    generated ``tail_len`` tokens on average (this step's included) over a mean prompt of ``prompt_len``
+    tokens to per-beam decode, or ``None``. Any argument ``None`` (unknown): ``None``."""
+    if beam_width is None or prompt_len is None or tail_len is None:
+        return None
+    limit = max_tail_len(int(beam_width), float(prompt_len))
+    if float(tail_len) <= limit:
+        return None
+    per_token = _table_min_prompt(TAIL_MIN_PROMPT_PER_TOKEN, int(beam_width))
+    return (
+        f"mean tail {float(tail_len):.0f} generated tokens per beam > {limit:.0f} (beam width {int(beam_width)} "
+        f"needs {per_token} prompt tokens per generated token past {TAIL_MEASURED_LEN}; mean prompt "
+        f"{float(prompt_len):.0f}): every beam reads its own generated tokens a short block at a time, and "
+        f"per-beam decode is faster or within 10% at such tails (measured on the H200, docs/benchmarks.md)"
+    )
+
+
 def should_decline(
     num_requests: Optional[int],
     beam_width: Optional[int],
@@ -394,6 +454,7 @@ def should_decline(
     *,
     one_launch: bool = False,
     split_kv: bool = False,
+    tail_len: Optional[float] = None,
 ) -> Optional[str]:
     """The reason to leave this shape to the default per-beam decode, or ``None`` to serve it.
 
@@ -408,6 +469,8 @@ def should_decline(
             ``False``: a prefix backend + the tail kernel (two launches).
         split_kv: whether FlashInfer's prefix backend serves it (its prefill splits each prompt over
             the GPU, so fewer beam rows pay from :data:`MIN_BEAM_ROW_TOKENS_SPLIT_KV`); two launches.
+        tail_len: mean generated tokens per beam, this step's included (``kv_len - prompt_len``);
+            ``None``: unknown (a CUDA graph), not judged (:func:`tail_decline_reason`).
 
     Returns:
         A one-line reason naming the measured threshold (logged by the caller), or ``None``.
@@ -469,6 +532,9 @@ def should_decline(
             f"beam width {w} with {int(num_kv_heads)} KV heads (more than {NARROW_BEAMS_MEASURED_KV_HEADS}): per-beam "
             f"decode was faster or within 10% {served} (measured on the H200, docs/benchmarks.md)"
         )
+    long_tail = tail_decline_reason(w, prompt_len, tail_len)
+    if long_tail is not None:
+        return long_tail
     saved = (w - 1) * float(prompt_len)
     if one_launch:
         least = cascade_min_prompt(w, head_dim)

@@ -127,7 +127,7 @@ def decline_markdown(doc: Dict) -> str:
         measured = "-" if speedup is None else ("slower" if speedup < 1 else "faster")
         one_launch = lib is not None and (lib.get("info") or {}).get("backend") == "triton"
         rule = should_decline(s["requests"], s["beams"], mean_prompt, s["heads"], s["kv_heads"], s["head_dim"],
-                              one_launch=one_launch)
+                              one_launch=one_launch, tail_len=s.get("tail"))
         lines.append(
             f"| {s['beams']} | {mean_prompt:.0f} | {(s['beams'] - 1) * mean_prompt:.0f} | "
             f"{'-' if lib is None else _us(lib['time_us']) + ' (' + lib['name'] + ')'} | "

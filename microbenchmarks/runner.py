@@ -92,7 +92,7 @@ def decline_reason(shape: BenchShape) -> Optional[str]:
     one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
                                                  shape.head_dim, shape.requests)
     return should_decline(shape.requests, shape.beams, shape.prompt, shape.heads, shape.kv_heads, shape.head_dim,
-                          one_launch=one_launch, split_kv=split_kv)
+                          one_launch=one_launch, split_kv=split_kv, tail_len=shape.tail)
 
 
 def _short_error(exc: BaseException) -> str:

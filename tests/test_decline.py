@@ -10,9 +10,12 @@ from beam_shared_prefix.decline import (
     CASCADE_MIN_PROMPT_HEAD_64,
     MIN_BEAM_WIDTH_ANY_PROMPT,
     MIN_SHARED_PROMPT_TOKENS,
+    TAIL_MEASURED_LEN,
     cascade_min_prompt,
+    max_tail_len,
     narrow_beams_min_prompt,
     should_decline,
+    tail_decline_reason,
 )
 
 
@@ -256,7 +259,7 @@ def test_rule_agrees_with_the_small_batch_grids():
         judged.add(key)
         points += 1
         if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
-                          one_launch=one_launch, split_kv=split_kv) is None:
+                          one_launch=one_launch, split_kv=split_kv, tail_len=s["tail"]) is None:
             served += 1
             speedup = decode / arms[path]["time_us"]
             assert speedup >= 1.10, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} {path} at {speedup:.2f}x"
@@ -266,19 +269,22 @@ def test_rule_agrees_with_the_small_batch_grids():
 
 def test_rule_agrees_with_the_wrapper_checks():
     """The wrapper checks (``*auto_check*.json``: ``library/auto`` through the plan/run wrapper against
-    per-beam decode, tenth to sixteenth rounds): every point the rule serves, on the backend the
-    wrapper ran, was at least 1.10x faster than per-beam decode."""
-    points = served = 0
+    per-beam decode, tenth to twenty-first rounds; ``tail_auto_check_*`` with 4-1,024 generated tokens per
+    beam): every point the rule serves, on the backend the wrapper ran, was at least 1.10x faster than
+    per-beam decode."""
+    points = served = long_tails = 0
     for name, s, arms, decode in _grid_points("*auto_check*.json"):
         lib = arms["library/auto"]
         backend = lib["info"].get("backend")
         points += 1
         if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
-                          one_launch=backend == "triton", split_kv=backend == "flashinfer") is None:
+                          one_launch=backend == "triton", split_kv=backend == "flashinfer", tail_len=s["tail"]) is None:
             served += 1
+            long_tails += s["tail"] > TAIL_MEASURED_LEN
             speedup = decode / lib["time_us"]
-            assert speedup >= 1.10, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} {backend} at {speedup:.2f}x"
-    assert points >= 80 and served >= 50, (points, served)
+            assert speedup >= 1.10, (f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} T={s['tail']} {backend} "
+                                     f"at {speedup:.2f}x")
+    assert points >= 380 and served >= 180 and long_tails >= 100, (points, served, long_tails)
 
 
 def _grid_points(pattern):
@@ -338,14 +344,47 @@ def test_split_prompt_exception_covers_the_shapes_auto_measured():
     head_dim=st.sampled_from([64, 128, 256]),
     one_launch=st.booleans(),
     split_kv=st.booleans(),
+    tails=st.lists(st.sampled_from([None, 1, 4, 5, 8, 16, 31, 32, 63, 64, 125, 126, 256, 1024]), min_size=2,
+                   max_size=2),
 )
 def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served(
-        requests, beams, prompts, kv_heads, group, head_dim, one_launch, split_kv):
+        requests, beams, prompts, kv_heads, group, head_dim, one_launch, split_kv, tails):
     """Every threshold of the rule asks for enough of something (rows, prompt tokens, ``(W - 1) x P``,
-    ``R x W x P``, a width's smallest prompt), so on one path serving is monotone in the request count,
-    the beam width and the mean prompt: a rule edit that breaks this is a table typo."""
+    ``R x W x P``, a width's smallest prompt, prompt tokens per generated token), so on one path serving
+    is monotone in the request count, the beam width and the mean prompt, and the other way in the mean
+    tail: a rule edit that breaks this is a table typo."""
     (r0, r1), (w0, w1), (p0, p1) = sorted(requests), sorted(beams), sorted(prompts)
+    # An unknown tail (None) is not judged: the most permissive.
+    t_short, t_long = sorted(tails) if None not in tails else (None, max(tails, key=lambda t: t or 0))
     shape = (group * kv_heads, kv_heads, head_dim)
-    if should_decline(r0, w0, p0, *shape, one_launch=one_launch, split_kv=split_kv) is None:
+    path = dict(one_launch=one_launch, split_kv=split_kv)
+    if should_decline(r0, w0, p0, *shape, tail_len=t_long, **path) is None:
         for bigger in ((r1, w0, p0), (r0, w1, p0), (r0, w0, p1)):
-            assert should_decline(*bigger, *shape, one_launch=one_launch, split_kv=split_kv) is None, bigger
+            assert should_decline(*bigger, *shape, tail_len=t_long, **path) is None, bigger
+        # A shorter tail (or an unknown one, which is not judged) is served too.
+        assert should_decline(r0, w0, p0, *shape, tail_len=t_short, **path) is None, t_short
+
+
+@pytest.mark.parametrize("beams,prompt,longest_served", [
+    (8, 1000, 8),      # 2-11 beams: prompt / 125 (MQA 64 x 8 x 1,000: 1.28x at 8 tokens, 0.94x at 24)
+    (8, 4000, 32),     # (64 x 8 x 4,000 at 64 tokens: 1.06x)
+    (4, 250, 4),       # never past the measured 4 tokens below 625 (64 x 4 x 500 at 64: 1.02x, at 32: 1.43x)
+    (30, 2000, 125),   # 12-47 beams: prompt / 16 (8 x 30 x 2,000: 1.65x at 128, 1.03x at 256)
+    (30, 500, 31),     # (64 x 30 x 500 at 256: 1.57x; 64/8 32 x 30 x 300 at 64: 0.81x)
+    (96, 500, 125),    # 48 and more: prompt / 4 (8 x 96 x 500 at 256: 1.71x)
+])
+def test_long_tails_need_long_prompts(beams, prompt, longest_served):
+    """Twenty-first round (``tail_auto_check_*.json``): every path reads each beam's generated tokens a
+    short block at a time, so past the measured 4-token tail a step is served only while its mean prompt
+    holds 125 (2-11 beams), 16 (12-47) or 4 (48 and more) tokens per generated token; the rule without it
+    served 64 x 4 x 100 at 256 tokens (0.28x) and 8 x 8 x 500 at 256 (0.22x)."""
+    assert max_tail_len(beams, prompt) == pytest.approx(max(4, prompt / {8: 125, 4: 125, 30: 16, 96: 4}[beams]))
+    shape = (64, beams, prompt, 16, 8, 128)
+    for one_launch in (True, False):
+        assert should_decline(*shape, one_launch=one_launch, tail_len=longest_served) is None
+        reason = should_decline(*shape, one_launch=one_launch, tail_len=longest_served + 1)
+        assert reason is not None and f"mean tail {longest_served + 1} generated tokens per beam" in reason
+        assert f"mean prompt {prompt}" in reason
+    assert should_decline(*shape, tail_len=None) is None  # unknown (a CUDA graph): not judged
+    assert tail_decline_reason(beams, prompt, None) is None
+    assert tail_decline_reason(beams, prompt, longest_served + 1) == should_decline(*shape, tail_len=longest_served + 1)

@@ -40,6 +40,7 @@ __all__ = [
     "call_decline_reason",
     "DeclineLog",
     "decline_log",
+    "slow_step_log",
 ]
 
 logger = logging.getLogger("beam_shared_prefix.trtllm")
@@ -57,9 +58,10 @@ class DeclineLog:
     lengths) are one kind: a long-running server logs and keeps one line per kind, not per value.
     """
 
-    def __init__(self):
+    def __init__(self, prefix: str = "beam_shared_prefix declines: "):
         self._seen: Dict[str, str] = {}  # kind -> the first message of that kind
         self._lock = threading.Lock()
+        self._prefix = prefix
 
     @staticmethod
     def _kind(message: str) -> str:
@@ -71,7 +73,7 @@ class DeclineLog:
             if kind in self._seen:
                 return
             self._seen[kind] = message
-        logger.log(level, "beam_shared_prefix declines: %s", message)
+        logger.log(level, "%s%s", self._prefix, message)
 
     def seen(self, message_part: str) -> bool:
         """Whether a logged reason (the first of its kind) contains ``message_part`` (tests)."""
@@ -84,6 +86,8 @@ class DeclineLog:
 
 
 decline_log = DeclineLog()
+#: Steps the library serves although the rule would decline them (a CUDA graph cannot hand a step over).
+slow_step_log = DeclineLog("beam_shared_prefix: ")
 
 
 def _enum_value(value):

@@ -23,7 +23,9 @@ so the library's ``_is_supported`` only applies the parts of the rule that depen
 head shape. The rest is decided here, per step and per attention shape, with the batch's request
 count and mean prompt length; a declined step is handed to the fallback library by the Fmha
 subclass. A CUDA-graph metadata serves any prompt with one captured path, so its decision uses its
-(fixed) request count and beam width only, and is the same on every step.
+(fixed) request count and beam width only, and is the same on every step. The tail (generated tokens per
+beam) grows every step: eager steps past the rule's tail limit are handed over; a CUDA-graph step cannot
+be, and logs a warning once (``slow_step_log``).
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 
-from ..decline import should_decline
+from ..decline import should_decline, tail_decline_reason
 from ..prefix.select import step_path
-from .gates import batch_decline_reason, decline_log, step_decline_reason
+from .gates import batch_decline_reason, decline_log, slow_step_log, step_decline_reason
 from .kv_cache import LayerKV, PageAdapter, adapter_for
 from .registration import current_settings
 
@@ -106,6 +108,9 @@ class StepInfo:
         prompt_lens: ``[R]`` int64, prompt length per request as planned: at most ``kv_len - 1``
             (warm-up and CUDA-graph dummy rows may have nothing generated) and at least 1.
         mean_prompt_len: mean of ``prompt_lens`` (``None`` for CUDA-graph metadata, see module doc).
+        mean_tail_len: mean generated tokens per beam, this step's included (``kv_len - prompt_len``;
+            ``None`` for CUDA-graph metadata).
+        observed_lens: ``(mean prompt, mean tail)`` of this step, also under a CUDA graph (its log).
         base_key: composition key without the pages.
     """
 
@@ -118,6 +123,8 @@ class StepInfo:
     prompt_lens: np.ndarray
     mean_prompt_len: Optional[int]
     base_key: tuple
+    mean_tail_len: Optional[float] = None
+    observed_lens: Tuple[float, float] = (0.0, 0.0)
     pages: Dict[int, Tuple[np.ndarray, np.ndarray, tuple]] = field(default_factory=dict)
     declines: Dict[tuple, Optional[str]] = field(default_factory=dict)
     unplannable: set = field(default_factory=set)  # family keys whose planning failed this step
@@ -153,7 +160,14 @@ class StepInfo:
                     family.head_dim,
                     one_launch=one_launch,
                     split_kv=split_kv,
+                    tail_len=self.mean_tail_len,
                 )
+                if reason is None and self.mean_tail_len is None:
+                    # A CUDA graph replays its captured path whatever the tail: say so once per kind.
+                    slow = tail_decline_reason(self.beam_width, *self.observed_lens)
+                    if slow is not None:
+                        slow_step_log(logging.WARNING, f"a CUDA-graph step runs its captured library path although {slow}; "
+                                                       f"a graph cannot hand steps over: run long outputs without CUDA graphs")
             self.declines[family.key] = reason
         return self.declines[family.key]
 
@@ -272,7 +286,9 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
     # Warm-up and CUDA-graph dummy rows can carry no generated token (prompt_len == kv_len); the
     # prefix never extends past the current token, and never below one token.
     prompt = np.maximum(np.minimum(prompt, kv - 1), 1)
-    mean_prompt = None if state.is_cuda_graph else int(-(-int(prompt.sum()) // max(num_requests, 1)))
+    step_prompt = int(-(-int(prompt.sum()) // max(num_requests, 1)))
+    step_tail = float((kv - prompt).sum()) / max(num_requests, 1)
+    mean_prompt = None if state.is_cuda_graph else step_prompt
     step = StepInfo(
         adapter=adapter,
         beam_width=beam_width,
@@ -283,6 +299,8 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
         prompt_lens=prompt,
         mean_prompt_len=mean_prompt,
         base_key=(id(adapter), beam_width, request_ids, prompt.tobytes()),
+        mean_tail_len=None if state.is_cuda_graph else step_tail,
+        observed_lens=(float(step_prompt), step_tail),
     )
     state.step, state.step_reason = step, None
     stats["steps_planned"] += 1

@@ -39,6 +39,7 @@ def reset_library_state() -> None:
     planning._logged_device_errors.clear()
     kv_cache._adapters.clear()
     gates.decline_log.reset()
+    gates.slow_step_log.reset()
     registration._settings = None
     for counters in (fmha.stats, planning.stats):
         for key in counters:

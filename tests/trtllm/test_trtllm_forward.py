@@ -264,6 +264,30 @@ def test_narrow_beams_are_judged_per_step(trt, monkeypatch, caplog, prompts, gra
         assert reason in caplog.text
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_long_tails_are_judged_every_step(trt, monkeypatch, caplog, graph):
+    """8 beams over a mean prompt of 105 tokens: the rule serves at most 4 generated tokens per beam there
+    (105 / 125 < 4; docs/benchmarks.md, "Long tails"), so as the beams grow their tails the fifth step is
+    handed over eagerly. A CUDA-graph step cannot be: it keeps its captured library path and logs why
+    that is slow, once."""
+    model = register_with_decline(trt, monkeypatch, backend="auto")
+    setup = build(model, prompts=(90, 120), beam_width=8, head_dim=128)
+    sim = setup.sim
+    metadata = setup.engine.graph_metadata(2) if graph else None
+    for tail in range(1, 6):
+        step = sim.begin_step()
+        with caplog.at_level("DEBUG", logger="beam_shared_prefix.trtllm"):
+            out, _ = setup.run(step, metadata=metadata)
+        assert_close(gen_rows(out, 0, sim), setup.oracle(step), f"tail {tail} graph={graph}")
+        sim.end_step()
+        served = graph or tail <= 4
+        assert stats()["generation_forwards"] == (tail if graph else min(tail, 4)), tail
+        assert stats()["delegated_steps"] == (0 if served else 1), tail
+    slow = "mean tail 5 generated tokens per beam > 4 (beam width 8 needs 125 prompt tokens per generated token"
+    assert slow in caplog.text
+    assert ("a CUDA-graph step runs its captured library path although" in caplog.text) == graph
+
+
 def test_few_beam_rows_go_to_fallback(trt, monkeypatch, caplog):
     """2 requests x 8 beams = 16 beam rows: one program per request and KV head leaves the GPU idle and
     per-beam decode was faster on the H200 (R x W < 120, docs/benchmarks.md), so the step goes to
