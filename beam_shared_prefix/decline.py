@@ -160,28 +160,32 @@ x 4,000 tokens at head 64; only there). GQA 4 at head 64 (thirteenth round,
 ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8 beams and more the two-launch paths lost
 only to 32-token prompts, and the cascade lost nowhere in any grid (head 64: 1.24x at 32 tokens).
 
-**Long tails** (twenty-first round, ``tail_auto_check_*.json``: 311 points, 8-64 requests of 4-256
+**Long tails** (twenty-first round, ``tail_auto_check_*.json``: 343 points, 8-128 requests of 4-256
 beams at 100-4,000 tokens with 4-1,024 generated tokens per beam; GQA 16/8, 32/8, 64/8 and 8/1 and MHA
 32/32 at head 128, 16/8 and 16/2 at head 64, 16/8 at head 256). Every table above was measured at a
 4-token tail. Every path reads each beam's own generated tokens a short block at a time behind a chain
 of dependent loads (source beam, page, K/V), so the library's time grows by about 1 us per generated
 token per wave of programs, while per-beam decode's grows only with the bytes. The rule without a tail
-clause served 58 of those points slower than per-beam decode or under the margin (0.22x-1.08x; 64 x 4 x
+clause served 68 of those points slower than per-beam decode or under the margin (0.22x-1.08x; 64 x 4 x
 100 at 256 tokens: 0.28x; 8 x 8 x 500 at 256: 0.22x; 64 x 30 x 100 at 1,024: 0.85x). Past
 :data:`TAIL_MEASURED_LEN` generated tokens a step is served only while its mean prompt holds enough
-tokens per generated token (:data:`TAIL_MIN_PROMPT_PER_TOKEN`), half the smallest ratio that lost:
+tokens per generated token, at least twice the ratio of every loss in its band:
 
-| beam width W | served while mean tail <= | the smallest prompt per tail token that lost |
-| --- | --- | --- |
-| 2-11 | mean prompt / 125 | 62.5 (64 x 8 x 4,000 at 64 tokens, MQA 8/1: 1.06x) |
-| 12-47 | mean prompt / 16 | 7.8 (8 x 30 x 2,000 at 256 tokens: 1.03x) |
-| 48 and more | mean prompt / 4 | none lost (0.78: 64 x 64 x 100 at 128 tokens, 1.34x) |
+| KV heads | beam width W | served while mean tail <= | the loss with the most prompt per tail token |
+| --- | --- | --- | --- |
+| 8 or more | 2-11 | mean prompt / 125 | 31 (8 x 8 x 2,000 at 64 tokens: 0.93x) |
+| 8 or more | 12 and more | mean prompt / 16 | 7.8 (8 x 30 x 2,000 at 256 tokens: 1.03x) |
+| fewer (or unknown) | 2-11 | mean prompt / 200 | 62.5 (MQA, 64 x 8 x 4,000 at 64 tokens: 1.06x) |
+| fewer (or unknown) | 12 and more | mean prompt / 25 | 7.8 (16/2 at head 64, 64 x 24 x 1,000 at 128 tokens: 1.08x) |
 
-Over those grids it serves 136 points, the slowest 1.28x (118 with more than 4 generated tokens), and
-declines 97 that were faster (1.11x-6.42x). A first fit that let the tail grow with ``R x W / Hq``
-served 8 losers on the later grids (MQA, and 2 KV heads at head 64): few KV heads make per-beam decode
-cheap and leave the library few programs. :func:`tail_decline_reason` is this clause alone; a CUDA
-graph, whose tail is unknown at capture, cannot hand a step over and logs it instead.
+With fewer KV heads per-beam decode is cheap and the library has few programs, so long tails cost it
+sooner. Over those grids the rule serves 131 points, the slowest 1.36x (113 with more than 4 generated
+tokens), and declines 124 that were faster (1.11x-8.57x). The grids came in three sets, and each of the
+first two broke the rule fitted before it: a formula in ``R x W / Hq`` served 8 losers on the second
+set (MQA, 2 KV heads at head 64); one table for every KV head count, with 48 beams and more served to
+mean prompt / 4, served 0.89x on the third (64 beams at 2 KV heads). The tables above are fitted to all
+three; no held-out set is left. :func:`tail_decline_reason` is this clause alone; a CUDA graph, whose
+tail is unknown at capture, cannot hand a step over and logs it instead.
 
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
 the split-prompt exception), at head 64 (the cascade, and FlashInfer at GQA 2) and at head 256
@@ -203,7 +207,7 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "FEW_ROWS_MIN_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
            "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
-           "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "max_tail_len", "tail_decline_reason"]
+           "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS", "max_tail_len", "tail_decline_reason"]
 
 #: Beam search proper: with one beam nothing is shared.
 MIN_BEAM_WIDTH = 2
@@ -300,10 +304,14 @@ NARROW_BEAMS_MEASURED_KV_HEADS = 8
 #: a mean tail up to this is judged by them alone.
 TAIL_MEASURED_LEN = 4
 #: Past it, a step is served while its mean prompt holds at least this many tokens per generated token
-#: of the mean tail, ``(beam width from, prompt tokens per tail token)`` (twenty-first round,
-#: ``tail_auto_check_*.json``): half the smallest ratio that lost in each band (2-11 beams: 64 x 8 x 4,000
-#: at 64 tokens, 1.06x; 12-47: 8 x 30 x 2,000 at 256, 1.03x; 48 and more: none lost, 1.34x at 0.78).
-TAIL_MIN_PROMPT_PER_TOKEN = ((2, 125), (12, 16), (48, 4))
+#: of the mean tail, ``(beam width from, prompt tokens per tail token)``, with 8 KV heads or more (twenty-first
+#: round, ``tail_auto_check_*.json``): at least twice the ratio of every loss in the band (2-11 beams: 8 x 8
+#: x 2,000 at 64 tokens, 0.93x; 12 and more: 8 x 30 x 2,000 at 256, 1.03x).
+TAIL_MIN_PROMPT_PER_TOKEN = ((2, 125), (12, 16))
+#: The same with fewer than 8 KV heads (or unknown), where per-beam decode is cheap and the library has few
+#: programs: 2-11 beams lost at 62.5 (MQA 8/1, 64 x 8 x 4,000 at 64 tokens: 1.06x), 12 and more at 7.8
+#: (16/2 at head 64, 64 x 24 x 1,000 at 128: 1.08x; 32 x 64 x 300 at 64: 0.89x).
+TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = ((2, 200), (12, 25))
 
 
 def _scaling_kv_heads(num_kv_heads: Optional[int]) -> int:
@@ -416,31 +424,40 @@ def narrow_beams_min_prompt(beam_width: int, num_kv_heads: Optional[int]) -> Opt
     return _table_min_prompt(NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT, beam_width)
 
 
-def max_tail_len(beam_width: int, prompt_len: float) -> float:
-    """The longest mean tail (generated tokens per beam, this step's included) served with this beam width
-    and mean prompt: ``max(TAIL_MEASURED_LEN, prompt_len / TAIL_MIN_PROMPT_PER_TOKEN[beam_width])``, in tokens."""
-    per_token = _table_min_prompt(TAIL_MIN_PROMPT_PER_TOKEN, int(beam_width))
+def _tail_table(num_kv_heads: Optional[int]):
+    few = num_kv_heads is None or int(num_kv_heads) < NARROW_BEAMS_MEASURED_KV_HEADS
+    return TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS if few else TAIL_MIN_PROMPT_PER_TOKEN
+
+
+def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int]) -> float:
+    """The longest mean tail (generated tokens per beam, this step's included) served with this beam width,
+    mean prompt and KV head count: ``max(TAIL_MEASURED_LEN, prompt_len / prompt tokens per tail token)``
+    (:data:`TAIL_MIN_PROMPT_PER_TOKEN`, or ``..._FEW_KV_HEADS`` below 8 KV heads), in tokens."""
+    per_token = _table_min_prompt(_tail_table(num_kv_heads), int(beam_width))
     if per_token is None:
         return float(TAIL_MEASURED_LEN)
     return max(float(TAIL_MEASURED_LEN), float(prompt_len) / per_token)
 
 
-def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float],
-                        tail_len: Optional[float]) -> Optional[str]:
+def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], tail_len: Optional[float],
+                        num_kv_heads: Optional[int]) -> Optional[str]:
     """The long-tail clause of :func:`should_decline` alone: the reason to leave a step whose beams have
     generated ``tail_len`` tokens on average (this step's included) over a mean prompt of ``prompt_len``
-    tokens to per-beam decode, or ``None``. Any argument ``None`` (unknown): ``None``."""
+    tokens to per-beam decode, or ``None``. ``beam_width``, ``prompt_len`` or ``tail_len`` ``None``
+    (unknown): ``None``; ``num_kv_heads`` ``None``: judged as fewer than 8."""
     if beam_width is None or prompt_len is None or tail_len is None:
         return None
-    limit = max_tail_len(int(beam_width), float(prompt_len))
+    limit = max_tail_len(int(beam_width), float(prompt_len), num_kv_heads)
     if float(tail_len) <= limit:
         return None
-    per_token = _table_min_prompt(TAIL_MIN_PROMPT_PER_TOKEN, int(beam_width))
+    per_token = _table_min_prompt(_tail_table(num_kv_heads), int(beam_width))
+    heads = "fewer than 8" if num_kv_heads is None or num_kv_heads < NARROW_BEAMS_MEASURED_KV_HEADS else num_kv_heads
     return (
         f"mean tail {float(tail_len):.0f} generated tokens per beam > {limit:.0f} (beam width {int(beam_width)} "
-        f"needs {per_token} prompt tokens per generated token past {TAIL_MEASURED_LEN}; mean prompt "
-        f"{float(prompt_len):.0f}): every beam reads its own generated tokens a short block at a time, and "
-        f"per-beam decode is faster or within 10% at such tails (measured on the H200, docs/benchmarks.md)"
+        f"with {heads} KV heads needs {per_token} prompt tokens per generated token past {TAIL_MEASURED_LEN}; "
+        f"mean prompt {float(prompt_len):.0f}): every beam reads its own generated tokens a short block at a "
+        f"time, and per-beam decode is faster or within 10% at such tails (measured on the H200, "
+        f"docs/benchmarks.md)"
     )
 
 
@@ -532,7 +549,7 @@ def should_decline(
             f"beam width {w} with {int(num_kv_heads)} KV heads (more than {NARROW_BEAMS_MEASURED_KV_HEADS}): per-beam "
             f"decode was faster or within 10% {served} (measured on the H200, docs/benchmarks.md)"
         )
-    long_tail = tail_decline_reason(w, prompt_len, tail_len)
+    long_tail = tail_decline_reason(w, prompt_len, tail_len, num_kv_heads)
     if long_tail is not None:
         return long_tail
     saved = (w - 1) * float(prompt_len)

@@ -164,10 +164,11 @@ class StepInfo:
                 )
                 if reason is None and self.mean_tail_len is None:
                     # A CUDA graph replays its captured path whatever the tail: say so once per kind.
-                    slow = tail_decline_reason(self.beam_width, *self.observed_lens)
+                    slow = tail_decline_reason(self.beam_width, *self.observed_lens, family.num_kv_heads)
                     if slow is not None:
-                        slow_step_log(logging.WARNING, f"a CUDA-graph step runs its captured library path although {slow}; "
-                                                       f"a graph cannot hand steps over: run long outputs without CUDA graphs")
+                        slow_step_log(logging.WARNING,
+                                      f"a CUDA-graph step runs its captured library path although {slow}; a graph "
+                                      f"cannot hand steps over: run long outputs without CUDA graphs")
             self.declines[family.key] = reason
         return self.declines[family.key]
 

@@ -266,8 +266,8 @@ def test_narrow_beams_are_judged_per_step(trt, monkeypatch, caplog, prompts, gra
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
 def test_long_tails_are_judged_every_step(trt, monkeypatch, caplog, graph):
-    """8 beams over a mean prompt of 105 tokens: the rule serves at most 4 generated tokens per beam there
-    (105 / 125 < 4; docs/benchmarks.md, "Long tails"), so as the beams grow their tails the fifth step is
+    """8 beams over a mean prompt of 105 tokens with 2 KV heads: the rule serves at most 4 generated tokens
+    per beam there (105 / 200 < 4; docs/benchmarks.md), so as the beams grow their tails the fifth step is
     handed over eagerly. A CUDA-graph step cannot be: it keeps its captured library path and logs why
     that is slow, once."""
     model = register_with_decline(trt, monkeypatch, backend="auto")
@@ -283,7 +283,8 @@ def test_long_tails_are_judged_every_step(trt, monkeypatch, caplog, graph):
         served = graph or tail <= 4
         assert stats()["generation_forwards"] == (tail if graph else min(tail, 4)), tail
         assert stats()["delegated_steps"] == (0 if served else 1), tail
-    slow = "mean tail 5 generated tokens per beam > 4 (beam width 8 needs 125 prompt tokens per generated token"
+    slow = ("mean tail 5 generated tokens per beam > 4 (beam width 8 with fewer than 8 KV heads needs 200 prompt "
+            "tokens per generated token")
     assert slow in caplog.text
     assert ("a CUDA-graph step runs its captured library path although" in caplog.text) == graph
 
