@@ -282,8 +282,8 @@ def test_rule_agrees_with_the_wrapper_checks():
             served += 1
             long_tails += s["tail"] > TAIL_MEASURED_LEN
             speedup = decode / lib["time_us"]
-            assert speedup >= 1.10, (f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} T={s['tail']} {backend} "
-                                     f"at {speedup:.2f}x")
+            where = f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} T={s['tail']}"
+            assert speedup >= 1.10, f"{where} {backend} at {speedup:.2f}x"
     assert points >= 380 and served >= 180 and long_tails >= 100, (points, served, long_tails)
 
 

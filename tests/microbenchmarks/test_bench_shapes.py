@@ -106,3 +106,15 @@ def test_reduced_cpu_shape_keeps_the_attention_shape():
         assert r.requests <= 2 and r.beams <= 8 and r.tail <= 5
         # Shared full pages and a private partial page both appear when the preset's prompt allows.
         assert r.prompt // r.page_size >= 1 and (r.prompt % r.page_size or r.prompt == s.prompt)
+
+
+def test_each_point_records_the_rule_with_its_tail():
+    """The JSON's ``decline_reason`` is the library's rule at the point's tail: B-medium's 4 generated
+    tokens are served; 64 of them over 100-token prompts were 0.28x-0.97x of per-beam decode on the
+    H200 (docs/benchmarks.md, "The twenty-first round") and are declined."""
+    from microbenchmarks.runner import decline_reason
+
+    medium = PRESETS["B-medium"]
+    assert decline_reason(medium) is None
+    long_tail = BenchShape(requests=64, beams=medium.beams, prompt=100, tail=64, heads=16, kv_heads=8)
+    assert "mean tail 64 generated tokens per beam > 6" in decline_reason(long_tail)
