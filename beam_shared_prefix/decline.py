@@ -171,7 +171,7 @@ clause served 68 of those points slower than per-beam decode or under the margin
 :data:`TAIL_MEASURED_LEN` generated tokens a step is served only while its mean prompt holds enough
 tokens per generated token, at least twice the ratio of every loss in its band:
 
-| KV heads | beam width W | served while mean tail <= | the loss with the most prompt per tail token |
+| KV heads | beam width W | served while the tail <= | the loss with the most prompt per tail token |
 | --- | --- | --- | --- |
 | 8 or more | 2-11 | mean prompt / 125 | 31 (8 x 8 x 2,000 at 64 tokens: 0.93x) |
 | 8 or more | 12 and more | mean prompt / 16 | 7.8 (8 x 30 x 2,000 at 256 tokens: 1.03x) |
@@ -185,7 +185,8 @@ first two broke the rule fitted before it: a formula in ``R x W / Hq`` served 8 
 set (MQA, 2 KV heads at head 64); one table for every KV head count, with 48 beams and more served to
 mean prompt / 4, served 0.89x on the third (64 beams at 2 KV heads). The tables above are fitted to all
 three; no held-out set is left. :func:`tail_decline_reason` is this clause alone; a CUDA graph, whose
-tail is unknown at capture, cannot hand a step over and logs it instead.
+tail is unknown at capture, cannot hand a step over and logs it instead. The grids ran one tail per batch;
+serving judges the batch's longest, since each request's tail is walked by its own programs.
 
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
 the split-prompt exception), at head 64 (the cascade, and FlashInfer at GQA 2) and at head 256
@@ -302,10 +303,10 @@ NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT = ((3, 1000), (4, 250), (6, 50), (8, 0))
 #: The KV heads at which the narrow-beam tables above were measured (and fewer).
 NARROW_BEAMS_MEASURED_KV_HEADS = 8
 #: The tail (generated tokens per beam, this step's included) at which every clause above was measured;
-#: a mean tail up to this is judged by them alone.
+#: a tail up to this is judged by them alone.
 TAIL_MEASURED_LEN = 4
 #: Past it, a step is served while its mean prompt holds at least this many tokens per generated token
-#: of the mean tail, ``(beam width from, prompt tokens per tail token)``, with 8 KV heads or more (twenty-first
+#: of the tail, ``(beam width from, prompt tokens per tail token)``, with 8 KV heads or more (twenty-first
 #: round, ``tail_auto_check_*.json``): at least twice the ratio of every loss in the band (2-11 beams: 8 x 8
 #: x 2,000 at 64 tokens, 0.93x; 12 and more: 8 x 30 x 2,000 at 256, 1.03x).
 TAIL_MIN_PROMPT_PER_TOKEN = ((2, 125), (12, 16))
@@ -431,7 +432,7 @@ def _tail_table(num_kv_heads: Optional[int]):
 
 
 def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int]) -> float:
-    """The longest mean tail (generated tokens per beam, this step's included) served with this beam width,
+    """The longest tail (generated tokens per beam, this step's included) served with this beam width,
     mean prompt and KV head count: ``max(TAIL_MEASURED_LEN, prompt_len / prompt tokens per tail token)``
     (:data:`TAIL_MIN_PROMPT_PER_TOKEN`, or ``..._FEW_KV_HEADS`` below 8 KV heads), in tokens."""
     per_token = _table_min_prompt(_tail_table(num_kv_heads), int(beam_width))
@@ -443,7 +444,7 @@ def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int]
 def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], tail_len: Optional[float],
                         num_kv_heads: Optional[int]) -> Optional[str]:
     """The long-tail clause of :func:`should_decline` alone: the reason to leave a step whose beams have
-    generated ``tail_len`` tokens on average (this step's included) over a mean prompt of ``prompt_len``
+    generated ``tail_len`` tokens (the longest request's, this step's included) over a mean prompt of ``prompt_len``
     tokens to per-beam decode, or ``None``. ``beam_width``, ``prompt_len`` or ``tail_len`` ``None``
     (unknown): ``None``; ``num_kv_heads`` ``None``: judged as fewer than 8."""
     if beam_width is None or prompt_len is None or tail_len is None:
@@ -454,7 +455,7 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
     per_token = _table_min_prompt(_tail_table(num_kv_heads), int(beam_width))
     heads = "fewer than 8" if num_kv_heads is None or num_kv_heads < NARROW_BEAMS_MEASURED_KV_HEADS else num_kv_heads
     return (
-        f"mean tail {float(tail_len):.0f} generated tokens per beam > {limit:.0f} (beam width {int(beam_width)} "
+        f"tail {float(tail_len):.0f} generated tokens per beam > {limit:.0f} (beam width {int(beam_width)} "
         f"with {heads} KV heads needs {per_token} prompt tokens per generated token past {TAIL_MEASURED_LEN}; "
         f"mean prompt {float(prompt_len):.0f}): every beam reads its own generated tokens a short block at a "
         f"time, and per-beam decode is faster or within 10% at such tails (measured on the H200, "
@@ -487,8 +488,10 @@ def should_decline(
             ``False``: a prefix backend + the tail kernel (two launches).
         split_kv: whether FlashInfer's prefix backend serves it (its prefill splits each prompt over
             the GPU, so fewer beam rows pay from :data:`MIN_BEAM_ROW_TOKENS_SPLIT_KV`); two launches.
-        tail_len: mean generated tokens per beam, this step's included (``kv_len - prompt_len``);
-            ``None``: unknown (a CUDA graph), not judged (:func:`tail_decline_reason`).
+        tail_len: generated tokens per beam, this step's included (``kv_len - prompt_len``), of the batch's
+            longest-running request: each request's tail is walked by its own programs, so the longest sets
+            the step's time (the grids ran one tail per batch). ``None``: unknown (a CUDA graph), not judged
+            (:func:`tail_decline_reason`).
 
     Returns:
         A one-line reason naming the measured threshold (logged by the caller), or ``None``.

@@ -389,7 +389,7 @@ def test_long_tails_need_long_prompts(beams, prompt, kv_heads, longest_served):
     for one_launch in (True, False):
         assert should_decline(*shape, one_launch=one_launch, tail_len=longest_served) is None
         reason = should_decline(*shape, one_launch=one_launch, tail_len=longest_served + 1)
-        assert reason is not None and f"mean tail {longest_served + 1} generated tokens per beam" in reason
+        assert reason is not None and f"tail {longest_served + 1} generated tokens per beam" in reason
         assert f"mean prompt {prompt}" in reason
     assert should_decline(*shape, tail_len=None) is None  # unknown (a CUDA graph): not judged
     assert tail_decline_reason(beams, prompt, None, kv_heads) is None

@@ -108,9 +108,9 @@ class StepInfo:
         prompt_lens: ``[R]`` int64, prompt length per request as planned: at most ``kv_len - 1``
             (warm-up and CUDA-graph dummy rows may have nothing generated) and at least 1.
         mean_prompt_len: mean of ``prompt_lens`` (``None`` for CUDA-graph metadata, see module doc).
-        mean_tail_len: mean generated tokens per beam, this step's included (``kv_len - prompt_len``;
-            ``None`` for CUDA-graph metadata).
-        observed_lens: ``(mean prompt, mean tail)`` of this step, also under a CUDA graph (its log).
+        longest_tail_len: the longest request's generated tokens per beam, this step's included
+            (``kv_len - prompt_len``; ``None`` for CUDA-graph metadata).
+        observed_lens: ``(mean prompt, longest tail)`` of this step, also under a CUDA graph (its log).
         base_key: composition key without the pages.
     """
 
@@ -123,8 +123,8 @@ class StepInfo:
     prompt_lens: np.ndarray
     mean_prompt_len: Optional[int]
     base_key: tuple
-    mean_tail_len: Optional[float] = None
-    observed_lens: Tuple[float, float] = (0.0, 0.0)
+    longest_tail_len: Optional[int] = None
+    observed_lens: Tuple[float, int] = (0.0, 0)
     pages: Dict[int, Tuple[np.ndarray, np.ndarray, tuple]] = field(default_factory=dict)
     declines: Dict[tuple, Optional[str]] = field(default_factory=dict)
     unplannable: set = field(default_factory=set)  # family keys whose planning failed this step
@@ -160,9 +160,9 @@ class StepInfo:
                     family.head_dim,
                     one_launch=one_launch,
                     split_kv=split_kv,
-                    tail_len=self.mean_tail_len,
+                    tail_len=self.longest_tail_len,
                 )
-                if reason is None and self.mean_tail_len is None:
+                if reason is None and self.longest_tail_len is None:
                     # A CUDA graph replays its captured path whatever the tail: say so once per kind.
                     slow = tail_decline_reason(self.beam_width, *self.observed_lens, family.num_kv_heads)
                     if slow is not None:
@@ -288,7 +288,8 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
     # prefix never extends past the current token, and never below one token.
     prompt = np.maximum(np.minimum(prompt, kv - 1), 1)
     step_prompt = int(-(-int(prompt.sum()) // max(num_requests, 1)))
-    step_tail = float((kv - prompt).sum()) / max(num_requests, 1)
+    # The longest tail, not the mean: each request's tail is walked by its own programs, one block at a time.
+    step_tail = int((kv - prompt).max()) if num_requests else 0
     mean_prompt = None if state.is_cuda_graph else step_prompt
     step = StepInfo(
         adapter=adapter,
@@ -300,7 +301,7 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
         prompt_lens=prompt,
         mean_prompt_len=mean_prompt,
         base_key=(id(adapter), beam_width, request_ids, prompt.tobytes()),
-        mean_tail_len=None if state.is_cuda_graph else step_tail,
+        longest_tail_len=None if state.is_cuda_graph else step_tail,
         observed_lens=(float(step_prompt), step_tail),
     )
     state.step, state.step_reason = step, None

@@ -283,10 +283,30 @@ def test_long_tails_are_judged_every_step(trt, monkeypatch, caplog, graph):
         served = graph or tail <= 4
         assert stats()["generation_forwards"] == (tail if graph else min(tail, 4)), tail
         assert stats()["delegated_steps"] == (0 if served else 1), tail
-    slow = ("mean tail 5 generated tokens per beam > 4 (beam width 8 with fewer than 8 KV heads needs 200 prompt "
+    slow = ("tail 5 generated tokens per beam > 4 (beam width 8 with fewer than 8 KV heads needs 200 prompt "
             "tokens per generated token")
     assert slow in caplog.text
     assert ("a CUDA-graph step runs its captured library path although" in caplog.text) == graph
+
+
+def test_the_longest_tail_decides(trt, monkeypatch, caplog):
+    """Each request's tail is walked by its own programs, so a step takes as long as its longest tail: a
+    request that joins late lowers the mean tail (5 and 1: 3) but not the longest (5), and the step is
+    handed over (8 beams, 2 KV heads, prompts under 800 tokens: 4 generated tokens at most)."""
+    model = register_with_decline(trt, monkeypatch, backend="auto")
+    setup = build(model, prompts=(90, 120), beam_width=8, head_dim=128)
+    sim = setup.sim
+    for step_no in range(5):
+        if step_no == 4:
+            sim.finish([sim.requests[1].rid])
+            sim.add_requests([100])
+        step = sim.begin_step()
+        with caplog.at_level("DEBUG", logger="beam_shared_prefix.trtllm"):
+            out, _ = setup.run(step)
+        assert_close(gen_rows(out, 0, sim), setup.oracle(step), f"step {step_no}")
+        sim.end_step()
+    assert stats()["generation_forwards"] == 4 and stats()["delegated_steps"] == 1
+    assert "tail 5 generated tokens per beam > 4" in caplog.text
 
 
 def test_few_beam_rows_go_to_fallback(trt, monkeypatch, caplog):
