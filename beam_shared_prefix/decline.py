@@ -314,6 +314,8 @@ TAIL_MIN_PROMPT_PER_TOKEN = ((2, 125), (12, 16))
 #: programs: 2-11 beams lost at 62.5 (MQA 8/1, 64 x 8 x 4,000 at 64 tokens: 1.06x), 12 and more at 7.8
 #: (16/2 at head 64, 64 x 24 x 1,000 at 128: 1.08x; 32 x 64 x 300 at 64: 0.89x).
 TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = ((2, 200), (12, 25))
+# From this many KV heads the tail takes TAIL_MIN_PROMPT_PER_TOKEN, below it (or unknown) the other table.
+_TAIL_MANY_KV_HEADS = 8
 
 
 def _scaling_kv_heads(num_kv_heads: Optional[int]) -> int:
@@ -426,19 +428,24 @@ def narrow_beams_min_prompt(beam_width: int, num_kv_heads: Optional[int]) -> Opt
     return _table_min_prompt(NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT, beam_width)
 
 
-def _tail_table(num_kv_heads: Optional[int]):
-    few = num_kv_heads is None or int(num_kv_heads) < NARROW_BEAMS_MEASURED_KV_HEADS
-    return TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS if few else TAIL_MIN_PROMPT_PER_TOKEN
+def _tail_few_kv_heads(num_kv_heads: Optional[int]) -> bool:
+    return num_kv_heads is None or int(num_kv_heads) < _TAIL_MANY_KV_HEADS
+
+
+def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int]) -> Optional[int]:
+    table = TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS if _tail_few_kv_heads(num_kv_heads) else TAIL_MIN_PROMPT_PER_TOKEN
+    return _table_min_prompt(table, int(beam_width))
 
 
 def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int]) -> float:
     """The longest tail (generated tokens per beam, this step's included) served with this beam width,
     mean prompt and KV head count: ``max(TAIL_MEASURED_LEN, prompt_len / prompt tokens per tail token)``
     (:data:`TAIL_MIN_PROMPT_PER_TOKEN`, or ``..._FEW_KV_HEADS`` below 8 KV heads), in tokens."""
-    per_token = _table_min_prompt(_tail_table(num_kv_heads), int(beam_width))
-    if per_token is None:
-        return float(TAIL_MEASURED_LEN)
-    return max(float(TAIL_MEASURED_LEN), float(prompt_len) / per_token)
+    return _tail_limit(prompt_len, _tail_prompt_per_token(beam_width, num_kv_heads))
+
+
+def _tail_limit(prompt_len: float, per_token: Optional[int]) -> float:
+    return float(TAIL_MEASURED_LEN) if per_token is None else max(float(TAIL_MEASURED_LEN), float(prompt_len) / per_token)
 
 
 def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], tail_len: Optional[float],
@@ -449,11 +456,11 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
     (unknown): ``None``; ``num_kv_heads`` ``None``: judged as fewer than 8."""
     if beam_width is None or prompt_len is None or tail_len is None:
         return None
-    limit = max_tail_len(int(beam_width), float(prompt_len), num_kv_heads)
+    per_token = _tail_prompt_per_token(beam_width, num_kv_heads)
+    limit = _tail_limit(prompt_len, per_token)
     if float(tail_len) <= limit:
         return None
-    per_token = _table_min_prompt(_tail_table(num_kv_heads), int(beam_width))
-    heads = "fewer than 8" if num_kv_heads is None or num_kv_heads < NARROW_BEAMS_MEASURED_KV_HEADS else num_kv_heads
+    heads = f"fewer than {_TAIL_MANY_KV_HEADS}" if _tail_few_kv_heads(num_kv_heads) else num_kv_heads
     return (
         f"tail {float(tail_len):.0f} generated tokens per beam > {limit:.0f} (beam width {int(beam_width)} "
         f"with {heads} KV heads needs {per_token} prompt tokens per generated token past {TAIL_MEASURED_LEN}; "

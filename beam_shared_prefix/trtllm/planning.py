@@ -108,9 +108,8 @@ class StepInfo:
         prompt_lens: ``[R]`` int64, prompt length per request as planned: at most ``kv_len - 1``
             (warm-up and CUDA-graph dummy rows may have nothing generated) and at least 1.
         mean_prompt_len: mean of ``prompt_lens`` (``None`` for CUDA-graph metadata, see module doc).
-        longest_tail_len: the longest request's generated tokens per beam, this step's included
-            (``kv_len - prompt_len``; ``None`` for CUDA-graph metadata).
-        observed_lens: ``(mean prompt, longest tail)`` of this step, also under a CUDA graph (its log).
+        observed_lens: ``(mean prompt, longest tail)`` of this step, also under a CUDA graph: the longest
+            request's generated tokens per beam, this step's included (``kv_len - prompt_len``).
         base_key: composition key without the pages.
     """
 
@@ -123,7 +122,6 @@ class StepInfo:
     prompt_lens: np.ndarray
     mean_prompt_len: Optional[int]
     base_key: tuple
-    longest_tail_len: Optional[int] = None
     observed_lens: Tuple[float, int] = (0.0, 0)
     pages: Dict[int, Tuple[np.ndarray, np.ndarray, tuple]] = field(default_factory=dict)
     declines: Dict[tuple, Optional[str]] = field(default_factory=dict)
@@ -148,6 +146,8 @@ class StepInfo:
             reason = None
             settings = current_settings()
             if settings.decline == "auto":
+                # A CUDA graph (mean_prompt_len None) serves any prompt and tail: neither is judged.
+                tail = None if self.mean_prompt_len is None else self.observed_lens[1]
                 shape = (self.mean_prompt_len, family.num_qo_heads, family.num_kv_heads, self.beam_width,
                          family.head_dim)
                 split_kv, one_launch = step_path(settings.backend, self.num_requests, *shape)
@@ -160,9 +160,9 @@ class StepInfo:
                     family.head_dim,
                     one_launch=one_launch,
                     split_kv=split_kv,
-                    tail_len=self.longest_tail_len,
+                    tail_len=tail,
                 )
-                if reason is None and self.longest_tail_len is None:
+                if reason is None and tail is None:
                     # A CUDA graph replays its captured path whatever the tail: say so once per kind.
                     slow = tail_decline_reason(self.beam_width, *self.observed_lens, family.num_kv_heads)
                     if slow is not None:
@@ -301,7 +301,6 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
         prompt_lens=prompt,
         mean_prompt_len=mean_prompt,
         base_key=(id(adapter), beam_width, request_ids, prompt.tobytes()),
-        longest_tail_len=None if state.is_cuda_graph else step_tail,
         observed_lens=(float(step_prompt), step_tail),
     )
     state.step, state.step_reason = step, None
