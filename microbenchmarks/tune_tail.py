@@ -159,6 +159,18 @@ def _across_shapes(report: List[Dict]) -> List[tuple]:
     return sorted(rows)
 
 
+def custom_shapes(spec: str) -> List[BenchShape]:
+    """``"8x8x500,64x4x500"`` -> shapes ``R x W x P`` at B-medium's heads, tail, page and dtype."""
+    shapes = []
+    for item in (x for x in spec.split(",") if x):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(f"--custom item {item!r} is not RxWxP with positive integers (e.g. 8x8x500)")
+        r, w, prompt = (int(x) for x in parts)
+        shapes.append(dataclasses.replace(PRESETS["B-medium"], requests=r, beams=w, prompt=prompt, name=item))
+    return shapes
+
+
 def main(argv=None) -> int:
     """CLI entry point (``argv`` as for argparse); returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -169,6 +181,10 @@ def main(argv=None) -> int:
     p.add_argument("--grouped", default="0,1", help="1: the kernel with the group in each thread's registers")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {[s.name for s in SHAPES]}")
+    p.add_argument("--tails", default=None,
+                   help="run each shape at these tails instead of its own (e.g. 4,64,256; names gain -tN)")
+    p.add_argument("--custom", default=None,
+                   help="extra shapes RxWxP at the presets' heads (16/8, D 128, page 32), e.g. 8x8x500,64x4x500")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -178,11 +194,17 @@ def main(argv=None) -> int:
     grid = list(itertools.product(
         ints(args.kv_heads_per_prog), ints(args.block_t), ints(args.num_warps), ints(args.index_block),
         ints(args.grouped)))
-    names = args.shapes.split(",")
+    names = [n for n in args.shapes.split(",") if n]
     unknown = sorted(set(names) - {s.name for s in SHAPES})
     if unknown:
         p.error(f"unknown shapes {unknown}; choose from {[s.name for s in SHAPES]}")
     shapes = [s for s in SHAPES if s.name in names]
+    try:
+        shapes += custom_shapes(args.custom or "")
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.tails:
+        shapes = [dataclasses.replace(s, tail=t, name=f"{s.name}-t{t}") for s in shapes for t in ints(args.tails)]
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
           f"(kv_heads_per_prog, block_t, num_warps, index_block, grouped)", flush=True)
