@@ -64,19 +64,14 @@ def ulps_apart(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a - b).abs() / spacing).max().item()
 
 
-def _tail_call(wl, cfg, out, prefix_out, prefix_lse, num_splits=1):
+def _tail_call(wl, cfg, out, prefix_out, prefix_lse):
     import triton_kernels
-
-    workspace = None
-    if num_splits > 1:  # allocated once, outside the timed calls (as the wrapper does)
-        workspace = torch.empty(triton_kernels.tail_split_workspace_numel(
-            num_splits, wl.num_rows, wl.q.shape[1], wl.q.shape[2]), device=wl.q.device)
 
     def call():
         return triton_kernels.beam_tail_attention_merge(
             wl.q, wl.new_k, wl.new_v, wl.kv_cache, wl.beam_page_table, wl.kv_lens, wl.prompt_lens,
             wl.cache_indirection, wl.beam_width, prefix_out, prefix_lse, out, kv_layout=wl.kv_layout,
-            launch_config=cfg, num_splits=num_splits, split_workspace=workspace,
+            launch_config=cfg,
         )
 
     return call
@@ -84,7 +79,7 @@ def _tail_call(wl, cfg, out, prefix_out, prefix_lse, num_splits=1):
 
 def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float) -> Dict:
     """Check and time every tiling of ``grid`` (``(kv_heads_per_prog, block_t, num_warps, index_block,
-    grouped, num_splits)`` tuples) on ``shape`` (CUDA); ``bandwidth`` in bytes/s gives the tail's byte floor. Returns the shape's
+    grouped)`` tuples) on ``shape`` (CUDA); ``bandwidth`` in bytes/s gives the tail's byte floor. Returns the shape's
     ``default``, ``best`` and ``all`` results (times in us, mismatch in ulps of the output dtype)."""
     from triton_kernels.tail_merge import TailLaunchConfig, tail_launch_config
 
@@ -109,17 +104,17 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float) -> D
     results = []
     group_pad = default.group_pad
     configs = []
-    for kvh, bt, nw, ib, grouped, splits in grid:
+    for kvh, bt, nw, ib, grouped in grid:
         if kvh * group_pad * shape.head_dim > 8192 or kvh > shape.kv_heads or (ib and ib < bt):
             continue
-        if grouped and (bt != 1 or ib or splits > 1):  # the grouped kernel walks one token at a time
+        if grouped and (bt != 1 or ib):  # the grouped kernel walks one token at a time
             continue
-        configs.append((TailLaunchConfig(group_pad, kvh, bt, nw, default.tokens_outer, ib, bool(grouped)), splits))
-    if (default, 1) not in configs:
-        configs.append((default, 1))
-    for cfg, splits in configs:
+        configs.append(TailLaunchConfig(group_pad, kvh, bt, nw, default.tokens_outer, ib, bool(grouped)))
+    if default not in configs:
+        configs.append(default)
+    for cfg in configs:
         out = torch.full_like(wl.q, float("nan"))
-        call = _tail_call(wl, cfg, out, prefix_out, prefix_lse, splits)
+        call = _tail_call(wl, cfg, out, prefix_out, prefix_lse)
         try:
             call()
             torch.cuda.synchronize()
@@ -127,12 +122,12 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float) -> D
             graphed = capture_graph(call)
             t = time_cuda([graphed], iters=iters, warmup=3).median_us
         except Exception as exc:  # a config that does not compile is reported, not fatal
-            results.append({"config": dict(dataclasses.asdict(cfg), num_splits=splits), "error": str(exc)[:200]})
+            results.append({"config": dataclasses.asdict(cfg), "error": str(exc)[:200]})
             continue
-        results.append({"config": dict(dataclasses.asdict(cfg), num_splits=splits), "us": t, "ulps_vs_default": err})
+        results.append({"config": dataclasses.asdict(cfg), "us": t, "ulps_vs_default": err})
     ok = [r for r in results if "us" in r]
     best = min(ok, key=lambda r: r["us"]) if ok else None
-    dflt = next((r for r in ok if r["config"] == dict(dataclasses.asdict(default), num_splits=1)), None)
+    dflt = next((r for r in ok if r["config"] == dataclasses.asdict(default)), None)
     return {
         "shape": shape.name or str(shape),
         "rows": rows,
@@ -145,9 +140,9 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float) -> D
 
 
 def _key(config: Dict) -> tuple:
-    """(kv_heads_per_prog, block_t, num_warps, index_block, grouped, num_splits) of a result's config."""
+    """(kv_heads_per_prog, block_t, num_warps, index_block, grouped) of a result's config."""
     return (config["kv_heads_per_prog"], config["block_t"], config["num_warps"], config["index_block"],
-            int(config.get("grouped", False)), config.get("num_splits", 1))
+            int(config.get("grouped", False)))
 
 
 def _across_shapes(report: List[Dict]) -> List[tuple]:
@@ -184,7 +179,6 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", default="1,2,4")
     p.add_argument("--index-block", default="0", help="0: the tile-at-a-time index chain; e.g. 0,16,32")
     p.add_argument("--grouped", default="0,1", help="1: the kernel with the group in each thread's registers")
-    p.add_argument("--num-splits", default="1", help="chunks per row's tail (1: unsplit), e.g. 1,4,8,16")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {[s.name for s in SHAPES]}")
     p.add_argument("--tails", default=None,
@@ -199,7 +193,7 @@ def main(argv=None) -> int:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     grid = list(itertools.product(
         ints(args.kv_heads_per_prog), ints(args.block_t), ints(args.num_warps), ints(args.index_block),
-        ints(args.grouped), ints(args.num_splits)))
+        ints(args.grouped)))
     names = [n for n in args.shapes.split(",") if n]
     unknown = sorted(set(names) - {s.name for s in SHAPES})
     if unknown:
@@ -213,7 +207,7 @@ def main(argv=None) -> int:
         shapes = [dataclasses.replace(s, tail=t, name=f"{s.name}-t{t}") for s in shapes for t in ints(args.tails)]
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
-          f"(kv_heads_per_prog, block_t, num_warps, index_block, grouped, num_splits)", flush=True)
+          f"(kv_heads_per_prog, block_t, num_warps, index_block, grouped)", flush=True)
     report = []
     for shape in shapes:
         r = tune_shape(shape, grid, args.iters, bandwidth)
