@@ -17,15 +17,7 @@ from .cascade import (
     cascade_launch_config,
     cascade_supported,
 )
-from .tail_merge import (
-    MAX_TAIL_SPLITS,
-    TailLaunchConfig,
-    beam_tail_attention_merge,
-    tail_launch_config,
-    tail_num_splits,
-    tail_split_launch_config,
-    tail_split_workspace_numel,
-)
+from .tail_merge import TailLaunchConfig, beam_tail_attention_merge, tail_launch_config
 from .tail_merge_args import TailMergeGeometry, TailMergeInputError, check_tail_merge_args
 from .tail_merge_torch import beam_tail_attention_merge_torch
 
@@ -42,8 +34,4 @@ __all__ = [
     "check_tail_merge_args",
     "TailLaunchConfig",
     "tail_launch_config",
-    "tail_split_launch_config",
-    "tail_num_splits",
-    "tail_split_workspace_numel",
-    "MAX_TAIL_SPLITS",
 ]

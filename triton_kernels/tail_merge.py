@@ -9,7 +9,6 @@ length is read from ``kv_lens``/``prompt_lens`` on the device at every replay).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -21,17 +20,8 @@ from .device_errors import check_error_flags
 from .tail_merge_args import LOG2E, TailMergeInputError, check_tail_index_values, check_tail_merge_args
 from .tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel
 from .tail_merge_kernel import beam_tail_merge_kernel
-from .tail_split_merge_kernel import tail_split_merge_kernel
 
-__all__ = [
-    "beam_tail_attention_merge",
-    "TailLaunchConfig",
-    "tail_launch_config",
-    "tail_split_launch_config",
-    "tail_num_splits",
-    "tail_split_workspace_numel",
-    "MAX_TAIL_SPLITS",
-]
+__all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"]
 
 # Registers per thread at which one-warp tail programs still fill an SM's 32 program slots.
 _ONE_WARP_MAX_REGISTERS = 64
@@ -90,46 +80,6 @@ class TailLaunchConfig:
 # lanes x 2 KV heads), which sets the warps per program.
 _GROUPED_KV_HEADS_PER_PROG = 8
 _GROUPED_ELEMENTS_PER_THREAD = 32
-
-
-# A split tail launches one program per (row, KV heads, chunk); more chunks than this buy nothing
-# (each would hold under one index block at the longest tails measured).
-MAX_TAIL_SPLITS = 64
-# Earlier tail positions per chunk, and the longest tail (this step's token included) walked unsplit.
-TAIL_SPLIT_CHUNK = 32
-TAIL_SPLIT_MIN_LEN = 17
-# Query-head elements (heads x D) per program of the split merge.
-_SPLIT_MERGE_ELEMENTS = 2048
-
-
-def tail_num_splits(max_tail_len: int) -> int:
-    """Chunks for a step whose longest tail is ``max_tail_len`` tokens (this step's included): ``1``
-    (one program walks the whole tail) up to ``TAIL_SPLIT_MIN_LEN - 1``, then one chunk per
-    ``TAIL_SPLIT_CHUNK`` earlier positions, at most ``MAX_TAIL_SPLITS``."""
-    n = int(max_tail_len)
-    if n < TAIL_SPLIT_MIN_LEN:
-        return 1
-    return min(MAX_TAIL_SPLITS, triton.cdiv(n - 1, TAIL_SPLIT_CHUNK))
-
-
-def tail_split_workspace_numel(num_splits: int, num_rows: int, num_q_heads: int, head_dim: int) -> int:
-    """float32 elements of a split tail's chunk states: ``acc`` ``[S, rows, Hq, D]`` then ``(m, l)``
-    ``[S, rows, Hq, 2]``."""
-    return num_splits * num_rows * num_q_heads * (head_dim + 2)
-
-
-@functools.lru_cache(maxsize=None)
-def tail_split_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> TailLaunchConfig:
-    """The tiling of a split tail's chunks: the ``[QH, D]`` kernel (the grouped one walks one token at
-    a time) with about 4 query slots per program, 8 tokens per tile (fewer above 4,096 tile
-    elements) and each chunk's page indices loaded as one index block of 32 positions."""
-    group_pad = triton.next_power_of_2(group_size)
-    kv_heads_per_prog = max(1, min(triton.next_power_of_2(num_kv_heads), 4 // group_pad))
-    query_slots = group_pad * kv_heads_per_prog
-    block_t = max(1, min(8, 4096 // (query_slots * head_dim)))
-    num_warps = min(8, max(2, block_t * query_slots * head_dim // 2048))
-    return TailLaunchConfig(group_pad, kv_heads_per_prog, block_t, num_warps, _TOKENS_OUTER,
-                            max(TAIL_SPLIT_CHUNK, block_t))
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,11 +188,8 @@ def beam_tail_attention_merge(
     validate_indices=False,
     launch_config=None,
     error_flags=None,
-    num_splits=1,
-    split_workspace=None,
 ):
-    """Fused per-beam tail attention, KV write and LSE merge with the prefix state (one launch; two
-    with ``num_splits > 1``).
+    """Fused per-beam tail attention, KV write and LSE merge with the prefix state (one launch).
 
     For beam row ``i = r*W + b`` with prompt length ``P`` and KV length ``L`` (this step's token
     included), computes ``out[i, h] = merge((prefix_out[i, h], prefix_lse[i, h]), tail)`` where
@@ -281,13 +228,6 @@ def beam_tail_attention_merge(
             benchmarks only; the tiling never changes results beyond float32 summation order).
         error_flags: ``None``, or an ``int32 [1]`` tensor on q's device into which the kernel ORs one
             bit per kind of invalid index it masked (:mod:`triton_kernels.device_errors`; no sync).
-        num_splits: ``1``, or ``2..MAX_TAIL_SPLITS``: each row's earlier tail positions are cut into
-            that many equal chunks on the device, attended by separate programs, and their states
-            merged by a second launch (:mod:`triton_kernels.tail_split_merge_kernel`); for long tails
-            (:func:`tail_num_splits`). Same results up to float32 summation order.
-        split_workspace: float32 tensor on q's device, contiguous, at least
-            :func:`tail_split_workspace_numel` elements, for the chunk states (allocated per call when
-            ``None``; pass one to keep a CUDA-graph capture free of allocations).
 
     Returns:
         ``out``.
@@ -304,19 +244,9 @@ def beam_tail_attention_merge(
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     if geom.num_rows == 0:
         return out
-    num_splits = _check_num_splits(num_splits)
-    if num_splits > 1:
-        cfg = launch_config or tail_split_launch_config(geom.group_size, geom.num_kv_heads, geom.head_dim)
-        if cfg.grouped:
-            raise TailMergeInputError(
-                "launch_config.grouped=True walks each row's whole tail and cannot split it; with "
-                f"num_splits={num_splits} pass a [QH, D] config (grouped=False) or launch_config=None."
-            )
-        split_workspace = _split_workspace(split_workspace, num_splits, geom, q.device)
-    else:
-        cfg = launch_config or tail_launch_config(geom.group_size, geom.num_kv_heads, geom.head_dim)
+    cfg = launch_config or tail_launch_config(geom.group_size, geom.num_kv_heads, geom.head_dim)
     _check_config(cfg, geom.group_size)
-    grid = (geom.num_rows, triton.cdiv(geom.num_kv_heads, cfg.kv_heads_per_prog), num_splits)
+    grid = (geom.num_rows, triton.cdiv(geom.num_kv_heads, cfg.kv_heads_per_prog))
     s_page, s_kv, s_head, s_slot = geom.kv_strides
     s_lse_row, s_lse_head = geom.lse_strides
     args = (
@@ -341,11 +271,6 @@ def beam_tail_attention_merge(
                 HEAD_DIM=geom.head_dim, WRITE_KV=bool(write_kv), num_warps=cfg.num_warps, num_stages=1)
     if not cfg.grouped:
         meta.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=bool(cfg.tokens_outer), INDEX_BLOCK=cfg.index_block)
-    if num_splits > 1:
-        states = geom.num_rows * geom.num_qo_heads * num_splits
-        part_acc = split_workspace[: states * geom.head_dim]
-        part_ml = split_workspace[states * geom.head_dim: states * (geom.head_dim + 2)]
-        meta.update(NUM_SPLITS=num_splits, part_acc_ptr=part_acc, part_ml_ptr=part_ml, num_q_heads=geom.num_qo_heads)
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
         if cfg.num_warps == 1 and q.is_cuda:
@@ -353,46 +278,9 @@ def beam_tail_attention_merge(
             # registers; the flag's bits took 72 on sm_90 (28 programs per SM, 6% slower at B-4B).
             # Capped at 64 they compile without spills.
             meta.update(maxnreg=_ONE_WARP_MAX_REGISTERS)
-    with torch.cuda.device(q.device) if q.is_cuda else _no_device():
+    if q.is_cuda:
+        with torch.cuda.device(q.device):
+            kernel[grid](*args, **meta)
+    else:
         kernel[grid](*args, **meta)
-        if num_splits > 1:
-            heads_per_prog = max(1, min(triton.next_power_of_2(geom.num_qo_heads),
-                                        _SPLIT_MERGE_ELEMENTS // geom.head_dim))
-            merge_grid = (geom.num_rows, triton.cdiv(geom.num_qo_heads, heads_per_prog))
-            tail_split_merge_kernel[merge_grid](
-                part_acc, part_ml, out, out.stride(0), out.stride(1), geom.num_rows, geom.num_qo_heads,
-                NUM_SPLITS=num_splits, HEADS_PER_PROG=heads_per_prog, HEAD_DIM=geom.head_dim, num_warps=4,
-            )
     return out
-
-
-def _no_device():
-    return contextlib.nullcontext()
-
-
-def _check_num_splits(num_splits) -> int:
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_TAIL_SPLITS:
-        raise TailMergeInputError(
-            f"num_splits={num_splits!r} must be an int in [1, {MAX_TAIL_SPLITS}] (1: no split; "
-            f"tail_num_splits(max_tail_len) picks one for long tails)."
-        )
-    return num_splits
-
-
-def _split_workspace(workspace, num_splits: int, geom, device) -> torch.Tensor:
-    need = tail_split_workspace_numel(num_splits, geom.num_rows, geom.num_qo_heads, geom.head_dim)
-    if workspace is None:
-        return torch.empty(need, dtype=torch.float32, device=device)
-    if not isinstance(workspace, torch.Tensor):
-        raise TailMergeInputError(f"split_workspace must be a torch.Tensor or None, got {type(workspace).__name__}.")
-    if workspace.dtype != torch.float32 or workspace.device != device or not workspace.is_contiguous():
-        raise TailMergeInputError(
-            f"split_workspace must be a contiguous float32 tensor on {device}, got {workspace.dtype} on "
-            f"{workspace.device} (contiguous={workspace.is_contiguous()})."
-        )
-    if workspace.numel() < need:
-        raise TailMergeInputError(
-            f"split_workspace has {workspace.numel()} elements; num_splits={num_splits} x rows={geom.num_rows} x "
-            f"Hq={geom.num_qo_heads} x (D + 2)={geom.head_dim + 2} needs {need} (tail_split_workspace_numel)."
-        )
-    return workspace.view(-1)

@@ -56,11 +56,7 @@ import triton.language as tl
 from .beam_index import source_beam_pages
 from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, or_reduce, page_error_bits
 
-__all__ = ["beam_tail_merge_kernel", "EMPTY_MAX"]
-
-# The running max of a split that has seen no score yet: finite, so rescaling by 2^(m_old - m_new)
-# never computes -inf - -inf, and 2^(EMPTY_MAX - s) is exactly 0 against any real score.
-EMPTY_MAX: tl.constexpr = tl.constexpr(-1.0e30)
+__all__ = ["beam_tail_merge_kernel"]
 
 
 # One block of tail tokens is a K/V tile load (:func:`_load_kv_tile`) and an online-softmax update
@@ -191,23 +187,13 @@ def beam_tail_merge_kernel(
     INDEX_BLOCK: tl.constexpr = 0,
     err_ptr=None,
     REPORT_ERRORS: tl.constexpr = False,
-    NUM_SPLITS: tl.constexpr = 1,
-    part_acc_ptr=None,
-    part_ml_ptr=None,
-    num_q_heads=1,
 ):
-    """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG), NUM_SPLITS)``; arguments and strides (in elements) as
-    the launcher :func:`triton_kernels.beam_tail_attention_merge` passes them; the module docstring gives
-    the steps. With ``NUM_SPLITS > 1`` program ``(row, hb, s)`` attends the ``s``-th of ``NUM_SPLITS``
-    equal chunks of the row's earlier tail positions and stores its unnormalised state
-    (``acc`` to ``part_acc_ptr[s, row, q_head, :]``, ``(m, l)`` to ``part_ml_ptr[s, row, q_head, :]``,
-    float32, contiguous, ``num_q_heads`` heads) instead of ``out``; split 0 also holds the prefix state
-    and this step's token and writes the KV. :mod:`triton_kernels.tail_split_merge_kernel` merges them."""
+    """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments and strides (in elements) as the launcher
+    :func:`triton_kernels.beam_tail_attention_merge` passes them; the module docstring gives the steps."""
     QH: tl.constexpr = KV_HEADS_PER_PROG * GROUP_PAD
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     head_block = tl.program_id(1)
-    split = tl.program_id(2)
 
     slot = tl.arange(0, QH)
     g = slot % GROUP_PAD
@@ -227,12 +213,6 @@ def beam_tail_merge_kernel(
     tok = tl.arange(0, BLOCK_T)
     start_pos = tl.maximum(prompt_len, 0)
     end_pos = tl.minimum(cur, max_seq_len)
-    if NUM_SPLITS > 1:
-        # Equal chunks in whole tiles, from the row's own length (device-side: one capture serves
-        # every tail); the last chunks of a short tail are empty.
-        chunk = tl.cdiv(tl.cdiv(tl.maximum(end_pos - start_pos, 0), NUM_SPLITS), BLOCK_T) * BLOCK_T
-        start_pos = start_pos + split * chunk
-        end_pos = tl.minimum(end_pos, start_pos + chunk)
     kv_head_offs = kv_head * stride_kv_head
     # Per-slot copies of the scalar position keep every mask a vector (the interpreter rejects
     # scalar-and-vector boolean masks); only the g == 0 slot of each KV head stores. A position
@@ -240,11 +220,8 @@ def beam_tail_merge_kernel(
     # shared by all beams of the request.
     cur_slots = cur + slot * 0
     w_ok = kv_head_ok & (g == 0) & (cur_slots >= prompt_len) & (cur_slots >= 0) & (cur_slots < max_seq_len)
-    first_split = (split + slot * 0) == 0  # split 0 owns this step's token (a vector, as above)
-    if NUM_SPLITS > 1:
-        w_ok = w_ok & first_split
     if REPORT_ERRORS:  # gathered here, ORed into the flag at the end
-        err = error_bits((slot == 0) & first_split & kv_len_bad(cur_slots, prompt_len, max_seq_len), KV_LEN)
+        err = error_bits((slot == 0) & kv_len_bad(cur_slots, prompt_len, max_seq_len), KV_LEN)
 
     if INDEX_BLOCK > 0:
         # Index-block path: the loads that depend only on the lengths (the write position's page
@@ -302,18 +279,10 @@ def beam_tail_merge_kernel(
     m_i = lse_prefix * lse_scale
     l_i = tl.full([QH], 1.0, dtype=tl.float32)
     acc = tl.where((m_i > float("-inf"))[:, None], o_prefix.to(tl.float32), 0.0)
-    if NUM_SPLITS > 1:
-        # Splits past the first start empty: l = 0 under a finite running max far below any score,
-        # so an empty chunk stays (m, l, acc) = (EMPTY_MAX, 0, 0) without -inf - -inf = NaN.
-        m_i = tl.where(first_split, m_i, EMPTY_MAX)
-        l_i = tl.where(first_split, l_i, 0.0)
-        acc = tl.where(first_split[:, None], acc, 0.0)
 
     # 2. The current token, from registers. Its score is finite, so m is finite from here on.
     q = q.to(tl.float32) * qk_scale_log2
     s_cur = tl.sum(q * k_cur_raw.to(tl.float32), axis=1)
-    if NUM_SPLITS > 1:
-        s_cur = tl.where(first_split, s_cur, float("-inf"))
     m_new = tl.maximum(m_i, s_cur)
     alpha = tl.exp2(m_i - m_new)
     p_cur = tl.exp2(s_cur - m_new)
@@ -393,17 +362,10 @@ def beam_tail_merge_kernel(
             )
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_tile, v_tile, tok_ok, TOKENS_OUTER)
 
-    if NUM_SPLITS > 1:
-        # 4'. The chunk's unnormalised state, merged by the split-merge kernel.
-        part = (split * tl.num_programs(0) + row).to(tl.int64) * num_q_heads + q_head
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=q_head_ok[:, None])
-        tl.store(part_ml_ptr + part * 2, m_i, mask=q_head_ok)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=q_head_ok)
-    else:
-        # 4. Normalise: l >= 1, since the term (prefix or token) that set the running max adds 2^0.
-        out_offs = row64 * stride_out_row + q_head[:, None] * stride_out_head + d[None, :]
-        inv_l = 1.0 / l_i  # one division per row, a multiply per element
-        tl.store(out_ptr + out_offs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=q_head_ok[:, None])
+    # 4. Normalise: l >= 1, since the term (prefix or token) that set the running max adds 2^0.
+    out_offs = row64 * stride_out_row + q_head[:, None] * stride_out_head + d[None, :]
+    inv_l = 1.0 / l_i  # one division per row, a multiply per element
+    tl.store(out_ptr + out_offs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=q_head_ok[:, None])
     if REPORT_ERRORS:
         flush_errors(err_ptr, err)
         if INDEX_BLOCK > 0:

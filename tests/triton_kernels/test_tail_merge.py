@@ -86,8 +86,7 @@ def expected_pool_after_write(sim, step, before):
 
 
 def run_step(impl, sim, step, *, lse_layout="NH", lse_base="log2", divisor=1, empty_prefix=False,
-             prefix_dtype=torch.float32, strided=False, write_kv=True, kv_cache=None, launch_config=None,
-             num_splits=1):
+             prefix_dtype=torch.float32, strided=False, write_kv=True, kv_cache=None, launch_config=None):
     """One call of ``impl`` on the step; returns ``out``. Checks the pool afterwards."""
     kv_cache = sim.kv_cache if kv_cache is None else kv_cache
     prefix_out, prefix_lse = prefix_state(sim, step, lse_layout, lse_base, prefix_dtype, empty_prefix)
@@ -118,7 +117,6 @@ def run_step(impl, sim, step, *, lse_layout="NH", lse_base="log2", divisor=1, em
         prefix_lse_layout=lse_layout, prefix_lse_base=lse_base, write_kv=write_kv,
         validate_indices=(impl == "torch"), error_flags=flags,
         **({"launch_config": launch_config} if launch_config is not None else {}),
-        **({"num_splits": num_splits} if num_splits != 1 else {}),
     )
     assert result is out
     assert int(flags) == 0, f"valid input raised {device_errors.decode_error_flags(int(flags))}"
@@ -276,65 +274,6 @@ def test_tilings_agree_with_oracle(config, device):
     assert max(earlier_tail(step)) == 8
 
 
-SPLIT_TILINGS = [
-    ("split_default", None),
-    ("split_chain", TailLaunchConfig(4, 1, 2, 2)),
-    ("split_index4_block_t2", TailLaunchConfig(4, 2, 2, 2, index_block=4)),
-]
-
-
-@pytest.mark.parametrize("config,num_splits", [(t[1], n) for t, n in zip(SPLIT_TILINGS, (3, 16, 5))],
-                         ids=[f"{t[0]}-{n}" for t, n in zip(SPLIT_TILINGS, (3, 16, 5))])
-def test_split_tails_agree_with_oracle(num_splits, config, device):
-    """The tail cut into chunks (two launches: chunk states, then their merge). Tails of 0-10 earlier
-    tokens over rows of one launch, so chunks are uneven and, with 16 splits, mostly empty; an
-    empty prefix on odd steps (the merge's weight for it must be 0 even with o_p NaN). The pool is
-    written exactly once (by the first chunk; ``run_step`` checks it)."""
-    sim = make_sim(device, prompts=[13, 16, 2], beams=2, hq=9, hkv=3, d=64, seed=17)
-    checked = []
-    for s in range(11):
-        step = sim.begin_step()
-        if s in (0, 3, 10):  # (the interpreter runs every program in turn: three steps keep it short)
-            out = run_step("triton", sim, step, divisor=6, launch_config=config, num_splits=num_splits,
-                           empty_prefix=s == 3, lse_layout="HN" if s else "NH")
-            ref = oracle(sim, step, tail_only=s == 3)
-            assert_matches(out, ref, f"{num_splits} splits, tiling {config}, step {s} tails {earlier_tail(step)}")
-            checked.append(max(earlier_tail(step)))
-        sim.end_step(write_kv=s not in (0, 3, 10))
-    assert checked == [0, 3, 10]
-
-
-def test_split_launch_refuses_what_it_cannot_split(device):
-    """Split counts, grouped tilings and workspaces the split launch cannot use name the limit and the fix."""
-    from triton_kernels import tail_split_workspace_numel
-
-    args = _args(device)
-    with pytest.raises(TailMergeInputError, match=r"num_splits=0 must be an int in \[1, 64\]"):
-        beam_tail_attention_merge(**args, num_splits=0)
-    with pytest.raises(TailMergeInputError, match=r"num_splits=True must be an int"):
-        beam_tail_attention_merge(**args, num_splits=True)
-    with pytest.raises(TailMergeInputError, match=r"grouped=True walks each row's whole tail and cannot split"):
-        beam_tail_attention_merge(**args, num_splits=2, launch_config=TailLaunchConfig(4, 1, 1, 1, grouped=True))
-    need = tail_split_workspace_numel(4, 4, 6, 64)
-    small = torch.empty(need - 1, device=device)
-    with pytest.raises(TailMergeInputError, match=f"split_workspace has {need - 1} elements.*needs {need}"):
-        beam_tail_attention_merge(**args, num_splits=4, split_workspace=small)
-    with pytest.raises(TailMergeInputError, match="split_workspace must be a contiguous float32 tensor"):
-        beam_tail_attention_merge(**args, num_splits=4, split_workspace=torch.empty(need, dtype=torch.float64,
-                                                                                  device=device))
-    assert torch.equal(args["out"], torch.full_like(args["out"], 7.0)), "a refused call wrote out"
-
-
-def test_tail_num_splits_follows_the_tail():
-    from triton_kernels.tail_merge import MAX_TAIL_SPLITS, TAIL_SPLIT_CHUNK, TAIL_SPLIT_MIN_LEN, tail_num_splits
-
-    assert tail_num_splits(1) == tail_num_splits(TAIL_SPLIT_MIN_LEN - 1) == 1
-    assert tail_num_splits(TAIL_SPLIT_MIN_LEN) >= 1
-    assert tail_num_splits(1 + 8 * TAIL_SPLIT_CHUNK) == 8
-    assert tail_num_splits(2 + 8 * TAIL_SPLIT_CHUNK) == 9
-    assert tail_num_splits(10**6) == MAX_TAIL_SPLITS
-
-
 # --------------------------------------------------------------------------------------------
 # property: random shapes, encodings and tilings of both kernels against the oracle
 
@@ -487,8 +426,8 @@ def test_validate_indices_reports_bad_values(impl, name, change, message, device
 
 
 @pytest.mark.parametrize("config", [None, TailLaunchConfig(2, 2, 1, 4, index_block=0),
-                                    TailLaunchConfig(2, 2, 1, 1, grouped=True), "split", "torch"],
-                         ids=["default", "chain", "grouped", "split", "torch"])
+                                    TailLaunchConfig(2, 2, 1, 1, grouped=True), "torch"],
+                         ids=["default", "chain", "grouped", "torch"])
 @pytest.mark.parametrize("name,change", [(b[0], b[1]) for b in BAD_VALUES], ids=[b[0] for b in BAD_VALUES])
 def test_kernel_masks_bad_indices_without_validation(name, change, config, device):
     """Without check mode, bad indices are masked in the kernel (and in the torch path, the same
@@ -499,8 +438,6 @@ def test_kernel_masks_bad_indices_without_validation(name, change, config, devic
     flags = device_errors.new_error_flags(device)
     if config == "torch":
         IMPLS["torch"](**args, error_flags=flags)
-    elif config == "split":  # 3 chunks of the 3 earlier tokens: each chunk reports its own
-        beam_tail_attention_merge(**args, num_splits=3, error_flags=flags)
     else:
         beam_tail_attention_merge(**args, launch_config=config, error_flags=flags)
     assert not torch.isnan(args["out"]).any()
@@ -589,12 +526,9 @@ def test_gpu_pool_offsets_beyond_int32():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,num_splits", [("HND", 1), ("NHD", 1), ("HND", 4)])
-def test_gpu_cuda_graph_serves_growing_tails(layout, num_splits):
-    """One capture, replayed over steps whose earlier tails grow 0 -> 40, every step against the oracle
-    (with 4 splits: chunks sized on the device at every replay, the workspace passed in)."""
-    from triton_kernels import tail_split_workspace_numel
-
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_gpu_cuda_graph_serves_growing_tails(layout):
+    """One capture, replayed over steps whose earlier tails grow 0 -> 40, every step against the oracle."""
     beams, steps, pg = 4, 41, 16
     sim = make_sim("cuda", prompts=[13, 32, 1], beams=beams, hq=16, hkv=8, d=128, pg=pg, layout=layout,
                    max_seq_len=32 + steps + 1, seed=99)
@@ -607,7 +541,6 @@ def test_gpu_cuda_graph_serves_growing_tails(layout, num_splits):
         prefix_out=torch.empty(rows, 16, 128, device="cuda"), prefix_lse=torch.empty(rows, 16, device="cuda"),
     )
     out = torch.empty_like(step.q)
-    workspace = torch.empty(tail_split_workspace_numel(num_splits, rows, 16, 128), device="cuda")
 
     def load(step):
         for name in ("q", "new_k", "new_v", "beam_page_table", "kv_lens", "prompt_lens", "cache_indirection"):
@@ -621,8 +554,7 @@ def test_gpu_cuda_graph_serves_growing_tails(layout, num_splits):
         beam_tail_attention_merge(
             static["q"], static["new_k"], static["new_v"], sim.kv_cache, static["beam_page_table"],
             static["kv_lens"], static["prompt_lens"], static["cache_indirection"], beams,
-            static["prefix_out"], static["prefix_lse"], out, kv_layout=layout, num_splits=num_splits,
-            split_workspace=workspace if num_splits > 1 else None,
+            static["prefix_out"], static["prefix_lse"], out, kv_layout=layout,
         )
 
     load(step)
