@@ -306,14 +306,16 @@ NARROW_BEAMS_MEASURED_KV_HEADS = 8
 #: a tail up to this is judged by them alone.
 TAIL_MEASURED_LEN = 4
 #: Past it, a step is served while its mean prompt holds at least this many tokens per generated token
-#: of the tail, ``(beam width from, prompt tokens per tail token)``, with 8 KV heads or more (twenty-first
-#: round, ``tail_auto_check_*.json``): at least twice the ratio of every loss in the band (2-11 beams: 8 x 8
-#: x 2,000 at 64 tokens, 0.93x; 12 and more: 8 x 30 x 2,000 at 256, 1.03x).
-TAIL_MIN_PROMPT_PER_TOKEN = ((2, 125), (12, 16))
+#: of the tail, ``(beam width from, beam rows R x W from, prompt tokens per tail token)``, with 8 KV heads or
+#: more; a shape takes the entry of the widest band it reaches, and in it the most rows (twenty-second
+#: round, ``tail_auto_check_*.json``): at least twice the ratio of every loss in the band. Few rows walk the
+#: tail with few programs, so they need more prompt per tail token; the module docstring has the losses.
+TAIL_MIN_PROMPT_PER_TOKEN = ((2, 0, 125), (4, 256, 32), (8, 0, 63), (8, 256, 32), (8, 512, 16), (12, 0, 16), (12, 256, 10),
+                             (12, 1024, 4))
 #: The same with fewer than 8 KV heads (or unknown), where per-beam decode is cheap and the library has few
 #: programs: 2-11 beams lost at 62.5 (MQA 8/1, 64 x 8 x 4,000 at 64 tokens: 1.06x), 12 and more at 7.8
-#: (16/2 at head 64, 64 x 24 x 1,000 at 128: 1.08x; 32 x 64 x 300 at 64: 0.89x).
-TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = ((2, 200), (12, 25))
+#: (16/2 at head 64, 64 x 24 x 1,000 at 128: 1.08x; 32 x 64 x 300 at 64: 0.89x). Any rows (twenty-first round).
+TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = ((2, 0, 200), (12, 0, 25))
 # From this many KV heads the tail takes TAIL_MIN_PROMPT_PER_TOKEN, below it (or unknown) the other table.
 _TAIL_MANY_KV_HEADS = 8
 
@@ -432,16 +434,21 @@ def _tail_few_kv_heads(num_kv_heads: Optional[int]) -> bool:
     return num_kv_heads is None or int(num_kv_heads) < _TAIL_MANY_KV_HEADS
 
 
-def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int]) -> Optional[int]:
+def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int], num_requests: Optional[int]) -> Optional[int]:
     table = TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS if _tail_few_kv_heads(num_kv_heads) else TAIL_MIN_PROMPT_PER_TOKEN
-    return _table_min_prompt(table, int(beam_width))
+    w = int(beam_width)
+    rows = 0 if num_requests is None else int(num_requests) * w
+    entries = [(band, min_rows, per_token) for band, min_rows, per_token in table if band <= w and min_rows <= rows]
+    return max(entries)[2] if entries else None
 
 
-def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int]) -> float:
+def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int],
+                 num_requests: Optional[int] = None) -> float:
     """The longest tail (generated tokens per beam, this step's included) served with this beam width,
-    mean prompt and KV head count: ``max(TAIL_MEASURED_LEN, prompt_len / prompt tokens per tail token)``
-    (:data:`TAIL_MIN_PROMPT_PER_TOKEN`, or ``..._FEW_KV_HEADS`` below 8 KV heads), in tokens."""
-    return _tail_limit(prompt_len, _tail_prompt_per_token(beam_width, num_kv_heads))
+    mean prompt, KV head count and request count (``None``: judged as the fewest rows): ``max(TAIL_MEASURED_LEN,
+    prompt_len / prompt tokens per tail token)`` (:data:`TAIL_MIN_PROMPT_PER_TOKEN`, or ``..._FEW_KV_HEADS``
+    below 8 KV heads), in tokens."""
+    return _tail_limit(prompt_len, _tail_prompt_per_token(beam_width, num_kv_heads, num_requests))
 
 
 def _tail_limit(prompt_len: float, per_token: Optional[int]) -> float:
@@ -449,20 +456,22 @@ def _tail_limit(prompt_len: float, per_token: Optional[int]) -> float:
 
 
 def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], tail_len: Optional[float],
-                        num_kv_heads: Optional[int]) -> Optional[str]:
+                        num_kv_heads: Optional[int], num_requests: Optional[int] = None) -> Optional[str]:
     """The long-tail clause of :func:`should_decline` alone: the reason to leave a step whose beams have
     generated ``tail_len`` tokens (the longest request's, this step's included) over a mean prompt of ``prompt_len``
     tokens to per-beam decode, or ``None``. ``beam_width``, ``prompt_len`` or ``tail_len`` ``None``
-    (unknown): ``None``; ``num_kv_heads`` ``None``: judged as fewer than 8."""
+    (unknown): ``None``; ``num_kv_heads`` ``None``: judged as fewer than 8; ``num_requests`` ``None``: as
+    the fewest rows."""
     if beam_width is None or prompt_len is None or tail_len is None:
         return None
-    per_token = _tail_prompt_per_token(beam_width, num_kv_heads)
+    per_token = _tail_prompt_per_token(beam_width, num_kv_heads, num_requests)
     limit = _tail_limit(prompt_len, per_token)
     if float(tail_len) <= limit:
         return None
     heads = f"fewer than {_TAIL_MANY_KV_HEADS}" if _tail_few_kv_heads(num_kv_heads) else num_kv_heads
+    rows = "" if num_requests is None else f" and {int(num_requests) * int(beam_width)} beam rows"
     return (
-        f"tail {float(tail_len):.0f} generated tokens per beam > {limit:.0f} (beam width {int(beam_width)} "
+        f"tail {float(tail_len):.0f} generated tokens per beam > {limit:.0f} (beam width {int(beam_width)}{rows} "
         f"with {heads} KV heads needs {per_token} prompt tokens per generated token past {TAIL_MEASURED_LEN}; "
         f"mean prompt {float(prompt_len):.0f}): every beam reads its own generated tokens a short block at a "
         f"time, and per-beam decode is faster or within 10% at such tails (measured on the H200, "
@@ -560,7 +569,7 @@ def should_decline(
             f"beam width {w} with {int(num_kv_heads)} KV heads (more than {NARROW_BEAMS_MEASURED_KV_HEADS}): per-beam "
             f"decode was faster or within 10% {served} (measured on the H200, docs/benchmarks.md)"
         )
-    long_tail = tail_decline_reason(w, prompt_len, tail_len, num_kv_heads)
+    long_tail = tail_decline_reason(w, prompt_len, tail_len, num_kv_heads, num_requests)
     if long_tail is not None:
         return long_tail
     saved = (w - 1) * float(prompt_len)

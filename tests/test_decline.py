@@ -365,35 +365,39 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
         assert should_decline(r0, w0, p0, *shape, tail_len=t_short, **path) is None, t_short
 
 
-@pytest.mark.parametrize("beams,prompt,kv_heads,longest_served", [
-    # 8 KV heads and more: prompt / 125 for 2-11 beams, prompt / 16 from 12
-    (8, 1000, 8, 8),      # 8 x 8 x 2,000: 1.24x at 32 tokens, 0.93x at 64
-    (8, 4000, 8, 32),
-    (4, 250, 8, 4),       # never past the measured 4 tokens below 625 (64 x 4 x 500 at 64: 1.02x)
-    (30, 2000, 8, 125),   # 8 x 30 x 2,000: 1.65x at 128, 1.03x at 256
-    (96, 500, 16, 31),    # no band of its own from 48 beams (MQA 128 x 64 x 500: 0.55x at 128 tokens)
-    # fewer: prompt / 200 and prompt / 25
-    (4, 2000, 1, 10),     # MQA 128 x 4 x 2,000: 1.22x at 16 tokens, 1.00x at 32
-    (64, 500, 1, 20),     # MQA 128 x 64 x 500: 1.65x at 32, 0.55x at 128
-    (64, 1000, 2, 40),    # 16/2 at head 64, 32 x 64 x 1,000: 1.37x at 64, 0.45x at 256
+@pytest.mark.parametrize("requests,beams,prompt,kv_heads,per_token,longest_served", [
+    # 8 KV heads and more: by beam width and beam rows R x W
+    (8, 8, 2000, 8, 63, 31),      # 8 x 8 x 2,000: 0.93x at 64 tokens (31 prompt tokens per tail token)
+    (64, 8, 1000, 8, 16, 62),     # 64 x 8 at 512 rows: the band's worst loss 7.8 (64 x 8 x 500 at 64: 0.94x)
+    (60, 4, 1000, 8, 125, 8),     # under 256 rows: prompt / 125 (no point there passed the other clauses)
+    (64, 4, 2000, 8, 32, 62),     # 64 x 4 x 2,000: 1.41x at 64 tokens, 1.06x at 128
+    (8, 30, 2000, 8, 16, 125),    # 8 x 30 x 2,000: 1.65x at 128, 1.03x at 256
+    (16, 30, 2000, 8, 10, 200),   # 256-1,023 rows: the worst loss 4.7 (GQA 8, 32 x 30 x 300 at 64)
+    (64, 30, 500, 8, 4, 125),     # 64 x 30 x 500: 2.46x at 128 tokens; the band's worst loss 2.0
+    (128, 96, 500, 16, 4, 125),   # 12,288 rows at 16 KV heads
+    # fewer: prompt / 200 and prompt / 25, any rows
+    (128, 4, 2000, 1, 200, 10),   # MQA 128 x 4 x 2,000: 1.22x at 16 tokens, 1.00x at 32
+    (128, 64, 500, 1, 25, 20),    # MQA 128 x 64 x 500: 1.65x at 32, 0.55x at 128
+    (32, 64, 1000, 2, 25, 40),    # 16/2 at head 64, 32 x 64 x 1,000: 1.37x at 64, 0.45x at 256
 ])
-def test_long_tails_need_long_prompts(beams, prompt, kv_heads, longest_served):
-    """Twenty-first round (``tail_auto_check_*.json``): every path reads each beam's generated tokens a
-    short block at a time, so past the measured 4-token tail a step is served only while its mean prompt
-    holds enough tokens per generated token: 125 (2-11 beams) or 16 (12 and more) with 8 KV heads or
-    more, 200 or 25 with fewer. The rule without it served 64 x 4 x 100 at 256 tokens (0.28x) and
-    8 x 8 x 500 at 256 (0.22x)."""
-    table = {True: {2: 200, 12: 25}, False: {2: 125, 12: 16}}[kv_heads < 8]
-    assert max_tail_len(beams, prompt, kv_heads) == pytest.approx(max(4, prompt / table[2 if beams < 12 else 12]))
-    shape = (128, beams, prompt, 8 * kv_heads if kv_heads < 8 else 16, kv_heads, 128)
+def test_long_tails_need_long_prompts(requests, beams, prompt, kv_heads, per_token, longest_served):
+    """Every path reads each beam's generated tokens a short block at a time, so past the measured 4-token
+    tail a step is served only while its mean prompt holds enough tokens per generated token
+    (``tail_auto_check_*.json``): with 8 KV heads or more by beam width and beam rows (twenty-second
+    round: few rows walk the tail with few programs), with fewer by beam width alone. The rule without
+    it served 64 x 4 x 100 at 256 tokens (0.28x) and 8 x 8 x 500 at 256 (0.22x)."""
+    assert max_tail_len(beams, prompt, kv_heads, requests) == pytest.approx(max(4, prompt / per_token))
+    shape = (requests, beams, prompt, 8 * kv_heads if kv_heads < 8 else 16, kv_heads, 128)
     for one_launch in (True, False):
         assert should_decline(*shape, one_launch=one_launch, tail_len=longest_served) is None
         reason = should_decline(*shape, one_launch=one_launch, tail_len=longest_served + 1)
         assert reason is not None and f"tail {longest_served + 1} generated tokens per beam" in reason
-        assert f"mean prompt {prompt}" in reason
+        assert f"mean prompt {prompt}" in reason and f"needs {per_token} prompt tokens" in reason
     assert should_decline(*shape, tail_len=None) is None  # unknown (a CUDA graph): not judged
-    assert tail_decline_reason(beams, prompt, None, kv_heads) is None
+    assert tail_decline_reason(beams, prompt, None, kv_heads, requests) is None
     too_long = longest_served + 1
-    assert tail_decline_reason(beams, prompt, too_long, kv_heads) == should_decline(*shape, tail_len=too_long)
-    # An unknown KV head count is judged as few.
-    assert max_tail_len(beams, prompt, None) == max_tail_len(beams, prompt, 1)
+    assert tail_decline_reason(beams, prompt, too_long, kv_heads, requests) == should_decline(*shape, tail_len=too_long)
+    # An unknown KV head count is judged as few, an unknown request count as the fewest rows.
+    assert max_tail_len(beams, prompt, None, requests) == max_tail_len(beams, prompt, 1, requests)
+    assert max_tail_len(beams, prompt, kv_heads) == max_tail_len(beams, prompt, kv_heads, 0)
+    assert max_tail_len(beams, prompt, kv_heads) <= max_tail_len(beams, prompt, kv_heads, requests)

@@ -84,3 +84,17 @@ def test_profile_step_launches_each_kernel(kernel):
 
     out = profile_step.launch(kernel, reduced_cpu_shape(PRESETS["B-short"]), calls=1, device="cpu")
     assert torch.isfinite(out.float()).all()
+
+
+def test_tune_tail_custom_shapes_and_tails(monkeypatch, capsys):
+    """``--custom RxWxP`` adds shapes at B-medium's heads; a malformed one is named; no GPU exits 0."""
+    from microbenchmarks import tune_tail
+
+    a, b = tune_tail.custom_shapes("8x8x500,64X4x100")
+    assert (a.requests, a.beams, a.prompt, a.heads, a.kv_heads, a.name) == (8, 8, 500, 16, 8, "8x8x500")
+    assert (b.requests, b.beams, b.prompt) == (64, 4, 100)
+    with pytest.raises(ValueError, match="'8x8' is not RxWxP"):
+        tune_tail.custom_shapes("8x8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune_tail.main(["--custom", "8x8x500", "--tails", "64,256"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
