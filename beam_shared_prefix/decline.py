@@ -169,22 +169,31 @@ token per wave of programs, while per-beam decode's grows only with the bytes. T
 clause served 68 of those points slower than per-beam decode or under the margin (0.22x-1.08x; 64 x 4 x
 100 at 256 tokens: 0.28x; 8 x 8 x 500 at 256: 0.22x; 64 x 30 x 100 at 1,024: 0.85x). Past
 :data:`TAIL_MEASURED_LEN` generated tokens a step is served only while its mean prompt holds enough
-tokens per generated token, at least twice the ratio of every loss in its band:
+tokens per generated token, at least twice the ratio of every loss in its band. With 8 KV heads or more
+the band is the beam width and the beam rows ``R x W`` (twenty-second round: few rows walk the tail with
+few programs, so the crossover moves with the rows as much as with the width):
 
-| KV heads | beam width W | served while the tail <= | the loss with the most prompt per tail token |
+| beam width W | beam rows | served while the tail <= | the band's loss with the most prompt per tail token |
 | --- | --- | --- | --- |
-| 8 or more | 2-11 | mean prompt / 125 | 31 (8 x 8 x 2,000 at 64 tokens: 0.93x) |
-| 8 or more | 12 and more | mean prompt / 16 | 7.8 (8 x 30 x 2,000 at 256 tokens: 1.03x) |
-| fewer (or unknown) | 2-11 | mean prompt / 200 | 62.5 (MQA, 64 x 8 x 4,000 at 64 tokens: 1.06x) |
-| fewer (or unknown) | 12 and more | mean prompt / 25 | 7.8 (16/2 at head 64, 64 x 24 x 1,000 at 128 tokens: 1.08x) |
+| 2-7 | under 256 (2-3: any) | mean prompt / 125 | 10 (held out: 12 x 6 x 1,200 at 120 tokens, 0.63x) |
+| 4-7 | 256 and more | mean prompt / 32 | 15.6 (64 x 4 x 2,000 at 128 tokens: 1.06x) |
+| 8-11 | under 256 | mean prompt / 63 | 31 (8 x 8 x 2,000 at 64 tokens: 0.93x) |
+| 8-11 | 256-511 | mean prompt / 32 | 2.5 (held out: 40 x 10 x 300 at 120 tokens, 1.03x; 4-7 beams' value) |
+| 8-11 | 512 and more | mean prompt / 16 | 7.8 (64 x 8 x 2,000 at 256 tokens: 0.98x at head 64, 0.92x at GQA 32/8) |
+| 12 and more | under 256 | mean prompt / 16 | 7.8 (8 x 30 x 2,000 at 256 tokens: 1.03x) |
+| 12 and more | 256-1,023 | mean prompt / 10 | 4.7 (GQA 64/8, 32 x 12 x 300 at 64 tokens: 0.72x) |
+| 12 and more | 1,024 and more | mean prompt / 4 | 2.0 (GQA 32/8, 64 x 30 x 500 at 256 tokens: 0.90x) |
 
-With fewer KV heads per-beam decode is cheap and the library has few programs, so long tails cost it
-sooner. Over those grids the rule serves 131 points, the slowest 1.36x (113 with more than 4 generated
-tokens), and declines 124 that were faster (1.11x-8.57x). The grids came in three sets, and each of the
-first two broke the rule fitted before it: a formula in ``R x W / Hq`` served 8 losers on the second
-set (MQA, 2 KV heads at head 64); one table for every KV head count, with 48 beams and more served to
-mean prompt / 4, served 0.89x on the third (64 beams at 2 KV heads). The tables above are fitted to all
-three; no held-out set is left. :func:`tail_decline_reason` is this clause alone; a CUDA graph, whose
+With fewer KV heads (or unknown) the band is the beam width alone: mean prompt / 200 at 2-11 beams (62.5:
+MQA, 64 x 8 x 4,000 at 64 tokens, 1.06x) and / 25 from 12 (7.8: 16/2 at head 64, 64 x 24 x 1,000 at 128
+tokens, 1.08x); per-beam decode is cheap there and the library has few programs. Over those grids the
+rule serves 184 of the 333 points that pass the other clauses, the slowest 1.26x, and declines 75 that
+were faster. The grids came in three sets, and each of the first two broke the rule fitted before it
+(a formula in ``R x W / Hq`` served 8 losers on the second; one table for every KV head count served
+0.89x on the third). The rows bands were then fitted to all three and checked on a held-out set chosen
+before it ran (``tail_auto_check_round22_heldout_*.json``, 88 points at 12-100 requests of 6-40 beams,
+GQA 16/8 and 32/8): it served 43, the slowest 1.78x (the width-only table served 24, from 2.67x), and
+declined 30 winners (1.12x-2.83x) and 12 losers. :func:`tail_decline_reason` is this clause alone; a CUDA graph, whose
 tail is unknown at capture, cannot hand a step over and logs it instead. The grids ran one tail per batch;
 serving judges the batch's longest, since each request's tail is walked by its own programs.
 
