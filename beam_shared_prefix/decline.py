@@ -193,9 +193,10 @@ were faster. The grids came in three sets, and each of the first two broke the r
 0.89x on the third). The rows bands were then fitted to all three and checked on a held-out set chosen
 before it ran (``tail_auto_check_round22_heldout_*.json``, 88 points at 12-100 requests of 6-40 beams,
 GQA 16/8 and 32/8): it served 43, the slowest 1.78x (the width-only table served 24, from 2.67x), and
-declined 30 winners (1.12x-2.83x) and 12 losers. :func:`tail_decline_reason` is this clause alone; a CUDA graph, whose
-tail is unknown at capture, cannot hand a step over and logs it instead. The grids ran one tail per batch;
-serving judges the batch's longest, since each request's tail is walked by its own programs.
+declined 30 winners (1.12x-2.83x) and 12 losers. :func:`tail_decline_reason` is this clause alone; a
+CUDA graph, whose tail is unknown at capture, cannot hand a step over and logs it instead. The grids ran
+one tail per batch; serving judges the batch's longest, since each request's tail is walked by its own
+programs.
 
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
 the split-prompt exception), at head 64 (the cascade, and FlashInfer at GQA 2) and at head 256
@@ -319,8 +320,12 @@ TAIL_MEASURED_LEN = 4
 #: more; a shape takes the entry of the widest band it reaches, and in it the most rows (twenty-second
 #: round, ``tail_auto_check_*.json``): at least twice the ratio of every loss in the band. Few rows walk the
 #: tail with few programs, so they need more prompt per tail token; the module docstring has the losses.
-TAIL_MIN_PROMPT_PER_TOKEN = ((2, 0, 125), (4, 256, 32), (8, 0, 63), (8, 256, 32), (8, 512, 16), (12, 0, 16), (12, 256, 10),
-                             (12, 1024, 4))
+TAIL_MIN_PROMPT_PER_TOKEN = (
+    (2, 0, 125),
+    (4, 256, 32),
+    (8, 0, 63), (8, 256, 32), (8, 512, 16),
+    (12, 0, 16), (12, 256, 10), (12, 1024, 4),
+)
 #: The same with fewer than 8 KV heads (or unknown), where per-beam decode is cheap and the library has few
 #: programs: 2-11 beams lost at 62.5 (MQA 8/1, 64 x 8 x 4,000 at 64 tokens: 1.06x), 12 and more at 7.8
 #: (16/2 at head 64, 64 x 24 x 1,000 at 128: 1.08x; 32 x 64 x 300 at 64: 0.89x). Any rows (twenty-first round).
@@ -443,7 +448,8 @@ def _tail_few_kv_heads(num_kv_heads: Optional[int]) -> bool:
     return num_kv_heads is None or int(num_kv_heads) < _TAIL_MANY_KV_HEADS
 
 
-def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int], num_requests: Optional[int]) -> Optional[int]:
+def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int],
+                           num_requests: Optional[int]) -> Optional[int]:
     table = TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS if _tail_few_kv_heads(num_kv_heads) else TAIL_MIN_PROMPT_PER_TOKEN
     w = int(beam_width)
     rows = 0 if num_requests is None else int(num_requests) * w
