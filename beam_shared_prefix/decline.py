@@ -193,7 +193,8 @@ were faster. The grids came in three sets, and each of the first two broke the r
 0.89x on the third). The rows bands were then fitted to all three and checked on a held-out set chosen
 before it ran (``tail_auto_check_round22_heldout_*.json``, 88 points at 12-100 requests of 6-40 beams,
 GQA 16/8 and 32/8): it served 43, the slowest 1.78x (the width-only table served 24, from 2.67x), and
-declined 30 winners (1.12x-2.83x) and 12 losers. :func:`tail_decline_reason` is this clause alone; a
+declined 30 winners (1.12x-2.83x) and 12 losers; a second one at head 64 and MHA 16/16 (24 points) served 12,
+from 1.30x. :func:`tail_decline_reason` is this clause alone; a
 CUDA graph, whose tail is unknown at capture, cannot hand a step over and logs it instead. The grids ran
 one tail per batch; serving judges the batch's longest, since each request's tail is walked by its own
 programs.
