@@ -187,9 +187,6 @@ def main(argv=None) -> int:
                    help="extra shapes RxWxP at the presets' heads (16/8, D 128, page 32), e.g. 8x8x500,64x4x500")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tune_tail: no CUDA device; nothing to tune.")
-        return 0
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     grid = list(itertools.product(
         ints(args.kv_heads_per_prog), ints(args.block_t), ints(args.num_warps), ints(args.index_block),
@@ -205,6 +202,9 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if args.tails:
         shapes = [dataclasses.replace(s, tail=t, name=f"{s.name}-t{t}") for s in shapes for t in ints(args.tails)]
+    if not torch.cuda.is_available():
+        print("tune_tail: no CUDA device; nothing to tune.")
+        return 0
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
           f"(kv_heads_per_prog, block_t, num_warps, index_block, grouped)", flush=True)

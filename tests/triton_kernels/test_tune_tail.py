@@ -96,5 +96,8 @@ def test_tune_tail_custom_shapes_and_tails(monkeypatch, capsys):
     with pytest.raises(ValueError, match="'8x8' is not RxWxP"):
         tune_tail.custom_shapes("8x8")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):  # named before the device is looked for
+        tune_tail.main(["--custom", "8x0x500"])
+    assert "'8x0x500' is not RxWxP with positive integers" in capsys.readouterr().err
     assert tune_tail.main(["--custom", "8x8x500", "--tails", "64,256"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
