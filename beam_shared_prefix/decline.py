@@ -193,11 +193,10 @@ were faster. The grids came in three sets, and each of the first two broke the r
 0.89x on the third). The rows bands were then fitted to all three and checked on a held-out set chosen
 before it ran (``tail_auto_check_round22_heldout_*.json``, 88 points at 12-100 requests of 6-40 beams,
 GQA 16/8 and 32/8): it served 43, the slowest 1.78x (the width-only table served 24, from 2.67x), and
-declined 30 winners (1.12x-2.83x) and 12 losers; a second one at head 64 and MHA 16/16 (24 points) served 12,
-from 1.30x. :func:`tail_decline_reason` is this clause alone; a
-CUDA graph, whose tail is unknown at capture, cannot hand a step over and logs it instead. The grids ran
-one tail per batch; serving judges the batch's longest, since each request's tail is walked by its own
-programs.
+declined 30 winners (1.12x-2.83x) and 12 losers; a second one at head 64 and MHA 16/16 (24 points)
+served 12, from 1.30x. :func:`tail_decline_reason` is this clause alone; a CUDA graph, whose tail is
+unknown at capture, cannot hand a step over and logs it instead. The grids ran one tail per batch;
+serving judges the batch's longest, since each request's tail is walked by its own programs.
 
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
 the split-prompt exception), at head 64 (the cascade, and FlashInfer at GQA 2) and at head 256
@@ -426,14 +425,15 @@ def _narrow_head(head_dim: Optional[int]) -> bool:
 def cascade_min_prompt(beam_width: int, head_dim: Optional[int] = None) -> Optional[int]:
     """The smallest mean prompt (tokens) served at ``beam_width`` (>= 2) when the cascade serves, at
     ``head_dim`` (``None``: head 128's table); ``None`` where no prompt measured was served."""
-    return _table_min_prompt(CASCADE_MIN_PROMPT_HEAD_64 if _narrow_head(head_dim) else CASCADE_MIN_PROMPT, beam_width)
+    return _table_value(CASCADE_MIN_PROMPT_HEAD_64 if _narrow_head(head_dim) else CASCADE_MIN_PROMPT, beam_width)
 
 
-def _table_min_prompt(table, beam_width: int) -> Optional[int]:
-    """The tokens of the last ``(width from, tokens)`` row of ``table`` at or below ``beam_width``; ``None``
-    below its first row."""
-    served = [tokens for width, tokens in table if width <= beam_width]
-    return served[-1] if served else None
+def _table_value(table, *keys) -> Optional[int]:
+    """The value of the last row of ``table`` (rows ``(from, ..., value)`` in ascending order, e.g.
+    ``(width from, tokens)`` or ``(width from, rows from, tokens)``) whose thresholds are all at or below
+    ``keys``; ``None`` below its first row."""
+    hits = [row[-1] for row in table if all(least <= key for least, key in zip(row[:-1], keys))]
+    return hits[-1] if hits else None
 
 
 def narrow_beams_min_prompt(beam_width: int, num_kv_heads: Optional[int]) -> Optional[int]:
@@ -442,7 +442,7 @@ def narrow_beams_min_prompt(beam_width: int, num_kv_heads: Optional[int]) -> Opt
     heads (``None``: 8), ``None`` where no prompt measured was served (beam width 2 above 8 KV heads)."""
     if not num_kv_heads or num_kv_heads <= NARROW_BEAMS_MEASURED_KV_HEADS:
         return 0
-    return _table_min_prompt(NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT, beam_width)
+    return _table_value(NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT, beam_width)
 
 
 def _tail_few_kv_heads(num_kv_heads: Optional[int]) -> bool:
@@ -453,9 +453,7 @@ def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int],
                            num_requests: Optional[int]) -> Optional[int]:
     table = TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS if _tail_few_kv_heads(num_kv_heads) else TAIL_MIN_PROMPT_PER_TOKEN
     w = int(beam_width)
-    rows = 0 if num_requests is None else int(num_requests) * w
-    entries = [(band, min_rows, per_token) for band, min_rows, per_token in table if band <= w and min_rows <= rows]
-    return max(entries)[2] if entries else None
+    return _table_value(table, w, 0 if num_requests is None else int(num_requests) * w)
 
 
 def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int],

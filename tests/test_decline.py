@@ -351,8 +351,8 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
         requests, beams, prompts, kv_heads, group, head_dim, one_launch, split_kv, tails):
     """Every threshold of the rule asks for enough of something (rows, prompt tokens, ``(W - 1) x P``,
     ``R x W x P``, a width's smallest prompt, prompt tokens per generated token), so on one path serving
-    is monotone in the request count, the beam width and the mean prompt, and the other way in the mean
-    tail: a rule edit that breaks this is a table typo."""
+    is monotone in the request count, the beam width and the mean prompt, and the other way in the
+    (longest) tail: a rule edit that breaks this is a table typo."""
     (r0, r1), (w0, w1), (p0, p1) = sorted(requests), sorted(beams), sorted(prompts)
     # An unknown tail (None) is not judged: the most permissive.
     t_short, t_long = sorted(tails) if None not in tails else (None, max(tails, key=lambda t: t or 0))
