@@ -85,7 +85,7 @@ class BeamSharedPrefixAttention:
         report_errors: give the kernels a device error flag (:attr:`error_flags`): invalid lengths,
             pages or indirection entries they mask are reported without a sync, read by
             :meth:`poll_device_errors` or :meth:`device_errors`. About 2% slower on the H200
-            presets (B-beam14 3%; ``docs/benchmarks.md``); ``None`` reads
+            presets (B-beam14 3%; ``docs/rounds.md``, "The thirteenth round"); ``None`` reads
             ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` (default off).
 
     Attributes:

@@ -26,7 +26,7 @@ Per program, in order:
    They are loaded for that store only after the tail, when the key block's current-token column
    has brought their rows into cache: held through the tail they cost 64 registers, and spills at
    multi-block prompts (57.7 against 59.9 us at B-medium, 145.5 against 148.5 at B-long, B-short
-   unchanged; ``docs/benchmarks.md``, "The eleventh round").
+   unchanged; ``docs/rounds.md``, "The eleventh round").
 3. The prompt ``[0, P)``, read once per program and head from the request's prompt page table (never
    more than the table's ``prompt_capacity`` tokens), ``BLOCK_N`` tokens per iteration with the next
    block's page entries requested early: ``S = Q K^T`` and ``O += P V`` on tensor cores with the
@@ -36,7 +36,8 @@ Per program, in order:
    software-pipeline depth (``PROMPT_STAGES``): with two or more, its K/V go to shared memory by
    ``cp.async`` instead of through registers. With ``PROMPT_FIRST`` it runs before step 2, so the
    tail's index chain, requested in step 1, resolves behind the prompt's loads (the default for
-   32-beam tiles at head 128: 69.7 against 77.6 us at B-medium, ``docs/benchmarks.md``).
+   32-beam tiles at head 128: 69.7 against 77.6 us at B-medium; ``docs/rounds.md``, "The cascade's
+   fourth round").
 4. ``out = O / l``; with ``PREFIX_ONLY`` (the prompt pass alone, for check mode and the stage
    benchmarks) step 2 is skipped and the prefix LSE is stored as well.
 
@@ -46,7 +47,7 @@ Two variants of that order:
   tokens) with ``PROMPT_FIRST``: the prompt is one block, run as straight-line code, and the tail's
   index chain is split around it. Step 1 requests only the source beams; their pages are requested
   after the prompt block's K/V, so they resolve behind the prompt's math (32.5 against 33.1 us at
-  B-short, ``docs/benchmarks.md``, "The seventh round").
+  B-short, ``docs/rounds.md``, "The seventh round").
 - ``TAIL_CORES``: step 2 runs on CUDA cores before the prompt, one position at a time for
   ``TAIL_BLOCK`` positions whose index chains are requested together, with the queries as a
   ``[GROUP_PAD, BEAMS, D]`` block so that each thread holds every query head of its beams; the tile's

@@ -13,7 +13,7 @@ group in registers. The launcher picks ``num_warps`` so that one pass of the thr
 ``[1, KVH, D]`` (16-byte vectors along ``D``): Triton's blocked layout then places the leftover
 ``GROUP_PAD`` dimension in each thread's registers, and each thread holds all query heads of its KV
 head. At G = 2 on sm_90 that is 280 warp-instructions per KV head of a row against 494
-(``docs/benchmarks.md``, "The sixth round"). With more warps than that, the group spreads over
+(``docs/rounds.md``, "The sixth round"). With more warps than that, the group spreads over
 warps again: still correct, no longer deduplicated.
 
 Tail positions are walked one per iteration (a ``[1]`` vector keeps the interpreter's masks

@@ -111,7 +111,7 @@ def test_reduced_cpu_shape_keeps_the_attention_shape():
 def test_each_point_records_the_rule_with_its_tail():
     """The JSON's ``decline_reason`` is the library's rule at the point's tail: B-medium's 4 generated
     tokens are served; 64 of them over 100-token prompts were 0.49x-1.71x of per-beam decode on the
-    H200 (docs/benchmarks.md, "The twenty-first round") and are declined at 64 x 30 (1.71x, but past
+    H200 (docs/rounds.md, "The twenty-first round") and are declined at 64 x 30 (1.71x, but past
     the band's 4 prompt tokens per generated token)."""
     from microbenchmarks.runner import decline_reason
 
