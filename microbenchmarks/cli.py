@@ -38,6 +38,8 @@ _FREE = (
     ("page_size", int, "Pg: tokens per KV page"),
     ("dtype", str, "bf16 or fp16"),
     ("prompt_jitter", float, "draw prompts uniformly in [P(1-j), P(1+j)] (default 0)"),
+    ("tail_jitter", float, "draw each request's tail uniformly in [T(1-j), T], as in-flight batching mixes decode "
+     "steps (default 0; T stays the longest)"),
 )
 
 

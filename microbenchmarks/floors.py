@@ -86,16 +86,18 @@ def mean_traffic(traffics: "list[Traffic]") -> Traffic:
 
 
 def distinct_tail_entries(tail_ancestry: np.ndarray) -> int:
-    """Distinct ``(request, source beam, position)`` entries in a ``[R, W, T-1]`` ancestry array."""
+    """Distinct ``(request, source beam, position)`` entries in a ``[R, W, T-1]`` ancestry array
+    (a position holding ``-1``, past its request's tail, counts none)."""
     if tail_ancestry.size == 0:
         return 0
     s = np.sort(tail_ancestry, axis=1)
-    return int(tail_ancestry.shape[0] * tail_ancestry.shape[2] + (np.diff(s, axis=1) != 0).sum())
+    per_position = 1 + (np.diff(s, axis=1) != 0).sum(axis=1)  # [R, T-1]
+    return int(per_position[s[:, -1, :] >= 0].sum())
 
 
 def count_traffic(
     prompt_lens: np.ndarray,
-    tail: int,
+    tail,
     beams: int,
     heads: int,
     kv_heads: int,
@@ -108,7 +110,8 @@ def count_traffic(
 
     Args:
         prompt_lens: ``[R]`` prompt lengths ``P_r``.
-        tail: ``T``, generated tokens per beam including this step's (``kv_len = P + T``).
+        tail: ``T``, generated tokens per beam including this step's (``kv_len = P + T``): one
+            int, or ``[R]`` per request (``T_r``).
         beams, heads, kv_heads, head_dim, page_size: ``W``, ``Hq``, ``Hkv``, ``D``, ``Pg``.
         elem_bytes: bytes per K/V/q/out element (2 for bf16/fp16).
         tail_ancestry: ``[R, W, T-1]`` source beams of earlier tail positions; ``None`` counts one
@@ -117,8 +120,9 @@ def count_traffic(
     prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
     R = int(prompt_lens.shape[0])
     rows = R * beams
+    tail = np.broadcast_to(np.asarray(tail, dtype=np.int64), prompt_lens.shape)
     kv_row = kv_heads * head_dim * 2 * elem_bytes  # K and V of one position
-    per_beam_entries = rows * (tail - 1)
+    per_beam_entries = beams * int((tail - 1).sum())
     entries = per_beam_entries if tail_ancestry is None else distinct_tail_entries(tail_ancestry)
     first_col = prompt_lens // page_size
     last_col = (prompt_lens + tail - 1) // page_size
@@ -138,8 +142,9 @@ def count_traffic(
     )
 
 
-def count_flops(prompt_lens: np.ndarray, tail: int, beams: int, heads: int, head_dim: int) -> int:
-    """``4 * D * Hq * sum_rows kv_len``: the tensor-core FLOPs of one step (see module docstring)."""
+def count_flops(prompt_lens: np.ndarray, tail, beams: int, heads: int, head_dim: int) -> int:
+    """``4 * D * Hq * sum_rows kv_len``: the tensor-core FLOPs of one step (see module docstring);
+    ``tail`` is one int or ``[R]`` per request."""
     kv = np.asarray(prompt_lens, dtype=np.int64) + tail
     return int(4 * head_dim * heads * beams * int(kv.sum()))
 
@@ -194,14 +199,16 @@ def floor_times(traffic: Traffic, flops: int, bandwidth: Optional[float], matmul
     }
 
 
-def stage_work(work: str, traffic: Traffic, flops: int, prompt_lens: np.ndarray, tail: int, beams: int,
+def stage_work(work: str, traffic: Traffic, flops: int, prompt_lens: np.ndarray, tail, beams: int,
                heads: int, head_dim: int, page_size: int) -> Dict[str, int]:
     """Bytes and FLOPs of one arm's work: ``full`` (the step), ``prefix`` or ``tail`` (a stage alone).
 
     - prefix: prompt KV + q + the prefix state written (``rows * Hq * (D*s + 4)``) + the prompt
       page indices and indptr; FLOPs ``4 D Hq W sum_r P_r``.
     - tail: tail KV + new K/V + q + out + the prefix state read + the rest of the metadata (the
-      prompt page indices and indptr are the prefix's); FLOPs ``4 D Hq rows T``.
+      prompt page indices and indptr are the prefix's); FLOPs ``4 D Hq W sum_r T_r``.
+
+    ``tail`` is one int or ``[R]`` per request.
     """
     prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
     R = prompt_lens.shape[0]
@@ -219,6 +226,6 @@ def stage_work(work: str, traffic: Traffic, flops: int, prompt_lens: np.ndarray,
         return {
             "bytes": (traffic.tail_kv + traffic.new_kv + traffic.q + traffic.out + state
                       + traffic.metadata - prompt_metadata),
-            "flops": int(4 * head_dim * heads * rows * tail),
+            "flops": int(4 * head_dim * heads * beams * int(np.broadcast_to(np.asarray(tail), (R,)).sum())),
         }
     raise ValueError(f"work={work!r}; use 'full', 'prefix' or 'tail'.")

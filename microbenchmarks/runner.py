@@ -193,15 +193,16 @@ def run_point(
     elem = wls[0].q.element_size()
     # The floors of the sets, averaged: the times are medians over every set, whose prompt lengths
     # (with --prompt-jitter) and beam ancestries (distinct tail entries) differ.
-    set_traffic = [count_traffic(wl.prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.kv_heads,
+    set_traffic = [count_traffic(wl.prompt_lens_host, wl.tail_lens_host, shape.beams, shape.heads, shape.kv_heads,
                                  shape.head_dim, shape.page_size, elem, wl.tail_ancestry) for wl in wls]
-    set_flops = [count_flops(wl.prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.head_dim) for wl in wls]
+    set_flops = [count_flops(wl.prompt_lens_host, wl.tail_lens_host, shape.beams, shape.heads, shape.head_dim)
+                 for wl in wls]
     traffic = mean_traffic(set_traffic)
     flops = int(round(sum(set_flops) / len(wls)))
     floors = floor_times(traffic, flops, rates.copy_bandwidth, rates.matmul_rate)
 
     def mean_work(w):
-        per_set = [stage_work(w, t, f, wl.prompt_lens_host, shape.tail, shape.beams, shape.heads, shape.head_dim,
+        per_set = [stage_work(w, t, f, wl.prompt_lens_host, wl.tail_lens_host, shape.beams, shape.heads, shape.head_dim,
                               shape.page_size) for t, f, wl in zip(set_traffic, set_flops, wls)]
         return {k: int(round(sum(d[k] for d in per_set) / len(per_set))) for k in ("bytes", "flops")}
 

@@ -69,6 +69,9 @@ class BenchShape:
         page_size: ``Pg``, tokens per KV page.
         dtype: ``"bfloat16"`` or ``"float16"``.
         prompt_jitter: prompts are drawn uniformly from ``[P(1-j), P(1+j)]`` per request (0: all ``P``).
+        tail_jitter: tails are drawn uniformly from ``[max(1, round(T(1-j))), T]`` per request (0: all
+            ``T``), as in-flight batching mixes requests at different decode steps; ``T`` stays the
+            longest tail, the one the decline rule judges.
         name: preset name, or ``"custom"``.
     """
 
@@ -82,6 +85,7 @@ class BenchShape:
     page_size: int = 32
     dtype: str = "bfloat16"
     prompt_jitter: float = 0.0
+    tail_jitter: float = 0.0
     name: str = "custom"
 
     def __post_init__(self):
@@ -102,6 +106,8 @@ class BenchShape:
             raise ShapeError(f"head_dim={self.head_dim} must be a multiple of 8 (16-byte rows of bf16/fp16).")
         if not (0.0 <= float(self.prompt_jitter) < 1.0):
             raise ShapeError(f"prompt_jitter={self.prompt_jitter} must be in [0, 1).")
+        if not (0.0 <= float(self.tail_jitter) <= 1.0):
+            raise ShapeError(f"tail_jitter={self.tail_jitter} must be in [0, 1] (1: tails from 1 to T).")
 
     @property
     def group(self) -> int:
@@ -114,6 +120,11 @@ class BenchShape:
         return self.requests * self.beams
 
     @property
+    def shortest_tail(self) -> int:
+        """The shortest tail a request may draw: ``max(1, round(T(1-j)))`` with ``j = tail_jitter``."""
+        return max(1, int(round(self.tail * (1.0 - float(self.tail_jitter)))))
+
+    @property
     def kv_len(self) -> int:
         """KV length ``P + T`` in tokens (this step's token included), before prompt jitter."""
         return self.prompt + self.tail
@@ -122,8 +133,9 @@ class BenchShape:
         """Short human-readable description, e.g. ``A: 128x96 P3000 T3 16/8 D128 Pg32 bf16``."""
         dt = {"bfloat16": "bf16", "float16": "fp16"}[self.dtype]
         jit = f"±{int(self.prompt_jitter * 100)}%" if self.prompt_jitter else ""
+        tail = f"T{self.shortest_tail}-{self.tail}" if self.shortest_tail < self.tail else f"T{self.tail}"
         return (
-            f"{self.name}: {self.requests}x{self.beams} P{self.prompt}{jit} T{self.tail} "
+            f"{self.name}: {self.requests}x{self.beams} P{self.prompt}{jit} {tail} "
             f"{self.heads}/{self.kv_heads} D{self.head_dim} Pg{self.page_size} {dt}"
         )
 
@@ -156,6 +168,7 @@ SWEEP_FIELDS: Dict[str, Tuple[str, type]] = {
     "head-dim": ("head_dim", int),
     "page-size": ("page_size", int),
     "dtype": ("dtype", canonical_dtype),
+    "tail-jitter": ("tail_jitter", float),
 }
 _FIELD_ALIASES = {k.replace("-", "_"): k for k in SWEEP_FIELDS}
 
@@ -163,8 +176,8 @@ _FIELD_ALIASES = {k.replace("-", "_"): k for k in SWEEP_FIELDS}
 def parse_sweep(text: str) -> Tuple[str, List]:
     """Parse ``"beams=14,30,96"`` into ``("beams", [14, 30, 96])`` (field name as a BenchShape field).
 
-    Accepted keys: requests, beams, prompt, tail, heads, kv-heads, head-dim, page-size, dtype
-    (``_`` and ``-`` are interchangeable).
+    Accepted keys: requests, beams, prompt, tail, heads, kv-heads, head-dim, page-size, dtype,
+    tail-jitter (``_`` and ``-`` are interchangeable).
     """
     if "=" not in text:
         raise ShapeError(f"--sweep {text!r} must look like KEY=V1,V2,... (e.g. beams=14,30,96,256).")

@@ -17,7 +17,9 @@ operations only:
   ``b``'s position ``t`` lives in the pages of the beam ``cache_indirection[r, b, t]`` that wrote it.
   Prompt positions map to beam 0; the current position and later ones hold random beams (a kernel
   must not read them);
-- ``kv_lens = prompt + tail`` (the tail counts this step's token, whose K/V are ``new_k``/``new_v``).
+- ``kv_lens = prompt + tail`` (the tail counts this step's token, whose K/V are ``new_k``/``new_v``);
+  with ``tail_jitter`` each request draws its own tail (requests that joined the batch at different
+  steps), and its ancestry is that of a beam search of its own length.
 
 Baseline pages. A per-beam paged kernel (FlashInfer decode, the cascade's unique level) reads one
 page list per beam and cannot follow ``cache_indirection`` slot by slot. For those arms the builder
@@ -51,6 +53,8 @@ __all__ = [
     "ancestry_from_parents",
     "draw_parents",
     "draw_prompt_lens",
+    "draw_tail_lens",
+    "ragged_ancestry",
     "validate_layout",
     "select_requests",
     "torch_dtype",
@@ -74,7 +78,7 @@ class BenchWorkload:
         q: ``[R*W, Hq, D]``; new_k, new_v: ``[R*W, Hkv, D]`` (dtype of the shape).
         kv_cache: ``[num_pages, 2, Hkv, Pg, D]`` (HND) or ``[num_pages, 2, Pg, Hkv, D]`` (NHD).
         beam_page_table: ``[R*W, max_pages]`` int32, the library's view (unused entries ``PAGE_TABLE_PAD``).
-        kv_lens: ``[R*W]`` int32 ``= P_r + T``; prompt_lens: ``[R*W]`` int32.
+        kv_lens: ``[R*W]`` int32 ``= P_r + T_r``; prompt_lens: ``[R*W]`` int32.
         prompt_lens_per_request: ``[R]`` int32.
         cache_indirection: ``[R, W, max_seq_len]`` int32.
         baseline_page_table: ``[R*W, max_pages]`` int32 or ``None``: shared full prompt pages, then
@@ -84,7 +88,8 @@ class BenchWorkload:
         prompt_page_indptr, prompt_page_indices: CPU int32, beam 0's page list per request (the
             planner's input; the prompt pages come first).
         prompt_lens_host, kv_lens_host: ``[R]`` int64.
-        tail_ancestry: ``[R, W, T-1]`` int32, the source beam of every earlier generated position.
+        tail_ancestry: ``[R, W, T-1]`` int32, the source beam of every earlier generated position
+            (``-1`` past a request's own ``T_r - 1`` positions).
         page_table_host, baseline_page_table_host: int32 copies of the tables.
     """
 
@@ -138,6 +143,11 @@ class BenchWorkload:
         return self.prompt_lens_host // self.shape.page_size
 
     @property
+    def tail_lens_host(self) -> np.ndarray:
+        """``[R]`` int64: ``T_r = L_r - P_r``, each request's generated tokens, this step's included."""
+        return self.kv_lens_host - self.prompt_lens_host
+
+    @property
     def seq_pages(self) -> np.ndarray:
         """``[R]``: ``ceil(L_r / Pg)``, the page columns a beam of request ``r`` uses."""
         return _cdiv(self.kv_lens_host, self.shape.page_size)
@@ -154,6 +164,29 @@ def draw_prompt_lens(shape: BenchShape, rng: np.random.Generator) -> np.ndarray:
     lo = max(1, int(round(shape.prompt * (1 - shape.prompt_jitter))))
     hi = max(lo, int(round(shape.prompt * (1 + shape.prompt_jitter))))
     return rng.integers(lo, hi + 1, size=shape.requests).astype(np.int64)
+
+
+def draw_tail_lens(shape: BenchShape, rng: np.random.Generator) -> np.ndarray:
+    """``[R]`` int64 tails: all ``T``, or uniform in ``[max(1, round(T(1-j))), T]`` with ``j = tail_jitter``."""
+    if shape.shortest_tail >= shape.tail:
+        return np.full(shape.requests, shape.tail, dtype=np.int64)
+    return rng.integers(shape.shortest_tail, shape.tail + 1, size=shape.requests).astype(np.int64)
+
+
+def ragged_ancestry(parents: np.ndarray, tail_lens: np.ndarray) -> np.ndarray:
+    """``[R, W, max(T_r) - 1]`` int32 source beams when request ``r`` has run ``T_r - 1`` steps.
+
+    Request ``r`` took the first ``T_r - 1`` steps of ``parents`` (``[G, R, W]``), so its ancestry
+    is computed from those alone (a shorter search ends with other survivors); positions past
+    its tail hold ``-1``.
+    """
+    G, R, W = parents.shape
+    anc = np.full((R, W, G), -1, dtype=np.int32)
+    for t in np.unique(tail_lens):
+        reqs = np.flatnonzero(tail_lens == t)
+        if t > 1:
+            anc[reqs, :, : t - 1] = ancestry_from_parents(parents[: t - 1][:, reqs])
+    return anc
 
 
 def draw_parents(num_requests: int, beam_width: int, num_generated: int, rng: np.random.Generator) -> np.ndarray:
@@ -250,7 +283,7 @@ def build_workload(
     Args:
         shape: the benchmark shape.
         device: where the tensors live.
-        seed: seeds the layout (page permutation, prompt jitter, ancestry) and the data.
+        seed: seeds the layout (page permutation, prompt and tail jitter, ancestry) and the data.
         kv_layout: ``"HND"`` (TensorRT-LLM's) or ``"NHD"``.
         with_baseline_pages: also materialise per-beam pages for page-list baselines.
         spare_pages: pool pages no table references (random data).
@@ -269,7 +302,8 @@ def build_workload(
     Hq, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
 
     prompt_lens = draw_prompt_lens(shape, rng)
-    kv_lens = prompt_lens + T
+    tail_lens = draw_tail_lens(shape, rng)  # draws nothing without tail jitter: the same seeds, the same steps
+    kv_lens = prompt_lens + tail_lens
     # Capacity one page beyond the longest sequence, as a cache sized for max_seq_len would have.
     max_pages = int(_cdiv(kv_lens.max(), Pg)) + 1
     max_seq_len = max_pages * Pg
@@ -279,7 +313,7 @@ def build_workload(
     num_pages = pages_used + int(spare_pages)
 
     table, base_table = _page_tables(prompt_lens, kv_lens, W, Pg, max_pages, num_pages, with_baseline_pages, rng)
-    ancestry = beam_search_ancestry(R, W, T - 1, rng)
+    ancestry = ragged_ancestry(draw_parents(R, W, T - 1, rng), tail_lens)
 
     pool_shape = (num_pages, 2, Hkv, Pg, D) if kv_layout == "HND" else (num_pages, 2, Pg, Hkv, D)
     kv_cache = _randn(pool_shape, dtype, device, gen)
@@ -293,10 +327,10 @@ def build_workload(
     pos = torch.arange(max_seq_len, device=device)
     ind.masked_fill_((pos[None, :] < plen_dev[:, None])[:, None, :], 0)
     if T > 1:
-        r_idx = torch.arange(R, device=device)[:, None, None]
-        b_idx = torch.arange(W, device=device)[None, :, None]
-        t_idx = plen_dev[:, None, None] + torch.arange(T - 1, device=device)[None, None, :]
-        ind[r_idx, b_idx, t_idx] = torch.from_numpy(ancestry).to(device)
+        # Only a request's own earlier positions: its current one and later stay random.
+        r_idx, b_idx, g_idx = (torch.from_numpy(a).to(device) for a in np.nonzero(ancestry >= 0))
+        anc_dev = torch.from_numpy(ancestry).to(device)
+        ind[r_idx, b_idx, plen_dev[r_idx] + g_idx] = anc_dev[r_idx, b_idx, g_idx]
 
     rows_req = np.repeat(np.arange(R), W)
     # Planner input: beam 0's whole page list per request (prompt pages first, then its private ones).

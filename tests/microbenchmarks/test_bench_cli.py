@@ -142,7 +142,8 @@ def test_module_entry_point_lists_presets(capsys):
     assert "A: 128x96 P3000 T3 16/8 D128 Pg32 bf16" in capsys.readouterr().out
 
 
-def test_run_point_triton_arms(device):
+@pytest.mark.parametrize("requests,tail,tail_jitter", [(2, 5, 0.0), (3, 9, 1.0)])  # one tail; tails 1-9
+def test_run_point_triton_arms(device, requests, tail, tail_jitter):
     """The library with the fused Triton tail and the tail stage alone, through the benchmark's check.
 
     On CPU the kernel runs under TRITON_INTERPRET=1 (set by conftest); a tiny shape keeps it fast.
@@ -151,8 +152,12 @@ def test_run_point_triton_arms(device):
     from microbenchmarks.arms import LibraryArm, PrefixStageArm, TailStageArm
     from microbenchmarks.runner import Rates, RunOptions, run_point
     from microbenchmarks.shapes import BenchShape
+    from microbenchmarks.workload import build_workload
 
-    shape = BenchShape(requests=2, beams=3, prompt=37, tail=5, heads=4, kv_heads=2, head_dim=64, page_size=16)
+    shape = BenchShape(requests=requests, beams=3, prompt=37, tail=tail, heads=4, kv_heads=2, head_dim=64,
+                       page_size=16, tail_jitter=tail_jitter)
+    if tail_jitter:  # both input sets (seeds 0 and 1) must really mix tails
+        assert all(len(set(build_workload(shape, seed=s).tail_lens_host)) > 1 for s in (0, 1))
     point = run_point(shape, [LibraryArm("reference"), TailStageArm("triton"), PrefixStageArm("reference"),
                               LibraryArm("triton"), PrefixStageArm("triton"), PrefixStageArm("no-such-backend")],
                       RunOptions(sets=2, iters=1, warmup=0, plan_repeats=2), Rates(), device)
@@ -161,7 +166,7 @@ def test_run_point_triton_arms(device):
         assert status[name] == ("ok", None), (name, status[name])
     assert status["prefix/no-such-backend"][0] == "skipped" and "no prefix backend" in status["prefix/no-such-backend"][1]
     for a in point["arms"][:5]:
-        assert a["check"]["ok"] and a["check"]["rows_checked"] == 2 * 6
+        assert a["check"]["ok"] and a["check"]["rows_checked"] == 2 * requests * 3
     assert point["arms"][3]["info"]["backend"] == "triton"
 
 

@@ -70,6 +70,34 @@ def test_distinct_tail_entries_against_a_set():
     brute = len({(r, int(anc[r, b, g]), g) for r, b, g in itertools.product(range(4), range(5), range(7))})
     assert distinct_tail_entries(anc) == brute
     assert distinct_tail_entries(np.zeros((3, 4, 0), dtype=np.int32)) == 0
+    ragged = anc.copy()
+    ragged[1, :, 2:] = -1  # request 1 has generated 2 earlier tokens, request 3 none
+    ragged[3] = -1
+    brute = len({(r, int(ragged[r, b, g]), g) for r, b, g in itertools.product(range(4), range(5), range(7))
+                 if ragged[r, b, g] >= 0})
+    assert distinct_tail_entries(ragged) == brute
+
+
+def test_ragged_tails_move_what_their_requests_move_alone():
+    """A batch of per-request tails (in-flight batching) costs the sum of its requests as batches of one."""
+    wl = build_workload(BenchShape(requests=5, beams=4, prompt=30, tail=12, heads=4, kv_heads=2, head_dim=16,
+                                   page_size=8, prompt_jitter=0.5, tail_jitter=1.0), seed=4)
+    tails = wl.tail_lens_host
+    assert len(np.unique(tails)) > 1
+    args = (4, 4, 2, 16, 8, 2)
+    batch = count_traffic(wl.prompt_lens_host, tails, *args, wl.tail_ancestry)
+    alone = [count_traffic(wl.prompt_lens_host[r:r + 1], int(tails[r]), *args, wl.tail_ancestry[r:r + 1, :, :tails[r] - 1])
+             for r in range(5)]
+    for term in ("prompt_kv", "tail_kv", "tail_kv_per_beam", "new_kv", "q", "out"):
+        assert getattr(batch, term) == sum(getattr(a, term) for a in alone), term
+    # Metadata too, but one indptr of R + 1 entries is shared, not R of 2 entries.
+    assert batch.metadata == sum(a.metadata for a in alone) - 4 * (5 - 1)
+    assert count_flops(wl.prompt_lens_host, tails, 4, 4, 16) == sum(
+        count_flops(wl.prompt_lens_host[r:r + 1], int(tails[r]), 4, 4, 16) for r in range(5))
+    flops = count_flops(wl.prompt_lens_host, tails, 4, 4, 16)
+    assert stage_work("tail", batch, flops, wl.prompt_lens_host, tails, 4, 4, 16, 8)["flops"] == sum(
+        stage_work("tail", a, 0, wl.prompt_lens_host[r:r + 1], int(tails[r]), 4, 4, 16, 8)["flops"]
+        for r, a in enumerate(alone))
 
 
 def test_traffic_of_a_built_workload_is_bounded_by_per_beam_reads():

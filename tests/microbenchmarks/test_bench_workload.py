@@ -12,6 +12,7 @@ from microbenchmarks.workload import (
     LayoutError,
     ancestry_from_parents,
     build_workload,
+    ragged_ancestry,
     select_requests,
     validate_layout,
 )
@@ -44,6 +45,7 @@ def attend_page_lists(wl, indptr, indices, rows):
         (small(prompt_jitter=0.5, tail=11), "NHD"),  # ragged prompts, tails crossing pages
         (small(prompt=32, tail=1), "HND"),  # prompt fills its last page; tail = this step's token only
         (small(prompt=5, beams=3, heads=6, kv_heads=2), "HND"),  # prompt shorter than a page, group 3
+        (small(requests=6, tail=13, tail_jitter=1.0), "HND"),  # ragged tails (in-flight batching), 1 to 13
     ],
 )
 def test_layout_follows_trtllm_rules_and_baselines_compute_the_oracle(shape, layout):
@@ -56,13 +58,18 @@ def test_layout_follows_trtllm_rules_and_baselines_compute_the_oracle(shape, lay
     lib_private = set(wl.page_table_host[wl.page_table_host < wl.num_pages].tolist())
     base_private = {int(p) for p in np.unique(wl.baseline_page_table_host[wl.baseline_page_table_host < wl.num_pages])}
     assert len(lib_private & base_private) == counts["shared_pages"]  # only the shared prompt pages overlap
-    assert (wl.kv_lens.cpu().numpy() == np.repeat(wl.prompt_lens_host + shape.tail, W)).all()
-    # Prompt positions map to beam 0; earlier tail positions hold the simulated ancestry.
+    tails = wl.tail_lens_host
+    assert ((tails >= shape.shortest_tail) & (tails <= shape.tail)).all()
+    if shape.tail_jitter:
+        assert len(np.unique(tails)) > 1, tails  # the case must really be ragged
+    assert (wl.kv_lens.cpu().numpy() == np.repeat(wl.prompt_lens_host + tails, W)).all()
+    # Prompt positions map to beam 0; a request's earlier tail positions hold its simulated ancestry.
     ind = wl.cache_indirection.cpu().numpy()
     for r in range(shape.requests):
-        P = wl.prompt_lens_host[r]
+        P, T = wl.prompt_lens_host[r], tails[r]
         assert (ind[r, :, :P] == 0).all()
-        assert (ind[r, :, P:P + shape.tail - 1] == wl.tail_ancestry[r]).all()
+        assert (ind[r, :, P:P + T - 1] == wl.tail_ancestry[r, :, :T - 1]).all()
+        assert (wl.tail_ancestry[r, :, T - 1:] == -1).all()
 
     rows = torch.arange(wl.num_rows)
     oracle = reference_beam_attention(wl.q, wl.kv_cache, wl.beam_page_table, wl.kv_lens, wl.prompt_lens,
@@ -128,17 +135,23 @@ def test_validate_layout_catches_broken_sharing_and_privacy():
 
 
 def test_ancestry_matches_a_forward_beam_search():
-    """The backward composition equals the simulator's forward rule (reorder history, then write)."""
+    """The backward composition equals the simulator's forward rule (reorder history, then write),
+    also when each request has run its own number of steps (ragged tails: ``-1`` past them)."""
     rng = np.random.default_rng(0)
-    G, R, W = 6, 3, 5
+    G, R, W = 6, 4, 5
     parents = rng.integers(0, W, size=(G, R, W))
-    anc = ancestry_from_parents(parents)
+    tail_lens = np.array([G + 1, 1, 3, G + 1])  # T_r = steps run + this step's token
+    full, ragged = ancestry_from_parents(parents), ragged_ancestry(parents, tail_lens)
     for r in range(R):
+        steps = int(tail_lens[r]) - 1
         hist = np.zeros((W, 0), dtype=np.int64)
         for g in range(G):
             hist = np.concatenate([hist, np.arange(W)[:, None]], axis=1)  # beam b writes position g
             hist = hist[parents[g, r]]  # new beam b inherits its parent's whole history
-        assert (anc[r] == hist).all()
+            if g + 1 == steps:
+                assert (ragged[r, :, :steps] == hist).all()
+        assert (full[r] == hist).all()
+        assert (ragged[r, :, steps:] == -1).all()
 
 
 def test_select_requests_is_a_valid_sub_batch():
