@@ -10,7 +10,7 @@ JSON document (``schema = "beam-shared-prefix-bench/1"``)::
       "options": {...},                     # RunOptions
       "note": str or null,                  # e.g. why the CPU path ran
       "results": [                          # one per shape point (several with --sweep)
-        {"shape": {...}, "label", "sets", "prompt_lens", "traffic_bytes": {...}, "flops",
+        {"shape": {...}, "label", "sets", "prompt_lens", "tail_lens", "traffic_bytes": {...}, "flops",
          "floors": {"memory_us", "assembled_memory_us", "compute_us", "floor_us", "assembled_floor_us"},
          "work": {"full"|"prefix"|"tail": {"bytes", "flops", "floor_us"}},
          "decline_reason": str or null,

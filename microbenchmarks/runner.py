@@ -277,12 +277,13 @@ def run_point(
         arm_results.append(res)
 
     _derive(arm_results, works)
-    plens = wls[0].prompt_lens_host
+    plens, tlens = wls[0].prompt_lens_host, wls[0].tail_lens_host
     return {
         "shape": shape.to_dict(),
         "label": shape.label(),
         "sets": sets,
         "prompt_lens": {"mean": float(plens.mean()), "min": int(plens.min()), "max": int(plens.max())},
+        "tail_lens": {"mean": float(tlens.mean()), "min": int(tlens.min()), "max": int(tlens.max())},
         "traffic_bytes": traffic.to_dict(),
         "flops": flops,
         "floors": floors,

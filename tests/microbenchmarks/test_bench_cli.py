@@ -168,6 +168,7 @@ def test_run_point_triton_arms(device, requests, tail, tail_jitter):
     for a in point["arms"][:5]:
         assert a["check"]["ok"] and a["check"]["rows_checked"] == 2 * requests * 3
     assert point["arms"][3]["info"]["backend"] == "triton"
+    assert point["tail_lens"]["max"] == tail and (point["tail_lens"]["min"] < tail) == bool(tail_jitter)
 
 
 def test_arm_list_names():
