@@ -70,8 +70,8 @@ class BenchShape:
         dtype: ``"bfloat16"`` or ``"float16"``.
         prompt_jitter: prompts are drawn uniformly from ``[P(1-j), P(1+j)]`` per request (0: all ``P``).
         tail_jitter: tails are drawn uniformly from ``[max(1, round(T(1-j))), T]`` per request (0: all
-            ``T``), as in-flight batching mixes requests at different decode steps; ``T`` stays the
-            longest tail, the one the decline rule judges.
+            ``T``), as in-flight batching mixes requests at different decode steps; one request keeps
+            ``T``, so ``T`` is the step's longest tail, the one the decline rule judges.
         name: preset name, or ``"custom"``.
     """
 

@@ -167,10 +167,13 @@ def draw_prompt_lens(shape: BenchShape, rng: np.random.Generator) -> np.ndarray:
 
 
 def draw_tail_lens(shape: BenchShape, rng: np.random.Generator) -> np.ndarray:
-    """``[R]`` int64 tails: all ``T``, or uniform in ``[max(1, round(T(1-j))), T]`` with ``j = tail_jitter``."""
+    """``[R]`` int64 tails: all ``T``, or uniform in ``[max(1, round(T(1-j))), T]`` with ``j = tail_jitter``,
+    one request (drawn) at ``T``, so that ``T`` is always the step's longest tail (the one the rule judges)."""
     if shape.shortest_tail >= shape.tail:
         return np.full(shape.requests, shape.tail, dtype=np.int64)
-    return rng.integers(shape.shortest_tail, shape.tail + 1, size=shape.requests).astype(np.int64)
+    tails = rng.integers(shape.shortest_tail, shape.tail + 1, size=shape.requests).astype(np.int64)
+    tails[rng.integers(shape.requests)] = shape.tail
+    return tails
 
 
 def ragged_ancestry(parents: np.ndarray, tail_lens: np.ndarray) -> np.ndarray:

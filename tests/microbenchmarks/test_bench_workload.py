@@ -59,7 +59,7 @@ def test_layout_follows_trtllm_rules_and_baselines_compute_the_oracle(shape, lay
     base_private = {int(p) for p in np.unique(wl.baseline_page_table_host[wl.baseline_page_table_host < wl.num_pages])}
     assert len(lib_private & base_private) == counts["shared_pages"]  # only the shared prompt pages overlap
     tails = wl.tail_lens_host
-    assert ((tails >= shape.shortest_tail) & (tails <= shape.tail)).all()
+    assert ((tails >= shape.shortest_tail) & (tails <= shape.tail)).all() and tails.max() == shape.tail
     if shape.tail_jitter:
         assert len(np.unique(tails)) > 1, tails  # the case must really be ragged
     assert (wl.kv_lens.cpu().numpy() == np.repeat(wl.prompt_lens_host + tails, W)).all()
