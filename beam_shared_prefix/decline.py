@@ -327,9 +327,11 @@ TAIL_MIN_PROMPT_PER_TOKEN = (
     (12, 0, 16), (12, 256, 10), (12, 1024, 4),
 )
 #: The same with fewer than 8 KV heads (or unknown), where per-beam decode is cheap and the library has few
-#: programs: 2-11 beams lost at 62.5 (MQA 8/1, 64 x 8 x 4,000 at 64 tokens: 1.06x), 12 and more at 7.8
-#: (16/2 at head 64, 64 x 24 x 1,000 at 128: 1.08x; 32 x 64 x 300 at 64: 0.89x). Any rows (twenty-first round).
-TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = ((2, 0, 200), (12, 0, 25))
+#: programs. From 512 rows (twenty-first round): 2-11 beams lost at 62.5 (MQA 8/1, 64 x 8 x 4,000 at 64
+#: tokens: 1.06x), 12 and more at 7.8 (16/2 at head 64, 64 x 24 x 1,000 at 128: 1.08x; 32 x 64 x 300 at 64:
+#: 0.89x). Under 512 rows (twenty-third round, ``tail_auto_check_round23_mqa.json``): 2-11 beams lost at 250
+#: (MQA 16 x 8 x 4,000 at 16 tokens: 1.03x), 12 and more at 62.5 (16 x 30 x 1,000 at 16: 1.09x).
+TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = ((2, 0, 500), (2, 512, 200), (12, 0, 125), (12, 512, 25))
 # From this many KV heads the tail takes TAIL_MIN_PROMPT_PER_TOKEN, below it (or unknown) the other table.
 _TAIL_MANY_KV_HEADS = 8
 
