@@ -218,7 +218,8 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "FEW_ROWS_MIN_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
            "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
-           "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS", "max_tail_len",
+           "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS",
+           "TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD", "max_tail_len",
            "tail_decline_reason"]
 
 #: Beam search proper: with one beam nothing is shared.
@@ -326,13 +327,14 @@ TAIL_MIN_PROMPT_PER_TOKEN = (
     (8, 0, 63), (8, 256, 32), (8, 512, 16),
     (12, 0, 16), (12, 256, 10), (12, 1024, 4),
 )
-#: The same with fewer than 8 KV heads (or unknown), where per-beam decode is cheap and the library has few
-#: programs. From 512 rows (twenty-first round): 2-11 beams lost at 62.5 (MQA 8/1, 64 x 8 x 4,000 at 64
-#: tokens: 1.06x), 12 and more at 7.8 (16/2 at head 64, 64 x 24 x 1,000 at 128: 1.08x; 32 x 64 x 300 at 64:
-#: 0.89x). Under 512 rows (twenty-third round, ``tail_auto_check_round23_mqa.json``): 2-11 beams lost at 250
-#: (MQA 16 x 8 x 4,000 at 16 tokens: 1.03x), 12 and more at 62.5 (16 x 30 x 1,000 at 16: 1.09x).
-TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = ((2, 0, 500), (2, 512, 200), (12, 0, 125), (12, 512, 25))
-# From this many KV heads the tail takes TAIL_MIN_PROMPT_PER_TOKEN, below it (or unknown) the other table.
+#: The same with 2-7 KV heads, where per-beam decode is cheap and the library has few programs (twenty-third
+#: round; the losses are in the module docstring). Two to seven beams were not measured there and keep the
+#: width-only value of the twenty-first round.
+TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = ((2, 0, 200), (8, 0, 125), (8, 512, 20), (12, 0, 125), (12, 256, 16))
+#: The same with one KV head (MQA) or an unknown count: MQA's per-beam decode is the cheapest of all (one
+#: KV head read by all of its query heads), so the library needs the most prompt per tail token there.
+TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 500), (2, 512, 200), (12, 0, 500), (12, 512, 32))
+# From this many KV heads the tail takes TAIL_MIN_PROMPT_PER_TOKEN, below it the tables above.
 _TAIL_MANY_KV_HEADS = 8
 
 
@@ -447,13 +449,16 @@ def narrow_beams_min_prompt(beam_width: int, num_kv_heads: Optional[int]) -> Opt
     return _table_value(NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT, beam_width)
 
 
-def _tail_few_kv_heads(num_kv_heads: Optional[int]) -> bool:
-    return num_kv_heads is None or int(num_kv_heads) < _TAIL_MANY_KV_HEADS
+def _tail_table(num_kv_heads: Optional[int]):
+    """The tail table for ``num_kv_heads`` (``None``: judged as one KV head, the strictest)."""
+    if num_kv_heads is None or int(num_kv_heads) <= 1:
+        return TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD
+    return TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS if int(num_kv_heads) < _TAIL_MANY_KV_HEADS else TAIL_MIN_PROMPT_PER_TOKEN
 
 
 def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int],
                            num_requests: Optional[int]) -> Optional[int]:
-    table = TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS if _tail_few_kv_heads(num_kv_heads) else TAIL_MIN_PROMPT_PER_TOKEN
+    table = _tail_table(num_kv_heads)
     w = int(beam_width)
     return _table_value(table, w, 0 if num_requests is None else int(num_requests) * w)
 
@@ -462,8 +467,8 @@ def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int]
                  num_requests: Optional[int] = None) -> float:
     """The longest tail (generated tokens per beam, this step's included) served with this beam width,
     mean prompt, KV head count and request count (``None``: judged as the fewest rows): ``max(TAIL_MEASURED_LEN,
-    prompt_len / prompt tokens per tail token)`` (:data:`TAIL_MIN_PROMPT_PER_TOKEN`, or ``..._FEW_KV_HEADS``
-    below 8 KV heads), in tokens."""
+    prompt_len / prompt tokens per tail token)`` (:data:`TAIL_MIN_PROMPT_PER_TOKEN`; ``..._FEW_KV_HEADS`` at
+    2-7 KV heads, ``..._ONE_KV_HEAD`` at one or an unknown count), in tokens."""
     return _tail_limit(prompt_len, _tail_prompt_per_token(beam_width, num_kv_heads, num_requests))
 
 
@@ -476,7 +481,7 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
     """The long-tail clause of :func:`should_decline` alone: the reason to leave a step whose beams have
     generated ``tail_len`` tokens (the longest request's, this step's included) over a mean prompt of ``prompt_len``
     tokens to per-beam decode, or ``None``. ``beam_width``, ``prompt_len`` or ``tail_len`` ``None``
-    (unknown): ``None``; ``num_kv_heads`` ``None``: judged as fewer than 8; ``num_requests`` ``None``: as
+    (unknown): ``None``; ``num_kv_heads`` ``None``: judged as one KV head; ``num_requests`` ``None``: as
     the fewest rows."""
     if beam_width is None or prompt_len is None or tail_len is None:
         return None
@@ -484,7 +489,7 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
     limit = _tail_limit(prompt_len, per_token)
     if float(tail_len) <= limit:
         return None
-    heads = f"fewer than {_TAIL_MANY_KV_HEADS}" if _tail_few_kv_heads(num_kv_heads) else num_kv_heads
+    heads = "1 (or unknown)" if num_kv_heads is None else int(num_kv_heads)
     rows = "" if num_requests is None else f" and {int(num_requests) * int(beam_width)} beam rows"
     return (
         f"tail {float(tail_len):.0f} generated tokens per beam > {limit:.0f} (beam width {int(beam_width)}{rows} "

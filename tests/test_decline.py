@@ -375,10 +375,13 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
     (16, 30, 2000, 8, 10, 200),   # 256-1,023 rows: the worst loss 4.7 (GQA 64/8, 32 x 12 x 300 at 64: 0.72x)
     (64, 30, 500, 8, 4, 125),     # 64 x 30 x 500: 2.46x at 128 tokens; 0.90x at 256 (GQA 32/8)
     (128, 96, 500, 16, 4, 125),   # 12,288 rows at 16 KV heads
-    # fewer: prompt / 200 and prompt / 25, any rows
+    # fewer (twenty-third round): MQA from 512 rows, prompt / 200 (2-11 beams) and / 32
     (128, 4, 2000, 1, 200, 10),   # MQA 128 x 4 x 2,000: 1.22x at 16 tokens, 1.00x at 32
-    (128, 64, 500, 1, 25, 20),    # MQA 128 x 64 x 500: 1.65x at 32, 0.55x at 128
-    (32, 64, 1000, 2, 25, 40),    # 16/2 at head 64, 32 x 64 x 1,000: 1.37x at 64, 0.45x at 256
+    (128, 64, 500, 1, 32, 15),    # MQA 128 x 64 x 500: 1.65x at 32, 0.55x at 128
+    (64, 30, 1000, 1, 32, 31),    # MQA 64 x 30 x 1,000: 2.48x at 16, 1.08x at 64
+    # 2-7 KV heads: 8-11 beams from 512 rows / 20, 12 and more from 256 rows / 16
+    (64, 8, 1000, 2, 20, 50),     # 16/2 at head 64, 64 x 8 x 1,000: 1.13x at 32, 0.45x at 128
+    (32, 64, 1000, 2, 16, 62),    # 16/2 at head 64, 32 x 64 x 1,000: 1.37x at 64, 0.45x at 256
 ])
 def test_long_tails_need_long_prompts(requests, beams, prompt, kv_heads, per_token, longest_served):
     """Every path reads each beam's generated tokens a short block at a time, so past the measured 4-token
@@ -397,7 +400,33 @@ def test_long_tails_need_long_prompts(requests, beams, prompt, kv_heads, per_tok
     assert tail_decline_reason(beams, prompt, None, kv_heads, requests) is None
     too_long = longest_served + 1
     assert tail_decline_reason(beams, prompt, too_long, kv_heads, requests) == should_decline(*shape, tail_len=too_long)
-    # An unknown KV head count is judged as few, an unknown request count as the fewest rows.
+    # An unknown KV head count is judged as one, an unknown request count as the fewest rows.
     assert max_tail_len(beams, prompt, None, requests) == max_tail_len(beams, prompt, 1, requests)
     assert max_tail_len(beams, prompt, kv_heads) == max_tail_len(beams, prompt, kv_heads, 0)
     assert max_tail_len(beams, prompt, kv_heads) <= max_tail_len(beams, prompt, kv_heads, requests)
+
+
+@pytest.mark.parametrize("requests,beams,prompt,kv_heads,per_token,loss", [
+    # one KV head (MQA) under 512 rows: prompt / 500 at every width
+    (16, 8, 4000, 1, 500, "16 x 8 x 4,000 at 16 tokens: 1.03x"),
+    (4, 16, 8000, 1, 500, "4 x 16 x 8,000 at 32 tokens: 0.82x"),
+    (16, 16, 2000, 1, 500, "16 x 16 x 2,000 at 8 tokens: 1.06x"),
+    # 2-7 KV heads: 2-7 beams keep the twenty-first round's 200; 8-11 under 512 rows and 12+ under 256: 125
+    (64, 4, 2000, 4, 200, "not measured"),
+    (4, 8, 8000, 4, 125, "GQA 16/4, 4 x 8 x 8,000 at 128 tokens: 0.61x"),
+    (4, 16, 2000, 4, 125, "GQA 16/4, 4 x 16 x 2,000 at 32 tokens: 0.89x"),
+    (16, 24, 1000, 2, 16, "16/2 at head 64, 64 x 24 x 1,000 at 128 tokens: 1.08x, from 256 rows"),
+])
+def test_long_tails_at_few_kv_heads(requests, beams, prompt, kv_heads, per_token, loss):
+    """Below 8 KV heads the tail clause has two tables (twenty-third round): one KV head (MQA, and an unknown
+    count), where per-beam decode is cheapest, and 2-7 KV heads, each by beam width and beam rows. The
+    twenty-first round's width-only table (prompt / 200 and / 25) served 12 points of the twenty-third
+    round's grids under the margin, all at fewer than 512 rows (0.32x-1.09x)."""
+    assert max_tail_len(beams, prompt, kv_heads, requests) == pytest.approx(max(4, prompt / per_token)), loss
+    longest = int(max(4, prompt / per_token))
+    assert tail_decline_reason(beams, prompt, longest, kv_heads, requests) is None
+    reason = tail_decline_reason(beams, prompt, longest + 1, kv_heads, requests)
+    assert f"with {kv_heads} KV heads needs {per_token} prompt tokens" in reason, reason
+    # An unknown KV head count is judged as one, the strictest table.
+    assert max_tail_len(beams, prompt, None, requests) == max_tail_len(beams, prompt, 1, requests) <= max_tail_len(
+        beams, prompt, kv_heads, requests)
