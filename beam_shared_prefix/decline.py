@@ -328,9 +328,13 @@ TAIL_MIN_PROMPT_PER_TOKEN = (
     (12, 0, 16), (12, 256, 10), (12, 1024, 4),
 )
 #: The same with 2-7 KV heads, where per-beam decode is cheap and the library has few programs (twenty-third
-#: round; the losses are in the module docstring). Two to seven beams were not measured there and keep the
-#: width-only value of the twenty-first round.
-TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = ((2, 0, 200), (8, 0, 125), (8, 512, 20), (12, 0, 125), (12, 256, 16))
+#: round; the losses are in the module docstring). Two to seven beams were not measured there: the widest
+#: band's value under 128 rows, the twenty-first round's width-only value from there.
+TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = (
+    (2, 0, 250), (2, 128, 200),
+    (8, 0, 250), (8, 128, 63), (8, 512, 20),
+    (12, 0, 250), (12, 128, 32), (12, 512, 16),
+)
 #: The same with one KV head (MQA) or an unknown count: MQA's per-beam decode is the cheapest of all (one
 #: KV head read by all of its query heads), so the library needs the most prompt per tail token there.
 TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 500), (2, 512, 200), (12, 0, 500), (12, 512, 32))

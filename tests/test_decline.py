@@ -379,7 +379,7 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
     (128, 4, 2000, 1, 200, 10),   # MQA 128 x 4 x 2,000: 1.22x at 16 tokens, 1.00x at 32
     (128, 64, 500, 1, 32, 15),    # MQA 128 x 64 x 500: 1.65x at 32, 0.55x at 128
     (64, 30, 1000, 1, 32, 31),    # MQA 64 x 30 x 1,000: 2.48x at 16, 1.08x at 64
-    # 2-7 KV heads: 8-11 beams from 512 rows / 20, 12 and more from 256 rows / 16
+    # 2-7 KV heads: 8-11 beams from 512 rows / 20, 12 and more from 512 rows / 16
     (64, 8, 1000, 2, 20, 50),     # 16/2 at head 64, 64 x 8 x 1,000: 1.13x at 32, 0.45x at 128
     (32, 64, 1000, 2, 16, 62),    # 16/2 at head 64, 32 x 64 x 1,000: 1.37x at 64, 0.45x at 256
 ])
@@ -411,11 +411,16 @@ def test_long_tails_need_long_prompts(requests, beams, prompt, kv_heads, per_tok
     (16, 8, 4000, 1, 500, "16 x 8 x 4,000 at 16 tokens: 1.03x"),
     (4, 16, 8000, 1, 500, "4 x 16 x 8,000 at 32 tokens: 0.82x"),
     (16, 16, 2000, 1, 500, "16 x 16 x 2,000 at 8 tokens: 1.06x"),
-    # 2-7 KV heads: 2-7 beams keep the twenty-first round's 200; 8-11 under 512 rows and 12+ under 256: 125
+    # 2-7 KV heads: under 128 rows prompt / 250 at every width (losses at 125 on FlashInfer's split prompt)
+    (8, 8, 6000, 2, 250, "16/2, 8 x 8 x 6,000 at 48 tokens: 0.78x"),
+    (2, 24, 6000, 2, 250, "16/2, 2 x 24 x 6,000 at 48 tokens: 0.80x"),
+    (4, 16, 2000, 4, 250, "GQA 16/4, 4 x 16 x 2,000 at 32 tokens: 0.89x"),
+    # from 128 rows: 2-7 beams 200 (not measured), 8-11 beams 63 and from 512 rows 20, 12 and more 32 and 16
     (64, 4, 2000, 4, 200, "not measured"),
-    (4, 8, 8000, 4, 125, "GQA 16/4, 4 x 8 x 8,000 at 128 tokens: 0.61x"),
-    (4, 16, 2000, 4, 125, "GQA 16/4, 4 x 16 x 2,000 at 32 tokens: 0.89x"),
-    (16, 24, 1000, 2, 16, "16/2 at head 64, 64 x 24 x 1,000 at 128 tokens: 1.08x, from 256 rows"),
+    (32, 8, 1500, 2, 63, "16/2, 32 x 8 x 1,500 at 48 tokens: 0.82x"),
+    (64, 8, 1000, 2, 20, "16/2 at head 64, 64 x 8 x 300 at 32 tokens: 0.84x"),
+    (16, 24, 1000, 2, 32, "GQA 16/4, 4 x 30 x 2,000 at 128 tokens (120 rows, below the band): 0.69x"),
+    (64, 24, 1000, 2, 16, "16/2 at head 64, 64 x 24 x 1,000 at 128 tokens: 1.08x"),
 ])
 def test_long_tails_at_few_kv_heads(requests, beams, prompt, kv_heads, per_token, loss):
     """Below 8 KV heads the tail clause has two tables (twenty-third round): one KV head (MQA, and an unknown
