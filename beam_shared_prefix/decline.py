@@ -337,7 +337,7 @@ TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = (
 )
 #: The same with one KV head (MQA) or an unknown count: MQA's per-beam decode is the cheapest of all (one
 #: KV head read by all of its query heads), so the library needs the most prompt per tail token there.
-TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 500), (2, 512, 200), (12, 0, 500), (12, 512, 32))
+TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 1000), (2, 512, 200), (12, 0, 1000), (12, 512, 32))
 # From this many KV heads the tail takes TAIL_MIN_PROMPT_PER_TOKEN, below it the tables above.
 _TAIL_MANY_KV_HEADS = 8
 
