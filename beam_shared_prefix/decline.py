@@ -331,9 +331,9 @@ TAIL_MIN_PROMPT_PER_TOKEN = (
 #: round; the losses are in the module docstring). Two to seven beams were not measured there: the widest
 #: band's value under 128 rows, the twenty-first round's width-only value from there.
 TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = (
-    (2, 0, 250), (2, 128, 200),
-    (8, 0, 250), (8, 128, 63), (8, 512, 20),
-    (12, 0, 250), (12, 128, 32), (12, 512, 16),
+    (2, 0, 500), (2, 128, 200),
+    (8, 0, 500), (8, 128, 63), (8, 512, 20),
+    (12, 0, 500), (12, 128, 32), (12, 512, 16),
 )
 #: The same with one KV head (MQA) or an unknown count: MQA's per-beam decode is the cheapest of all (one
 #: KV head read by all of its query heads), so the library needs the most prompt per tail token there.
