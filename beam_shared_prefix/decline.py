@@ -184,19 +184,49 @@ few programs, so the crossover moves with the rows as much as with the width):
 | 12 and more | 256-1,023 | mean prompt / 10 | 4.7 (GQA 64/8, 32 x 12 x 300 at 64 tokens: 0.72x) |
 | 12 and more | 1,024 and more | mean prompt / 4 | 2.0 (GQA 32/8, 64 x 30 x 500 at 256 tokens: 0.90x) |
 
-With fewer KV heads (or unknown) the band is the beam width alone: mean prompt / 200 at 2-11 beams (62.5:
-MQA, 64 x 8 x 4,000 at 64 tokens, 1.06x) and / 25 from 12 (7.8: 16/2 at head 64, 64 x 24 x 1,000 at 128
-tokens, 1.08x); per-beam decode is cheap there and the library has few programs. Over those grids the
-rule serves 184 of the 333 points that pass the other clauses, the slowest 1.26x, and declines 75 that
-were faster. The grids came in three sets, and each of the first two broke the rule fitted before it
-(a formula in ``R x W / Hq`` served 8 losers on the second; one table for every KV head count served
-0.89x on the third). The rows bands were then fitted to all three and checked on a held-out set chosen
-before it ran (``tail_auto_check_round22_heldout_*.json``, 88 points at 12-100 requests of 6-40 beams,
-GQA 16/8 and 32/8): it served 43, the slowest 1.78x (the width-only table served 24, from 2.67x), and
-declined 30 winners (1.12x-2.83x) and 12 losers; a second one at head 64 and MHA 16/16 (24 points)
-served 12, from 1.30x. :func:`tail_decline_reason` is this clause alone; a CUDA graph, whose tail is
-unknown at capture, cannot hand a step over and logs it instead. The grids ran one tail per batch;
-serving judges the batch's longest, since each request's tail is walked by its own programs.
+Over the twenty-first and twenty-second rounds' grids the rule serves 184 of the 333 points that pass
+the other clauses, the slowest 1.26x, and declines 75 that were faster. The grids came in three sets,
+and each of the first two broke the rule fitted before it (a formula in ``R x W / Hq`` served 8 losers
+on the second; one table for every KV head count served 0.89x on the third). The rows bands were then
+fitted to all three and checked on a held-out set chosen before it ran
+(``tail_auto_check_round22_heldout_*.json``, 88 points at 12-100 requests of 6-40 beams, GQA 16/8 and
+32/8): it served 43, the slowest 1.78x (the width-only table served 24, from 2.67x), and declined 30
+winners (1.12x-2.83x) and 12 losers; a second one at head 64 and MHA 16/16 (24 points) served 12, from
+1.30x. :func:`tail_decline_reason` is this clause alone; a CUDA graph, whose tail is unknown at capture,
+cannot hand a step over and logs it instead.
+
+**Fewer than 8 KV heads** (twenty-third round, ``tail_auto_check_round23_*.json``). Per-beam decode is
+cheap there and the library has few programs, most of all on FlashInfer's split prompt with a handful of
+requests. The twenty-first round's width-only table (mean prompt / 200 at 2-11 beams, / 25 from 12) had
+been measured from 512 rows only; under 512 rows it served 20 of the round's points under the margin
+(0.32x-1.10x). Two tables by beam width and beam rows replace it, each at least twice the ratio of every
+loss in its band:
+
+| KV heads | beam width | beam rows | served while the tail <= | the band's loss with the most prompt per tail token |
+| --- | --- | --- | --- | --- |
+| 2-7 | any | under 128 | mean prompt / 500 | 250 (held out: GQA 40/5, 2 x 8 x 12,000 at 48 tokens, 0.90x) |
+| 2-7 | 2-7 | from 128 | mean prompt / 200 | not measured (the twenty-first round's value) |
+| 2-7 | 8-11 | 128-511 | mean prompt / 63 | 31 (16/2, 32 x 8 x 1,500 at 48 tokens, 0.82x) |
+| 2-7 | 8-11 | 512 and more | mean prompt / 20 | 9.4 (16/2 at head 64, 64 x 8 x 300 at 32 tokens, 0.84x) |
+| 2-7 | 12 and more | 128-511 | mean prompt / 32 | none (15.6 at 120 rows, just under the band: 0.69x) |
+| 2-7 | 12 and more | 512 and more | mean prompt / 16 | 7.8 (16/2 at head 64, 64 x 24 x 1,000 at 128 tokens, 1.08x) |
+| 1 (or unknown) | any | under 512 | mean prompt / 1,000 | 500 (held out: 4 x 14 x 10,000 at 20 tokens, 1.05x) |
+| 1 | 2-11 | 512 and more | mean prompt / 200 | 62.5 (64 x 8 x 4,000 at 64 tokens, 1.06x) |
+| 1 | 12 and more | 512 and more | mean prompt / 32 | 15.6 (64 x 30 x 1,000 at 64 tokens, 1.08x) |
+
+They were fitted in four steps, each checked on a set chosen before it ran, and each of the first four
+broke the table fitted before it on FlashInfer's split prompt at 16-256 rows: one table
+below 8 KV heads served 0.82x (held-out 3, 72 points), 2-7 KV heads at 125 under 512 rows served 0.78x
+(held-out 4, 80 points), MQA at 500 served 1.05x (held-out 5, 48 points), 2-7 KV heads at 250 under 128
+rows served 0.90x (held-out 6, 42 points). The final tables have no held-out check. Over every wrapper
+check (1,293 points) they serve 677, the slowest 1.13x, and decline 233 winners (1.10x-4.12x); the
+twenty-second round's tables served 725, 20 of them under the margin (0.32x-1.10x).
+
+**Mixed tails.** The grids above ran one tail per batch; serving judges a batch's longest, since each
+request's tail is walked by its own programs. Measured with tails drawn in ``[1, T]`` (one request at
+``T``; ``tail_auto_check_round23_mixed*.json``, 64 pairs): the library's time was 0.95-1.01x its time
+with every tail at ``T`` at 8-16 requests and 0.56-0.97x at 64, per-beam decode's 0.84-1.02x; every
+mixed-tail point the rule serves ran at least 1.56x faster than per-beam decode.
 
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
 the split-prompt exception), at head 64 (the cascade, and FlashInfer at GQA 2) and at head 256
