@@ -212,7 +212,6 @@ def stage_work(work: str, traffic: Traffic, flops: int, prompt_lens: np.ndarray,
     """
     prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
     R = prompt_lens.shape[0]
-    rows = R * beams
     state = traffic.prefix_state_round_trip // 2
     if work == "full":
         return {"bytes": traffic.total, "flops": flops}

@@ -86,8 +86,8 @@ def test_ragged_tails_move_what_their_requests_move_alone():
     assert len(np.unique(tails)) > 1
     args = (4, 4, 2, 16, 8, 2)
     batch = count_traffic(wl.prompt_lens_host, tails, *args, wl.tail_ancestry)
-    alone = [count_traffic(wl.prompt_lens_host[r:r + 1], int(tails[r]), *args, wl.tail_ancestry[r:r + 1, :, :tails[r] - 1])
-             for r in range(5)]
+    alone = [count_traffic(wl.prompt_lens_host[r:r + 1], int(tails[r]), *args,
+                           wl.tail_ancestry[r:r + 1, :, :tails[r] - 1]) for r in range(5)]
     for term in ("prompt_kv", "tail_kv", "tail_kv_per_beam", "new_kv", "q", "out"):
         assert getattr(batch, term) == sum(getattr(a, term) for a in alone), term
     # Metadata too, but one indptr of R + 1 entries is shared, not R of 2 entries.
