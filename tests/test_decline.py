@@ -409,14 +409,10 @@ def test_long_tails_need_long_prompts(requests, beams, prompt, kv_heads, per_tok
 
 @pytest.mark.parametrize("requests,beams,prompt,kv_heads,per_token,loss", [
     # one KV head (MQA) under 512 rows: prompt / 1,000 at every width
-    (16, 8, 4000, 1, 1000, "16 x 8 x 4,000 at 16 tokens: 1.03x"),
     (4, 16, 8000, 1, 1000, "4 x 16 x 8,000 at 32 tokens: 0.82x"),
-    (16, 16, 2000, 1, 1000, "16 x 16 x 2,000 at 8 tokens: 1.06x"),
     (4, 14, 10000, 1, 1000, "held out: 4 x 14 x 10,000 at 20 tokens: 1.05x"),
     # 2-7 KV heads: under 128 rows prompt / 500 at every width (losses at 125-250 on FlashInfer's split prompt)
     (8, 8, 6000, 2, 500, "16/2, 8 x 8 x 6,000 at 48 tokens: 0.78x"),
-    (2, 24, 6000, 2, 500, "16/2, 2 x 24 x 6,000 at 48 tokens: 0.80x"),
-    (4, 16, 2000, 4, 500, "GQA 16/4, 4 x 16 x 2,000 at 32 tokens: 0.89x"),
     (2, 8, 12000, 5, 500, "held out: GQA 40/5, 2 x 8 x 12,000 at 48 tokens: 0.90x"),
     # from 128 rows: 2-7 beams 200 (not measured), 8-11 beams 63 and from 512 rows 20, 12 and more 32 and 16
     (64, 4, 2000, 4, 200, "not measured"),
