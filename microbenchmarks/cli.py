@@ -6,6 +6,7 @@ Examples::
     beam-shared-prefix-bench --preset B-medium --sweep beams=14,30,96,256 --json sweep.json --plot sweep.png
     beam-shared-prefix-bench --requests 32 --beams 64 --prompt 1000 --tail 8 --heads 32 --kv-heads 8
     beam-shared-prefix-bench --from-json sweep.json --plot sweep.png --decline-report
+    beam-shared-prefix-bench --preset B-medium --sweep tail=4,64,256 --rule   # the rule's verdicts, no GPU
 
 Without a CUDA device the CLI says so and runs the CPU reference path (the library with the torch
 reference prefix and the torch tail, timed with ``time.perf_counter``) on a reduced shape, and
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", metavar="PATH", help="write speedup plots (PNG) against beam width / prompt length")
     o.add_argument("--from-json", metavar="PATH", action="append", default=[],
                    help="do not measure: load results written by --json (repeatable) and print/plot/merge them")
+    o.add_argument("--rule", action="store_true",
+                   help="do not measure (no GPU needed): print what the library's default does with each shape: the "
+                        "path backend auto takes, served or the decline reason, and the longest tail served there")
     o.add_argument("--decline-report", action="store_true",
                    help="print, per point, the best library speedup over per-beam decode and whether to decline")
     e = p.add_argument_group("end to end (needs tensorrt_llm)")
@@ -218,6 +222,17 @@ def _emit(doc: Dict, args, log) -> int:
     return 1 if failed or crashed else 0
 
 
+def _print_rule(shapes: Sequence[BenchShape], log) -> int:
+    """``--rule``: the library's verdict on each shape, from the decline rule alone."""
+    from .runner import rule_verdict
+
+    for s in shapes:
+        v = rule_verdict(s)
+        verdict = "serve" if v["decline_reason"] is None else f"decline: {v['decline_reason']}"
+        log(f"{s.label()}: {v['path']}, tails served up to {v['max_tail']} generated tokens -> {verdict}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``beam-shared-prefix-bench`` and ``python -m microbenchmarks``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -262,6 +277,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ShapeError as exc:
         parser.error(str(exc))
         return 2  # unreachable: parser.error exits
+    if args.rule:
+        return _print_rule(shapes, log)
 
     import torch
 

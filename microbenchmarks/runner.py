@@ -23,7 +23,7 @@ from .shapes import BenchShape
 from .timing import GraphedCall, capture_graph, time_cpu, time_cuda, time_kernels
 from .workload import BenchWorkload, build_workload
 
-__all__ = ["RunOptions", "Rates", "run_point", "estimate_workload_bytes", "decline_reason"]
+__all__ = ["RunOptions", "Rates", "run_point", "estimate_workload_bytes", "decline_reason", "rule_verdict"]
 
 
 @dataclass
@@ -79,20 +79,41 @@ def estimate_workload_bytes(shape: BenchShape, with_baseline_pages: bool = True)
     return pool + ind + act
 
 
-def decline_reason(shape: BenchShape) -> Optional[str]:
-    """What :func:`beam_shared_prefix.decline.should_decline` says of this shape (``None``: served)."""
-    try:
-        from beam_shared_prefix.decline import should_decline
-        from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
-    except ImportError:
-        return None
-    # As the library's default (backend "auto") on a GPU would judge it.
+def _auto_path(shape: BenchShape):
+    """``(one_launch, split_kv)``: the path backend ``"auto"`` takes for ``shape`` on a GPU with every
+    prefix backend installed (the cascade, FlashInfer's split prompt, or else FA4/FlashInfer + tail)."""
+    from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
+
     split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
                                  shape.head_dim)
     one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
                                                  shape.head_dim, shape.requests)
+    return one_launch, split_kv
+
+
+def decline_reason(shape: BenchShape) -> Optional[str]:
+    """What :func:`beam_shared_prefix.decline.should_decline` says of this shape (``None``: served), as the
+    library's default (backend ``"auto"``) on a GPU would judge it, at the shape's (longest) tail."""
+    try:
+        from beam_shared_prefix.decline import should_decline
+        one_launch, split_kv = _auto_path(shape)
+    except ImportError:
+        return None
     return should_decline(shape.requests, shape.beams, shape.prompt, shape.heads, shape.kv_heads, shape.head_dim,
                           one_launch=one_launch, split_kv=split_kv, tail_len=shape.tail)
+
+
+def rule_verdict(shape: BenchShape) -> Dict:
+    """What the library's default does with ``shape``, without measuring: ``path`` (``"cascade"``,
+    ``"flashinfer split prompt"`` or ``"prefix + tail kernel"``), ``decline_reason`` (``None``: served) and
+    ``max_tail`` (the longest tail, in generated tokens per beam with this step's, that the tail clause
+    serves at this shape)."""
+    from beam_shared_prefix.decline import max_tail_len
+
+    one_launch, split_kv = _auto_path(shape)
+    path = "cascade" if one_launch else "flashinfer split prompt" if split_kv else "prefix + tail kernel"
+    return {"path": path, "decline_reason": decline_reason(shape),
+            "max_tail": int(max_tail_len(shape.beams, shape.prompt, shape.kv_heads, shape.requests))}
 
 
 def _short_error(exc: BaseException) -> str:

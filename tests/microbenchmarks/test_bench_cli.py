@@ -180,3 +180,25 @@ def test_arm_list_names():
     assert {"library/auto", "library/triton", "prefix/triton"} <= {a.name for a in default_gpu_arms()}
     with pytest.raises(ValueError, match="unknown arm 'fa5'"):
         parse_arm_list("fa5")
+
+
+def test_rule_prints_the_library_verdict_without_measuring(capsys, monkeypatch):
+    """``--rule`` answers "is my workload served, and to how many generated tokens?" from the decline rule
+    alone: no workload is built and no arm runs."""
+    from beam_shared_prefix.decline import max_tail_len
+    from microbenchmarks import runner
+    from microbenchmarks.shapes import BenchShape
+
+    monkeypatch.setattr(runner, "run_point", lambda *a, **k: pytest.fail("--rule must not measure"))
+    argv = ["--preset", "B-medium", "--rule", "--sweep", "beams=2,14", "--sweep", "tail=4,64", "--kv-heads", "2"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4
+    for line, (beams, tail) in zip(lines, [(2, 4), (2, 64), (14, 4), (14, 64)]):
+        shape = BenchShape(requests=64, beams=beams, prompt=500, tail=tail, heads=16, kv_heads=2)
+        assert f"tails served up to {int(max_tail_len(beams, 500, 2, 64))} generated tokens" in line, line
+        reason = runner.decline_reason(shape)
+        assert line.endswith("-> serve") if reason is None else line.endswith(f"-> decline: {reason}"), line
+    # 14 beams x 64 requests at 2 KV heads: 896 rows, prompt / 16 = 31 generated tokens.
+    assert "tails served up to 31 generated tokens -> serve" in lines[2]
+    assert "-> decline: tail 64 generated tokens per beam > 31" in lines[3]
