@@ -523,11 +523,12 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
     limit = _tail_limit(prompt_len, per_token)
     if float(tail_len) <= limit:
         return None
-    heads = "1 (or unknown)" if num_kv_heads is None else int(num_kv_heads)
+    heads = ("1 KV head (or an unknown count)" if num_kv_heads is None
+             else f"{int(num_kv_heads)} KV head{'' if int(num_kv_heads) == 1 else 's'}")
     rows = "" if num_requests is None else f" and {int(num_requests) * int(beam_width)} beam rows"
     return (
         f"tail {float(tail_len):.0f} generated tokens per beam > {limit:.0f} (beam width {int(beam_width)}{rows} "
-        f"with {heads} KV heads needs {per_token} prompt tokens per generated token past {TAIL_MEASURED_LEN}; "
+        f"with {heads} needs {per_token} prompt tokens per generated token past {TAIL_MEASURED_LEN}; "
         f"mean prompt {float(prompt_len):.0f}): every beam reads its own generated tokens a short block at a "
         f"time, and per-beam decode is faster or within 10% at such tails (measured on the H200, "
         f"docs/benchmarks.md)"

@@ -199,9 +199,11 @@ def _emit(doc: Dict, args, log) -> int:
         log("decline report (best library arm vs best per-beam decode; decline where speedup < 1):")
         for r in rows:
             sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-            log(f"  R={r['requests']} W={r['beams']} P={r['prompt']} T={r['tail']} {r['heads']}/{r['kv_heads']} "
+            tail = f"{r['shortest_tail']}-{r['tail']}" if r["shortest_tail"] < r["tail"] else r["tail"]
+            log(f"  R={r['requests']} W={r['beams']} P={r['prompt']} T={tail} {r['heads']}/{r['kv_heads']} "
                 f"D={r['head_dim']}: {sp} ({r['best_arm']}) -> {'DECLINE' if r['decline'] else 'serve'}"
-                f"; current rule: {r['rule_says'] or 'serve'}")
+                f"; rule now: {r['rule_now'] or 'serve'}"
+                + ("" if r["rule_now"] == r["rule_says"] else f" (when measured: {r['rule_says'] or 'serve'})"))
     if args.json:
         write_json(doc, args.json)
         log(f"wrote {args.json}")

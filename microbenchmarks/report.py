@@ -326,10 +326,24 @@ def decline_table(doc: Dict, margin: float = 1.0) -> List[Dict]:
         sh = p["shape"]
         rows.append({
             "requests": sh["requests"], "beams": sh["beams"], "prompt": sh["prompt"], "tail": sh["tail"],
+            "shortest_tail": (p.get("tail_lens") or {}).get("min", sh["tail"]),
             "heads": sh["heads"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"],
             "best_arm": None if best is None else best["name"],
             "speedup": None if best is None else best["speedup_vs_decode"],
             "decline": None if best is None else best["speedup_vs_decode"] < margin,
             "rule_says": p.get("decline_reason"),
+            "rule_now": _rule_now(sh),
         })
     return rows
+
+
+def _rule_now(shape: Dict) -> Optional[str]:
+    """The decline reason the library's rule gives ``shape`` (a results document's shape dict) today;
+    the document's own ``decline_reason`` is the rule of the day it was measured."""
+    from dataclasses import fields
+
+    from .runner import decline_reason
+    from .shapes import BenchShape
+
+    known = {f.name for f in fields(BenchShape)}
+    return decline_reason(BenchShape(**{k: v for k, v in shape.items() if k in known}))

@@ -430,7 +430,8 @@ def test_long_tails_at_few_kv_heads(requests, beams, prompt, kv_heads, per_token
     longest = int(max(4, prompt / per_token))
     assert tail_decline_reason(beams, prompt, longest, kv_heads, requests) is None
     reason = tail_decline_reason(beams, prompt, longest + 1, kv_heads, requests)
-    assert f"with {kv_heads} KV heads needs {per_token} prompt tokens" in reason, reason
+    heads = "1 KV head" if kv_heads == 1 else f"{kv_heads} KV heads"
+    assert f"with {heads} needs {per_token} prompt tokens" in reason, reason
     # An unknown KV head count is judged as one, the strictest table.
     assert max_tail_len(beams, prompt, None, requests) == max_tail_len(beams, prompt, 1, requests) <= max_tail_len(
         beams, prompt, kv_heads, requests)

@@ -103,6 +103,9 @@ def test_decline_report_flags_points_slower_than_decode():
     # W14 P500: decode 80*14/30 = 37.3 us < 120 us -> decline; W30 P100: 16 us < 40 us -> decline.
     assert [(r["beams"], r["prompt"], r["decline"]) for r in rows] == [
         (14, 500, True), (30, 500, False), (96, 500, False), (30, 100, True), (30, 2000, False)]
+    # The rule of the day the document was measured (recorded) beside today's.
+    assert all(r["rule_says"] is None for r in rows)
+    assert [r["rule_now"] is None for r in rows] == [True] * 5  # 64 x 14-96 beams, 4-token tails: all served
 
 
 def test_from_json_renders_and_plots(no_gpu, tmp_path, capsys):
