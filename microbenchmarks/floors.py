@@ -85,6 +85,11 @@ def mean_traffic(traffics: "list[Traffic]") -> Traffic:
     return Traffic(**{f: int(round(sum(getattr(t, f) for t in traffics) / n)) for f in fields})
 
 
+def _per_request(tail, prompt_lens: np.ndarray) -> np.ndarray:
+    """``[R]`` int64 tails from one int or an ``[R]`` array."""
+    return np.broadcast_to(np.asarray(tail, dtype=np.int64), prompt_lens.shape)
+
+
 def distinct_tail_entries(tail_ancestry: np.ndarray) -> int:
     """Distinct ``(request, source beam, position)`` entries in a ``[R, W, T-1]`` ancestry array
     (a position holding ``-1``, past its request's tail, counts none)."""
@@ -120,7 +125,7 @@ def count_traffic(
     prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
     R = int(prompt_lens.shape[0])
     rows = R * beams
-    tail = np.broadcast_to(np.asarray(tail, dtype=np.int64), prompt_lens.shape)
+    tail = _per_request(tail, prompt_lens)
     kv_row = kv_heads * head_dim * 2 * elem_bytes  # K and V of one position
     per_beam_entries = beams * int((tail - 1).sum())
     entries = per_beam_entries if tail_ancestry is None else distinct_tail_entries(tail_ancestry)
@@ -225,6 +230,6 @@ def stage_work(work: str, traffic: Traffic, flops: int, prompt_lens: np.ndarray,
         return {
             "bytes": (traffic.tail_kv + traffic.new_kv + traffic.q + traffic.out + state
                       + traffic.metadata - prompt_metadata),
-            "flops": int(4 * head_dim * heads * beams * int(np.broadcast_to(np.asarray(tail), (R,)).sum())),
+            "flops": int(4 * head_dim * heads * beams * int(_per_request(tail, prompt_lens).sum())),
         }
     raise ValueError(f"work={work!r}; use 'full', 'prefix' or 'tail'.")

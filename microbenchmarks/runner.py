@@ -79,28 +79,30 @@ def estimate_workload_bytes(shape: BenchShape, with_baseline_pages: bool = True)
     return pool + ind + act
 
 
-def _auto_path(shape: BenchShape):
-    """``(one_launch, split_kv)``: the path backend ``"auto"`` takes for ``shape`` on a GPU with every
-    prefix backend installed (the cascade, FlashInfer's split prompt, or else FA4/FlashInfer + tail)."""
+def _auto_verdict(shape: BenchShape):
+    """``(one_launch, split_kv, decline reason)``: the path backend ``"auto"`` takes for ``shape`` on a GPU
+    with every prefix backend installed (the cascade, FlashInfer's split prompt, or else FA4/FlashInfer +
+    tail), and what :func:`beam_shared_prefix.decline.should_decline` says of it at the shape's (longest)
+    tail (``None``: served)."""
+    from beam_shared_prefix.decline import should_decline
     from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 
     split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
                                  shape.head_dim)
     one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
                                                  shape.head_dim, shape.requests)
-    return one_launch, split_kv
+    reason = should_decline(shape.requests, shape.beams, shape.prompt, shape.heads, shape.kv_heads, shape.head_dim,
+                            one_launch=one_launch, split_kv=split_kv, tail_len=shape.tail)
+    return one_launch, split_kv, reason
 
 
 def decline_reason(shape: BenchShape) -> Optional[str]:
     """What :func:`beam_shared_prefix.decline.should_decline` says of this shape (``None``: served), as the
     library's default (backend ``"auto"``) on a GPU would judge it, at the shape's (longest) tail."""
     try:
-        from beam_shared_prefix.decline import should_decline
-        one_launch, split_kv = _auto_path(shape)
+        return _auto_verdict(shape)[2]
     except ImportError:
         return None
-    return should_decline(shape.requests, shape.beams, shape.prompt, shape.heads, shape.kv_heads, shape.head_dim,
-                          one_launch=one_launch, split_kv=split_kv, tail_len=shape.tail)
 
 
 def rule_verdict(shape: BenchShape) -> Dict:
@@ -110,9 +112,9 @@ def rule_verdict(shape: BenchShape) -> Dict:
     serves at this shape)."""
     from beam_shared_prefix.decline import max_tail_len
 
-    one_launch, split_kv = _auto_path(shape)
+    one_launch, split_kv, reason = _auto_verdict(shape)
     path = "cascade" if one_launch else "flashinfer split prompt" if split_kv else "prefix + tail kernel"
-    return {"path": path, "decline_reason": decline_reason(shape),
+    return {"path": path, "decline_reason": reason,
             "max_tail": int(max_tail_len(shape.beams, shape.prompt, shape.kv_heads, shape.requests))}
 
 

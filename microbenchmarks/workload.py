@@ -49,7 +49,6 @@ __all__ = [
     "BenchWorkload",
     "LayoutError",
     "build_workload",
-    "beam_search_ancestry",
     "ancestry_from_parents",
     "draw_parents",
     "draw_prompt_lens",
@@ -220,11 +219,6 @@ def ancestry_from_parents(parents: np.ndarray) -> np.ndarray:
         cur = np.take_along_axis(parents[g], cur, axis=1)
         anc[:, :, g] = cur
     return anc
-
-
-def beam_search_ancestry(num_requests: int, beam_width: int, num_generated: int, rng: np.random.Generator) -> np.ndarray:
-    """``[R, W, G]`` int32 source beams after ``G`` simulated beam-search steps (see :func:`ancestry_from_parents`)."""
-    return ancestry_from_parents(draw_parents(num_requests, beam_width, num_generated, rng))
 
 
 def _randn(shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
