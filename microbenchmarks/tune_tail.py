@@ -160,14 +160,22 @@ def _across_shapes(report: List[Dict]) -> List[tuple]:
 
 
 def custom_shapes(spec: str) -> List[BenchShape]:
-    """``"8x8x500,64x4x500"`` -> shapes ``R x W x P`` at B-medium's heads, tail, page and dtype."""
+    """``"8x8x500,2x12x6000:32/4"`` -> shapes ``R x W x P`` at B-medium's tail, page and dtype, and its heads
+    (16/8, head 128) unless an item names its own ``:Hq/Hkv``."""
     shapes = []
     for item in (x for x in spec.split(",") if x):
-        parts = item.lower().split("x")
-        if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
-            raise ValueError(f"--custom item {item!r} is not RxWxP with positive integers (e.g. 8x8x500)")
+        dims, _, heads = item.lower().partition(":")
+        parts = dims.split("x")
+        head_parts = heads.split("/") if heads else ["16", "8"]
+        if (len(parts) != 3 or len(head_parts) != 2
+                or not all(x.isdigit() and int(x) > 0 for x in parts + head_parts)
+                or int(head_parts[0]) % int(head_parts[1])):
+            raise ValueError(f"--custom item {item!r} is not RxWxP[:Hq/Hkv] with positive integers and Hq a "
+                             f"multiple of Hkv (e.g. 8x8x500 or 2x12x6000:32/4)")
         r, w, prompt = (int(x) for x in parts)
-        shapes.append(dataclasses.replace(PRESETS["B-medium"], requests=r, beams=w, prompt=prompt, name=item))
+        hq, hkv = (int(x) for x in head_parts)
+        shapes.append(dataclasses.replace(PRESETS["B-medium"], requests=r, beams=w, prompt=prompt, heads=hq,
+                                          kv_heads=hkv, name=item))
     return shapes
 
 
@@ -184,7 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--tails", default=None,
                    help="run each shape at these tails instead of its own (e.g. 4,64,256; names gain -tN)")
     p.add_argument("--custom", default=None,
-                   help="extra shapes RxWxP at the presets' heads (16/8, D 128, page 32), e.g. 8x8x500,64x4x500")
+                   help="extra shapes RxWxP[:Hq/Hkv] (default heads 16/8; D 128, page 32), e.g. 8x8x500,2x12x6000:32/4")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731

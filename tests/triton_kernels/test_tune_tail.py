@@ -87,17 +87,20 @@ def test_profile_step_launches_each_kernel(kernel):
 
 
 def test_tune_tail_custom_shapes_and_tails(monkeypatch, capsys):
-    """``--custom RxWxP`` adds shapes at B-medium's heads; a malformed one is named; no GPU exits 0."""
+    """``--custom RxWxP[:Hq/Hkv]`` adds shapes at B-medium's heads or the item's; a malformed one is named;
+    no GPU exits 0."""
     from microbenchmarks import tune_tail
 
-    a, b = tune_tail.custom_shapes("8x8x500,64X4x100")
+    a, b, c = tune_tail.custom_shapes("8x8x500,64X4x100,2x12x6000:32/4")
     assert (a.requests, a.beams, a.prompt, a.heads, a.kv_heads, a.name) == (8, 8, 500, 16, 8, "8x8x500")
     assert (b.requests, b.beams, b.prompt) == (64, 4, 100)
-    with pytest.raises(ValueError, match="'8x8' is not RxWxP"):
-        tune_tail.custom_shapes("8x8")
+    assert (c.requests, c.beams, c.prompt, c.heads, c.kv_heads) == (2, 12, 6000, 32, 4)
+    for bad in ("8x8", "8x8x500:32/5", "8x8x500:32"):
+        with pytest.raises(ValueError, match=f"'{bad}' is not RxWxP"):
+            tune_tail.custom_shapes(bad)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):  # named before the device is looked for
         tune_tail.main(["--custom", "8x0x500"])
-    assert "'8x0x500' is not RxWxP with positive integers" in capsys.readouterr().err
+    assert "'8x0x500' is not RxWxP[:Hq/Hkv] with positive integers" in capsys.readouterr().err
     assert tune_tail.main(["--custom", "8x8x500", "--tails", "64,256"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
