@@ -160,22 +160,23 @@ def _across_shapes(report: List[Dict]) -> List[tuple]:
 
 
 def custom_shapes(spec: str) -> List[BenchShape]:
-    """``"8x8x500,2x12x6000:32/4"`` -> shapes ``R x W x P`` at B-medium's tail, page and dtype, and its heads
-    (16/8, head 128) unless an item names its own ``:Hq/Hkv``."""
+    """``"8x8x500,2x12x6000:32/4,8x8x500:16/8/64"`` -> shapes ``R x W x P`` at B-medium's tail, page and dtype,
+    and its heads (16/8, head 128) unless an item names its own ``:Hq/Hkv`` or ``:Hq/Hkv/D``."""
     shapes = []
     for item in (x for x in spec.split(",") if x):
         dims, _, heads = item.lower().partition(":")
         parts = dims.split("x")
         head_parts = heads.split("/") if heads else ["16", "8"]
-        if (len(parts) != 3 or len(head_parts) != 2
+        if (len(parts) != 3 or len(head_parts) not in (2, 3)
                 or not all(x.isdigit() and int(x) > 0 for x in parts + head_parts)
                 or int(head_parts[0]) % int(head_parts[1])):
-            raise ValueError(f"--custom item {item!r} is not RxWxP[:Hq/Hkv] with positive integers and Hq a "
-                             f"multiple of Hkv (e.g. 8x8x500 or 2x12x6000:32/4)")
+            raise ValueError(f"--custom item {item!r} is not RxWxP[:Hq/Hkv[/D]] with positive integers and Hq a "
+                             f"multiple of Hkv (e.g. 8x8x500 or 2x12x6000:32/4 or 8x8x500:16/8/64)")
         r, w, prompt = (int(x) for x in parts)
-        hq, hkv = (int(x) for x in head_parts)
+        hq, hkv = int(head_parts[0]), int(head_parts[1])
+        d = int(head_parts[2]) if len(head_parts) == 3 else PRESETS["B-medium"].head_dim
         shapes.append(dataclasses.replace(PRESETS["B-medium"], requests=r, beams=w, prompt=prompt, heads=hq,
-                                          kv_heads=hkv, name=item))
+                                          kv_heads=hkv, head_dim=d, name=item))
     return shapes
 
 
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--tails", default=None,
                    help="run each shape at these tails instead of its own (e.g. 4,64,256; names gain -tN)")
     p.add_argument("--custom", default=None,
-                   help="extra shapes RxWxP[:Hq/Hkv] (default heads 16/8; D 128, page 32), e.g. 8x8x500,2x12x6000:32/4")
+                   help="extra shapes RxWxP[:Hq/Hkv[/D]] (default 16/8, D 128; page 32), e.g. 8x8x500,2x12x6000:32/4")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731

@@ -91,16 +91,17 @@ def test_tune_tail_custom_shapes_and_tails(monkeypatch, capsys):
     no GPU exits 0."""
     from microbenchmarks import tune_tail
 
-    a, b, c = tune_tail.custom_shapes("8x8x500,64X4x100,2x12x6000:32/4")
+    a, b, c, d = tune_tail.custom_shapes("8x8x500,64X4x100,2x12x6000:32/4,1x8x50:8/1/64")
     assert (a.requests, a.beams, a.prompt, a.heads, a.kv_heads, a.name) == (8, 8, 500, 16, 8, "8x8x500")
     assert (b.requests, b.beams, b.prompt) == (64, 4, 100)
-    assert (c.requests, c.beams, c.prompt, c.heads, c.kv_heads) == (2, 12, 6000, 32, 4)
-    for bad in ("8x8", "8x8x500:32/5", "8x8x500:32"):
+    assert (c.requests, c.beams, c.prompt, c.heads, c.kv_heads, c.head_dim) == (2, 12, 6000, 32, 4, 128)
+    assert (d.heads, d.kv_heads, d.head_dim) == (8, 1, 64)
+    for bad in ("8x8", "8x8x500:32/5", "8x8x500:32", "8x8x500:16/8/64/2"):
         with pytest.raises(ValueError, match=f"'{bad}' is not RxWxP"):
             tune_tail.custom_shapes(bad)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):  # named before the device is looked for
         tune_tail.main(["--custom", "8x0x500"])
-    assert "'8x0x500' is not RxWxP[:Hq/Hkv] with positive integers" in capsys.readouterr().err
+    assert "'8x0x500' is not RxWxP[:Hq/Hkv[/D]] with positive integers" in capsys.readouterr().err
     assert tune_tail.main(["--custom", "8x8x500", "--tails", "64,256"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
