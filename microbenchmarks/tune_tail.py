@@ -88,7 +88,7 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float) -> D
     gen = torch.Generator(device="cuda").manual_seed(1)
     prefix_out = torch.randn(wl.q.shape, generator=gen, device="cuda").to(wl.q.dtype)
     prefix_lse = torch.randn(rows, shape.heads, generator=gen, device="cuda") * 4 + 8
-    default = tail_launch_config(shape.heads // shape.kv_heads, shape.kv_heads, shape.head_dim)
+    default = tail_launch_config(shape.heads // shape.kv_heads, shape.kv_heads, shape.head_dim, wl.num_rows)
     ref = torch.empty_like(wl.q)
     _tail_call(wl, default, ref, prefix_out, prefix_lse)()
     torch.cuda.synchronize()

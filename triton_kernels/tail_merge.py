@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -25,6 +26,10 @@ __all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"
 
 # Registers per thread at which one-warp tail programs still fill an SM's 32 program slots.
 _ONE_WARP_MAX_REGISTERS = 64
+# The few-rows tiling with the error flag: left to itself ptxas held it to 128 registers and spilled 8-16
+# bytes a thread (Triton 3.9, sm_90); uncapped it takes 133-146 and spills nothing. Its programs are few,
+# so registers do not limit its occupancy.
+_FEW_ROWS_MAX_REGISTERS = 255
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # Measured with ptxas for sm_90: Triton 3.6 lays out the [QH, BLOCK_T, D] tile like the [QH, D]
@@ -82,11 +87,39 @@ _GROUPED_KV_HEADS_PER_PROG = 8
 _GROUPED_ELEMENTS_PER_THREAD = 32
 
 
-@functools.lru_cache(maxsize=None)
-def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> TailLaunchConfig:
-    """The tiling for a shape, chosen by measurement on the H200 (``python -m microbenchmarks.tune_tail``;
-    ``docs/results/h200/tune_tail_round6_grouped*.json``, 24-32 tilings of both kernels per shape).
+# Few rows: below these row-KV-heads (``rows * Hkv``) per padded group and head size the tail kernel has
+# too few programs to hide its index chain, so it walks 4 tokens per iteration with the source beams and
+# page entries of 32 positions loaded at once. Measured on the H200 (tail stage alone, CUDA graphs, L2
+# flushed; docs/results/h200/tune_tail_{long,rows}_round24_*.json, tails 4, 16 and 64 at 32-1,024
+# row-KV-heads): 1.04-3.53x faster than the previous default, within 1.00-1.37x of each shape's best tiling.
+# Above them the previous defaults were as fast or faster (G = 2 and 4 from 4,096; G = 8 from 1,024).
+# Shapes not listed (G = 1, G > 8, G = 4 at head 64 and 256) are unmeasured and keep the defaults.
+_FEW_ROWS_MAX_ROW_KV_HEADS = {(2, 64): 1024, (2, 128): 1024, (2, 256): 1024, (4, 128): 1024,
+                              (8, 64): 512, (8, 128): 512, (8, 256): 512}
+_FEW_ROWS_BLOCK_T = 4
+_FEW_ROWS_INDEX_BLOCK = 32
+# G = 8 at head 128 above the few-rows bound: the [QH, D] kernel with 2 warps, 4 tokens per iteration
+# under 1,536 row-KV-heads and 1 from there (the H200, same files, 1,024-12,288 row-KV-heads: 1.07-1.56x
+# faster than the previous default of 4 warps and 1 token, within 1.00-1.16x of the best tiling).
+_MANY_ROWS_G8_SPLIT = 1536
 
+
+@functools.lru_cache(maxsize=None)
+def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
+                       num_rows: Optional[int] = None) -> TailLaunchConfig:
+    """The tiling for a shape, chosen by measurement on the H200 (``python -m microbenchmarks.tune_tail``;
+    ``docs/results/h200/tune_tail_round6_grouped*.json``, 24-32 tilings of both kernels per shape, and
+    ``tune_tail_{long,rows}_round24_*.json``, 24-32 tilings at 32-15,360 row-KV-heads and tails 4-64).
+
+    ``num_rows`` (beam rows of the launch; ``None``: many) selects a tiling for few rows; it is fixed for
+    a captured CUDA graph, so the choice is too.
+
+    - Few rows (``num_rows * Hkv`` up to 1,024 at ``G = 2`` and ``4``, up to 512 at ``G = 8``; heads 64-256
+      where measured): the ``[QH, D]`` kernel with ``QH = 4 or 8`` query slots (2 KV heads per program at
+      ``G = 2``), 4 tokens per iteration and index blocks of 32 positions, 2-4 warps by tile size. With
+      so few programs each one's chain of dependent loads is the step's time; the index blocks cut
+      it from three latencies per token to about two per 32 tokens: 8 x 8 x 500 at 16/8, tail 64, 19.8
+      against 53.1 us; 1 x 32 rows at MQA 8/1, tail 16, 9.8 against 19.9 us; at tail 4 1.04-1.35x faster.
     - ``G = 2`` (padded): the grouped kernel (:mod:`~triton_kernels.tail_merge_grouped_kernel`), 8
       KV heads per program, 32 query elements per thread (2 warps at D = 128). Against the previous
       default (the ``[QH, D]`` kernel, ``QH * D = 1024``, 4 warps): 128 x 96 tail 3 87.8 against
@@ -95,13 +128,23 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> Tai
     - ``G = 4`` (padded; 3 and 4): the ``[QH, D]`` kernel with one KV head per 1-warp program (its 4
       query slots, 2 per thread): B-4B 28.9-29.1 against 35.5-35.7 us for the previous default and
       29.9-30.1 for the grouped kernel's best tiling.
-    - Otherwise (``G = 1``, ``G > 4``; unmeasured): the previous default, the ``[QH, D]`` kernel with
-      about 1024 query-slot elements per program, 4 warps, ``block_t`` 1 (2 above 1024); a group
-      wider than that (MQA, G = 32 or 64) stays in one program with 8-16 warps (at G = 64 and
-      D = 256, 128 registers). The grouped kernel spreads groups above 4 over threads and warps again
+    - ``G = 8`` (padded; 5-8) at head 128: one KV head per 2-warp program, 4 tokens per iteration under
+      1,536 row-KV-heads, 1 from there (MQA 128 x 96 at 8/1, tail 4, 45.8 against 52.6 us; 64 x 30 at
+      32/4, tail 64, 274.8 against 328.5 us).
+    - Otherwise (``G = 1``, ``G > 8``, ``G = 8`` at other heads; unmeasured): the previous default, the
+      ``[QH, D]`` kernel with about 1024 query-slot elements per program, 4 warps, ``block_t`` 1 (2 above
+      1024); a group wider than that (MQA, G = 32 or 64) stays in one program with 8-16 warps (at G = 64
+      and D = 256, 128 registers). The grouped kernel spreads groups above 4 over threads and warps again
       (167-225 registers at G = 16-32 on sm_90).
     """
     group_pad = triton.next_power_of_2(group_size)
+    few_rows_bound = _FEW_ROWS_MAX_ROW_KV_HEADS.get((group_pad, head_dim))
+    if few_rows_bound is not None and num_rows is not None and num_rows * num_kv_heads <= few_rows_bound:
+        kv_heads_per_prog = min(triton.next_power_of_2(num_kv_heads), max(1, 4 // group_pad))
+        tile = _FEW_ROWS_BLOCK_T * group_pad * kv_heads_per_prog * head_dim
+        num_warps = min(4, max(2, tile // 1024))
+        return TailLaunchConfig(group_pad, kv_heads_per_prog, _FEW_ROWS_BLOCK_T, num_warps, _TOKENS_OUTER,
+                                _FEW_ROWS_INDEX_BLOCK)
     if group_pad == 2:
         kv_heads_per_prog = min(triton.next_power_of_2(num_kv_heads), _GROUPED_KV_HEADS_PER_PROG)
         elements = group_pad * kv_heads_per_prog * head_dim
@@ -110,6 +153,9 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int) -> Tai
                                 grouped=True)
     if group_pad == 4:
         return TailLaunchConfig(group_pad, 1, 1, 1, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
+    if group_pad == 8 and head_dim == 128 and num_rows is not None:
+        block_t = 4 if num_rows * num_kv_heads < _MANY_ROWS_G8_SPLIT else 1
+        return TailLaunchConfig(group_pad, 1, block_t, 2, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
     target_slots = max(group_pad, 1024 // head_dim)
     kv_heads_per_prog = max(1, min(triton.next_power_of_2(num_kv_heads), target_slots // group_pad))
     tile = group_pad * kv_heads_per_prog * head_dim
@@ -244,7 +290,7 @@ def beam_tail_attention_merge(
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     if geom.num_rows == 0:
         return out
-    cfg = launch_config or tail_launch_config(geom.group_size, geom.num_kv_heads, geom.head_dim)
+    cfg = launch_config or tail_launch_config(geom.group_size, geom.num_kv_heads, geom.head_dim, geom.num_rows)
     _check_config(cfg, geom.group_size)
     grid = (geom.num_rows, triton.cdiv(geom.num_kv_heads, cfg.kv_heads_per_prog))
     s_page, s_kv, s_head, s_slot = geom.kv_strides
@@ -278,6 +324,8 @@ def beam_tail_attention_merge(
             # registers; the flag's bits took 72 on sm_90 (28 programs per SM, 6% slower at B-4B).
             # Capped at 64 they compile without spills.
             meta.update(maxnreg=_ONE_WARP_MAX_REGISTERS)
+        elif cfg.index_block and q.is_cuda:
+            meta.update(maxnreg=_FEW_ROWS_MAX_REGISTERS)
     if q.is_cuda:
         with torch.cuda.device(q.device):
             kernel[grid](*args, **meta)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from triton_kernels.cascade import cascade_launch_config  # noqa: E402
 from triton_kernels.cascade_kernel import beam_cascade_kernel  # noqa: E402
-from triton_kernels.tail_merge import _ONE_WARP_MAX_REGISTERS, tail_launch_config  # noqa: E402
+from triton_kernels.tail_merge import _FEW_ROWS_MAX_REGISTERS, _ONE_WARP_MAX_REGISTERS, tail_launch_config  # noqa: E402
 from triton_kernels.tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel  # noqa: E402
 from triton_kernels.tail_merge_kernel import beam_tail_merge_kernel  # noqa: E402
 
@@ -161,11 +161,12 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
 
 
 def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index_block=None,
-                 report_errors: bool = REPORT_ERRORS):
-    """Compile the default tiling of a shape; ``index_block`` selects the ``[QH, D]`` kernel with that
-    ``index_block`` instead (its previous default tiling: ``QH * D = 1024``, 4 warps)."""
+                 report_errors: bool = REPORT_ERRORS, num_rows=None):
+    """Compile the default tiling of a shape at ``num_rows`` beam rows (``None``: many); ``index_block``
+    selects the ``[QH, D]`` kernel with that ``index_block`` instead (its previous default tiling:
+    ``QH * D = 1024``, 4 warps)."""
     g = hq // hkv
-    cfg = tail_launch_config(g, hkv, d)
+    cfg = tail_launch_config(g, hkv, d, num_rows)
     if index_block is not None:
         kvh = max(1, min(triton.next_power_of_2(hkv), max(cfg.group_pad, 1024 // d) // cfg.group_pad))
         cfg = dataclasses.replace(cfg, kv_heads_per_prog=kvh, num_warps=4, grouped=False, index_block=index_block)
@@ -182,14 +183,20 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     if not cfg.grouped:
         kernel = beam_tail_merge_kernel
         constexprs.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=cfg.tokens_outer, INDEX_BLOCK=cfg.index_block)
-    # The launcher caps one-warp programs at 64 registers when the flag is on.
-    maxnreg = _ONE_WARP_MAX_REGISTERS if report_errors and cfg.num_warps == 1 else None
+    # The launcher caps one-warp programs at 64 registers when the flag is on, and lifts ptxas's own cap
+    # for the few-rows tiling (index blocks).
+    maxnreg = None
+    if report_errors and cfg.num_warps == 1:
+        maxnreg = _ONE_WARP_MAX_REGISTERS
+    elif report_errors and cfg.index_block:
+        maxnreg = _FEW_ROWS_MAX_REGISTERS
     compiled = _compile_sm90(kernel, pointers, constexprs, ("qk_scale_log2", "lse_scale"), _DIV16_INTS,
                              cfg.num_warps, 1, maxnreg=maxnreg)
     regs, stack, shared, local = _resources(compiled)
     return dict(
         kernel="tail",
         shape=[dtype, hq, hkv, d, prefix_dtype],
+        num_rows=num_rows,
         report_errors=report_errors,
         config=[cfg.group_pad, cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.tokens_outer, cfg.index_block,
                 cfg.grouped],
@@ -210,8 +217,15 @@ def main() -> None:
     if "--compare-index-block" in sys.argv:
         compare = [int(x) for x in sys.argv[sys.argv.index("--compare-index-block") + 1].split(",")]
     for shape in SHAPES:
-        for report_errors in (False, True):
-            print(json.dumps(compile_sm90(*shape, report_errors=report_errors)), flush=True)
+        # Many rows, then one row (the few-rows tiling where a shape has one) and 1,024 rows (G = 8 at
+        # head 128 between its few-rows and many-rows tilings); a tiling is compiled once.
+        configs = set()
+        for num_rows in (None, 1, 1024):
+            for report_errors in (False, True):
+                row = compile_sm90(*shape, report_errors=report_errors, num_rows=num_rows)
+                if (tuple(row["config"]), report_errors) not in configs:
+                    configs.add((tuple(row["config"]), report_errors))
+                    print(json.dumps(row), flush=True)
     for *shape, prompt_capacity in CASCADE_SHAPES:
         for prefix_only in (False, True):
             print(json.dumps(compile_cascade_sm90(*shape, prefix_only=prefix_only, prompt_capacity=prompt_capacity)),

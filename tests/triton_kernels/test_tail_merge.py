@@ -31,6 +31,7 @@ from beam_shared_prefix.reference import (
 )
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
 from triton_kernels import device_errors
+from triton_kernels.tail_merge import _check_config, tail_launch_config
 from triton_kernels import (
     TailLaunchConfig,
     TailMergeInputError,
@@ -252,10 +253,47 @@ TILINGS = [
     ("index2_block_t2_heads_outer", TailLaunchConfig(4, 4, 2, 2, tokens_outer=False, index_block=2)),
     ("index4_block_t2_tokens_outer", TailLaunchConfig(8, 2, 2, 4, tokens_outer=True, index_block=4)),
     ("index16_block_t4", TailLaunchConfig(4, 2, 4, 4, index_block=16)),
+    ("few_rows_index32_block_t4", TailLaunchConfig(4, 1, 4, 2, index_block=32)),
     ("grouped_one_head", TailLaunchConfig(4, 1, 1, 1, grouped=True)),
     ("grouped_heads_past_hkv", TailLaunchConfig(4, 4, 1, 2, grouped=True)),
     ("grouped_wide_group_pad", TailLaunchConfig(8, 2, 1, 4, grouped=True)),
 ]
+
+
+@pytest.mark.parametrize("group,hkv,d,rows,expected", [
+    # (G, Hkv, D, beam rows, (kv_heads_per_prog, block_t, num_warps, index_block, grouped))
+    (2, 8, 128, 128, (2, 4, 2, 32, False)),  # few rows: 1,024 row-KV-heads
+    (2, 8, 128, 129, (8, 1, 2, 0, True)),  # many: the grouped kernel
+    (2, 8, 128, None, (8, 1, 2, 0, True)),  # rows not given: many
+    (2, 8, 256, 64, (2, 4, 4, 32, False)),  # a larger tile takes 4 warps
+    (4, 8, 128, 128, (1, 4, 2, 32, False)),
+    (4, 8, 128, 1920, (1, 1, 1, 0, False)),  # B-4B
+    (4, 8, 64, 16, (1, 1, 1, 0, False)),  # unmeasured (G = 4 at head 64): the default
+    (8, 1, 128, 512, (1, 4, 4, 32, False)),  # MQA 8/1, few rows
+    (8, 1, 128, 513, (1, 4, 2, 0, False)),  # G = 8 between the bounds
+    (8, 4, 128, 384, (1, 1, 2, 0, False)),  # from 1,536 row-KV-heads
+    (8, 1, 64, 512, (1, 4, 2, 32, False)),
+    (8, 1, 64, 513, (1, 1, 4, 0, False)),  # G = 8 at head 64 keeps the previous default above few rows
+    (16, 2, 128, 1, (1, 2, 4, 0, False)),  # G = 16: unmeasured, the previous default at any rows
+])
+def test_default_tiling_by_rows(group, hkv, d, rows, expected):
+    """The default tiling by beam rows (the H200 measurements in ``tail_launch_config``'s docstring)."""
+    cfg = tail_launch_config(group, hkv, d, rows)
+    assert (cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.index_block, cfg.grouped) == expected
+    _check_config(cfg, group)
+
+
+def test_few_rows_default_over_several_index_blocks(device):
+    """The few-rows default (index blocks of 32 positions, 4 tokens an iteration) over tails past one
+    index block and a page boundary: 2 x 2 rows at G = 2, head 64, tails of 0-40 earlier tokens."""
+    sim = make_sim(device, prompts=[5, 21], beams=2, hq=2, hkv=1, d=64, seed=21)
+    assert tail_launch_config(2, 1, 64, 4).index_block == 32
+    for s in range(41):
+        step = sim.begin_step()
+        if s in (0, 3, 31, 32, 33, 40):
+            out = run_step("triton", sim, step)
+            assert_matches(out, oracle(sim, step), f"step {s} tails {earlier_tail(step)}")
+        sim.end_step(write_kv=s not in (0, 3, 31, 32, 33, 40))  # the kernel wrote the checked steps' K/V
 
 
 @pytest.mark.parametrize("config", [t[1] for t in TILINGS], ids=[t[0] for t in TILINGS])
