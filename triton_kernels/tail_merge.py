@@ -92,7 +92,8 @@ _GROUPED_ELEMENTS_PER_THREAD = 32
 # page entries of 32 positions loaded at once. Measured on the H200 (tail stage alone, CUDA graphs, L2
 # flushed; docs/results/h200/tune_tail_{long,rows}_round24_*.json, tails 4, 16 and 64 at 32-1,024
 # row-KV-heads): 1.04-3.53x faster than the previous default, within 1.00-1.37x of each shape's best tiling.
-# Above them the previous defaults were as fast or faster (G = 2 and 4 from 4,096; G = 8 from 1,024).
+# Above them it lost: at G = 2 and 4 (from 4,096) to the previous defaults, at G = 8 (from 1,024) to the
+# 2-warp tiling below.
 # Shapes not listed (G = 1, G > 8, G = 4 at head 64 and 256) are unmeasured and keep the defaults.
 _FEW_ROWS_MAX_ROW_KV_HEADS = {(2, 64): 1024, (2, 128): 1024, (2, 256): 1024, (4, 128): 1024,
                               (8, 64): 512, (8, 128): 512, (8, 256): 512}

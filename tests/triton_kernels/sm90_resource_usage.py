@@ -28,7 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from triton_kernels.cascade import cascade_launch_config  # noqa: E402
 from triton_kernels.cascade_kernel import beam_cascade_kernel  # noqa: E402
-from triton_kernels.tail_merge import _FEW_ROWS_MAX_REGISTERS, _ONE_WARP_MAX_REGISTERS, tail_launch_config  # noqa: E402
+from triton_kernels.tail_merge import (  # noqa: E402
+    _FEW_ROWS_MAX_REGISTERS,
+    _ONE_WARP_MAX_REGISTERS,
+    tail_launch_config,
+)
 from triton_kernels.tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel  # noqa: E402
 from triton_kernels.tail_merge_kernel import beam_tail_merge_kernel  # noqa: E402
 
