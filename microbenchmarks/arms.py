@@ -15,6 +15,7 @@ exactly the library's function. Every FlashInfer, FA4 and library import is lazy
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -229,6 +230,14 @@ class LibraryArm(Arm):
         kernel = getattr(backend, "kernel", None)
         if isinstance(kernel, str):
             info["prefix_kernel"] = kernel
+        if getattr(attn, "tail_impl", None) == "triton" and not getattr(backend, "fuses_tail", False):
+            # The tail kernel's tiling depends on the shape and changes between versions: recorded so a
+            # result can be told from one measured with another tiling.
+            from triton_kernels.tail_merge import tail_launch_config
+
+            sh = wl.shape
+            tiling = tail_launch_config(sh.heads // sh.kv_heads, sh.kv_heads, sh.head_dim, wl.num_rows)
+            info["tail_tiling"] = dataclasses.asdict(tiling)
         return Prepared(call=call, outputs=lambda r: (out, None), poison=[out], capturable=use_graph,
                         info=info, keep=[attn], device_errors=getattr(attn, "device_errors", None))
 

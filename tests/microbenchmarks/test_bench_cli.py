@@ -171,6 +171,9 @@ def test_run_point_triton_arms(device, requests, tail, tail_jitter):
     for a in point["arms"][:5]:
         assert a["check"]["ok"] and a["check"]["rows_checked"] == 2 * requests * 3
     assert point["arms"][3]["info"]["backend"] == "triton"
+    # The two-launch arm records its tail tiling (few rows here: index blocks); the one-launch cascade has none.
+    assert point["arms"][0]["info"]["tail_tiling"]["index_block"] == 32
+    assert "tail_tiling" not in point["arms"][3]["info"]
     assert point["tail_lens"]["max"] == tail and (point["tail_lens"]["min"] < tail) == bool(tail_jitter)
 
 
