@@ -223,13 +223,14 @@ def main() -> None:
     for shape in SHAPES:
         # Many rows, then one row (the few-rows tiling where a shape has one) and 1,024 rows (G = 8 at
         # head 128 between its few-rows and many-rows tilings); a tiling is compiled once.
-        configs = set()
+        _, hq, hkv, d, _ = shape
+        compiled = set()
         for num_rows in (None, 1, 1024):
             for report_errors in (False, True):
-                row = compile_sm90(*shape, report_errors=report_errors, num_rows=num_rows)
-                if (tuple(row["config"]), report_errors) not in configs:
-                    configs.add((tuple(row["config"]), report_errors))
-                    print(json.dumps(row), flush=True)
+                key = (tail_launch_config(hq // hkv, hkv, d, num_rows), report_errors)
+                if key not in compiled:
+                    compiled.add(key)
+                    print(json.dumps(compile_sm90(*shape, report_errors=report_errors, num_rows=num_rows)), flush=True)
     for *shape, prompt_capacity in CASCADE_SHAPES:
         for prefix_only in (False, True):
             print(json.dumps(compile_cascade_sm90(*shape, prefix_only=prefix_only, prompt_capacity=prompt_capacity)),
