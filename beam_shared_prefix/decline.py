@@ -160,74 +160,50 @@ x 4,000 tokens at head 64; only there). GQA 4 at head 64 (thirteenth round,
 ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8 beams and more the two-launch paths lost
 only to 32-token prompts, and the cascade lost nowhere in any grid (head 64: 1.24x at 32 tokens).
 
-**Long tails** (twenty-first round, ``tail_auto_check_*.json``: 343 points, 8-128 requests of 4-256
-beams at 100-4,000 tokens with 4-1,024 generated tokens per beam; GQA 16/8, 32/8, 64/8 and 8/1 and MHA
-32/32 at head 128, 16/8 and 16/2 at head 64, 16/8 at head 256). Every table above was measured at a
-4-token tail. Every path reads each beam's own generated tokens a short block at a time behind a chain
-of dependent loads (source beam, page, K/V), so the library's time grows by about 1 us per generated
-token per wave of programs, while per-beam decode's grows only with the bytes. The rule without a tail
-clause served 68 of those points slower than per-beam decode or under the margin (0.22x-1.08x; 64 x 4 x
-100 at 256 tokens: 0.28x; 8 x 8 x 500 at 256: 0.22x; 64 x 30 x 100 at 1,024: 0.85x). Past
-:data:`TAIL_MEASURED_LEN` generated tokens a step is served only while its mean prompt holds enough
-tokens per generated token, at least twice the ratio of every loss in its band. With 8 KV heads or more
-the band is the beam width and the beam rows ``R x W`` (twenty-second round: few rows walk the tail with
-few programs, so the crossover moves with the rows as much as with the width):
+**Long tails** (twenty-first to twenty-fifth rounds, ``tail_auto_check_*.json``: about 1,080 points past
+4 generated tokens that the other clauses serve, 1-128 requests of 4-256 beams at 100-20,000 tokens with
+5-1,024 generated tokens per beam; GQA 16/8, 32/8, 64/8, MHA 16/16 and 32/32, 2-7 KV heads at groups 4-8,
+and MQA 8/1, at heads 64-256). Every table above was measured at a 4-token tail. Every path reads each
+beam's own generated tokens a short block at a time behind a chain of dependent loads (source beam, page,
+K/V), so the library's step grows by a fixed time per generated token per wave of programs, while per-beam
+decode's grows only with the bytes. The rule without a tail clause served 68 of the twenty-first round's
+points slower than per-beam decode or under the margin (0.22x-1.08x; 8 x 8 x 500 at 256 tokens: 0.22x).
+Past :data:`TAIL_MEASURED_LEN` generated tokens a step is served only while its mean prompt holds enough
+tokens per generated token, by beam width and beam rows ``R x W`` (few rows walk the tail with few
+programs), in three tables: 8 KV heads or more with groups under 8; 2-7 KV heads or groups of 8 and more
+(GQA 64/8 crossed where the 2-7 KV head grids, nearly all at group 8, did: 2-3x the ratio of groups 1-4);
+one KV head. The twenty-fifth round fitted them to the crossovers: for every shape measured at two long
+tails or more (262 of them), the tail where per-beam decode / library falls to 1.10, from straight lines
+of both times in the tail; an entry holds at least 1.5x the prompt tokens per tail token of every
+crossover in its band and twice the ratio of every point under 1.10x, and more rows or beams never need
+more. The binding shape of each entry:
 
-| beam width W | beam rows | served while the tail <= | the band's loss with the most prompt per tail token |
-| --- | --- | --- | --- |
-| 2-7 | under 256 (2-3: any) | mean prompt / 125 | 10 (held out: 12 x 6 x 1,200 at 120 tokens, 0.63x) |
-| 4-7 | 256 and more | mean prompt / 32 | 15.6 (64 x 4 x 2,000 at 128 tokens: 1.06x) |
-| 8-11 | under 256 | mean prompt / 63 | 31 (8 x 8 x 2,000 at 64 tokens: 0.93x) |
-| 8-11 | 256-511 | mean prompt / 32 | 2.5 (held out: 40 x 10 x 300 at 120 tokens, 1.03x; 4-7 beams' value) |
-| 8-11 | 512 and more | mean prompt / 16 | 7.8 (64 x 8 x 2,000 at 256 tokens: 0.98x at head 64, 0.92x at GQA 32/8) |
-| 12 and more | under 256 | mean prompt / 16 | 7.8 (8 x 30 x 2,000 at 256 tokens: 1.03x) |
-| 12 and more | 256-1,023 | mean prompt / 10 | 4.7 (GQA 64/8, 32 x 12 x 300 at 64 tokens: 0.72x) |
-| 12 and more | 1,024 and more | mean prompt / 4 | 2.0 (GQA 32/8, 64 x 30 x 500 at 256 tokens: 0.90x) |
-
-Over the twenty-first and twenty-second rounds' grids the rule serves 184 of the 333 points that pass
-the other clauses, the slowest 1.26x, and declines 75 that were faster. The grids came in three sets,
-and each of the first two broke the rule fitted before it (a formula in ``R x W / Hq`` served 8 losers
-on the second; one table for every KV head count served 0.89x on the third). The rows bands were then
-fitted to all three and checked on a held-out set chosen before it ran
-(``tail_auto_check_round22_heldout_*.json``, 88 points at 12-100 requests of 6-40 beams, GQA 16/8 and
-32/8): it served 43, the slowest 1.78x (the width-only table served 24, from 2.67x), and declined 30
-winners (1.12x-2.83x) and 12 losers; a second one at head 64 and MHA 16/16 (24 points) served 12, from
-1.30x. :func:`tail_decline_reason` is this clause alone; a CUDA graph, whose tail is unknown at capture,
-cannot hand a step over and logs it instead.
-
-**Fewer than 8 KV heads** (twenty-third round, ``tail_auto_check_round23_*.json``). Per-beam decode is
-cheap there and the library has few programs, most of all on FlashInfer's split prompt with a handful of
-requests. The twenty-first round's width-only table (mean prompt / 200 at 2-11 beams, / 25 from 12) had
-been measured from 512 rows only; under 512 rows it served 20 of the round's points under the margin
-(0.32x-1.10x). Two tables by beam width and beam rows replace it, each at least twice the ratio of every
-loss in its band:
-
-| KV heads | beam width | beam rows | served while the tail <= | the band's loss with the most prompt per tail token |
+| KV heads, group | beam width | beam rows | served while the tail <= | binding shape (crossover, or loss) |
 | --- | --- | --- | --- | --- |
-| 2-7 | any | under 128 | mean prompt / 500 | 250 (held out: GQA 40/5, 2 x 8 x 12,000 at 48 tokens, 0.90x) |
-| 2-7 | 2-7 | from 128 | mean prompt / 200 | not measured (the twenty-first round's value) |
-| 2-7 | 8-11 | 128-511 | mean prompt / 63 | 31 (16/2, 32 x 8 x 1,500 at 48 tokens, 0.82x) |
-| 2-7 | 8-11 | 512 and more | mean prompt / 20 | 9.4 (16/2 at head 64, 64 x 8 x 300 at 32 tokens, 0.84x) |
-| 2-7 | 12 and more | 128-511 | mean prompt / 32 | none (15.6 at 120 rows, just under the band: 0.69x) |
-| 2-7 | 12 and more | 512 and more | mean prompt / 16 | 7.8 (16/2 at head 64, 64 x 24 x 1,000 at 128 tokens, 1.08x) |
-| 1 (or unknown) | any | under 512 | mean prompt / 1,000 | 500 (held out: 4 x 14 x 10,000 at 20 tokens, 1.05x) |
-| 1 | 2-11 | 512 and more | mean prompt / 200 | 62.5 (64 x 8 x 4,000 at 64 tokens, 1.06x) |
-| 1 | 12 and more | 512 and more | mean prompt / 32 | 15.6 (64 x 30 x 1,000 at 64 tokens, 1.08x) |
+| 8+, under 8 | 2-7 | any | mean prompt / 32 | loss: 64 x 4 x 2,000 at 128 tokens, 1.06x (ratio 15.6) |
+| 8+, under 8 | 8-11 | under 256 | mean prompt / 25 | loss: MHA 16/16, 20 x 10 x 600 at 48 tokens, 1.01x (12.5) |
+| 8+, under 8 | 8-11 | 256 and more | mean prompt / 17 | MHA 32/32, 64 x 8 x 2,000 crosses at 182 tokens (11.0) |
+| 8+, under 8 | 12+ | under 256 | mean prompt / 16 | loss: 8 x 30 x 2,000 at 256 tokens, 1.03x (7.8) |
+| 8+, under 8 | 12+ | 256-1,023 | mean prompt / 10 | 16 x 16 x 2,000 crosses at 325 tokens (6.2) |
+| 8+, under 8 | 12+ | 1,024 and more | mean prompt / 6 | GQA 32/8, 64 x 30 x 2,000 crosses at 518 tokens (3.9) |
+| 2-7, or group 8+ | 2-7 | under 128 / from 128 | mean prompt / 500 / 200 | not measured (twenty-third round's) |
+| 2-7, or group 8+ | 8+ | under 128 | mean prompt / 230 | GQA 24/3, 1 x 20 x 8,000 crosses at 52 tokens (153) |
+| 2-7, or group 8+ | 8-11 | 128 and more | mean prompt / 50 | 16/2, head 64: 64 x 8 x 1,000 crosses at 31 (32.6) |
+| 2-7, or group 8+ | 12+ | 128 and more | mean prompt / 30 | GQA 32/4, 8 x 24 x 20,000 crosses at 1,043 tokens (19.2) |
+| 1 (or unknown) | any | under 512 | mean prompt / 370 | 1 x 32 x 20,000 crosses at 82 tokens (243) |
+| 1 | 2-11 | 512 and more | mean prompt / 50 | loss: 64 x 8 x 4,000 at 160 tokens, 1.06x (25) |
+| 1 | 12+ | 512 and more | mean prompt / 20 | 64 x 20 x 4,000 crosses at 332 tokens (12.0) |
 
-They were fitted in four steps, each checked on a set chosen before it ran, and each of the first four
-broke the table fitted before it on FlashInfer's split prompt at 16-256 rows: one table
-below 8 KV heads served 0.82x (held-out 3, 72 points), 2-7 KV heads at 125 under 512 rows served 0.78x
-(held-out 4, 80 points), MQA at 500 served 1.05x (held-out 5, 48 points), 2-7 KV heads at 250 under 128
-rows served 0.90x (held-out 6, 42 points). The final tables were checked in the twenty-fourth round
-(held-outs 7 and 8, ``tail_heldout{7,8}_predictions_*.txt``, 76 points at 24/3, 48/6, 32/4 and 8/1): with
-the tail kernel's tiling of the time they served two points under the margin, 1 x 20 x 8,000 at 24/3 and
-16 tokens (1.00x) and MQA 1 x 32 x 20,000 at 20 tokens (1.06x), both a single request on the split prompt
-at the limit. That round gave the tail kernel a tiling for few rows (index blocks; 1.01-1.66x faster
-steps on those sets), and with it the same sets served 46 points, the slowest 1.28x. Over every
-wrapper check (1,377 points, the re-measured held-outs in place of the first runs) the tables serve 725,
-the slowest 1.13x, and decline 254 winners; the twenty-second round's tables served 20 points under the
-margin (0.32x-1.10x) of the twenty-third round's sets. The faster tail makes these tables more
-conservative than measured; they were not refitted.
+Their history, in ``docs/rounds.md``: the twenty-first round's width-only table, the twenty-second's rows
+bands, the twenty-third's tables below 8 KV heads, each fitted to twice the ratio of every loss and broken
+by the next held-out set (eight of them) in the few-rows corner, where a loss ratio says nothing about
+shapes measured only far from their crossover; the twenty-fourth round's few-rows tail tiling then made
+those steps up to 1.66x faster, and the twenty-fifth timed again the 404 long-tail points whose launch it
+changed (``*_retimed_round25.json``) and refitted to the crossovers: over the wrapper checks it serves 775
+of those 1,080 points (725 before), the slowest 1.13x, and declines 186 winners (236). Where a crossover
+is extrapolated past the longest tail measured, the straight line is the model. :func:`tail_decline_reason`
+is this clause alone; a CUDA graph, whose tail is unknown at capture, cannot hand a step over and logs it
+instead.
 
 **Mixed tails.** The grids above ran one tail per batch; serving judges a batch's longest, since each
 request's tail is walked by its own programs. Measured with tails drawn in ``[1, T]`` (one request at
@@ -355,28 +331,31 @@ NARROW_BEAMS_MEASURED_KV_HEADS = 8
 TAIL_MEASURED_LEN = 4
 #: Past it, a step is served while its mean prompt holds at least this many tokens per generated token
 #: of the tail, ``(beam width from, beam rows R x W from, prompt tokens per tail token)``, with 8 KV heads or
-#: more; a shape takes the entry of the widest band it reaches, and in it the most rows (twenty-second
-#: round, ``tail_auto_check_*.json``): at least twice the ratio of every loss in the band. Few rows walk the
-#: tail with few programs, so they need more prompt per tail token; the module docstring has the losses.
+#: more and groups under 8; a shape takes the entry of the widest band it reaches, and in it the most rows
+#: (twenty-fifth round: at least 1.5x the crossover of every shape measured in the band at two tails or
+#: more, and twice the ratio of every loss; the module docstring has the data).
 TAIL_MIN_PROMPT_PER_TOKEN = (
-    (2, 0, 125),
-    (4, 256, 32),
-    (8, 0, 63), (8, 256, 32), (8, 512, 16),
-    (12, 0, 16), (12, 256, 10), (12, 1024, 4),
+    (2, 0, 32),
+    (8, 0, 25), (8, 256, 17),
+    (12, 0, 16), (12, 256, 10), (12, 1024, 6),
 )
-#: The same with 2-7 KV heads, where per-beam decode is cheap and the library has few programs (twenty-third
-#: round; the losses are in the module docstring). Two to seven beams were not measured there: the widest
-#: band's value under 128 rows, the twenty-first round's width-only value from there.
+#: The same with 2-7 KV heads, or groups of 8 query heads per KV head and more, where the library has the
+#: fewest programs per query head and per-beam decode is cheapest for its heads. Two to seven beams were
+#: not measured there (the twenty-third round's values).
 TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = (
     (2, 0, 500), (2, 128, 200),
-    (8, 0, 500), (8, 128, 63), (8, 512, 20),
-    (12, 0, 500), (12, 128, 32), (12, 512, 16),
+    (8, 0, 230), (8, 128, 50),
+    (12, 128, 30),
 )
 #: The same with one KV head (MQA) or an unknown count: MQA's per-beam decode is the cheapest of all (one
 #: KV head read by all of its query heads), so the library needs the most prompt per tail token there.
-TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 1000), (2, 512, 200), (12, 0, 1000), (12, 512, 32))
+TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 370), (2, 512, 50), (12, 512, 20))
 # From this many KV heads the tail takes TAIL_MIN_PROMPT_PER_TOKEN, below it the tables above.
 _TAIL_MANY_KV_HEADS = 8
+# From this many query heads per KV head the tail takes the few-KV-heads table at any KV head count: at 8
+# KV heads, GQA 64/8's crossovers (11.1-15.4 prompt tokens per tail token at 384-960 rows) were those of
+# the few-KV-heads grids (all but GQA 16/4 at group 8), 2-3x those of groups 1-4 at the same rows.
+_TAIL_LARGE_GROUP = 8
 
 
 def _scaling_kv_heads(num_kv_heads: Optional[int]) -> int:
@@ -490,27 +469,37 @@ def narrow_beams_min_prompt(beam_width: int, num_kv_heads: Optional[int]) -> Opt
     return _table_value(NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT, beam_width)
 
 
-def _tail_table(num_kv_heads: Optional[int]):
-    """The tail table for ``num_kv_heads`` (``None``: judged as one KV head, the strictest)."""
+def _tail_table(num_kv_heads: Optional[int], group: Optional[int]):
+    """The tail table for ``num_kv_heads`` and ``group`` query heads per KV head (``None``: judged as
+    the strictest, one KV head and a group of 8 or more)."""
     if num_kv_heads is None or int(num_kv_heads) <= 1:
         return TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD
-    return TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS if int(num_kv_heads) < _TAIL_MANY_KV_HEADS else TAIL_MIN_PROMPT_PER_TOKEN
+    if int(num_kv_heads) < _TAIL_MANY_KV_HEADS or group is None or int(group) >= _TAIL_LARGE_GROUP:
+        return TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS
+    return TAIL_MIN_PROMPT_PER_TOKEN
 
 
-def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int],
-                           num_requests: Optional[int]) -> Optional[int]:
-    table = _tail_table(num_kv_heads)
+def _group(num_qo_heads: Optional[int], num_kv_heads: Optional[int]) -> Optional[int]:
+    if num_qo_heads is None or not num_kv_heads or int(num_qo_heads) % int(num_kv_heads):
+        return None
+    return int(num_qo_heads) // int(num_kv_heads)
+
+
+def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int], num_requests: Optional[int],
+                           num_qo_heads: Optional[int]) -> Optional[int]:
+    table = _tail_table(num_kv_heads, _group(num_qo_heads, num_kv_heads))
     w = int(beam_width)
     return _table_value(table, w, 0 if num_requests is None else int(num_requests) * w)
 
 
 def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int],
-                 num_requests: Optional[int] = None) -> float:
+                 num_requests: Optional[int] = None, num_qo_heads: Optional[int] = None) -> float:
     """The longest tail (generated tokens per beam, this step's included) served with this beam width,
-    mean prompt, KV head count and request count (``None``: judged as the fewest rows): ``max(TAIL_MEASURED_LEN,
-    prompt_len / prompt tokens per tail token)`` (:data:`TAIL_MIN_PROMPT_PER_TOKEN`; ``..._FEW_KV_HEADS`` at
-    2-7 KV heads, ``..._ONE_KV_HEAD`` at one or an unknown count), in tokens."""
-    return _tail_limit(prompt_len, _tail_prompt_per_token(beam_width, num_kv_heads, num_requests))
+    mean prompt, KV head count, request count and query head count: ``max(TAIL_MEASURED_LEN, prompt_len /
+    prompt tokens per tail token)`` (:data:`TAIL_MIN_PROMPT_PER_TOKEN` with 8 KV heads or more and groups
+    under 8; ``..._FEW_KV_HEADS`` at 2-7 KV heads or groups of 8 and more; ``..._ONE_KV_HEAD`` at one), in
+    tokens. ``None`` is judged as the strictest: one KV head, the fewest rows, a group of 8."""
+    return _tail_limit(prompt_len, _tail_prompt_per_token(beam_width, num_kv_heads, num_requests, num_qo_heads))
 
 
 def _tail_limit(prompt_len: float, per_token: Optional[int]) -> float:
@@ -518,23 +507,30 @@ def _tail_limit(prompt_len: float, per_token: Optional[int]) -> float:
 
 
 def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], tail_len: Optional[float],
-                        num_kv_heads: Optional[int], num_requests: Optional[int] = None) -> Optional[str]:
+                        num_kv_heads: Optional[int], num_requests: Optional[int] = None,
+                        num_qo_heads: Optional[int] = None) -> Optional[str]:
     """The long-tail clause of :func:`should_decline` alone: the reason to leave a step whose beams have
     generated ``tail_len`` tokens (the longest request's, this step's included) over a mean prompt of ``prompt_len``
     tokens to per-beam decode, or ``None``. ``beam_width``, ``prompt_len`` or ``tail_len`` ``None``
     (unknown): ``None``; ``num_kv_heads`` ``None``: judged as one KV head; ``num_requests`` ``None``: as
-    the fewest rows."""
+    the fewest rows; ``num_qo_heads`` ``None``: as a group of 8."""
     if beam_width is None or prompt_len is None or tail_len is None:
         return None
-    per_token = _tail_prompt_per_token(beam_width, num_kv_heads, num_requests)
+    per_token = _tail_prompt_per_token(beam_width, num_kv_heads, num_requests, num_qo_heads)
     limit = _tail_limit(prompt_len, per_token)
     if float(tail_len) <= limit:
         return None
     heads = ("1 KV head (or an unknown count)" if num_kv_heads is None
              else f"{int(num_kv_heads)} KV head{'' if int(num_kv_heads) == 1 else 's'}")
+    group = _group(num_qo_heads, num_kv_heads)
+    if num_kv_heads is not None and int(num_kv_heads) >= _TAIL_MANY_KV_HEADS:
+        if group is None:
+            heads += f" and an unknown query head count (judged as a group of {_TAIL_LARGE_GROUP})"
+        elif group >= _TAIL_LARGE_GROUP:
+            heads += f" and {group} query heads per KV head"
     rows = "" if num_requests is None else f" and {int(num_requests) * int(beam_width)} beam rows"
     return (
-        f"tail {float(tail_len):.0f} generated tokens per beam > {limit:.0f} (beam width {int(beam_width)}{rows} "
+        f"tail {float(tail_len):.0f} generated tokens per beam > {int(limit)} (beam width {int(beam_width)}{rows} "
         f"with {heads} needs {per_token} prompt tokens per generated token past {TAIL_MEASURED_LEN}; "
         f"mean prompt {float(prompt_len):.0f}): every beam reads its own generated tokens a short block at a "
         f"time, and per-beam decode is faster or within 10% at such tails (measured on the H200, "
@@ -632,7 +628,7 @@ def should_decline(
             f"beam width {w} with {int(num_kv_heads)} KV heads (more than {NARROW_BEAMS_MEASURED_KV_HEADS}): per-beam "
             f"decode was faster or within 10% {served} (measured on the H200, docs/benchmarks.md)"
         )
-    long_tail = tail_decline_reason(w, prompt_len, tail_len, num_kv_heads, num_requests)
+    long_tail = tail_decline_reason(w, prompt_len, tail_len, num_kv_heads, num_requests, num_qo_heads)
     if long_tail is not None:
         return long_tail
     saved = (w - 1) * float(prompt_len)

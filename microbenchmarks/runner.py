@@ -115,7 +115,7 @@ def rule_verdict(shape: BenchShape) -> Dict:
     one_launch, split_kv, reason = _auto_verdict(shape)
     path = "cascade" if one_launch else "flashinfer split prompt" if split_kv else "prefix + tail kernel"
     return {"path": path, "decline_reason": reason,
-            "max_tail": int(max_tail_len(shape.beams, shape.prompt, shape.kv_heads, shape.requests))}
+            "max_tail": int(max_tail_len(shape.beams, shape.prompt, shape.kv_heads, shape.requests, shape.heads))}
 
 
 def _short_error(exc: BaseException) -> str:

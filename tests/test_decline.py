@@ -1,5 +1,7 @@
 """The decline rule (beam_shared_prefix/decline.py): its thresholds, and its agreement with the H200 grids."""
 
+import collections
+
 import pytest
 from h200_grids import SUPERSEDED, grid_points
 from hypothesis import given, settings
@@ -11,6 +13,11 @@ from beam_shared_prefix.decline import (
     MIN_BEAM_WIDTH_ANY_PROMPT,
     MIN_SHARED_PROMPT_TOKENS,
     TAIL_MEASURED_LEN,
+    TAIL_MIN_PROMPT_PER_TOKEN,
+    TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS,
+    TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD,
+    _table_value,
+    _tail_table,
     cascade_min_prompt,
     max_tail_len,
     narrow_beams_min_prompt,
@@ -291,14 +298,26 @@ def test_rule_agrees_with_the_wrapper_checks():
 
 @pytest.mark.parametrize("old,new", sorted(SUPERSEDED.items()))
 def test_superseded_grids_were_measured_again(old, new):
-    """A grid left out of the rule checks was measured again: the same shapes, in the same order, every
-    arm of the old file ran again, and the library was not slower at any point (within 5% noise)."""
-    before = list(grid_points(old, include_superseded=True))
-    after = list(grid_points(new))
-    assert before and [p[1] for p in before] == [p[1] for p in after]
-    for (_, shape, _, old_arms), (_, _, _, new_arms) in zip(before, after):
+    """A grid measured again: its replacement holds some or all of the old shapes, in the old order, with
+    every arm of the old file run again, and the library was not slower at any point (within 5% noise);
+    the rule checks read the replaced points in place of the old ones."""
+    before = {p[1]["name"]: p for p in grid_points(old, as_measured=True)}
+    after = list(grid_points(new, as_measured=True))
+    names = [p[1]["name"] for p in after]
+    assert after and set(names) <= set(before), set(names) - set(before)
+    assert names == [name for name in before if name in set(names)]
+    for _, shape, _, new_arms in after:
+        old_shape, old_arms = before[shape["name"]][1], before[shape["name"]][3]
+        # (grids older than the tail jitter have no tail_jitter key: they ran without it)
+        assert {k: shape[k] for k in old_shape} == old_shape, shape
+        assert not any(v for k, v in shape.items() if k not in old_shape), shape
         assert set(old_arms) <= set(new_arms), shape
         assert new_arms["library/auto"]["time_us"] <= 1.05 * old_arms["library/auto"]["time_us"], shape
+    merged = list(grid_points(old))
+    assert [p[1]["name"] for p in merged] == list(before)
+    times = {**{n: p[3]["library/auto"]["time_us"] for n, p in before.items()},
+             **{p[1]["name"]: p[3]["library/auto"]["time_us"] for p in after}}
+    assert [p[3]["library/auto"]["time_us"] for p in merged] == [times[n] for n in before]
 
 
 def _grid_points(pattern):
@@ -379,72 +398,121 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
         assert should_decline(r0, w0, p0, *shape, tail_len=t_short, **path) is None, t_short
 
 
-@pytest.mark.parametrize("requests,beams,prompt,kv_heads,per_token,longest_served", [
-    # 8 KV heads and more: by beam width and beam rows R x W
-    (8, 8, 2000, 8, 63, 31),      # 8 x 8 x 2,000: 0.93x at 64 tokens (31 prompt tokens per tail token)
-    (64, 8, 1000, 8, 16, 62),     # 512 rows: the band's worst loss 7.8 (64 x 8 x 2,000 at 256, GQA 32/8: 0.92x)
-    (60, 4, 1000, 8, 125, 8),     # under 256 rows: prompt / 125 (no point there passed the other clauses)
-    (64, 4, 2000, 8, 32, 62),     # 64 x 4 x 2,000: 1.41x at 64 tokens, 1.06x at 128
-    (8, 30, 2000, 8, 16, 125),    # 8 x 30 x 2,000: 1.65x at 128, 1.03x at 256
-    (16, 30, 2000, 8, 10, 200),   # 256-1,023 rows: the worst loss 4.7 (GQA 64/8, 32 x 12 x 300 at 64: 0.72x)
-    (64, 30, 500, 8, 4, 125),     # 64 x 30 x 500: 2.46x at 128 tokens; 0.90x at 256 (GQA 32/8)
-    (128, 96, 500, 16, 4, 125),   # 12,288 rows at 16 KV heads
-    # fewer (twenty-third round): MQA from 512 rows, prompt / 200 (2-11 beams) and / 32
-    (128, 4, 2000, 1, 200, 10),   # MQA 128 x 4 x 2,000: 1.22x at 16 tokens, 1.00x at 32
-    (128, 64, 500, 1, 32, 15),    # MQA 128 x 64 x 500: 1.65x at 32, 0.55x at 128
-    (64, 30, 1000, 1, 32, 31),    # MQA 64 x 30 x 1,000: 2.48x at 16, 1.08x at 64
-    # 2-7 KV heads: 8-11 beams from 512 rows / 20, 12 and more from 512 rows / 16
-    (64, 8, 1000, 2, 20, 50),     # 16/2 at head 64, 64 x 8 x 1,000: 1.13x at 32, 0.45x at 128
-    (32, 64, 1000, 2, 16, 62),    # 16/2 at head 64, 32 x 64 x 1,000: 1.37x at 64, 0.45x at 256
+@pytest.mark.parametrize("requests,beams,prompt,heads,kv_heads,per_token", [
+    # 8 KV heads and more, groups under 8: by beam width and beam rows R x W
+    (40, 6, 1200, 16, 8, 32),      # 2-7 beams
+    (20, 10, 600, 16, 16, 25),     # 8-11 beams under 256 rows (MHA 16/16: 1.01x at 48 tokens)
+    (64, 8, 2000, 32, 32, 17),     # 8-11 beams from 256 rows
+    (8, 30, 2000, 16, 8, 16),      # 12 and more under 256 rows
+    (16, 30, 2000, 16, 8, 10),     # 256-1,023 rows
+    (64, 30, 2000, 32, 8, 6),      # from 1,024 rows (GQA 32/8)
+    (128, 96, 500, 64, 16, 6),     # 12,288 rows at 16 KV heads, group 4
+    # 2-7 KV heads, or groups of 8 and more at any KV head count
+    (64, 4, 2000, 16, 4, 200),     # 2-7 beams from 128 rows (not measured: the twenty-third round's value)
+    (3, 8, 8000, 24, 3, 230),      # under 128 rows
+    (32, 8, 1500, 16, 2, 50),      # 8-11 beams from 128 rows
+    (1, 20, 8000, 24, 3, 230),     # a single request on FlashInfer's split prompt
+    (32, 12, 4000, 64, 8, 30),     # group 8 at 8 KV heads: the few-KV-heads table from 128 rows
+    # one KV head (MQA)
+    (4, 10, 20000, 8, 1, 370),     # under 512 rows
+    (128, 4, 2000, 8, 1, 50),      # 2-11 beams from 512 rows
+    (64, 30, 1000, 8, 1, 20),      # 12 and more from 512 rows
 ])
-def test_long_tails_need_long_prompts(requests, beams, prompt, kv_heads, per_token, longest_served):
+def test_long_tails_need_long_prompts(requests, beams, prompt, heads, kv_heads, per_token):
     """Every path reads each beam's generated tokens a short block at a time, so past the measured 4-token
-    tail a step is served only while its mean prompt holds enough tokens per generated token
-    (``tail_auto_check_*.json``): with 8 KV heads or more by beam width and beam rows (twenty-second
-    round: few rows walk the tail with few programs), with fewer by beam width alone. The rule without
-    it served 64 x 4 x 100 at 256 tokens (0.28x) and 8 x 8 x 500 at 256 (0.22x)."""
-    assert max_tail_len(beams, prompt, kv_heads, requests) == pytest.approx(max(4, prompt / per_token))
-    shape = (requests, beams, prompt, 8 * kv_heads if kv_heads < 8 else 16, kv_heads, 128)
-    for one_launch in (True, False):
-        assert should_decline(*shape, one_launch=one_launch, tail_len=longest_served) is None
-        reason = should_decline(*shape, one_launch=one_launch, tail_len=longest_served + 1)
-        assert reason is not None and f"tail {longest_served + 1} generated tokens per beam" in reason
-        assert f"mean prompt {prompt}" in reason and f"needs {per_token} prompt tokens" in reason
-    assert should_decline(*shape, tail_len=None) is None  # unknown (a CUDA graph): not judged
-    assert tail_decline_reason(beams, prompt, None, kv_heads, requests) is None
-    too_long = longest_served + 1
-    assert tail_decline_reason(beams, prompt, too_long, kv_heads, requests) == should_decline(*shape, tail_len=too_long)
-    # An unknown KV head count is judged as one, an unknown request count as the fewest rows.
-    assert max_tail_len(beams, prompt, None, requests) == max_tail_len(beams, prompt, 1, requests)
-    assert max_tail_len(beams, prompt, kv_heads) == max_tail_len(beams, prompt, kv_heads, 0)
-    assert max_tail_len(beams, prompt, kv_heads) <= max_tail_len(beams, prompt, kv_heads, requests)
-
-
-@pytest.mark.parametrize("requests,beams,prompt,kv_heads,per_token,loss", [
-    # one KV head (MQA) under 512 rows: prompt / 1,000 at every width
-    (4, 16, 8000, 1, 1000, "4 x 16 x 8,000 at 32 tokens: 0.82x"),
-    (4, 14, 10000, 1, 1000, "held out: 4 x 14 x 10,000 at 20 tokens: 1.05x"),
-    # 2-7 KV heads: under 128 rows prompt / 500 at every width (losses at 125-250 on FlashInfer's split prompt)
-    (8, 8, 6000, 2, 500, "16/2, 8 x 8 x 6,000 at 48 tokens: 0.78x"),
-    (2, 8, 12000, 5, 500, "held out: GQA 40/5, 2 x 8 x 12,000 at 48 tokens: 0.90x"),
-    # from 128 rows: 2-7 beams 200 (not measured), 8-11 beams 63 and from 512 rows 20, 12 and more 32 and 16
-    (64, 4, 2000, 4, 200, "not measured"),
-    (32, 8, 1500, 2, 63, "16/2, 32 x 8 x 1,500 at 48 tokens: 0.82x"),
-    (64, 8, 1000, 2, 20, "16/2 at head 64, 64 x 8 x 300 at 32 tokens: 0.84x"),
-    (16, 24, 1000, 2, 32, "GQA 16/4, 4 x 30 x 2,000 at 128 tokens (120 rows, below the band): 0.69x"),
-    (64, 24, 1000, 2, 16, "16/2 at head 64, 64 x 24 x 1,000 at 128 tokens: 1.08x"),
-])
-def test_long_tails_at_few_kv_heads(requests, beams, prompt, kv_heads, per_token, loss):
-    """Below 8 KV heads the tail clause has two tables (twenty-third round): one KV head (MQA, and an unknown
-    count), where per-beam decode is cheapest, and 2-7 KV heads, each by beam width and beam rows. The
-    twenty-first round's width-only table (prompt / 200 and / 25) served 20 points of the twenty-third
-    round's grids under the margin, all at fewer than 512 rows (0.32x-1.10x)."""
-    assert max_tail_len(beams, prompt, kv_heads, requests) == pytest.approx(max(4, prompt / per_token)), loss
+    tail a step is served only while its mean prompt holds enough tokens per generated token (the tables
+    are checked against the grids by ``test_tail_tables_hold_the_measured_crossovers``)."""
+    assert max_tail_len(beams, prompt, kv_heads, requests, heads) == pytest.approx(max(4, prompt / per_token))
     longest = int(max(4, prompt / per_token))
-    assert tail_decline_reason(beams, prompt, longest, kv_heads, requests) is None
-    reason = tail_decline_reason(beams, prompt, longest + 1, kv_heads, requests)
-    heads = "1 KV head" if kv_heads == 1 else f"{kv_heads} KV heads"
-    assert f"with {heads} needs {per_token} prompt tokens" in reason, reason
-    # An unknown KV head count is judged as one, the strictest table.
-    assert max_tail_len(beams, prompt, None, requests) == max_tail_len(beams, prompt, 1, requests) <= max_tail_len(
-        beams, prompt, kv_heads, requests)
+    shape = (requests, beams, prompt, heads, kv_heads, 128)
+    judged = 0
+    for one_launch, split_kv in ((True, False), (False, False), (False, True)):
+        path = dict(one_launch=one_launch, split_kv=split_kv)
+        if should_decline(*shape, tail_len=TAIL_MEASURED_LEN, **path) is not None:
+            continue  # another clause declines this path (few rows: all but FlashInfer's split prompt)
+        judged += 1
+        assert should_decline(*shape, tail_len=longest, **path) is None
+        reason = should_decline(*shape, tail_len=longest + 1, **path)
+        assert reason is not None and f"tail {longest + 1} generated tokens per beam > {longest}" in reason
+        assert f"mean prompt {prompt}" in reason and f"needs {per_token} prompt tokens" in reason, reason
+        if kv_heads >= 8 and heads // kv_heads >= 8:
+            assert f"{heads // kv_heads} query heads per KV head" in reason
+        assert should_decline(*shape, tail_len=None, **path) is None  # unknown (a CUDA graph): not judged
+        assert tail_decline_reason(beams, prompt, longest + 1, kv_heads, requests, heads) == reason
+    assert judged
+    assert tail_decline_reason(beams, prompt, None, kv_heads, requests, heads) is None
+    # Unknowns are judged as the strictest: one KV head, the fewest rows, a group of 8.
+    assert max_tail_len(beams, prompt, None, requests, heads) == max_tail_len(beams, prompt, 1, requests)
+    assert max_tail_len(beams, prompt, kv_heads, None, heads) == max_tail_len(beams, prompt, kv_heads, 0, heads)
+    assert max_tail_len(beams, prompt, kv_heads, None, heads) <= max_tail_len(beams, prompt, kv_heads, requests, heads)
+    assert max_tail_len(beams, prompt, kv_heads, requests) <= max_tail_len(beams, prompt, kv_heads, requests, heads)
+    assert max_tail_len(beams, prompt, kv_heads, requests) == max_tail_len(beams, prompt, kv_heads, requests, 8 * kv_heads)
+
+
+def _tail_table_entry(kv_heads, heads, beams, rows):
+    """The table and the index of the entry that judges this shape's tail."""
+    table = _tail_table(kv_heads, heads // kv_heads)
+    hits = [i for i, (w, r, _) in enumerate(table) if w <= beams and r <= rows]
+    return table, hits[-1]
+
+
+def _tail_crossover(points):
+    """The tail where per-beam decode / library = 1.10, from least-squares lines of both times in the tail
+    over ``(tail, library us, decode us)`` at two tails or more; ``inf`` where the library never falls
+    that far behind."""
+    n = len(points)
+    mean_t = sum(p[0] for p in points) / n
+    var_t = sum((p[0] - mean_t) ** 2 for p in points)
+    lines = []
+    for k in (1, 2):
+        mean = sum(p[k] for p in points) / n
+        slope = sum((p[0] - mean_t) * (p[k] - mean) for p in points) / var_t
+        lines.append((slope, mean - slope * mean_t))
+    (lib_slope, lib_at_0), (dec_slope, dec_at_0) = lines
+    gap = 1.10 * lib_slope - dec_slope
+    return (dec_at_0 - 1.10 * lib_at_0) / gap if gap > 0 else float("inf")
+
+
+def test_tail_tables_hold_the_measured_crossovers():
+    """The fit of the tail tables (twenty-fifth round), checked against the committed grids: every entry is
+    at least 1.5x the prompt tokens per tail token at which each shape of its band, measured at two long
+    tails or more, crosses 1.10x of per-beam decode (interpolated or extrapolated along straight lines
+    of both times in the tail), and at least twice the ratio of every point of its band under 1.10x. And
+    more beam rows or beams never need more prompt per tail token."""
+    shapes = collections.defaultdict(list)
+    entries = collections.defaultdict(list)  # (table id, index) -> [(needed ratio, why)]
+    for name, s, arms, decode in _grid_points("*auto_check*.json"):
+        lib = arms["library/auto"]
+        backend = lib["info"].get("backend")
+        args = (s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"])
+        path = dict(one_launch=backend == "triton", split_kv=backend == "flashinfer")
+        if s["tail"] <= TAIL_MEASURED_LEN or should_decline(*args, tail_len=TAIL_MEASURED_LEN, **path) is not None:
+            continue
+        table, index = _tail_table_entry(s["kv_heads"], s["heads"], s["beams"], s["requests"] * s["beams"])
+        where = f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} {s['heads']}/{s['kv_heads']} D{s['head_dim']}"
+        if decode / lib["time_us"] < 1.10:
+            entries[id(table), index].append((2 * s["prompt"] / s["tail"], f"{where} T={s['tail']} (a loss)"))
+        shapes[name, args, s.get("tail_jitter"), backend].append((s["tail"], lib["time_us"], decode))
+    crossovers = 0
+    for (name, args, _, _), points in shapes.items():
+        if len({p[0] for p in points}) < 2:
+            continue
+        crossovers += 1
+        tail = _tail_crossover(points)
+        table, index = _tail_table_entry(args[4], args[3], args[1], args[0] * args[1])
+        entries[id(table), index].append((1.5 * args[2] / tail if tail > 0 else float("inf"),
+                                          f"{name}: {args} crosses at {tail:.0f} tokens"))
+    assert crossovers >= 250 and len(entries) >= 12, (crossovers, len(entries))
+    tables = {id(t): t for t in (TAIL_MIN_PROMPT_PER_TOKEN, TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS,
+                                 TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD)}
+    for (table, index), needs in entries.items():
+        value = tables[table][index][2]
+        need, why = max(needs)
+        assert value >= need, f"entry {tables[table][index]} < {need:.1f}: {why}"
+    for table in tables.values():
+        for w, r in ((w, r) for w in range(2, 300, 3) for r in (0, 64, 128, 256, 512, 1024, 4096)):
+            here = _table_value(table, w, r)
+            assert here is None or all(here >= (_table_value(table, w2, r2) or 0)
+                                       for w2, r2 in ((w + 1, r), (w, 2 * r + 1))), (table, w, r)
+
+

@@ -165,7 +165,7 @@ class StepInfo:
                 if reason is None and tail is None:
                     # A CUDA graph replays its captured path whatever the tail: say so once per kind.
                     slow = tail_decline_reason(self.beam_width, *self.observed_lens, family.num_kv_heads,
-                                               self.num_requests)
+                                               self.num_requests, family.num_qo_heads)
                     if slow is not None:
                         slow_step_log(logging.WARNING,
                                       f"a CUDA-graph step runs its captured library path although {slow}; a graph "
