@@ -232,7 +232,8 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
            "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
            "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS",
-           "TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD", "max_tail_len",
+           "TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD", "TAIL_FEW_ROW_KV_HEADS", "TAIL_PROMPT_ROW_KV_HEADS",
+           "max_tail_len",
            "tail_decline_reason"]
 
 #: Beam search proper: with one beam nothing is shared.
@@ -335,7 +336,7 @@ TAIL_MEASURED_LEN = 4
 #: (twenty-fifth round: at least 1.5x the crossover of every shape measured in the band at two tails or
 #: more, and twice the ratio of every loss; the module docstring has the data).
 TAIL_MIN_PROMPT_PER_TOKEN = (
-    (2, 0, 32),
+    (2, 0, 62),
     (8, 0, 25), (8, 256, 17),
     (12, 0, 16), (12, 256, 10), (12, 1024, 6),
 )
@@ -344,12 +345,20 @@ TAIL_MIN_PROMPT_PER_TOKEN = (
 #: not measured there (the twenty-third round's values).
 TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = (
     (2, 0, 500), (2, 128, 200),
-    (8, 0, 230), (8, 128, 50),
-    (12, 128, 30),
+    (8, 0, 60), (8, 128, 50),
+    (12, 128, 36),
 )
 #: The same with one KV head (MQA) or an unknown count: MQA's per-beam decode is the cheapest of all (one
 #: KV head read by all of its query heads), so the library needs the most prompt per tail token there.
-TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 370), (2, 512, 50), (12, 512, 20))
+TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 141), (2, 512, 50), (12, 512, 22))
+#: Under :data:`TAIL_FEW_ROW_KV_HEADS` row-KV-heads ``R x W x Hkv`` the tail kernel runs a program or two per SM
+#: and each generated token costs the step a fixed latency, while per-beam decode's time is the prompt's
+#: bytes, ``R x W x Hkv x P``: the crossover ratio falls as ``1 / (R x W x Hkv)`` (twenty-fifth round: the
+#: crossover times the row-KV-heads was 6,000-11,400 for every shape under 256). A step there also needs
+#: ``TAIL_PROMPT_ROW_KV_HEADS / (R x W x Hkv)`` prompt tokens per tail token: twice held-out 9's 1 x 10 x
+#: 15,000 at 32/4, 1.09x at 60 tokens.
+TAIL_FEW_ROW_KV_HEADS = 256
+TAIL_PROMPT_ROW_KV_HEADS = 20_000
 # From this many KV heads the tail takes TAIL_MIN_PROMPT_PER_TOKEN, below it the tables above.
 _TAIL_MANY_KV_HEADS = 8
 # From this many query heads per KV head the tail takes the few-KV-heads table at any KV head count: at 8
@@ -489,7 +498,12 @@ def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int], num_req
                            num_qo_heads: Optional[int]) -> Optional[int]:
     table = _tail_table(num_kv_heads, _group(num_qo_heads, num_kv_heads))
     w = int(beam_width)
-    return _table_value(table, w, 0 if num_requests is None else int(num_requests) * w)
+    rows = w * (1 if num_requests is None else max(int(num_requests), 1))
+    per_token = _table_value(table, w, rows)
+    row_kv_heads = rows * max(int(num_kv_heads or 1), 1)
+    if row_kv_heads < TAIL_FEW_ROW_KV_HEADS:
+        per_token = max(per_token or 0, -(-TAIL_PROMPT_ROW_KV_HEADS // row_kv_heads))
+    return per_token
 
 
 def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int],
@@ -498,7 +512,9 @@ def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int]
     mean prompt, KV head count, request count and query head count: ``max(TAIL_MEASURED_LEN, prompt_len /
     prompt tokens per tail token)`` (:data:`TAIL_MIN_PROMPT_PER_TOKEN` with 8 KV heads or more and groups
     under 8; ``..._FEW_KV_HEADS`` at 2-7 KV heads or groups of 8 and more; ``..._ONE_KV_HEAD`` at one), in
-    tokens. ``None`` is judged as the strictest: one KV head, the fewest rows, a group of 8."""
+    tokens; under :data:`TAIL_FEW_ROW_KV_HEADS` row-KV-heads at least :data:`TAIL_PROMPT_ROW_KV_HEADS` ``/ (R x W
+    x Hkv)`` prompt tokens per tail token. ``None`` is judged as the strictest: one KV head, one request, a group
+    of 8."""
     return _tail_limit(prompt_len, _tail_prompt_per_token(beam_width, num_kv_heads, num_requests, num_qo_heads))
 
 
@@ -513,7 +529,7 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
     generated ``tail_len`` tokens (the longest request's, this step's included) over a mean prompt of ``prompt_len``
     tokens to per-beam decode, or ``None``. ``beam_width``, ``prompt_len`` or ``tail_len`` ``None``
     (unknown): ``None``; ``num_kv_heads`` ``None``: judged as one KV head; ``num_requests`` ``None``: as
-    the fewest rows; ``num_qo_heads`` ``None``: as a group of 8."""
+    one request; ``num_qo_heads`` ``None``: as a group of 8."""
     if beam_width is None or prompt_len is None or tail_len is None:
         return None
     per_token = _tail_prompt_per_token(beam_width, num_kv_heads, num_requests, num_qo_heads)
@@ -529,6 +545,9 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
         elif group >= _TAIL_LARGE_GROUP:
             heads += f" and {group} query heads per KV head"
     rows = "" if num_requests is None else f" and {int(num_requests) * int(beam_width)} beam rows"
+    row_kv_heads = int(beam_width) * max(int(num_requests or 1), 1) * max(int(num_kv_heads or 1), 1)
+    if row_kv_heads < TAIL_FEW_ROW_KV_HEADS and per_token == -(-TAIL_PROMPT_ROW_KV_HEADS // row_kv_heads):
+        heads += f" ({TAIL_PROMPT_ROW_KV_HEADS:,} / {row_kv_heads} row-KV-heads)"
     return (
         f"tail {float(tail_len):.0f} generated tokens per beam > {int(limit)} (beam width {int(beam_width)}{rows} "
         f"with {heads} needs {per_token} prompt tokens per generated token past {TAIL_MEASURED_LEN}; "

@@ -12,12 +12,14 @@ from beam_shared_prefix.decline import (
     CASCADE_MIN_PROMPT_HEAD_64,
     MIN_BEAM_WIDTH_ANY_PROMPT,
     MIN_SHARED_PROMPT_TOKENS,
+    TAIL_FEW_ROW_KV_HEADS,
     TAIL_MEASURED_LEN,
     TAIL_MIN_PROMPT_PER_TOKEN,
     TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS,
     TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD,
+    TAIL_PROMPT_ROW_KV_HEADS,
     _table_value,
-    _tail_table,
+    _tail_prompt_per_token,
     cascade_min_prompt,
     max_tail_len,
     narrow_beams_min_prompt,
@@ -400,23 +402,26 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
 
 @pytest.mark.parametrize("requests,beams,prompt,heads,kv_heads,per_token", [
     # 8 KV heads and more, groups under 8: by beam width and beam rows R x W
-    (40, 6, 1200, 16, 8, 32),      # 2-7 beams
+    (40, 6, 1200, 16, 8, 62),      # 2-7 beams
     (20, 10, 600, 16, 16, 25),     # 8-11 beams under 256 rows (MHA 16/16: 1.01x at 48 tokens)
     (64, 8, 2000, 32, 32, 17),     # 8-11 beams from 256 rows
     (8, 30, 2000, 16, 8, 16),      # 12 and more under 256 rows
     (16, 30, 2000, 16, 8, 10),     # 256-1,023 rows
     (64, 30, 2000, 32, 8, 6),      # from 1,024 rows (GQA 32/8)
     (128, 96, 500, 64, 16, 6),     # 12,288 rows at 16 KV heads, group 4
+    (2, 12, 6000, 16, 8, 105),     # under 256 row-KV-heads: 20,000 / (2 x 12 x 8)
     # 2-7 KV heads, or groups of 8 and more at any KV head count
     (64, 4, 2000, 16, 4, 200),     # 2-7 beams from 128 rows (not measured: the twenty-third round's value)
-    (3, 8, 8000, 24, 3, 230),      # under 128 rows
+    (6, 16, 3000, 40, 5, 60),      # under 128 rows, 480 row-KV-heads
+    (3, 8, 8000, 24, 3, 278),      # 72 row-KV-heads: 20,000 / 72
+    (1, 10, 15000, 32, 4, 500),    # held-out 9: 1.09x at 60 tokens
     (32, 8, 1500, 16, 2, 50),      # 8-11 beams from 128 rows
-    (1, 20, 8000, 24, 3, 230),     # a single request on FlashInfer's split prompt
-    (32, 12, 4000, 64, 8, 30),     # group 8 at 8 KV heads: the few-KV-heads table from 128 rows
+    (32, 12, 4000, 64, 8, 36),     # group 8 at 8 KV heads: the few-KV-heads table from 128 rows
     # one KV head (MQA)
-    (4, 10, 20000, 8, 1, 370),     # under 512 rows
+    (16, 16, 2000, 8, 1, 141),     # under 512 rows
+    (4, 10, 20000, 8, 1, 500),     # 40 row-KV-heads
     (128, 4, 2000, 8, 1, 50),      # 2-11 beams from 512 rows
-    (64, 30, 1000, 8, 1, 20),      # 12 and more from 512 rows
+    (64, 30, 1000, 8, 1, 22),      # 12 and more from 512 rows
 ])
 def test_long_tails_need_long_prompts(requests, beams, prompt, heads, kv_heads, per_token):
     """Every path reads each beam's generated tokens a short block at a time, so past the measured 4-token
@@ -437,23 +442,20 @@ def test_long_tails_need_long_prompts(requests, beams, prompt, heads, kv_heads, 
         assert f"mean prompt {prompt}" in reason and f"needs {per_token} prompt tokens" in reason, reason
         if kv_heads >= 8 and heads // kv_heads >= 8:
             assert f"{heads // kv_heads} query heads per KV head" in reason
+        row_kv_heads = requests * beams * kv_heads
+        if row_kv_heads < TAIL_FEW_ROW_KV_HEADS and per_token == -(-TAIL_PROMPT_ROW_KV_HEADS // row_kv_heads):
+            assert f"({TAIL_PROMPT_ROW_KV_HEADS:,} / {row_kv_heads} row-KV-heads)" in reason
         assert should_decline(*shape, tail_len=None, **path) is None  # unknown (a CUDA graph): not judged
         assert tail_decline_reason(beams, prompt, longest + 1, kv_heads, requests, heads) == reason
     assert judged
     assert tail_decline_reason(beams, prompt, None, kv_heads, requests, heads) is None
-    # Unknowns are judged as the strictest: one KV head, the fewest rows, a group of 8.
+    # Unknowns are judged as the strictest: one KV head, one request, a group of 8.
     assert max_tail_len(beams, prompt, None, requests, heads) == max_tail_len(beams, prompt, 1, requests)
-    assert max_tail_len(beams, prompt, kv_heads, None, heads) == max_tail_len(beams, prompt, kv_heads, 0, heads)
+    assert max_tail_len(beams, prompt, kv_heads, None, heads) == max_tail_len(beams, prompt, kv_heads, 1, heads)
     assert max_tail_len(beams, prompt, kv_heads, None, heads) <= max_tail_len(beams, prompt, kv_heads, requests, heads)
     assert max_tail_len(beams, prompt, kv_heads, requests) <= max_tail_len(beams, prompt, kv_heads, requests, heads)
-    assert max_tail_len(beams, prompt, kv_heads, requests) == max_tail_len(beams, prompt, kv_heads, requests, 8 * kv_heads)
-
-
-def _tail_table_entry(kv_heads, heads, beams, rows):
-    """The table and the index of the entry that judges this shape's tail."""
-    table = _tail_table(kv_heads, heads // kv_heads)
-    hits = [i for i, (w, r, _) in enumerate(table) if w <= beams and r <= rows]
-    return table, hits[-1]
+    group_8 = max_tail_len(beams, prompt, kv_heads, requests, 8 * kv_heads)
+    assert max_tail_len(beams, prompt, kv_heads, requests) == group_8
 
 
 def _tail_crossover(points):
@@ -474,13 +476,14 @@ def _tail_crossover(points):
 
 
 def test_tail_tables_hold_the_measured_crossovers():
-    """The fit of the tail tables (twenty-fifth round), checked against the committed grids: every entry is
-    at least 1.5x the prompt tokens per tail token at which each shape of its band, measured at two long
-    tails or more, crosses 1.10x of per-beam decode (interpolated or extrapolated along straight lines
-    of both times in the tail), and at least twice the ratio of every point of its band under 1.10x. And
-    more beam rows or beams never need more prompt per tail token."""
+    """The fit of the tail clause (twenty-fifth round), checked against the committed grids: at every shape
+    measured at two long tails or more, the prompt tokens per tail token the rule asks for (its table's
+    entry, or under 256 row-KV-heads ``20,000 / (R x W x Hkv)``) are at least 1.5x those at which the shape
+    crosses 1.10x of per-beam decode (interpolated or extrapolated along straight lines of both times in
+    the tail), and at least twice the ratio of every point under 1.10x. And more beam rows or beams never
+    need more prompt per tail token."""
     shapes = collections.defaultdict(list)
-    entries = collections.defaultdict(list)  # (table id, index) -> [(needed ratio, why)]
+    needs = []
     for name, s, arms, decode in _grid_points("*auto_check*.json"):
         lib = arms["library/auto"]
         backend = lib["info"].get("backend")
@@ -488,10 +491,8 @@ def test_tail_tables_hold_the_measured_crossovers():
         path = dict(one_launch=backend == "triton", split_kv=backend == "flashinfer")
         if s["tail"] <= TAIL_MEASURED_LEN or should_decline(*args, tail_len=TAIL_MEASURED_LEN, **path) is not None:
             continue
-        table, index = _tail_table_entry(s["kv_heads"], s["heads"], s["beams"], s["requests"] * s["beams"])
-        where = f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} {s['heads']}/{s['kv_heads']} D{s['head_dim']}"
         if decode / lib["time_us"] < 1.10:
-            entries[id(table), index].append((2 * s["prompt"] / s["tail"], f"{where} T={s['tail']} (a loss)"))
+            needs.append((args, 2 * s["prompt"] / s["tail"], f"{name}: {args} at {s['tail']} tokens (a loss)"))
         shapes[name, args, s.get("tail_jitter"), backend].append((s["tail"], lib["time_us"], decode))
     crossovers = 0
     for (name, args, _, _), points in shapes.items():
@@ -499,17 +500,14 @@ def test_tail_tables_hold_the_measured_crossovers():
             continue
         crossovers += 1
         tail = _tail_crossover(points)
-        table, index = _tail_table_entry(args[4], args[3], args[1], args[0] * args[1])
-        entries[id(table), index].append((1.5 * args[2] / tail if tail > 0 else float("inf"),
-                                          f"{name}: {args} crosses at {tail:.0f} tokens"))
-    assert crossovers >= 250 and len(entries) >= 12, (crossovers, len(entries))
-    tables = {id(t): t for t in (TAIL_MIN_PROMPT_PER_TOKEN, TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS,
-                                 TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD)}
-    for (table, index), needs in entries.items():
-        value = tables[table][index][2]
-        need, why = max(needs)
-        assert value >= need, f"entry {tables[table][index]} < {need:.1f}: {why}"
-    for table in tables.values():
+        need = 1.5 * args[2] / tail if tail > 0 else float("inf")
+        needs.append((args, need, f"{name}: {args} crosses at {tail:.0f}"))
+    assert crossovers >= 250 and len(needs) >= 400, (crossovers, len(needs))
+    for (requests, beams, prompt, heads, kv_heads, _), need, why in needs:
+        asked = _tail_prompt_per_token(beams, kv_heads, requests, heads)
+        assert asked >= need, f"{asked} < {need:.1f}: {why}"
+    tables = (TAIL_MIN_PROMPT_PER_TOKEN, TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS, TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD)
+    for table in tables:
         for w, r in ((w, r) for w in range(2, 300, 3) for r in (0, 64, 128, 256, 512, 1024, 4096)):
             here = _table_value(table, w, r)
             assert here is None or all(here >= (_table_value(table, w2, r2) or 0)

@@ -268,9 +268,9 @@ def test_narrow_beams_are_judged_per_step(trt, monkeypatch, caplog, prompts, gra
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
 def test_long_tails_are_judged_every_step(trt, monkeypatch, caplog, graph):
     """8 beams over a mean prompt of 105 tokens with 2 KV heads: the rule serves at most 4 generated tokens
-    per beam there (105 / 230 < 4; docs/benchmarks.md), so as the beams grow their tails the fifth step is
-    handed over eagerly. A CUDA-graph step cannot be: it keeps its captured library path and logs why
-    that is slow, once."""
+    per beam there (16 beam rows x 2 KV heads ask 20,000 / 32 = 625 prompt tokens per generated token;
+    docs/benchmarks.md), so as the beams grow their tails the fifth step is handed over eagerly. A CUDA-graph
+    step cannot be: it keeps its captured library path and logs why that is slow, once."""
     model = register_with_decline(trt, monkeypatch, backend="auto")
     setup = build(model, prompts=(90, 120), beam_width=8, head_dim=128)
     sim = setup.sim
@@ -284,8 +284,8 @@ def test_long_tails_are_judged_every_step(trt, monkeypatch, caplog, graph):
         served = graph or tail <= 4
         assert stats()["generation_forwards"] == (tail if graph else min(tail, 4)), tail
         assert stats()["delegated_steps"] == (0 if served else 1), tail
-    slow = re.compile(r"tail 5 generated tokens per beam > 4 \(beam width 8 and \d+ beam rows with 2 KV "
-                      r"heads needs 230 prompt tokens per generated token")
+    slow = re.compile(r"tail 5 generated tokens per beam > 4 \(beam width 8 and 16 beam rows with 2 KV "
+                      r"heads \(20,000 / 32 row-KV-heads\) needs 625 prompt tokens per generated token")
     assert slow.search(caplog.text), caplog.text
     assert ("a CUDA-graph step runs its captured library path although" in caplog.text) == graph
 
