@@ -160,8 +160,8 @@ x 4,000 tokens at head 64; only there). GQA 4 at head 64 (thirteenth round,
 ``MIN_BEAM_WIDTH_ANY_PROMPT = 8`` are declined. At 8 beams and more the two-launch paths lost
 only to 32-token prompts, and the cascade lost nowhere in any grid (head 64: 1.24x at 32 tokens).
 
-**Long tails** (twenty-first to twenty-fifth rounds, ``tail_auto_check_*.json``: about 1,080 points past
-4 generated tokens that the other clauses serve, 1-128 requests of 4-256 beams at 100-20,000 tokens with
+**Long tails** (twenty-first to twenty-fifth rounds, ``tail_auto_check_*.json``: 932 points past 4
+generated tokens that the other clauses serve, 1-128 requests of 4-256 beams at 100-20,000 tokens with
 5-1,024 generated tokens per beam; GQA 16/8, 32/8, 64/8, MHA 16/16 and 32/32, 2-7 KV heads at groups 4-8,
 and MQA 8/1, at heads 64-256). Every table above was measured at a 4-token tail. Every path reads each
 beam's own generated tokens a short block at a time behind a chain of dependent loads (source beam, page,
@@ -169,41 +169,50 @@ K/V), so the library's step grows by a fixed time per generated token per wave o
 decode's grows only with the bytes. The rule without a tail clause served 68 of the twenty-first round's
 points slower than per-beam decode or under the margin (0.22x-1.08x; 8 x 8 x 500 at 256 tokens: 0.22x).
 Past :data:`TAIL_MEASURED_LEN` generated tokens a step is served only while its mean prompt holds enough
-tokens per generated token, by beam width and beam rows ``R x W`` (few rows walk the tail with few
-programs), in three tables: 8 KV heads or more with groups under 8; 2-7 KV heads or groups of 8 and more
-(GQA 64/8 crossed where the 2-7 KV head grids, nearly all at group 8, did: 2-3x the ratio of groups 1-4);
-one KV head. The twenty-fifth round fitted them to the crossovers: for every shape measured at two long
-tails or more (262 of them), the tail where per-beam decode / library falls to 1.10, from straight lines
-of both times in the tail; an entry holds at least 1.5x the prompt tokens per tail token of every
-crossover in its band and twice the ratio of every point under 1.10x, and more rows or beams never need
-more. The binding shape of each entry:
+tokens per generated token. Under 256 row-KV-heads ``R x W x Hkv`` (a program or two per SM) a generated
+token costs the step a fixed latency while per-beam decode reads ``R x W x Hkv x P``, and the crossover
+ratio times the row-KV-heads was 2,000-19,400 (3,700-11,400 under 128): such a step needs
+``20,000 / (R x W x Hkv)`` prompt tokens per tail token, which also covers shapes smaller than any
+measured. Everywhere, by beam width and beam rows, three tables: 8 KV heads or more with groups under 8;
+2-7 KV heads or groups of 8 and more (GQA 64/8 crossed where the 2-7 KV head grids, nearly all at group
+8, did: 2-3x the ratio of groups 1-4); one KV head. The twenty-fifth round fitted both to the crossovers:
+for every shape measured at two long tails or more (about 300), the tail where per-beam decode / library
+falls to 1.10, from straight lines of both times in the tail. What the rule asks at a shape is at least
+1.5x its crossover ratio and twice the ratio of every point under 1.10x, and more rows or beams never
+ask more. The binding shape of each entry:
 
 | KV heads, group | beam width | beam rows | served while the tail <= | binding shape (crossover, or loss) |
 | --- | --- | --- | --- | --- |
-| 8+, under 8 | 2-7 | any | mean prompt / 32 | loss: 64 x 4 x 2,000 at 128 tokens, 1.06x (ratio 15.6) |
+| 8+, under 8 | 2-7 | any | mean prompt / 74 | 30 x 4 x 4,000 crosses at 82 tokens (49) |
 | 8+, under 8 | 8-11 | under 256 | mean prompt / 25 | loss: MHA 16/16, 20 x 10 x 600 at 48 tokens, 1.01x (12.5) |
 | 8+, under 8 | 8-11 | 256 and more | mean prompt / 17 | MHA 32/32, 64 x 8 x 2,000 crosses at 182 tokens (11.0) |
 | 8+, under 8 | 12+ | under 256 | mean prompt / 16 | loss: 8 x 30 x 2,000 at 256 tokens, 1.03x (7.8) |
 | 8+, under 8 | 12+ | 256-1,023 | mean prompt / 10 | 16 x 16 x 2,000 crosses at 325 tokens (6.2) |
-| 8+, under 8 | 12+ | 1,024 and more | mean prompt / 6 | GQA 32/8, 64 x 30 x 2,000 crosses at 518 tokens (3.9) |
+| 8+, under 8 | 12+ | 1,024 and more | mean prompt / 6 | GQA 32/8, 48 x 24 x 1,800 crosses at 453 tokens (4.0) |
 | 2-7, or group 8+ | 2-7 | under 128 / from 128 | mean prompt / 500 / 200 | not measured (twenty-third round's) |
-| 2-7, or group 8+ | 8+ | under 128 | mean prompt / 230 | GQA 24/3, 1 x 20 x 8,000 crosses at 52 tokens (153) |
+| 2-7, or group 8+ | 8+ | under 128 | mean prompt / 122 | GQA 48/6, 5 x 8 x 2,500 crosses at 31 tokens (80.7) |
 | 2-7, or group 8+ | 8-11 | 128 and more | mean prompt / 50 | 16/2, head 64: 64 x 8 x 1,000 crosses at 31 (32.6) |
-| 2-7, or group 8+ | 12+ | 128 and more | mean prompt / 30 | GQA 32/4, 8 x 24 x 20,000 crosses at 1,043 tokens (19.2) |
-| 1 (or unknown) | any | under 512 | mean prompt / 370 | 1 x 32 x 20,000 crosses at 82 tokens (243) |
+| 2-7, or group 8+ | 12+ | 128 and more | mean prompt / 36 | GQA 32/4, 8 x 16 x 15,000 crosses at 639 tokens (23.5) |
+| 1 (or unknown) | any | under 512 | mean prompt / 141 | 16 x 16 x 2,000 crosses at 21 tokens (93.8) |
 | 1 | 2-11 | 512 and more | mean prompt / 50 | loss: 64 x 8 x 4,000 at 160 tokens, 1.06x (25) |
-| 1 | 12+ | 512 and more | mean prompt / 20 | 64 x 20 x 4,000 crosses at 332 tokens (12.0) |
+| 1 | 12+ | 512 and more | mean prompt / 22 | 96 x 20 x 6,000 crosses at 420 tokens (14.3) |
+| any | any | under 256 row-KV-heads | also 20,000 / (R x W x Hkv) | loss: 32/4, 1 x 10 x 15,000 at 60 tokens, 1.09x |
 
-Their history, in ``docs/rounds.md``: the twenty-first round's width-only table, the twenty-second's rows
-bands, the twenty-third's tables below 8 KV heads, each fitted to twice the ratio of every loss and broken
-by the next held-out set (eight of them) in the few-rows corner, where a loss ratio says nothing about
-shapes measured only far from their crossover; the twenty-fourth round's few-rows tail tiling then made
-those steps up to 1.66x faster, and the twenty-fifth timed again the 404 long-tail points whose launch it
-changed (``*_retimed_round25.json``) and refitted to the crossovers: over the wrapper checks it serves 775
-of those 1,080 points (725 before), the slowest 1.13x, and declines 186 winners (236). Where a crossover
-is extrapolated past the longest tail measured, the straight line is the model. :func:`tail_decline_reason`
-is this clause alone; a CUDA graph, whose tail is unknown at capture, cannot hand a step over and logs it
-instead.
+Their history is in ``docs/rounds.md``: the twenty-first round's width-only table, the twenty-second's
+rows bands, the twenty-third's tables below 8 KV heads, each fitted to twice the ratio of every loss and
+broken by the next held-out set (eight of them) in the few-rows corner, where a loss ratio says nothing
+about shapes measured only far from their crossover. The twenty-fourth round's few-rows tail tiling made
+those steps up to 1.66x faster; the twenty-fifth timed again the 404 long-tail points whose launch it
+changed (``*_retimed_round25.json``) and refitted to the crossovers. Its first refit served one point of
+held-out 9 (``tail_auto_check_round25_heldout9_*.json``, predictions committed first) under the margin:
+1 x 10 x 15,000 at 32/4 and 60 tokens, 1.09x, a single request at 40 row-KV-heads; the hyperbola
+replaced the few-rows table values, and held-out 10 (88 points, ``..._heldout10_*``) served 63, none
+under the margin (the slowest 1.20x). Two entries then rose to hold held-out 10's crossovers (2-7 beams
+at 8 KV heads 62 to 74, few KV heads under 128 rows 60 to 122), which only declines more. Over the 932
+long-tail points the clause serves 586, the slowest 1.15x, and declines 218 winners (the twenty-fourth
+round's tables: 491 served, 313 declined winners). Where a crossover is extrapolated past the longest
+tail measured, the straight line is the model. :func:`tail_decline_reason` is this clause alone; a CUDA
+graph, whose tail is unknown at capture, cannot hand a step over and logs it instead.
 
 **Mixed tails.** The grids above ran one tail per batch; serving judges a batch's longest, since each
 request's tail is walked by its own programs. Measured with tails drawn in ``[1, T]`` (one request at
@@ -334,9 +343,10 @@ TAIL_MEASURED_LEN = 4
 #: of the tail, ``(beam width from, beam rows R x W from, prompt tokens per tail token)``, with 8 KV heads or
 #: more and groups under 8; a shape takes the entry of the widest band it reaches, and in it the most rows
 #: (twenty-fifth round: at least 1.5x the crossover of every shape measured in the band at two tails or
-#: more, and twice the ratio of every loss; the module docstring has the data).
+#: more, and twice the ratio of every loss, where :data:`TAIL_PROMPT_ROW_KV_HEADS` does not ask more; the
+#: module docstring has the data).
 TAIL_MIN_PROMPT_PER_TOKEN = (
-    (2, 0, 62),
+    (2, 0, 74),
     (8, 0, 25), (8, 256, 17),
     (12, 0, 16), (12, 256, 10), (12, 1024, 6),
 )
@@ -345,7 +355,7 @@ TAIL_MIN_PROMPT_PER_TOKEN = (
 #: not measured there (the twenty-third round's values).
 TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = (
     (2, 0, 500), (2, 128, 200),
-    (8, 0, 60), (8, 128, 50),
+    (8, 0, 122), (8, 128, 50),
     (12, 128, 36),
 )
 #: The same with one KV head (MQA) or an unknown count: MQA's per-beam decode is the cheapest of all (one
@@ -354,9 +364,9 @@ TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 141), (2, 512, 50), (12, 512, 22
 #: Under :data:`TAIL_FEW_ROW_KV_HEADS` row-KV-heads ``R x W x Hkv`` the tail kernel runs a program or two per SM
 #: and each generated token costs the step a fixed latency, while per-beam decode's time is the prompt's
 #: bytes, ``R x W x Hkv x P``: the crossover ratio falls as ``1 / (R x W x Hkv)`` (twenty-fifth round: the
-#: crossover times the row-KV-heads was 6,000-11,400 for every shape under 256). A step there also needs
-#: ``TAIL_PROMPT_ROW_KV_HEADS / (R x W x Hkv)`` prompt tokens per tail token: twice held-out 9's 1 x 10 x
-#: 15,000 at 32/4, 1.09x at 60 tokens.
+#: crossover times the row-KV-heads was 3,700-11,400 under 128, 2,000-19,400 under 256). A step there also needs
+#: ``TAIL_PROMPT_ROW_KV_HEADS / (R x W x Hkv)`` prompt tokens per tail token: twice the ratio of held-out 9's
+#: loss, 1 x 10 x 15,000 at 32/4 (40 row-KV-heads), 1.09x at 60 tokens.
 TAIL_FEW_ROW_KV_HEADS = 256
 TAIL_PROMPT_ROW_KV_HEADS = 20_000
 # From this many KV heads the tail takes TAIL_MIN_PROMPT_PER_TOKEN, below it the tables above.
