@@ -504,16 +504,23 @@ def _group(num_qo_heads: Optional[int], num_kv_heads: Optional[int]) -> Optional
     return int(num_qo_heads) // int(num_kv_heads)
 
 
+def _tail_rows(beam_width: int, num_requests: Optional[int]) -> int:
+    """Beam rows ``R x W``, an unknown request count judged as one request."""
+    return int(beam_width) * max(int(num_requests or 1), 1)
+
+
+def _few_rows_prompt_per_token(row_kv_heads: int) -> Optional[int]:
+    """:data:`TAIL_PROMPT_ROW_KV_HEADS` ``/ row_kv_heads`` rounded up, under :data:`TAIL_FEW_ROW_KV_HEADS`."""
+    return -(-TAIL_PROMPT_ROW_KV_HEADS // row_kv_heads) if row_kv_heads < TAIL_FEW_ROW_KV_HEADS else None
+
+
 def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int], num_requests: Optional[int],
                            num_qo_heads: Optional[int]) -> Optional[int]:
     table = _tail_table(num_kv_heads, _group(num_qo_heads, num_kv_heads))
-    w = int(beam_width)
-    rows = w * (1 if num_requests is None else max(int(num_requests), 1))
-    per_token = _table_value(table, w, rows)
-    row_kv_heads = rows * max(int(num_kv_heads or 1), 1)
-    if row_kv_heads < TAIL_FEW_ROW_KV_HEADS:
-        per_token = max(per_token or 0, -(-TAIL_PROMPT_ROW_KV_HEADS // row_kv_heads))
-    return per_token
+    rows = _tail_rows(beam_width, num_requests)
+    per_token = _table_value(table, int(beam_width), rows)
+    few_rows = _few_rows_prompt_per_token(rows * max(int(num_kv_heads or 1), 1))
+    return per_token if few_rows is None else max(per_token or 0, few_rows)
 
 
 def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int],
@@ -555,8 +562,8 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
         elif group >= _TAIL_LARGE_GROUP:
             heads += f" and {group} query heads per KV head"
     rows = "" if num_requests is None else f" and {int(num_requests) * int(beam_width)} beam rows"
-    row_kv_heads = int(beam_width) * max(int(num_requests or 1), 1) * max(int(num_kv_heads or 1), 1)
-    if row_kv_heads < TAIL_FEW_ROW_KV_HEADS and per_token == -(-TAIL_PROMPT_ROW_KV_HEADS // row_kv_heads):
+    row_kv_heads = _tail_rows(beam_width, num_requests) * max(int(num_kv_heads or 1), 1)
+    if per_token == _few_rows_prompt_per_token(row_kv_heads):
         heads += f" ({TAIL_PROMPT_ROW_KV_HEADS:,} / {row_kv_heads} row-KV-heads)"
     return (
         f"tail {float(tail_len):.0f} generated tokens per beam > {int(limit)} (beam width {int(beam_width)}{rows} "
