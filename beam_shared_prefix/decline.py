@@ -499,6 +499,7 @@ def _tail_table(num_kv_heads: Optional[int], group: Optional[int]):
 
 
 def _group(num_qo_heads: Optional[int], num_kv_heads: Optional[int]) -> Optional[int]:
+    """Query heads per KV head (``None``: either count unknown, or not a whole group)."""
     if num_qo_heads is None or not num_kv_heads or int(num_qo_heads) % int(num_kv_heads):
         return None
     return int(num_qo_heads) // int(num_kv_heads)
@@ -613,8 +614,7 @@ def should_decline(
     if w < MIN_BEAM_WIDTH:
         return f"beam width {w} < {MIN_BEAM_WIDTH}: no beams share a prompt"
     rows = None if num_requests is None else int(num_requests) * w
-    group = (num_qo_heads // num_kv_heads if num_qo_heads is not None and num_kv_heads
-             and num_qo_heads % num_kv_heads == 0 else None)
+    group = _group(num_qo_heads, num_kv_heads)
     base = _beam_rows_floor(prompt_len, group, head_dim)
     least_rows = _row_floor(base, num_kv_heads, head_dim)
     if rows is not None and rows < least_rows:
