@@ -236,12 +236,12 @@ from __future__ import annotations
 from typing import Optional
 
 __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
-           "MIN_SHARED_PROMPT_TOKENS", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_HEAD_256", "MIN_BEAM_ROWS_LONG_PROMPT",
+           "MIN_SHARED_PROMPT_TOKENS", "WIDE_GROUP", "WIDE_GROUP_MIN_PROMPT", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_HEAD_256", "MIN_BEAM_ROWS_LONG_PROMPT",
            "FEW_ROWS_MIN_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
            "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
            "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS",
-           "TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD", "TAIL_FEW_ROW_KV_HEADS", "TAIL_PROMPT_ROW_KV_HEADS",
+           "TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD", "TAIL_ONE_KV_HEAD_GROUP", "TAIL_FEW_ROW_KV_HEADS", "TAIL_PROMPT_ROW_KV_HEADS",
            "max_tail_len",
            "tail_decline_reason"]
 
@@ -326,6 +326,15 @@ _SPLIT_KV_MEASURED_SHAPES = frozenset(_SPLIT_KV_MIN_ROW_TOKENS)
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
 #: ``(W - 1) * mean prompt`` below this (prompt tokens saved per request) is declined.
 MIN_SHARED_PROMPT_TOKENS = 600
+#: Groups of more query heads per KV head than this need a mean prompt of :data:`WIDE_GROUP_MIN_PROMPT`
+#: tokens (a CUDA graph's unknown prompt is declined). Per-beam decode reads a beam's KV once for all of
+#: its group, while the library's work on the queries (the prefix's rows, the tail) grows with the group:
+#: at GQA 32/1 (head 128, twenty-sixth round, ``small_batches_backends_g32_mqa.json``) every point at 100
+#: tokens lost or was under the margin (0.60x-0.98x, up to 1,920 beam rows: 64 x 16 0.89x, 64 x 30 0.98x),
+#: and from 500 tokens 480-1,920 rows won 1.40x-2.86x; at GQA 16 (64/4, 16/1) 100 tokens won from 1,024
+#: beam rows at one KV head (1.44x-1.60x) as the row floors say.
+WIDE_GROUP = 16
+WIDE_GROUP_MIN_PROMPT = 500
 #: With the one-launch cascade serving: ``(beam width from, smallest mean prompt served)``, by width.
 CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
 #: The same at head 64 (and below); narrower widths than the first are never served.
@@ -360,7 +369,13 @@ TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = (
 )
 #: The same with one KV head (MQA) or an unknown count: MQA's per-beam decode is the cheapest of all (one
 #: KV head read by all of its query heads), so the library needs the most prompt per tail token there.
+#: Measured at GQA 8/1; a wider group asks ``group / 8`` times as much (:data:`TAIL_ONE_KV_HEAD_GROUP`).
 TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 141), (2, 512, 50), (12, 512, 22))
+#: The group of the one-KV-head table's grids (8/1). Per-beam decode reads one KV head whatever the group,
+#: while the library's tail reads and attends once per query head: at 16/1 (twenty-sixth round,
+#: ``tail_auto_check_round26_g16_mqa.json``) 1.5x the crossovers needed up to 71 prompt tokens per tail
+#: token at 512 rows (the table: 50) and 34 at 1,920 (22), while at 64/4 and 96/8 the few-KV-heads table held.
+TAIL_ONE_KV_HEAD_GROUP = 8
 #: Under :data:`TAIL_FEW_ROW_KV_HEADS` row-KV-heads ``R x W x Hkv`` the tail kernel runs a program or two per SM
 #: and each generated token costs the step a fixed latency, while per-beam decode's time is the prompt's
 #: bytes, ``R x W x Hkv x P``: the crossover ratio falls as ``1 / (R x W x Hkv)`` (twenty-fifth round: the
@@ -517,9 +532,12 @@ def _few_rows_prompt_per_token(row_kv_heads: int) -> Optional[int]:
 
 def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int], num_requests: Optional[int],
                            num_qo_heads: Optional[int]) -> Optional[int]:
-    table = _tail_table(num_kv_heads, _group(num_qo_heads, num_kv_heads))
+    group = _group(num_qo_heads, num_kv_heads)
+    table = _tail_table(num_kv_heads, group)
     rows = _tail_rows(beam_width, num_requests)
     per_token = _table_value(table, int(beam_width), rows)
+    if table is TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD and per_token is not None and (group or 0) > TAIL_ONE_KV_HEAD_GROUP:
+        per_token = -(-per_token * group // TAIL_ONE_KV_HEAD_GROUP)
     few_rows = _few_rows_prompt_per_token(rows * max(int(num_kv_heads or 1), 1))
     return per_token if few_rows is None else max(per_token or 0, few_rows)
 
@@ -562,6 +580,8 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
             heads += f" and an unknown query head count (judged as a group of {_TAIL_LARGE_GROUP})"
         elif group >= _TAIL_LARGE_GROUP:
             heads += f" and {group} query heads per KV head"
+    elif num_kv_heads is not None and (group or 0) > TAIL_ONE_KV_HEAD_GROUP:
+        heads += f" and {group} query heads ({group} / {TAIL_ONE_KV_HEAD_GROUP} times the ratio of 8/1)"
     rows = "" if num_requests is None else f" and {int(num_requests) * int(beam_width)} beam rows"
     row_kv_heads = _tail_rows(beam_width, num_requests) * max(int(num_kv_heads or 1), 1)
     if per_token == _few_rows_prompt_per_token(row_kv_heads):
@@ -647,6 +667,13 @@ def should_decline(
                 f"{rows} beam rows < {least_rows}: per-beam decode is faster or within 10% here (measured on the "
                 f"H200, docs/benchmarks.md)"
             )
+    if group is not None and group > WIDE_GROUP and (prompt_len is None or float(prompt_len) < WIDE_GROUP_MIN_PROMPT):
+        prompt = "unknown (a CUDA graph)" if prompt_len is None else f"{float(prompt_len):.0f}"
+        return (
+            f"{group} query heads per KV head (more than {WIDE_GROUP}) need a mean prompt of {WIDE_GROUP_MIN_PROMPT} "
+            f"tokens, this one is {prompt}: per-beam decode reads each beam's KV once for the whole group and was "
+            f"faster or within 10% at shorter prompts (measured on the H200, docs/benchmarks.md)"
+        )
     if prompt_len is None:
         if w < MIN_BEAM_WIDTH_ANY_PROMPT:
             return (

@@ -94,15 +94,24 @@ _GROUPED_ELEMENTS_PER_THREAD = 32
 # row-KV-heads): 1.04-3.53x faster than the previous default, within 1.00-1.37x of each shape's best tiling.
 # Above them it lost: at G = 2 and 4 (from 4,096) to the previous defaults, at G = 8 (from 1,024) to the
 # 2-warp tiling below.
-# Shapes not listed (G = 1, G > 8, G = 4 at head 64 and 256) are unmeasured and keep the defaults.
+# At G = 16 (head 128; twenty-sixth round, tune_tail_round26_wide_groups.json, 128-256 row-KV-heads) it was
+# within 1.00-1.09x of the best tiling, where the default took 1.08-1.87x. Shapes not listed (G = 1, G = 32
+# and more, G = 4 at head 64 and 256, G = 16 at other heads) are unmeasured and keep the defaults below.
 _FEW_ROWS_MAX_ROW_KV_HEADS = {(2, 64): 1024, (2, 128): 1024, (2, 256): 1024, (4, 128): 1024,
-                              (8, 64): 512, (8, 128): 512, (8, 256): 512}
+                              (8, 64): 512, (8, 128): 512, (8, 256): 512, (16, 128): 256}
 _FEW_ROWS_BLOCK_T = 4
 _FEW_ROWS_INDEX_BLOCK = 32
 # G = 8 at head 128 above the few-rows bound: the [QH, D] kernel with 2 warps, 4 tokens per iteration
 # under 1,536 row-KV-heads and 1 from there (the H200, same files, 1,024-12,288 row-KV-heads: 1.07-1.56x
 # faster than the previous default of 4 warps and 1 token, within 1.00-1.16x of the best tiling).
 _MANY_ROWS_G8_SPLIT = 1536
+# Groups of 9-32 query heads per KV head (padded to 16 and 32) at head 128, above the few-rows bound: the
+# [QH, D] kernel with one KV head per program, 4 tokens per iteration and 32 query elements per thread (2
+# warps at G = 16, 4 at 32). The H200, tail stage alone, 1,920-15,360 row-KV-heads and tails 4-64
+# (docs/results/h200/tune_tail_round26_wide_groups.json, GQA 96/8, 64/4, 16/1 and 32/1): within 1.00-1.08x
+# of the best of 24 tilings, where the previous default (2 tokens, 4-8 warps) took 1.07-1.44x.
+_WIDE_GROUP_HEAD_DIMS = frozenset((128,))
+_WIDE_GROUP_ELEMENTS_PER_THREAD = 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,9 +124,10 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     ``num_rows`` (beam rows of the launch; ``None``: many) selects a tiling for few rows; it is fixed for
     a captured CUDA graph, so the choice is too.
 
-    - Few rows (``num_rows * Hkv`` up to 1,024 at ``G = 2`` and ``4``, up to 512 at ``G = 8``; heads 64-256
-      where measured): the ``[QH, D]`` kernel with ``QH = 4 or 8`` query slots (2 KV heads per program at
-      ``G = 2``), 4 tokens per iteration and index blocks of 32 positions, 2-4 warps by tile size. With
+    - Few rows (``num_rows * Hkv`` up to 1,024 at ``G = 2`` and ``4``, up to 512 at ``G = 8``, up to 256 at
+      ``G = 16`` (head 128); heads 64-256 where measured): the ``[QH, D]`` kernel with ``QH = 4-16`` query slots
+      (2 KV heads per program at ``G = 2``), 4 tokens per iteration and index blocks of 32 positions, 2-4
+      warps by tile size. With
       so few programs each one's chain of dependent loads is the step's time; the index blocks cut
       it from three latencies per token to about two per 32 tokens: 8 x 8 x 500 at 16/8, tail 64, 19.8
       against 53.1 us; 1 x 32 rows at MQA 8/1, tail 16, 9.8 against 19.9 us; at tail 4 1.04-1.35x faster.
@@ -132,7 +142,10 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     - ``G = 8`` (padded; 5-8) at head 128: one KV head per 2-warp program, 4 tokens per iteration under
       1,536 row-KV-heads, 1 from there (MQA 128 x 96 at 8/1, tail 4, 45.8 against 52.6 us; 64 x 30 at
       32/4, tail 64, 274.8 against 328.5 us).
-    - Otherwise (``G = 1``, ``G > 8``, ``G = 8`` at other heads; unmeasured): the previous default, the
+    - ``G = 16`` and ``32`` (padded; 9-32) at head 128: one KV head per program, 4 tokens per iteration, 2
+      and 4 warps (32 query elements per thread): 64 x 30 x 500 at 96/8, tail 4, 74.4 against 96.1 us; at
+      32/1, tail 64, 212.8 against 275.1 us; within 1.08x of each shape's best tiling from 1,920 row-KV-heads.
+    - Otherwise (``G = 1``, ``G > 32``, ``G = 8`` and ``16-32`` at other heads; unmeasured): the previous default, the
       ``[QH, D]`` kernel with about 1024 query-slot elements per program, 4 warps, ``block_t`` 1 (2 above
       1024); a group wider than that (MQA, G = 32 or 64) stays in one program with 8-16 warps (at G = 64
       and D = 256, 128 registers). The grouped kernel spreads groups above 4 over threads and warps again
@@ -157,6 +170,9 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     if group_pad == 8 and head_dim == 128 and num_rows is not None:
         block_t = 4 if num_rows * num_kv_heads < _MANY_ROWS_G8_SPLIT else 1
         return TailLaunchConfig(group_pad, 1, block_t, 2, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
+    if group_pad in (16, 32) and head_dim in _WIDE_GROUP_HEAD_DIMS:
+        num_warps = group_pad * head_dim // (32 * _WIDE_GROUP_ELEMENTS_PER_THREAD)
+        return TailLaunchConfig(group_pad, 1, 4, num_warps, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
     target_slots = max(group_pad, 1024 // head_dim)
     kv_heads_per_prog = max(1, min(triton.next_power_of_2(num_kv_heads), target_slots // group_pad))
     tile = group_pad * kv_heads_per_prog * head_dim

@@ -274,7 +274,12 @@ TILINGS = [
     (8, 4, 128, 384, (1, 1, 2, 0, False)),  # from 1,536 row-KV-heads
     (8, 1, 64, 512, (1, 4, 2, 32, False)),
     (8, 1, 64, 513, (1, 1, 4, 0, False)),  # G = 8 at head 64 keeps the previous default above few rows
-    (16, 2, 128, 1, (1, 2, 4, 0, False)),  # G = 16: unmeasured, the previous default at any rows
+    (16, 2, 128, 128, (1, 4, 4, 32, False)),  # G = 16, few rows: 256 row-KV-heads
+    (16, 4, 128, 65, (1, 4, 2, 0, False)),  # G = 16 above: 4 tokens, 2 warps
+    (12, 8, 128, None, (1, 4, 2, 0, False)),  # G = 12 pads to 16
+    (32, 1, 128, 1, (1, 4, 4, 0, False)),  # G = 32 at any rows: 4 tokens, 4 warps
+    (16, 2, 64, 1920, (1, 1, 4, 0, False)),  # unmeasured (G = 16 at head 64): the previous default
+    (64, 1, 128, 1920, (1, 2, 16, 0, False)),  # unmeasured (G = 64): the previous default
 ])
 def test_default_tiling_by_rows(group, hkv, d, rows, expected):
     """The default tiling by beam rows (the H200 measurements in ``tail_launch_config``'s docstring)."""
@@ -294,6 +299,25 @@ def test_few_rows_default_over_several_index_blocks(device):
             out = run_step("triton", sim, step)
             assert_matches(out, oracle(sim, step), f"step {s} tails {earlier_tail(step)}")
         sim.end_step(write_kv=s not in (0, 3, 31, 32, 33, 40))  # the kernel wrote the checked steps' K/V
+
+
+@pytest.mark.parametrize("hq,hkv,tiling_rows", [
+    (24, 2, 2),  # G = 12 padded to 16, few rows: index blocks
+    (24, 2, 64),  # the wide-group tiling (4 tokens, 2 warps)
+    (32, 1, 3),  # G = 32 (4 tokens, 4 warps)
+])
+def test_wide_group_default_tilings_agree_with_oracle(hq, hkv, tiling_rows, device):
+    """The default tilings of groups of 9-32 query heads per KV head at head 128, chosen by the launch's
+    rows: tails of 0-5 earlier tokens, one crossing a page boundary (prompt 14, page 16)."""
+    sim = make_sim(device, prompts=[14, 30], beams=3, hq=hq, hkv=hkv, d=128, seed=hq + tiling_rows)
+    config = tail_launch_config(hq // hkv, hkv, 128, tiling_rows)
+    assert (config.block_t, config.index_block) == ((4, 32) if tiling_rows * hkv <= 256 and hq // hkv <= 16
+                                                    else (4, 0))
+    for s in range(6):
+        step = sim.begin_step()
+        out = run_step("triton", sim, step, launch_config=config)
+        assert_matches(out, oracle(sim, step), f"G = {hq // hkv}, step {s} tails {earlier_tail(step)}")
+        sim.end_step(write_kv=False)
 
 
 @pytest.mark.parametrize("config", [t[1] for t in TILINGS], ids=[t[0] for t in TILINGS])
@@ -520,6 +544,8 @@ GPU_CASES = [
     ([50, 17], 16, 32, 4, 64, 16, "HND", torch.bfloat16, 20, dict(prefix_dtype=torch.float16)),  # G=8
     ([31], 96, 16, 8, 128, 32, "HND", torch.bfloat16, 4, dict()),
     ([60, 7], 6, 16, 8, 256, 32, "NHD", torch.bfloat16, 6, dict(divisor=2)),  # G=2, head 256
+    ([300, 40], 6, 32, 2, 128, 32, "HND", torch.bfloat16, 6, dict()),  # G=16: few rows, and 4 tokens x 2 warps
+    ([90], 12, 32, 1, 128, 16, "NHD", torch.bfloat16, 6, dict()),  # G=32: 4 tokens x 4 warps
 ]
 
 
