@@ -326,15 +326,16 @@ _SPLIT_KV_MEASURED_SHAPES = frozenset(_SPLIT_KV_MIN_ROW_TOKENS)
 MIN_BEAM_WIDTH_ANY_PROMPT = 8
 #: ``(W - 1) * mean prompt`` below this (prompt tokens saved per request) is declined.
 MIN_SHARED_PROMPT_TOKENS = 600
-#: Groups of more query heads per KV head than this need a mean prompt of :data:`WIDE_GROUP_MIN_PROMPT`
-#: tokens (a CUDA graph's unknown prompt is declined). Per-beam decode reads a beam's KV once for all of
-#: its group, while the library's work on the queries (the prefix's rows, the tail) grows with the group:
-#: at GQA 32/1 (head 128, twenty-sixth round, ``small_batches_backends_g32_mqa.json``) every point at 100
-#: tokens lost or was under the margin (0.60x-0.98x, up to 1,920 beam rows: 64 x 16 0.89x, 64 x 30 0.98x),
-#: and from 500 tokens 480-1,920 rows won 1.40x-2.86x; at GQA 16 (64/4, 16/1) 100 tokens won from 1,024
-#: beam rows at one KV head (1.44x-1.60x) as the row floors say.
+#: Groups of more query heads per KV head than :data:`WIDE_GROUP` need a mean prompt, ``(group from,
+#: tokens)`` (a CUDA graph's unknown prompt is declined). Per-beam decode reads a beam's KV once for all of
+#: its group, while the library's work on the queries (the prefix's rows, the tail) grows with the group.
+#: Twenty-sixth round, head 128 (``wide_group_auto_check_g32_mqa.json``, ``_g64_mqa.json``): at GQA 32/1
+#: every point at 100 tokens lost or was under the margin (0.60x-0.98x, up to 1,920 beam rows: 64 x 16
+#: 0.89x and 64 x 30 0.98x were served before), from 500 tokens 480-1,920 rows won 1.40x-2.86x; at 64/1
+#: 500 tokens lost at 480-1,920 rows (0.77x-0.83x), 2,000 won (1.38x-1.43x). At GQA 16 (64/4, 16/1) 100
+#: tokens won from 1,024 beam rows at one KV head (1.44x-1.60x), as the row floors say.
 WIDE_GROUP = 16
-WIDE_GROUP_MIN_PROMPT = 500
+WIDE_GROUP_MIN_PROMPT = ((17, 500), (33, 2000))
 #: With the one-launch cascade serving: ``(beam width from, smallest mean prompt served)``, by width.
 CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
 #: The same at head 64 (and below); narrower widths than the first are never served.
@@ -667,10 +668,11 @@ def should_decline(
                 f"{rows} beam rows < {least_rows}: per-beam decode is faster or within 10% here (measured on the "
                 f"H200, docs/benchmarks.md)"
             )
-    if group is not None and group > WIDE_GROUP and (prompt_len is None or float(prompt_len) < WIDE_GROUP_MIN_PROMPT):
+    least_prompt = _table_value(WIDE_GROUP_MIN_PROMPT, group) if group is not None else None
+    if least_prompt is not None and (prompt_len is None or float(prompt_len) < least_prompt):
         prompt = "unknown (a CUDA graph)" if prompt_len is None else f"{float(prompt_len):.0f}"
         return (
-            f"{group} query heads per KV head (more than {WIDE_GROUP}) need a mean prompt of {WIDE_GROUP_MIN_PROMPT} "
+            f"{group} query heads per KV head (more than {WIDE_GROUP}) need a mean prompt of {least_prompt} "
             f"tokens, this one is {prompt}: per-beam decode reads each beam's KV once for the whole group and was "
             f"faster or within 10% at shorter prompts (measured on the H200, docs/benchmarks.md)"
         )

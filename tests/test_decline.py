@@ -203,8 +203,9 @@ def test_more_than_16_kv_heads_count_row_heads():
 
 def test_groups_above_16_need_long_prompts():
     """Above 16 query heads per KV head (GQA 32/1, twenty-sixth round) 100-token prompts lost at every row
-    count measured (64 x 16 0.89x, 64 x 30 0.98x), 500 tokens won from the row floor (64 x 8 1.40x); a CUDA
-    graph's unknown prompt is declined there. GQA 16 keeps the row floors (64 x 16 x 100 at 16/1: 1.44x)."""
+    count measured (64 x 16 0.89x, 64 x 30 0.98x), 500 tokens won from the row floor (64 x 8 1.40x); above
+    32 (64/1) 500 tokens lost (0.77x-0.83x) and 2,000 won (1.38x-1.43x); a CUDA graph's unknown prompt is
+    declined there. GQA 16 keeps the row floors (64 x 16 x 100 at 16/1: 1.44x)."""
     assert "32 query heads per KV head (more than 16) need a mean prompt of 500 tokens, this one is 100" in \
         should_decline(64, 16, 100, 32, 1, 128)
     assert "this one is 499" in should_decline(64, 30, 499, 32, 1, 128)
@@ -214,6 +215,9 @@ def test_groups_above_16_need_long_prompts():
     assert should_decline(64, 16, 100, 16, 1, 128) is None
     assert should_decline(64, 30, None, 16, 1, 128) is None
     assert should_decline(64, 16, 100, None, 1, 128) is None  # an unknown group is not judged here
+    assert "64 query heads per KV head (more than 16) need a mean prompt of 2000" in should_decline(64, 30, 500, 64, 1, 128)
+    assert "need a mean prompt of 2000" in should_decline(64, 30, 1999, 40, 1, 128)  # 33-63: not measured, as 64
+    assert should_decline(64, 8, 2000, 64, 1, 128) is None
 
 
 def test_reasons_name_the_value_and_the_limit():

@@ -94,11 +94,12 @@ _GROUPED_ELEMENTS_PER_THREAD = 32
 # row-KV-heads): 1.04-3.53x faster than the previous default, within 1.00-1.37x of each shape's best tiling.
 # Above them it lost: at G = 2 and 4 (from 4,096) to the previous defaults, at G = 8 (from 1,024) to the
 # 2-warp tiling below.
-# At G = 16 (head 128; twenty-sixth round, tune_tail_round26_wide_groups.json, 128-256 row-KV-heads) it was
-# within 1.00-1.09x of the best tiling, where the default took 1.08-1.87x. Shapes not listed (G = 1, G = 32
-# and more, G = 4 at head 64 and 256, G = 16 at other heads) are unmeasured and keep the defaults below.
+# At G = 16 and 32 (head 128; twenty-sixth round, tune_tail_round26_wide_groups.json and _g32_g64.json, 64-256
+# row-KV-heads; 8 warps at G = 32) it was within 1.00-1.09x of the best tiling, where the default took
+# 1.08-1.87x. Shapes not listed (G = 1, G = 4 at head 64 and 256, G = 16 and 32 at other heads) are
+# unmeasured and keep the defaults below.
 _FEW_ROWS_MAX_ROW_KV_HEADS = {(2, 64): 1024, (2, 128): 1024, (2, 256): 1024, (4, 128): 1024,
-                              (8, 64): 512, (8, 128): 512, (8, 256): 512, (16, 128): 256}
+                              (8, 64): 512, (8, 128): 512, (8, 256): 512, (16, 128): 256, (32, 128): 128}
 _FEW_ROWS_BLOCK_T = 4
 _FEW_ROWS_INDEX_BLOCK = 32
 # G = 8 at head 128 above the few-rows bound: the [QH, D] kernel with 2 warps, 4 tokens per iteration
@@ -112,6 +113,11 @@ _MANY_ROWS_G8_SPLIT = 1536
 # of the best of 24 tilings, where the previous default (2 tokens, 4-8 warps) took 1.07-1.44x.
 _WIDE_GROUP_HEAD_DIMS = frozenset((128,))
 _WIDE_GROUP_ELEMENTS_PER_THREAD = 32
+# G = 64 at head 128 (padded; 33-64): one token per iteration, 8 warps, index blocks of 32 positions up to
+# 128 row-KV-heads (the H200, same file: 1,920 row-KV-heads 1.00x of the best at tails 4-64, where the
+# previous default of 2 tokens and 16 warps took 1.52-1.71x; 128 row-KV-heads 1.00-1.06x, against 1.18-1.39x).
+_GROUP_64_WARPS = 8
+_GROUP_64_FEW_ROW_KV_HEADS = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,10 +130,10 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     ``num_rows`` (beam rows of the launch; ``None``: many) selects a tiling for few rows; it is fixed for
     a captured CUDA graph, so the choice is too.
 
-    - Few rows (``num_rows * Hkv`` up to 1,024 at ``G = 2`` and ``4``, up to 512 at ``G = 8``, up to 256 at
-      ``G = 16`` (head 128); heads 64-256 where measured): the ``[QH, D]`` kernel with ``QH = 4-16`` query slots
-      (2 KV heads per program at ``G = 2``), 4 tokens per iteration and index blocks of 32 positions, 2-4
-      warps by tile size. With
+    - Few rows (``num_rows * Hkv`` up to 1,024 at ``G = 2`` and ``4``, up to 512 at ``G = 8``, up to 256 and
+      128 at ``G = 16`` and ``32`` (head 128); heads 64-256 where measured): the ``[QH, D]`` kernel with ``QH =
+      4-32`` query slots (2 KV heads per program at ``G = 2``), 4 tokens per iteration and index blocks of 32
+      positions, 2-8 warps by tile size. With
       so few programs each one's chain of dependent loads is the step's time; the index blocks cut
       it from three latencies per token to about two per 32 tokens: 8 x 8 x 500 at 16/8, tail 64, 19.8
       against 53.1 us; 1 x 32 rows at MQA 8/1, tail 16, 9.8 against 19.9 us; at tail 4 1.04-1.35x faster.
@@ -145,7 +151,9 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     - ``G = 16`` and ``32`` (padded; 9-32) at head 128: one KV head per program, 4 tokens per iteration, 2
       and 4 warps (32 query elements per thread): 64 x 30 x 500 at 96/8, tail 4, 74.4 against 96.1 us; at
       32/1, tail 64, 212.8 against 275.1 us; within 1.08x of each shape's best tiling from 1,920 row-KV-heads.
-    - Otherwise (``G = 1``, ``G > 32``, ``G = 8`` and ``16-32`` at other heads; unmeasured): the previous default, the
+    - ``G = 64`` (padded; 33-64) at head 128: one KV head and one token per 8-warp program, with index blocks
+      of 32 positions up to 128 row-KV-heads: 64 x 30 x 500 at 64/1, tail 4, 54.0 against 92.3 us.
+    - Otherwise (``G = 1``, ``G = 8``, ``16-32`` and ``64`` at other heads; unmeasured): the previous default, the
       ``[QH, D]`` kernel with about 1024 query-slot elements per program, 4 warps, ``block_t`` 1 (2 above
       1024); a group wider than that (MQA, G = 32 or 64) stays in one program with 8-16 warps (at G = 64
       and D = 256, 128 registers). The grouped kernel spreads groups above 4 over threads and warps again
@@ -156,7 +164,8 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     if few_rows_bound is not None and num_rows is not None and num_rows * num_kv_heads <= few_rows_bound:
         kv_heads_per_prog = min(triton.next_power_of_2(num_kv_heads), max(1, 4 // group_pad))
         tile = _FEW_ROWS_BLOCK_T * group_pad * kv_heads_per_prog * head_dim
-        num_warps = min(4, max(2, tile // 1024))
+        # 2-4 warps by tile; the 16K-element tile of G = 32 spilled at 4 (30-40x slower) and takes 8.
+        num_warps = max(2, min(4, tile // 1024), tile // 2048)
         return TailLaunchConfig(group_pad, kv_heads_per_prog, _FEW_ROWS_BLOCK_T, num_warps, _TOKENS_OUTER,
                                 _FEW_ROWS_INDEX_BLOCK)
     if group_pad == 2:
@@ -173,6 +182,10 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     if group_pad in (16, 32) and head_dim in _WIDE_GROUP_HEAD_DIMS:
         num_warps = group_pad * head_dim // (32 * _WIDE_GROUP_ELEMENTS_PER_THREAD)
         return TailLaunchConfig(group_pad, 1, 4, num_warps, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
+    if group_pad == 64 and head_dim in _WIDE_GROUP_HEAD_DIMS:
+        few = num_rows is not None and num_rows * num_kv_heads <= _GROUP_64_FEW_ROW_KV_HEADS
+        return TailLaunchConfig(group_pad, 1, 1, _GROUP_64_WARPS, _TOKENS_OUTER,
+                                _FEW_ROWS_INDEX_BLOCK if few else DEFAULT_INDEX_BLOCK)
     target_slots = max(group_pad, 1024 // head_dim)
     kv_heads_per_prog = max(1, min(triton.next_power_of_2(num_kv_heads), target_slots // group_pad))
     tile = group_pad * kv_heads_per_prog * head_dim

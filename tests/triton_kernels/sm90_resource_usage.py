@@ -52,6 +52,7 @@ SHAPES = [
     ("fp16", 40, 8, 256, "fp16"),  # G = 5
     ("bf16", 32, 2, 128, "fp32"),  # G = 16
     ("bf16", 32, 1, 128, "bf16"),  # MQA, G = 32
+    ("bf16", 64, 1, 128, "bf16"),  # MQA, G = 64
 ]
 
 # Ints Triton's runtime specializes as multiples of 16 for real pools and contiguous buffers.

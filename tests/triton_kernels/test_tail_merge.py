@@ -277,9 +277,12 @@ TILINGS = [
     (16, 2, 128, 128, (1, 4, 4, 32, False)),  # G = 16, few rows: 256 row-KV-heads
     (16, 4, 128, 65, (1, 4, 2, 0, False)),  # G = 16 above: 4 tokens, 2 warps
     (12, 8, 128, None, (1, 4, 2, 0, False)),  # G = 12 pads to 16
-    (32, 1, 128, 1, (1, 4, 4, 0, False)),  # G = 32 at any rows: 4 tokens, 4 warps
+    (32, 1, 128, 128, (1, 4, 8, 32, False)),  # G = 32, few rows: 8 warps
+    (32, 1, 128, 129, (1, 4, 4, 0, False)),  # G = 32 above: 4 tokens, 4 warps
+    (64, 1, 128, 128, (1, 1, 8, 32, False)),  # G = 64: 1 token, 8 warps, index blocks at few rows
+    (48, 2, 128, 1920, (1, 1, 8, 0, False)),
     (16, 2, 64, 1920, (1, 1, 4, 0, False)),  # unmeasured (G = 16 at head 64): the previous default
-    (64, 1, 128, 1920, (1, 2, 16, 0, False)),  # unmeasured (G = 64): the previous default
+    (64, 1, 64, 1920, (1, 2, 8, 0, False)),  # unmeasured (G = 64 at head 64): the previous default
 ])
 def test_default_tiling_by_rows(group, hkv, d, rows, expected):
     """The default tiling by beam rows (the H200 measurements in ``tail_launch_config``'s docstring)."""
@@ -301,18 +304,20 @@ def test_few_rows_default_over_several_index_blocks(device):
         sim.end_step(write_kv=s not in (0, 3, 31, 32, 33, 40))  # the kernel wrote the checked steps' K/V
 
 
-@pytest.mark.parametrize("hq,hkv,tiling_rows", [
-    (24, 2, 2),  # G = 12 padded to 16, few rows: index blocks
-    (24, 2, 64),  # the wide-group tiling (4 tokens, 2 warps)
-    (32, 1, 3),  # G = 32 (4 tokens, 4 warps)
+@pytest.mark.parametrize("hq,hkv,tiling_rows,block_t,index_block", [
+    (24, 2, 2, 4, 32),  # G = 12 padded to 16, few rows: index blocks
+    (24, 2, 200, 4, 0),  # the wide-group tiling (4 tokens, 2 warps)
+    (32, 1, 3, 4, 32),  # G = 32, few rows (8 warps)
+    (32, 1, 200, 4, 0),  # G = 32 (4 tokens, 4 warps)
+    (40, 1, 3, 1, 32),  # G = 40 padded to 64, few rows
+    (64, 1, 200, 1, 0),  # G = 64 (1 token, 8 warps)
 ])
-def test_wide_group_default_tilings_agree_with_oracle(hq, hkv, tiling_rows, device):
-    """The default tilings of groups of 9-32 query heads per KV head at head 128, chosen by the launch's
+def test_wide_group_default_tilings_agree_with_oracle(hq, hkv, tiling_rows, block_t, index_block, device):
+    """The default tilings of groups of 9-64 query heads per KV head at head 128, chosen by the launch's
     rows: tails of 0-5 earlier tokens, one crossing a page boundary (prompt 14, page 16)."""
     sim = make_sim(device, prompts=[14, 30], beams=3, hq=hq, hkv=hkv, d=128, seed=hq + tiling_rows)
     config = tail_launch_config(hq // hkv, hkv, 128, tiling_rows)
-    assert (config.block_t, config.index_block) == ((4, 32) if tiling_rows * hkv <= 256 and hq // hkv <= 16
-                                                    else (4, 0))
+    assert (config.block_t, config.index_block) == (block_t, index_block)
     for s in range(6):
         step = sim.begin_step()
         out = run_step("triton", sim, step, launch_config=config)
@@ -545,7 +550,8 @@ GPU_CASES = [
     ([31], 96, 16, 8, 128, 32, "HND", torch.bfloat16, 4, dict()),
     ([60, 7], 6, 16, 8, 256, 32, "NHD", torch.bfloat16, 6, dict(divisor=2)),  # G=2, head 256
     ([300, 40], 6, 32, 2, 128, 32, "HND", torch.bfloat16, 6, dict()),  # G=16: few rows, and 4 tokens x 2 warps
-    ([90], 12, 32, 1, 128, 16, "NHD", torch.bfloat16, 6, dict()),  # G=32: 4 tokens x 4 warps
+    ([90], 12, 32, 1, 128, 16, "NHD", torch.bfloat16, 6, dict()),  # G=32: few rows (8 warps), 4 tokens x 4 warps
+    ([70, 20], 4, 64, 1, 128, 32, "HND", torch.bfloat16, 5, dict()),  # G=64: 1 token x 8 warps
 ]
 
 
