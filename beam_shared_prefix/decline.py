@@ -214,6 +214,18 @@ round's tables: 491 served, 313 declined winners). Where a crossover is extrapol
 tail measured, the straight line is the model. :func:`tail_decline_reason` is this clause alone; a CUDA
 graph, whose tail is unknown at capture, cannot hand a step over and logs it instead.
 
+**Groups of more than 8 query heads per KV head** (twenty-sixth round; head 128, FA4 + tail serving).
+Per-beam decode reads each beam's KV once for the whole group, while the library's work on the queries
+grows with it. At GQA 12 and 16 (96/8, 64/4, 16/1; 144 points at tail 4) the row floors held (the slowest
+served 1.21x). At 32/1 the rule served 64 x 16 and 64 x 30 at 100 tokens at 0.89x and 0.98x (every
+100-token point lost there), at 64/1 500 tokens lost (0.77x-0.83x at 480-1,920 rows) and 2,000 won
+(1.38x-1.43x): above 16 a step needs a mean prompt of 500 tokens, above 32 of 2,000
+(:data:`WIDE_GROUP_MIN_PROMPT`; an unknown prompt is declined there). With one KV head, long tails crossed
+earlier at 16/1 than the 8/1 table allows (1.5x the crossovers: 71 prompt tokens per tail token at 512
+rows against 50): a group wider than 8 asks ``group / 8`` times that table (:data:`TAIL_ONE_KV_HEAD_GROUP`;
+at 32/1 this asks 2-4x what its crossovers need). Held-out 11 (88 points at 48/2, 32/2, 12/1 and 128/8,
+predictions committed first) served 29, the slowest 1.36x.
+
 **Mixed tails.** The grids above ran one tail per batch; serving judges a batch's longest, since each
 request's tail is walked by its own programs. Measured with tails drawn in ``[1, T]`` (one request at
 ``T``; ``tail_auto_check_round23_mixed*.json``, 64 pairs): the library's time was 0.95-1.01x its time
@@ -222,7 +234,8 @@ mixed-tail point the rule serves ran at least 1.56x faster than per-beam decode.
 
 Extrapolation, stated: the request count was varied at head 128 (the cascade, and FlashInfer for
 the split-prompt exception), at head 64 (the cascade, and FlashInfer at GQA 2) and at head 256
-(FlashInfer, GQA 1-8); the two-launch rule's ``(W - 1) x P`` was measured at head 128; beams narrower
+(FlashInfer, GQA 1-8); groups above 8 only at head 128 (GQA 12-64; at heads 64 and 256 they take head
+128's clauses); the two-launch rule's ``(W - 1) x P`` was measured at head 128; beams narrower
 than 8 above 8 KV heads were measured on the cascade at head 128 (16-64 KV heads), and their table is
 applied to every path and head size. Re-run the
 grids for a very different shape (``docs/benchmarks.md`` says how).

@@ -394,10 +394,10 @@ def test_split_prompt_exception_covers_the_shapes_auto_measured():
     requests=st.lists(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128]), min_size=2, max_size=2),
     beams=st.lists(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 14, 16, 30, 64, 96, 256]), min_size=2, max_size=2),
     # around every threshold of the tables, and between them
-    prompts=st.lists(st.sampled_from([16, 32, 49, 50, 99, 100, 149, 150, 249, 250, 499, 500, 999, 1000, 2000,
-                                      3999, 4000, 8000, 20_000]), min_size=2, max_size=2),
+    prompts=st.lists(st.sampled_from([16, 32, 49, 50, 99, 100, 149, 150, 249, 250, 499, 500, 999, 1000, 1999,
+                                      2000, 3999, 4000, 8000, 20_000]), min_size=2, max_size=2),
     kv_heads=st.sampled_from([1, 2, 4, 8, 12, 16, 32, 40, 64]),
-    group=st.integers(1, 16),
+    group=st.one_of(st.integers(1, 16), st.sampled_from([17, 24, 32, 33, 48, 64])),
     head_dim=st.sampled_from([64, 128, 256]),
     one_launch=st.booleans(),
     split_kv=st.booleans(),
@@ -444,6 +444,8 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
     (4, 10, 20000, 8, 1, 500),     # 40 row-KV-heads
     (128, 4, 2000, 8, 1, 50),      # 2-11 beams from 512 rows
     (64, 30, 1000, 8, 1, 22),      # 12 and more from 512 rows
+    (64, 8, 2000, 16, 1, 100),     # a group of 16: 16 / 8 times 8/1's 50 (16/1 crossed at 71)
+    (64, 30, 2000, 32, 1, 88),     # a group of 32: 32 / 8 times 22
 ])
 def test_long_tails_need_long_prompts(requests, beams, prompt, heads, kv_heads, per_token):
     """Every path reads each beam's generated tokens a short block at a time, so past the measured 4-token
