@@ -390,6 +390,9 @@ TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 141), (2, 512, 50), (12, 512, 22
 #: ``tail_auto_check_round26_g16_mqa.json``) 1.5x the crossovers needed up to 71 prompt tokens per tail
 #: token at 512 rows (the table: 50) and 34 at 1,920 (22), while at 64/4 and 96/8 the few-KV-heads table held.
 TAIL_ONE_KV_HEAD_GROUP = 8
+# The widest group the tail kernel tiles (triton_kernels.tail_merge.MAX_GROUP_SIZE; a test keeps the two
+# equal): an unknown group at one KV head is judged as it, the strictest.
+_WIDEST_GROUP = 64
 #: Under :data:`TAIL_FEW_ROW_KV_HEADS` row-KV-heads ``R x W x Hkv`` the tail kernel runs a program or two per SM
 #: and each generated token costs the step a fixed latency, while per-beam decode's time is the prompt's
 #: bytes, ``R x W x Hkv x P``: the crossover ratio falls as ``1 / (R x W x Hkv)`` (twenty-fifth round: the
@@ -519,7 +522,7 @@ def narrow_beams_min_prompt(beam_width: int, num_kv_heads: Optional[int]) -> Opt
 
 def _tail_table(num_kv_heads: Optional[int], group: Optional[int]):
     """The tail table for ``num_kv_heads`` and ``group`` query heads per KV head (``None``: judged as
-    the strictest, one KV head and a group of 8 or more)."""
+    the strictest, one KV head and a group of 8 or more; the caller scales one KV head's table by the group)."""
     if num_kv_heads is None or int(num_kv_heads) <= 1:
         return TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD
     if int(num_kv_heads) < _TAIL_MANY_KV_HEADS or group is None or int(group) >= _TAIL_LARGE_GROUP:
@@ -550,8 +553,10 @@ def _tail_prompt_per_token(beam_width: int, num_kv_heads: Optional[int], num_req
     table = _tail_table(num_kv_heads, group)
     rows = _tail_rows(beam_width, num_requests)
     per_token = _table_value(table, int(beam_width), rows)
-    if table is TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD and per_token is not None and (group or 0) > TAIL_ONE_KV_HEAD_GROUP:
-        per_token = -(-per_token * group // TAIL_ONE_KV_HEAD_GROUP)
+    if table is TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD and per_token is not None:
+        width = _WIDEST_GROUP if group is None else group
+        if width > TAIL_ONE_KV_HEAD_GROUP:
+            per_token = -(-per_token * width // TAIL_ONE_KV_HEAD_GROUP)
     few_rows = _few_rows_prompt_per_token(rows * max(int(num_kv_heads or 1), 1))
     return per_token if few_rows is None else max(per_token or 0, few_rows)
 
@@ -561,10 +566,10 @@ def max_tail_len(beam_width: int, prompt_len: float, num_kv_heads: Optional[int]
     """The longest tail (generated tokens per beam, this step's included) served with this beam width,
     mean prompt, KV head count, request count and query head count: ``max(TAIL_MEASURED_LEN, prompt_len /
     prompt tokens per tail token)`` (:data:`TAIL_MIN_PROMPT_PER_TOKEN` with 8 KV heads or more and groups
-    under 8; ``..._FEW_KV_HEADS`` at 2-7 KV heads or groups of 8 and more; ``..._ONE_KV_HEAD`` at one), in
-    tokens; under :data:`TAIL_FEW_ROW_KV_HEADS` row-KV-heads at least :data:`TAIL_PROMPT_ROW_KV_HEADS` ``/ (R x W
-    x Hkv)`` prompt tokens per tail token. ``None`` is judged as the strictest: one KV head, one request, a group
-    of 8."""
+    under 8; ``..._FEW_KV_HEADS`` at 2-7 KV heads or groups of 8 and more; ``..._ONE_KV_HEAD`` at one, times
+    ``group / 8`` above 8), in tokens; under :data:`TAIL_FEW_ROW_KV_HEADS` row-KV-heads at least
+    :data:`TAIL_PROMPT_ROW_KV_HEADS` ``/ (R x W x Hkv)`` prompt tokens per tail token. ``None`` is judged as the
+    strictest: one KV head, one request, a group of 8 (of 64 at one KV head)."""
     return _tail_limit(prompt_len, _tail_prompt_per_token(beam_width, num_kv_heads, num_requests, num_qo_heads))
 
 
@@ -579,7 +584,7 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
     generated ``tail_len`` tokens (the longest request's, this step's included) over a mean prompt of ``prompt_len``
     tokens to per-beam decode, or ``None``. ``beam_width``, ``prompt_len`` or ``tail_len`` ``None``
     (unknown): ``None``; ``num_kv_heads`` ``None``: judged as one KV head; ``num_requests`` ``None``: as
-    one request; ``num_qo_heads`` ``None``: as a group of 8."""
+    one request; ``num_qo_heads`` ``None``: as a group of 8 (of 64 with one KV head)."""
     if beam_width is None or prompt_len is None or tail_len is None:
         return None
     per_token = _tail_prompt_per_token(beam_width, num_kv_heads, num_requests, num_qo_heads)
@@ -594,8 +599,11 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
             heads += f" and an unknown query head count (judged as a group of {_TAIL_LARGE_GROUP})"
         elif group >= _TAIL_LARGE_GROUP:
             heads += f" and {group} query heads per KV head"
-    elif num_kv_heads is not None and (group or 0) > TAIL_ONE_KV_HEAD_GROUP:
-        heads += f" and {group} query heads ({group} / {TAIL_ONE_KV_HEAD_GROUP} times the ratio of 8/1)"
+    elif num_kv_heads is None or int(num_kv_heads) <= 1:  # the one-KV-head table, scaled by the group
+        if group is None:
+            heads += f" and an unknown query head count (judged as a group of {_WIDEST_GROUP})"
+        elif group > TAIL_ONE_KV_HEAD_GROUP:
+            heads += f" and {group} query heads ({group} / {TAIL_ONE_KV_HEAD_GROUP} times the ratio of 8/1)"
     rows = "" if num_requests is None else f" and {int(num_requests) * int(beam_width)} beam rows"
     row_kv_heads = _tail_rows(beam_width, num_requests) * max(int(num_kv_heads or 1), 1)
     if per_token == _few_rows_prompt_per_token(row_kv_heads):

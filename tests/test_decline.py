@@ -201,6 +201,17 @@ def test_more_than_16_kv_heads_count_row_heads():
     assert "(1,024 / 40: measured up to 40 KV heads)" in should_decline(1, 16, 100, 64, 64, 128)
 
 
+def test_widest_group_is_the_tail_kernels():
+    """An unknown group at one KV head is judged as the widest the tail kernel tiles."""
+    from beam_shared_prefix import decline
+    from triton_kernels.tail_merge import MAX_GROUP_SIZE
+
+    assert decline._WIDEST_GROUP == MAX_GROUP_SIZE
+    assert "an unknown query head count (judged as a group of 64)" in tail_decline_reason(30, 2000, 100, 1, 64)
+    assert "unknown query head count" not in tail_decline_reason(30, 2000, 100, 4, 64)
+    assert "times the ratio of 8/1" not in tail_decline_reason(30, 2000, 100, 4, 64, 64)
+
+
 def test_groups_above_16_need_long_prompts():
     """Above 16 query heads per KV head (GQA 32/1, twenty-sixth round) 100-token prompts lost at every row
     count measured (64 x 16 0.89x, 64 x 30 0.98x), 500 tokens won from the row floor (64 x 8 1.40x); above
@@ -473,13 +484,13 @@ def test_long_tails_need_long_prompts(requests, beams, prompt, heads, kv_heads, 
         assert tail_decline_reason(beams, prompt, longest + 1, kv_heads, requests, heads) == reason
     assert judged
     assert tail_decline_reason(beams, prompt, None, kv_heads, requests, heads) is None
-    # Unknowns are judged as the strictest: one KV head, one request, a group of 8.
+    # Unknowns are judged as the strictest: one KV head, one request, a group of 8 (of 64 at one KV head).
     assert max_tail_len(beams, prompt, None, requests, heads) == max_tail_len(beams, prompt, 1, requests)
     assert max_tail_len(beams, prompt, kv_heads, None, heads) == max_tail_len(beams, prompt, kv_heads, 1, heads)
     assert max_tail_len(beams, prompt, kv_heads, None, heads) <= max_tail_len(beams, prompt, kv_heads, requests, heads)
     assert max_tail_len(beams, prompt, kv_heads, requests) <= max_tail_len(beams, prompt, kv_heads, requests, heads)
-    group_8 = max_tail_len(beams, prompt, kv_heads, requests, 8 * kv_heads)
-    assert max_tail_len(beams, prompt, kv_heads, requests) == group_8
+    strictest = max_tail_len(beams, prompt, kv_heads, requests, (8 if kv_heads > 1 else 64) * kv_heads)
+    assert max_tail_len(beams, prompt, kv_heads, requests) == strictest
 
 
 def _tail_crossover(points):
