@@ -95,8 +95,8 @@ _GROUPED_ELEMENTS_PER_THREAD = 32
 # Above them it lost: at G = 2 and 4 (from 4,096) to the previous defaults, at G = 8 (from 1,024) to the
 # 2-warp tiling below.
 # At G = 16 and 32 (head 128; twenty-sixth round, tune_tail_round26_wide_groups.json and _g32_g64.json, 64-256
-# row-KV-heads; 8 warps at G = 32) it was within 1.00-1.09x of the best tiling, where the default took
-# 1.08-1.87x. Shapes not listed (G = 1, G = 4 at head 64 and 256, G = 16 and 32 at other heads) are
+# row-KV-heads; 8 warps at G = 32) it was within 1.00-1.09x of the best tiling, where the tilings it
+# replaced took 1.08-1.87x. Shapes not listed (G = 1, G = 4 at head 64 and 256, G = 16 and 32 at other heads) are
 # unmeasured and keep the defaults below.
 _FEW_ROWS_MAX_ROW_KV_HEADS = {(2, 64): 1024, (2, 128): 1024, (2, 256): 1024, (4, 128): 1024,
                               (8, 64): 512, (8, 128): 512, (8, 256): 512, (16, 128): 256, (32, 128): 128}
@@ -164,7 +164,7 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     if few_rows_bound is not None and num_rows is not None and num_rows * num_kv_heads <= few_rows_bound:
         kv_heads_per_prog = min(triton.next_power_of_2(num_kv_heads), max(1, 4 // group_pad))
         tile = _FEW_ROWS_BLOCK_T * group_pad * kv_heads_per_prog * head_dim
-        # 2-4 warps by tile; the 16K-element tile of G = 32 spilled at 4 (30-40x slower) and takes 8.
+        # 2-4 warps by tile; the 16K-element tile of G = 32 takes 8 (at 4 it ran 33-39x the best time).
         num_warps = max(2, min(4, tile // 1024), tile // 2048)
         return TailLaunchConfig(group_pad, kv_heads_per_prog, _FEW_ROWS_BLOCK_T, num_warps, _TOKENS_OUTER,
                                 _FEW_ROWS_INDEX_BLOCK)
