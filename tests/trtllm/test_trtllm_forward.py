@@ -294,6 +294,28 @@ def test_long_tails_are_judged_every_step(trt, monkeypatch, caplog, graph, qo_he
     assert ("a CUDA-graph step runs its captured library path although" in caplog.text) == graph
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+@pytest.mark.parametrize("qo_heads,served", [(16, True), (32, False)])
+def test_groups_above_16_need_long_prompts_every_step(trt, monkeypatch, caplog, graph, qo_heads, served):
+    """One KV head, 8 beams over a mean prompt of 105 tokens: at 16 query heads the step is served, at 32
+    it needs 500 tokens (32/1 lost at 100 up to 1,920 beam rows; docs/benchmarks.md), and a CUDA-graph step,
+    whose prompt is unknown, is handed over there at capture as at replay: the planner passes the layer's
+    query heads on both paths."""
+    model = register_with_decline(trt, monkeypatch, backend="auto")
+    setup = build(model, prompts=(90, 120), beam_width=8, head_dim=128, num_qo_heads=qo_heads, num_kv_heads=1)
+    step = setup.sim.begin_step()
+    metadata = setup.engine.graph_metadata(2) if graph else None
+    with caplog.at_level("DEBUG", logger="beam_shared_prefix.trtllm"):
+        out, _ = setup.run(step, metadata=metadata)
+    assert_close(gen_rows(out, 0, setup.sim), setup.oracle(step), f"{qo_heads}/1 graph={graph}")
+    assert stats()["generation_forwards"] == (1 if served else 0)
+    assert stats()["delegated_steps"] == (0 if served else 1)
+    if not served:
+        prompt = "unknown (a CUDA graph)" if graph else "105"
+        assert f"32 query heads per KV head (more than 16) need a mean prompt of 500 tokens, this one is {prompt}" \
+            in caplog.text, caplog.text
+
+
 def test_the_longest_tail_decides(trt, monkeypatch, caplog):
     """Each request's tail is walked by its own programs, so a step takes as long as its longest tail: a
     request that joins late lowers the mean tail (5 and 1: 3) but not the longest (5), and the step is
