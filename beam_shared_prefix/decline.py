@@ -350,7 +350,7 @@ MIN_SHARED_PROMPT_TOKENS = 600
 #: 500 tokens lost at 480-1,920 rows (0.77x-0.83x), 2,000 won (1.38x-1.43x). At GQA 16 (64/4, 16/1) 100
 #: tokens won from 1,024 beam rows at one KV head (1.44x-1.60x), as the row floors say.
 WIDE_GROUP = 16
-WIDE_GROUP_MIN_PROMPT = ((17, 500), (33, 2000))
+WIDE_GROUP_MIN_PROMPT = ((WIDE_GROUP + 1, 500), (33, 2000))
 #: With the one-launch cascade serving: ``(beam width from, smallest mean prompt served)``, by width.
 CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
 #: The same at head 64 (and below); narrower widths than the first are never served.

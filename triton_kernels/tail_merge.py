@@ -108,11 +108,10 @@ _FEW_ROWS_INDEX_BLOCK = 32
 _MANY_ROWS_G8_SPLIT = 1536
 # Groups of 9-32 query heads per KV head (padded to 16 and 32) at head 128, above the few-rows bound: the
 # [QH, D] kernel with one KV head per program, 4 tokens per iteration and 32 query elements per thread (2
-# warps at G = 16, 4 at 32). The H200, tail stage alone, 1,920-15,360 row-KV-heads and tails 4-64
-# (docs/results/h200/tune_tail_round26_wide_groups.json, GQA 96/8, 64/4, 16/1 and 32/1): within 1.00-1.08x
-# of the best of 24 tilings, where the previous default (2 tokens, 4-8 warps) took 1.07-1.44x.
-_WIDE_GROUP_HEAD_DIMS = frozenset((128,))
-_WIDE_GROUP_ELEMENTS_PER_THREAD = 32
+# warps at G = 16, 4 at 32; the grouped kernel's _GROUPED_ELEMENTS_PER_THREAD). The H200, tail stage alone,
+# 1,920-15,360 row-KV-heads and tails 4-64 (docs/results/h200/tune_tail_round26_wide_groups.json, GQA 96/8,
+# 64/4, 16/1 and 32/1): within 1.00-1.08x of the best of 24 tilings, where the previous default (2 tokens,
+# 4-8 warps) took 1.07-1.44x.
 # G = 64 at head 128 (padded; 33-64): one token per iteration, 8 warps, index blocks of 32 positions up to
 # 128 row-KV-heads (the H200, same file: 1,920 row-KV-heads 1.00x of the best at tails 4-64, where the
 # previous default of 2 tokens and 16 warps took 1.52-1.71x; 128 row-KV-heads 1.00-1.06x, against 1.18-1.39x).
@@ -179,10 +178,10 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     if group_pad == 8 and head_dim == 128 and num_rows is not None:
         block_t = 4 if num_rows * num_kv_heads < _MANY_ROWS_G8_SPLIT else 1
         return TailLaunchConfig(group_pad, 1, block_t, 2, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
-    if group_pad in (16, 32) and head_dim in _WIDE_GROUP_HEAD_DIMS:
-        num_warps = group_pad * head_dim // (32 * _WIDE_GROUP_ELEMENTS_PER_THREAD)
+    if group_pad in (16, 32) and head_dim == 128:
+        num_warps = group_pad * head_dim // (32 * _GROUPED_ELEMENTS_PER_THREAD)
         return TailLaunchConfig(group_pad, 1, 4, num_warps, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
-    if group_pad == 64 and head_dim in _WIDE_GROUP_HEAD_DIMS:
+    if group_pad == 64 and head_dim == 128:
         few = num_rows is not None and num_rows * num_kv_heads <= _GROUP_64_FEW_ROW_KV_HEADS
         return TailLaunchConfig(group_pad, 1, 1, _GROUP_64_WARPS, _TOKENS_OUTER,
                                 _FEW_ROWS_INDEX_BLOCK if few else DEFAULT_INDEX_BLOCK)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from h200_grids import grid_points
+from h200_grids import grid_points, with_auto_backend
 
 from beam_shared_prefix.plan import build_step_plan
 from beam_shared_prefix.prefix import (
@@ -362,14 +362,9 @@ def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, 
 
 def _h200_grid_points(pattern):
     """``(file name, shape, mean prompt, {arm: us})`` of every point of the committed H200 grids matching
-    ``pattern`` (arms that ran). A grid that timed ``auto``'s backend only through ``library/auto`` (the
-    twenty-sixth round's) also counts that time as ``library/<backend>``."""
+    ``pattern`` (arms that ran; ``auto``'s backend also from ``library/auto``, :func:`with_auto_backend`)."""
     for name, shape, prompt, arms in grid_points(pattern):
-        times = {arm: record["time_us"] for arm, record in arms.items()}
-        backend = arms.get("library/auto", {}).get("info", {}).get("backend")
-        if backend is not None:
-            times.setdefault(f"library/{backend}", times["library/auto"])
-        yield name, shape, prompt, times
+        yield name, shape, prompt, {arm: record["time_us"] for arm, record in with_auto_backend(arms).items()}
 
 
 def test_split_kv_rule_agrees_with_the_h200_grids():
