@@ -11,7 +11,7 @@ import triton.language as tl
 
 from .device_errors import PAGE_BAD_ENTRY, PAGE_BAD_SOURCE
 
-__all__ = ["source_beam_pages", "pages_of_source_beams"]
+__all__ = ["source_beam_pages", "pages_of_source_beams", "shared_ancestry_len"]
 
 
 @triton.jit
@@ -52,3 +52,37 @@ def pages_of_source_beams(
     if REPORT_ERRORS:
         return tl.where(page_ok, page, tl.where(src_ok, PAGE_BAD_ENTRY, tl.where(pos_ok, PAGE_BAD_SOURCE, -1)))
     return tl.where(page_ok, page, -1)
+
+
+@triton.jit
+def shared_ancestry_len(
+    ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64, first_beam, beam_width, pos_begin, pos_end,
+    BEAMS: tl.constexpr, SCAN: tl.constexpr,
+):
+    """How many positions from ``pos_begin`` on (before ``pos_end``) every beam of a tile reads from
+    the same source beam: the length of the leading run of ``[pos_begin, pos_end)`` over which the
+    ``cache_indirection`` entries of beams ``[first_beam, first_beam + BEAMS)`` (those below
+    ``beam_width``) are all equal (int32 scalar, ``0..pos_end - pos_begin``).
+
+    Beam search's histories coalesce: going back from the newest token, the beams soon descend from
+    one ancestor, and from there on they read the same K/V row at every position. Such a run can be
+    attended once for the whole tile, as the prompt is. ``SCAN`` positions per load, stopping at the
+    first chunk with a differing entry. The entries are compared, not checked: a run of equal
+    out-of-range entries is masked where its pages are looked up.
+    """
+    slot = tl.arange(0, BEAMS)
+    j = tl.arange(0, SCAN)
+    beam_ok = first_beam + slot < beam_width
+    rows = ci_ptr + req64 * stride_ci_req + (first_beam + slot).to(tl.int64) * stride_ci_beam
+    stop = pos_end
+    t0 = pos_begin
+    while t0 < stop:
+        pos = t0 + j
+        pos_ok = pos < pos_end
+        src = tl.load(rows[:, None] + pos.to(tl.int64)[None, :] * stride_ci_pos,
+                      mask=beam_ok[:, None] & pos_ok[None, :], other=0)
+        first = tl.sum(tl.where(slot[:, None] == 0, src, 0), axis=0)  # the tile's first beam (always < W)
+        differs = tl.max(tl.where(beam_ok[:, None] & (src != first[None, :]), 1, 0), axis=0)
+        stop = tl.minimum(stop, tl.min(tl.where(pos_ok & (differs > 0), pos, pos_end), axis=0))
+        t0 += SCAN
+    return stop - pos_begin

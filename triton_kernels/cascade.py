@@ -70,6 +70,9 @@ MAX_BEAMS_PER_PROGRAM = 32
 # Query rows of one tile (beams x padded group): 128 keeps the fp32 accumulator at 64 registers per
 # thread with 8 warps at D = 128.
 MAX_BLOCK_M = {64: 128, 128: 128}
+# Cached tail positions from which a tile looks for the run of positions all its beams share (the
+# scan costs a dependent load before the prompt's; a shorter tail is walked per beam as it is).
+SHARED_ANCESTRY_MIN_TAIL = 16
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,11 @@ class CascadeLaunchConfig:
         tail_on_cores: attend the tail on CUDA cores, ``tail_block`` positions per step with the
             group in each thread's registers, before the prompt (its state seeds the prompt loop),
             instead of as masked tensor-core key blocks; excludes ``prompt_first``.
+        shared_ancestry: in a tail of ``shared_min_tail`` cached positions or more, attend the
+            leading run of positions that every beam of the tile reads from one source beam (beam
+            search's coalesced history) once for the tile, as dense ``block_n`` key blocks, and only
+            the rest per beam. Not with ``tail_on_cores``.
+        shared_min_tail: the shortest cached tail (positions before this step's) scanned for such a run.
     """
 
     beams_per_program: int
@@ -110,6 +118,8 @@ class CascadeLaunchConfig:
     prompt_stages: Optional[int] = None
     tail_stages: Optional[int] = None
     tail_on_cores: bool = False
+    shared_ancestry: bool = True
+    shared_min_tail: int = SHARED_ANCESTRY_MIN_TAIL
 
     @property
     def block_m(self) -> int:
@@ -233,6 +243,11 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int,
     if cfg.tail_on_cores and cfg.prompt_first:
         raise TailMergeInputError("launch_config has tail_on_cores=True and prompt_first=True; the core tail runs "
                                   "before the prompt (its state seeds the prompt loop): set prompt_first=False.")
+    if not isinstance(cfg.shared_ancestry, bool):
+        raise TailMergeInputError(f"launch_config.shared_ancestry={cfg.shared_ancestry!r} must be a bool.")
+    if isinstance(cfg.shared_min_tail, bool) or not (isinstance(cfg.shared_min_tail, int) and cfg.shared_min_tail >= 1):
+        raise TailMergeInputError(f"launch_config.shared_min_tail={cfg.shared_min_tail!r} must be an int >= 1 "
+                                  f"(cached tail positions).")
     if cfg.max_registers is not None and not (isinstance(cfg.max_registers, int) and 64 <= cfg.max_registers <= 255):
         raise TailMergeInputError(f"launch_config.max_registers={cfg.max_registers!r} must be None or an int in "
                                   f"[64, 255].")
@@ -307,6 +322,8 @@ def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int
         PROMPT_STAGES=cfg.prompt_stages or cfg.num_stages,
         TAIL_STAGES=cfg.tail_stages or cfg.num_stages,
         TAIL_CORES=bool(cfg.tail_on_cores),
+        SHARED_ANCESTRY=bool(cfg.shared_ancestry and not cfg.tail_on_cores and not prefix_only),
+        SHARED_MIN_TAIL=cfg.shared_min_tail,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

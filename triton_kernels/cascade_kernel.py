@@ -83,12 +83,19 @@ wrong either way; the mask saves a second load of the page entries per block).
 import triton
 import triton.language as tl
 
-from .beam_index import pages_of_source_beams, source_beam_pages
+from .beam_index import pages_of_source_beams, shared_ancestry_len, source_beam_pages
 from .device_errors import (KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, error_bits, flush_errors, kv_len_bad,
-                            page_error_bits)
+                            or_reduce, page_error_bits)
 from .tail_merge_grouped_kernel import attend_grouped_row
 
 __all__ = ["beam_cascade_kernel"]
+
+# Positions per load of the shared-ancestry scan, and per dense key block of the shared run. Small:
+# both paths are compiled into every tiling, whose programs already hold 235-255 registers. With
+# 128-position scans B-short's kernel spilled 104 bytes instead of 16, with 64-position dense blocks
+# B-medium's 136 instead of 32 (Triton 3.6, sm_90; these sizes: 16 and 48).
+SHARED_SCAN = tl.constexpr(16)
+SHARED_BLOCK = tl.constexpr(32)
 
 
 @triton.jit
@@ -291,6 +298,48 @@ def _prompt_blocks(
 
 
 @triton.jit
+def _shared_ancestry_blocks(
+    q, m_i, l_i, acc, kv_ptr, kv_head_off, ci_row_ptr, stride_ci_pos, beam_pt_ptr, first_src_row, stride_bpt_row,
+    stride_bpt_col, beam_width, pos_begin, pos_end, page_size, page_index_divisor, num_pages, stride_kv_page,
+    stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, REPORT_ERRORS: tl.constexpr = False,
+):
+    """Fold generated positions ``[pos_begin, pos_end)`` that every beam of the tile reads from the
+    same source beam (:func:`triton_kernels.beam_index.shared_ancestry_len`) into ``(m_i, l_i, acc)``
+    as the prompt is folded: ``BLOCK_N`` positions per key block seen by every row, each K/V row read
+    once for the tile instead of once per beam. ``ci_row_ptr`` is the ``cache_indirection`` row of the
+    tile's first beam. The next block's index chain (source beam, page) is requested before this
+    block's K/V are consumed. A position whose chain leaves its buffers drops out of the softmax, as
+    in the per-beam key blocks. Also returns the blocks' page error bits (an int32 scalar, zero unless
+    ``REPORT_ERRORS``)."""
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_N)
+    k_head_ptr = kv_ptr + kv_head_off
+    v_head_ptr = k_head_ptr + stride_kv_kv
+    pos = pos_begin + n
+    pages = source_beam_pages(ci_row_ptr + pos.to(tl.int64) * stride_ci_pos, pos, pos < pos_end, beam_pt_ptr,
+                              first_src_row, stride_bpt_row, stride_bpt_col, beam_width, page_size, page_index_divisor,
+                              num_pages, REPORT_ERRORS)
+    blocks_err = or_reduce(tl.zeros([BLOCK_N], tl.int32))
+    for start in range(pos_begin, pos_end, BLOCK_N):
+        pos = start + n
+        tok_ok = pages >= 0
+        offs = (tl.where(tok_ok, pages, 0).to(tl.int64) * stride_kv_page
+                + (pos % page_size).to(tl.int64) * stride_kv_slot)
+        k = tl.load(k_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+        v = tl.load(v_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+        if REPORT_ERRORS:
+            blocks_err |= or_reduce(page_error_bits(pages))
+        next_pos = pos + BLOCK_N
+        pages = source_beam_pages(ci_row_ptr + next_pos.to(tl.int64) * stride_ci_pos, next_pos, next_pos < pos_end,
+                                  beam_pt_ptr, first_src_row, stride_bpt_row, stride_bpt_col, beam_width, page_size,
+                                  page_index_divisor, num_pages, REPORT_ERRORS)
+        s = tl.where(tok_ok[None, :], _dot(q, tl.trans(k), DOT_FP32), float("-inf"))
+        m_i, l_i, acc = _online_softmax_block(s, qk_scale_log2, m_i, l_i, acc, v, DOT_FP32)
+    return m_i, l_i, acc, blocks_err
+
+
+@triton.jit
 def _tail_block_rows(t_pages, tpos, tcol_cur, tcol_ok, tcol_new_k, tcol_new_v, kv_ptr, kv_head_off, page_size,
                      stride_kv_page, stride_kv_kv, stride_kv_slot, ALIGNED_ROWS: tl.constexpr):
     """Row pointers of a tail key block's K and V columns and their validity ``(k_row, v_row, col_ok)``:
@@ -414,6 +463,8 @@ def beam_cascade_kernel(
     TAIL_STAGES: tl.constexpr = 1,
     TAIL_CORES: tl.constexpr = False,
     PROMPT_ONE_BLOCK: tl.constexpr = False,
+    SHARED_ANCESTRY: tl.constexpr = False,
+    SHARED_MIN_TAIL: tl.constexpr = 16,
     err_ptr=None,
     REPORT_ERRORS: tl.constexpr = False,
 ):
@@ -469,6 +520,15 @@ def beam_cascade_kernel(
         tail_stop = tl.max(tl.where(tcol_ok, tl.minimum(tcol_cur + 1, max_seq_len), 0), axis=0)
         # (one column per beam)
         tail_err = error_bits(tcol_ok & (tcol_step == 0) & kv_len_bad(tcol_cur, prompt_len, max_seq_len), KV_LEN)
+        # How much of the tail, from P on, every beam of the tile reads from one source beam: that run
+        # is attended once for the tile (step 2). Looked for only in a tail of SHARED_MIN_TAIL cached
+        # positions or more, so that a short tail pays nothing for the scan.
+        shared_len = prompt_len * 0
+        if SHARED_ANCESTRY:
+            shared_stop = tl.min(tl.where(tcol_ok, tcol_gen_end, max_seq_len), axis=0)
+            if (prompt_len >= 0) & (shared_stop - prompt_len >= SHARED_MIN_TAIL):
+                shared_len = shared_ancestry_len(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64,
+                                                 first_beam, beam_width, prompt_len, shared_stop, BEAMS, SHARED_SCAN)
         if WRITE_KV:
             # Where each beam writes this step's K/V: its own page at L - 1, requested next to the
             # tail's source beams.
@@ -481,15 +541,15 @@ def beam_cascade_kernel(
         if ONE_BLOCK_FIRST:
             # Only the chain's first link here (source beams); its second (pages) is requested after
             # the prompt block's K/V, so that it resolves behind them and the prompt's math.
-            first_pos = prompt_len + tcol_step
+            first_pos = prompt_len + shared_len + tcol_step
             first_pos_ok = first_pos < tcol_gen_end
             first_src = tl.load(ci_ptr + req64 * stride_ci_req + tcol_beam.to(tl.int64) * stride_ci_beam
                                 + first_pos.to(tl.int64) * stride_ci_pos, mask=first_pos_ok, other=0)
         else:
             first_tail_pages = _tail_block_pages(
                 ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
-                req64, beam_width, tcol_beam, prompt_len + tcol_step, tcol_gen_end, page_size, page_index_divisor,
-                num_pages, REPORT_ERRORS,
+                req64, beam_width, tcol_beam, prompt_len + shared_len + tcol_step, tcol_gen_end, page_size,
+                page_index_divisor, num_pages, REPORT_ERRORS,
             )
             if REPORT_ERRORS:
                 tail_err |= page_error_bits(first_tail_pages.to(tl.int32))
@@ -555,10 +615,10 @@ def beam_cascade_kernel(
             tcol_new_k = new_k_ptr + tcol_row64 * stride_new_k_row + kv_head * stride_new_k_head
             tcol_new_v = new_v_ptr + tcol_row64 * stride_new_v_row + kv_head * stride_new_v_head
             m_i, l_i, acc, blocks_err = _tail_key_blocks(
-                q, m_i, l_i, acc, prompt_len, first_tail_pages, kv_ptr, kv_head_off, tcol_new_k, tcol_new_v, tcol_step,
-                tcol_cur, tcol_ok, tcol_slot, tcol_beam, tcol_gen_end, row_slot, tail_stop, ci_ptr, stride_ci_req,
-                stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64, beam_width, page_size,
-                page_index_divisor, num_pages, stride_kv_page, stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM,
+                q, m_i, l_i, acc, prompt_len + shared_len, first_tail_pages, kv_ptr, kv_head_off, tcol_new_k,
+                tcol_new_v, tcol_step, tcol_cur, tcol_ok, tcol_slot, tcol_beam, tcol_gen_end, row_slot, tail_stop,
+                ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64,
+                beam_width, page_size, page_index_divisor, num_pages, stride_kv_page, stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM,
                 TAIL_BLOCK, TAIL_STAGES, ALIGNED_ROWS, DOT_FP32, REPORT_ERRORS)
             tail_err |= blocks_err
 
@@ -571,6 +631,19 @@ def beam_cascade_kernel(
                 w_ptrs = kv_ptr + (w_offs + kv_head_off)[:, None] + d[None, :]
                 tl.store(w_ptrs, k_new, mask=w_mask)
                 tl.store(w_ptrs + stride_kv_kv, v_new, mask=w_mask)
+
+            if SHARED_ANCESTRY:
+                # The run [P, P + shared_len) every beam reads from one ancestor, as dense key blocks
+                # (the per-beam key blocks above started after it). Last, where the tail's column
+                # state is dead: held through it, that state spilled.
+                if shared_len > 0:
+                    m_i, l_i, acc, shared_err = _shared_ancestry_blocks(
+                        q, m_i, l_i, acc, kv_ptr, kv_head_off,
+                        ci_ptr + req64 * stride_ci_req + first_beam.to(tl.int64) * stride_ci_beam, stride_ci_pos,
+                        beam_pt_ptr, req64 * beam_width, stride_bpt_row, stride_bpt_col, beam_width, prompt_len,
+                        prompt_len + shared_len, page_size, page_index_divisor, num_pages, stride_kv_page,
+                        stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM, SHARED_BLOCK, DOT_FP32, REPORT_ERRORS)
+                    tail_err |= shared_err
 
         # 3. The shared prompt, once for every row of the tile (before the tail with PROMPT_FIRST).
         if not PROMPT_FIRST:

@@ -145,6 +145,8 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         TAIL_STAGES=cfg.tail_stages or cfg.num_stages, TAIL_CORES=cfg.tail_on_cores,
         PROMPT_ONE_BLOCK=prompt_capacity is not None and prompt_capacity <= cfg.block_n, page_size=PAGE_SIZE,
         page_index_divisor=1, REPORT_ERRORS=REPORT_ERRORS,
+        SHARED_ANCESTRY=cfg.shared_ancestry and not cfg.tail_on_cores and not prefix_only,
+        SHARED_MIN_TAIL=cfg.shared_min_tail,
     )
     compiled = _compile_sm90(beam_cascade_kernel, pointers, constexprs, ("qk_scale_log2",), _CASCADE_DIV16_INTS,
                              cfg.num_warps, cfg.num_stages, cfg.max_registers)

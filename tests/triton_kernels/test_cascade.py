@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -154,6 +155,87 @@ def test_cascade_tilings_agree_with_oracle(config, device):
         assert_matches(out, oracle(sim, step), f"tiling {config}, step {s} tails {earlier_tail(step)}")
         sim.end_step(write_kv=False)
     assert max(earlier_tail(step)) == 5
+
+
+def shared_runs(step, beams_per_program):
+    """Per tile (request, block of beams), the leading run of earlier tail positions from ``P`` at which
+    every beam of the tile has the same ``cache_indirection`` entry (computed here with torch)."""
+    W = step.beam_width
+    ci = step.cache_indirection.cpu()
+    runs = []
+    for r, p in enumerate(step.prompt_lens_per_request.tolist()):
+        end = int(step.kv_lens[r * W]) - 1
+        for b0 in range(0, W, beams_per_program):
+            block = ci[r, b0:min(W, b0 + beams_per_program), p:end]
+            runs.append(int((block == block[:1]).all(0).int().cumprod(0).sum()))
+    return runs
+
+
+def coalesce_then_branch(sim, steps, shared_steps):
+    """Run ``steps`` steps whose first ``shared_steps`` give every beam beam 0 as its parent (the whole
+    history then has one ancestor), the rest random parents, as beam search's histories coalesce."""
+    for s in range(steps):
+        sim.begin_step()
+        sim.end_step(parents=np.zeros((len(sim.requests), sim.beam_width), np.int64) if s < shared_steps else None)
+
+
+# (name, simulator kwargs, launch config, steps with one parent, steps, crafted break)
+SHARED_ANCESTRY_CASES = [
+    # The default tiling of 20 beams at G = 2, head 128, 100-token prompts: 32-beam tiles, one 128-token
+    # block, the prompt first; its own threshold (16 cached positions).
+    ("default_one_block", dict(prompts=[100, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=160), None,
+     14, 18, False),
+    # Two beam blocks per request (the second two beams and 14 padding), the tail first, 32-position
+    # blocks: runs of 34-36 positions take two dense blocks, the second partly masked.
+    ("beam_blocks", dict(prompts=[13, 40], beams=18, hq=9, hkv=3, d=64, max_seq_len=96, seed=13),
+     CascadeLaunchConfig(16, 4, block_n=32, tail_block=2, num_warps=4, num_stages=1, shared_min_tail=2), 36, 40,
+     False),
+    # The prompt first and pipelined, two KV heads per program, NHD, TensorRT-LLM block offsets; a run
+    # broken at its fourth position while the positions after it are shared again (the per-beam key
+    # blocks take them).
+    ("broken_run", dict(prompts=[20, 7], beams=5, hq=8, hkv=2, d=64, layout="NHD", max_seq_len=64, seed=4),
+     CascadeLaunchConfig(16, 4, block_n=32, tail_block=4, num_warps=4, num_stages=1, prompt_first=True,
+                         prompt_stages=3, heads_per_program=2, shared_min_tail=2), 12, 15, True),
+]
+
+
+@pytest.mark.parametrize("name,sim_kw,config,shared_steps,steps,crafted", SHARED_ANCESTRY_CASES,
+                         ids=[c[0] for c in SHARED_ANCESTRY_CASES])
+def test_cascade_attends_a_shared_ancestry_once(name, sim_kw, config, shared_steps, steps, crafted, device):
+    """Tails whose first positions every beam of a tile reads from one ancestor (folded once for the tile
+    as dense key blocks) and whose later ones each beam reads from its own: the oracle's output, and
+    exactly this step's K/V written."""
+    sim = make_sim(device, **sim_kw)
+    coalesce_then_branch(sim, steps, shared_steps)
+    step = sim.begin_step()
+    beams = (config or cascade_launch_config(sim.beam_width, sim_kw["hq"] // sim_kw["hkv"], sim_kw["d"])).beams_per_program
+    if crafted:  # request 0's beams disagree at P + 3 only
+        p = int(step.prompt_lens_per_request[0])
+        step.cache_indirection[0, : sim.beam_width, p + 3] = torch.arange(sim.beam_width, dtype=torch.int32)
+    runs = shared_runs(step, beams)
+    tails = earlier_tail(step)
+    assert max(runs) >= shared_steps - 1 and any(0 < run < max(tails) for run in runs), (runs, tails)
+    out = run_cascade(sim, step, divisor=6 if sim_kw.get("layout") == "NHD" else 1, launch_config=config)
+    assert_matches(out, oracle(sim, step), f"{name}: runs {runs}, tails {tails}")
+
+
+def test_cascade_reports_a_bad_source_in_a_shared_run(device):
+    """An out-of-range source beam that every beam of a tile shares (inside a shared run) is masked and
+    reported as such, as in the per-beam key blocks."""
+    sim = make_sim(device, prompts=[20, 7], beams=5, hq=4, hkv=2, d=64, seed=8)
+    coalesce_then_branch(sim, 8, 8)
+    step = sim.begin_step()
+    p = int(step.prompt_lens_per_request[1])
+    step.cache_indirection[1, :, p + 2] = sim.beam_width + 3
+    config = dataclasses.replace(cascade_launch_config(5, 2, 64), shared_min_tail=2)
+    assert min(shared_runs(step, config.beams_per_program)) >= 7
+    flags = device_errors.new_error_flags(device)
+    out = torch.full_like(step.q, float("nan"))
+    beam_cascade_attention(step.q, step.new_k, step.new_v, sim.kv_cache, prompt_table(sim, step), step.beam_page_table,
+                           step.kv_lens, step.prompt_lens, step.cache_indirection, step.beam_width, out,
+                           kv_layout=sim.kv_layout, launch_config=config, error_flags=flags)
+    assert not torch.isnan(out).any()
+    assert int(flags) == device_errors.SOURCE_BEAM.value, device_errors.decode_error_flags(int(flags))
 
 
 def poison_unread_slots(sim, step):
