@@ -324,7 +324,7 @@ def _shared_ancestry_blocks(
     for start in range(pos_begin, pos_end, BLOCK_N):
         pos = start + n
         tok_ok = pages >= 0
-        offs = (tl.where(tok_ok, pages, 0).to(tl.int64) * stride_kv_page
+        offs = (tl.maximum(pages, 0).to(tl.int64) * stride_kv_page
                 + (pos % page_size).to(tl.int64) * stride_kv_slot)
         k = tl.load(k_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
         v = tl.load(v_head_ptr + offs[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
@@ -520,15 +520,6 @@ def beam_cascade_kernel(
         tail_stop = tl.max(tl.where(tcol_ok, tl.minimum(tcol_cur + 1, max_seq_len), 0), axis=0)
         # (one column per beam)
         tail_err = error_bits(tcol_ok & (tcol_step == 0) & kv_len_bad(tcol_cur, prompt_len, max_seq_len), KV_LEN)
-        # How much of the tail, from P on, every beam of the tile reads from one source beam: that run
-        # is attended once for the tile (step 2). Looked for only in a tail of SHARED_MIN_TAIL cached
-        # positions or more, so that a short tail pays nothing for the scan.
-        shared_len = prompt_len * 0
-        if SHARED_ANCESTRY:
-            shared_stop = tl.min(tl.where(tcol_ok, tcol_gen_end, max_seq_len), axis=0)
-            if (prompt_len >= 0) & (shared_stop - prompt_len >= SHARED_MIN_TAIL):
-                shared_len = shared_ancestry_len(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64,
-                                                 first_beam, beam_width, prompt_len, shared_stop, BEAMS, SHARED_SCAN)
         if WRITE_KV:
             # Where each beam writes this step's K/V: its own page at L - 1, requested next to the
             # tail's source beams.
@@ -538,6 +529,15 @@ def beam_cascade_kernel(
             slot_cur = tl.load(kv_lens_ptr + slot_row64, mask=slot_ok, other=0) - 1
             w_ok, w_entry = _own_slot_entry(beam_pt_ptr, slot_row64, slot_cur, slot_ok, prompt_len, stride_bpt_row,
                                             stride_bpt_col, max_seq_len, page_size)
+        # How much of the tail, from P on, every beam of the tile reads from one source beam: that run
+        # is attended once for the tile (step 2). Looked for only in a tail of SHARED_MIN_TAIL cached
+        # positions or more, so that a short tail pays nothing for the scan.
+        shared_len = prompt_len * 0
+        if SHARED_ANCESTRY:
+            shared_stop = tl.min(tl.where(tcol_ok, tcol_gen_end, max_seq_len), axis=0)
+            if (prompt_len >= 0) & (shared_stop - prompt_len >= SHARED_MIN_TAIL):
+                shared_len = shared_ancestry_len(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64,
+                                                 first_beam, beam_width, prompt_len, shared_stop, BEAMS, SHARED_SCAN)
         if ONE_BLOCK_FIRST:
             # Only the chain's first link here (source beams); its second (pages) is requested after
             # the prompt block's K/V, so that it resolves behind them and the prompt's math.

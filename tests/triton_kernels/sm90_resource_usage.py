@@ -147,6 +147,10 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         page_index_divisor=1, REPORT_ERRORS=REPORT_ERRORS,
         SHARED_ANCESTRY=cfg.shared_ancestry and not cfg.tail_on_cores and not prefix_only,
         SHARED_MIN_TAIL=cfg.shared_min_tail,
+        # Triton's runtime makes an int argument equal to 1 a constant: the unit column strides of the
+        # page tables and the indirection. (Compiled without that, Triton 3.6 built a kernel whose
+        # runtime compile failed in its layout pass.)
+        stride_ppt_col=1, stride_bpt_col=1, stride_ci_pos=1,
     )
     compiled = _compile_sm90(beam_cascade_kernel, pointers, constexprs, ("qk_scale_log2",), _CASCADE_DIV16_INTS,
                              cfg.num_warps, cfg.num_stages, cfg.max_registers)
