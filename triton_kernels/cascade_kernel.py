@@ -529,27 +529,18 @@ def beam_cascade_kernel(
             slot_cur = tl.load(kv_lens_ptr + slot_row64, mask=slot_ok, other=0) - 1
             w_ok, w_entry = _own_slot_entry(beam_pt_ptr, slot_row64, slot_cur, slot_ok, prompt_len, stride_bpt_row,
                                             stride_bpt_col, max_seq_len, page_size)
-        # How much of the tail, from P on, every beam of the tile reads from one source beam: that run
-        # is attended once for the tile (step 2). Looked for only in a tail of SHARED_MIN_TAIL cached
-        # positions or more, so that a short tail pays nothing for the scan.
-        shared_len = prompt_len * 0
-        if SHARED_ANCESTRY:
-            shared_stop = tl.min(tl.where(tcol_ok, tcol_gen_end, max_seq_len), axis=0)
-            if (prompt_len >= 0) & (shared_stop - prompt_len >= SHARED_MIN_TAIL):
-                shared_len = shared_ancestry_len(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64,
-                                                 first_beam, beam_width, prompt_len, shared_stop, BEAMS, SHARED_SCAN)
         if ONE_BLOCK_FIRST:
             # Only the chain's first link here (source beams); its second (pages) is requested after
             # the prompt block's K/V, so that it resolves behind them and the prompt's math.
-            first_pos = prompt_len + shared_len + tcol_step
+            first_pos = prompt_len + tcol_step
             first_pos_ok = first_pos < tcol_gen_end
             first_src = tl.load(ci_ptr + req64 * stride_ci_req + tcol_beam.to(tl.int64) * stride_ci_beam
                                 + first_pos.to(tl.int64) * stride_ci_pos, mask=first_pos_ok, other=0)
         else:
             first_tail_pages = _tail_block_pages(
                 ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
-                req64, beam_width, tcol_beam, prompt_len + shared_len + tcol_step, tcol_gen_end, page_size,
-                page_index_divisor, num_pages, REPORT_ERRORS,
+                req64, beam_width, tcol_beam, prompt_len + tcol_step, tcol_gen_end, page_size, page_index_divisor,
+                num_pages, REPORT_ERRORS,
             )
             if REPORT_ERRORS:
                 tail_err |= page_error_bits(first_tail_pages.to(tl.int32))
@@ -612,6 +603,26 @@ def beam_cascade_kernel(
             #    key block). The next block's pages are requested before this block's K/V are
             #    consumed. Device-side bounds: no tail-length limit, one CUDA-graph capture for
             #    every tail length. Then this step's K/V go to each beam's own page.
+            # The run of positions from P that every beam of the tile reads from one ancestor is attended
+            # once for the tile after the KV write; the per-beam key blocks start after it. Looked for
+            # only in a tail of SHARED_MIN_TAIL cached positions or more (judged by the tile's first
+            # beam), and here, where the prompt's loads are out and the lengths in hand: a branch on
+            # them in step 1 delayed every later load (B-short 33.5 against 31.7 us).
+            shared_len = prompt_len * 0
+            if SHARED_ANCESTRY:
+                first_end = tl.load(kv_lens_ptr + req64 * beam_width + first_beam) - 1
+                if (prompt_len >= 0) & (first_end - prompt_len >= SHARED_MIN_TAIL):
+                    shared_stop = tl.min(tl.where(tcol_ok, tcol_gen_end, max_seq_len), axis=0)
+                    shared_len = shared_ancestry_len(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64,
+                                                     first_beam, beam_width, prompt_len, shared_stop, BEAMS,
+                                                     SHARED_SCAN)
+                    if shared_len > 0:
+                        first_tail_pages = _tail_block_pages(
+                            ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row,
+                            stride_bpt_col, req64, beam_width, tcol_beam, prompt_len + shared_len + tcol_step,
+                            tcol_gen_end, page_size, page_index_divisor, num_pages, REPORT_ERRORS)
+                        if REPORT_ERRORS:
+                            tail_err |= page_error_bits(first_tail_pages.to(tl.int32))
             tcol_new_k = new_k_ptr + tcol_row64 * stride_new_k_row + kv_head * stride_new_k_head
             tcol_new_v = new_v_ptr + tcol_row64 * stride_new_v_row + kv_head * stride_new_v_head
             m_i, l_i, acc, blocks_err = _tail_key_blocks(
@@ -633,8 +644,7 @@ def beam_cascade_kernel(
                 tl.store(w_ptrs + stride_kv_kv, v_new, mask=w_mask)
 
             if SHARED_ANCESTRY:
-                # The run [P, P + shared_len) every beam reads from one ancestor, as dense key blocks
-                # (the per-beam key blocks above started after it). Last, where the tail's column
+                # The shared run [P, P + shared_len) as dense key blocks. Last, where the tail's column
                 # state is dead: held through it, that state spilled.
                 if shared_len > 0:
                     m_i, l_i, acc, shared_err = _shared_ancestry_blocks(
