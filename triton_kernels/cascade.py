@@ -197,7 +197,7 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
     if (head_dim == 128 and beams == 32 and block_m == 64 and prompt_capacity is not None
             and prompt_capacity <= ONE_BLOCK_PROMPT_TOKENS):
         return CascadeLaunchConfig(beams, group_pad, block_n=128, tail_block=tail_block, num_warps=4, num_stages=1,
-                                   prompt_first=True)
+                                   prompt_first=True, shared_ancestry=False)
     if head_dim == 128 and block_m <= 64:
         return CascadeLaunchConfig(beams, group_pad, block_n=64, tail_block=tail_block, num_warps=num_warps,
                                    num_stages=1, prompt_first=(block_m == 64 and beams == 32), prompt_stages=3)

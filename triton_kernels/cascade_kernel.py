@@ -605,13 +605,12 @@ def beam_cascade_kernel(
             #    every tail length. Then this step's K/V go to each beam's own page.
             # The run of positions from P that every beam of the tile reads from one ancestor is attended
             # once for the tile after the KV write; the per-beam key blocks start after it. Looked for
-            # only in a tail of SHARED_MIN_TAIL cached positions or more (judged by the tile's first
-            # beam), and here, where the prompt's loads are out and the lengths in hand: a branch on
-            # them in step 1 delayed every later load (B-short 33.5 against 31.7 us).
+            # only in a tail of SHARED_MIN_TAIL cached positions or more, and here, where the prompt's
+            # loads are out and the lengths in hand: a branch on them in step 1 delayed every later load
+            # (B-short 33.3-33.7 against 31.7-31.9 us, docs/rounds.md, "The twenty-seventh round").
             shared_len = prompt_len * 0
             if SHARED_ANCESTRY:
-                first_end = tl.load(kv_lens_ptr + req64 * beam_width + first_beam) - 1
-                if (prompt_len >= 0) & (first_end - prompt_len >= SHARED_MIN_TAIL):
+                if (prompt_len >= 0) & (tail_stop - 1 - prompt_len >= SHARED_MIN_TAIL):
                     shared_stop = tl.min(tl.where(tcol_ok, tcol_gen_end, max_seq_len), axis=0)
                     shared_len = shared_ancestry_len(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64,
                                                      first_beam, beam_width, prompt_len, shared_stop, BEAMS,

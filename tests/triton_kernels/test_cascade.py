@@ -181,10 +181,13 @@ def coalesce_then_branch(sim, steps, shared_steps):
 
 # (name, simulator kwargs, launch config, steps with one parent, steps, crafted break)
 SHARED_ANCESTRY_CASES = [
-    # The default tiling of 20 beams at G = 2, head 128, 100-token prompts: 32-beam tiles, one 128-token
-    # block, the prompt first; its own threshold (16 cached positions).
-    ("default_one_block", dict(prompts=[100, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=160), None,
+    # The default tiling of 20 beams at G = 2, head 128, prompts past 128 tokens: 32-beam tiles, the
+    # prompt first in pipelined 64-token blocks; its own threshold (16 cached positions).
+    ("default_prompt_first", dict(prompts=[150, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=192), None,
      14, 18, False),
+    # The one-block tiling (prompts within 128 tokens), which leaves the path out by default, with it on.
+    ("one_block", dict(prompts=[100, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=160),
+     dataclasses.replace(cascade_launch_config(20, 2, 128, 128), shared_ancestry=True), 14, 18, False),
     # Two beam blocks per request (the second two beams and 14 padding), the tail first, 32-position
     # blocks: runs of 34-36 positions take two dense blocks, the second partly masked.
     ("beam_blocks", dict(prompts=[13, 40], beams=18, hq=9, hkv=3, d=64, max_seq_len=96, seed=13),
@@ -208,7 +211,10 @@ def test_cascade_attends_a_shared_ancestry_once(name, sim_kw, config, shared_ste
     sim = make_sim(device, **sim_kw)
     coalesce_then_branch(sim, steps, shared_steps)
     step = sim.begin_step()
-    beams = (config or cascade_launch_config(sim.beam_width, sim_kw["hq"] // sim_kw["hkv"], sim_kw["d"])).beams_per_program
+    config_used = config or cascade_launch_config(sim.beam_width, sim_kw["hq"] // sim_kw["hkv"], sim_kw["d"],
+                                                  int(prompt_table(sim, step).shape[1]) * sim.page_size)
+    assert config_used.shared_ancestry and not config_used.tail_on_cores
+    beams = config_used.beams_per_program
     if crafted:  # request 0's beams disagree at P + 3 only
         p = int(step.prompt_lens_per_request[0])
         step.cache_indirection[0, : sim.beam_width, p + 3] = torch.arange(sim.beam_width, dtype=torch.int32)
@@ -522,3 +528,47 @@ def test_cascade_property_matches_oracle(case):
     sim, step = step_after(case["sim"], case["steps_before"])
     out = run_cascade(sim, step, divisor=case["divisor"], launch_config=case["config"])
     assert_matches(out, oracle(sim, step), f"{case}")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_finds_shared_runs_as_tails_grow():
+    """One capture of the default tiling (32-beam tiles, prompts past 128 tokens), replayed over steps
+    whose earlier tails grow 0 -> 44 while the beams' histories coalesce for the first 30 steps: the
+    device-side test for a shared run flips on at 16 cached positions within the one graph, and every
+    replay matches the oracle and writes exactly this step's K/V."""
+    sim = make_sim("cuda", prompts=[150, 40, 260], beams=24, hq=4, hkv=2, d=128, pg=32, max_seq_len=320, seed=31)
+    step = sim.begin_step()
+    table = prompt_table(sim, step)
+    assert cascade_launch_config(24, 2, 128, table.shape[1] * sim.page_size).shared_ancestry
+    names = ("q", "new_k", "new_v", "beam_page_table", "kv_lens", "prompt_lens", "cache_indirection")
+    static = {name: torch.empty_like(getattr(step, name)) for name in names}
+    out = torch.empty_like(step.q)
+
+    def load(step):
+        for name in names:
+            static[name].copy_(getattr(step, name))
+        out.fill_(float("nan"))
+
+    def launch():
+        beam_cascade_attention(static["q"], static["new_k"], static["new_v"], sim.kv_cache, table,
+                               static["beam_page_table"], static["kv_lens"], static["prompt_lens"],
+                               static["cache_indirection"], 24, out)
+
+    load(step)
+    launch()  # compiles outside the capture (its K/V store is what the first replay stores again)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    runs = []
+    for s in range(45):
+        if s:
+            step = sim.begin_step()
+            load(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, oracle(sim, step), f"graph replay step {s}, tails {earlier_tail(step)}")
+        assert torch.equal(sim.kv_cache[step.write_page, 0, :, step.write_slot], step.new_k), f"KV write, step {s}"
+        runs.append(max(shared_runs(step, 32)))
+        sim.end_step(write_kv=False, parents=np.zeros((3, 24), np.int64) if s < 30 else None)
+    assert runs[20] >= 16 and runs[-1] >= 29, runs
