@@ -182,6 +182,12 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
       code with the tail's index chain split around the prompt's loads: 32.5 against 33.1 us (the
       same block, the tail first) and 33.7 us (the long-prompt tiling) at B-short
       (``tune_cascade_round7_tail_kv_order_v0_b_short.json``, ``tune_cascade_round7_defaults.json``).
+    - ``shared_ancestry`` (the run of tail positions every beam of a tile reads from one ancestor,
+      folded once for the tile) is on in every masked-tail tiling but the one-block one. Where the
+      histories coalesce it took 64 x 30 x 500 with 255 earlier positions from 600 to 246 us, and
+      64 x 30 x 2,000 from 695 to 332-344; the test for it costs a 4-token step 1.0-1.5 us (B-medium
+      58.6 against 57.4-57.6 us, B-long 147.3-147.8 against 146.3), and the one-block tiling 1.1-1.3
+      us of B-short's 32.0-32.1, which sits on its 2.0x target (``ab_shared_round27_final.json``).
     """
     group_pad = triton.next_power_of_2(group_size)
     rows_cap = min(64, MAX_BLOCK_M[head_dim])

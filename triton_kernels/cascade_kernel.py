@@ -27,6 +27,15 @@ Per program, in order:
    has brought their rows into cache: held through the tail they cost 64 registers, and spills at
    multi-block prompts (57.7 against 59.9 us at B-medium, 145.5 against 148.5 at B-long, B-short
    unchanged; ``docs/rounds.md``, "The eleventh round").
+   With ``SHARED_ANCESTRY``, a tail of ``SHARED_MIN_TAIL`` cached positions or more is first scanned
+   for the run of positions from ``P`` at which every beam of the tile has the same
+   ``cache_indirection`` entry (:func:`triton_kernels.beam_index.shared_ancestry_len`). Beam search's
+   histories coalesce: a few dozen steps back, the beams descend from one ancestor and read one K/V
+   row per position, as the prompt is read. The per-beam key blocks then start after that run, and
+   the run is folded once for the tile, after the KV write, as dense ``SHARED_BLOCK``-position key
+   blocks seen by every row (:func:`_shared_ancestry_blocks`). At 64 requests x 30 beams and 255
+   earlier positions, with runs of about 225 positions, the step took 203-344 us against 574-695 us
+   per beam (``docs/rounds.md``, "The twenty-seventh round").
 3. The prompt ``[0, P)``, read once per program and head from the request's prompt page table (never
    more than the table's ``prompt_capacity`` tokens), ``BLOCK_N`` tokens per iteration with the next
    block's page entries requested early: ``S = Q K^T`` and ``O += P V`` on tensor cores with the
