@@ -100,9 +100,10 @@ from .tail_merge_grouped_kernel import attend_grouped_row
 __all__ = ["beam_cascade_kernel"]
 
 # Positions per load of the shared-ancestry scan, and per dense key block of the shared run. Small:
-# both paths are compiled into every tiling, whose programs already hold 235-255 registers. With
-# 128-position scans B-short's kernel spilled 104 bytes instead of 16, with 64-position dense blocks
-# B-medium's 136 instead of 32 (Triton 3.6, sm_90; these sizes: 16 and 48).
+# both paths are compiled into every tiling, whose programs already hold 235-255 registers. In the
+# round's first placement, 128-position scans took B-short's kernel from 16 to 104 bytes of stack and
+# 64-position dense blocks B-medium's from 32 to 136; with these sizes where the path now sits, B-medium
+# has 32 bytes against 8 without it and no spill inside a loop (Triton 3.6, sm_90).
 SHARED_SCAN = tl.constexpr(16)
 SHARED_BLOCK = tl.constexpr(32)
 
@@ -616,7 +617,7 @@ def beam_cascade_kernel(
             # once for the tile after the KV write; the per-beam key blocks start after it. Looked for
             # only in a tail of SHARED_MIN_TAIL cached positions or more, and here, where the prompt's
             # loads are out and the lengths in hand: a branch on them in step 1 delayed every later load
-            # (B-short 33.3-33.7 against 31.7-31.9 us, docs/rounds.md, "The twenty-seventh round").
+            # (B-short 33.4-33.7 against 31.7 us, docs/rounds.md, "The twenty-seventh round").
             shared_len = prompt_len * 0
             if SHARED_ANCESTRY:
                 if (prompt_len >= 0) & (tail_stop - 1 - prompt_len >= SHARED_MIN_TAIL):
@@ -636,9 +637,9 @@ def beam_cascade_kernel(
             m_i, l_i, acc, blocks_err = _tail_key_blocks(
                 q, m_i, l_i, acc, prompt_len + shared_len, first_tail_pages, kv_ptr, kv_head_off, tcol_new_k,
                 tcol_new_v, tcol_step, tcol_cur, tcol_ok, tcol_slot, tcol_beam, tcol_gen_end, row_slot, tail_stop,
-                ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col, req64,
-                beam_width, page_size, page_index_divisor, num_pages, stride_kv_page, stride_kv_kv, stride_kv_slot, qk_scale_log2, HEAD_DIM,
-                TAIL_BLOCK, TAIL_STAGES, ALIGNED_ROWS, DOT_FP32, REPORT_ERRORS)
+                ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, beam_pt_ptr, stride_bpt_row, stride_bpt_col,
+                req64, beam_width, page_size, page_index_divisor, num_pages, stride_kv_page, stride_kv_kv,
+                stride_kv_slot, qk_scale_log2, HEAD_DIM, TAIL_BLOCK, TAIL_STAGES, ALIGNED_ROWS, DOT_FP32, REPORT_ERRORS)
             tail_err |= blocks_err
 
             if WRITE_KV:  # loaded here, not before the tail: the tail's current-token column cached these rows
