@@ -2,7 +2,7 @@
 
 For each shape, every :class:`triton_kernels.CascadeLaunchConfig` of the grid (beams per program x
 ``block_n`` x ``tail_block`` x warps x stages x register cap x KV heads per program x prompt first x
-pipeline stages of the prompt and the tail x tail on CUDA cores; tiles over 128 query rows
+pipeline stages of the prompt and the tail x tail on CUDA cores x shared-ancestry path; tiles over 128 query rows
 skipped) is run on the shape's workload, compared with the default tiling's output and timed as a CUDA graph with CUDA
 events, L2 flushed between calls, median of ``--iters`` calls. Tilings change the summation order
 and where the softmax weights are rounded to the KV dtype before ``P V`` (relative to a different
@@ -95,7 +95,8 @@ def _prefix_call(wl, table, prompt_lens, cfg, out, lse):
 def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: float, write_kv: bool = False,
                l2_flush: str = "read", prefix_only: bool = False) -> Dict:
     """Check and time every tiling of ``grid`` (``(beams, block_n, tail_block, num_warps, num_stages,
-    max_registers, heads_per_program, prompt_first, prompt_stages, tail_stages, tail_on_cores)``,
+    max_registers, heads_per_program, prompt_first, prompt_stages, tail_stages, tail_on_cores,
+    shared_ancestry)``,
     ``max_registers`` and the stages 0 for the defaults) on
     ``shape``; returns the shape's ``floor_us``, ``default``, ``best`` and ``all`` results (us, ulps)."""
     import numpy as np
@@ -129,14 +130,15 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     floor_us = full["bytes"] / bandwidth * 1e6
 
     configs = []
-    for beams, block_n, tail_block, warps, stages, max_regs, heads, prompt_first, prompt_stages, tail_stages, cores \
-            in grid:
+    for beams, block_n, tail_block, warps, stages, max_regs, heads, prompt_first, prompt_stages, tail_stages, cores, \
+            shared in grid:
         if cores and prompt_first:  # the core tail runs before the prompt
             continue
         cfg = CascadeLaunchConfig(beams, default.group_pad, block_n, tail_block, warps, stages, max_regs or None,
-                                  heads, bool(prompt_first), prompt_stages or None, tail_stages or None, bool(cores))
+                                  heads, bool(prompt_first), prompt_stages or None, tail_stages or None, bool(cores),
+                                  bool(shared) and not cores)  # (the core tail has no shared-ancestry path)
         if cfg.block_m > 128 or cfg.block_m < 16 or (warps > 4 and cfg.block_m < 64) or (
-                beams * tail_block < 32 and not cores):
+                beams * tail_block < 32 and not cores) or cfg in configs:
             continue
         configs.append(cfg)
     if default not in configs:
@@ -168,7 +170,7 @@ def _key(config: Dict) -> tuple:
     return (config["beams_per_program"], config["block_n"], config["tail_block"], config["num_warps"],
             config["num_stages"], config.get("max_registers"), config.get("heads_per_program", 1),
             int(config.get("prompt_first", False)), config.get("prompt_stages"), config.get("tail_stages"),
-            int(config.get("tail_on_cores", False)))
+            int(config.get("tail_on_cores", False)), int(config.get("shared_ancestry", False)))
 
 
 def main(argv=None) -> int:
@@ -186,6 +188,9 @@ def main(argv=None) -> int:
     p.add_argument("--tail-stages", default="0", help="pipeline stages of the tail loop (0: num_stages)")
     p.add_argument("--tail-on-cores", default="0", help="0: masked tensor-core tail blocks; 1: the tail on CUDA "
                    "cores, before the prompt (prompt_first 1 is skipped with it)")
+    p.add_argument("--shared-ancestry", default="1",
+                   help="0: every tail position per beam; 1: the run all beams of a tile share, once (from 16 "
+                        "cached positions; the tail-on-cores tilings have no such path)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--l2-flush", choices=("read", "write", "none"), default="read",
                    help="how L2 is emptied between timed calls (microbenchmarks.timing.L2Flush)")
@@ -205,14 +210,14 @@ def main(argv=None) -> int:
     grid = [] if args.default_only else list(itertools.product(
         ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps), ints(args.num_stages),
         ints(args.max_registers), ints(args.heads_per_program), ints(args.prompt_first), ints(args.prompt_stages),
-        ints(args.tail_stages), ints(args.tail_on_cores)))
+        ints(args.tail_stages), ints(args.tail_on_cores), ints(args.shared_ancestry)))
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
           f"(beams, block_n, tail_block, num_warps, num_stages, max_registers, heads_per_program, prompt_first, "
-          f"prompt_stages, tail_stages, tail_on_cores)", flush=True)
+          f"prompt_stages, tail_stages, tail_on_cores, shared_ancestry)", flush=True)
     report = []
     for name in args.shapes.split(","):
         r = tune_shape(SHAPES[name], grid, args.iters, bandwidth, args.write_kv, args.l2_flush, args.prefix_only)
