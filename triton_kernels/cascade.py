@@ -122,6 +122,11 @@ class CascadeLaunchConfig:
     shared_min_tail: int = SHARED_ANCESTRY_MIN_TAIL
 
     @property
+    def folds_shared_ancestry(self) -> bool:
+        """Whether the launch has the shared-ancestry path (``shared_ancestry``; the core tail has none)."""
+        return self.shared_ancestry and not self.tail_on_cores
+
+    @property
     def block_m(self) -> int:
         """Query rows of one program's tile."""
         return self.beams_per_program * self.group_pad
@@ -328,7 +333,7 @@ def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int
         PROMPT_STAGES=cfg.prompt_stages or cfg.num_stages,
         TAIL_STAGES=cfg.tail_stages or cfg.num_stages,
         TAIL_CORES=bool(cfg.tail_on_cores),
-        SHARED_ANCESTRY=bool(cfg.shared_ancestry and not cfg.tail_on_cores and not prefix_only),
+        SHARED_ANCESTRY=cfg.folds_shared_ancestry and not prefix_only,
         SHARED_MIN_TAIL=cfg.shared_min_tail,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

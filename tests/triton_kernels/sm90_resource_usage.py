@@ -145,7 +145,7 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         TAIL_STAGES=cfg.tail_stages or cfg.num_stages, TAIL_CORES=cfg.tail_on_cores,
         PROMPT_ONE_BLOCK=prompt_capacity is not None and prompt_capacity <= cfg.block_n, page_size=PAGE_SIZE,
         page_index_divisor=1, REPORT_ERRORS=REPORT_ERRORS,
-        SHARED_ANCESTRY=cfg.shared_ancestry and not cfg.tail_on_cores and not prefix_only,
+        SHARED_ANCESTRY=cfg.folds_shared_ancestry and not prefix_only,
         SHARED_MIN_TAIL=cfg.shared_min_tail,
         # Triton's runtime makes an int argument equal to 1 a constant: the unit column strides of the
         # page tables and the indirection. (Compiled without that, Triton 3.6 built a kernel whose

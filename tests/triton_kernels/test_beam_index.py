@@ -41,13 +41,18 @@ def kernel_runs(ci, beam_width, pos_begin, pos_end, beams, scan):
     return out.cpu()
 
 
+def leading_shared_run(tile_entries):
+    """The leading run of positions (columns of ``[beams, positions]``) at which every beam has the same
+    entry, in torch: the reference for :func:`shared_ancestry_len`."""
+    return int((tile_entries == tile_entries[:1]).all(0).int().cumprod(0).sum())
+
+
 def torch_runs(ci, beam_width, pos_begin, pos_end, beams):
     ci = ci.cpu()
     runs = torch.empty(ci.shape[0], triton.cdiv(beam_width, beams), dtype=torch.int32)
     for r in range(ci.shape[0]):
         for blk in range(runs.shape[1]):
-            tile = ci[r, blk * beams:min(beam_width, (blk + 1) * beams), pos_begin:pos_end]
-            runs[r, blk] = int((tile == tile[:1]).all(0).int().cumprod(0).sum())
+            runs[r, blk] = leading_shared_run(ci[r, blk * beams:min(beam_width, (blk + 1) * beams), pos_begin:pos_end])
     return runs
 
 

@@ -33,6 +33,7 @@ from triton_kernels import (
     cascade_supported,
 )
 
+from test_beam_index import leading_shared_run
 from test_tail_merge import assert_matches, earlier_tail, expected_pool_after_write, make_sim, oracle, step_after
 
 
@@ -159,15 +160,14 @@ def test_cascade_tilings_agree_with_oracle(config, device):
 
 def shared_runs(step, beams_per_program):
     """Per tile (request, block of beams), the leading run of earlier tail positions from ``P`` at which
-    every beam of the tile has the same ``cache_indirection`` entry (computed here with torch)."""
+    every beam of the tile has the same ``cache_indirection`` entry (torch, ``test_beam_index``'s reference)."""
     W = step.beam_width
     ci = step.cache_indirection.cpu()
     runs = []
     for r, p in enumerate(step.prompt_lens_per_request.tolist()):
         end = int(step.kv_lens[r * W]) - 1
         for b0 in range(0, W, beams_per_program):
-            block = ci[r, b0:min(W, b0 + beams_per_program), p:end]
-            runs.append(int((block == block[:1]).all(0).int().cumprod(0).sum()))
+            runs.append(leading_shared_run(ci[r, b0:min(W, b0 + beams_per_program), p:end]))
     return runs
 
 
@@ -213,7 +213,7 @@ def test_cascade_attends_a_shared_ancestry_once(name, sim_kw, config, shared_ste
     step = sim.begin_step()
     config_used = config or cascade_launch_config(sim.beam_width, sim_kw["hq"] // sim_kw["hkv"], sim_kw["d"],
                                                   int(prompt_table(sim, step).shape[1]) * sim.page_size)
-    assert config_used.shared_ancestry and not config_used.tail_on_cores
+    assert config_used.folds_shared_ancestry
     beams = config_used.beams_per_program
     if crafted:  # request 0's beams disagree at P + 3 only
         p = int(step.prompt_lens_per_request[0])
