@@ -35,10 +35,15 @@ __all__ = [
     "expand_sweeps",
     "reduced_cpu_shape",
     "DTYPES",
+    "ANCESTRIES",
 ]
 
 DTYPES = ("bfloat16", "float16")
 _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16"}
+
+
+# Tail ancestries the workload builder simulates (BenchShape.ancestry); the first is the default.
+ANCESTRIES = ("beam-search", "independent")
 
 
 class ShapeError(ValueError):
@@ -51,6 +56,14 @@ def canonical_dtype(name: str) -> str:
     if key not in _DTYPE_ALIASES:
         raise ShapeError(f"dtype={name!r} is not supported; use bf16 (bfloat16) or fp16 (float16).")
     return _DTYPE_ALIASES[key]
+
+
+def canonical_ancestry(name: str) -> str:
+    """``'beam-search'`` or ``'independent'`` (``_`` for ``-`` and any case accepted)."""
+    key = str(name).strip().lower().replace("_", "-")
+    if key not in ANCESTRIES:
+        raise ShapeError(f"ancestry={name!r} is not supported; use one of {', '.join(ANCESTRIES)}.")
+    return key
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,11 @@ class BenchShape:
         tail_jitter: tails are drawn uniformly from ``[max(1, round(T(1-j))), T]`` per request (0: all
             ``T``), as in-flight batching mixes requests at different decode steps; one request keeps
             ``T``, so ``T`` is the step's longest tail, the one the decline rule judges.
+        ancestry: where each beam's earlier generated tokens come from. ``"beam-search"`` (the default):
+            every step each beam takes a parent skewed towards the leading beams, as a sorted beam search
+            does, so histories coalesce a few steps back and beams read shared K/V rows;
+            ``"independent"``: every beam is its own parent, so no two beams share a generated row
+            (the worst case for the kernels' reuse of shared rows, as diverse beam search can make it).
         name: preset name, or ``"custom"``.
     """
 
@@ -86,10 +104,12 @@ class BenchShape:
     dtype: str = "bfloat16"
     prompt_jitter: float = 0.0
     tail_jitter: float = 0.0
+    ancestry: str = "beam-search"
     name: str = "custom"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        object.__setattr__(self, "ancestry", canonical_ancestry(self.ancestry))
         self.validate()
 
     def validate(self) -> None:
@@ -108,6 +128,7 @@ class BenchShape:
             raise ShapeError(f"prompt_jitter={self.prompt_jitter} must be in [0, 1).")
         if not (0.0 <= float(self.tail_jitter) <= 1.0):
             raise ShapeError(f"tail_jitter={self.tail_jitter} must be in [0, 1] (1: tails from 1 to T).")
+        canonical_ancestry(self.ancestry)
 
     @property
     def group(self) -> int:
@@ -134,9 +155,10 @@ class BenchShape:
         dt = {"bfloat16": "bf16", "float16": "fp16"}[self.dtype]
         jit = f"±{int(self.prompt_jitter * 100)}%" if self.prompt_jitter else ""
         tail = f"T{self.shortest_tail}-{self.tail}" if self.shortest_tail < self.tail else f"T{self.tail}"
+        ancestry = "" if self.ancestry == ANCESTRIES[0] else f" {self.ancestry} ancestry"
         return (
             f"{self.name}: {self.requests}x{self.beams} P{self.prompt}{jit} {tail} "
-            f"{self.heads}/{self.kv_heads} D{self.head_dim} Pg{self.page_size} {dt}"
+            f"{self.heads}/{self.kv_heads} D{self.head_dim} Pg{self.page_size} {dt}{ancestry}"
         )
 
     def to_dict(self) -> Dict:
@@ -169,6 +191,7 @@ SWEEP_FIELDS: Dict[str, Tuple[str, type]] = {
     "page-size": ("page_size", int),
     "dtype": ("dtype", canonical_dtype),
     "tail-jitter": ("tail_jitter", float),
+    "ancestry": ("ancestry", canonical_ancestry),
 }
 _FIELD_ALIASES = {k.replace("-", "_"): k for k in SWEEP_FIELDS}
 
@@ -177,7 +200,7 @@ def parse_sweep(text: str) -> Tuple[str, List]:
     """Parse ``"beams=14,30,96"`` into ``("beams", [14, 30, 96])`` (field name as a BenchShape field).
 
     Accepted keys: requests, beams, prompt, tail, heads, kv-heads, head-dim, page-size, dtype,
-    tail-jitter (``_`` and ``-`` are interchangeable).
+    tail-jitter, ancestry (``_`` and ``-`` are interchangeable in keys).
     """
     if "=" not in text:
         raise ShapeError(f"--sweep {text!r} must look like KEY=V1,V2,... (e.g. beams=14,30,96,256).")

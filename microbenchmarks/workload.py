@@ -15,6 +15,7 @@ operations only:
 - ``cache_indirection`` follows a simulated beam-search ancestry: after each generated token every
   beam picks a parent (skewed towards the leading beams, as a sorted beam search does), so beam
   ``b``'s position ``t`` lives in the pages of the beam ``cache_indirection[r, b, t]`` that wrote it.
+  With ``shape.ancestry == "independent"`` every beam is its own parent: no generated row is shared.
   Prompt positions map to beam 0; the current position and later ones hold random beams (a kernel
   must not read them);
 - ``kv_lens = prompt + tail`` (the tail counts this step's token, whose K/V are ``new_k``/``new_v``);
@@ -191,10 +192,17 @@ def ragged_ancestry(parents: np.ndarray, tail_lens: np.ndarray) -> np.ndarray:
     return anc
 
 
-def draw_parents(num_requests: int, beam_width: int, num_generated: int, rng: np.random.Generator) -> np.ndarray:
-    """``[G, R, W]`` parent of every new beam after each of ``G`` steps, skewed towards the leading
-    beams (``floor(W u^2)``), as a beam search that keeps its beams sorted by score picks them."""
+def draw_parents(num_requests: int, beam_width: int, num_generated: int, rng: np.random.Generator,
+                 ancestry: str = "beam-search") -> np.ndarray:
+    """``[G, R, W]`` parent of every new beam after each of ``G`` steps: with ``ancestry="beam-search"``
+    skewed towards the leading beams (``floor(W u^2)``), as a beam search that keeps its beams sorted by
+    score picks them; with ``"independent"`` every beam's own index (no history is ever shared). Both
+    draw the same random numbers, so one seed gives the same pool, queries and pages either way."""
     u = rng.random((num_generated, num_requests, beam_width))
+    if ancestry == "independent":
+        return np.broadcast_to(np.arange(beam_width, dtype=np.int64), u.shape).copy()
+    if ancestry != "beam-search":
+        raise ValueError(f"ancestry={ancestry!r}; use 'beam-search' or 'independent'.")
     return np.minimum((u ** 2 * beam_width).astype(np.int64), beam_width - 1)
 
 
@@ -310,7 +318,7 @@ def build_workload(
     num_pages = pages_used + int(spare_pages)
 
     table, base_table = _page_tables(prompt_lens, kv_lens, W, Pg, max_pages, num_pages, with_baseline_pages, rng)
-    ancestry = ragged_ancestry(draw_parents(R, W, T - 1, rng), tail_lens)
+    ancestry = ragged_ancestry(draw_parents(R, W, T - 1, rng, shape.ancestry), tail_lens)
 
     pool_shape = (num_pages, 2, Hkv, Pg, D) if kv_layout == "HND" else (num_pages, 2, Pg, Hkv, D)
     kv_cache = _randn(pool_shape, dtype, device, gen)

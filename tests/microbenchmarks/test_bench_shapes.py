@@ -38,6 +38,9 @@ def test_cli_preset_free_arguments_and_default():
     assert s.name == "custom"
     # An override equal to the preset's value keeps the preset's name.
     assert parse(["--preset", "B-medium", "--beams", "30"])[0].name == "B-medium"
+    (s,) = parse(["--preset", "B-medium", "--ancestry", "Independent"])
+    assert (s.ancestry, s.name) == ("independent", "custom") and s.label().endswith(" independent ancestry")
+    assert PRESETS["B-medium"].ancestry == "beam-search" and "ancestry" not in PRESETS["B-medium"].label()
 
 
 def test_cli_sweeps_form_a_grid():
@@ -55,6 +58,7 @@ def test_cli_sweeps_form_a_grid():
         ("kv-heads=2,4", ("kv_heads", [2, 4])),
         ("head_dim=64,128", ("head_dim", [64, 128])),
         ("dtype=bf16,fp16", ("dtype", ["bfloat16", "float16"])),
+        ("ancestry=beam_search,Independent", ("ancestry", ["beam-search", "independent"])),
     ],
 )
 def test_parse_sweep(text, expected):
@@ -64,7 +68,7 @@ def test_parse_sweep(text, expected):
 @pytest.mark.parametrize(
     "text,needle",
     [("beams", "KEY=V1"), ("width=3", "unknown"), ("beams=", "no values"), ("beams=3,x", "'x'"),
-     ("beams=3,3", "twice"), ("dtype=fp8", "fp8")],
+     ("beams=3,3", "twice"), ("dtype=fp8", "fp8"), ("ancestry=greedy", "'greedy'")],
 )
 def test_parse_sweep_errors_name_the_value(text, needle):
     with pytest.raises(ShapeError, match=needle):
@@ -81,7 +85,8 @@ def test_sweep_values_are_validated_and_fields_not_repeated():
 @pytest.mark.parametrize(
     "kwargs,needle",
     [(dict(beams=0), "beams=0"), (dict(heads=12, kv_heads=8), "multiple of kv_heads=8"),
-     (dict(head_dim=60), "head_dim=60"), (dict(prompt_jitter=1.5), "prompt_jitter"), (dict(dtype="int8"), "int8")],
+     (dict(head_dim=60), "head_dim=60"), (dict(prompt_jitter=1.5), "prompt_jitter"), (dict(dtype="int8"), "int8"),
+     (dict(ancestry="sampled"), "ancestry='sampled'.*beam-search, independent")],
 )
 def test_shape_validation(kwargs, needle):
     base = dict(requests=2, beams=4, prompt=10, tail=2)

@@ -46,6 +46,7 @@ def attend_page_lists(wl, indptr, indices, rows):
         (small(prompt=32, tail=1), "HND"),  # prompt fills its last page; tail = this step's token only
         (small(prompt=5, beams=3, heads=6, kv_heads=2), "HND"),  # prompt shorter than a page, group 3
         (small(requests=6, tail=13, tail_jitter=1.0), "HND"),  # ragged tails (in-flight batching), 1 to 13
+        (small(tail=10, ancestry="independent"), "NHD"),  # every beam its own parent: no shared generated row
     ],
 )
 def test_layout_follows_trtllm_rules_and_baselines_compute_the_oracle(shape, layout):
@@ -70,6 +71,8 @@ def test_layout_follows_trtllm_rules_and_baselines_compute_the_oracle(shape, lay
         assert (ind[r, :, :P] == 0).all()
         assert (ind[r, :, P:P + T - 1] == wl.tail_ancestry[r, :, :T - 1]).all()
         assert (wl.tail_ancestry[r, :, T - 1:] == -1).all()
+        if shape.ancestry == "independent":
+            assert (wl.tail_ancestry[r, :, :T - 1] == np.arange(W)[:, None]).all()
 
     rows = torch.arange(wl.num_rows)
     oracle = reference_beam_attention(wl.q, wl.kv_cache, wl.beam_page_table, wl.kv_lens, wl.prompt_lens,
@@ -152,6 +155,25 @@ def test_ancestry_matches_a_forward_beam_search():
                 assert (ragged[r, :, :steps] == hist).all()
         assert (full[r] == hist).all()
         assert (ragged[r, :, steps:] == -1).all()
+
+
+def test_ancestries_change_only_where_the_tail_comes_from():
+    """One seed, both ancestries: the same queries, K/V inputs, prompt lengths and page tables; only the
+    indirection of the earlier tail positions differs. Beam search shares generated rows between beams
+    (the floor counts fewer distinct tail rows than per-beam reads); independent beams share none."""
+    from microbenchmarks.floors import count_traffic
+
+    shape = small(requests=4, beams=6, tail=12)
+    searched = build_workload(shape, seed=7)
+    alone = build_workload(BenchShape(**{**shape.to_dict(), "ancestry": "independent"}), seed=7)
+    for name in ("q", "new_k", "new_v", "kv_lens", "prompt_lens"):
+        assert torch.equal(getattr(searched, name), getattr(alone, name)), name
+    assert (searched.page_table_host == alone.page_table_host).all()
+    assert not (searched.tail_ancestry == alone.tail_ancestry).all()
+    args = (shape.tail, shape.beams, shape.heads, shape.kv_heads, shape.head_dim, shape.page_size, 2)
+    shared = count_traffic(searched.prompt_lens_host, *args, tail_ancestry=searched.tail_ancestry)
+    own = count_traffic(alone.prompt_lens_host, *args, tail_ancestry=alone.tail_ancestry)
+    assert own.tail_kv == own.tail_kv_per_beam == shared.tail_kv_per_beam > shared.tail_kv
 
 
 def test_select_requests_is_a_valid_sub_batch():
