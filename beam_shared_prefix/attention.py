@@ -87,6 +87,11 @@ class BeamSharedPrefixAttention:
             :meth:`poll_device_errors` or :meth:`device_errors`. About 2% slower on the H200
             presets (B-beam14 3%; ``docs/rounds.md``, "The thirteenth round"); ``None`` reads
             ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` (default off).
+        shared_run: on the two-launch paths (a FlashInfer or FA4 prefix, then the Triton tail), attend the
+            generated positions that every beam of a block reads from one ancestor once per block between
+            the two (:func:`triton_kernels.beam_shared_run_attention`), and let the tail skip them. Opt-in:
+            checked against the oracle on the CPU, not yet timed on a GPU. ``None`` reads
+            ``TLLM_BEAM_SHARED_PREFIX_SHARED_RUN`` (default off).
 
     Attributes:
         backend_name: the prefix backend serving the active plan (``None`` before the first plan).
@@ -109,8 +114,9 @@ class BeamSharedPrefixAttention:
         tail_impl: str = "auto",
         prefix_kernel: str = "auto",
         report_errors: Optional[bool] = None,
+        shared_run: Optional[bool] = None,
     ):
-        settings = load_settings() if backend is None or check is None or report_errors is None else None
+        settings = (load_settings() if None in (backend, check, report_errors, shared_run) else None)
         backend = settings.backend if backend is None else backend
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not accepted; use one of {', '.join(BACKENDS)}.")
@@ -156,6 +162,7 @@ class BeamSharedPrefixAttention:
             self.error_flags = new_error_flags(self.device)
         self._errors_seen = 0
         self._error_poll = None  # (pinned host word, event) of the copy in flight
+        self.shared_run = bool(settings.shared_run if shared_run is None else shared_run)
 
         self._planner: Optional[StepPlanner] = None
         self._builds_before = 0
@@ -167,6 +174,7 @@ class BeamSharedPrefixAttention:
         self._out_buffers: Dict[torch.dtype, DeviceBuffer] = {}
         self._lse_buffer = DeviceBuffer("prefix LSE", torch.float32, self.device, frozen)
         self._row_prompt_lens = DeviceBuffer("per-row prompt lengths", torch.int32, self.device, frozen)
+        self._tail_skip = DeviceBuffer("tail skip", torch.int32, self.device, frozen)
         self.num_backend_plans = 0
         self._warned_capture_check = False
 
@@ -320,6 +328,21 @@ class BeamSharedPrefixAttention:
             prefix_lse=self._lse_buffer.view(backend.lse_shape(rows, hq), capacity=cap_rows * hq),
             prompt_lens=self._row_prompt_lens.write(step_plan.prompt_lens_per_row, capacity=cap_rows),
         )
+        if self._runs_shared_stage(backend, problem_key):
+            self._views["tail_skip"] = self._tail_skip.view((rows,), capacity=cap_rows)
+
+    def _runs_shared_stage(self, backend: PrefixBackend, problem_key: tuple) -> bool:
+        """Whether ``run()`` puts the shared-run stage between the prefix and the tail: asked for, a
+        two-launch path with the Triton tail, and a group and head size the stage tiles."""
+        if not self.shared_run or self.tail_impl != "triton" or getattr(backend, "fuses_tail", False):
+            return False
+        from triton_kernels.shared_run import shared_run_supported  # deferred: triton is imported on first use
+
+        hq, hkv, d = problem_key[:3]
+        ok, reason = shared_run_supported(hq // hkv, d)
+        if not ok:
+            logger.info("beam_shared_prefix: shared_run is off for this shape: %s", reason)
+        return ok
 
     # ------------------------------------------------------------------------------------------
     def run(
@@ -392,12 +415,26 @@ class BeamSharedPrefixAttention:
                 error_flags=self.error_flags,
             )
         else:
+            tail_skip = self._views.get("tail_skip")
+            extra = {}
+            if tail_skip is not None:
+                # The runs all beams of a block share, once per block, merged into the prefix state (the
+                # wrapper's own workspace) in place; the tail then starts after each row's run.
+                from triton_kernels import beam_shared_run_attention
+
+                beam_shared_run_attention(
+                    q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
+                    step_plan.beam_width, prefix_out, lse.tensor, tail_skip, sm_scale=sm_scale,
+                    kv_layout=self.kv_layout, page_index_divisor=page_index_divisor, prefix_lse_layout=lse.layout,
+                    prefix_lse_base=lse.base, error_flags=self.error_flags,
+                )
+                extra = dict(tail_skip=tail_skip)
             self._tail_function()(
                 q, new_k, new_v, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
                 step_plan.beam_width, prefix_out, lse.tensor, out,
                 sm_scale=sm_scale, kv_layout=self.kv_layout, page_index_divisor=page_index_divisor,
                 prefix_lse_layout=lse.layout, prefix_lse_base=lse.base, write_kv=write_kv, validate_indices=check,
-                error_flags=self.error_flags,
+                error_flags=self.error_flags, **extra,
             )
         if check:
             chk.check_output_stage(out, expected, tol)

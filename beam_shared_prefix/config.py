@@ -5,6 +5,7 @@
 | ``TLLM_BEAM_SHARED_PREFIX_BACKEND`` | ``auto``, ``triton``, ``flashinfer``, ``fa4``, ``reference`` | ``auto`` | prefix backend |
 | ``TLLM_BEAM_SHARED_PREFIX_CHECK`` | ``0``, ``1`` | ``0`` | check mode: sync, validate and recompute every stage |
 | ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` | ``0``, ``1`` | ``0`` | device error flag: invalid indices the kernels mask are reported without a sync (about 2% slower on the H200 presets, B-beam14 3%) |
+| ``TLLM_BEAM_SHARED_PREFIX_SHARED_RUN`` | ``0``, ``1`` | ``0`` | on the two-launch paths (FA4 or FlashInfer + tail), attend the generated positions that every beam of a block reads from one ancestor once per block, between the prefix and the tail (opt-in: checked on the CPU, not yet timed on a GPU) |
 | ``TLLM_BEAM_SHARED_PREFIX_DECLINE`` | ``auto``, ``never`` | ``auto`` | ``auto`` declines shapes where the measured rule says the library is slower than the default kernel; ``never`` serves every supported shape |
 
 An invalid value raises :class:`ConfigError` naming the variable, the value and the accepted values.
@@ -27,6 +28,7 @@ ENV_BACKEND = "TLLM_BEAM_SHARED_PREFIX_BACKEND"
 ENV_CHECK = "TLLM_BEAM_SHARED_PREFIX_CHECK"
 ENV_DECLINE = "TLLM_BEAM_SHARED_PREFIX_DECLINE"
 ENV_REPORT_ERRORS = "TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS"
+ENV_SHARED_RUN = "TLLM_BEAM_SHARED_PREFIX_SHARED_RUN"
 
 
 class ConfigError(ValueError):
@@ -36,12 +38,13 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Settings:
     """Parsed environment settings (see the module table): prefix ``backend``, ``check`` mode, ``decline``
-    mode, ``report_errors`` (the device error flag)."""
+    mode, ``report_errors`` (the device error flag), ``shared_run`` (the shared-run stage)."""
 
     backend: str = "auto"
     check: bool = False
     decline: str = "auto"
     report_errors: bool = False
+    shared_run: bool = False
 
 
 def _choice(env: Mapping[str, str], name: str, accepted, default: str) -> str:
@@ -74,4 +77,5 @@ def load_settings(env: Optional[Mapping[str, str]] = None) -> Settings:
         check=_flag(env, ENV_CHECK),
         decline=_choice(env, ENV_DECLINE, DECLINE_MODES, "auto"),
         report_errors=_flag(env, ENV_REPORT_ERRORS),
+        shared_run=_flag(env, ENV_SHARED_RUN),
     )

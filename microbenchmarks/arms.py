@@ -148,19 +148,24 @@ class LibraryArm(Arm):
         prefix_kernel: FlashInfer prefix kernel family (``"fa2"``, ``"fa3"``, ``"auto"``) or ``None``
             (the wrapper's default).
         tail_impl: ``"triton"`` or ``"torch"``.
+        shared_run: the shared-run stage between the prefix and the tail (the wrapper's ``shared_run``).
     """
 
     kind = "library"
     writes_kv = True
 
-    def __init__(self, backend: str, prefix_kernel: Optional[str] = None, tail_impl: str = "triton"):
+    def __init__(self, backend: str, prefix_kernel: Optional[str] = None, tail_impl: str = "triton",
+                 shared_run: bool = False):
         self.backend = backend
         self.prefix_kernel = prefix_kernel
         self.tail_impl = tail_impl
+        self.shared_run = bool(shared_run)
         suffix = f"-{prefix_kernel}" if prefix_kernel else ""
         tail = "" if tail_impl == "triton" else f"+{tail_impl}-tail"
-        self.name = f"library/{backend}{suffix}{tail}"
-        self.description = "BeamSharedPrefixAttention: prefix once per request + fused tail/merge"
+        stage = "+shared-run" if self.shared_run else ""
+        self.name = f"library/{backend}{suffix}{stage}{tail}"
+        self.description = "BeamSharedPrefixAttention: prefix once per request + fused tail/merge" + (
+            " (shared runs once per beam block)" if self.shared_run else "")
 
     def make_wrapper(self, wl: BenchWorkload, ctx: RunContext, use_cuda_graph: bool):
         """A :class:`BeamSharedPrefixAttention` sized for ``wl`` (requests, beams, prompt pages), not yet planned."""
@@ -175,6 +180,10 @@ class LibraryArm(Arm):
         )
         if _accepts(cls, "report_errors"):
             kwargs["report_errors"] = ctx.report_errors  # explicit: the environment does not change a timing
+        if _accepts(cls, "shared_run"):
+            kwargs["shared_run"] = self.shared_run  # explicit, as report_errors
+        elif self.shared_run:
+            raise ArmSkipped("the wrapper takes no shared_run argument")
         if _accepts(cls, "tail_impl"):
             kwargs["tail_impl"] = self.tail_impl
         elif self.tail_impl != "triton":
@@ -576,7 +585,8 @@ def parse_arm_list(text: str, prefix_kernels=("auto",)) -> List[Arm]:
     each prefix kernel), ``fa4``, ``triton`` (the one-launch cascade), ``prefix`` (FlashInfer, FA4
     and Triton prefix stages), ``tail`` (the Triton kernel), ``tail-torch`` (the
     unfused torch path, eager), ``decode`` (both variants),
-    ``decode-tc``, ``decode-cc``, ``cascade``, ``reference`` (CPU path arms)."""
+    ``decode-tc``, ``decode-cc``, ``cascade``, ``reference`` (CPU path arms), ``fa4-shared`` and
+    ``flashinfer-shared`` (those two-launch paths with the shared-run stage)."""
     arms: List[Arm] = []
     for name in [t.strip().lower() for t in text.split(",") if t.strip()]:
         if name == "auto":
@@ -585,6 +595,8 @@ def parse_arm_list(text: str, prefix_kernels=("auto",)) -> List[Arm]:
             arms += [LibraryArm("flashinfer", prefix_kernel=k) for k in prefix_kernels]
         elif name in ("fa4", "triton"):
             arms.append(LibraryArm(name))
+        elif name in ("fa4-shared", "flashinfer-shared"):
+            arms.append(LibraryArm(name.split("-")[0], shared_run=True))
         elif name == "prefix":
             arms += [PrefixStageArm("flashinfer", prefix_kernel=k) for k in prefix_kernels]
             arms += [PrefixStageArm("fa4"), PrefixStageArm("triton")]
@@ -604,7 +616,7 @@ def parse_arm_list(text: str, prefix_kernels=("auto",)) -> List[Arm]:
             arms += default_cpu_arms()
         else:
             raise ValueError(
-                f"--arms: unknown arm {name!r}; use a comma list of auto, library, fa4, triton, prefix, tail, tail-torch, decode, "
-                f"decode-tc, decode-cc, cascade, reference."
+                f"--arms: unknown arm {name!r}; use a comma list of auto, library, fa4, triton, fa4-shared, "
+                f"flashinfer-shared, prefix, tail, tail-torch, decode, decode-tc, decode-cc, cascade, reference."
             )
     return arms

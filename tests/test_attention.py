@@ -17,6 +17,7 @@ tolerance fails it.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -249,11 +250,35 @@ def test_auto_rejudges_the_backend_when_the_request_count_changes_it(monkeypatch
     assert calls == [2, 65]  # the third batch reuses the first answer's choice
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("check", [False, True])
+def test_shared_run_stage_serves_coalesced_steps(check):
+    """With ``shared_run`` the two-launch path puts the shared-run stage between the prefix and the tail:
+    steps whose beams descend from one ancestor for their first generated positions (then diverge) match
+    the oracle, and the stage did take runs (the tail skipped positions); in check mode too."""
+    sim = make_sim(prompts=(9, 30), beams=5, hq=4, hkv=2, d=64, pg=8, max_seq_len=48, seed=5)
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="triton", check=check, report_errors=True,
+                                    shared_run=True)
+    longest_skip = 0
+    for s in range(12):
+        step = sim.begin_step()
+        plan_step(att, sim, step)
+        ref = oracle(sim, step)
+        out = run_step(att, sim, step)
+        assert_matches(out, ref, sim.dtype, f"step {s}")
+        longest_skip = max(longest_skip, int(att._views["tail_skip"].max()))
+        shared = np.zeros((len(sim.requests), sim.beam_width), np.int64) if s < 6 else None
+        sim.end_step(parents=shared, write_kv=False)
+    assert longest_skip >= 5, longest_skip
+    assert att.device_errors() == []
+
+
 def test_settings_from_environment(monkeypatch):
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_CHECK", "1")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "reference")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_SHARED_RUN", "1")
     att = BeamSharedPrefixAttention("cpu")
-    assert att.check and att.requested_backend == "reference"
+    assert att.check and att.requested_backend == "reference" and att.shared_run
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_CHECK", "0")
     assert not BeamSharedPrefixAttention("cpu").check
     assert beam_shared_prefix.BeamSharedPrefixAttention is BeamSharedPrefixAttention
@@ -512,16 +537,18 @@ def test_check_mode_on_gpu_passes_and_catches_a_wrong_prefix(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flashinfer", "fa4", "reference"])
-def test_cuda_graph_replay_matches_oracle(backend):
-    """Plan, capture run() once, replay 20 steps with growing tails and beam reselection."""
+@pytest.mark.parametrize("backend,shared_run", [("flashinfer", False), ("fa4", False), ("reference", False),
+                                                ("fa4", True), ("flashinfer", True)])
+def test_cuda_graph_replay_matches_oracle(backend, shared_run):
+    """Plan, capture run() once, replay 20 steps with growing tails and beam reselection (with
+    ``shared_run``, the first 8 steps give every beam one parent, so the stage takes runs under the graph)."""
     dtype, d, hq, hkv, pg, W = torch.bfloat16, 128, 16, 8, 32, 4
     _skip_unless_backend(backend, dtype, d, hq, hkv, pg)
     sim = make_sim(prompts=(1, 37, 300), beams=W, hq=hq, hkv=hkv, d=d, pg=pg, dtype=dtype, max_seq_len=400,
                    device="cuda", seed=3)
     R, rows = len(sim.requests), len(sim.requests) * W
     att = BeamSharedPrefixAttention("cuda", backend=backend, use_cuda_graph=True, max_requests=R, max_beam_width=W,
-                                    max_prompt_pages=sim.max_pages_per_seq, check=False)
+                                    max_prompt_pages=sim.max_pages_per_seq, check=False, shared_run=shared_run)
     # Captured inputs: the step's tensors are copied in before every replay.
     step = sim.begin_step()
     static = dict(q=step.q.clone(), new_k=step.new_k.clone(), new_v=step.new_v.clone(),
@@ -549,6 +576,7 @@ def test_cuda_graph_replay_matches_oracle(backend):
     plans = att.num_backend_plans
 
     graph = torch.cuda.CUDAGraph()
+    longest_skip = 0
     step = sim.begin_step()
     plan_step(att, sim, step)
     load(step)
@@ -565,8 +593,12 @@ def test_cuda_graph_replay_matches_oracle(backend):
         graph.replay()
         torch.cuda.synchronize()
         assert_matches(out, ref, dtype, f"replay {s} (tails {(step.kv_lens - step.prompt_lens).tolist()[::W]})")
-        sim.end_step(write_kv=False)
+        if shared_run:
+            longest_skip = max(longest_skip, int(att._views["tail_skip"].max()))
+        one_parent = np.zeros((R, W), np.int64) if shared_run and s < 8 else None
+        sim.end_step(parents=one_parent, write_kv=False)
     assert att.num_backend_plans == plans, "the composition did not change, yet the backend was re-planned"
+    assert not shared_run or longest_skip >= 8, longest_skip
     assert rows == out.shape[0]
 
 

@@ -9,6 +9,7 @@ from beam_shared_prefix.config import (
     ENV_CHECK,
     ENV_DECLINE,
     ENV_REPORT_ERRORS,
+    ENV_SHARED_RUN,
     ConfigError,
     Settings,
     load_settings,
@@ -16,7 +17,8 @@ from beam_shared_prefix.config import (
 
 
 def test_defaults_from_empty_env():
-    assert load_settings({}) == Settings(backend="auto", check=False, decline="auto", report_errors=False)
+    assert load_settings({}) == Settings(backend="auto", check=False, decline="auto", report_errors=False,
+                                         shared_run=False)
 
 
 def test_blank_values_mean_default():
@@ -29,7 +31,9 @@ def test_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv(ENV_CHECK, "1")
     monkeypatch.delenv(ENV_DECLINE, raising=False)
     monkeypatch.setenv(ENV_REPORT_ERRORS, "1")
-    assert load_settings() == Settings(backend="reference", check=True, decline="auto", report_errors=True)
+    monkeypatch.setenv(ENV_SHARED_RUN, "1")
+    assert load_settings() == Settings(backend="reference", check=True, decline="auto", report_errors=True,
+                                       shared_run=True)
 
 
 @pytest.mark.parametrize("value", BACKENDS)
@@ -52,6 +56,7 @@ def test_each_decline_mode_accepted(value):
 def test_flag_values(value, expected):
     assert load_settings({ENV_CHECK: value}).check is expected
     assert load_settings({ENV_REPORT_ERRORS: value}).report_errors is expected
+    assert load_settings({ENV_SHARED_RUN: value}).shared_run is expected
 
 
 def test_accepted_values_are_documented():
@@ -59,7 +64,7 @@ def test_accepted_values_are_documented():
 
     for value in BACKENDS + DECLINE_MODES:
         assert f"``{value}``" in config.__doc__, f"{value} missing from the settings table"
-    for name in (ENV_BACKEND, ENV_CHECK, ENV_DECLINE, ENV_REPORT_ERRORS):
+    for name in (ENV_BACKEND, ENV_CHECK, ENV_DECLINE, ENV_REPORT_ERRORS, ENV_SHARED_RUN):
         assert f"``{name}``" in config.__doc__
 
 

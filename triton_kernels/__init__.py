@@ -6,6 +6,9 @@
 - :func:`beam_cascade_attention`: the whole step in one launch (the prompt on tensor cores once per
   block of beams, then the tail), for short and medium prompts; :func:`beam_prefix_attention`, its
   prompt part alone.
+- :func:`beam_shared_run_attention`: between a prefix backend and the tail, the generated positions every
+  beam of a block reads from one ancestor, attended once per block and merged into the prefix state (the
+  tail then skips them; opt-in, not yet timed on a GPU).
 - :mod:`triton_kernels.device_errors`: the optional device error flag those kernels take
   (``error_flags=``): one bit per kind of invalid index they mask, and its decoding.
 """
@@ -17,6 +20,7 @@ from .cascade import (
     cascade_launch_config,
     cascade_supported,
 )
+from .shared_run import beam_shared_run_attention, shared_run_supported
 from .tail_merge import TailLaunchConfig, beam_tail_attention_merge, tail_launch_config
 from .tail_merge_args import TailMergeGeometry, TailMergeInputError, check_tail_merge_args
 from .tail_merge_torch import beam_tail_attention_merge_torch
@@ -27,6 +31,8 @@ __all__ = [
     "CascadeLaunchConfig",
     "cascade_launch_config",
     "cascade_supported",
+    "beam_shared_run_attention",
+    "shared_run_supported",
     "beam_tail_attention_merge",
     "beam_tail_attention_merge_torch",
     "TailMergeInputError",

@@ -18,7 +18,13 @@ import torch
 import triton
 
 from .device_errors import check_error_flags
-from .tail_merge_args import LOG2E, TailMergeInputError, check_tail_index_values, check_tail_merge_args
+from .tail_merge_args import (
+    LOG2E,
+    TailMergeInputError,
+    check_tail_index_values,
+    check_tail_merge_args,
+    check_tail_skip,
+)
 from .tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel
 from .tail_merge_kernel import beam_tail_merge_kernel
 
@@ -263,6 +269,7 @@ def beam_tail_attention_merge(
     validate_indices=False,
     launch_config=None,
     error_flags=None,
+    tail_skip=None,
 ):
     """Fused per-beam tail attention, KV write and LSE merge with the prefix state (one launch).
 
@@ -303,6 +310,9 @@ def beam_tail_attention_merge(
             benchmarks only; the tiling never changes results beyond float32 summation order).
         error_flags: ``None``, or an ``int32 [1]`` tensor on q's device into which the kernel ORs one
             bit per kind of invalid index it masked (:mod:`triton_kernels.device_errors`; no sync).
+        tail_skip: ``None``, or ``[rows]`` int32 from :func:`triton_kernels.beam_shared_run_attention`, which
+            attended each row's positions ``[P, P + tail_skip)`` and merged them into ``prefix_out`` and
+            ``prefix_lse``: the tail then walks ``[P + tail_skip, L)``.
 
     Returns:
         ``out``.
@@ -315,6 +325,8 @@ def beam_tail_attention_merge(
     )
     _check_launchable(q, geom.head_dim, geom.group_size)
     check_error_flags(error_flags, q.device)
+    if tail_skip is not None:
+        check_tail_skip(tail_skip, geom.num_rows, q.device)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     if geom.num_rows == 0:
@@ -346,6 +358,8 @@ def beam_tail_attention_merge(
                 HEAD_DIM=geom.head_dim, WRITE_KV=bool(write_kv), num_warps=cfg.num_warps, num_stages=1)
     if not cfg.grouped:
         meta.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=bool(cfg.tokens_outer), INDEX_BLOCK=cfg.index_block)
+    if tail_skip is not None:
+        meta.update(tail_skip_ptr=tail_skip, SKIP_SHARED=True)
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
         if cfg.num_warps == 1 and q.is_cuda:

@@ -25,6 +25,7 @@ __all__ = [
     "check_step_args",
     "check_tail_merge_args",
     "check_tail_index_values",
+    "check_tail_skip",
 ]
 
 LOG2E = 1.4426950408889634
@@ -166,21 +167,24 @@ def check_step_args(
     kv_layout="HND",
     page_index_divisor=1,
     extra_tensors=(),
+    reads_step_kv=True,
 ) -> StepGeometry:
     """Validate the per-beam arguments of one decode step's launch, without a device sync.
 
     Shared by the tail kernel's launcher (which adds the prefix state) and the one-launch cascade
     kernel's (which adds the prompt page table). ``extra_tensors`` are ``(name, tensor)`` pairs that
-    must be on q's device and must not overlap ``out``.
+    must be on q's device and must not overlap ``out``. A launch that neither reads this step's K/V
+    nor writes an output (the shared-run stage) passes ``reads_step_kv=False`` and ``new_k``, ``new_v``
+    and ``out`` as ``None``; the KV head count then comes from the pool.
 
     Returns the :class:`StepGeometry`; raises :class:`TailMergeInputError` naming the offending
     value, its limit and the fix.
     """
-    names = (
-        ("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache),
-        ("beam_page_table", beam_page_table), ("kv_lens", kv_lens), ("prompt_lens", prompt_lens),
-        ("cache_indirection", cache_indirection), ("out", out),
-    ) + tuple(extra_tensors)
+    step_kv = bool(reads_step_kv)
+    names = (("q", q),) + ((("new_k", new_k), ("new_v", new_v)) if step_kv else ()) + (
+        ("kv_cache", kv_cache), ("beam_page_table", beam_page_table), ("kv_lens", kv_lens),
+        ("prompt_lens", prompt_lens), ("cache_indirection", cache_indirection),
+    ) + ((("out", out),) if step_kv else ()) + tuple(extra_tensors)
     for name, x in names:
         _need_tensor(name, x)
     if kv_layout not in KV_LAYOUTS:
@@ -201,15 +205,19 @@ def check_step_args(
     _need_dim("q", q, 3, "[rows, Hq, D]")
     _need_dtype("q", q, KV_DTYPES)
     num_rows, num_qo_heads, head_dim = q.shape
-    for name, x in (("new_k", new_k), ("new_v", new_v)):
-        _need_dim(name, x, 3, "[rows, Hkv, D]")
-        if x.dtype != q.dtype:
-            _fail(f"{name} has dtype {x.dtype} but q has {q.dtype}; pass K/V in q's dtype.")
-    if new_k.shape != new_v.shape:
-        _fail(f"new_k {tuple(new_k.shape)} and new_v {tuple(new_v.shape)} must have the same shape [rows, Hkv, D].")
-    if new_k.shape[0] != num_rows or new_k.shape[2] != head_dim:
-        _fail(f"new_k must be [rows={num_rows}, Hkv, D={head_dim}] like q, got {tuple(new_k.shape)}.")
-    num_kv_heads = new_k.shape[1]
+    if step_kv:
+        for name, x in (("new_k", new_k), ("new_v", new_v)):
+            _need_dim(name, x, 3, "[rows, Hkv, D]")
+            if x.dtype != q.dtype:
+                _fail(f"{name} has dtype {x.dtype} but q has {q.dtype}; pass K/V in q's dtype.")
+        if new_k.shape != new_v.shape:
+            _fail(f"new_k {tuple(new_k.shape)} and new_v {tuple(new_v.shape)} must have the same shape [rows, Hkv, D].")
+        if new_k.shape[0] != num_rows or new_k.shape[2] != head_dim:
+            _fail(f"new_k must be [rows={num_rows}, Hkv, D={head_dim}] like q, got {tuple(new_k.shape)}.")
+        num_kv_heads = new_k.shape[1]
+    else:
+        _need_dim("kv_cache", kv_cache, 5, "[pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD)")
+        num_kv_heads = pool_layout(kv_cache, kv_layout)[0][1]
     if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         _fail(
             f"q's head count Hq={num_qo_heads} is not a multiple of the KV head count Hkv={num_kv_heads}; "
@@ -225,8 +233,9 @@ def check_step_args(
     (num_pages, pool_heads, page_size, pool_dim), kv_strides = pool_layout(kv_cache, kv_layout)
     if pool_heads != num_kv_heads or pool_dim != head_dim:
         _fail(
-            f"kv_cache ({kv_layout}) holds Hkv={pool_heads}, D={pool_dim} but new_k has Hkv={num_kv_heads}, "
-            f"D={head_dim}; check kv_layout (got {kv_layout!r}) and the layer's pool view."
+            f"kv_cache ({kv_layout}) holds Hkv={pool_heads}, D={pool_dim} but "
+            f"{'new_k' if step_kv else 'q'} has Hkv={num_kv_heads}, D={head_dim}; check kv_layout (got "
+            f"{kv_layout!r}) and the layer's pool view."
         )
     if num_pages < 1 or page_size < 1:
         _fail(f"kv_cache has {num_pages} pages of {page_size} tokens; both must be >= 1.")
@@ -238,7 +247,8 @@ def check_step_args(
               f"{tuple(kv_cache.stride())}), past int32; pass a pool view whose pages hold their heads "
               f"([pages, 2, Hkv, Pg, D] or [pages, 2, Pg, Hkv, D]).")
     for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)):
-        _need_last_dim_contiguous(name, x)
+        if x is not None:
+            _need_last_dim_contiguous(name, x)
 
     # Index tensors.
     if num_rows % beam_width:
@@ -279,15 +289,16 @@ def check_step_args(
             f"{need} columns, or a cache_indirection view limited to {max_pages * page_size} positions."
         )
 
-    _need_dim("out", out, 3, "[rows, Hq, D]")
-    if out.dtype != q.dtype:
-        _fail(f"out has dtype {out.dtype} but q has {q.dtype}; the output is written in q's dtype.")
-    if tuple(out.shape) != (num_rows, num_qo_heads, head_dim):
-        _fail(f"out must be [rows={num_rows}, Hq={num_qo_heads}, D={head_dim}], got {tuple(out.shape)}.")
-    _need_last_dim_contiguous("out", out)
-    for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)) + tuple(extra_tensors):
-        if _overlap(out, x):
-            _fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
+    if step_kv:
+        _need_dim("out", out, 3, "[rows, Hq, D]")
+        if out.dtype != q.dtype:
+            _fail(f"out has dtype {out.dtype} but q has {q.dtype}; the output is written in q's dtype.")
+        if tuple(out.shape) != (num_rows, num_qo_heads, head_dim):
+            _fail(f"out must be [rows={num_rows}, Hq={num_qo_heads}, D={head_dim}], got {tuple(out.shape)}.")
+        _need_last_dim_contiguous("out", out)
+        for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)) + tuple(extra_tensors):
+            if x is not None and _overlap(out, x):
+                _fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
 
     sm_scale = resolve_sm_scale(sm_scale, head_dim)
 
@@ -339,8 +350,10 @@ def check_tail_merge_args(
     page_index_divisor=1,
     prefix_lse_layout="NH",
     prefix_lse_base="log2",
+    reads_step_kv=True,
 ) -> TailMergeGeometry:
-    """Validate the arguments of ``beam_tail_attention_merge`` without a device sync.
+    """Validate the arguments of ``beam_tail_attention_merge`` without a device sync (with
+    ``reads_step_kv=False``, those of ``beam_shared_run_attention``: ``new_k``, ``new_v`` and ``out`` ``None``).
 
     Returns the :class:`TailMergeGeometry` the kernel is launched with; raises
     :class:`TailMergeInputError` naming the offending value, its limit and the fix.
@@ -355,7 +368,7 @@ def check_tail_merge_args(
     geom = check_step_args(
         q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width, out,
         sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
-        extra_tensors=(("prefix_out", prefix_out), ("prefix_lse", prefix_lse)),
+        extra_tensors=(("prefix_out", prefix_out), ("prefix_lse", prefix_lse)), reads_step_kv=reads_step_kv,
     )
     num_rows, num_qo_heads, head_dim = geom.num_rows, geom.num_qo_heads, geom.head_dim
     _need_dim("prefix_out", prefix_out, 3, "[rows, Hq, D]")
@@ -457,3 +470,15 @@ def check_tail_index_values(
     col = tc // pg
     pages = table[src_row, col] // page_index_divisor
     check_pages(pages, "a gathered tail position", src_row, col, valid)
+
+
+def check_tail_skip(tail_skip, num_rows: int, device) -> None:
+    """``tail_skip`` (the shared-run stage's output, the tail kernel's input) is a contiguous int32
+    ``[rows]`` tensor on ``device``; raises :class:`TailMergeInputError` naming what it got."""
+    if (not isinstance(tail_skip, torch.Tensor) or tail_skip.dtype != torch.int32 or tail_skip.dim() != 1
+            or tail_skip.shape[0] != num_rows or (num_rows and tail_skip.stride(0) != 1)
+            or tail_skip.device != torch.device(device)):
+        got = (f"{tail_skip.dtype} {tuple(tail_skip.shape)} strides {tuple(tail_skip.stride())} on {tail_skip.device}"
+               if isinstance(tail_skip, torch.Tensor) else type(tail_skip).__name__)
+        _fail(f"tail_skip must be a contiguous int32 [rows={num_rows}] tensor on {device}, got {got}; allocate "
+              f"torch.empty(rows, dtype=torch.int32, device=q.device) and fill it with beam_shared_run_attention.")

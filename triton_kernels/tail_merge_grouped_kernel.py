@@ -93,6 +93,8 @@ def beam_tail_merge_grouped_kernel(
     WRITE_KV: tl.constexpr,
     err_ptr=None,
     REPORT_ERRORS: tl.constexpr = False,
+    tail_skip_ptr=None,
+    SKIP_SHARED: tl.constexpr = False,
 ):
     """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments as for ``beam_tail_merge_kernel``."""
     row = tl.program_id(0)
@@ -112,6 +114,8 @@ def beam_tail_merge_grouped_kernel(
     ind_row_ptr = cache_indirection_ptr + req.to(tl.int64) * stride_ind_req + beam.to(tl.int64) * stride_ind_beam
     first_src_row = req.to(tl.int64) * beam_width
     start_pos = tl.maximum(prompt_len, 0)
+    if SKIP_SHARED:  # the shared-run stage attended [P, P + skip) and merged it into the prefix state
+        start_pos += tl.maximum(tl.load(tail_skip_ptr + row), 0)
     end_pos = tl.minimum(cur, max_seq_len)
     # K/V rows are [1, KVH, D] blocks: the same layout as the [G, KVH, D] queries, broadcast over G.
     kv_head_offs = (kv_head * stride_kv_head)[None, :, None] + d[None, None, :]

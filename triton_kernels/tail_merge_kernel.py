@@ -187,6 +187,8 @@ def beam_tail_merge_kernel(
     INDEX_BLOCK: tl.constexpr = 0,
     err_ptr=None,
     REPORT_ERRORS: tl.constexpr = False,
+    tail_skip_ptr=None,
+    SKIP_SHARED: tl.constexpr = False,
 ):
     """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments and strides (in elements) as the launcher
     :func:`triton_kernels.beam_tail_attention_merge` passes them; the module docstring gives the steps."""
@@ -212,6 +214,8 @@ def beam_tail_merge_kernel(
     first_src_row = req.to(tl.int64) * beam_width
     tok = tl.arange(0, BLOCK_T)
     start_pos = tl.maximum(prompt_len, 0)
+    if SKIP_SHARED:  # the shared-run stage attended [P, P + skip) and merged it into the prefix state
+        start_pos += tl.maximum(tl.load(tail_skip_ptr + row), 0)
     end_pos = tl.minimum(cur, max_seq_len)
     kv_head_offs = kv_head * stride_kv_head
     # Per-slot copies of the scalar position keep every mask a vector (the interpreter rejects

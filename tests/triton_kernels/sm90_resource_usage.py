@@ -27,7 +27,9 @@ from triton.compiler.compiler import ASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from triton_kernels.cascade import cascade_launch_config  # noqa: E402
-from triton_kernels.cascade_kernel import beam_cascade_kernel  # noqa: E402
+from triton_kernels.cascade_kernel import SHARED_BLOCK, beam_cascade_kernel  # noqa: E402
+from triton_kernels.shared_run import shared_run_tile  # noqa: E402
+from triton_kernels.shared_run_kernel import beam_shared_run_kernel  # noqa: E402
 from triton_kernels.tail_merge import (  # noqa: E402
     _FEW_ROWS_MAX_REGISTERS,
     _ONE_WARP_MAX_REGISTERS,
@@ -171,11 +173,42 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
     )
 
 
+# (name, W, Hq, Hkv, D, dtype, prefix_out dtype): the shared-run stage's tiles at the shapes FA4 or FlashInfer
+# + tail serve: 32-beam tiles at G = 2, 16-beam tiles at G = 4 and at G = 8 (128 rows, 8 warps).
+SHARED_RUN_SHAPES = [
+    ("A", 96, 16, 8, 128, "bf16", "bf16"),
+    ("B-4B", 30, 32, 8, 128, "bf16", "bf16"),
+    ("G8-D64-fp16", 8, 64, 8, 64, "fp16", "fp32"),
+]
+
+
+def compile_shared_run_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, dtype: str, prefix_dtype: str):
+    """Compile the shared-run stage's tile of a shape for sm_90, with the error flag (REPORT_ERRORS)."""
+    g = hq // hkv
+    beams, group_pad, num_warps = shared_run_tile(beam_width, g, d)
+    pointers = dict(q_ptr=dtype, kv_ptr=dtype, beam_pt_ptr="i32", kv_lens_ptr="i32", prompt_lens_ptr="i32",
+                    ci_ptr="i32", prefix_out_ptr=prefix_dtype, prefix_lse_ptr="fp32", tail_skip_ptr="i32",
+                    err_ptr="i32")
+    constexprs = dict(GROUP=g, GROUP_PAD=group_pad, BEAMS=beams, HEAD_DIM=d, BLOCK_N=SHARED_BLOCK.value,
+                      DOT_FP32=False, page_size=PAGE_SIZE, page_index_divisor=1, REPORT_ERRORS=REPORT_ERRORS,
+                      stride_bpt_col=1, stride_ci_pos=1)
+    div16 = {"stride_q_row", "stride_q_head", "stride_kv_page", "stride_kv_kv", "stride_kv_head", "stride_kv_slot",
+             "stride_po_row", "stride_po_head", "max_seq_len"}
+    compiled = _compile_sm90(beam_shared_run_kernel, pointers, constexprs, ("qk_scale_log2", "lse_scale"), div16,
+                             num_warps, 1)
+    regs, stack, shared, local = _resources(compiled)
+    ptx = compiled.asm["ptx"]
+    return dict(kernel="shared-run", shape=[name, beam_width, hq, hkv, d, dtype, prefix_dtype],
+                config=[beams, group_pad, num_warps], triton=triton.__version__, registers=regs, stack=stack,
+                shared=shared, local=local, wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
+                num_warps=num_warps)
+
+
 def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index_block=None,
-                 report_errors: bool = REPORT_ERRORS, num_rows=None):
+                 report_errors: bool = REPORT_ERRORS, num_rows=None, skip_shared: bool = False):
     """Compile the default tiling of a shape at ``num_rows`` beam rows (``None``: many); ``index_block``
     selects the ``[QH, D]`` kernel with that ``index_block`` instead (its previous default tiling:
-    ``QH * D = 1024``, 4 warps)."""
+    ``QH * D = 1024``, 4 warps); ``skip_shared``: the tail after the shared-run stage (``tail_skip``)."""
     g = hq // hkv
     cfg = tail_launch_config(g, hkv, d, num_rows)
     if index_block is not None:
@@ -184,11 +217,11 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     pointers = dict(
         q_ptr=dtype, new_k_ptr=dtype, new_v_ptr=dtype, kv_ptr=dtype, page_table_ptr="i32", kv_lens_ptr="i32",
         prompt_lens_ptr="i32", cache_indirection_ptr="i32", prefix_out_ptr=prefix_dtype, prefix_lse_ptr="fp32",
-        out_ptr=dtype, err_ptr="i32",
+        out_ptr=dtype, err_ptr="i32", tail_skip_ptr="i32",
     )
     constexprs = dict(
         GROUP=g, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog, HEAD_DIM=d, WRITE_KV=True,
-        page_size=PAGE_SIZE, page_index_divisor=1, REPORT_ERRORS=report_errors,
+        page_size=PAGE_SIZE, page_index_divisor=1, REPORT_ERRORS=report_errors, SKIP_SHARED=skip_shared,
     )
     kernel = beam_tail_merge_grouped_kernel
     if not cfg.grouped:
@@ -208,6 +241,7 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
         kernel="tail",
         shape=[dtype, hq, hkv, d, prefix_dtype],
         num_rows=num_rows,
+        skip_shared=skip_shared,
         report_errors=report_errors,
         config=[cfg.group_pad, cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.tokens_outer, cfg.index_block,
                 cfg.grouped],
@@ -245,6 +279,11 @@ def main() -> None:
     for shape in (SHAPES[0], SHAPES[2]):  # 16/8 and 32/8, D 128
         for ib in compare:
             print(json.dumps(compile_sm90(*shape, index_block=ib)), flush=True)
+    for shape in (SHAPES[0], SHAPES[2]):  # the tail after the shared-run stage: many rows and few
+        for num_rows in (None, 1):
+            print(json.dumps(compile_sm90(*shape, num_rows=num_rows, skip_shared=True)), flush=True)
+    for shape in SHARED_RUN_SHAPES:
+        print(json.dumps(compile_shared_run_sm90(*shape)), flush=True)
 
 
 if __name__ == "__main__":

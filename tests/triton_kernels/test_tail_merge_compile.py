@@ -83,3 +83,14 @@ def test_cascade_default_tilings_compile_for_sm90(usage):
     assert len(rows) == 12, rows
     for row in rows:
         assert row["wgmma"] + row["mma_sync"] > 0, f"no tensor-core instructions: {row}"
+
+
+def test_shared_run_stage_compiles_for_sm90(usage):
+    """The shared-run stage's tiles (G = 2, 4 and 8) compile for sm_90 on tensor cores without spills, and
+    the tail kernel after it (``tail_skip``) keeps its register budget (checked above with the others)."""
+    rows = [row for row in usage if row["kernel"] == "shared-run"]
+    assert len(rows) == 3, rows
+    for row in rows:
+        assert row["wgmma"] > 0, f"no wgmma: {row}"
+        assert row["local"] == 0 and row["stack"] == 0, f"register spills: {row}"
+    assert sum(1 for row in _tail(usage) if row.get("skip_shared")) == 4

@@ -1,0 +1,192 @@
+"""The shared-run stage (prefix state + the run every beam of a block reads from one ancestor) followed by
+the tail kernel with ``tail_skip``, against the float32 oracle.
+
+Steps come from :class:`BeamSearchCacheSimulator` with histories that coalesce (every beam's parent is
+beam 0 for the first steps, random afterwards), the prefix state from ``reference_prefix_attention``; the
+expected run of each block of beams from a torch scan (``test_beam_index.leading_shared_run``). Outputs are
+NaN-poisoned, the pool is compared with its snapshot (only the tail kernel writes, this step's K/V).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_kernels import (
+    TailLaunchConfig,
+    TailMergeInputError,
+    beam_shared_run_attention,
+    beam_tail_attention_merge,
+    device_errors,
+)
+from triton_kernels.shared_run import shared_run_tile
+
+from test_beam_index import leading_shared_run
+from test_cascade import coalesce_then_branch
+from test_tail_merge import (
+    assert_matches,
+    earlier_tail,
+    expected_pool_after_write,
+    make_sim,
+    oracle,
+    prefix_state,
+)
+
+
+def expected_runs(step, beams_per_block):
+    """``[rows]``: each row's block's leading run of earlier positions from ``P`` (before the block's
+    shortest ``L - 1``) with one ``cache_indirection`` entry across the block."""
+    W = step.beam_width
+    ci = step.cache_indirection.cpu()
+    kv = step.kv_lens.cpu()
+    runs = torch.zeros(step.num_rows, dtype=torch.int32)
+    for r, p in enumerate(step.prompt_lens_per_request.tolist()):
+        for b0 in range(0, W, beams_per_block):
+            b1 = min(W, b0 + beams_per_block)
+            end = int(kv[r * W + b0:r * W + b1].min()) - 1
+            runs[r * W + b0:r * W + b1] = leading_shared_run(ci[r, b0:b1, p:end])
+    return runs
+
+
+def run_stage_then_tail(sim, step, *, divisor=1, lse_layout="NH", lse_base="log2", prefix_dtype=torch.float32,
+                        empty_prefix=False, launch_config=None):
+    """The stage, then the tail with its ``tail_skip``; returns ``(out, tail_skip)`` and checks the pool and
+    the error flag (valid input raises nothing)."""
+    table = step.beam_page_table if divisor == 1 else sim.block_offsets(step.beam_page_table, divisor)[:, 0, :]
+    prefix_out, prefix_lse = prefix_state(sim, step, lse_layout, lse_base, prefix_dtype, empty_prefix)
+    tail_skip = torch.full((step.num_rows,), -7, dtype=torch.int32, device=step.q.device)  # poisoned
+    flags = device_errors.new_error_flags(step.q.device)
+    before = sim.kv_cache.clone()
+    common = dict(kv_layout=sim.kv_layout, page_index_divisor=divisor, prefix_lse_layout=lse_layout,
+                  prefix_lse_base=lse_base, error_flags=flags)
+    assert beam_shared_run_attention(step.q, sim.kv_cache, table, step.kv_lens, step.prompt_lens,
+                                     step.cache_indirection, step.beam_width, prefix_out, prefix_lse, tail_skip,
+                                     **common) is tail_skip
+    assert torch.equal(sim.kv_cache, before), "the stage wrote to the pool"
+    out = torch.full_like(step.q, float("nan"))
+    beam_tail_attention_merge(step.q, step.new_k, step.new_v, sim.kv_cache, table, step.kv_lens, step.prompt_lens,
+                              step.cache_indirection, step.beam_width, prefix_out, prefix_lse, out,
+                              launch_config=launch_config, tail_skip=tail_skip, **common)
+    assert int(flags) == 0, f"valid input raised {device_errors.decode_error_flags(int(flags))}"
+    assert torch.equal(sim.kv_cache, expected_pool_after_write(sim, step, before))
+    return out, tail_skip.cpu()
+
+
+# (name, simulator kwargs, steps with one parent, steps, call kwargs)
+CASES = [
+    # G = 2, head 128: one 32-beam block of 20 beams; the grouped tail kernel (the many-rows default at
+    # G = 2); fp32 prefix, log2 LSE.
+    ("g2_d128_one_block", dict(prompts=[150, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=192), 14, 18,
+     dict(launch_config=TailLaunchConfig(2, 2, 1, 2, grouped=True))),
+    # G = 3 (padded 4), head 64: two 16-beam blocks of 18 beams (the second mostly padding); NHD, TensorRT-LLM
+    # block offsets, FA4's prefix state (bf16 output, natural-log LSE, [heads, rows]); the [QH, D] tail with
+    # index blocks, which starts its first index block at P + tail_skip.
+    ("g3_d64_two_blocks_fa4_state", dict(prompts=[13, 40], beams=18, hq=9, hkv=3, d=64, layout="NHD",
+                                         max_seq_len=96, seed=13), 30, 36,
+     dict(divisor=6, lse_layout="HN", lse_base="ln", prefix_dtype=torch.bfloat16,
+          launch_config=TailLaunchConfig(4, 1, 4, 2, index_block=16))),
+    # G = 8 (a 128-row tile, 8 warps), an empty prefix state (-inf): the run alone seeds the merge; the
+    # [QH, D] tail walking 2 positions per step without index blocks.
+    ("g8_empty_prefix", dict(prompts=[20, 7], beams=5, hq=8, hkv=1, d=64, max_seq_len=64, seed=4), 12, 15,
+     dict(empty_prefix=True, launch_config=TailLaunchConfig(8, 1, 2, 2))),
+]
+
+
+@pytest.mark.parametrize("name,sim_kw,shared_steps,steps,call_kw", CASES, ids=[c[0] for c in CASES])
+def test_shared_run_then_tail_matches_oracle(name, sim_kw, shared_steps, steps, call_kw, device):
+    sim = make_sim(device, **sim_kw)
+    coalesce_then_branch(sim, steps, shared_steps)
+    step = sim.begin_step()
+    beams, _, _ = shared_run_tile(sim.beam_width, sim_kw["hq"] // sim_kw["hkv"], sim_kw["d"])
+    want = expected_runs(step, beams)
+    tails = earlier_tail(step)
+    # Both parts of the tail are exercised: runs the stage takes, and positions after them the tail walks.
+    assert int(want.max()) >= shared_steps - 1 and bool(((want > 0) & (want < torch.tensor(tails))).any()), (want, tails)
+    out, tail_skip = run_stage_then_tail(sim, step, **call_kw)
+    assert torch.equal(tail_skip, want), (tail_skip, want)
+    assert_matches(out, oracle(sim, step, tail_only=call_kw.get("empty_prefix", False)),
+                   f"{name}: runs {want.tolist()}, tails {tails}")
+
+
+def test_without_a_shared_run_the_prefix_state_is_untouched(device):
+    """Beams that disagree at ``P`` (and a request whose tail is this step's token alone): every skip is 0,
+    the stage leaves the prefix state as it was, and the tail alone gives the oracle's output."""
+    sim = make_sim(device, prompts=[30, 9], beams=6, hq=4, hkv=2, d=64, seed=3)
+    for _ in range(5):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    p = int(step.prompt_lens_per_request[0])
+    step.cache_indirection[0, :6, p] = torch.arange(6, dtype=torch.int32)
+    step.cache_indirection[1, :6, int(step.prompt_lens_per_request[1])] = torch.arange(6, dtype=torch.int32)
+    prefix_out, prefix_lse = prefix_state(sim, step)
+    kept = prefix_out.clone(), prefix_lse.clone()
+    tail_skip = torch.full((step.num_rows,), 5, dtype=torch.int32, device=device)
+    beam_shared_run_attention(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
+                              step.cache_indirection, step.beam_width, prefix_out, prefix_lse, tail_skip)
+    assert int(tail_skip.abs().max()) == 0
+    assert torch.equal(prefix_out, kept[0]) and torch.equal(prefix_lse, kept[1])
+    out, _ = run_stage_then_tail(sim, step)
+    assert_matches(out, oracle(sim, step), "no shared run")
+
+
+def test_shared_run_reports_a_bad_source_in_a_run(device):
+    """An out-of-range source beam that every beam of a block shares inside its run is masked (that
+    position drops out) and raises ``SOURCE_BEAM``; nothing non-finite reaches the prefix state."""
+    sim = make_sim(device, prompts=[20, 7], beams=5, hq=4, hkv=2, d=64, seed=8)
+    coalesce_then_branch(sim, 8, 8)
+    step = sim.begin_step()
+    p = int(step.prompt_lens_per_request[1])
+    step.cache_indirection[1, :, p + 2] = sim.beam_width + 3
+    assert int(expected_runs(step, 16)[sim.beam_width:].min()) >= 7
+    prefix_out, prefix_lse = prefix_state(sim, step)
+    tail_skip = torch.empty(step.num_rows, dtype=torch.int32, device=device)
+    flags = device_errors.new_error_flags(device)
+    beam_shared_run_attention(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
+                              step.cache_indirection, step.beam_width, prefix_out, prefix_lse, tail_skip,
+                              error_flags=flags)
+    assert torch.isfinite(prefix_out).all() and torch.isfinite(prefix_lse).all()
+    assert int(flags) == device_errors.SOURCE_BEAM.value, device_errors.decode_error_flags(int(flags))
+
+
+def _stage_args(device):
+    sim = make_sim(device, prompts=[20, 7], beams=4, hq=4, hkv=2, d=64)
+    step = sim.begin_step()
+    prefix_out, prefix_lse = prefix_state(sim, step)
+    return dict(q=step.q, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table, kv_lens=step.kv_lens,
+                prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection, beam_width=4,
+                prefix_out=prefix_out, prefix_lse=prefix_lse,
+                tail_skip=torch.empty(step.num_rows, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(tail_skip=a["tail_skip"].long()), r"tail_skip must be a contiguous int32 \[rows=8\]"),
+    (lambda a: a.update(tail_skip=a["tail_skip"][:5]), r"\[rows=8\].*\(5,\)"),
+    (lambda a: a.update(q=a["q"].repeat(1, 8, 1), prefix_out=a["prefix_out"].repeat(1, 8, 1),
+                        prefix_lse=a["prefix_lse"].repeat(1, 8)), r"GQA group 16 .*groups up to 8"),
+    (lambda a: a.update(tail_skip=a["prefix_lse"].view(torch.int32)[:, 0]), r"tail_skip must be a contiguous"),
+    (lambda a: a.update(prefix_lse=a["prefix_lse"].t()), r"prefix_lse has shape"),
+])
+def test_stage_refuses_bad_arguments(change, match, device):
+    args = _stage_args(device)
+    change(args)
+    with pytest.raises(TailMergeInputError, match=match):
+        beam_shared_run_attention(**args)
+
+
+def test_stage_refuses_an_output_that_overlaps_its_inputs(device):
+    args = _stage_args(device)
+    args["tail_skip"] = args["kv_lens"].view(torch.int32)
+    with pytest.raises(TailMergeInputError, match="tail_skip overlaps kv_lens"):
+        beam_shared_run_attention(**args)
+
+
+def test_tail_refuses_a_bad_tail_skip(device):
+    args = _stage_args(device)
+    sim_q = args["q"]
+    new_kv = torch.zeros(sim_q.shape[0], 2, sim_q.shape[2], dtype=sim_q.dtype, device=device)
+    with pytest.raises(TailMergeInputError, match=r"tail_skip must be a contiguous int32 \[rows=8\]"):
+        beam_tail_attention_merge(sim_q, new_kv, new_kv.clone(), args["kv_cache"], args["beam_page_table"],
+                                  args["kv_lens"], args["prompt_lens"], args["cache_indirection"], 4,
+                                  args["prefix_out"], args["prefix_lse"], torch.empty_like(sim_q),
+                                  tail_skip=torch.zeros(8, 2, dtype=torch.int32, device=device))

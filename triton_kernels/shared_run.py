@@ -1,0 +1,139 @@
+"""Launcher of the shared-run stage (:mod:`triton_kernels.shared_run_kernel`): between a prefix backend and
+the tail kernel, the generated positions every beam of a tile reads from one ancestor are attended once per
+tile and merged into the prefix state; the tail kernel then skips them (``tail_skip``).
+
+Opt-in: no path of the library launches it by default. It was checked against the float32 oracle under the
+Triton interpreter and compiled for sm_90 ahead of time; it has not been timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Tuple
+
+import torch
+import triton
+
+from .cascade import cascade_launch_config, cascade_supported
+from .cascade_kernel import SHARED_BLOCK
+from .device_errors import check_error_flags
+from .shared_run_kernel import beam_shared_run_kernel
+from .tail_merge_args import LOG2E, TailMergeInputError, _overlap, check_tail_merge_args, check_tail_skip
+
+__all__ = ["shared_run_supported", "shared_run_tile", "beam_shared_run_attention"]
+
+
+def shared_run_supported(group_size: int, head_dim: int) -> Tuple[bool, str]:
+    """Whether the stage tiles this shape: ``(True, "")`` or ``(False, reason)``. Its tiles are the cascade
+    kernel's (:func:`triton_kernels.cascade_supported`), so are its limits."""
+    return cascade_supported(group_size, head_dim)
+
+
+def shared_run_tile(beam_width: int, group_size: int, head_dim: int) -> Tuple[int, int, int]:
+    """``(beams per program, padded group, warps)``: the beam block of the cascade's default tiling for the
+    shape (a beam block is the set of beams whose common run is looked for, so wider blocks find shorter
+    runs), with 4 warps up to 64 query rows and 8 above."""
+    cfg = cascade_launch_config(beam_width, group_size, head_dim)
+    return cfg.beams_per_program, cfg.group_pad, 4 if cfg.block_m <= 64 else 8
+
+
+def beam_shared_run_attention(
+    q,
+    kv_cache,
+    beam_page_table,
+    kv_lens,
+    prompt_lens,
+    cache_indirection,
+    beam_width,
+    prefix_out,
+    prefix_lse,
+    tail_skip,
+    *,
+    sm_scale=None,
+    kv_layout="HND",
+    page_index_divisor=1,
+    prefix_lse_layout="NH",
+    prefix_lse_base="log2",
+    error_flags=None,
+):
+    """Attend, once per block of beams, the generated positions all its beams read from one ancestor, and
+    merge them into the prefix state in place; the tail kernel then skips them.
+
+    For each request ``r`` and block of beams (``shared_run_tile``), the run is the longest ``[P, P + n)``
+    over which every beam of the block has its position cached (``t < L - 1`` for each) and the blocks'
+    ``cache_indirection[r, b, t]`` are all equal. Every row ``i`` of the block gets ``tail_skip[i] = n``, and
+    ``(prefix_out[i, h], prefix_lse[i, h])`` becomes the state of the prefix and those ``n`` positions
+    together (positions ``t`` on page ``beam_page_table[r*W + cache_indirection[r, b, t], t // Pg] //
+    page_index_divisor``). Passing ``tail_skip`` to :func:`triton_kernels.beam_tail_attention_merge` with
+    the same state then gives the step's attention over every position once.
+
+    Args:
+        q, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width, sm_scale,
+            kv_layout, page_index_divisor, prefix_lse_layout, prefix_lse_base: as for
+            :func:`triton_kernels.beam_tail_attention_merge` (``prompt_lens`` equal within a request: the
+            stage reads row ``r*W``'s).
+        prefix_out: ``[rows, Hq, D]`` bf16/fp16/fp32, the prefix output; updated in place.
+        prefix_lse: float32 prefix LSE in ``prefix_lse_layout`` and ``prefix_lse_base`` (``-inf``: an empty
+            prefix); updated in place.
+        tail_skip: ``[rows]`` int32 on q's device, written: positions after ``P`` each row's tail skips.
+        error_flags: ``None``, or an ``int32 [1]`` tensor into which the kernel ORs a bit per kind of
+            invalid index it masked inside a run (:mod:`triton_kernels.device_errors`).
+
+    Returns:
+        ``tail_skip``.
+
+    Raises:
+        TailMergeInputError: an argument the stage cannot take (names the value, the limit and the fix),
+            including shapes :func:`shared_run_supported` refuses.
+    """
+    geom = check_tail_merge_args(
+        q, None, None, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
+        prefix_out, prefix_lse, None, sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
+        prefix_lse_layout=prefix_lse_layout, prefix_lse_base=prefix_lse_base, reads_step_kv=False,
+    )
+    ok, reason = shared_run_supported(geom.group_size, geom.head_dim)
+    if not ok:
+        raise TailMergeInputError(f"{reason}; leave the tail kernel to walk every position (no tail_skip).")
+    check_tail_skip(tail_skip, geom.num_rows, q.device)
+    for name, x in (("prefix_out", prefix_out), ("prefix_lse", prefix_lse), ("tail_skip", tail_skip)):
+        for other_name, other in (("q", q), ("kv_cache", kv_cache), ("beam_page_table", beam_page_table),
+                                  ("kv_lens", kv_lens), ("prompt_lens", prompt_lens),
+                                  ("cache_indirection", cache_indirection), ("prefix_out", prefix_out),
+                                  ("prefix_lse", prefix_lse), ("tail_skip", tail_skip)):
+            if other is not x and _overlap(x, other):
+                raise TailMergeInputError(f"{name} overlaps {other_name} in memory; the stage writes {name}, so "
+                                          f"pass it a buffer of its own.")
+    check_error_flags(error_flags, q.device)
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise TailMergeInputError(f"the shared-run stage is a Triton kernel and needs CUDA tensors, got {q.device} "
+                                  f"(or set TRITON_INTERPRET=1 before importing triton).")
+    if geom.num_rows == 0:
+        return tail_skip
+    beams, group_pad, num_warps = shared_run_tile(geom.beam_width, geom.group_size, geom.head_dim)
+    num_beam_blocks = triton.cdiv(geom.beam_width, beams)
+    grid = (geom.num_requests * num_beam_blocks, geom.num_kv_heads)
+    s_page, s_kv, s_head, s_slot = geom.kv_strides
+    s_lse_row, s_lse_head = geom.lse_strides
+    args = (
+        q, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, prefix_out, prefix_lse, tail_skip,
+        q.stride(0), q.stride(1),
+        s_page, s_kv, s_head, s_slot,
+        beam_page_table.stride(0), beam_page_table.stride(1),
+        cache_indirection.stride(0), cache_indirection.stride(1), cache_indirection.stride(2),
+        prefix_out.stride(0), prefix_out.stride(1),
+        s_lse_row, s_lse_head,
+        geom.beam_width, num_beam_blocks, geom.page_size, page_index_divisor, geom.num_pages, geom.max_seq_len,
+        geom.sm_scale * LOG2E, geom.lse_scale,
+    )
+    meta = dict(GROUP=geom.group_size, GROUP_PAD=group_pad, BEAMS=beams, HEAD_DIM=geom.head_dim,
+                BLOCK_N=SHARED_BLOCK.value,
+                DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16, num_warps=num_warps, num_stages=1)
+    if error_flags is not None:
+        meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
+    if q.is_cuda:
+        with torch.cuda.device(q.device):
+            beam_shared_run_kernel[grid](*args, **meta)
+    else:
+        beam_shared_run_kernel[grid](*args, **meta)
+    return tail_skip
+
