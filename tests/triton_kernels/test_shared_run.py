@@ -190,3 +190,45 @@ def test_tail_refuses_a_bad_tail_skip(device):
                                   args["kv_lens"], args["prompt_lens"], args["cache_indirection"], 4,
                                   args["prefix_out"], args["prefix_lse"], torch.empty_like(sim_q),
                                   tail_skip=torch.zeros(8, 2, dtype=torch.int32, device=device))
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def shared_run_cases(draw):
+    hkv = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    steps = draw(st.integers(0, 12))
+    state = draw(st.sampled_from([("NH", "log2", torch.float32), ("HN", "ln", torch.bfloat16)]))
+    return dict(
+        sim=dict(prompts=draw(st.lists(st.integers(1, 60), min_size=1, max_size=3)), beams=draw(st.integers(1, 40)),
+                 hq=hkv * group, hkv=hkv, d=draw(st.sampled_from([64, 128])), pg=draw(st.sampled_from([4, 8, 16, 32])),
+                 layout=draw(st.sampled_from(["HND", "NHD"])), max_seq_len=80, seed=draw(st.integers(0, 2**16))),
+        steps=steps,
+        shared_steps=draw(st.integers(0, steps)),
+        # A break at this offset from P in request 0 (the beams disagree there), or none.
+        break_at=draw(st.one_of(st.none(), st.integers(0, 12))),
+        call=dict(divisor=draw(st.sampled_from([1, 4])), lse_layout=state[0], lse_base=state[1], prefix_dtype=state[2],
+                  empty_prefix=draw(st.sampled_from([False, False, False, True]))),
+    )
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared_run_cases())
+def test_shared_run_property_matches_oracle(case):
+    """Any beam width (one to three beam blocks), group, head size, page size, layout, page-table encoding,
+    prefix-state format, history (coalesced for any number of steps, then random) and break: the stage finds
+    the torch scan's runs, and with the tail it gives the oracle's output and writes exactly this step's K/V."""
+    sim = make_sim("cuda" if torch.cuda.is_available() else "cpu", **case["sim"])
+    coalesce_then_branch(sim, case["steps"], case["shared_steps"])
+    step = sim.begin_step()
+    p = int(step.prompt_lens_per_request[0])
+    if case["break_at"] is not None and p + case["break_at"] < int(step.kv_lens[0]) - 1 and sim.beam_width > 1:
+        step.cache_indirection[0, : sim.beam_width, p + case["break_at"]] = torch.arange(
+            sim.beam_width, dtype=torch.int32)
+    beams, _, _ = shared_run_tile(sim.beam_width, case["sim"]["hq"] // case["sim"]["hkv"], case["sim"]["d"])
+    out, tail_skip = run_stage_then_tail(sim, step, **case["call"])
+    assert torch.equal(tail_skip, expected_runs(step, beams)), (tail_skip, expected_runs(step, beams))
+    assert_matches(out, oracle(sim, step, tail_only=case["call"]["empty_prefix"]), f"{case}")
