@@ -265,10 +265,10 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int,
     return cfg
 
 
-def _check_device(q: torch.Tensor) -> None:
+def _check_device(q: torch.Tensor, kernel: str = "the cascade kernel") -> None:
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise TailMergeInputError(
-            f"the cascade kernel is a Triton kernel and needs CUDA tensors, got {q.device}; on CPU use the "
+            f"{kernel} is a Triton kernel and needs CUDA tensors, got {q.device}; on CPU use the "
             f"reference prefix + beam_tail_attention_merge_torch (or set TRITON_INTERPRET=1 before importing triton)."
         )
 

@@ -8,13 +8,12 @@ Triton interpreter and compiled for sm_90 ahead of time; it has not been timed o
 
 from __future__ import annotations
 
-import os
 from typing import Tuple
 
 import torch
 import triton
 
-from .cascade import cascade_launch_config, cascade_supported
+from .cascade import _check_device, cascade_launch_config, cascade_supported
 from .cascade_kernel import SHARED_BLOCK
 from .device_errors import check_error_flags
 from .shared_run_kernel import beam_shared_run_kernel
@@ -104,9 +103,7 @@ def beam_shared_run_attention(
                 raise TailMergeInputError(f"{name} overlaps {other_name} in memory; the stage writes {name}, so "
                                           f"pass it a buffer of its own.")
     check_error_flags(error_flags, q.device)
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise TailMergeInputError(f"the shared-run stage is a Triton kernel and needs CUDA tensors, got {q.device} "
-                                  f"(or set TRITON_INTERPRET=1 before importing triton).")
+    _check_device(q, "the shared-run stage")
     if geom.num_rows == 0:
         return tail_skip
     beams, group_pad, num_warps = shared_run_tile(geom.beam_width, geom.group_size, geom.head_dim)

@@ -21,8 +21,7 @@ from triton_kernels import (
 )
 from triton_kernels.shared_run import shared_run_tile
 
-from test_beam_index import leading_shared_run
-from test_cascade import coalesce_then_branch
+from test_cascade import coalesce_then_branch, shared_runs
 from test_tail_merge import (
     assert_matches,
     earlier_tail,
@@ -34,18 +33,15 @@ from test_tail_merge import (
 
 
 def expected_runs(step, beams_per_block):
-    """``[rows]``: each row's block's leading run of earlier positions from ``P`` (before the block's
-    shortest ``L - 1``) with one ``cache_indirection`` entry across the block."""
+    """``[rows]``: each row's block's leading run of earlier positions from ``P`` with one
+    ``cache_indirection`` entry across the block (``test_cascade.shared_runs``, one per row)."""
     W = step.beam_width
-    ci = step.cache_indirection.cpu()
-    kv = step.kv_lens.cpu()
-    runs = torch.zeros(step.num_rows, dtype=torch.int32)
-    for r, p in enumerate(step.prompt_lens_per_request.tolist()):
+    runs = iter(shared_runs(step, beams_per_block))
+    per_row = torch.zeros(step.num_rows, dtype=torch.int32)
+    for r in range(step.num_rows // W):
         for b0 in range(0, W, beams_per_block):
-            b1 = min(W, b0 + beams_per_block)
-            end = int(kv[r * W + b0:r * W + b1].min()) - 1
-            runs[r * W + b0:r * W + b1] = leading_shared_run(ci[r, b0:b1, p:end])
-    return runs
+            per_row[r * W + b0:r * W + min(W, b0 + beams_per_block)] = next(runs)
+    return per_row
 
 
 def run_stage_then_tail(sim, step, *, divisor=1, lse_layout="NH", lse_base="log2", prefix_dtype=torch.float32,
