@@ -12,6 +12,14 @@ The ``triton`` backend fuses both into one launch (:func:`triton_kernels.beam_ca
 the prompt is attended on tensor cores per block of beams, and the prefix state never leaves
 registers. It is what ``backend="auto"`` picks where it measured faster (short and medium prompts).
 
+On the two-launch paths a third launch may sit between the two, the **shared-run stage**
+(:func:`triton_kernels.beam_shared_run_attention`): the generated positions that every beam of a block
+reads from one ancestor (beam search's histories coalesce a few steps back) are attended once per block and
+merged into the prefix state, and the tail skips them. ``shared_run="auto"`` (the default) runs it for
+steps whose longest tail, given to :meth:`BeamSharedPrefixAttention.plan` as ``max_tail_len``, is at least
+:data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` generated tokens, where it measured faster,
+and there ``backend="auto"`` prefers the two-launch paths to the cascade.
+
 Modelled on FlashInfer's wrappers: :meth:`BeamSharedPrefixAttention.plan` is host work done once
 per batch composition (the prompt pages of a request do not change while it decodes), cached by
 composition, and :meth:`BeamSharedPrefixAttention.run` is device work only, every layer and step:
@@ -26,17 +34,19 @@ valid while the number of requests, the beam width and the attention shape stay 
 mode ``backend="auto"`` picks the backend once per shape, at its first plan, and keeps it (a captured
 launch cannot switch kernels); it judges the shape at the longest prompt the capture can serve
 (``max_prompt_pages`` pages), not at the first batch's prompts
-(:func:`~beam_shared_prefix.prefix.select.graph_rule_prompt`), and at ``max_requests`` requests.
+(:func:`~beam_shared_prefix.prefix.select.graph_rule_prompt`), and at ``max_requests`` requests. The
+shared-run stage is decided at the same first plan and kept: with ``shared_run="auto"`` it is captured
+only if that plan's ``max_tail_len`` was long enough (an engine capturing at warm-up passes none).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Dict, Hashable, List, Optional, Tuple, Union
 
 import torch
 
-from .config import BACKENDS, load_settings
+from .config import BACKENDS, load_settings, shared_run_mode
 from .plan import StepPlan, StepPlanner, _as_int
 from .prefix.base import (
     PrefixBackend,
@@ -46,8 +56,8 @@ from .prefix.base import (
 )
 from .prefix.buffers import DeviceBuffer
 from .prefix.flashinfer import PREFIX_KERNELS
-from .prefix.select import (BACKEND_CLASSES, cascade_preferred, graph_rule_prompt, resolve_prefix_backend,
-                            split_kv_preferred)
+from .prefix.select import (BACKEND_CLASSES, cascade_preferred, graph_rule_prompt, long_tail_for_shared_run,
+                            resolve_prefix_backend, split_kv_preferred)
 
 __all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
 
@@ -89,9 +99,11 @@ class BeamSharedPrefixAttention:
             ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` (default off).
         shared_run: on the two-launch paths (a FlashInfer or FA4 prefix, then the Triton tail), attend the
             generated positions that every beam of a block reads from one ancestor once per block between
-            the two (:func:`triton_kernels.beam_shared_run_attention`), and let the tail skip them. Opt-in:
-            checked against the oracle on the CPU, not yet timed on a GPU. ``None`` reads
-            ``TLLM_BEAM_SHARED_PREFIX_SHARED_RUN`` (default off).
+            the two (:func:`triton_kernels.beam_shared_run_attention`), and let the tail skip them.
+            ``"auto"``: for plans whose ``max_tail_len`` is at least
+            :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` (there ``backend="auto"`` also
+            prefers the two-launch paths to the cascade); ``True``/``"on"``: every step; ``False``/``"off"``:
+            never. ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_SHARED_RUN`` (default ``"auto"``).
 
     Attributes:
         backend_name: the prefix backend serving the active plan (``None`` before the first plan).
@@ -114,7 +126,7 @@ class BeamSharedPrefixAttention:
         tail_impl: str = "auto",
         prefix_kernel: str = "auto",
         report_errors: Optional[bool] = None,
-        shared_run: Optional[bool] = None,
+        shared_run: Union[None, bool, str] = None,
     ):
         settings = (load_settings() if None in (backend, check, report_errors, shared_run) else None)
         backend = settings.backend if backend is None else backend
@@ -162,7 +174,8 @@ class BeamSharedPrefixAttention:
             self.error_flags = new_error_flags(self.device)
         self._errors_seen = 0
         self._error_poll = None  # (pinned host word, event) of the copy in flight
-        self.shared_run = bool(settings.shared_run if shared_run is None else shared_run)
+        self.shared_run = shared_run_mode(settings.shared_run if shared_run is None else shared_run)
+        self._graph_long_tail: Dict[tuple, bool] = {}  # CUDA graphs: the first plan's verdict, per shape
 
         self._planner: Optional[StepPlanner] = None
         self._builds_before = 0
@@ -190,6 +203,11 @@ class BeamSharedPrefixAttention:
         return None if self._active is None else self._active[2]
 
     @property
+    def shared_stage_active(self) -> bool:
+        """Whether the active plan's run() launches the shared-run stage between the prefix and the tail."""
+        return self._active is not None and "tail_skip" in self._views
+
+    @property
     def num_plan_builds(self) -> int:
         """Step plans built so far (planner cache misses, across pool re-creations); cached re-plans do not count."""
         return self._builds_before + (0 if self._planner is None else self._planner.num_builds)
@@ -209,7 +227,17 @@ class BeamSharedPrefixAttention:
             self._active = None
         return self._planner
 
-    def _backend_for(self, problem_key: tuple, step_plan: StepPlan) -> PrefixBackend:
+    def _long_tail(self, problem_key: tuple, max_tail_len: Optional[float]) -> bool:
+        """Whether this plan is a long-tail step for the shared-run stage (never with ``shared_run="off"``);
+        under CUDA graphs the first plan's verdict per shape, since a capture keeps its launches."""
+        if self.shared_run == "off":
+            return False
+        long_tail = long_tail_for_shared_run(max_tail_len)
+        if self.use_cuda_graph:
+            return self._graph_long_tail.setdefault(problem_key, long_tail)
+        return long_tail
+
+    def _backend_for(self, problem_key: tuple, step_plan: StepPlan, tail_len: Optional[float]) -> PrefixBackend:
         # The auto rule depends on the batch (requests, mean prompt, beam width) only through whether
         # it prefers FlashInfer's split prompt and whether it prefers the cascade, so the choice is
         # cached per (shape, those answers) and logged once each. In CUDA-graph mode it is made once
@@ -221,7 +249,7 @@ class BeamSharedPrefixAttention:
         side = None
         if not self.use_cuda_graph and self.requested_backend == "auto":
             side = (split_kv_preferred(num_requests, mean_prompt, hq, hkv, step_plan.beam_width, d)[0],
-                    cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d, num_requests)[0])
+                    cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d, num_requests, tail_len)[0])
         cache_key = (problem_key, side)
         name = self._backend_for_problem.get(cache_key)
         if name is None:
@@ -233,7 +261,7 @@ class BeamSharedPrefixAttention:
                 num_requests = self.max_requests
             name = resolve_prefix_backend(self.requested_backend, self.device, dtype, d, hq, hkv, pg, self.kv_layout,
                                           mean_prompt_len=mean_prompt, beam_width=step_plan.beam_width,
-                                          num_requests=num_requests)
+                                          num_requests=num_requests, tail_len=tail_len)
             self._backend_for_problem[cache_key] = name
             logger.info("beam_shared_prefix: prefix backend %s serves Hq=%d Hkv=%d D=%d page %d %s, %s %s "
                         "(requested %s)", name, hq, hkv, d, pg, _dtype_name(dtype),
@@ -264,6 +292,7 @@ class BeamSharedPrefixAttention:
         dtype: torch.dtype,
         sm_scale: Optional[float] = None,
         key: Hashable = None,
+        max_tail_len: Optional[int] = None,
     ) -> StepPlan:
         """Plan a batch composition (host only; never during CUDA-graph capture).
 
@@ -280,10 +309,16 @@ class BeamSharedPrefixAttention:
             sm_scale: softmax scale (default ``1 / sqrt(head_dim)``).
             key: a hashable composition key (e.g. ``(tuple(request_ids), W)``); equal keys promise equal
                 inputs and skip all array work. Default: a digest of the inputs.
+            max_tail_len: the step's longest tail, generated tokens per beam with this step's own
+                (``max(kv_len) - prompt_len`` over the batch), as the host knows it; ``None``: unknown. Only
+                whether it reaches :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` is used
+                (``shared_run="auto"``); run() reads the true lengths from ``kv_lens``.
 
         Returns:
             The :class:`StepPlan` (the same object while the composition is unchanged; then the backend
-            is not planned again either: :attr:`num_backend_plans` does not move).
+            is not planned again either: :attr:`num_backend_plans` does not move, except once where the
+            tail reaches :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` and ``auto`` moves
+            the batch from the cascade to a two-launch path).
         """
         ensure_not_capturing("BeamSharedPrefixAttention.plan()")
         if dtype not in DTYPES:
@@ -301,20 +336,24 @@ class BeamSharedPrefixAttention:
         planner = self._planner_for(page_size, num_cache_pages)
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
         problem_key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, default_sm_scale(head_dim, sm_scale))
+        long_tail = self._long_tail(problem_key, max_tail_len)
         active = self._active
-        if active is not None and active[0] is step_plan and active[1] == problem_key:
+        same_step = active is not None and active[0] is step_plan and active[1] == problem_key
+        if same_step and active[3] == long_tail:
             return step_plan
         # A plan that fails part-way leaves no active plan: run() refuses instead of mixing the old
         # plan's buffers with the new shapes.
         self._active = None
-        backend = self._backend_for(problem_key, step_plan)
-        backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, problem_key[5])
-        self._prepare_buffers(step_plan, problem_key, backend)
-        self._active = (step_plan, problem_key, backend)
-        self.num_backend_plans += 1
+        backend = self._backend_for(problem_key, step_plan, max_tail_len if long_tail else None)
+        if not (same_step and active[2] is backend):  # else only the shared-run stage moved: the plan stands
+            backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, problem_key[5])
+            self.num_backend_plans += 1
+        self._prepare_buffers(step_plan, problem_key, backend, long_tail)
+        self._active = (step_plan, problem_key, backend, long_tail)
         return step_plan
 
-    def _prepare_buffers(self, step_plan: StepPlan, problem_key: tuple, backend: PrefixBackend) -> None:
+    def _prepare_buffers(self, step_plan: StepPlan, problem_key: tuple, backend: PrefixBackend,
+                         long_tail: bool) -> None:
         hq, _, d, _, dtype, _ = problem_key
         rows = step_plan.num_rows
         cap_rows = (self.max_requests or 0) * (self.max_beam_width or 0)
@@ -328,13 +367,15 @@ class BeamSharedPrefixAttention:
             prefix_lse=self._lse_buffer.view(backend.lse_shape(rows, hq), capacity=cap_rows * hq),
             prompt_lens=self._row_prompt_lens.write(step_plan.prompt_lens_per_row, capacity=cap_rows),
         )
-        if self._runs_shared_stage(backend, problem_key):
+        if self._runs_shared_stage(backend, problem_key, long_tail):
             self._views["tail_skip"] = self._tail_skip.view((rows,), capacity=cap_rows)
 
-    def _runs_shared_stage(self, backend: PrefixBackend, problem_key: tuple) -> bool:
-        """Whether ``run()`` puts the shared-run stage between the prefix and the tail: asked for, a
-        two-launch path with the Triton tail, and a group and head size the stage tiles."""
-        if not self.shared_run or self.tail_impl != "triton" or getattr(backend, "fuses_tail", False):
+    def _runs_shared_stage(self, backend: PrefixBackend, problem_key: tuple, long_tail: bool) -> bool:
+        """Whether ``run()`` puts the shared-run stage between the prefix and the tail: ``shared_run="on"``,
+        or ``"auto"`` on a long-tail step; a two-launch path with the Triton tail; and a group and head size
+        the stage tiles."""
+        wanted = self.shared_run == "on" or (self.shared_run == "auto" and long_tail)
+        if not wanted or self.tail_impl != "triton" or getattr(backend, "fuses_tail", False):
             return False
         from triton_kernels.shared_run import shared_run_supported  # deferred: triton is imported on first use
 
@@ -380,7 +421,7 @@ class BeamSharedPrefixAttention:
         """
         if self._active is None:
             raise AttentionInputError("run() before plan(): call plan() for this batch first.")
-        step_plan, problem_key, backend = self._active
+        step_plan, problem_key, backend, _ = self._active
         hq, hkv, d, pg, dtype, sm_scale = problem_key
         rows = step_plan.num_rows
         self._validate_run(q, kv_cache, beam_page_table, kv_lens, cache_indirection, new_k, new_v, out,

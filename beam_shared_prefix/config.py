@@ -5,7 +5,7 @@
 | ``TLLM_BEAM_SHARED_PREFIX_BACKEND`` | ``auto``, ``triton``, ``flashinfer``, ``fa4``, ``reference`` | ``auto`` | prefix backend |
 | ``TLLM_BEAM_SHARED_PREFIX_CHECK`` | ``0``, ``1`` | ``0`` | check mode: sync, validate and recompute every stage |
 | ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` | ``0``, ``1`` | ``0`` | device error flag: invalid indices the kernels mask are reported without a sync (about 2% slower on the H200 presets, B-beam14 3%) |
-| ``TLLM_BEAM_SHARED_PREFIX_SHARED_RUN`` | ``0``, ``1`` | ``0`` | on the two-launch paths (FA4 or FlashInfer + tail), attend the generated positions that every beam of a block reads from one ancestor once per block, between the prefix and the tail (opt-in: checked on the CPU, not yet timed on a GPU) |
+| ``TLLM_BEAM_SHARED_PREFIX_SHARED_RUN`` | ``auto``, ``1``, ``0`` | ``auto`` | the shared-run stage: on the two-launch paths (FA4 or FlashInfer + tail), attend the generated positions that every beam of a block reads from one ancestor once per block, between the prefix and the tail. ``auto``: on for steps whose longest tail is at least ``SHARED_RUN_MIN_TAIL`` (96) generated tokens, where it measured faster, and off under CUDA graphs (a captured step's tail is unknown); ``1``: on every step; ``0``: never |
 | ``TLLM_BEAM_SHARED_PREFIX_DECLINE`` | ``auto``, ``never`` | ``auto`` | ``auto`` declines shapes where the measured rule says the library is slower than the default kernel; ``never`` serves every supported shape |
 
 An invalid value raises :class:`ConfigError` naming the variable, the value and the accepted values.
@@ -17,10 +17,13 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["ConfigError", "Settings", "load_settings", "BACKENDS", "DECLINE_MODES"]
+__all__ = ["ConfigError", "Settings", "load_settings", "BACKENDS", "DECLINE_MODES", "SHARED_RUN_MODES",
+           "shared_run_mode"]
 
 BACKENDS = ("auto", "triton", "flashinfer", "fa4", "reference")
 DECLINE_MODES = ("auto", "never")
+#: The shared-run stage: ``auto`` (by the step's tail), ``on`` (every step), ``off``.
+SHARED_RUN_MODES = ("auto", "on", "off")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -38,13 +41,14 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Settings:
     """Parsed environment settings (see the module table): prefix ``backend``, ``check`` mode, ``decline``
-    mode, ``report_errors`` (the device error flag), ``shared_run`` (the shared-run stage)."""
+    mode, ``report_errors`` (the device error flag), ``shared_run`` (the shared-run stage: one of
+    :data:`SHARED_RUN_MODES`)."""
 
     backend: str = "auto"
     check: bool = False
     decline: str = "auto"
     report_errors: bool = False
-    shared_run: bool = False
+    shared_run: str = "auto"
 
 
 def _choice(env: Mapping[str, str], name: str, accepted, default: str) -> str:
@@ -69,6 +73,32 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     raise ConfigError(f"{name}={raw!r} is not accepted; use 1 (on) or 0 (off).")
 
 
+def shared_run_mode(value) -> str:
+    """The shared-run mode of a setting: ``"auto"``, ``True``/``"on"``/``"1"`` (``"on"``), ``False``/``"off"``/``"0"``
+    (``"off"``). Raises ``ValueError`` naming the accepted values otherwise."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if text in _TRUE:
+        return "on"
+    if text in _FALSE and text != "":
+        return "off"
+    raise ValueError(f"shared_run={value!r} is not accepted; use 'auto' (by the step's tail), True/'on' or False/'off'.")
+
+
+def _shared_run(env: Mapping[str, str]) -> str:
+    raw = env.get(ENV_SHARED_RUN)
+    if raw is None or raw.strip() == "":
+        return "auto"
+    try:
+        return shared_run_mode(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_SHARED_RUN}={raw!r} is not accepted; use auto (by the step's tail, the default), "
+                          f"1 (on) or 0 (off).") from None
+
+
 def load_settings(env: Optional[Mapping[str, str]] = None) -> Settings:
     """Parse the library's environment variables (``os.environ`` by default)."""
     env = os.environ if env is None else env
@@ -77,5 +107,5 @@ def load_settings(env: Optional[Mapping[str, str]] = None) -> Settings:
         check=_flag(env, ENV_CHECK),
         decline=_choice(env, ENV_DECLINE, DECLINE_MODES, "auto"),
         report_errors=_flag(env, ENV_REPORT_ERRORS),
-        shared_run=_flag(env, ENV_SHARED_RUN),
+        shared_run=_shared_run(env),
     )

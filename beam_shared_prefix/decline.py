@@ -194,7 +194,7 @@ ask more. The binding shape of each entry:
 | 2-7, or group 8+ | 8-11 | 128 and more | mean prompt / 50 | 16/2, head 64: 64 x 8 x 1,000 crosses at 31 (32.6) |
 | 2-7, or group 8+ | 12+ | 128 and more | mean prompt / 36 | GQA 32/4, 8 x 16 x 15,000 crosses at 639 tokens (23.5) |
 | 1 (or unknown) | any | under 512 | mean prompt / 141 | 16 x 16 x 2,000 crosses at 21 tokens (93.8) |
-| 1 | 2-11 | 512 and more | mean prompt / 50 | loss: 64 x 8 x 4,000 at 160 tokens, 1.06x (25) |
+| 1 | 2-11 | 512 and more | mean prompt / 55 | 64 x 8 x 1,000 without shared ancestry crosses at 28 tokens (36.2) |
 | 1 | 12+ | 512 and more | mean prompt / 22 | 96 x 20 x 6,000 crosses at 420 tokens (14.3) |
 | any | any | under 256 row-KV-heads | also 20,000 / (R x W x Hkv) | loss: 32/4, 1 x 10 x 15,000 at 60 tokens, 1.09x |
 
@@ -390,11 +390,11 @@ TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = (
 #: The same with one KV head (MQA) or an unknown count: MQA's per-beam decode is the cheapest of all (one
 #: KV head read by all of its query heads), so the library needs the most prompt per tail token there.
 #: Measured at GQA 8/1; a wider group asks ``group / 8`` times as much (:data:`TAIL_ONE_KV_HEAD_GROUP`).
-TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 141), (2, 512, 50), (12, 512, 22))
+TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD = ((2, 0, 141), (2, 512, 55), (12, 512, 22))
 #: The group of the one-KV-head table's grids (8/1). Per-beam decode reads one KV head whatever the group,
 #: while the library's tail reads and attends once per query head: at 16/1 (twenty-sixth round,
 #: ``tail_auto_check_round26_g16_mqa.json``) 1.5x the crossovers needed up to 71 prompt tokens per tail
-#: token at 512 rows (the table: 50) and 34 at 1,920 (22), while at 64/4 and 96/8 the few-KV-heads table held.
+#: token at 512 rows (the table: 55) and 34 at 1,920 (22), while at 64/4 and 96/8 the few-KV-heads table held.
 TAIL_ONE_KV_HEAD_GROUP = 8
 # The widest group the tail kernel tiles (triton_kernels.tail_merge.MAX_GROUP_SIZE; a test keeps the two
 # equal): an unknown group at one KV head is judged as it, the strictest.

@@ -148,24 +148,29 @@ class LibraryArm(Arm):
         prefix_kernel: FlashInfer prefix kernel family (``"fa2"``, ``"fa3"``, ``"auto"``) or ``None``
             (the wrapper's default).
         tail_impl: ``"triton"`` or ``"torch"``.
-        shared_run: the shared-run stage between the prefix and the tail (the wrapper's ``shared_run``).
+        shared_run: the shared-run stage between the prefix and the tail (the wrapper's ``shared_run``:
+            ``"auto"``, ``"on"``/``True``, ``"off"``/``False``); ``None``: ``"auto"`` for ``backend="auto"``
+            (what serving runs), ``"off"`` for a named backend (its plain two launches).
     """
 
     kind = "library"
     writes_kv = True
 
     def __init__(self, backend: str, prefix_kernel: Optional[str] = None, tail_impl: str = "triton",
-                 shared_run: bool = False):
+                 shared_run=None):
+        from beam_shared_prefix.config import shared_run_mode
+
         self.backend = backend
         self.prefix_kernel = prefix_kernel
         self.tail_impl = tail_impl
-        self.shared_run = bool(shared_run)
+        self.shared_run = shared_run_mode(("auto" if backend == "auto" else "off") if shared_run is None
+                                          else shared_run)
         suffix = f"-{prefix_kernel}" if prefix_kernel else ""
         tail = "" if tail_impl == "triton" else f"+{tail_impl}-tail"
-        stage = "+shared-run" if self.shared_run else ""
+        stage = "+shared-run" if self.shared_run == "on" else ""
         self.name = f"library/{backend}{suffix}{stage}{tail}"
         self.description = "BeamSharedPrefixAttention: prefix once per request + fused tail/merge" + (
-            " (shared runs once per beam block)" if self.shared_run else "")
+            " (shared runs once per beam block)" if self.shared_run == "on" else "")
 
     def make_wrapper(self, wl: BenchWorkload, ctx: RunContext, use_cuda_graph: bool):
         """A :class:`BeamSharedPrefixAttention` sized for ``wl`` (requests, beams, prompt pages), not yet planned."""
@@ -182,7 +187,7 @@ class LibraryArm(Arm):
             kwargs["report_errors"] = ctx.report_errors  # explicit: the environment does not change a timing
         if _accepts(cls, "shared_run"):
             kwargs["shared_run"] = self.shared_run  # explicit, as report_errors
-        elif self.shared_run:
+        elif self.shared_run == "on":
             raise ArmSkipped("the wrapper takes no shared_run argument")
         if _accepts(cls, "tail_impl"):
             kwargs["tail_impl"] = self.tail_impl
@@ -205,12 +210,20 @@ class LibraryArm(Arm):
             sh.beams, sh.heads, sh.kv_heads, sh.head_dim, sh.page_size, wl.num_pages, wl.dtype,
         )
 
+    @staticmethod
+    def plan_kwargs(attn, wl: BenchWorkload) -> Dict[str, int]:
+        """``plan()``'s keywords: the step's longest tail, as an engine adapter passes it (where the
+        wrapper takes it)."""
+        if not _accepts(type(attn).plan, "max_tail_len"):
+            return {}
+        return dict(max_tail_len=int(wl.tail_lens_host.max()))
+
     def prepare(self, wl: BenchWorkload, ctx: RunContext) -> Prepared:
         use_graph = ctx.use_graphs and wl.device.type == "cuda"
         attn = self.make_wrapper(wl, ctx, use_cuda_graph=use_graph)
         t0 = time.perf_counter()
         try:
-            attn.plan(*self.plan_args(wl))
+            attn.plan(*self.plan_args(wl), **self.plan_kwargs(attn, wl))
         except (ImportError, RuntimeError, ValueError) as exc:
             raise ArmSkipped(f"{self.name}: plan failed: {type(exc).__name__}: {exc}") from None
         first_plan_us = (time.perf_counter() - t0) * 1e6
@@ -235,6 +248,8 @@ class LibraryArm(Arm):
             )
 
         info = {"first_plan_us": first_plan_us, "backend": getattr(attn, "backend_name", None)}
+        if hasattr(attn, "shared_stage_active"):
+            info["shared_run"] = bool(attn.shared_stage_active)
         backend = getattr(attn, "backend", None)
         kernel = getattr(backend, "kernel", None)
         if isinstance(kernel, str):
@@ -257,8 +272,9 @@ class LibraryArm(Arm):
         cached calls did (0 expected)."""
         attn = self.make_wrapper(wl, ctx, use_cuda_graph=ctx.use_graphs and wl.device.type == "cuda")
         args = self.plan_args(wl)
+        kwargs = self.plan_kwargs(attn, wl)
         t0 = time.perf_counter()
-        attn.plan(*args)
+        attn.plan(*args, **kwargs)
         first = (time.perf_counter() - t0) * 1e6
         res = {"first_plan_us": first}
 
@@ -274,12 +290,12 @@ class LibraryArm(Arm):
             return getattr(attn, "num_backend_plans", 0)
 
         b0 = count()
-        res["replan_us"] = med(lambda: attn.plan(*args))
+        res["replan_us"] = med(lambda: attn.plan(*args, **kwargs))
         b1 = count()
         key = ("bench", wl.seed, wl.num_requests, wl.beam_width)
-        attn.plan(*args, key=key)  # a new key: may plan once
+        attn.plan(*args, key=key, **kwargs)  # a new key: may plan once
         b2 = count()
-        res["replan_keyed_us"] = med(lambda: attn.plan(*args, key=key))
+        res["replan_keyed_us"] = med(lambda: attn.plan(*args, key=key, **kwargs))
         # Cached re-plans must not plan the prefix backend again: this counts the times they did.
         res["backend_plans_in_cached_replans"] = (b1 - b0) + (count() - b2)
         from beam_shared_prefix.plan import build_step_plan

@@ -273,12 +273,53 @@ def test_shared_run_stage_serves_coalesced_steps(check):
     assert att.device_errors() == []
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode,graph", [("auto", False), ("auto", True), ("on", False), ("off", False)])
+def test_shared_run_follows_the_tail(monkeypatch, mode, graph):
+    """``shared_run="auto"`` launches the shared-run stage from the plan whose ``max_tail_len`` reaches
+    ``SHARED_RUN_MIN_TAIL`` (lowered here to keep the interpreter's steps short): within one composition the
+    stage switches on without a backend re-plan, and every step matches the oracle. ``"on"`` runs it on every
+    step, ``"off"`` on none; under CUDA graphs the first plan's verdict is kept (here: a short tail, so
+    never)."""
+    from beam_shared_prefix.prefix import select
+
+    monkeypatch.setattr(select, "SHARED_RUN_MIN_TAIL", 5)
+    sim = make_sim(prompts=(9, 30), beams=5, hq=4, hkv=2, d=64, pg=8, max_seq_len=48, seed=7)
+    caps = dict(max_requests=2, max_beam_width=5, max_prompt_pages=4) if graph else {}
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="triton", check=False, shared_run=mode,
+                                    use_cuda_graph=graph, **caps)
+    assert att.shared_run == mode
+    active, plans, skipped = [], [], 0
+    for s in range(9):
+        step = sim.begin_step()
+        longest_tail = int((step.kv_lens - step.prompt_lens).max())
+        assert longest_tail == s + 1
+        plan_step(att, sim, step, max_tail_len=longest_tail)
+        active.append(att.shared_stage_active)
+        plans.append(att.num_backend_plans)
+        out = run_step(att, sim, step)
+        assert_matches(out, oracle(sim, step), sim.dtype, f"step {s}")
+        if att.shared_stage_active:
+            skipped = max(skipped, int(att._views["tail_skip"].max()))
+        sim.end_step(parents=np.zeros((len(sim.requests), sim.beam_width), np.int64), write_kv=False)
+    expected = {"auto": [t >= 5 for t in range(1, 10)], "on": [True] * 9, "off": [False] * 9}[mode]
+    if graph:
+        expected = [False] * 9
+    assert active == expected
+    assert plans == [1] * 9, plans  # one composition: the stage switching on re-plans no backend
+    assert (skipped > 0) == any(expected), skipped
+
+
 def test_settings_from_environment(monkeypatch):
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_CHECK", "1")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "reference")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_SHARED_RUN", "1")
     att = BeamSharedPrefixAttention("cpu")
-    assert att.check and att.requested_backend == "reference" and att.shared_run
+    assert att.check and att.requested_backend == "reference" and att.shared_run == "on"
+    monkeypatch.delenv("TLLM_BEAM_SHARED_PREFIX_SHARED_RUN")
+    assert BeamSharedPrefixAttention("cpu").shared_run == "auto"
+    with pytest.raises(ValueError, match="shared_run='sometimes' is not accepted"):
+        BeamSharedPrefixAttention("cpu", shared_run="sometimes")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_CHECK", "0")
     assert not BeamSharedPrefixAttention("cpu").check
     assert beam_shared_prefix.BeamSharedPrefixAttention is BeamSharedPrefixAttention

@@ -10,19 +10,21 @@ from beam_shared_prefix.config import (
     ENV_DECLINE,
     ENV_REPORT_ERRORS,
     ENV_SHARED_RUN,
+    SHARED_RUN_MODES,
     ConfigError,
     Settings,
     load_settings,
+    shared_run_mode,
 )
 
 
 def test_defaults_from_empty_env():
     assert load_settings({}) == Settings(backend="auto", check=False, decline="auto", report_errors=False,
-                                         shared_run=False)
+                                         shared_run="auto")
 
 
 def test_blank_values_mean_default():
-    env = {ENV_BACKEND: "  ", ENV_CHECK: "", ENV_DECLINE: ""}
+    env = {ENV_BACKEND: "  ", ENV_CHECK: "", ENV_DECLINE: "", ENV_SHARED_RUN: " "}
     assert load_settings(env) == Settings()
 
 
@@ -33,7 +35,7 @@ def test_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv(ENV_REPORT_ERRORS, "1")
     monkeypatch.setenv(ENV_SHARED_RUN, "1")
     assert load_settings() == Settings(backend="reference", check=True, decline="auto", report_errors=True,
-                                       shared_run=True)
+                                       shared_run="on")
 
 
 @pytest.mark.parametrize("value", BACKENDS)
@@ -56,13 +58,32 @@ def test_each_decline_mode_accepted(value):
 def test_flag_values(value, expected):
     assert load_settings({ENV_CHECK: value}).check is expected
     assert load_settings({ENV_REPORT_ERRORS: value}).report_errors is expected
-    assert load_settings({ENV_SHARED_RUN: value}).shared_run is expected
+    # The shared-run stage takes the same words for on and off; blank is its default, auto.
+    assert load_settings({ENV_SHARED_RUN: value}).shared_run == ("on" if expected else "off" if value else "auto")
+
+
+@pytest.mark.parametrize("value,expected", [("auto", "auto"), (" AUTO ", "auto"), (True, "on"), ("on", "on"),
+                                            ("1", "on"), (False, "off"), ("off", "off"), ("0", "off")])
+def test_shared_run_modes(value, expected):
+    assert expected in SHARED_RUN_MODES
+    assert shared_run_mode(value) == expected
+    if isinstance(value, str):
+        assert load_settings({ENV_SHARED_RUN: value}).shared_run == expected
+
+
+@pytest.mark.parametrize("value", ["2", "sometimes", ""])
+def test_invalid_shared_run(value):
+    with pytest.raises(ValueError, match=r"shared_run=.* is not accepted; use 'auto'"):
+        shared_run_mode(value)
+    if value.strip():
+        with pytest.raises(ConfigError, match=rf"{ENV_SHARED_RUN}='{value}' is not accepted; use auto"):
+            load_settings({ENV_SHARED_RUN: value})
 
 
 def test_accepted_values_are_documented():
     import beam_shared_prefix.config as config
 
-    for value in BACKENDS + DECLINE_MODES:
+    for value in BACKENDS + DECLINE_MODES + ("auto",):
         assert f"``{value}``" in config.__doc__, f"{value} missing from the settings table"
     for name in (ENV_BACKEND, ENV_CHECK, ENV_DECLINE, ENV_REPORT_ERRORS, ENV_SHARED_RUN):
         assert f"``{name}``" in config.__doc__

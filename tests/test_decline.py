@@ -452,9 +452,9 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
     # one KV head (MQA)
     (16, 16, 2000, 8, 1, 141),     # under 512 rows
     (4, 10, 20000, 8, 1, 500),     # 40 row-KV-heads
-    (128, 4, 2000, 8, 1, 50),      # 2-11 beams from 512 rows
+    (128, 4, 2000, 8, 1, 55),      # 2-11 beams from 512 rows (29th round: 64 x 8 x 1,000 crosses at 28)
     (64, 30, 1000, 8, 1, 22),      # 12 and more from 512 rows
-    (64, 8, 2000, 16, 1, 100),     # a group of 16: 16 / 8 times 8/1's 50 (16/1 crossed at 71)
+    (64, 8, 2000, 16, 1, 110),     # a group of 16: 16 / 8 times 8/1's 55 (16/1 crossed at 71)
     (64, 30, 2000, 32, 1, 88),     # a group of 32: 32 / 8 times 22
 ])
 def test_long_tails_need_long_prompts(requests, beams, prompt, heads, kv_heads, per_token):

@@ -8,7 +8,8 @@ Rule of ``"auto"`` (:func:`choose_prefix_backend`), in order:
    faster than the cascade and FA4 (:func:`split_kv_preferred`; GQA 1-4 at head 128 and head 64);
 3. ``triton`` (the one-launch cascade kernel) when the batch's prompts are short enough for its
    beam width, GQA group and (with few requests) program count that it measured faster than the
-   two-launch paths on the H200 (:func:`cascade_preferred`; it also needs
+   two-launch paths on the H200, and its tail is shorter than :data:`SHARED_RUN_MIN_TAIL` where the
+   shared-run stage may run (:func:`cascade_preferred`; it also needs
    :meth:`TritonPrefixBackend.is_available`);
 4. ``fa4`` when :meth:`FA4PrefixBackend.is_available` accepts the shape (SM90/SM100, bf16, head size
    64/128, page size other than 128, ``flash_attn.cute`` importable): measured on the H200 at
@@ -43,7 +44,7 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
-           "only_flashinfer_tiles"]
+           "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
@@ -260,6 +261,27 @@ CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048, (4, 64): 1
 #: :data:`CASCADE_FEW_PROGRAMS` programs (it raises :func:`cascade_prompt_limit`'s several-block limit).
 CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS = {(2, 128): 1024, (2, 64): 1024}
 
+# Long tails and the shared-run stage (twenty-ninth round, shared_run_round29_*.json and
+# shared_cross_round29_*.json; GQA 16/8 and 32/8, head 128, page 32, 14-96 beams, 100-3,000 tokens, tails
+# 3-256). With the stage between the prefix and the tail (triton_kernels.beam_shared_run_attention), FA4 +
+# tail was the fastest arm at every point from 96 generated tokens under the benchmark's beam search
+# (coalescing histories): 5-44% faster than the cascade (64 x 14 x 100 at 192 tokens: 132.8 against
+# 236.2 us) and 5-64% than FA4 + tail without it (64 x 30 x 500 at 256: 216.2 against 499.6 us). Without
+# shared ancestry (every beam its own parent) the stage finds no run and cost 0.8-1.8% at 256 tokens,
+# while FA4 + tail beat the cascade from 64 tokens by 8-31% (twenty-eighth round). At 64 tokens the stage
+# was within 10% either way (B-4B, 64 x 96: 7% slower), at 3-16 tokens 1-10% slower (8-22 us): below
+# SHARED_RUN_MIN_TAIL it is not worth its launch.
+#: From this many generated tokens per beam (the step's longest tail, its own token included), ``auto`` runs
+#: the shared-run stage on the two-launch paths and prefers them to the one-launch cascade.
+SHARED_RUN_MIN_TAIL = 96
+
+
+def long_tail_for_shared_run(tail_len: Optional[float]) -> bool:
+    """Whether a step whose longest tail is ``tail_len`` generated tokens per beam (``None``: unknown, e.g.
+    a CUDA graph) is long enough for the shared-run stage: ``tail_len >= SHARED_RUN_MIN_TAIL``."""
+    return tail_len is not None and float(tail_len) >= SHARED_RUN_MIN_TAIL
+
+
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
     "reference": ReferencePrefixBackend,
     "flashinfer": FlashInferPrefixBackend,
@@ -323,13 +345,16 @@ def cascade_preferred(
     beam_width: Optional[int] = None,
     head_dim: int = 128,
     num_requests: Optional[int] = None,
+    tail_len: Optional[float] = None,
 ) -> Tuple[bool, str]:
     """Whether ``auto`` picks the one-launch cascade for a batch: ``(True, "")`` or ``(False, reason)``.
 
     ``mean_prompt_len`` is the batch's mean prompt length in tokens (``None``: unknown, not preferred);
     ``beam_width`` the batch's ``W`` (``None``: unknown, the stricter prompt limit applies);
     ``num_requests`` the batch's ``R`` (``None``: unknown, judged as many): with few cascade programs
-    some shapes have a lower limit (:data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS`).
+    some shapes have a lower limit (:data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS`). ``tail_len``: the
+    step's longest tail (generated tokens per beam) where the shared-run stage may run, else ``None``:
+    from :data:`SHARED_RUN_MIN_TAIL` the two-launch paths with the stage are preferred.
     """
     group = num_qo_heads // max(num_kv_heads, 1)
     if group > CASCADE_MAX_GROUP:
@@ -343,6 +368,9 @@ def cascade_preferred(
         return False, reason
     if mean_prompt_len is None:
         return False, "prompt lengths unknown"
+    if long_tail_for_shared_run(tail_len):
+        return False, (f"tail {float(tail_len):.0f} >= {SHARED_RUN_MIN_TAIL} generated tokens per beam: a two-launch "
+                       f"path with the shared-run stage measured faster there")
     limit = cascade_prompt_limit(beam_width, group, head_dim)
     two_blocks = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, 2, num_requests, num_kv_heads,
                                      beam_width, group, head_dim)
@@ -485,10 +513,12 @@ def cascade_serves(
     beam_width: Optional[int],
     head_dim: int,
     num_requests: Optional[int] = None,
+    tail_len: Optional[float] = None,
 ) -> bool:
     """Whether the one-launch cascade would serve a CUDA batch under the ``requested`` backend setting:
     ``"triton"`` where the kernel tiles the shape, ``"auto"`` where :func:`cascade_preferred` picks it
-    and :func:`split_kv_preferred` (``num_requests``: the batch's, ``None`` unknown) does not.
+    (``tail_len`` as there) and :func:`split_kv_preferred` (``num_requests``: the batch's, ``None``
+    unknown) does not.
     (The decline rule's thresholds differ for it and for the two-launch paths.)"""
     if requested == "triton":
         try:
@@ -499,7 +529,8 @@ def cascade_serves(
     if requested == "auto":
         if split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)[0]:
             return False
-        return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim, num_requests)[0]
+        return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim, num_requests,
+                                 tail_len)[0]
     return False
 
 
@@ -524,22 +555,23 @@ def step_path(
     num_kv_heads: int,
     beam_width: Optional[int],
     head_dim: int,
+    tail_len: Optional[float] = None,
 ) -> Tuple[bool, bool]:
     """``(split_kv, one_launch)``: whether FlashInfer's split prompt, or the one-launch cascade, serves a
     CUDA batch under ``requested``, with the packages installed here (what the per-step decline rule
-    must judge). Unlike :func:`flashinfer_serves` and :func:`cascade_serves`, which model a machine with
+    must judge); ``tail_len`` as for :func:`cascade_preferred`. Unlike :func:`flashinfer_serves` and :func:`cascade_serves`, which model a machine with
     every backend installed, a missing FlashInfer sends ``auto``'s few-request batches to the cascade
     or FA4, and a missing FA4 sends ``fa4`` to FlashInfer."""
     if requested == "fa4" and not _installed("fa4"):
         requested = "flashinfer"
     if requested == "auto" and not _installed("flashinfer"):
         preferred = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                                      num_requests)[0]
+                                      num_requests, tail_len)[0]
         return False, preferred
     split_kv = flashinfer_serves(requested, num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
                                  head_dim)
     one_launch = not split_kv and cascade_serves(requested, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                                 head_dim, num_requests)
+                                                 head_dim, num_requests, tail_len)
     return split_kv, one_launch
 
 
@@ -554,12 +586,14 @@ def choose_prefix_backend(
     mean_prompt_len: Optional[float] = None,
     beam_width: Optional[int] = None,
     num_requests: Optional[int] = None,
+    tail_len: Optional[float] = None,
 ) -> Tuple[str, List[str]]:
     """The ``backend="auto"`` choice for a shape: ``(name, [reasons the faster backends declined])``.
 
     ``mean_prompt_len`` (tokens, the batch's mean), ``beam_width`` and ``num_requests`` let the rule
     pick FlashInfer's split prompt for few requests (:func:`split_kv_preferred`) or the one-launch
-    cascade (:func:`cascade_preferred`).
+    cascade (:func:`cascade_preferred`, with ``tail_len``: the step's longest tail where the shared-run
+    stage may run, else ``None``).
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -568,7 +602,7 @@ def choose_prefix_backend(
     split, split_why = split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
                                           head_dim)
     preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                                       num_requests)
+                                       num_requests, tail_len)
     candidates = ("triton", "fa4", "flashinfer") if preferred else ("fa4", "flashinfer")
     if split:
         candidates = ("flashinfer",) + candidates[:-1]
@@ -597,11 +631,12 @@ def resolve_prefix_backend(
     mean_prompt_len: Optional[float] = None,
     beam_width: Optional[int] = None,
     num_requests: Optional[int] = None,
+    tail_len: Optional[float] = None,
 ) -> str:
     """The backend that will run for ``requested`` (``auto``/``triton``/``fa4``/``flashinfer``/``reference``).
 
-    ``mean_prompt_len``: the batch's mean prompt length (tokens), ``beam_width`` and ``num_requests``,
-    for the ``auto`` rule.
+    ``mean_prompt_len``: the batch's mean prompt length (tokens), ``beam_width``, ``num_requests`` and
+    ``tail_len`` (the step's longest tail where the shared-run stage may run), for the ``auto`` rule.
 
     Declines are logged on the ``beam_shared_prefix`` logger with their reason.
 
@@ -610,7 +645,7 @@ def resolve_prefix_backend(
     """
     if requested == "auto":
         name, declined = choose_prefix_backend(device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size,
-                                               kv_layout, mean_prompt_len, beam_width, num_requests)
+                                               kv_layout, mean_prompt_len, beam_width, num_requests, tail_len)
         for reason in declined:
             logger.info("beam_shared_prefix: backend=auto declined %s", reason)
         if name == "reference" and torch.device(device).type == "cuda":

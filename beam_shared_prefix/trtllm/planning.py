@@ -40,7 +40,7 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 
 from ..decline import should_decline, tail_decline_reason
-from ..prefix.select import step_path
+from ..prefix.select import long_tail_for_shared_run, step_path
 from .gates import batch_decline_reason, decline_log, slow_step_log, step_decline_reason
 from .kv_cache import LayerKV, PageAdapter, adapter_for
 from .registration import current_settings
@@ -150,7 +150,9 @@ class StepInfo:
                 tail = None if self.mean_prompt_len is None else self.observed_lens[1]
                 shape = (self.mean_prompt_len, family.num_qo_heads, family.num_kv_heads, self.beam_width,
                          family.head_dim)
-                split_kv, one_launch = step_path(settings.backend, self.num_requests, *shape)
+                # The path that serves a long tail depends on whether the shared-run stage may run.
+                stage_tail = None if settings.shared_run == "off" else tail
+                split_kv, one_launch = step_path(settings.backend, self.num_requests, *shape, tail_len=stage_tail)
                 reason = should_decline(
                     self.num_requests,
                     self.beam_width,
@@ -421,6 +423,7 @@ def _new_wrapper(metadata, state: _MetadataState, step: StepInfo):
         max_prompt_pages=int(manager.max_blocks_per_seq) if graph else None,
         check=settings.check,
         report_errors=settings.report_errors,
+        shared_run=settings.shared_run,
         tail_impl="auto",  # the fused kernel on CUDA (and under TRITON_INTERPRET=1), the torch tail on a plain CPU
     )
 
@@ -429,8 +432,11 @@ def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family)
     """``family``'s wrapper on this metadata, planned for ``step`` (host work only on a new composition)."""
     layer = step.adapter.layer(family.layer_idx)
     indptr, indices, key = step.pages_for(metadata, family, layer)
+    # The longest tail, for the wrapper's shared-run rule; a CUDA graph's metadata serves any tail (None).
+    tail = None if step.mean_prompt_len is None else step.observed_lens[1]
+    planned = (key, long_tail_for_shared_run(tail))
     wrapper = state.wrappers.get(family.key)
-    if wrapper is not None and state.planned_key.get(family.key) == key:
+    if wrapper is not None and state.planned_key.get(family.key) == planned:
         return wrapper
     if _capturing():
         raise RuntimeError(
@@ -454,8 +460,9 @@ def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family)
         family.dtype,
         sm_scale=family.sm_scale,
         key=key,
+        max_tail_len=tail,
     )
-    state.planned_key[family.key] = key
+    state.planned_key[family.key] = planned
     stats["plans"] += 1
     return wrapper
 

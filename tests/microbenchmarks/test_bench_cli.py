@@ -186,7 +186,7 @@ def test_arm_list_names():
     assert {"library/auto", "library/triton", "prefix/triton"} <= {a.name for a in default_gpu_arms()}
     shared = parse_arm_list("fa4-shared,flashinfer-shared")
     assert [(a.name, a.backend, a.shared_run) for a in shared] == [
-        ("library/fa4+shared-run", "fa4", True), ("library/flashinfer+shared-run", "flashinfer", True)]
+        ("library/fa4+shared-run", "fa4", "on"), ("library/flashinfer+shared-run", "flashinfer", "on")]
     with pytest.raises(ValueError, match="unknown arm 'fa5'"):
         parse_arm_list("fa5")
 

@@ -540,6 +540,53 @@ def test_cascade_serves_follows_the_backend_setting():
         assert not cascade_serves(other, 100, 16, 8, 30, 128)
 
 
+def test_long_tails_take_a_two_launch_path_with_the_shared_run_stage(monkeypatch):
+    """From ``SHARED_RUN_MIN_TAIL`` generated tokens ``auto`` leaves the cascade for the two-launch paths
+    (where the wrapper runs the shared-run stage), whatever the prompt; shorter tails, and callers that pass
+    no tail (the stage is off, or a CUDA graph), keep the rule as it was."""
+    from beam_shared_prefix.prefix import select
+
+    tail = select.SHARED_RUN_MIN_TAIL
+    assert select.cascade_preferred(500, 16, 8, 30, 128, 64)[0]
+    assert select.cascade_preferred(500, 16, 8, 30, 128, 64, tail - 1)[0]
+    picked, why = select.cascade_preferred(500, 16, 8, 30, 128, 64, tail)
+    assert not picked and f"tail {tail} >= {tail}" in why and "shared-run stage" in why
+    assert select.long_tail_for_shared_run(tail) and not select.long_tail_for_shared_run(tail - 1)
+    assert not select.long_tail_for_shared_run(None)
+    monkeypatch.setattr(select, "_installed", lambda name: True)
+    assert select.step_path("auto", 64, 500, 16, 8, 30, 128) == (False, True)
+    assert select.step_path("auto", 64, 500, 16, 8, 30, 128, tail_len=tail) == (False, False)
+    assert select.step_path("triton", 64, 500, 16, 8, 30, 128, tail_len=tail) == (False, True)  # forced: kept
+    assert select.cascade_serves("auto", 500, 16, 8, 30, 128, 64, tail) is False
+
+
+def test_shared_run_tail_threshold_agrees_with_the_h200_grids():
+    """Twenty-ninth round (``shared_run_round29_*.json``, ``shared_cross_round29_*.json``: GQA 16/8 and 32/8
+    at head 128, 14-96 beams, 100-3,000 tokens, tails 3-256, both ancestries where swept). From
+    ``SHARED_RUN_MIN_TAIL`` tokens FA4 + the shared-run stage + tail was the fastest library arm at every
+    point under beam search (which the rule then takes, against the cascade ``auto`` took before) and within
+    3% of the fastest without shared ancestry, where the stage finds nothing to fold; below it the stage was
+    slower than FA4 + tail alone at some point of every tail measured (the threshold is not lower)."""
+    from beam_shared_prefix.prefix.select import SHARED_RUN_MIN_TAIL
+
+    long_points, short_losses = 0, set()
+    for pattern in ("shared_run_round29_*.json", "shared_cross_round29_*.json"):
+        for name, s, _, arms in _h200_grid_points(pattern):
+            shared = arms["library/fa4+shared-run"]
+            others = {arm: us for arm, us in arms.items()
+                      if arm.startswith("library/") and "shared-run" not in arm and arm != "library/auto"}
+            fastest = min(others.values())
+            where = f"{name}: {s['name']}"
+            if s["tail"] >= SHARED_RUN_MIN_TAIL:
+                limit = 1.0 if s.get("ancestry", "beam-search") == "beam-search" else 1.03
+                assert shared <= limit * fastest, f"{where}: {shared:.1f} us against {fastest:.1f} ({others})"
+                long_points += 1
+            elif shared > arms["library/fa4"]:
+                short_losses.add(s["tail"])
+    assert long_points >= 40
+    assert short_losses >= {3, 4, 16, 64}, short_losses
+
+
 # H200 grids of the cascade against FA4 + tail measured with the kernels in this tree (rounds 7-9;
 # earlier rounds' kernels were up to 20% slower at some of these shapes).
 AUTO_RULE_GRIDS = ("auto_rule_round7_*.json", "auto_rule_round8_*.json", "auto_rule_round9_*.json")
