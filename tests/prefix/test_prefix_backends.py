@@ -583,7 +583,7 @@ def test_shared_run_tail_threshold_agrees_with_the_h200_grids():
                 long_points += 1
             elif shared > arms["library/fa4"]:
                 short_losses.add(s["tail"])
-    assert long_points >= 40
+    assert long_points >= 44  # 41 under beam search, 3 without shared ancestry
     assert short_losses >= {3, 4, 16, 64}, short_losses
 
 

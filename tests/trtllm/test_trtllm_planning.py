@@ -74,6 +74,33 @@ def test_replans_only_when_the_composition_changes(setup):
     assert wrapper.num_plan_builds == 2
 
 
+def test_the_wrapper_hears_the_steps_tail(setup, monkeypatch):
+    """The eager wrapper is handed each planned step's longest tail (``max_tail_len``, for its shared-run
+    rule) and planned again, within one composition, once that tail reaches ``SHARED_RUN_MIN_TAIL``
+    (lowered here); a CUDA graph's metadata serves any tail and hands none."""
+    from beam_shared_prefix.attention import BeamSharedPrefixAttention
+    from beam_shared_prefix.prefix import select
+
+    monkeypatch.setattr(select, "SHARED_RUN_MIN_TAIL", 3)
+    heard = []
+    plan = BeamSharedPrefixAttention.plan
+
+    def recording_plan(self, *args, **kwargs):
+        heard.append((self.use_cuda_graph, kwargs.get("max_tail_len")))
+        return plan(self, *args, **kwargs)
+
+    monkeypatch.setattr(BeamSharedPrefixAttention, "plan", recording_plan)
+    graph = setup.engine.graph_metadata(2)
+    for s in range(5):
+        step = setup.sim.begin_step()
+        for metadata in (setup.engine.metadata, graph):
+            out, _ = setup.run(step, metadata=metadata)
+            check(setup, step, out)
+        setup.sim.end_step(write_kv=False)
+    # Tails 1..5: the eager wrapper is planned at the first step and again at tail 3; the graph's once.
+    assert heard == [(False, 1), (True, None), (False, 3)], heard
+
+
 def test_fresh_metadata_is_planned_in_prepare(setup, monkeypatch):
     """prepare() plans the attention family of every layer the library serves, before any forward: a
     CUDA-graph metadata whose very first forward is captured (no eager warm-up) needs no planning."""
