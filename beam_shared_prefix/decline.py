@@ -216,7 +216,10 @@ graph, whose tail is unknown at capture, cannot hand a step over and logs it ins
 cascade folds the run of tail positions that every beam of a tile reads from one ancestor once per tile;
 the clause is unchanged, since that run is data on the device and the per-beam reads it was fitted on bound
 the kernel whatever the ancestry (where histories coalesce, 64 x 30 x 500 at 256 tokens ran 3.97x faster
-than per-beam decode and is still declined).
+than per-beam decode and is still declined). Since the twenty-ninth round ``auto`` serves tails from
+:data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` on a two-launch path with the shared-run stage;
+over 48 points at 96 and 256 tokens under both ancestries (``tail_auto_check_round29_shared*.json``) the
+clause served 11, the slowest 2.30x, and one table entry rose (MQA, 2-11 beams from 512 rows: 50 to 55).
 
 **Groups of more than 8 query heads per KV head** (twenty-sixth round; head 128, FA4 + tail serving).
 Per-beam decode reads each beam's KV once for the whole group, while the library's work on the queries
