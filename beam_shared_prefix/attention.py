@@ -333,6 +333,13 @@ class BeamSharedPrefixAttention:
             )
         if head_dim < 1:
             raise AttentionInputError(f"head_dim={head_dim} must be >= 1.")
+        if max_tail_len is not None:
+            max_tail_len = _as_int("max_tail_len", max_tail_len, AttentionInputError)
+            if max_tail_len < 0:
+                raise AttentionInputError(
+                    f"max_tail_len={max_tail_len} must be >= 0 (generated tokens per beam, this step's included), "
+                    f"or None where the host does not know it."
+                )
         planner = self._planner_for(page_size, num_cache_pages)
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
         problem_key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, default_sm_scale(head_dim, sm_scale))

@@ -180,6 +180,9 @@ def test_plan_validation():
     with pytest.raises(AttentionInputError, match="multiple of num_kv_heads=3"):
         att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, 3, 4, 3, 16, 4,
                  sim.num_pages, torch.bfloat16)
+    for bad, why in ((-1, "max_tail_len=-1 must be >= 0"), (2.5, "max_tail_len=2.5 must be an integer")):
+        with pytest.raises(AttentionInputError, match=why):
+            plan_step(att, sim, step, max_tail_len=bad)
     with pytest.raises(AttentionInputError, match="run\\(\\) before plan"):
         att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection)
     with pytest.raises(ValueError, match="backend='fast'"):
