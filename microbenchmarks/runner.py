@@ -82,15 +82,16 @@ def estimate_workload_bytes(shape: BenchShape, with_baseline_pages: bool = True)
 def _auto_verdict(shape: BenchShape):
     """``(one_launch, split_kv, decline reason)``: the path backend ``"auto"`` takes for ``shape`` on a GPU
     with every prefix backend installed (the cascade, FlashInfer's split prompt, or else FA4/FlashInfer +
-    tail), and what :func:`beam_shared_prefix.decline.should_decline` says of it at the shape's (longest)
-    tail (``None``: served)."""
+    tail), eagerly with the wrapper's default ``shared_run="auto"`` (a long tail leaves the cascade), and what
+    :func:`beam_shared_prefix.decline.should_decline` says of it at the shape's (longest) tail (``None``:
+    served)."""
     from beam_shared_prefix.decline import should_decline
     from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 
     split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
                                  shape.head_dim)
     one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                                 shape.head_dim, shape.requests)
+                                                 shape.head_dim, shape.requests, shape.tail)
     reason = should_decline(shape.requests, shape.beams, shape.prompt, shape.heads, shape.kv_heads, shape.head_dim,
                             one_launch=one_launch, split_kv=split_kv, tail_len=shape.tail)
     return one_launch, split_kv, reason
@@ -106,14 +107,20 @@ def decline_reason(shape: BenchShape) -> Optional[str]:
 
 
 def rule_verdict(shape: BenchShape) -> Dict:
-    """What the library's default does with ``shape``, without measuring: ``path`` (``"cascade"``,
-    ``"flashinfer split prompt"`` or ``"prefix + tail kernel"``), ``decline_reason`` (``None``: served) and
-    ``max_tail`` (the longest tail, in generated tokens per beam with this step's, that the tail clause
-    serves at this shape)."""
+    """What the library's default does with ``shape`` (eagerly), without measuring: ``path`` (``"cascade"``,
+    ``"flashinfer split prompt"`` or ``"prefix + tail kernel"``, with ``" + shared-run stage"`` from
+    ``SHARED_RUN_MIN_TAIL`` generated tokens where the stage tiles the shape), ``decline_reason`` (``None``:
+    served) and ``max_tail`` (the longest tail, in generated tokens per beam with this step's, that the tail
+    clause serves at this shape)."""
     from beam_shared_prefix.decline import max_tail_len
+    from beam_shared_prefix.prefix.select import long_tail_for_shared_run
+    from triton_kernels.shared_run import shared_run_supported
 
     one_launch, split_kv, reason = _auto_verdict(shape)
     path = "cascade" if one_launch else "flashinfer split prompt" if split_kv else "prefix + tail kernel"
+    if (not one_launch and long_tail_for_shared_run(shape.tail)
+            and shared_run_supported(shape.heads // shape.kv_heads, shape.head_dim)[0]):
+        path += " + shared-run stage"
     return {"path": path, "decline_reason": reason,
             "max_tail": int(max_tail_len(shape.beams, shape.prompt, shape.kv_heads, shape.requests, shape.heads))}
 
