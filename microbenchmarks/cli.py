@@ -41,8 +41,9 @@ _FREE = (
     ("prompt_jitter", float, "draw prompts uniformly in [P(1-j), P(1+j)] (default 0)"),
     ("tail_jitter", float, "draw each request's tail uniformly in [T(1-j), T], as in-flight batching mixes decode "
      "steps (default 0; T stays the longest)"),
-    ("ancestry", str, "beam-search (default: histories coalesce, as a sorted beam search makes them) or "
-     "independent (every beam its own parent: no shared generated rows)"),
+    ("ancestry", str, "beam-search (default: histories coalesce, as a sorted beam search makes them), uniform "
+     "(parents uniform over the beams: histories coalesce about 2W steps back) or independent (every beam its "
+     "own parent: no shared generated rows)"),
 )
 
 

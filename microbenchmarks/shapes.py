@@ -43,7 +43,7 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
 
 
 # Tail ancestries the workload builder simulates (BenchShape.ancestry); the first is the default.
-ANCESTRIES = ("beam-search", "independent")
+ANCESTRIES = ("beam-search", "uniform", "independent")
 
 
 class ShapeError(ValueError):
@@ -59,7 +59,7 @@ def canonical_dtype(name: str) -> str:
 
 
 def canonical_ancestry(name: str) -> str:
-    """``'beam-search'`` or ``'independent'`` (``_`` for ``-`` and any case accepted)."""
+    """One of :data:`ANCESTRIES` (``_`` for ``-`` and any case accepted)."""
     key = str(name).strip().lower().replace("_", "-")
     if key not in ANCESTRIES:
         raise ShapeError(f"ancestry={name!r} is not supported; use one of {', '.join(ANCESTRIES)}.")
@@ -87,7 +87,9 @@ class BenchShape:
             ``T``, so ``T`` is the step's longest tail, the one the decline rule judges.
         ancestry: where each beam's earlier generated tokens come from. ``"beam-search"`` (the default):
             every step each beam takes a parent skewed towards the leading beams, as a sorted beam search
-            does, so histories coalesce a few steps back and beams read shared K/V rows;
+            does, so histories coalesce a few steps back and beams read shared K/V rows; ``"uniform"``: every
+            parent drawn uniformly over the beams, so histories coalesce slowly (all ``W`` beams' common
+            ancestor lies about ``2 W`` steps back), between the two others;
             ``"independent"``: every beam is its own parent, so no two beams share a generated row
             (the worst case for the kernels' reuse of shared rows, as diverse beam search can make it).
         name: preset name, or ``"custom"``.

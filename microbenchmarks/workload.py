@@ -15,7 +15,8 @@ operations only:
 - ``cache_indirection`` follows a simulated beam-search ancestry: after each generated token every
   beam picks a parent (skewed towards the leading beams, as a sorted beam search does), so beam
   ``b``'s position ``t`` lives in the pages of the beam ``cache_indirection[r, b, t]`` that wrote it.
-  With ``shape.ancestry == "independent"`` every beam is its own parent: no generated row is shared.
+  With ``shape.ancestry == "uniform"`` parents are uniform over the beams (histories coalesce about
+  ``2 W`` steps back); with ``"independent"`` every beam is its own parent: no generated row is shared.
   Prompt positions map to beam 0; the current position and later ones hold random beams (a kernel
   must not read them);
 - ``kv_lens = prompt + tail`` (the tail counts this step's token, whose K/V are ``new_k``/``new_v``);
@@ -196,14 +197,16 @@ def draw_parents(num_requests: int, beam_width: int, num_generated: int, rng: np
                  ancestry: str = "beam-search") -> np.ndarray:
     """``[G, R, W]`` parent of every new beam after each of ``G`` steps: with ``ancestry="beam-search"``
     skewed towards the leading beams (``floor(W u^2)``), as a beam search that keeps its beams sorted by
-    score picks them; with ``"independent"`` every beam's own index (no history is ever shared). Both
-    draw the same random numbers, so one seed gives the same pool, queries and pages either way."""
+    score picks them; with ``"uniform"`` uniform over the beams (``floor(W u)``: a neutral coalescent,
+    whose ``W`` lineages meet about ``2 W`` steps back); with ``"independent"`` every beam's own index (no
+    history is ever shared). All draw the same random numbers, so one seed gives the same pool, queries and
+    pages whatever the ancestry."""
     u = rng.random((num_generated, num_requests, beam_width))
     if ancestry == "independent":
         return np.broadcast_to(np.arange(beam_width, dtype=np.int64), u.shape).copy()
-    if ancestry != "beam-search":
-        raise ValueError(f"ancestry={ancestry!r}; use 'beam-search' or 'independent'.")
-    return np.minimum((u ** 2 * beam_width).astype(np.int64), beam_width - 1)
+    if ancestry not in ("beam-search", "uniform"):
+        raise ValueError(f"ancestry={ancestry!r}; use 'beam-search', 'uniform' or 'independent'.")
+    return np.minimum(((u ** 2 if ancestry == "beam-search" else u) * beam_width).astype(np.int64), beam_width - 1)
 
 
 def ancestry_from_parents(parents: np.ndarray) -> np.ndarray:

@@ -86,7 +86,7 @@ def test_sweep_values_are_validated_and_fields_not_repeated():
     "kwargs,needle",
     [(dict(beams=0), "beams=0"), (dict(heads=12, kv_heads=8), "multiple of kv_heads=8"),
      (dict(head_dim=60), "head_dim=60"), (dict(prompt_jitter=1.5), "prompt_jitter"), (dict(dtype="int8"), "int8"),
-     (dict(ancestry="sampled"), "ancestry='sampled'.*beam-search, independent")],
+     (dict(ancestry="sampled"), "ancestry='sampled'.*beam-search, uniform, independent")],
 )
 def test_shape_validation(kwargs, needle):
     base = dict(requests=2, beams=4, prompt=10, tail=2)

@@ -7,7 +7,7 @@ import torch
 from beam_shared_prefix.reference import dense_attention, gather_beam_kv, reference_beam_attention
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
 from microbenchmarks.arms import cascade_levels, per_beam_page_lists
-from microbenchmarks.shapes import BenchShape
+from microbenchmarks.shapes import ANCESTRIES, BenchShape
 from microbenchmarks.workload import (
     LayoutError,
     ancestry_from_parents,
@@ -158,22 +158,25 @@ def test_ancestry_matches_a_forward_beam_search():
 
 
 def test_ancestries_change_only_where_the_tail_comes_from():
-    """One seed, both ancestries: the same queries, K/V inputs, prompt lengths and page tables; only the
-    indirection of the earlier tail positions differs. Beam search shares generated rows between beams
-    (the floor counts fewer distinct tail rows than per-beam reads); independent beams share none."""
+    """One seed, every ancestry: the same queries, K/V inputs, prompt lengths and page tables; only the
+    indirection of the earlier tail positions differs. Beam search shares the most generated rows between
+    beams (the floor counts fewer distinct tail rows than per-beam reads), uniform parents fewer (their
+    histories coalesce about 2W steps back), independent beams none."""
     from microbenchmarks.floors import count_traffic
 
-    shape = small(requests=4, beams=6, tail=12)
-    searched = build_workload(shape, seed=7)
-    alone = build_workload(BenchShape(**{**shape.to_dict(), "ancestry": "independent"}), seed=7)
-    for name in ("q", "new_k", "new_v", "kv_lens", "prompt_lens"):
-        assert torch.equal(getattr(searched, name), getattr(alone, name)), name
-    assert (searched.page_table_host == alone.page_table_host).all()
-    assert not (searched.tail_ancestry == alone.tail_ancestry).all()
+    shape = small(requests=8, beams=8, tail=24)
+    built = {a: build_workload(BenchShape(**{**shape.to_dict(), "ancestry": a}), seed=7) for a in ANCESTRIES}
+    searched = built["beam-search"]
+    for other in ("uniform", "independent"):
+        for name in ("q", "new_k", "new_v", "kv_lens", "prompt_lens"):
+            assert torch.equal(getattr(searched, name), getattr(built[other], name)), (other, name)
+        assert (searched.page_table_host == built[other].page_table_host).all()
+        assert not (searched.tail_ancestry == built[other].tail_ancestry).all()
     args = (shape.tail, shape.beams, shape.heads, shape.kv_heads, shape.head_dim, shape.page_size, 2)
-    shared = count_traffic(searched.prompt_lens_host, *args, tail_ancestry=searched.tail_ancestry)
-    own = count_traffic(alone.prompt_lens_host, *args, tail_ancestry=alone.tail_ancestry)
-    assert own.tail_kv == own.tail_kv_per_beam == shared.tail_kv_per_beam > shared.tail_kv
+    traffic = {a: count_traffic(wl.prompt_lens_host, *args, tail_ancestry=wl.tail_ancestry) for a, wl in built.items()}
+    per_beam = traffic["independent"].tail_kv_per_beam
+    assert all(t.tail_kv_per_beam == per_beam for t in traffic.values())
+    assert per_beam == traffic["independent"].tail_kv > traffic["uniform"].tail_kv > traffic["beam-search"].tail_kv
 
 
 def test_select_requests_is_a_valid_sub_batch():
