@@ -85,7 +85,9 @@ def shared_run_mode(value) -> str:
         return "on"
     if text in _FALSE and text != "":
         return "off"
-    raise ValueError(f"shared_run={value!r} is not accepted; use 'auto' (by the step's tail), True/'on' or False/'off'.")
+    raise ValueError(
+        f"shared_run={value!r} is not accepted; use 'auto' (by the step's tail), True/'on' or False/'off'."
+    )
 
 
 def _shared_run(env: Mapping[str, str]) -> str:

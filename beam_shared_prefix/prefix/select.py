@@ -265,11 +265,11 @@ CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS = {(2, 128): 1024, (2, 64): 1024
 # shared_cross_round29_*.json; GQA 16/8 and 32/8, head 128, page 32, 14-96 beams, 100-3,000 tokens, tails
 # 3-256). With the stage between the prefix and the tail (triton_kernels.beam_shared_run_attention), FA4 +
 # tail was the fastest arm at every point from 96 generated tokens under the benchmark's beam search
-# (coalescing histories): 5-44% faster than the cascade (64 x 14 x 100 at 192 tokens: 132.8 against
+# (coalescing histories): 1-65% faster than the cascade (64 x 14 x 100 at 192 tokens: 132.8 against
 # 236.2 us) and 5-64% than FA4 + tail without it (64 x 30 x 500 at 256: 216.2 against 499.6 us). Without
 # shared ancestry (every beam its own parent) the stage finds no run and cost 0.8-1.8% at 256 tokens,
 # while FA4 + tail beat the cascade from 64 tokens by 8-31% (twenty-eighth round). At 64 tokens the stage
-# was within 10% either way (B-4B, 64 x 96: 7% slower), at 3-16 tokens 1-10% slower (8-22 us): below
+# was within 13% either way (B-4B, 64 x 96: 7% slower), at 3-16 tokens 1-10% slower (4-22 us): below
 # SHARED_RUN_MIN_TAIL it is not worth its launch.
 #: From this many generated tokens per beam (the step's longest tail, its own token included), ``auto`` runs
 #: the shared-run stage on the two-launch paths and prefers them to the one-launch cascade.
@@ -559,9 +559,9 @@ def step_path(
 ) -> Tuple[bool, bool]:
     """``(split_kv, one_launch)``: whether FlashInfer's split prompt, or the one-launch cascade, serves a
     CUDA batch under ``requested``, with the packages installed here (what the per-step decline rule
-    must judge); ``tail_len`` as for :func:`cascade_preferred`. Unlike :func:`flashinfer_serves` and :func:`cascade_serves`, which model a machine with
-    every backend installed, a missing FlashInfer sends ``auto``'s few-request batches to the cascade
-    or FA4, and a missing FA4 sends ``fa4`` to FlashInfer."""
+    must judge); ``tail_len`` as for :func:`cascade_preferred`. Unlike :func:`flashinfer_serves` and
+    :func:`cascade_serves`, which model a machine with every backend installed, a missing FlashInfer sends
+    ``auto``'s few-request batches to the cascade or FA4, and a missing FA4 sends ``fa4`` to FlashInfer."""
     if requested == "fa4" and not _installed("fa4"):
         requested = "flashinfer"
     if requested == "auto" and not _installed("flashinfer"):
