@@ -19,7 +19,14 @@ from .cascade import _check_device, cascade_launch_config, cascade_supported
 from .cascade_kernel import SHARED_BLOCK
 from .device_errors import check_error_flags
 from .shared_run_kernel import beam_shared_run_kernel
-from .tail_merge_args import LOG2E, TailMergeInputError, _overlap, check_tail_merge_args, check_tail_skip
+from .tail_merge_args import (
+    LOG2E,
+    TailMergeInputError,
+    _byte_span,
+    _spans_overlap,
+    check_tail_merge_args,
+    check_tail_skip,
+)
 
 __all__ = ["shared_run_supported", "shared_run_tile", "beam_shared_run_attention"]
 
@@ -96,12 +103,14 @@ def beam_shared_run_attention(
     if not ok:
         raise TailMergeInputError(f"{reason}; leave the tail kernel to walk every position (no tail_skip).")
     check_tail_skip(tail_skip, geom.num_rows, q.device)
-    for name, x in (("prefix_out", prefix_out), ("prefix_lse", prefix_lse), ("tail_skip", tail_skip)):
-        for other_name, other in (("q", q), ("kv_cache", kv_cache), ("beam_page_table", beam_page_table),
-                                  ("kv_lens", kv_lens), ("prompt_lens", prompt_lens),
-                                  ("cache_indirection", cache_indirection), ("prefix_out", prefix_out),
-                                  ("prefix_lse", prefix_lse), ("tail_skip", tail_skip)):
-            if other is not x and _overlap(x, other):
+    # Each span once (this runs per layer and step in eager mode), then every written tensor against the rest.
+    spans = {name: _byte_span(x) for name, x in (
+        ("q", q), ("kv_cache", kv_cache), ("beam_page_table", beam_page_table), ("kv_lens", kv_lens),
+        ("prompt_lens", prompt_lens), ("cache_indirection", cache_indirection), ("prefix_out", prefix_out),
+        ("prefix_lse", prefix_lse), ("tail_skip", tail_skip))}
+    for name in ("prefix_out", "prefix_lse", "tail_skip"):
+        for other_name, other_span in spans.items():
+            if other_name != name and _spans_overlap(spans[name], other_span):
                 raise TailMergeInputError(f"{name} overlaps {other_name} in memory; the stage writes {name}, so "
                                           f"pass it a buffer of its own.")
     check_error_flags(error_flags, q.device)

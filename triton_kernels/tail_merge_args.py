@@ -144,11 +144,15 @@ def _byte_span(x: torch.Tensor) -> Optional[Tuple[int, int]]:
     return start, start + extent * x.element_size()
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    sa, sb = _byte_span(a), _byte_span(b)
+def _spans_overlap(sa, sb) -> bool:
+    """Whether two :func:`_byte_span` results share a byte (an empty tensor's ``None`` shares none)."""
     if sa is None or sb is None:
         return False
     return sa[0] < sb[1] and sb[0] < sa[1]
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return _spans_overlap(_byte_span(a), _byte_span(b))
 
 
 def check_step_args(
