@@ -269,7 +269,7 @@ CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS = {(2, 128): 1024, (2, 64): 1024
 # 236.2 us) and 5-64% than FA4 + tail without it (64 x 30 x 500 at 256: 216.2 against 499.6 us). Without
 # shared ancestry (every beam its own parent) the stage finds no run and cost 0.8-1.8% at 256 tokens,
 # while FA4 + tail beat the cascade from 64 tokens by 8-31% (twenty-eighth round). At 64 tokens the stage
-# was within 13% either way (B-4B, 64 x 96: 7% slower), at 3-16 tokens 1-10% slower (4-22 us): below
+# was within 13% either way (B-4B, 64 x 96: 7% slower), at 3-16 tokens 1-10% slower (3.6-22 us): below
 # SHARED_RUN_MIN_TAIL it is not worth its launch.
 #: From this many generated tokens per beam (the step's longest tail, its own token included), ``auto`` runs
 #: the shared-run stage on the two-launch paths and prefers them to the one-launch cascade.
