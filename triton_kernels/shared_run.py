@@ -10,6 +10,7 @@ ancestry (``docs/rounds.md``, "The twenty-ninth round").
 
 from __future__ import annotations
 
+import functools
 from typing import Tuple
 
 import torch
@@ -28,7 +29,7 @@ from .tail_merge_args import (
     check_tail_skip,
 )
 
-__all__ = ["shared_run_supported", "shared_run_tile", "beam_shared_run_attention"]
+__all__ = ["shared_run_supported", "shared_run_tile", "shared_run_kv_heads_per_program", "beam_shared_run_attention"]
 
 
 def shared_run_supported(group_size: int, head_dim: int) -> Tuple[bool, str]:
@@ -43,6 +44,44 @@ def shared_run_tile(beam_width: int, group_size: int, head_dim: int) -> Tuple[in
     runs), with 4 warps up to 64 query rows and 8 above."""
     cfg = cascade_launch_config(beam_width, group_size, head_dim)
     return cfg.beams_per_program, cfg.group_pad, 4 if cfg.block_m <= 64 else 8
+
+
+# Stage programs resident per SM: the [64-128, D] fp32 tile takes 194-255 registers a thread at 4 warps on
+# sm_90 (Triton 3.9), so two programs fill an SM's register file.
+STAGE_PROGRAMS_PER_SM = 2
+# KV heads one program takes at most. On the H200 two took 0.97x-1.01x of one head's time at every point timed
+# (B-medium, B-4B and preset A at 30-96 beams, tails 4-256; median 0.999x, 2-3% faster at B-4B 30 beams);
+# four and eight lost up to 3% at long tails at 96 beams (the heads' runs one after another in fewer, longer
+# programs), while still gaining at 4 tokens (docs/rounds.md, "The thirtieth round").
+STAGE_MAX_KV_HEADS_PER_PROGRAM = 2
+
+
+def shared_run_kv_heads_per_program(tiles: int, num_kv_heads: int, sm_count: int, num_warps: int = 4) -> int:
+    """KV heads per stage program: ``STAGE_MAX_KV_HEADS_PER_PROGRAM`` (2) for 4-warp tiles (``shared_run_tile``)
+    where it divides ``num_kv_heads`` and still leaves a full wave of programs (``tiles * Hkv / 2 >=
+    STAGE_PROGRAMS_PER_SM * sm_count``), else 1. (The 8-warp tiles of G = 8 take 128 registers a thread at one
+    head and 222 at two on sm_90: one program per SM instead of two, so they keep one head.)
+
+    Every program of a tile finds the same run, and a program whose tile has none (short tails, no shared
+    ancestry) still costs the scan's chain of dependent loads; with one program per KV head a wide launch
+    pays that chain once per wave (B-4B at 96 beams: 12 waves, 22 us at a 4-token tail; 16 us at two heads
+    a program, 13 us at eight)."""
+    per_prog = 1
+    while (num_warps == 4 and 2 * per_prog <= STAGE_MAX_KV_HEADS_PER_PROGRAM and num_kv_heads % (2 * per_prog) == 0
+           and tiles * num_kv_heads // (2 * per_prog) >= STAGE_PROGRAMS_PER_SM * sm_count):
+        per_prog *= 2
+    return per_prog
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 1
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def beam_shared_run_attention(
@@ -63,6 +102,7 @@ def beam_shared_run_attention(
     prefix_lse_layout="NH",
     prefix_lse_base="log2",
     error_flags=None,
+    kv_heads_per_program=None,
 ):
     """Attend, once per block of beams, the generated positions all its beams read from one ancestor, and
     merge them into the prefix state in place; the tail kernel then skips them.
@@ -86,6 +126,8 @@ def beam_shared_run_attention(
         tail_skip: ``[rows]`` int32 on q's device, written: positions after ``P`` each row's tail skips.
         error_flags: ``None``, or an ``int32 [1]`` tensor into which the kernel ORs a bit per kind of
             invalid index it masked inside a run (:mod:`triton_kernels.device_errors`).
+        kv_heads_per_program: KV heads each program attends its tile's run for, a divisor of ``Hkv``
+            (``None``: :func:`shared_run_kv_heads_per_program`'s choice).
 
     Returns:
         ``tail_skip``.
@@ -114,12 +156,21 @@ def beam_shared_run_attention(
                 raise TailMergeInputError(f"{name} overlaps {other_name} in memory; the stage writes {name}, so "
                                           f"pass it a buffer of its own.")
     check_error_flags(error_flags, q.device)
+    if kv_heads_per_program is not None and (
+            not isinstance(kv_heads_per_program, int) or isinstance(kv_heads_per_program, bool)
+            or kv_heads_per_program < 1 or geom.num_kv_heads % kv_heads_per_program):
+        raise TailMergeInputError(f"kv_heads_per_program={kv_heads_per_program!r} must be a positive int dividing "
+                                  f"the {geom.num_kv_heads} KV heads; pass None for the default.")
     _check_device(q, "the shared-run stage")
     if geom.num_rows == 0:
         return tail_skip
     beams, group_pad, num_warps = shared_run_tile(geom.beam_width, geom.group_size, geom.head_dim)
     num_beam_blocks = triton.cdiv(geom.beam_width, beams)
-    grid = (geom.num_requests * num_beam_blocks, geom.num_kv_heads)
+    tiles = geom.num_requests * num_beam_blocks
+    if kv_heads_per_program is None:
+        kv_heads_per_program = shared_run_kv_heads_per_program(tiles, geom.num_kv_heads, _sm_count(q.device),
+                                                               num_warps)
+    grid = (tiles, geom.num_kv_heads // kv_heads_per_program)
     s_page, s_kv, s_head, s_slot = geom.kv_strides
     s_lse_row, s_lse_head = geom.lse_strides
     args = (
@@ -134,7 +185,7 @@ def beam_shared_run_attention(
         geom.sm_scale * LOG2E, geom.lse_scale,
     )
     meta = dict(GROUP=geom.group_size, GROUP_PAD=group_pad, BEAMS=beams, HEAD_DIM=geom.head_dim,
-                BLOCK_N=SHARED_BLOCK.value,
+                BLOCK_N=SHARED_BLOCK.value, KV_HEADS_PER_PROG=kv_heads_per_program,
                 DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16, num_warps=num_warps, num_stages=1)
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)

@@ -182,7 +182,8 @@ SHARED_RUN_SHAPES = [
 ]
 
 
-def compile_shared_run_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, dtype: str, prefix_dtype: str):
+def compile_shared_run_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, dtype: str, prefix_dtype: str,
+                            kv_heads_per_program: int = 1):
     """Compile the shared-run stage's tile of a shape for sm_90, with the error flag (REPORT_ERRORS)."""
     g = hq // hkv
     beams, group_pad, num_warps = shared_run_tile(beam_width, g, d)
@@ -190,7 +191,8 @@ def compile_shared_run_sm90(name: str, beam_width: int, hq: int, hkv: int, d: in
                     ci_ptr="i32", prefix_out_ptr=prefix_dtype, prefix_lse_ptr="fp32", tail_skip_ptr="i32",
                     err_ptr="i32")
     constexprs = dict(GROUP=g, GROUP_PAD=group_pad, BEAMS=beams, HEAD_DIM=d, BLOCK_N=SHARED_BLOCK.value,
-                      DOT_FP32=False, page_size=PAGE_SIZE, page_index_divisor=1, REPORT_ERRORS=REPORT_ERRORS,
+                      DOT_FP32=False, KV_HEADS_PER_PROG=kv_heads_per_program, page_size=PAGE_SIZE,
+                      page_index_divisor=1, REPORT_ERRORS=REPORT_ERRORS,
                       stride_bpt_col=1, stride_ci_pos=1)
     div16 = {"stride_q_row", "stride_q_head", "stride_kv_page", "stride_kv_kv", "stride_kv_head", "stride_kv_slot",
              "stride_po_row", "stride_po_head", "max_seq_len"}
@@ -199,7 +201,7 @@ def compile_shared_run_sm90(name: str, beam_width: int, hq: int, hkv: int, d: in
     regs, stack, shared, local = _resources(compiled)
     ptx = compiled.asm["ptx"]
     return dict(kernel="shared-run", shape=[name, beam_width, hq, hkv, d, dtype, prefix_dtype],
-                config=[beams, group_pad, num_warps], triton=triton.__version__, registers=regs, stack=stack,
+                config=[beams, group_pad, num_warps, kv_heads_per_program], triton=triton.__version__, registers=regs, stack=stack,
                 shared=shared, local=local, wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
                 num_warps=num_warps)
 
@@ -282,8 +284,10 @@ def main() -> None:
     for shape in (SHAPES[0], SHAPES[2]):  # the tail after the shared-run stage: many rows and few
         for num_rows in (None, 1):
             print(json.dumps(compile_sm90(*shape, num_rows=num_rows, skip_shared=True)), flush=True)
-    for shape in SHARED_RUN_SHAPES:
-        print(json.dumps(compile_shared_run_sm90(*shape)), flush=True)
+    for shape in SHARED_RUN_SHAPES:  # one KV head a program; two where wide 4-warp launches take them
+        _, w, hq, hkv, d, _, _ = shape
+        for kv_heads_per_program in (1, 2) if shared_run_tile(w, hq // hkv, d)[2] == 4 else (1,):
+            print(json.dumps(compile_shared_run_sm90(*shape, kv_heads_per_program=kv_heads_per_program)), flush=True)
 
 
 if __name__ == "__main__":

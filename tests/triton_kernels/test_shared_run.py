@@ -19,7 +19,12 @@ from triton_kernels import (
     beam_tail_attention_merge,
     device_errors,
 )
-from triton_kernels.shared_run import shared_run_tile
+from triton_kernels.shared_run import (
+    STAGE_MAX_KV_HEADS_PER_PROGRAM,
+    STAGE_PROGRAMS_PER_SM,
+    shared_run_kv_heads_per_program,
+    shared_run_tile,
+)
 
 from test_cascade import coalesce_then_branch, shared_runs
 from test_tail_merge import (
@@ -45,7 +50,7 @@ def expected_runs(step, beams_per_block):
 
 
 def run_stage_then_tail(sim, step, *, divisor=1, lse_layout="NH", lse_base="log2", prefix_dtype=torch.float32,
-                        empty_prefix=False, launch_config=None):
+                        empty_prefix=False, launch_config=None, kv_heads_per_program=None):
     """The stage, then the tail with its ``tail_skip``; returns ``(out, tail_skip)`` and checks the pool and
     the error flag (valid input raises nothing)."""
     table = step.beam_page_table if divisor == 1 else sim.block_offsets(step.beam_page_table, divisor)[:, 0, :]
@@ -57,7 +62,7 @@ def run_stage_then_tail(sim, step, *, divisor=1, lse_layout="NH", lse_base="log2
                   prefix_lse_base=lse_base, error_flags=flags)
     assert beam_shared_run_attention(step.q, sim.kv_cache, table, step.kv_lens, step.prompt_lens,
                                      step.cache_indirection, step.beam_width, prefix_out, prefix_lse, tail_skip,
-                                     **common) is tail_skip
+                                     kv_heads_per_program=kv_heads_per_program, **common) is tail_skip
     assert torch.equal(sim.kv_cache, before), "the stage wrote to the pool"
     out = torch.full_like(step.q, float("nan"))
     beam_tail_attention_merge(step.q, step.new_k, step.new_v, sim.kv_cache, table, step.kv_lens, step.prompt_lens,
@@ -68,19 +73,20 @@ def run_stage_then_tail(sim, step, *, divisor=1, lse_layout="NH", lse_base="log2
     return out, tail_skip.cpu()
 
 
-# (name, simulator kwargs, steps with one parent, steps, call kwargs)
+# (name, simulator kwargs, steps with one parent, steps, call kwargs). The stage's programs take 1 KV head
+# (the default of small launches on a GPU), 2 (the default on the CPU) and 3 (every head of the shape).
 CASES = [
     # G = 2, head 128: one 32-beam block of 20 beams; the grouped tail kernel (the many-rows default at
     # G = 2); fp32 prefix, log2 LSE.
     ("g2_d128_one_block", dict(prompts=[150, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=192), 14, 18,
-     dict(launch_config=TailLaunchConfig(2, 2, 1, 2, grouped=True))),
+     dict(launch_config=TailLaunchConfig(2, 2, 1, 2, grouped=True), kv_heads_per_program=1)),
     # G = 3 (padded 4), head 64: two 16-beam blocks of 18 beams (the second mostly padding); NHD, TensorRT-LLM
     # block offsets, FA4's prefix state (bf16 output, natural-log LSE, [heads, rows]); the [QH, D] tail with
     # index blocks, which starts its first index block at P + tail_skip.
     ("g3_d64_two_blocks_fa4_state", dict(prompts=[13, 40], beams=18, hq=9, hkv=3, d=64, layout="NHD",
                                          max_seq_len=96, seed=13), 30, 36,
      dict(divisor=6, lse_layout="HN", lse_base="ln", prefix_dtype=torch.bfloat16,
-          launch_config=TailLaunchConfig(4, 1, 4, 2, index_block=16))),
+          launch_config=TailLaunchConfig(4, 1, 4, 2, index_block=16), kv_heads_per_program=3)),
     # G = 8 (a 128-row tile, 8 warps), an empty prefix state (-inf): the run alone seeds the merge; the
     # [QH, D] tail walking 2 positions per step without index blocks.
     ("g8_empty_prefix", dict(prompts=[20, 7], beams=5, hq=8, hkv=1, d=64, max_seq_len=64, seed=4), 12, 15,
@@ -162,12 +168,30 @@ def _stage_args(device):
                         prefix_lse=a["prefix_lse"].repeat(1, 8)), r"GQA group 16 .*groups up to 8"),
     (lambda a: a.update(tail_skip=a["prefix_lse"].view(torch.int32)[:, 0]), r"tail_skip must be a contiguous"),
     (lambda a: a.update(prefix_lse=a["prefix_lse"].t()), r"prefix_lse has shape"),
+    (lambda a: a.update(kv_heads_per_program=4), r"kv_heads_per_program=4 must be a positive int dividing the 2 KV"),
+    (lambda a: a.update(kv_heads_per_program=0), r"kv_heads_per_program=0 must be a positive int"),
 ])
 def test_stage_refuses_bad_arguments(change, match, device):
     args = _stage_args(device)
     change(args)
     with pytest.raises(TailMergeInputError, match=match):
         beam_shared_run_attention(**args)
+
+
+@pytest.mark.parametrize("tiles,hkv,sms,warps,want", [
+    (64, 8, 132, 4, 1),     # B-medium, 30 beams: 512 programs, two heads each would not fill the SMs
+    (192, 8, 132, 4, 2),    # B-medium, 96 beams (3 tiles a request): 1,536 programs -> 768
+    (384, 6, 132, 4, 2),    # 6 KV heads
+    (384, 3, 132, 4, 1),    # an odd number of KV heads
+    (1000, 1, 132, 4, 1),   # MQA: nothing to share
+    (384, 8, 132, 8, 1),    # G = 8's 8-warp tiles: two heads would halve the programs an SM holds
+    (2, 2, 1, 4, 2),        # a CPU launch counts one SM
+])
+def test_kv_heads_per_program_keeps_a_full_wave(tiles, hkv, sms, warps, want):
+    got = shared_run_kv_heads_per_program(tiles, hkv, sms, warps)
+    assert got == want
+    assert hkv % got == 0 and got <= STAGE_MAX_KV_HEADS_PER_PROGRAM
+    assert got == 1 or tiles * hkv // got >= STAGE_PROGRAMS_PER_SM * sms
 
 
 def test_stage_refuses_an_output_that_overlaps_its_inputs(device):
@@ -207,7 +231,8 @@ def shared_run_cases(draw):
         # A break at this offset from P in request 0 (the beams disagree there), or none.
         break_at=draw(st.one_of(st.none(), st.integers(0, 12))),
         call=dict(divisor=draw(st.sampled_from([1, 4])), lse_layout=state[0], lse_base=state[1], prefix_dtype=state[2],
-                  empty_prefix=draw(st.sampled_from([False, False, False, True]))),
+                  empty_prefix=draw(st.sampled_from([False, False, False, True])),
+                  kv_heads_per_program=draw(st.sampled_from([None, 1, hkv]))),
     )
 
 
