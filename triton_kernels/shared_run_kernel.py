@@ -21,8 +21,9 @@ head ``kv_head * GROUP + m % GROUP_PAD``). Per program:
    (:func:`triton_kernels.shared_run.shared_run_kv_heads_per_program`).
 2. With a run, for each of the program's KV heads: its positions as dense ``BLOCK_N``-position key
    blocks seen by every row of the tile, on tensor cores
-   (:func:`triton_kernels.cascade_kernel._shared_ancestry_blocks`, the cascade's own fold), then merged by log-sum-exp into ``prefix_out`` and ``prefix_lse`` in place (in their own
-   dtype and LSE base). Without one nothing else is read or written.
+   (:func:`triton_kernels.cascade_kernel._shared_ancestry_blocks`, the cascade's own fold), then merged
+   by log-sum-exp into ``prefix_out`` and ``prefix_lse`` in place (in their own dtype and LSE base).
+   Without one nothing else is read or written.
 
 A position of the run whose source beam or page leaves its buffer is masked (it drops out of the
 softmax) and, with ``REPORT_ERRORS``, raises its bit, as in the tail kernel.
