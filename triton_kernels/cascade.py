@@ -31,12 +31,13 @@ from .tail_merge_args import (
     KV_LAYOUTS,
     LOG2E,
     TailMergeInputError,
+    _byte_span,
     _fail,
     _need_dim,
     _need_dtype,
     _need_last_dim_contiguous,
     _need_tensor,
-    _overlap,
+    _spans_overlap,
     check_step_args,
     check_tail_index_values,
     pool_layout,
@@ -514,10 +515,12 @@ def beam_prefix_attention(
         _fail(f"out must be {q.dtype} [{num_rows}, {num_qo_heads}, {head_dim}], got {out.dtype} {tuple(out.shape)}.")
     if tuple(lse.shape) != (num_rows, num_qo_heads) or lse.dtype != torch.float32:
         _fail(f"lse must be float32 [{num_rows}, {num_qo_heads}] (rows, heads), got {lse.dtype} {tuple(lse.shape)}.")
-    for name, x in (("q", q), ("kv_cache", kv_cache), ("lse", lse)):
-        if _overlap(out, x):
+    # Each span once (this runs per layer and step in eager mode).
+    spans = {name: _byte_span(x) for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse))}
+    for name in ("q", "kv_cache", "lse"):
+        if _spans_overlap(spans["out"], spans[name]):
             _fail(f"out overlaps {name} in memory; pass a separate output buffer.")
-    if _overlap(lse, q) or _overlap(lse, kv_cache):
+    if _spans_overlap(spans["lse"], spans["q"]) or _spans_overlap(spans["lse"], spans["kv_cache"]):
         _fail("lse overlaps q or kv_cache in memory; pass a separate LSE buffer.")
     _check_device(q)
     group_size = num_qo_heads // num_kv_heads

@@ -159,10 +159,6 @@ def _spans_overlap(sa, sb) -> bool:
     return sa[0] < sb[1] and sb[0] < sa[1]
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return _spans_overlap(_byte_span(a), _byte_span(b))
-
-
 def check_step_args(
     q,
     new_k,

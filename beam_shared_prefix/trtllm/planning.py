@@ -140,6 +140,12 @@ class StepInfo:
             self.pages[family.pool_index] = cached
         return cached
 
+    @property
+    def judged_tail(self) -> Optional[int]:
+        """The longest tail the step's rules judge: ``observed_lens[1]``, or ``None`` for CUDA-graph metadata,
+        whose capture serves any tail."""
+        return None if self.mean_prompt_len is None else self.observed_lens[1]
+
     def decline_reason(self, family: Family) -> Optional[str]:
         """The per-step decline rule's verdict for ``family`` (``None``: serve)."""
         if family.key not in self.declines:
@@ -147,7 +153,7 @@ class StepInfo:
             settings = current_settings()
             if settings.decline == "auto":
                 # A CUDA graph (mean_prompt_len None) serves any prompt and tail: neither is judged.
-                tail = None if self.mean_prompt_len is None else self.observed_lens[1]
+                tail = self.judged_tail
                 shape = (self.mean_prompt_len, family.num_qo_heads, family.num_kv_heads, self.beam_width,
                          family.head_dim)
                 # The path that serves a long tail depends on whether the shared-run stage may run.
@@ -432,8 +438,8 @@ def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family)
     """``family``'s wrapper on this metadata, planned for ``step`` (host work only on a new composition)."""
     layer = step.adapter.layer(family.layer_idx)
     indptr, indices, key = step.pages_for(metadata, family, layer)
-    # The longest tail, for the wrapper's shared-run rule; a CUDA graph's metadata serves any tail (None).
-    tail = None if step.mean_prompt_len is None else step.observed_lens[1]
+    # The longest tail, for the wrapper's shared-run rule (None under a CUDA graph).
+    tail = step.judged_tail
     planned = (key, long_tail_for_shared_run(tail))
     wrapper = state.wrappers.get(family.key)
     if wrapper is not None and state.planned_key.get(family.key) == planned:
