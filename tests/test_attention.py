@@ -29,6 +29,7 @@ from beam_shared_prefix.plan import PlanError
 from beam_shared_prefix.prefix import PrefixBackendError
 from beam_shared_prefix.reference import reference_beam_attention
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
+from triton_kernels import shared_run as shared_run_module
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
@@ -255,10 +256,12 @@ def test_auto_rejudges_the_backend_when_the_request_count_changes_it(monkeypatch
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("check", [False, True])
-def test_shared_run_stage_serves_coalesced_steps(check):
+def test_shared_run_stage_serves_coalesced_steps(check, monkeypatch):
     """With ``shared_run`` the two-launch path puts the shared-run stage between the prefix and the tail:
     steps whose beams descend from one ancestor for their first generated positions (then diverge) match
-    the oracle, and the stage did take runs (the tail skipped positions); in check mode too."""
+    the oracle, and the stage did take runs (the tail skipped positions); in check mode too. (The stage looks
+    for runs from 4 cached positions here, not ``SHARED_RUN_MIN_RANGE``'s 32, to keep the steps short.)"""
+    monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_RANGE", 4)
     sim = make_sim(prompts=(9, 30), beams=5, hq=4, hkv=2, d=64, pg=8, max_seq_len=48, seed=5)
     att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="triton", check=check, report_errors=True,
                                     shared_run=True)
@@ -287,6 +290,7 @@ def test_shared_run_follows_the_tail(monkeypatch, mode, graph):
     from beam_shared_prefix.prefix import select
 
     monkeypatch.setattr(select, "SHARED_RUN_MIN_TAIL", 5)
+    monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_RANGE", 4)
     sim = make_sim(prompts=(9, 30), beams=5, hq=4, hkv=2, d=64, pg=8, max_seq_len=48, seed=7)
     caps = dict(max_requests=2, max_beam_width=5, max_prompt_pages=4) if graph else {}
     att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="triton", check=False, shared_run=mode,
@@ -583,9 +587,11 @@ def test_check_mode_on_gpu_passes_and_catches_a_wrong_prefix(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,shared_run", [("flashinfer", False), ("fa4", False), ("reference", False),
                                                 ("fa4", True), ("flashinfer", True)])
-def test_cuda_graph_replay_matches_oracle(backend, shared_run):
+def test_cuda_graph_replay_matches_oracle(backend, shared_run, monkeypatch):
     """Plan, capture run() once, replay 20 steps with growing tails and beam reselection (with
-    ``shared_run``, the first 8 steps give every beam one parent, so the stage takes runs under the graph)."""
+    ``shared_run``, the first 8 steps give every beam one parent, so the stage takes runs under the graph; it
+    looks for them from 4 cached positions, not 32, a value the graph captures)."""
+    monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_RANGE", 4)
     dtype, d, hq, hkv, pg, W = torch.bfloat16, 128, 16, 8, 32, 4
     _skip_unless_backend(backend, dtype, d, hq, hkv, pg)
     sim = make_sim(prompts=(1, 37, 300), beams=W, hq=hq, hkv=hkv, d=d, pg=pg, dtype=dtype, max_seq_len=400,

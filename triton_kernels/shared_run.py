@@ -46,29 +46,49 @@ def shared_run_tile(beam_width: int, group_size: int, head_dim: int) -> Tuple[in
     return cfg.beams_per_program, cfg.group_pad, 4 if cfg.block_m <= 64 else 8
 
 
-# Stage programs resident per SM: the [64-128, D] fp32 tile takes 194-255 registers a thread at 4 warps on
-# sm_90 (Triton 3.9), so two programs fill an SM's register file.
+# Stage programs resident per SM of the 4-warp tiles: the [64, D] fp32 tile takes 194-197 registers a thread at
+# one KV head and 255 at two on sm_90 (Triton 3.9), so two programs fill an SM's register file either way. The
+# 8-warp tiles of G = 8 hold one program at head 128 (196 and 255 registers) and two at head 64 at one head
+# (128 registers; 222 at two heads, one program).
 STAGE_PROGRAMS_PER_SM = 2
 # KV heads one program takes at most. On the H200 two took 0.97x-1.01x of one head's time at every point timed
 # (B-medium, B-4B and preset A at 30-96 beams, tails 4-256; median 0.999x, 2-3% faster at B-4B 30 beams);
 # four and eight lost up to 3% at long tails at 96 beams (the heads' runs one after another in fewer, longer
 # programs), while still gaining at 4 tokens (docs/rounds.md, "The thirtieth round").
 STAGE_MAX_KV_HEADS_PER_PROGRAM = 2
+# Fewest positions a block's shared range must hold for the stage to look for a run in it (``min_range``). A
+# block with a shorter range skips the scan's dependent load of ``cache_indirection`` entries and leaves its
+# positions to the tail, as the one-launch cascade leaves ranges under 16 positions. On the H200
+# (docs/rounds.md, "The thirty-first round"; FA4 + stage + tail against FA4 + tail): 32 held the stage's cost
+# at tails of 4-32 tokens to 1-4% at B-medium and B-4B (30 and 96 beams), where scanning every range cost up to
+# 11% (B-medium, 30 beams, 32 tokens) and 16 up to 11% too at 24-32 tokens; at 64-256 tokens 1, 8, 16 and 32
+# were within 0.7% of each other.
+SHARED_RUN_MIN_RANGE = 32
 
 
-def shared_run_kv_heads_per_program(tiles: int, num_kv_heads: int, sm_count: int, num_warps: int = 4) -> int:
-    """KV heads per stage program: ``STAGE_MAX_KV_HEADS_PER_PROGRAM`` (2) for 4-warp tiles (``shared_run_tile``)
-    where it divides ``num_kv_heads`` and still leaves a full wave of programs (``tiles * Hkv / 2 >=
-    STAGE_PROGRAMS_PER_SM * sm_count``), else 1. (The 8-warp tiles of G = 8 take 128 registers a thread at one
-    head and 222 at two on sm_90: one program per SM instead of two, so they keep one head.)
+def _stage_programs_per_sm(num_warps: int, head_dim: int, kv_heads_per_program: int) -> int:
+    if num_warps <= 4:
+        return STAGE_PROGRAMS_PER_SM
+    return 1 if head_dim >= 128 or kv_heads_per_program > 1 else 2
+
+
+def shared_run_kv_heads_per_program(tiles: int, num_kv_heads: int, sm_count: int, num_warps: int = 4,
+                                    head_dim: int = 128) -> int:
+    """KV heads per stage program: ``STAGE_MAX_KV_HEADS_PER_PROGRAM`` (2) where it divides ``num_kv_heads``, an
+    SM still holds as many programs as at one head (every 4-warp tile of ``shared_run_tile``; the 8-warp tiles
+    of G = 8 at head 128, not at head 64) and they still fill every SM (``tiles * Hkv / 2 >= programs per SM *
+    sm_count``), else 1.
 
     Every program of a tile finds the same run, and a program whose tile has none (short tails, no shared
     ancestry) still costs the scan's chain of dependent loads; with one program per KV head a wide launch
     pays that chain once per wave (B-4B at 96 beams: 12 waves, 22 us at a 4-token tail; 16 us at two heads
     a program, 13 us at eight)."""
     per_prog = 1
-    while (num_warps == 4 and 2 * per_prog <= STAGE_MAX_KV_HEADS_PER_PROGRAM and num_kv_heads % (2 * per_prog) == 0
-           and tiles * num_kv_heads // (2 * per_prog) >= STAGE_PROGRAMS_PER_SM * sm_count):
+    while (2 * per_prog <= STAGE_MAX_KV_HEADS_PER_PROGRAM and num_kv_heads % (2 * per_prog) == 0
+           and _stage_programs_per_sm(num_warps, head_dim, 2 * per_prog)
+           == _stage_programs_per_sm(num_warps, head_dim, per_prog)
+           and tiles * num_kv_heads // (2 * per_prog) >= _stage_programs_per_sm(num_warps, head_dim, 2 * per_prog)
+           * sm_count):
         per_prog *= 2
     return per_prog
 
@@ -103,13 +123,15 @@ def beam_shared_run_attention(
     prefix_lse_base="log2",
     error_flags=None,
     kv_heads_per_program=None,
+    min_range=None,
 ):
     """Attend, once per block of beams, the generated positions all its beams read from one ancestor, and
     merge them into the prefix state in place; the tail kernel then skips them.
 
     For each request ``r`` and block of beams (``shared_run_tile``), the run is the longest ``[P, P + n)``
     over which every beam of the block has its position cached (``t < L - 1`` for each) and the blocks'
-    ``cache_indirection[r, b, t]`` are all equal. Every row ``i`` of the block gets ``tail_skip[i] = n``, and
+    ``cache_indirection[r, b, t]`` are all equal (empty where the beams share fewer than ``min_range`` cached
+    positions). Every row ``i`` of the block gets ``tail_skip[i] = n``, and
     ``(prefix_out[i, h], prefix_lse[i, h])`` becomes the state of the prefix and those ``n`` positions
     together (positions ``t`` on page ``beam_page_table[r*W + cache_indirection[r, b, t], t // Pg] //
     page_index_divisor``). Passing ``tail_skip`` to :func:`triton_kernels.beam_tail_attention_merge` with
@@ -128,6 +150,9 @@ def beam_shared_run_attention(
             invalid index it masked inside a run (:mod:`triton_kernels.device_errors`).
         kv_heads_per_program: KV heads each program attends its tile's run for, a divisor of ``Hkv``
             (``None``: :func:`shared_run_kv_heads_per_program`'s choice).
+        min_range: a block looks for its run only where every beam has at least this many generated
+            positions cached (``min over its beams of L - 1 - P``); a shorter range gets ``tail_skip`` 0 and is
+            left to the tail (``None``: ``SHARED_RUN_MIN_RANGE``, 32; 1: every range).
 
     Returns:
         ``tail_skip``.
@@ -161,6 +186,11 @@ def beam_shared_run_attention(
             or kv_heads_per_program < 1 or geom.num_kv_heads % kv_heads_per_program):
         raise TailMergeInputError(f"kv_heads_per_program={kv_heads_per_program!r} must be a positive int dividing "
                                   f"the {geom.num_kv_heads} KV heads; pass None for the default.")
+    if min_range is None:
+        min_range = SHARED_RUN_MIN_RANGE
+    if not isinstance(min_range, int) or isinstance(min_range, bool) or not 1 <= min_range < 2**31:
+        raise TailMergeInputError(f"min_range={min_range!r} must be an int in [1, 2**31); pass 1 to fold every "
+                                  f"shared run, or None for SHARED_RUN_MIN_RANGE ({SHARED_RUN_MIN_RANGE}).")
     _check_device(q, "the shared-run stage")
     if geom.num_rows == 0:
         return tail_skip
@@ -169,7 +199,7 @@ def beam_shared_run_attention(
     tiles = geom.num_requests * num_beam_blocks
     if kv_heads_per_program is None:
         kv_heads_per_program = shared_run_kv_heads_per_program(tiles, geom.num_kv_heads, _sm_count(q.device),
-                                                               num_warps)
+                                                               num_warps, geom.head_dim)
     grid = (tiles, geom.num_kv_heads // kv_heads_per_program)
     s_page, s_kv, s_head, s_slot = geom.kv_strides
     s_lse_row, s_lse_head = geom.lse_strides
@@ -182,7 +212,7 @@ def beam_shared_run_attention(
         prefix_out.stride(0), prefix_out.stride(1),
         s_lse_row, s_lse_head,
         geom.beam_width, num_beam_blocks, geom.page_size, page_index_divisor, geom.num_pages, geom.max_seq_len,
-        geom.sm_scale * LOG2E, geom.lse_scale,
+        min_range, geom.sm_scale * LOG2E, geom.lse_scale,
     )
     meta = dict(GROUP=geom.group_size, GROUP_PAD=group_pad, BEAMS=beams, HEAD_DIM=geom.head_dim,
                 BLOCK_N=SHARED_BLOCK.value, KV_HEADS_PER_PROG=kv_heads_per_program,

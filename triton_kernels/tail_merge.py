@@ -30,12 +30,22 @@ from .tail_merge_kernel import beam_tail_merge_kernel
 
 __all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"]
 
-# Registers per thread at which one-warp tail programs still fill an SM's 32 program slots.
+# Registers per thread at which one-warp tail programs (G = 3-4 at head 128) still fill an SM's 32 program
+# slots, held on every launch: within it ptxas's schedules of the same kernel differed by 5-15% on the H200
+# (Triton 3.6; docs/rounds.md, "The thirty-first round"), and these caps gave the faster one at B-4B for
+# each variant timed: 64 for the tail alone (with or without the error flag), 63 after the shared-run stage.
 _ONE_WARP_MAX_REGISTERS = 64
+_ONE_WARP_MAX_REGISTERS_AFTER_STAGE = 63
 # The few-rows tiling with the error flag: left to itself ptxas held it to 128 registers and spilled 8-16
 # bytes a thread (Triton 3.9, sm_90); uncapped it takes 133-146 and spills nothing. Its programs are few,
 # so registers do not limit its occupancy.
 _FEW_ROWS_MAX_REGISTERS = 255
+
+
+def _one_warp_max_registers(skip_shared: bool) -> int:
+    """ptxas's register cap for a one-warp tail launch; ``skip_shared``: it takes the stage's ``tail_skip``."""
+    return _ONE_WARP_MAX_REGISTERS_AFTER_STAGE if skip_shared else _ONE_WARP_MAX_REGISTERS
+
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # Measured with ptxas for sm_90: Triton 3.6 lays out the [QH, BLOCK_T, D] tile like the [QH, D]
@@ -362,13 +372,12 @@ def beam_tail_attention_merge(
         meta.update(tail_skip_ptr=tail_skip, SKIP_SHARED=True)
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
-        if cfg.num_warps == 1 and q.is_cuda:
-            # One-warp programs (G = 3-4, head 128) are held to 32 per SM by the block limit at up to 64
-            # registers; the flag's bits took 72 on sm_90 (28 programs per SM, 6% slower at B-4B).
-            # Capped at 64 they compile without spills.
-            meta.update(maxnreg=_ONE_WARP_MAX_REGISTERS)
-        elif cfg.index_block and q.is_cuda:
-            meta.update(maxnreg=_FEW_ROWS_MAX_REGISTERS)
+    if cfg.num_warps == 1 and q.is_cuda:
+        # One-warp programs are held to 32 per SM by the block limit at up to 64 registers; the error flag's
+        # bits took 72 on sm_90 uncapped (28 programs per SM, 6% slower at B-4B). Capped they do not spill.
+        meta.update(maxnreg=_one_warp_max_registers(tail_skip is not None))
+    elif error_flags is not None and cfg.index_block and q.is_cuda:
+        meta.update(maxnreg=_FEW_ROWS_MAX_REGISTERS)
     if q.is_cuda:
         with torch.cuda.device(q.device):
             kernel[grid](*args, **meta)

@@ -28,11 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from triton_kernels.cascade import cascade_launch_config  # noqa: E402
 from triton_kernels.cascade_kernel import SHARED_BLOCK, beam_cascade_kernel  # noqa: E402
-from triton_kernels.shared_run import shared_run_tile  # noqa: E402
+from triton_kernels.shared_run import shared_run_kv_heads_per_program, shared_run_tile  # noqa: E402
 from triton_kernels.shared_run_kernel import beam_shared_run_kernel  # noqa: E402
 from triton_kernels.tail_merge import (  # noqa: E402
     _FEW_ROWS_MAX_REGISTERS,
-    _ONE_WARP_MAX_REGISTERS,
+    _one_warp_max_registers,
     tail_launch_config,
 )
 from triton_kernels.tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel  # noqa: E402
@@ -179,6 +179,7 @@ SHARED_RUN_SHAPES = [
     ("A", 96, 16, 8, 128, "bf16", "bf16"),
     ("B-4B", 30, 32, 8, 128, "bf16", "bf16"),
     ("G8-D64-fp16", 8, 64, 8, 64, "fp16", "fp32"),
+    ("G8-D128", 30, 64, 8, 128, "bf16", "bf16"),
 ]
 
 
@@ -229,11 +230,11 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     if not cfg.grouped:
         kernel = beam_tail_merge_kernel
         constexprs.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=cfg.tokens_outer, INDEX_BLOCK=cfg.index_block)
-    # The launcher caps one-warp programs at 64 registers when the flag is on, and lifts ptxas's own cap
-    # for the few-rows tiling (index blocks).
+    # The launcher caps one-warp programs (64 registers, 63 after the stage), and with the flag on lifts
+    # ptxas's own cap for the few-rows tiling (index blocks).
     maxnreg = None
-    if report_errors and cfg.num_warps == 1:
-        maxnreg = _ONE_WARP_MAX_REGISTERS
+    if cfg.num_warps == 1:
+        maxnreg = _one_warp_max_registers(skip_shared)
     elif report_errors and cfg.index_block:
         maxnreg = _FEW_ROWS_MAX_REGISTERS
     compiled = _compile_sm90(kernel, pointers, constexprs, ("qk_scale_log2", "lse_scale"), _DIV16_INTS,
@@ -284,9 +285,10 @@ def main() -> None:
     for shape in (SHAPES[0], SHAPES[2]):  # the tail after the shared-run stage: many rows and few
         for num_rows in (None, 1):
             print(json.dumps(compile_sm90(*shape, num_rows=num_rows, skip_shared=True)), flush=True)
-    for shape in SHARED_RUN_SHAPES:  # one KV head a program; two where wide 4-warp launches take them
+    for shape in SHARED_RUN_SHAPES:  # one KV head a program; two where wide launches can take them
         _, w, hq, hkv, d, _, _ = shape
-        for kv_heads_per_program in (1, 2) if shared_run_tile(w, hq // hkv, d)[2] == 4 else (1,):
+        two = shared_run_kv_heads_per_program(10**6, 2, 1, shared_run_tile(w, hq // hkv, d)[2], d) == 2
+        for kv_heads_per_program in (1, 2) if two else (1,):
             print(json.dumps(compile_shared_run_sm90(*shape, kv_heads_per_program=kv_heads_per_program)), flush=True)
 
 

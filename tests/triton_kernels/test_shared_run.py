@@ -22,6 +22,7 @@ from triton_kernels import (
 from triton_kernels.shared_run import (
     STAGE_MAX_KV_HEADS_PER_PROGRAM,
     STAGE_PROGRAMS_PER_SM,
+    SHARED_RUN_MIN_RANGE,
     shared_run_kv_heads_per_program,
     shared_run_tile,
 )
@@ -37,20 +38,24 @@ from test_tail_merge import (
 )
 
 
-def expected_runs(step, beams_per_block):
+def expected_runs(step, beams_per_block, min_range=1):
     """``[rows]``: each row's block's leading run of earlier positions from ``P`` with one
-    ``cache_indirection`` entry across the block (``test_cascade.shared_runs``, one per row)."""
+    ``cache_indirection`` entry across the block (``test_cascade.shared_runs``, one per row); 0 for a block
+    whose beams cache fewer than ``min_range`` earlier positions (``min over the block of L - 1 - P``)."""
     W = step.beam_width
     runs = iter(shared_runs(step, beams_per_block))
+    earlier = torch.tensor(earlier_tail(step))
     per_row = torch.zeros(step.num_rows, dtype=torch.int32)
     for r in range(step.num_rows // W):
         for b0 in range(0, W, beams_per_block):
-            per_row[r * W + b0:r * W + min(W, b0 + beams_per_block)] = next(runs)
+            rows = slice(r * W + b0, r * W + min(W, b0 + beams_per_block))
+            run = next(runs)
+            per_row[rows] = run if int(earlier[rows].min()) >= min_range else 0
     return per_row
 
 
 def run_stage_then_tail(sim, step, *, divisor=1, lse_layout="NH", lse_base="log2", prefix_dtype=torch.float32,
-                        empty_prefix=False, launch_config=None, kv_heads_per_program=None):
+                        empty_prefix=False, launch_config=None, kv_heads_per_program=None, min_range=None):
     """The stage, then the tail with its ``tail_skip``; returns ``(out, tail_skip)`` and checks the pool and
     the error flag (valid input raises nothing)."""
     table = step.beam_page_table if divisor == 1 else sim.block_offsets(step.beam_page_table, divisor)[:, 0, :]
@@ -62,7 +67,8 @@ def run_stage_then_tail(sim, step, *, divisor=1, lse_layout="NH", lse_base="log2
                   prefix_lse_base=lse_base, error_flags=flags)
     assert beam_shared_run_attention(step.q, sim.kv_cache, table, step.kv_lens, step.prompt_lens,
                                      step.cache_indirection, step.beam_width, prefix_out, prefix_lse, tail_skip,
-                                     kv_heads_per_program=kv_heads_per_program, **common) is tail_skip
+                                     kv_heads_per_program=kv_heads_per_program, min_range=min_range,
+                                     **common) is tail_skip
     assert torch.equal(sim.kv_cache, before), "the stage wrote to the pool"
     out = torch.full_like(step.q, float("nan"))
     beam_tail_attention_merge(step.q, step.new_k, step.new_v, sim.kv_cache, table, step.kv_lens, step.prompt_lens,
@@ -74,12 +80,14 @@ def run_stage_then_tail(sim, step, *, divisor=1, lse_layout="NH", lse_base="log2
 
 
 # (name, simulator kwargs, steps with one parent, steps, call kwargs). The stage's programs take 1 KV head
-# (the default of small launches on a GPU), 2 (the default on the CPU) and 3 (every head of the shape).
+# (the default of small launches on a GPU), 2 (the default on the CPU) and 3 (every head of the shape); the
+# first and last cases fold every run (``min_range`` 1: their tails are shorter than the default's 16), the
+# second takes the default.
 CASES = [
     # G = 2, head 128: one 32-beam block of 20 beams; the grouped tail kernel (the many-rows default at
     # G = 2); fp32 prefix, log2 LSE.
     ("g2_d128_one_block", dict(prompts=[150, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=192), 14, 18,
-     dict(launch_config=TailLaunchConfig(2, 2, 1, 2, grouped=True), kv_heads_per_program=1)),
+     dict(launch_config=TailLaunchConfig(2, 2, 1, 2, grouped=True), kv_heads_per_program=1, min_range=1)),
     # G = 3 (padded 4), head 64: two 16-beam blocks of 18 beams (the second mostly padding); NHD, TensorRT-LLM
     # block offsets, FA4's prefix state (bf16 output, natural-log LSE, [heads, rows]); the [QH, D] tail with
     # index blocks, which starts its first index block at P + tail_skip.
@@ -90,7 +98,7 @@ CASES = [
     # G = 8 (a 128-row tile, 8 warps), an empty prefix state (-inf): the run alone seeds the merge; the
     # [QH, D] tail walking 2 positions per step without index blocks.
     ("g8_empty_prefix", dict(prompts=[20, 7], beams=5, hq=8, hkv=1, d=64, max_seq_len=64, seed=4), 12, 15,
-     dict(empty_prefix=True, launch_config=TailLaunchConfig(8, 1, 2, 2))),
+     dict(empty_prefix=True, launch_config=TailLaunchConfig(8, 1, 2, 2), min_range=1)),
 ]
 
 
@@ -100,7 +108,7 @@ def test_shared_run_then_tail_matches_oracle(name, sim_kw, shared_steps, steps, 
     coalesce_then_branch(sim, steps, shared_steps)
     step = sim.begin_step()
     beams, _, _ = shared_run_tile(sim.beam_width, sim_kw["hq"] // sim_kw["hkv"], sim_kw["d"])
-    want = expected_runs(step, beams)
+    want = expected_runs(step, beams, call_kw.get("min_range") or SHARED_RUN_MIN_RANGE)
     tails = earlier_tail(step)
     # Both parts of the tail are exercised: runs the stage takes, and positions after them the tail walks.
     assert int(want.max()) >= shared_steps - 1 and bool(((want > 0) & (want < torch.tensor(tails))).any()), (want, tails)
@@ -132,6 +140,28 @@ def test_without_a_shared_run_the_prefix_state_is_untouched(device):
     assert_matches(out, oracle(sim, step), "no shared run")
 
 
+def test_a_range_shorter_than_min_range_is_left_to_the_tail(device):
+    """Beams that share their whole history, but fewer earlier positions than ``min_range``: the stage scans
+    nothing (every skip 0, the prefix state as it was), and the tail alone gives the oracle's output; one
+    position more and the stage takes the whole range."""
+    sim = make_sim(device, prompts=[30, 9], beams=6, hq=4, hkv=2, d=64, seed=5)
+    coalesce_then_branch(sim, 7, 7)
+    step = sim.begin_step()
+    tails = earlier_tail(step)
+    assert min(tails) == max(tails) == 7
+    prefix_out, prefix_lse = prefix_state(sim, step)
+    kept = prefix_out.clone(), prefix_lse.clone()
+    tail_skip = torch.full((step.num_rows,), 5, dtype=torch.int32, device=device)
+    beam_shared_run_attention(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
+                              step.cache_indirection, step.beam_width, prefix_out, prefix_lse, tail_skip, min_range=8)
+    assert int(tail_skip.abs().max()) == 0
+    assert torch.equal(prefix_out, kept[0]) and torch.equal(prefix_lse, kept[1])
+    for min_range, want in ((8, 0), (7, 7)):
+        out, tail_skip = run_stage_then_tail(sim, step, min_range=min_range)
+        assert tail_skip.tolist() == [want] * step.num_rows
+        assert_matches(out, oracle(sim, step), f"min_range {min_range}")
+
+
 def test_shared_run_reports_a_bad_source_in_a_run(device):
     """An out-of-range source beam that every beam of a block shares inside its run is masked (that
     position drops out) and raises ``SOURCE_BEAM``; nothing non-finite reaches the prefix state."""
@@ -146,7 +176,7 @@ def test_shared_run_reports_a_bad_source_in_a_run(device):
     flags = device_errors.new_error_flags(device)
     beam_shared_run_attention(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
                               step.cache_indirection, step.beam_width, prefix_out, prefix_lse, tail_skip,
-                              error_flags=flags)
+                              error_flags=flags, min_range=1)  # (an 8-position range: the default leaves it)
     assert torch.isfinite(prefix_out).all() and torch.isfinite(prefix_lse).all()
     assert int(flags) == device_errors.SOURCE_BEAM.value, device_errors.decode_error_flags(int(flags))
 
@@ -170,6 +200,8 @@ def _stage_args(device):
     (lambda a: a.update(prefix_lse=a["prefix_lse"].t()), r"prefix_lse has shape"),
     (lambda a: a.update(kv_heads_per_program=4), r"kv_heads_per_program=4 must be a positive int dividing the 2 KV"),
     (lambda a: a.update(kv_heads_per_program=0), r"kv_heads_per_program=0 must be a positive int"),
+    (lambda a: a.update(min_range=0), r"min_range=0 must be an int in \[1, 2\*\*31\); pass 1 to fold every"),
+    (lambda a: a.update(min_range=16.0), r"min_range=16.0 must be an int"),
 ])
 def test_stage_refuses_bad_arguments(change, match, device):
     args = _stage_args(device)
@@ -178,17 +210,19 @@ def test_stage_refuses_bad_arguments(change, match, device):
         beam_shared_run_attention(**args)
 
 
-@pytest.mark.parametrize("tiles,hkv,sms,warps,want", [
-    (64, 8, 132, 4, 1),     # B-medium, 30 beams: 512 programs, two heads each would not fill the SMs
-    (192, 8, 132, 4, 2),    # B-medium, 96 beams (3 tiles a request): 1,536 programs -> 768
-    (384, 6, 132, 4, 2),    # 6 KV heads
-    (384, 3, 132, 4, 1),    # an odd number of KV heads
-    (1000, 1, 132, 4, 1),   # MQA: nothing to share
-    (384, 8, 132, 8, 1),    # G = 8's 8-warp tiles: two heads would halve the programs an SM holds
-    (2, 2, 1, 4, 2),        # a CPU launch counts one SM
+@pytest.mark.parametrize("tiles,hkv,sms,warps,d,want", [
+    (64, 8, 132, 4, 128, 1),     # B-medium, 30 beams: 512 programs, two heads each would not fill the SMs
+    (192, 8, 132, 4, 128, 2),    # B-medium, 96 beams (3 tiles a request): 1,536 programs -> 768
+    (384, 6, 132, 4, 64, 2),     # 6 KV heads, head 64
+    (384, 3, 132, 4, 128, 1),    # an odd number of KV heads
+    (1000, 1, 132, 4, 128, 1),   # MQA: nothing to share
+    (384, 8, 132, 8, 128, 2),    # G = 8's 8-warp tiles at head 128: one program per SM at one head or two
+    (32, 8, 132, 8, 128, 1),     # ... but 128 programs of two heads would leave SMs idle
+    (384, 8, 132, 8, 64, 1),     # at head 64 two heads would halve the programs an SM holds
+    (2, 2, 1, 4, 128, 2),        # a CPU launch counts one SM
 ])
-def test_kv_heads_per_program_keeps_a_full_wave(tiles, hkv, sms, warps, want):
-    got = shared_run_kv_heads_per_program(tiles, hkv, sms, warps)
+def test_kv_heads_per_program_keeps_a_full_wave(tiles, hkv, sms, warps, d, want):
+    got = shared_run_kv_heads_per_program(tiles, hkv, sms, warps, d)
     assert got == want
     assert hkv % got == 0 and got <= STAGE_MAX_KV_HEADS_PER_PROGRAM
     assert got == 1 or tiles * hkv // got >= STAGE_PROGRAMS_PER_SM * sms
@@ -232,7 +266,8 @@ def shared_run_cases(draw):
         break_at=draw(st.one_of(st.none(), st.integers(0, 12))),
         call=dict(divisor=draw(st.sampled_from([1, 4])), lse_layout=state[0], lse_base=state[1], prefix_dtype=state[2],
                   empty_prefix=draw(st.sampled_from([False, False, False, True])),
-                  kv_heads_per_program=draw(st.sampled_from([None, 1, hkv]))),
+                  kv_heads_per_program=draw(st.sampled_from([None, 1, hkv])),
+                  min_range=draw(st.one_of(st.none(), st.integers(1, 14)))),
     )
 
 
@@ -251,5 +286,6 @@ def test_shared_run_property_matches_oracle(case):
             sim.beam_width, dtype=torch.int32)
     beams, _, _ = shared_run_tile(sim.beam_width, case["sim"]["hq"] // case["sim"]["hkv"], case["sim"]["d"])
     out, tail_skip = run_stage_then_tail(sim, step, **case["call"])
-    assert torch.equal(tail_skip, expected_runs(step, beams)), (tail_skip, expected_runs(step, beams))
+    want = expected_runs(step, beams, case["call"]["min_range"] or SHARED_RUN_MIN_RANGE)
+    assert torch.equal(tail_skip, want), (tail_skip, want)
     assert_matches(out, oracle(sim, step, tail_only=case["call"]["empty_prefix"]), f"{case}")
