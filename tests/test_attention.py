@@ -260,8 +260,8 @@ def test_shared_run_stage_serves_coalesced_steps(check, monkeypatch):
     """With ``shared_run`` the two-launch path puts the shared-run stage between the prefix and the tail:
     steps whose beams descend from one ancestor for their first generated positions (then diverge) match
     the oracle, and the stage did take runs (the tail skipped positions); in check mode too. (The stage looks
-    for runs from 4 cached positions here, not ``SHARED_RUN_MIN_RANGE``'s 32, to keep the steps short.)"""
-    monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_RANGE", 4)
+    for runs from 4 cached positions here, not 32, to keep the steps short.)"""
+    monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_CACHED_TAIL", 4)
     sim = make_sim(prompts=(9, 30), beams=5, hq=4, hkv=2, d=64, pg=8, max_seq_len=48, seed=5)
     att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="triton", check=check, report_errors=True,
                                     shared_run=True)
@@ -290,7 +290,7 @@ def test_shared_run_follows_the_tail(monkeypatch, mode, graph):
     from beam_shared_prefix.prefix import select
 
     monkeypatch.setattr(select, "SHARED_RUN_MIN_TAIL", 5)
-    monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_RANGE", 4)
+    monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_CACHED_TAIL", 4)
     sim = make_sim(prompts=(9, 30), beams=5, hq=4, hkv=2, d=64, pg=8, max_seq_len=48, seed=7)
     caps = dict(max_requests=2, max_beam_width=5, max_prompt_pages=4) if graph else {}
     att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="triton", check=False, shared_run=mode,
@@ -591,7 +591,7 @@ def test_cuda_graph_replay_matches_oracle(backend, shared_run, monkeypatch):
     """Plan, capture run() once, replay 20 steps with growing tails and beam reselection (with
     ``shared_run``, the first 8 steps give every beam one parent, so the stage takes runs under the graph; it
     looks for them from 4 cached positions, not 32, a value the graph captures)."""
-    monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_RANGE", 4)
+    monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_CACHED_TAIL", 4)
     dtype, d, hq, hkv, pg, W = torch.bfloat16, 128, 16, 8, 32, 4
     _skip_unless_backend(backend, dtype, d, hq, hkv, pg)
     sim = make_sim(prompts=(1, 37, 300), beams=W, hq=hq, hkv=hkv, d=d, pg=pg, dtype=dtype, max_seq_len=400,

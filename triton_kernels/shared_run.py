@@ -56,14 +56,14 @@ STAGE_PROGRAMS_PER_SM = 2
 # four and eight lost up to 3% at long tails at 96 beams (the heads' runs one after another in fewer, longer
 # programs), while still gaining at 4 tokens (docs/rounds.md, "The thirtieth round").
 STAGE_MAX_KV_HEADS_PER_PROGRAM = 2
-# Fewest positions a block's shared range must hold for the stage to look for a run in it (``min_range``). A
-# block with a shorter range skips the scan's dependent load of ``cache_indirection`` entries and leaves its
-# positions to the tail, as the one-launch cascade leaves ranges under 16 positions. On the H200
+# The shortest cached tail (``min over a block's beams of L - 1 - P``) in which the stage looks for a run
+# (``min_cached_tail``; the one-launch cascade's ``shared_min_tail`` is 16). A block with a shorter one skips
+# the scan's dependent load of ``cache_indirection`` entries and leaves its positions to the tail. On the H200
 # (docs/rounds.md, "The thirty-first round"; FA4 + stage + tail against FA4 + tail): 32 held the stage's cost
-# at tails of 4-32 tokens to 1-4% at B-medium and B-4B (30 and 96 beams), where scanning every range cost up to
+# at tails of 4-32 tokens to 1-4% at B-medium and B-4B (30 and 96 beams), where scanning every tail cost up to
 # 11% (B-medium, 30 beams, 32 tokens) and 16 up to 11% too at 24-32 tokens; at 64-256 tokens 1, 8, 16 and 32
-# were within 0.7% of each other.
-SHARED_RUN_MIN_RANGE = 32
+# were within 1% of each other.
+SHARED_RUN_MIN_CACHED_TAIL = 32
 
 
 def _stage_programs_per_sm(num_warps: int, head_dim: int, kv_heads_per_program: int) -> int:
@@ -123,15 +123,15 @@ def beam_shared_run_attention(
     prefix_lse_base="log2",
     error_flags=None,
     kv_heads_per_program=None,
-    min_range=None,
+    min_cached_tail=None,
 ):
     """Attend, once per block of beams, the generated positions all its beams read from one ancestor, and
     merge them into the prefix state in place; the tail kernel then skips them.
 
     For each request ``r`` and block of beams (``shared_run_tile``), the run is the longest ``[P, P + n)``
     over which every beam of the block has its position cached (``t < L - 1`` for each) and the blocks'
-    ``cache_indirection[r, b, t]`` are all equal (empty where the beams share fewer than ``min_range`` cached
-    positions). Every row ``i`` of the block gets ``tail_skip[i] = n``, and
+    ``cache_indirection[r, b, t]`` are all equal (empty where the block's beams cache fewer than
+    ``min_cached_tail`` generated positions). Every row ``i`` of the block gets ``tail_skip[i] = n``, and
     ``(prefix_out[i, h], prefix_lse[i, h])`` becomes the state of the prefix and those ``n`` positions
     together (positions ``t`` on page ``beam_page_table[r*W + cache_indirection[r, b, t], t // Pg] //
     page_index_divisor``). Passing ``tail_skip`` to :func:`triton_kernels.beam_tail_attention_merge` with
@@ -150,9 +150,9 @@ def beam_shared_run_attention(
             invalid index it masked inside a run (:mod:`triton_kernels.device_errors`).
         kv_heads_per_program: KV heads each program attends its tile's run for, a divisor of ``Hkv``
             (``None``: :func:`shared_run_kv_heads_per_program`'s choice).
-        min_range: a block looks for its run only where every beam has at least this many generated
-            positions cached (``min over its beams of L - 1 - P``); a shorter range gets ``tail_skip`` 0 and is
-            left to the tail (``None``: ``SHARED_RUN_MIN_RANGE``, 32; 1: every range).
+        min_cached_tail: a block looks for its run only where every beam has at least this many generated
+            positions cached (``min over its beams of L - 1 - P``); a shorter tail gets ``tail_skip`` 0 and is
+            left to the tail kernel (``None``: ``SHARED_RUN_MIN_CACHED_TAIL``, 32; 1: every tail).
 
     Returns:
         ``tail_skip``.
@@ -186,11 +186,13 @@ def beam_shared_run_attention(
             or kv_heads_per_program < 1 or geom.num_kv_heads % kv_heads_per_program):
         raise TailMergeInputError(f"kv_heads_per_program={kv_heads_per_program!r} must be a positive int dividing "
                                   f"the {geom.num_kv_heads} KV heads; pass None for the default.")
-    if min_range is None:
-        min_range = SHARED_RUN_MIN_RANGE
-    if not isinstance(min_range, int) or isinstance(min_range, bool) or not 1 <= min_range < 2**31:
-        raise TailMergeInputError(f"min_range={min_range!r} must be an int in [1, 2**31); pass 1 to fold every "
-                                  f"shared run, or None for SHARED_RUN_MIN_RANGE ({SHARED_RUN_MIN_RANGE}).")
+    if min_cached_tail is None:
+        min_cached_tail = SHARED_RUN_MIN_CACHED_TAIL
+    if (not isinstance(min_cached_tail, int) or isinstance(min_cached_tail, bool)
+            or not 1 <= min_cached_tail < 2**31):
+        raise TailMergeInputError(f"min_cached_tail={min_cached_tail!r} must be an int in [1, 2**31); pass 1 to fold "
+                                  f"every shared run, or None for SHARED_RUN_MIN_CACHED_TAIL "
+                                  f"({SHARED_RUN_MIN_CACHED_TAIL}).")
     _check_device(q, "the shared-run stage")
     if geom.num_rows == 0:
         return tail_skip
@@ -212,7 +214,7 @@ def beam_shared_run_attention(
         prefix_out.stride(0), prefix_out.stride(1),
         s_lse_row, s_lse_head,
         geom.beam_width, num_beam_blocks, geom.page_size, page_index_divisor, geom.num_pages, geom.max_seq_len,
-        min_range, geom.sm_scale * LOG2E, geom.lse_scale,
+        min_cached_tail, geom.sm_scale * LOG2E, geom.lse_scale,
     )
     meta = dict(GROUP=geom.group_size, GROUP_PAD=group_pad, BEAMS=beams, HEAD_DIM=geom.head_dim,
                 BLOCK_N=SHARED_BLOCK.value, KV_HEADS_PER_PROG=kv_heads_per_program,

@@ -15,7 +15,7 @@ head ``kv_head * GROUP + m % GROUP_PAD``). Per program:
 
 1. The beams' lengths; the run from ``P`` over the positions every beam of the block has cached
    (before each beam's ``L - 1``) at which their ``cache_indirection`` entries are all equal, looked for
-   only where that range holds at least ``min_range`` positions (else the run is empty). The
+   only where every beam caches at least ``min_cached_tail`` generated positions (else the run is empty). The
    program of the first KV heads stores it as every beam's ``tail_skip`` (the tail kernel then starts at
    ``P + tail_skip``); every program of the block finds the same run. Its chain of dependent loads is
    what a program without a run costs, so wide launches give a program two heads
@@ -72,7 +72,7 @@ def beam_shared_run_kernel(
     page_index_divisor: tl.constexpr,
     num_pages,
     max_seq_len,
-    min_range,
+    min_cached_tail,
     qk_scale_log2,
     lse_scale,
     GROUP: tl.constexpr,
@@ -102,10 +102,10 @@ def beam_shared_run_kernel(
     gen_end = tl.minimum(tl.load(kv_lens_ptr + slot_row64, mask=slot_ok, other=0) - 1, max_seq_len)
     shared_stop = tl.min(tl.where(slot_ok, gen_end, max_seq_len), axis=0)
     run_begin = tl.maximum(prompt_len, 0)
-    if shared_stop - run_begin >= min_range:
+    if shared_stop - run_begin >= min_cached_tail:
         run_len = shared_ancestry_len(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64, first_beam,
                                       beam_width, run_begin, shared_stop, BEAMS, SHARED_SCAN)
-    else:  # a range this short is left to the tail, without the scan's dependent load (see the launcher)
+    else:  # a tail this short is left to the tail kernel, without the scan's dependent load (see the launcher)
         run_len = shared_stop * 0
     run_len = tl.maximum(run_len, 0)  # (a block whose beams have nothing cached scans an empty range)
     # (the mask through tl.where: the CPU interpreter cannot `&` a scalar into a mask)

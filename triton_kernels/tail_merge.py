@@ -30,7 +30,7 @@ from .tail_merge_kernel import beam_tail_merge_kernel
 
 __all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"]
 
-# Registers per thread at which one-warp tail programs (G = 3-4 at head 128) still fill an SM's 32 program
+# Registers per thread at which one-warp [QH, D] tail programs (G = 3-4) still fill an SM's 32 program
 # slots, held on every launch: within it ptxas's schedules of the same kernel differed by 5-15% on the H200
 # (Triton 3.6; docs/rounds.md, "The thirty-first round"), and these caps gave the faster one at B-4B for
 # each variant timed: 64 for the tail alone (with or without the error flag), 63 after the shared-run stage.
@@ -372,9 +372,11 @@ def beam_tail_attention_merge(
         meta.update(tail_skip_ptr=tail_skip, SKIP_SHARED=True)
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
-    if cfg.num_warps == 1 and q.is_cuda:
-        # One-warp programs are held to 32 per SM by the block limit at up to 64 registers; the error flag's
-        # bits took 72 on sm_90 uncapped (28 programs per SM, 6% slower at B-4B). Capped they do not spill.
+    if cfg.num_warps == 1 and not cfg.grouped and q.is_cuda:
+        # One-warp [QH, D] programs are held to 32 per SM by the block limit at up to 64 registers; the error
+        # flag's bits took 72 on sm_90 uncapped (28 programs per SM, 6% slower at B-4B). Capped they do not
+        # spill. (The grouped kernel's one-warp tiles, G = 2 with few KV heads, need more: capped at 64 they
+        # spilled 216-264 bytes a thread with 4 KV heads at head 128.)
         meta.update(maxnreg=_one_warp_max_registers(tail_skip is not None))
     elif error_flags is not None and cfg.index_block and q.is_cuda:
         meta.update(maxnreg=_FEW_ROWS_MAX_REGISTERS)

@@ -51,6 +51,7 @@ SHAPES = [
     ("bf16", 64, 8, 128, "bf16"),  # G = 8
     ("bf16", 64, 8, 256, "bf16"),
     ("bf16", 16, 8, 256, "bf16"),  # G = 2, head 256: the grouped kernel at 4 warps
+    ("bf16", 8, 4, 128, "bf16"),  # G = 2, 4 KV heads: the grouped kernel at 1 warp
     ("fp16", 40, 8, 256, "fp16"),  # G = 5
     ("bf16", 32, 2, 128, "fp32"),  # G = 16
     ("bf16", 32, 1, 128, "bf16"),  # MQA, G = 32
@@ -230,10 +231,10 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     if not cfg.grouped:
         kernel = beam_tail_merge_kernel
         constexprs.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=cfg.tokens_outer, INDEX_BLOCK=cfg.index_block)
-    # The launcher caps one-warp programs (64 registers, 63 after the stage), and with the flag on lifts
-    # ptxas's own cap for the few-rows tiling (index blocks).
+    # The launcher caps one-warp [QH, D] programs (64 registers, 63 after the stage), and with the flag on
+    # lifts ptxas's own cap for the few-rows tiling (index blocks).
     maxnreg = None
-    if cfg.num_warps == 1:
+    if cfg.num_warps == 1 and not cfg.grouped:
         maxnreg = _one_warp_max_registers(skip_shared)
     elif report_errors and cfg.index_block:
         maxnreg = _FEW_ROWS_MAX_REGISTERS

@@ -22,7 +22,7 @@ from triton_kernels import (
 from triton_kernels.shared_run import (
     STAGE_MAX_KV_HEADS_PER_PROGRAM,
     STAGE_PROGRAMS_PER_SM,
-    SHARED_RUN_MIN_RANGE,
+    SHARED_RUN_MIN_CACHED_TAIL,
     shared_run_kv_heads_per_program,
     shared_run_tile,
 )
@@ -38,10 +38,10 @@ from test_tail_merge import (
 )
 
 
-def expected_runs(step, beams_per_block, min_range=1):
+def expected_runs(step, beams_per_block, min_cached_tail=1):
     """``[rows]``: each row's block's leading run of earlier positions from ``P`` with one
     ``cache_indirection`` entry across the block (``test_cascade.shared_runs``, one per row); 0 for a block
-    whose beams cache fewer than ``min_range`` earlier positions (``min over the block of L - 1 - P``)."""
+    whose beams cache fewer than ``min_cached_tail`` earlier positions (``min over the block of L - 1 - P``)."""
     W = step.beam_width
     runs = iter(shared_runs(step, beams_per_block))
     earlier = torch.tensor(earlier_tail(step))
@@ -50,12 +50,12 @@ def expected_runs(step, beams_per_block, min_range=1):
         for b0 in range(0, W, beams_per_block):
             rows = slice(r * W + b0, r * W + min(W, b0 + beams_per_block))
             run = next(runs)
-            per_row[rows] = run if int(earlier[rows].min()) >= min_range else 0
+            per_row[rows] = run if int(earlier[rows].min()) >= min_cached_tail else 0
     return per_row
 
 
 def run_stage_then_tail(sim, step, *, divisor=1, lse_layout="NH", lse_base="log2", prefix_dtype=torch.float32,
-                        empty_prefix=False, launch_config=None, kv_heads_per_program=None, min_range=None):
+                        empty_prefix=False, launch_config=None, kv_heads_per_program=None, min_cached_tail=None):
     """The stage, then the tail with its ``tail_skip``; returns ``(out, tail_skip)`` and checks the pool and
     the error flag (valid input raises nothing)."""
     table = step.beam_page_table if divisor == 1 else sim.block_offsets(step.beam_page_table, divisor)[:, 0, :]
@@ -67,7 +67,7 @@ def run_stage_then_tail(sim, step, *, divisor=1, lse_layout="NH", lse_base="log2
                   prefix_lse_base=lse_base, error_flags=flags)
     assert beam_shared_run_attention(step.q, sim.kv_cache, table, step.kv_lens, step.prompt_lens,
                                      step.cache_indirection, step.beam_width, prefix_out, prefix_lse, tail_skip,
-                                     kv_heads_per_program=kv_heads_per_program, min_range=min_range,
+                                     kv_heads_per_program=kv_heads_per_program, min_cached_tail=min_cached_tail,
                                      **common) is tail_skip
     assert torch.equal(sim.kv_cache, before), "the stage wrote to the pool"
     out = torch.full_like(step.q, float("nan"))
@@ -81,13 +81,14 @@ def run_stage_then_tail(sim, step, *, divisor=1, lse_layout="NH", lse_base="log2
 
 # (name, simulator kwargs, steps with one parent, steps, call kwargs). The stage's programs take 1 KV head
 # (the default of small launches on a GPU), 2 (the default on the CPU) and 3 (every head of the shape); the
-# first and last cases fold every run (``min_range`` 1: their tails are shorter than the default's 16), the
-# second takes the default.
+# first and last cases fold every run (``min_cached_tail`` 1: their tails are shorter than the default 32),
+# the second takes the default.
 CASES = [
     # G = 2, head 128: one 32-beam block of 20 beams; the grouped tail kernel (the many-rows default at
     # G = 2); fp32 prefix, log2 LSE.
     ("g2_d128_one_block", dict(prompts=[150, 40], beams=20, hq=4, hkv=2, d=128, pg=32, max_seq_len=192), 14, 18,
-     dict(launch_config=TailLaunchConfig(2, 2, 1, 2, grouped=True), kv_heads_per_program=1, min_range=1)),
+     dict(launch_config=TailLaunchConfig(2, 2, 1, 2, grouped=True), kv_heads_per_program=1,
+          min_cached_tail=1)),
     # G = 3 (padded 4), head 64: two 16-beam blocks of 18 beams (the second mostly padding); NHD, TensorRT-LLM
     # block offsets, FA4's prefix state (bf16 output, natural-log LSE, [heads, rows]); the [QH, D] tail with
     # index blocks, which starts its first index block at P + tail_skip.
@@ -98,7 +99,7 @@ CASES = [
     # G = 8 (a 128-row tile, 8 warps), an empty prefix state (-inf): the run alone seeds the merge; the
     # [QH, D] tail walking 2 positions per step without index blocks.
     ("g8_empty_prefix", dict(prompts=[20, 7], beams=5, hq=8, hkv=1, d=64, max_seq_len=64, seed=4), 12, 15,
-     dict(empty_prefix=True, launch_config=TailLaunchConfig(8, 1, 2, 2), min_range=1)),
+     dict(empty_prefix=True, launch_config=TailLaunchConfig(8, 1, 2, 2), min_cached_tail=1)),
 ]
 
 
@@ -108,7 +109,7 @@ def test_shared_run_then_tail_matches_oracle(name, sim_kw, shared_steps, steps, 
     coalesce_then_branch(sim, steps, shared_steps)
     step = sim.begin_step()
     beams, _, _ = shared_run_tile(sim.beam_width, sim_kw["hq"] // sim_kw["hkv"], sim_kw["d"])
-    want = expected_runs(step, beams, call_kw.get("min_range") or SHARED_RUN_MIN_RANGE)
+    want = expected_runs(step, beams, call_kw.get("min_cached_tail") or SHARED_RUN_MIN_CACHED_TAIL)
     tails = earlier_tail(step)
     # Both parts of the tail are exercised: runs the stage takes, and positions after them the tail walks.
     assert int(want.max()) >= shared_steps - 1 and bool(((want > 0) & (want < torch.tensor(tails))).any()), (want, tails)
@@ -140,8 +141,8 @@ def test_without_a_shared_run_the_prefix_state_is_untouched(device):
     assert_matches(out, oracle(sim, step), "no shared run")
 
 
-def test_a_range_shorter_than_min_range_is_left_to_the_tail(device):
-    """Beams that share their whole history, but fewer earlier positions than ``min_range``: the stage scans
+def test_a_tail_shorter_than_min_cached_tail_is_left_to_the_tail_kernel(device):
+    """Beams that share their whole history, but fewer earlier positions than ``min_cached_tail``: the stage scans
     nothing (every skip 0, the prefix state as it was), and the tail alone gives the oracle's output; one
     position more and the stage takes the whole range."""
     sim = make_sim(device, prompts=[30, 9], beams=6, hq=4, hkv=2, d=64, seed=5)
@@ -153,13 +154,14 @@ def test_a_range_shorter_than_min_range_is_left_to_the_tail(device):
     kept = prefix_out.clone(), prefix_lse.clone()
     tail_skip = torch.full((step.num_rows,), 5, dtype=torch.int32, device=device)
     beam_shared_run_attention(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
-                              step.cache_indirection, step.beam_width, prefix_out, prefix_lse, tail_skip, min_range=8)
+                              step.cache_indirection, step.beam_width, prefix_out, prefix_lse, tail_skip,
+                              min_cached_tail=8)
     assert int(tail_skip.abs().max()) == 0
     assert torch.equal(prefix_out, kept[0]) and torch.equal(prefix_lse, kept[1])
-    for min_range, want in ((8, 0), (7, 7)):
-        out, tail_skip = run_stage_then_tail(sim, step, min_range=min_range)
+    for min_cached_tail, want in ((8, 0), (7, 7)):
+        out, tail_skip = run_stage_then_tail(sim, step, min_cached_tail=min_cached_tail)
         assert tail_skip.tolist() == [want] * step.num_rows
-        assert_matches(out, oracle(sim, step), f"min_range {min_range}")
+        assert_matches(out, oracle(sim, step), f"min_cached_tail {min_cached_tail}")
 
 
 def test_shared_run_reports_a_bad_source_in_a_run(device):
@@ -176,7 +178,7 @@ def test_shared_run_reports_a_bad_source_in_a_run(device):
     flags = device_errors.new_error_flags(device)
     beam_shared_run_attention(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
                               step.cache_indirection, step.beam_width, prefix_out, prefix_lse, tail_skip,
-                              error_flags=flags, min_range=1)  # (an 8-position range: the default leaves it)
+                              error_flags=flags, min_cached_tail=1)  # (an 8-position tail: the default leaves it)
     assert torch.isfinite(prefix_out).all() and torch.isfinite(prefix_lse).all()
     assert int(flags) == device_errors.SOURCE_BEAM.value, device_errors.decode_error_flags(int(flags))
 
@@ -200,8 +202,8 @@ def _stage_args(device):
     (lambda a: a.update(prefix_lse=a["prefix_lse"].t()), r"prefix_lse has shape"),
     (lambda a: a.update(kv_heads_per_program=4), r"kv_heads_per_program=4 must be a positive int dividing the 2 KV"),
     (lambda a: a.update(kv_heads_per_program=0), r"kv_heads_per_program=0 must be a positive int"),
-    (lambda a: a.update(min_range=0), r"min_range=0 must be an int in \[1, 2\*\*31\); pass 1 to fold every"),
-    (lambda a: a.update(min_range=16.0), r"min_range=16.0 must be an int"),
+    (lambda a: a.update(min_cached_tail=0), r"min_cached_tail=0 must be an int in \[1, 2\*\*31\); pass 1 to fold"),
+    (lambda a: a.update(min_cached_tail=16.0), r"min_cached_tail=16.0 must be an int"),
 ])
 def test_stage_refuses_bad_arguments(change, match, device):
     args = _stage_args(device)
@@ -267,7 +269,7 @@ def shared_run_cases(draw):
         call=dict(divisor=draw(st.sampled_from([1, 4])), lse_layout=state[0], lse_base=state[1], prefix_dtype=state[2],
                   empty_prefix=draw(st.sampled_from([False, False, False, True])),
                   kv_heads_per_program=draw(st.sampled_from([None, 1, hkv])),
-                  min_range=draw(st.one_of(st.none(), st.integers(1, 14)))),
+                  min_cached_tail=draw(st.one_of(st.none(), st.integers(1, 14)))),
     )
 
 
@@ -286,6 +288,6 @@ def test_shared_run_property_matches_oracle(case):
             sim.beam_width, dtype=torch.int32)
     beams, _, _ = shared_run_tile(sim.beam_width, case["sim"]["hq"] // case["sim"]["hkv"], case["sim"]["d"])
     out, tail_skip = run_stage_then_tail(sim, step, **case["call"])
-    want = expected_runs(step, beams, case["call"]["min_range"] or SHARED_RUN_MIN_RANGE)
+    want = expected_runs(step, beams, case["call"]["min_cached_tail"] or SHARED_RUN_MIN_CACHED_TAIL)
     assert torch.equal(tail_skip, want), (tail_skip, want)
     assert_matches(out, oracle(sim, step, tail_only=case["call"]["empty_prefix"]), f"{case}")
