@@ -47,6 +47,21 @@ def _one_warp_max_registers(skip_shared: bool) -> int:
     return _ONE_WARP_MAX_REGISTERS_AFTER_STAGE if skip_shared else _ONE_WARP_MAX_REGISTERS
 
 
+def _register_cap(cfg: "TailLaunchConfig", skip_shared: bool, report_errors: bool) -> Optional[int]:
+    """The ``maxnreg`` a CUDA launch of tiling ``cfg`` passes to ptxas (``None``: ptxas's own choice).
+
+    One-warp ``[QH, D]`` programs are held to 32 per SM by the block limit at up to 64 registers; the error
+    flag's bits took 72 on sm_90 uncapped (28 programs per SM, 6% slower at B-4B), and capped they do not
+    spill. The grouped kernel's one-warp tiles (G = 2 with few KV heads) need more: capped at 64 they
+    spilled 216-264 bytes a thread with 4 KV heads at head 128, so they are left uncapped. The few-rows
+    tiling (index blocks) with the flag is lifted to 255 (see ``_FEW_ROWS_MAX_REGISTERS``)."""
+    if cfg.num_warps == 1 and not cfg.grouped:
+        return _one_warp_max_registers(skip_shared)
+    if report_errors and cfg.index_block:
+        return _FEW_ROWS_MAX_REGISTERS
+    return None
+
+
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # Measured with ptxas for sm_90: Triton 3.6 lays out the [QH, BLOCK_T, D] tile like the [QH, D]
 # tiles, Triton 3.9 the [BLOCK_T, QH, D] one (see tail_merge_kernel.py). Versions in between are
@@ -372,14 +387,9 @@ def beam_tail_attention_merge(
         meta.update(tail_skip_ptr=tail_skip, SKIP_SHARED=True)
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
-    if cfg.num_warps == 1 and not cfg.grouped and q.is_cuda:
-        # One-warp [QH, D] programs are held to 32 per SM by the block limit at up to 64 registers; the error
-        # flag's bits took 72 on sm_90 uncapped (28 programs per SM, 6% slower at B-4B). Capped they do not
-        # spill. (The grouped kernel's one-warp tiles, G = 2 with few KV heads, need more: capped at 64 they
-        # spilled 216-264 bytes a thread with 4 KV heads at head 128.)
-        meta.update(maxnreg=_one_warp_max_registers(tail_skip is not None))
-    elif error_flags is not None and cfg.index_block and q.is_cuda:
-        meta.update(maxnreg=_FEW_ROWS_MAX_REGISTERS)
+    register_cap = _register_cap(cfg, tail_skip is not None, error_flags is not None)
+    if register_cap is not None and q.is_cuda:  # (the interpreter has no registers)
+        meta.update(maxnreg=register_cap)
     if q.is_cuda:
         with torch.cuda.device(q.device):
             kernel[grid](*args, **meta)

@@ -31,8 +31,7 @@ from triton_kernels.cascade_kernel import SHARED_BLOCK, beam_cascade_kernel  # n
 from triton_kernels.shared_run import shared_run_kv_heads_per_program, shared_run_tile  # noqa: E402
 from triton_kernels.shared_run_kernel import beam_shared_run_kernel  # noqa: E402
 from triton_kernels.tail_merge import (  # noqa: E402
-    _FEW_ROWS_MAX_REGISTERS,
-    _one_warp_max_registers,
+    _register_cap,
     tail_launch_config,
 )
 from triton_kernels.tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel  # noqa: E402
@@ -231,13 +230,7 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     if not cfg.grouped:
         kernel = beam_tail_merge_kernel
         constexprs.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=cfg.tokens_outer, INDEX_BLOCK=cfg.index_block)
-    # The launcher caps one-warp [QH, D] programs (64 registers, 63 after the stage), and with the flag on
-    # lifts ptxas's own cap for the few-rows tiling (index blocks).
-    maxnreg = None
-    if cfg.num_warps == 1 and not cfg.grouped:
-        maxnreg = _one_warp_max_registers(skip_shared)
-    elif report_errors and cfg.index_block:
-        maxnreg = _FEW_ROWS_MAX_REGISTERS
+    maxnreg = _register_cap(cfg, skip_shared, report_errors)  # the launcher's own choice
     compiled = _compile_sm90(kernel, pointers, constexprs, ("qk_scale_log2", "lse_scale"), _DIV16_INTS,
                              cfg.num_warps, 1, maxnreg=maxnreg)
     regs, stack, shared, local = _resources(compiled)

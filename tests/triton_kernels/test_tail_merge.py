@@ -31,7 +31,7 @@ from beam_shared_prefix.reference import (
 )
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
 from triton_kernels import device_errors
-from triton_kernels.tail_merge import _check_config, tail_launch_config
+from triton_kernels.tail_merge import _check_config, _register_cap, tail_launch_config
 from triton_kernels import (
     TailLaunchConfig,
     TailMergeInputError,
@@ -289,6 +289,24 @@ def test_default_tiling_by_rows(group, hkv, d, rows, expected):
     cfg = tail_launch_config(group, hkv, d, rows)
     assert (cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.index_block, cfg.grouped) == expected
     _check_config(cfg, group)
+
+
+@pytest.mark.parametrize("group,hkv,d,rows,caps", [
+    # (tail alone, after the shared-run stage) x (error flag off, on); None: ptxas's own choice
+    (4, 8, 128, 1920, ((64, 64), (63, 63))),     # B-4B: the one-warp [QH, D] kernel, always capped
+    (2, 4, 128, 1920, ((None, None), (None, None))),  # G = 2, 4 KV heads: the grouped kernel at one warp
+    (2, 8, 128, 1, ((None, 255), (None, 255))),  # the few-rows tiling: lifted to 255 with the flag
+    (8, 8, 128, 1920, ((None, None), (None, None))),  # G = 8: two warps
+])
+def test_register_cap_of_the_default_tilings(group, hkv, d, rows, caps):
+    """The ``maxnreg`` each default tiling passes to ptxas on CUDA, which the interpreter cannot see (the
+    resource script compiles with the same function): one-warp ``[QH, D]`` programs are held to 32 per SM
+    (64 registers; 63 after the stage, the faster of ptxas's schedules on the H200), the grouped kernel's
+    one-warp tiles are left to ptxas (capped they spill)."""
+    cfg = tail_launch_config(group, hkv, d, rows)
+    got = tuple(tuple(_register_cap(cfg, skip_shared, report_errors) for report_errors in (False, True))
+                for skip_shared in (False, True))
+    assert got == caps, (cfg, got)
 
 
 def test_few_rows_default_over_several_index_blocks(device):
