@@ -143,8 +143,8 @@ def test_without_a_shared_run_the_prefix_state_is_untouched(device):
 
 def test_a_tail_shorter_than_min_cached_tail_is_left_to_the_tail_kernel(device):
     """Beams that share their whole history, but fewer earlier positions than ``min_cached_tail``: the stage scans
-    nothing (every skip 0, the prefix state as it was), and the tail alone gives the oracle's output; one
-    position more and the stage takes the whole range."""
+    nothing (every skip 0, the prefix state as it was), and the tail alone gives the oracle's output; at a
+    minimum equal to the tail's 7 positions the stage takes them all."""
     sim = make_sim(device, prompts=[30, 9], beams=6, hq=4, hkv=2, d=64, seed=5)
     coalesce_then_branch(sim, 7, 7)
     step = sim.begin_step()
