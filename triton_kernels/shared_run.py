@@ -67,6 +67,7 @@ SHARED_RUN_MIN_CACHED_TAIL = 32
 
 
 def _stage_programs_per_sm(num_warps: int, head_dim: int, kv_heads_per_program: int) -> int:
+    """Stage programs an SM holds (sm_90 register counts above ``STAGE_PROGRAMS_PER_SM``)."""
     if num_warps <= 4:
         return STAGE_PROGRAMS_PER_SM
     return 1 if head_dim >= 128 or kv_heads_per_program > 1 else 2
@@ -84,11 +85,11 @@ def shared_run_kv_heads_per_program(tiles: int, num_kv_heads: int, sm_count: int
     pays that chain once per wave (B-4B at 96 beams: 12 waves, 22 us at a 4-token tail; 16 us at two heads
     a program, 13 us at eight)."""
     per_prog = 1
-    while (2 * per_prog <= STAGE_MAX_KV_HEADS_PER_PROGRAM and num_kv_heads % (2 * per_prog) == 0
-           and _stage_programs_per_sm(num_warps, head_dim, 2 * per_prog)
-           == _stage_programs_per_sm(num_warps, head_dim, per_prog)
-           and tiles * num_kv_heads // (2 * per_prog) >= _stage_programs_per_sm(num_warps, head_dim, 2 * per_prog)
-           * sm_count):
+    while 2 * per_prog <= STAGE_MAX_KV_HEADS_PER_PROGRAM and num_kv_heads % (2 * per_prog) == 0:
+        programs_per_sm = _stage_programs_per_sm(num_warps, head_dim, 2 * per_prog)
+        if (programs_per_sm < _stage_programs_per_sm(num_warps, head_dim, per_prog)
+                or tiles * num_kv_heads // (2 * per_prog) < programs_per_sm * sm_count):
+            break
         per_prog *= 2
     return per_prog
 

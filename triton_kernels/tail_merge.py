@@ -31,7 +31,7 @@ from .tail_merge_kernel import beam_tail_merge_kernel
 __all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"]
 
 # Registers per thread at which one-warp [QH, D] tail programs (G = 3-4) still fill an SM's 32 program
-# slots, held on every launch: within it ptxas's schedules of the same kernel differed by 5-15% on the H200
+# slots, held on every launch: within it ptxas's schedules of the same kernel differed by 3-15% on the H200
 # (Triton 3.6; docs/rounds.md, "The thirty-first round"), and these caps gave the faster one at B-4B for
 # each variant timed: 64 for the tail alone (with or without the error flag), 63 after the shared-run stage.
 _ONE_WARP_MAX_REGISTERS = 64
@@ -40,11 +40,6 @@ _ONE_WARP_MAX_REGISTERS_AFTER_STAGE = 63
 # bytes a thread (Triton 3.9, sm_90); uncapped it takes 133-146 and spills nothing. Its programs are few,
 # so registers do not limit its occupancy.
 _FEW_ROWS_MAX_REGISTERS = 255
-
-
-def _one_warp_max_registers(skip_shared: bool) -> int:
-    """ptxas's register cap for a one-warp tail launch; ``skip_shared``: it takes the stage's ``tail_skip``."""
-    return _ONE_WARP_MAX_REGISTERS_AFTER_STAGE if skip_shared else _ONE_WARP_MAX_REGISTERS
 
 
 def _register_cap(cfg: "TailLaunchConfig", skip_shared: bool, report_errors: bool) -> Optional[int]:
@@ -56,7 +51,7 @@ def _register_cap(cfg: "TailLaunchConfig", skip_shared: bool, report_errors: boo
     spilled 216-264 bytes a thread with 4 KV heads at head 128, so they are left uncapped. The few-rows
     tiling (index blocks) with the flag is lifted to 255 (see ``_FEW_ROWS_MAX_REGISTERS``)."""
     if cfg.num_warps == 1 and not cfg.grouped:
-        return _one_warp_max_registers(skip_shared)
+        return _ONE_WARP_MAX_REGISTERS_AFTER_STAGE if skip_shared else _ONE_WARP_MAX_REGISTERS
     if report_errors and cfg.index_block:
         return _FEW_ROWS_MAX_REGISTERS
     return None
