@@ -30,28 +30,34 @@ from .tail_merge_kernel import beam_tail_merge_kernel
 
 __all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"]
 
-# Registers per thread at which one-warp [QH, D] tail programs (G = 3-4) still fill an SM's 32 program
-# slots, held on every launch: within it ptxas's schedules of the same kernel differed by 3-15% on the H200
-# (Triton 3.6; docs/rounds.md, "The thirty-first round"), and these caps gave the faster one at B-4B for
-# each variant timed: 64 for the tail alone (with or without the error flag), 63 after the shared-run stage.
-_ONE_WARP_MAX_REGISTERS = 64
-_ONE_WARP_MAX_REGISTERS_AFTER_STAGE = 63
+# Registers per thread held on [QH, D] tail launches of one or two warps whose [QH, BLOCK_T, D] tile is at
+# most 16 elements a thread (G = 3-4 at one warp, G = 5-8 at two, heads up to 128, one token per step).
+# Their uncapped builds take 56-72 registers, so a cap of 64 costs no spills; within it ptxas's schedules
+# of the same kernel differed by 3-15% on the H200 (Triton 3.6; docs/rounds.md, "The thirty-first round"
+# and "The thirty-second round"), and these caps gave the faster one at each point timed: 64 for the tail
+# alone, 63 after the shared-run stage (G = 4 at B-4B; G = 8 at 64/8: 4-12% faster than uncapped).
+# Larger tiles (G = 4 at head 256, 32 elements a thread) spilled 168-192 bytes a thread at 64 and keep
+# ptxas's own choice.
+_SMALL_TILE_MAX_REGISTERS = 64
+_SMALL_TILE_MAX_REGISTERS_AFTER_STAGE = 63
+_SMALL_TILE_ELEMENTS_PER_THREAD = 16
 # The few-rows tiling with the error flag: left to itself ptxas held it to 128 registers and spilled 8-16
 # bytes a thread (Triton 3.9, sm_90); uncapped it takes 133-146 and spills nothing. Its programs are few,
 # so registers do not limit its occupancy.
 _FEW_ROWS_MAX_REGISTERS = 255
 
 
-def _register_cap(cfg: "TailLaunchConfig", skip_shared: bool, report_errors: bool) -> Optional[int]:
+def _register_cap(cfg: "TailLaunchConfig", head_dim: int, skip_shared: bool, report_errors: bool) -> Optional[int]:
     """The ``maxnreg`` a CUDA launch of tiling ``cfg`` passes to ptxas (``None``: ptxas's own choice).
 
-    One-warp ``[QH, D]`` programs are held to 32 per SM by the block limit at up to 64 registers; the error
-    flag's bits took 72 on sm_90 uncapped (28 programs per SM, 6% slower at B-4B), and capped they do not
-    spill. The grouped kernel's one-warp tiles (G = 2 with few KV heads) need more: capped at 64 they
-    spilled 216-264 bytes a thread with 4 KV heads at head 128, so they are left uncapped. The few-rows
-    tiling (index blocks) with the flag is lifted to 255 (see ``_FEW_ROWS_MAX_REGISTERS``)."""
-    if cfg.num_warps == 1 and not cfg.grouped:
-        return _ONE_WARP_MAX_REGISTERS_AFTER_STAGE if skip_shared else _ONE_WARP_MAX_REGISTERS
+    Small ``[QH, D]`` tiles of one or two warps (``_SMALL_TILE_ELEMENTS_PER_THREAD``) take 64 registers,
+    63 after the shared-run stage. The grouped kernel's one-warp tiles (G = 2 with few KV heads) are left
+    uncapped: capped at 64 they spilled 216-264 bytes a thread with 4 KV heads at head 128. The few-rows
+    tiling (index blocks) with the error flag is lifted to 255 (see ``_FEW_ROWS_MAX_REGISTERS``)."""
+    tile = cfg.group_pad * cfg.kv_heads_per_prog * cfg.block_t * head_dim
+    if (not cfg.grouped and cfg.index_block == 0 and cfg.num_warps <= 2
+            and tile <= _SMALL_TILE_ELEMENTS_PER_THREAD * 32 * cfg.num_warps):
+        return _SMALL_TILE_MAX_REGISTERS_AFTER_STAGE if skip_shared else _SMALL_TILE_MAX_REGISTERS
     if report_errors and cfg.index_block:
         return _FEW_ROWS_MAX_REGISTERS
     return None
@@ -143,6 +149,11 @@ _MANY_ROWS_G8_SPLIT = 1536
 # previous default of 2 tokens and 16 warps took 1.52-1.71x; 128 row-KV-heads 1.00-1.06x, against 1.18-1.39x).
 _GROUP_64_WARPS = 8
 _GROUP_64_FEW_ROW_KV_HEADS = 128
+# G = 1 (MHA) at head 128: the [QH, D] kernel with one warp and 4 tokens per iteration, 2 KV heads per
+# program, and one at up to 1,024 row-KV-heads (the H200, tail stage alone, 1,024-30,720 row-KV-heads,
+# tails 4-64; docs/results/h200/tune_tail_round32_g1*.json).
+_G1_KV_HEADS_PER_PROG = 2
+_G1_FEW_ROW_KV_HEADS = 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,6 +222,10 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
         few = num_rows is not None and num_rows * num_kv_heads <= _GROUP_64_FEW_ROW_KV_HEADS
         return TailLaunchConfig(group_pad, 1, 1, _GROUP_64_WARPS, _TOKENS_OUTER,
                                 _FEW_ROWS_INDEX_BLOCK if few else DEFAULT_INDEX_BLOCK)
+    if group_pad == 1 and head_dim == 128:
+        few = num_rows is not None and num_rows * num_kv_heads <= _G1_FEW_ROW_KV_HEADS
+        kv_heads_per_prog = 1 if few else min(triton.next_power_of_2(num_kv_heads), _G1_KV_HEADS_PER_PROG)
+        return TailLaunchConfig(1, kv_heads_per_prog, 4, 1, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
     target_slots = max(group_pad, 1024 // head_dim)
     kv_heads_per_prog = max(1, min(triton.next_power_of_2(num_kv_heads), target_slots // group_pad))
     tile = group_pad * kv_heads_per_prog * head_dim
@@ -382,7 +397,7 @@ def beam_tail_attention_merge(
         meta.update(tail_skip_ptr=tail_skip, SKIP_SHARED=True)
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
-    register_cap = _register_cap(cfg, tail_skip is not None, error_flags is not None)
+    register_cap = _register_cap(cfg, geom.head_dim, tail_skip is not None, error_flags is not None)
     if register_cap is not None and q.is_cuda:  # (the interpreter has no registers)
         meta.update(maxnreg=register_cap)
     if q.is_cuda:

@@ -55,6 +55,8 @@ SHAPES = [
     ("bf16", 32, 2, 128, "fp32"),  # G = 16
     ("bf16", 32, 1, 128, "bf16"),  # MQA, G = 32
     ("bf16", 64, 1, 128, "bf16"),  # MQA, G = 64
+    ("bf16", 32, 8, 256, "bf16"),  # G = 4 at head 256: one warp, uncapped (capped at 64 it spilled)
+    ("bf16", 16, 16, 128, "bf16"),  # MHA (G = 1): one warp, two KV heads, 4 tokens; one head at few rows
 ]
 
 # Ints Triton's runtime specializes as multiples of 16 for real pools and contiguous buffers.
@@ -230,7 +232,7 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     if not cfg.grouped:
         kernel = beam_tail_merge_kernel
         constexprs.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=cfg.tokens_outer, INDEX_BLOCK=cfg.index_block)
-    maxnreg = _register_cap(cfg, skip_shared, report_errors)  # the launcher's own choice
+    maxnreg = _register_cap(cfg, d, skip_shared, report_errors)  # the launcher's own choice
     compiled = _compile_sm90(kernel, pointers, constexprs, ("qk_scale_log2", "lse_scale"), _DIV16_INTS,
                              cfg.num_warps, 1, maxnreg=maxnreg)
     regs, stack, shared, local = _resources(compiled)

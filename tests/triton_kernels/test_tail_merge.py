@@ -283,6 +283,10 @@ TILINGS = [
     (48, 2, 128, 1920, (1, 1, 8, 0, False)),
     (16, 2, 64, 1920, (1, 1, 4, 0, False)),  # unmeasured (G = 16 at head 64): the previous default
     (64, 1, 64, 1920, (1, 2, 8, 0, False)),  # unmeasured (G = 64 at head 64): the previous default
+    (1, 16, 128, 64, (1, 4, 1, 0, False)),  # MHA, few rows: 1,024 row-KV-heads, one head a program
+    (1, 16, 128, 65, (2, 4, 1, 0, False)),  # MHA above: two heads a program
+    (1, 1, 128, None, (1, 4, 1, 0, False)),  # one KV head in all
+    (1, 16, 64, 1920, (8, 1, 4, 0, False)),  # unmeasured (G = 1 at head 64): the previous default
 ])
 def test_default_tiling_by_rows(group, hkv, d, rows, expected):
     """The default tiling by beam rows (the H200 measurements in ``tail_launch_config``'s docstring)."""
@@ -293,18 +297,23 @@ def test_default_tiling_by_rows(group, hkv, d, rows, expected):
 
 @pytest.mark.parametrize("group,hkv,d,rows,caps", [
     # (tail alone, after the shared-run stage) x (error flag off, on); None: ptxas's own choice
-    (4, 8, 128, 1920, ((64, 64), (63, 63))),     # B-4B: the one-warp [QH, D] kernel, always capped
+    (4, 8, 128, 1920, ((64, 64), (63, 63))),     # B-4B: one warp, 16 elements a thread: capped
+    (8, 8, 128, 1920, ((64, 64), (63, 63))),     # G = 8: two warps, 16 elements a thread: capped
+    (1, 16, 128, 64, ((64, 64), (63, 63))),      # MHA, few rows: one head, 4 tokens, one warp: capped
+    (1, 16, 128, 1920, ((None, None), (None, None))),  # MHA: two heads, 32 elements a thread
+    (4, 8, 256, 1920, ((None, None), (None, None))),   # G = 4 at head 256: one warp, 32 elements a thread
+    (8, 8, 128, 100, ((None, None), (None, None))),    # G = 8 under 1,536 row-KV-heads: 4 tokens
     (2, 4, 128, 1920, ((None, None), (None, None))),  # G = 2, 4 KV heads: the grouped kernel at one warp
     (2, 8, 128, 1, ((None, 255), (None, 255))),  # the few-rows tiling: lifted to 255 with the flag
-    (8, 8, 128, 1920, ((None, None), (None, None))),  # G = 8: two warps
+    (16, 8, 128, 1920, ((None, None), (None, None))),  # G = 16: two warps, 32 elements a thread
 ])
 def test_register_cap_of_the_default_tilings(group, hkv, d, rows, caps):
     """The ``maxnreg`` each default tiling passes to ptxas on CUDA, which the interpreter cannot see (the
-    resource script compiles with the same function): one-warp ``[QH, D]`` programs are held to 32 per SM
-    (64 registers; 63 after the stage, the faster of ptxas's schedules on the H200), the grouped kernel's
-    one-warp tiles are left to ptxas (capped they spill)."""
+    resource script compiles with the same function): ``[QH, D]`` tiles of one or two warps and at most 16
+    elements a thread take 64 registers (63 after the stage, the faster of ptxas's schedules on the H200);
+    larger tiles and the grouped kernel's one-warp tiles are left to ptxas (capped they spill)."""
     cfg = tail_launch_config(group, hkv, d, rows)
-    got = tuple(tuple(_register_cap(cfg, skip_shared, report_errors) for report_errors in (False, True))
+    got = tuple(tuple(_register_cap(cfg, d, skip_shared, report_errors) for report_errors in (False, True))
                 for skip_shared in (False, True))
     assert got == caps, (cfg, got)
 
