@@ -36,11 +36,17 @@ __all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"
 # of the same kernel differed by 3-15% on the H200 (Triton 3.6; docs/rounds.md, "The thirty-first round"
 # and "The thirty-second round"), and these caps gave the faster one at each point timed: 64 for the tail
 # alone, 63 after the shared-run stage (G = 4 at B-4B; G = 8 at 64/8: 4-12% faster than uncapped).
-# Larger tiles (G = 4 at head 256, 32 elements a thread) spilled 168-192 bytes a thread at 64 and keep
-# ptxas's own choice.
+# G = 4 at head 256 (one warp, 32 elements a thread) spilled 176-184 bytes a thread at 64 and ran 13-37%
+# slower; uncapped (123-128 registers, no spills) it was the fastest, and keeps ptxas's own choice.
 _SMALL_TILE_MAX_REGISTERS = 64
 _SMALL_TILE_MAX_REGISTERS_AFTER_STAGE = 63
 _SMALL_TILE_ELEMENTS_PER_THREAD = 16
+# MHA's one-warp tiles of two KV heads and 4 tokens (32 elements a thread at head 128). With the error flag
+# ptxas's own schedule ran 1.11-1.33x the time of a capped one on the H200 at the same 64 registers (Triton
+# 3.6; 64 x 30 x 500, 16/16, tail 64: 226 against 170 us), and without it the caps were within 2% of each
+# other. Caps of 64 and 80 gave the same time on Triton 3.6; Triton 3.9 spills 8 bytes a thread at 64 (and
+# uncapped with the flag) and none at 80.
+_MHA_TILE_MAX_REGISTERS = 80
 # The few-rows tiling with the error flag: left to itself ptxas held it to 128 registers and spilled 8-16
 # bytes a thread (Triton 3.9, sm_90); uncapped it takes 133-146 and spills nothing. Its programs are few,
 # so registers do not limit its occupancy.
@@ -51,13 +57,16 @@ def _register_cap(cfg: "TailLaunchConfig", head_dim: int, skip_shared: bool, rep
     """The ``maxnreg`` a CUDA launch of tiling ``cfg`` passes to ptxas (``None``: ptxas's own choice).
 
     Small ``[QH, D]`` tiles of one or two warps (``_SMALL_TILE_ELEMENTS_PER_THREAD``) take 64 registers,
-    63 after the shared-run stage. The grouped kernel's one-warp tiles (G = 2 with few KV heads) are left
+    63 after the shared-run stage; MHA's one-warp tiles of up to twice that take 80. The grouped kernel's one-warp tiles (G = 2 with few KV heads) are left
     uncapped: capped at 64 they spilled 216-264 bytes a thread with 4 KV heads at head 128. The few-rows
     tiling (index blocks) with the error flag is lifted to 255 (see ``_FEW_ROWS_MAX_REGISTERS``)."""
     tile = cfg.group_pad * cfg.kv_heads_per_prog * cfg.block_t * head_dim
     if (not cfg.grouped and cfg.index_block == 0 and cfg.num_warps <= 2
             and tile <= _SMALL_TILE_ELEMENTS_PER_THREAD * 32 * cfg.num_warps):
         return _SMALL_TILE_MAX_REGISTERS_AFTER_STAGE if skip_shared else _SMALL_TILE_MAX_REGISTERS
+    if (not cfg.grouped and cfg.index_block == 0 and cfg.num_warps == 1 and cfg.group_pad == 1
+            and tile <= 2 * _SMALL_TILE_ELEMENTS_PER_THREAD * 32):
+        return _MHA_TILE_MAX_REGISTERS
     if report_errors and cfg.index_block:
         return _FEW_ROWS_MAX_REGISTERS
     return None

@@ -300,7 +300,7 @@ def test_default_tiling_by_rows(group, hkv, d, rows, expected):
     (4, 8, 128, 1920, ((64, 64), (63, 63))),     # B-4B: one warp, 16 elements a thread: capped
     (8, 8, 128, 1920, ((64, 64), (63, 63))),     # G = 8: two warps, 16 elements a thread: capped
     (1, 16, 128, 64, ((64, 64), (63, 63))),      # MHA, few rows: one head, 4 tokens, one warp: capped
-    (1, 16, 128, 1920, ((None, None), (None, None))),  # MHA: two heads, 32 elements a thread
+    (1, 16, 128, 1920, ((80, 80), (80, 80))),  # MHA: two heads, 32 elements a thread
     (4, 8, 256, 1920, ((None, None), (None, None))),   # G = 4 at head 256: one warp, 32 elements a thread
     (8, 8, 128, 100, ((None, None), (None, None))),    # G = 8 under 1,536 row-KV-heads: 4 tokens
     (2, 4, 128, 1920, ((None, None), (None, None))),  # G = 2, 4 KV heads: the grouped kernel at one warp
@@ -310,8 +310,9 @@ def test_default_tiling_by_rows(group, hkv, d, rows, expected):
 def test_register_cap_of_the_default_tilings(group, hkv, d, rows, caps):
     """The ``maxnreg`` each default tiling passes to ptxas on CUDA, which the interpreter cannot see (the
     resource script compiles with the same function): ``[QH, D]`` tiles of one or two warps and at most 16
-    elements a thread take 64 registers (63 after the stage, the faster of ptxas's schedules on the H200);
-    larger tiles and the grouped kernel's one-warp tiles are left to ptxas (capped they spill)."""
+    elements a thread take 64 registers (63 after the stage, the faster of ptxas's schedules on the H200), MHA's
+    one-warp tiles of 32 elements 80; other larger tiles and the grouped kernel's one-warp tiles are left to
+    ptxas (capped they spill)."""
     cfg = tail_launch_config(group, hkv, d, rows)
     got = tuple(tuple(_register_cap(cfg, d, skip_shared, report_errors) for report_errors in (False, True))
                 for skip_shared in (False, True))
