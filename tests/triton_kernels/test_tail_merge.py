@@ -286,7 +286,7 @@ TILINGS = [
     (1, 16, 128, 64, (1, 4, 1, 0, False)),  # MHA, few rows: 1,024 row-KV-heads, one head a program
     (1, 16, 128, 65, (2, 4, 1, 0, False)),  # MHA above: two heads a program
     (1, 1, 128, None, (1, 4, 1, 0, False)),  # one KV head in all
-    (1, 16, 64, 1920, (8, 1, 4, 0, False)),  # unmeasured (G = 1 at head 64): the previous default
+    (1, 16, 64, 1920, (16, 1, 4, 0, False)),  # unmeasured (G = 1 at head 64): the previous default
 ])
 def test_default_tiling_by_rows(group, hkv, d, rows, expected):
     """The default tiling by beam rows (the H200 measurements in ``tail_launch_config``'s docstring)."""
