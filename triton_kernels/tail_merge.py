@@ -137,8 +137,9 @@ _GROUPED_ELEMENTS_PER_THREAD = 32
 # 2-warp tiling below.
 # At G = 16 and 32 (head 128; twenty-sixth round, tune_tail_round26_wide_groups.json and _g32_g64.json, 64-256
 # row-KV-heads; 8 warps at G = 32) it was within 1.00-1.09x of the best tiling, where the tilings it
-# replaced took 1.08-1.87x. Shapes not listed (G = 1, G = 4 at head 64 and 256, G = 16 and 32 at other heads) are
-# unmeasured and keep the defaults below.
+# replaced took 1.08-1.87x. G = 1 at head 128 has its own few-rows tiling (below, without index blocks); other
+# shapes not listed (G = 1 at other heads, G = 4 at head 64 and 256, G = 16 and 32 at other heads) are unmeasured
+# and keep the defaults below.
 _FEW_ROWS_MAX_ROW_KV_HEADS = {(2, 64): 1024, (2, 128): 1024, (2, 256): 1024, (4, 128): 1024,
                               (8, 64): 512, (8, 128): 512, (8, 256): 512, (16, 128): 256, (32, 128): 128}
 _FEW_ROWS_BLOCK_T = 4
@@ -198,6 +199,10 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
       32/1, tail 64, 212.8 against 275.1 us; within 1.08x of each shape's best tiling from 1,920 row-KV-heads.
     - ``G = 64`` (padded; 33-64) at head 128: one KV head and one token per 8-warp program, with index blocks
       of 32 positions up to 128 row-KV-heads: 64 x 30 x 500 at 64/1, tail 4, 54.0 against 92.3 us.
+    - ``G = 1`` (MHA) at head 128: the ``[QH, D]`` kernel with one warp and 4 tokens per iteration, 2 KV heads
+      per program, and one at up to 1,024 row-KV-heads: 64 x 30 x 500 at 16/16, tail 64, 155.1 against 175.1
+      us for the previous default, 64 x 96 456.7 against 506.7, 8 x 8 21.1 against 47.9; within 0.8% of it
+      at tail 4.
     - Otherwise (``G = 1``, ``G = 8``, ``16-32`` and ``64`` at other heads; unmeasured): the previous default, the
       ``[QH, D]`` kernel with about 1024 query-slot elements per program, 4 warps, ``block_t`` 1 (2 above
       1024); a group wider than that (MQA, G = 32 or 64) stays in one program with 8-16 warps (at G = 64
