@@ -31,7 +31,7 @@ from beam_shared_prefix.reference import (
 )
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
 from triton_kernels import device_errors
-from triton_kernels.tail_merge import _check_config, _register_cap, tail_launch_config
+from triton_kernels.tail_merge import _TOKENS_OUTER, _check_config, _register_cap, tail_launch_config
 from triton_kernels import (
     TailLaunchConfig,
     TailMergeInputError,
@@ -365,6 +365,21 @@ def test_tilings_agree_with_oracle(config, device):
         step = sim.begin_step()
         out = run_step("triton", sim, step, divisor=6, launch_config=config, lse_layout="HN" if s % 2 else "NH")
         assert_matches(out, oracle(sim, step), f"tiling {config}, step {s} tails {earlier_tail(step)}")
+        sim.end_step(write_kv=False)
+    assert max(earlier_tail(step)) == 8
+
+
+@pytest.mark.parametrize("config", [None, TailLaunchConfig(1, 2, 4, 1)], ids=["default", "two_heads_past_hkv"])
+def test_mha_tilings_agree_with_oracle(config, device):
+    """MHA at head 128 (Hkv = 3): the default at these few rows (one KV head, 4 tokens, one warp) and the
+    many-rows tiling (two KV heads a program, so the second program's second head is past Hkv and masked);
+    tails of 0-8 earlier tokens, in blocks of 4 with a partial one, crossing page boundaries (page 16)."""
+    assert tail_launch_config(1, 3, 128, 6) == TailLaunchConfig(1, 1, 4, 1, _TOKENS_OUTER)
+    sim = make_sim(device, prompts=[13, 30], beams=3, hq=3, hkv=3, d=128, seed=17)
+    for s in range(9):
+        step = sim.begin_step()
+        out = run_step("triton", sim, step, launch_config=config, lse_layout="HN" if s % 2 else "NH")
+        assert_matches(out, oracle(sim, step), f"MHA tiling {config}, step {s} tails {earlier_tail(step)}")
         sim.end_step(write_kv=False)
     assert max(earlier_tail(step)) == 8
 
