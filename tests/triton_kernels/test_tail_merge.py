@@ -397,8 +397,9 @@ def tail_cases(draw):
     group = draw(st.sampled_from([1, 2, 3, 4, 6]))
     group_pad = 1 << (group - 1).bit_length()
     grouped = draw(st.booleans())
-    config = TailLaunchConfig(group_pad, draw(st.sampled_from([1, 2, 4])), 1 if grouped else draw(st.sampled_from([1, 2])),
-                              draw(st.sampled_from([1, 2])), tokens_outer=draw(st.booleans()), grouped=grouped)
+    block_t = 1 if grouped else draw(st.sampled_from([1, 2, 4]))
+    config = TailLaunchConfig(group_pad, draw(st.sampled_from([1, 2, 4])), block_t, draw(st.sampled_from([1, 2])),
+                              tokens_outer=draw(st.booleans()), grouped=grouped)
     return dict(
         sim=dict(prompts=draw(st.lists(st.integers(1, 40), min_size=1, max_size=3)), beams=draw(st.integers(1, 4)),
                  hq=hkv * group, hkv=hkv, d=draw(st.sampled_from([32, 64])), pg=draw(st.sampled_from([4, 8, 16])),
