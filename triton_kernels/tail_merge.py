@@ -56,21 +56,19 @@ _FEW_ROWS_MAX_REGISTERS = 255
 def _register_cap(cfg: "TailLaunchConfig", head_dim: int, skip_shared: bool, report_errors: bool) -> Optional[int]:
     """The ``maxnreg`` a CUDA launch of tiling ``cfg`` passes to ptxas (``None``: ptxas's own choice).
 
-    Small ``[QH, D]`` tiles of one or two warps (``_SMALL_TILE_ELEMENTS_PER_THREAD``) take 64 registers,
-    63 after the shared-run stage; MHA's one-warp tiles of up to twice that take 80. Other tiles are left
-    uncapped: the grouped kernel's one-warp tiles (G = 2 with few KV heads) spilled 216-264 bytes a thread
-    at 64 with 4 KV heads at head 128, G = 16's two-warp tiles and G = 4's at head 256 spilled and ran
-    1.1-2.6x slower. The few-rows tiling (index blocks) with the error flag is lifted to 255 (see
+    ``[QH, D]`` tiles without index blocks: of one or two warps and at most ``_SMALL_TILE_ELEMENTS_PER_THREAD``
+    elements a thread, 64 registers (63 after the shared-run stage); MHA's one-warp tiles of up to twice that,
+    80. Other tiles are left uncapped (capped, the grouped kernel's one-warp tiles, G = 16's two-warp tiles and
+    G = 4's at head 256 spilled). The few-rows tiling (index blocks) with the error flag is lifted to 255 (see
     ``_FEW_ROWS_MAX_REGISTERS``)."""
+    if cfg.grouped or cfg.index_block:
+        return _FEW_ROWS_MAX_REGISTERS if report_errors and cfg.index_block else None
+    threads = 32 * cfg.num_warps
     tile = cfg.group_pad * cfg.kv_heads_per_prog * cfg.block_t * head_dim
-    if (not cfg.grouped and cfg.index_block == 0 and cfg.num_warps <= 2
-            and tile <= _SMALL_TILE_ELEMENTS_PER_THREAD * 32 * cfg.num_warps):
+    if cfg.num_warps <= 2 and tile <= _SMALL_TILE_ELEMENTS_PER_THREAD * threads:
         return _SMALL_TILE_MAX_REGISTERS_AFTER_STAGE if skip_shared else _SMALL_TILE_MAX_REGISTERS
-    if (not cfg.grouped and cfg.index_block == 0 and cfg.num_warps == 1 and cfg.group_pad == 1
-            and tile <= 2 * _SMALL_TILE_ELEMENTS_PER_THREAD * 32):
+    if cfg.num_warps == 1 and cfg.group_pad == 1 and tile <= 2 * _SMALL_TILE_ELEMENTS_PER_THREAD * threads:
         return _MHA_TILE_MAX_REGISTERS
-    if report_errors and cfg.index_block:
-        return _FEW_ROWS_MAX_REGISTERS
     return None
 
 
