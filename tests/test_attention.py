@@ -254,6 +254,34 @@ def test_auto_rejudges_the_backend_when_the_request_count_changes_it(monkeypatch
     assert calls == [2, 65]  # the third batch reuses the first answer's choice
 
 
+@pytest.mark.parametrize("graph,shared_run", [(False, "auto"), (False, "off"), (True, "auto")])
+def test_auto_rejudges_the_backend_when_the_tail_passes_the_cascade_limit(monkeypatch, graph, shared_run):
+    """At MHA (head 128) the cascade serves tails up to ``CASCADE_MAX_TAIL``: within one composition, the
+    eager wrapper judges the backend again at the first step past it, with that step's tail (whatever
+    ``shared_run``, which the rule hears too); under CUDA graphs the first plan's choice is kept."""
+    import beam_shared_prefix.attention as attention_module
+    from beam_shared_prefix.prefix.select import CASCADE_MAX_TAIL
+
+    calls = []
+
+    def resolve(requested, *args, tail_len=None, shared_run=True, **kw):
+        calls.append((tail_len, shared_run))
+        return "reference"
+
+    monkeypatch.setattr(attention_module, "resolve_prefix_backend", resolve)
+    requests, w, prompt, pg, h, d = 2, 4, 100, 32, 2, 128
+    pages = -(-prompt // pg)
+    caps = dict(max_requests=requests, max_beam_width=w, max_prompt_pages=pages) if graph else {}
+    att = BeamSharedPrefixAttention("cpu", backend="auto", check=False, shared_run=shared_run,
+                                    use_cuda_graph=graph, **caps)
+    limit = CASCADE_MAX_TAIL[(1, d)]
+    for tail in range(1, limit + 4):
+        att.plan([0, pages, 2 * pages], list(range(2 * pages)), [prompt] * requests, w, h, h, d, pg, 2 * pages + 1,
+                 torch.bfloat16, key="one composition", max_tail_len=tail)
+    stage = shared_run != "off"
+    assert calls == ([(1, stage)] if graph else [(1, stage), (limit + 1, stage)]), calls
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("check", [False, True])
 def test_shared_run_stage_serves_coalesced_steps(check, monkeypatch):

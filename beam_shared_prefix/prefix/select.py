@@ -44,7 +44,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
-           "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run"]
+           "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run", "CASCADE_MAX_TAIL",
+           "cascade_tail_too_long", "tail_class"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
@@ -282,6 +283,32 @@ def long_tail_for_shared_run(tail_len: Optional[float]) -> bool:
     return tail_len is not None and float(tail_len) >= SHARED_RUN_MIN_TAIL
 
 
+# MHA's tail (thirty-third round, g1_auto_grid_round33.json: GQA 16/16 at head 128, 64 requests of 14 and 30
+# beams, 100-2,000 tokens, tails 4-64). The thirty-second round's MHA tail tiling made FA4 + tail faster
+# at long tails, where the cascade's crossovers (fitted at 4 tokens) still picked the cascade: from 16
+# generated tokens FA4 + tail was faster at 11 of 12 points (1.03-1.36x; 64 x 14 x 2,000 at 64 tokens
+# even, 0.99x), at 8 tokens within 3% either way (0.92-1.03x), at 4 tokens slower (the cascade 0.77-0.96x).
+# GQA 2 and 4 (g2_, g4_auto_grid_round33.json) kept the cascade to 64 tokens (at most 6% slower, 64 x 30 x
+# 100 at GQA 2), so they have no limit.
+#: ``{(GQA group, head size): the longest tail}`` (generated tokens per beam, the step's longest, its own
+#: token included) at which ``auto`` picks the one-launch cascade; longer tails take FA4 + tail.
+CASCADE_MAX_TAIL = {(1, 128): 8}
+
+
+def cascade_tail_too_long(group_size: int, head_dim: int, tail_len: Optional[float]) -> bool:
+    """Whether a step whose longest tail is ``tail_len`` tokens (``None``: unknown, e.g. a CUDA graph's
+    capture, which serves any tail) is past :data:`CASCADE_MAX_TAIL` for this group and head size."""
+    limit = CASCADE_MAX_TAIL.get((group_size, head_dim))
+    return limit is not None and tail_len is not None and float(tail_len) > limit
+
+
+def tail_class(group_size: int, head_dim: int, tail_len: Optional[float]) -> Tuple[bool, bool]:
+    """What of a step's longest tail ``tail_len`` (tokens; ``None``: unknown) the ``auto`` rules read:
+    ``(long enough for the shared-run stage, past the cascade's tail limit)``. A plan made at one class
+    serves every step of that class; an engine plans again when it changes."""
+    return long_tail_for_shared_run(tail_len), cascade_tail_too_long(group_size, head_dim, tail_len)
+
+
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
     "reference": ReferencePrefixBackend,
     "flashinfer": FlashInferPrefixBackend,
@@ -346,6 +373,7 @@ def cascade_preferred(
     head_dim: int = 128,
     num_requests: Optional[int] = None,
     tail_len: Optional[float] = None,
+    shared_run: bool = True,
 ) -> Tuple[bool, str]:
     """Whether ``auto`` picks the one-launch cascade for a batch: ``(True, "")`` or ``(False, reason)``.
 
@@ -353,8 +381,9 @@ def cascade_preferred(
     ``beam_width`` the batch's ``W`` (``None``: unknown, the stricter prompt limit applies);
     ``num_requests`` the batch's ``R`` (``None``: unknown, judged as many): with few cascade programs
     some shapes have a lower limit (:data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS`). ``tail_len``: the
-    step's longest tail (generated tokens per beam) where the shared-run stage may run, else ``None``:
-    from :data:`SHARED_RUN_MIN_TAIL` the two-launch paths with the stage are preferred.
+    step's longest tail (generated tokens per beam, ``None``: unknown, e.g. a CUDA graph's capture):
+    past :data:`CASCADE_MAX_TAIL` FA4 + tail is preferred, and where ``shared_run`` (the shared-run
+    stage may run), from :data:`SHARED_RUN_MIN_TAIL` the two-launch paths with the stage are.
     """
     group = num_qo_heads // max(num_kv_heads, 1)
     if group > CASCADE_MAX_GROUP:
@@ -368,9 +397,12 @@ def cascade_preferred(
         return False, reason
     if mean_prompt_len is None:
         return False, "prompt lengths unknown"
-    if long_tail_for_shared_run(tail_len):
+    if shared_run and long_tail_for_shared_run(tail_len):
         return False, (f"tail {float(tail_len):.0f} >= {SHARED_RUN_MIN_TAIL} generated tokens per beam: a two-launch "
                        f"path with the shared-run stage measured faster there")
+    if cascade_tail_too_long(group, head_dim, tail_len):
+        return False, (f"tail {float(tail_len):.0f} > {CASCADE_MAX_TAIL[(group, head_dim)]} generated tokens per "
+                       f"beam at G={group}, head {head_dim}: FA4 + tail measured faster there")
     limit = cascade_prompt_limit(beam_width, group, head_dim)
     two_blocks = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, 2, num_requests, num_kv_heads,
                                      beam_width, group, head_dim)
@@ -514,10 +546,11 @@ def cascade_serves(
     head_dim: int,
     num_requests: Optional[int] = None,
     tail_len: Optional[float] = None,
+    shared_run: bool = True,
 ) -> bool:
     """Whether the one-launch cascade would serve a CUDA batch under the ``requested`` backend setting:
     ``"triton"`` where the kernel tiles the shape, ``"auto"`` where :func:`cascade_preferred` picks it
-    (``tail_len`` as there) and :func:`split_kv_preferred` (``num_requests``: the batch's, ``None``
+    (``tail_len`` and ``shared_run`` as there) and :func:`split_kv_preferred` (``num_requests``: the batch's, ``None``
     unknown) does not.
     (The decline rule's thresholds differ for it and for the two-launch paths.)"""
     if requested == "triton":
@@ -530,7 +563,7 @@ def cascade_serves(
         if split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)[0]:
             return False
         return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim, num_requests,
-                                 tail_len)[0]
+                                 tail_len, shared_run)[0]
     return False
 
 
@@ -556,22 +589,23 @@ def step_path(
     beam_width: Optional[int],
     head_dim: int,
     tail_len: Optional[float] = None,
+    shared_run: bool = True,
 ) -> Tuple[bool, bool]:
     """``(split_kv, one_launch)``: whether FlashInfer's split prompt, or the one-launch cascade, serves a
     CUDA batch under ``requested``, with the packages installed here (what the per-step decline rule
-    must judge); ``tail_len`` as for :func:`cascade_preferred`. Unlike :func:`flashinfer_serves` and
+    must judge); ``tail_len`` and ``shared_run`` as for :func:`cascade_preferred`. Unlike :func:`flashinfer_serves` and
     :func:`cascade_serves`, which model a machine with every backend installed, a missing FlashInfer sends
     ``auto``'s few-request batches to the cascade or FA4, and a missing FA4 sends ``fa4`` to FlashInfer."""
     if requested == "fa4" and not _installed("fa4"):
         requested = "flashinfer"
     if requested == "auto" and not _installed("flashinfer"):
         preferred = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                                      num_requests, tail_len)[0]
+                                      num_requests, tail_len, shared_run)[0]
         return False, preferred
     split_kv = flashinfer_serves(requested, num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
                                  head_dim)
     one_launch = not split_kv and cascade_serves(requested, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                                 head_dim, num_requests, tail_len)
+                                                 head_dim, num_requests, tail_len, shared_run)
     return split_kv, one_launch
 
 
@@ -587,13 +621,14 @@ def choose_prefix_backend(
     beam_width: Optional[int] = None,
     num_requests: Optional[int] = None,
     tail_len: Optional[float] = None,
+    shared_run: bool = True,
 ) -> Tuple[str, List[str]]:
     """The ``backend="auto"`` choice for a shape: ``(name, [reasons the faster backends declined])``.
 
     ``mean_prompt_len`` (tokens, the batch's mean), ``beam_width`` and ``num_requests`` let the rule
     pick FlashInfer's split prompt for few requests (:func:`split_kv_preferred`) or the one-launch
-    cascade (:func:`cascade_preferred`, with ``tail_len``: the step's longest tail where the shared-run
-    stage may run, else ``None``).
+    cascade (:func:`cascade_preferred`, with ``tail_len``: the step's longest tail, ``None`` where unknown,
+    and ``shared_run``: whether the shared-run stage may run).
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -602,7 +637,7 @@ def choose_prefix_backend(
     split, split_why = split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
                                           head_dim)
     preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                                       num_requests, tail_len)
+                                       num_requests, tail_len, shared_run)
     candidates = ("triton", "fa4", "flashinfer") if preferred else ("fa4", "flashinfer")
     if split:
         candidates = ("flashinfer",) + candidates[:-1]
@@ -632,11 +667,13 @@ def resolve_prefix_backend(
     beam_width: Optional[int] = None,
     num_requests: Optional[int] = None,
     tail_len: Optional[float] = None,
+    shared_run: bool = True,
 ) -> str:
     """The backend that will run for ``requested`` (``auto``/``triton``/``fa4``/``flashinfer``/``reference``).
 
     ``mean_prompt_len``: the batch's mean prompt length (tokens), ``beam_width``, ``num_requests`` and
-    ``tail_len`` (the step's longest tail where the shared-run stage may run), for the ``auto`` rule.
+    ``tail_len`` (the step's longest tail, ``None`` where unknown) and ``shared_run`` (whether the
+    shared-run stage may run), for the ``auto`` rule.
 
     Declines are logged on the ``beam_shared_prefix`` logger with their reason.
 
@@ -645,7 +682,8 @@ def resolve_prefix_backend(
     """
     if requested == "auto":
         name, declined = choose_prefix_backend(device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size,
-                                               kv_layout, mean_prompt_len, beam_width, num_requests, tail_len)
+                                               kv_layout, mean_prompt_len, beam_width, num_requests, tail_len,
+                                               shared_run)
         for reason in declined:
             logger.info("beam_shared_prefix: backend=auto declined %s", reason)
         if name == "reference" and torch.device(device).type == "cuda":

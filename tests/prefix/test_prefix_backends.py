@@ -558,6 +558,32 @@ def test_long_tails_take_a_two_launch_path_with_the_shared_run_stage(monkeypatch
     assert select.step_path("auto", 64, 500, 16, 8, 30, 128, tail_len=tail) == (False, False)
     assert select.step_path("triton", 64, 500, 16, 8, 30, 128, tail_len=tail) == (False, True)  # forced: kept
     assert select.cascade_serves("auto", 500, 16, 8, 30, 128, 64, tail) is False
+    # Without the stage (shared_run off) a long tail is judged by the prompt and tail limits alone.
+    assert select.cascade_preferred(500, 16, 8, 30, 128, 64, tail, shared_run=False)[0]
+    assert select.step_path("auto", 64, 500, 16, 8, 30, 128, tail_len=tail, shared_run=False) == (False, True)
+
+
+def test_mha_leaves_the_cascade_past_its_tail_limit(monkeypatch):
+    """At MHA (head 128) ``auto`` keeps the cascade up to ``CASCADE_MAX_TAIL`` generated tokens and takes FA4
+    + tail past it, with the stage on or off; an unknown tail (a CUDA graph's capture) and the shapes
+    without a limit (GQA 2, MHA at head 64) keep the prompt rule."""
+    from beam_shared_prefix.prefix import select
+
+    limit = select.CASCADE_MAX_TAIL[(1, 128)]
+    assert set(select.CASCADE_MAX_TAIL) == {(1, 128)}
+    for shared_run in (True, False):
+        assert select.cascade_preferred(500, 16, 16, 30, 128, 64, limit, shared_run)[0]
+        picked, why = select.cascade_preferred(500, 16, 16, 30, 128, 64, limit + 1, shared_run)
+        assert not picked and f"tail {limit + 1} > {limit} generated tokens per beam at G=1, head 128" in why
+    assert select.cascade_preferred(500, 16, 16, 30, 128, 64, None)[0]
+    assert select.cascade_preferred(500, 16, 8, 30, 128, 64, 64)[0]
+    assert select.cascade_preferred(500, 16, 16, 30, 64, 64, 64)[0]
+    assert select.tail_class(1, 128, limit + 1) == (False, True)
+    assert select.tail_class(1, 128, None) == (False, False)
+    assert select.tail_class(2, 128, select.SHARED_RUN_MIN_TAIL) == (True, False)
+    monkeypatch.setattr(select, "_installed", lambda name: True)
+    assert select.step_path("auto", 64, 500, 16, 16, 30, 128, tail_len=limit) == (False, True)
+    assert select.step_path("auto", 64, 500, 16, 16, 30, 128, tail_len=limit + 1) == (False, False)
 
 
 def test_shared_run_tail_threshold_agrees_with_the_h200_grids():
@@ -614,6 +640,42 @@ def test_auto_rule_agrees_with_the_h200_grids():
                 assert two_launch <= 1.12 * cascade, f"{where}: FA4 + tail {two_launch:.1f} against {cascade:.1f} us"
             points += 1
     assert points >= 70
+
+
+def test_cascade_tail_limit_agrees_with_the_h200_grids():
+    """Thirty-third round, 64 requests of 14 and 30 beams, 100-2,000 tokens, head 128
+    (``g[124]_auto_grid_round33.json``: GQA 16/16 at tails 4-64, 16/8 at 8-64, 32/8 at 16 and 64). Where
+    ``auto`` picks the cascade, with each point's tail, it was at most 6% slower than FA4 + tail (GQA 2,
+    64 x 30 x 100 at 64 tokens); where the tail limit sends MHA to FA4 + tail, FA4 + tail was at most 1%
+    slower (64 x 14 x 2,000 at 64 tokens) and 3-36% faster at the other 17 such points. Then
+    (``g1_auto_check*_round33.json``, 9 tokens among the tails, 4 x 16 too) the library's ``auto`` arm ran
+    the backend the rule names at every point, and past the limit it was within 2% of FA4 + tail."""
+    from beam_shared_prefix.prefix.select import CASCADE_MAX_TAIL, cascade_preferred, cascade_tail_too_long
+
+    moved = 0
+    for name, s, prompt, arms in _h200_grid_points("g[124]_auto_grid_round33.json"):
+        r, w, hq, hkv, d, tail = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"], s["tail"]
+        picked, _ = cascade_preferred(prompt, hq, hkv, w, d, r, tail)
+        cascade, two_launch = arms["library/triton"], arms["library/fa4"]
+        where = f"{name}: {s['name']}"
+        if picked:
+            assert cascade <= 1.06 * two_launch, f"{where}: cascade {cascade:.1f} against {two_launch:.1f} us"
+        else:
+            assert two_launch <= 1.01 * cascade, f"{where}: FA4 + tail {two_launch:.1f} against {cascade:.1f} us"
+        if cascade_tail_too_long(hq // hkv, d, tail) and cascade_preferred(prompt, hq, hkv, w, d, r)[0]:
+            moved += 1
+            assert hq == hkv and tail > CASCADE_MAX_TAIL[(1, d)], where
+    assert moved == 18, moved
+    checked = 0
+    for name, s, prompt, arms in grid_points("g1_auto_check*_round33.json"):
+        r, w, hq, hkv, d, tail = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"], s["tail"]
+        picked, _ = cascade_preferred(prompt, hq, hkv, w, d, r, tail)
+        auto = arms["library/auto"]
+        assert auto["info"]["backend"] == ("triton" if picked else "fa4"), (name, s["name"], auto["info"])
+        if cascade_tail_too_long(hq // hkv, d, tail):
+            assert auto["time_us"] <= 1.02 * arms["library/fa4"]["time_us"], (name, s["name"])
+        checked += 1
+    assert checked == 20, checked
 
 
 @pytest.mark.parametrize("group,head_dim,one_block_up_to,one_block_limit,split_limit", [

@@ -74,14 +74,20 @@ def test_replans_only_when_the_composition_changes(setup):
     assert wrapper.num_plan_builds == 2
 
 
-def test_the_wrapper_hears_the_steps_tail(setup, monkeypatch):
+@pytest.mark.parametrize("rule", ["shared-run stage", "cascade tail limit"])
+def test_the_wrapper_hears_the_steps_tail(setup, monkeypatch, rule):
     """The eager wrapper is handed each planned step's longest tail (``max_tail_len``, for its shared-run
-    rule) and planned again, within one composition, once that tail reaches ``SHARED_RUN_MIN_TAIL``
-    (lowered here); a CUDA graph's metadata serves any tail and hands none."""
+    rule and the cascade's tail limit) and planned again, within one composition, once that tail reaches
+    ``SHARED_RUN_MIN_TAIL`` or passes ``CASCADE_MAX_TAIL`` (lowered here, one at a time); a CUDA graph's
+    metadata serves any tail and hands none."""
     from beam_shared_prefix.attention import BeamSharedPrefixAttention
     from beam_shared_prefix.prefix import select
 
-    monkeypatch.setattr(select, "SHARED_RUN_MIN_TAIL", 3)
+    if rule == "shared-run stage":
+        monkeypatch.setattr(select, "SHARED_RUN_MIN_TAIL", 3)
+    else:
+        sim = setup.sim
+        monkeypatch.setattr(select, "CASCADE_MAX_TAIL", {(sim.num_qo_heads // sim.num_kv_heads, sim.head_dim): 2})
     heard = []
     plan = BeamSharedPrefixAttention.plan
 
