@@ -286,7 +286,7 @@ def long_tail_for_shared_run(tail_len: Optional[float]) -> bool:
 # MHA's tail (thirty-third round, g1_auto_grid_round33.json: GQA 16/16 at head 128, 64 requests of 14 and 30
 # beams, 100-2,000 tokens, tails 4-64). The thirty-second round's MHA tail tiling made FA4 + tail faster
 # at long tails, where the cascade's crossovers (fitted at 4 tokens) still picked the cascade: from 16
-# generated tokens FA4 + tail was faster at 11 of 12 points (1.03-1.36x; 64 x 14 x 2,000 at 64 tokens
+# generated tokens FA4 + tail was faster at 17 of 18 points (1.03-1.36x; 64 x 14 x 2,000 at 64 tokens
 # even, 0.99x), at 8 tokens within 3% either way (0.92-1.03x), at 4 tokens slower (the cascade 0.77-0.96x).
 # GQA 2 and 4 (g2_, g4_auto_grid_round33.json) kept the cascade to 64 tokens (at most 6% slower, 64 x 30 x
 # 100 at GQA 2), so they have no limit.
