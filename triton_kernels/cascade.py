@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from .cascade_kernel import beam_cascade_kernel
 from .device_errors import check_error_flags
+from .host_ints import cdiv, next_power_of_2
 from .tail_merge_args import (
     KV_DTYPES,
     KV_LAYOUTS,
@@ -137,7 +137,7 @@ def cascade_supported(group_size: int, head_dim: int) -> Tuple[bool, str]:
     """Whether the cascade kernel tiles this shape: ``(True, "")`` or ``(False, reason)``."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return False, f"head_dim={head_dim} is not tiled by the cascade kernel (supported: {SUPPORTED_HEAD_DIMS})"
-    group_pad = triton.next_power_of_2(group_size)
+    group_pad = next_power_of_2(group_size)
     max_group = MAX_BLOCK_M[head_dim] // MIN_BEAMS_PER_PROGRAM
     if group_pad > max_group:
         return False, (f"GQA group {group_size} (padded {group_pad}) times {MIN_BEAMS_PER_PROGRAM} beams exceeds the "
@@ -195,10 +195,10 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
       58.6 against 57.4-57.6 us, B-long 147.3-147.8 against 146.3), and the one-block tiling 1.1-1.3
       us of B-short's 32.0-32.1, which sits on its 2.0x target (``ab_shared_round27_final.json``).
     """
-    group_pad = triton.next_power_of_2(group_size)
+    group_pad = next_power_of_2(group_size)
     rows_cap = min(64, MAX_BLOCK_M[head_dim])
     cap = max(MIN_BEAMS_PER_PROGRAM, min(MAX_BEAMS_PER_PROGRAM, rows_cap // group_pad))
-    beams = max(MIN_BEAMS_PER_PROGRAM, min(triton.next_power_of_2(beam_width), cap))
+    beams = max(MIN_BEAMS_PER_PROGRAM, min(next_power_of_2(beam_width), cap))
     block_m = beams * group_pad
     num_warps = 4 if block_m <= 64 else 8
     tail_block = max(4, MIN_TAIL_COLUMNS // beams)
@@ -427,8 +427,8 @@ def beam_cascade_attention(
         _check_prompt_values(prompt_page_table, per_request, geom.page_size, geom.num_pages)
     if geom.num_rows == 0:
         return out
-    num_beam_blocks = triton.cdiv(geom.beam_width, cfg.beams_per_program)
-    grid = (geom.num_requests * num_beam_blocks, triton.cdiv(geom.num_kv_heads, cfg.heads_per_program))
+    num_beam_blocks = cdiv(geom.beam_width, cfg.beams_per_program)
+    grid = (geom.num_requests * num_beam_blocks, cdiv(geom.num_kv_heads, cfg.heads_per_program))
     s_page, s_kv, s_head, s_slot = geom.kv_strides
     args = (
         q, new_k, new_v, kv_cache, prompt_page_table, beam_page_table, kv_lens, prompt_lens, cache_indirection,
@@ -532,8 +532,8 @@ def beam_prefix_attention(
     if num_rows == 0:
         return out, lse
     sm_scale = resolve_sm_scale(sm_scale, head_dim)
-    num_beam_blocks = triton.cdiv(beam_width, cfg.beams_per_program)
-    grid = (num_requests * num_beam_blocks, triton.cdiv(num_kv_heads, cfg.heads_per_program))
+    num_beam_blocks = cdiv(beam_width, cfg.beams_per_program)
+    grid = (num_requests * num_beam_blocks, cdiv(num_kv_heads, cfg.heads_per_program))
     s_page, s_kv, s_head, s_slot = kv_strides
     args = (
         q, q, q, kv_cache, prompt_page_table, prompt_page_table, prompt_lens, prompt_lens, prompt_lens,

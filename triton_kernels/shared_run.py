@@ -14,11 +14,11 @@ import functools
 from typing import Tuple
 
 import torch
-import triton
 
 from .cascade import _check_device, cascade_launch_config, cascade_supported
 from .cascade_kernel import SHARED_BLOCK
 from .device_errors import check_error_flags
+from .host_ints import cdiv
 from .shared_run_kernel import beam_shared_run_kernel
 from .tail_merge_args import (
     LOG2E,
@@ -198,7 +198,7 @@ def beam_shared_run_attention(
     if geom.num_rows == 0:
         return tail_skip
     beams, group_pad, num_warps = shared_run_tile(geom.beam_width, geom.group_size, geom.head_dim)
-    num_beam_blocks = triton.cdiv(geom.beam_width, beams)
+    num_beam_blocks = cdiv(geom.beam_width, beams)
     tiles = geom.num_requests * num_beam_blocks
     if kv_heads_per_program is None:
         kv_heads_per_program = shared_run_kv_heads_per_program(tiles, geom.num_kv_heads, _sm_count(q.device),

@@ -18,6 +18,7 @@ import torch
 import triton
 
 from .device_errors import check_error_flags
+from .host_ints import cdiv, next_power_of_2
 from .tail_merge_args import (
     LOG2E,
     TailMergeInputError,
@@ -209,17 +210,17 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
       and D = 256, 128 registers). The grouped kernel spreads groups above 4 over threads and warps again
       (167-225 registers at G = 16-32 on sm_90).
     """
-    group_pad = triton.next_power_of_2(group_size)
+    group_pad = next_power_of_2(group_size)
     few_rows_bound = _FEW_ROWS_MAX_ROW_KV_HEADS.get((group_pad, head_dim))
     if few_rows_bound is not None and num_rows is not None and num_rows * num_kv_heads <= few_rows_bound:
-        kv_heads_per_prog = min(triton.next_power_of_2(num_kv_heads), max(1, 4 // group_pad))
+        kv_heads_per_prog = min(next_power_of_2(num_kv_heads), max(1, 4 // group_pad))
         tile = _FEW_ROWS_BLOCK_T * group_pad * kv_heads_per_prog * head_dim
         # 2-4 warps by tile; the 16K-element tile of G = 32 takes 8 (at 4 it ran 33-39x the best time).
         num_warps = max(2, min(4, tile // 1024), tile // 2048)
         return TailLaunchConfig(group_pad, kv_heads_per_prog, _FEW_ROWS_BLOCK_T, num_warps, _TOKENS_OUTER,
                                 _FEW_ROWS_INDEX_BLOCK)
     if group_pad == 2:
-        kv_heads_per_prog = min(triton.next_power_of_2(num_kv_heads), _GROUPED_KV_HEADS_PER_PROG)
+        kv_heads_per_prog = min(next_power_of_2(num_kv_heads), _GROUPED_KV_HEADS_PER_PROG)
         elements = group_pad * kv_heads_per_prog * head_dim
         num_warps = max(1, elements // (32 * _GROUPED_ELEMENTS_PER_THREAD))
         return TailLaunchConfig(group_pad, kv_heads_per_prog, 1, num_warps, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK,
@@ -238,10 +239,10 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
                                 _FEW_ROWS_INDEX_BLOCK if few else DEFAULT_INDEX_BLOCK)
     if group_pad == 1 and head_dim == 128:
         few = num_rows is not None and num_rows * num_kv_heads <= _G1_FEW_ROW_KV_HEADS
-        kv_heads_per_prog = 1 if few else min(triton.next_power_of_2(num_kv_heads), _G1_KV_HEADS_PER_PROG)
+        kv_heads_per_prog = 1 if few else min(next_power_of_2(num_kv_heads), _G1_KV_HEADS_PER_PROG)
         return TailLaunchConfig(1, kv_heads_per_prog, 4, 1, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
     target_slots = max(group_pad, 1024 // head_dim)
-    kv_heads_per_prog = max(1, min(triton.next_power_of_2(num_kv_heads), target_slots // group_pad))
+    kv_heads_per_prog = max(1, min(next_power_of_2(num_kv_heads), target_slots // group_pad))
     tile = group_pad * kv_heads_per_prog * head_dim
     block_t = 1 if tile <= 1024 else 2
     num_warps = min(16, max(4, tile // 512))
@@ -382,7 +383,7 @@ def beam_tail_attention_merge(
         return out
     cfg = launch_config or tail_launch_config(geom.group_size, geom.num_kv_heads, geom.head_dim, geom.num_rows)
     _check_config(cfg, geom.group_size)
-    grid = (geom.num_rows, triton.cdiv(geom.num_kv_heads, cfg.kv_heads_per_prog))
+    grid = (geom.num_rows, cdiv(geom.num_kv_heads, cfg.kv_heads_per_prog))
     s_page, s_kv, s_head, s_slot = geom.kv_strides
     s_lse_row, s_lse_head = geom.lse_strides
     args = (

@@ -7,13 +7,18 @@ check mode (``validate_indices=True``).
 
 Every error is a :class:`TailMergeInputError` whose message names the argument, the value found,
 the limit and the fix.
+
+The checks run per layer and step in eager mode, and they read metadata only (shapes, strides,
+dtypes, devices, addresses and the Python scalars passed), so :func:`memoize_metadata_check` keeps
+the verdicts on metadata seen before; a failing check is never kept.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple, TypeVar
 
 import torch
 
@@ -26,6 +31,7 @@ __all__ = [
     "check_tail_merge_args",
     "check_tail_index_values",
     "check_tail_skip",
+    "memoize_metadata_check",
 ]
 
 LOG2E = 1.4426950408889634
@@ -86,6 +92,62 @@ class TailMergeGeometry(StepGeometry):
 
     lse_strides: Tuple[int, int] = (0, 0)
     lse_scale: float = 1.0
+
+
+# The metadata keys of the checks' past verdicts a memoized check keeps (one per layer and argument set
+# in a steady eager run); past it the store starts over.
+METADATA_CHECKS_KEPT = 1024
+
+_SCALAR_TYPES = (bool, int, float, str)
+_Check = TypeVar("_Check", bound=Callable)
+
+
+def _metadata_key(values) -> Optional[tuple]:
+    """A hashable key of everything an argument check reads from ``values``: each tensor's type, address,
+    shape, strides, dtype and device, each scalar's type and value, recursing into tuples; ``None`` when a
+    value is none of these (the check then runs)."""
+    key = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            key += (type(v), v.data_ptr(), v.shape, v.stride(), v.dtype, v.device)
+        elif v is None or type(v) in _SCALAR_TYPES:
+            key += (type(v), v)
+        elif type(v) is tuple:
+            inner = _metadata_key(v)
+            if inner is None:
+                return None
+            key.append(inner)
+        else:
+            return None
+    return tuple(key)
+
+
+def memoize_metadata_check(check: _Check) -> _Check:
+    """``check`` (a function of its arguments' metadata alone, returning an immutable result or raising)
+    with its results kept by :func:`_metadata_key`: equal metadata gets the kept result without the check
+    (a key is about a sixth of a full check's Python). Exceptions propagate and are not kept, and
+    arguments a key cannot describe are checked every time."""
+    kept = {}
+
+    @functools.wraps(check)
+    def checked(*args, **kwargs):
+        try:
+            key = _metadata_key(args + tuple(sorted(kwargs.items())))
+        except RuntimeError:  # e.g. a tensor without storage (data_ptr() raises): just check
+            key = None
+        if key is not None:
+            result = kept.get(key)
+            if result is not None:
+                return result
+        result = check(*args, **kwargs)
+        if key is not None:
+            if len(kept) >= METADATA_CHECKS_KEPT:
+                kept.clear()
+            kept[key] = result
+        return result
+
+    checked.kept = kept  # for tests
+    return checked
 
 
 def pool_layout(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[Tuple[int, int, int, int], Tuple[int, int, int, int]]:
@@ -159,6 +221,7 @@ def _spans_overlap(sa, sb) -> bool:
     return sa[0] < sb[1] and sb[0] < sa[1]
 
 
+@memoize_metadata_check
 def check_step_args(
     q,
     new_k,
@@ -340,6 +403,7 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     return value
 
 
+@memoize_metadata_check
 def check_tail_merge_args(
     q,
     new_k,

@@ -1,13 +1,22 @@
 """The launchers' byte spans (``_byte_span``), which the overlap checks compare: against every element's
-address, for contiguous tensors (the fast path) and strided views (the general one)."""
+address, for contiguous tensors (the fast path) and strided views (the general one). The memoized checks
+(``memoize_metadata_check``): a verdict is reused for equal metadata only, and agrees with the check."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triton_kernels.tail_merge_args import _byte_span, _spans_overlap
+from triton_kernels.tail_merge_args import (
+    TailMergeInputError,
+    _byte_span,
+    _spans_overlap,
+    check_step_args,
+    check_tail_merge_args,
+    memoize_metadata_check,
+)
 
 
 def addresses(x: torch.Tensor) -> torch.Tensor:
@@ -49,3 +58,117 @@ def test_spans_overlap_is_byte_exact():
     assert _spans_overlap(_byte_span(base[:17]), _byte_span(right))
     assert _spans_overlap(_byte_span(base[::4]), _byte_span(base[1:2]))  # strided: the range, not the elements
     assert not _spans_overlap(_byte_span(base[:0]), _byte_span(base))
+
+
+# --------------------------------------------------------------------------------------------
+# memoized checks
+
+
+def test_memoized_check_keeps_a_verdict_for_equal_metadata_only(monkeypatch):
+    """A kept verdict is reused only for arguments whose every tensor has the same type, address, shape,
+    strides, dtype and device and whose scalars have the same type and value; a failing check is never kept,
+    an argument no key describes is checked every time, and the store starts over when full."""
+    from triton_kernels import tail_merge_args
+
+    calls = []
+
+    @memoize_metadata_check
+    def check(x, scale=None, names=()):
+        calls.append(1)
+        if scale is True:
+            raise ValueError("a bool is not a scale")
+        return (tuple(x.shape), scale)
+
+    base = torch.randn(8, 4)
+    assert check(base) == ((8, 4), None) and len(calls) == 1
+    assert check(base) == ((8, 4), None) and len(calls) == 1  # kept
+    assert check(base.view(8, 4)) == ((8, 4), None) and len(calls) == 1  # another view, equal metadata: kept
+    others = [base.clone(), base.as_strided((8, 4), (1, 8)), base.t(), base[:4], base.to(torch.float64),
+              base[1:].view(7, 4), base.view(torch.int32)]
+    for i, other in enumerate(others):
+        check(other)
+        assert len(calls) == 2 + i, other.stride()
+    n = len(calls)
+    for kwargs in (dict(scale=1), dict(scale=1.0), dict(scale="1"), dict(names=(("a", base),)),
+                   dict(names=(("a", base.clone()),))):
+        check(base, **kwargs)
+        assert len(calls) == n + 1, kwargs
+        n += 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="a bool is not a scale"):
+            check(base, scale=True)  # True == 1 as a dict key, but its type differs: checked, and failing again
+    assert len(calls) == n + 2
+    check(base, names=[base])
+    check(base, names=[base])  # a list: no key, checked each time
+    assert len(calls) == n + 4
+    monkeypatch.setattr(tail_merge_args, "METADATA_CHECKS_KEPT", len(check.kept))
+    check(base.clone())  # full: the store starts over with this one
+    assert len(check.kept) == 1
+
+
+def _valid_tail_args():
+    """Arguments of a valid 2-request, 3-beam step (GQA 2, head 16, page 4), fresh random data."""
+    rows, hq, hkv, d, pg = 6, 4, 2, 16, 4
+    kv = torch.randn(12, 2, hkv, pg, d, dtype=torch.bfloat16)
+    return dict(
+        q=torch.randn(rows, hq, d, dtype=torch.bfloat16), new_k=torch.randn(rows, hkv, d, dtype=torch.bfloat16),
+        new_v=torch.randn(rows, hkv, d, dtype=torch.bfloat16), kv_cache=kv,
+        beam_page_table=torch.randint(0, 12, (rows, 4), dtype=torch.int32),
+        kv_lens=torch.full((2 * rows,), 9, dtype=torch.int32)[:rows],
+        prompt_lens=torch.full((rows,), 5, dtype=torch.int32),
+        cache_indirection=torch.zeros(2, 3, 16, dtype=torch.int32), beam_width=3,
+        prefix_out=torch.randn(rows, hq, d), prefix_lse=torch.randn(rows, hq),
+        out=torch.empty(rows, hq, d, dtype=torch.bfloat16),
+    )
+
+
+# Changes to a valid argument set: some keep it valid with other metadata, some break it.
+_CHANGES = [
+    ("none", lambda a: {}),
+    ("fresh_q", lambda a: dict(q=a["q"].clone())),
+    ("q_strided_view", lambda a: dict(q=torch.randn(6, 8, 16, dtype=torch.bfloat16)[:, ::2])),
+    ("q_fp16", lambda a: dict(q=a["q"].half())),
+    ("q_fp16_in_place", lambda a: dict(q=a["q"].view(torch.float16))),  # the same address and shape
+    ("out_is_q", lambda a: dict(out=a["q"])),
+    ("out_transposed", lambda a: dict(out=a["out"].transpose(1, 2))),
+    ("kv_lens_int64", lambda a: dict(kv_lens=a["kv_lens"].long())),
+    ("kv_lens_strided", lambda a: dict(kv_lens=a["kv_lens"].repeat(2)[::2])),
+    # the same address and shape, other strides
+    ("kv_lens_strided_in_place", lambda a: dict(kv_lens=a["kv_lens"].as_strided((6,), (2,)))),
+    ("narrow_page_table", lambda a: dict(beam_page_table=a["beam_page_table"][:, :3])),
+    ("beam_width_2", lambda a: dict(beam_width=2)),
+    ("beam_width_true", lambda a: dict(beam_width=True)),
+    ("sm_scale", lambda a: dict(sm_scale=0.25)),
+    ("sm_scale_negative", lambda a: dict(sm_scale=-0.25)),
+    ("nhd", lambda a: dict(kv_layout="NHD")),
+    ("lse_hn", lambda a: dict(prefix_lse_layout="HN")),
+    ("lse_hn_transposed", lambda a: dict(prefix_lse_layout="HN", prefix_lse=a["prefix_lse"].t())),
+    ("lse_ln", lambda a: dict(prefix_lse_base="ln")),
+    ("prefix_out_is_out", lambda a: dict(prefix_out=a["out"])),
+]
+
+
+def _outcome(args, fresh=False):
+    """``("ok", geometry)`` or ``("error", message)`` of :func:`check_tail_merge_args`; ``fresh``: with every
+    kept verdict dropped first (its own and the nested :func:`check_step_args`'s), i.e. the check itself."""
+    if fresh:
+        check_tail_merge_args.kept.clear()
+        check_step_args.kept.clear()
+    try:
+        return "ok", check_tail_merge_args(**args)
+    except TailMergeInputError as exc:
+        return "error", str(exc)
+
+
+@settings(max_examples=60, deadline=None)
+@given(picks=st.lists(st.integers(0, len(_CHANGES) - 1), min_size=1, max_size=12))
+def test_memoized_tail_check_agrees_with_the_check_itself(picks):
+    """Over a sequence of argument sets (valid and not, with metadata repeating across the sequence, in both
+    orders), the memoized :func:`check_tail_merge_args` gives the geometry or the error the check itself gives."""
+    base = _valid_tail_args()
+    sequence = [(name, {**base, **change(base)}) for name, change in (_CHANGES[i] for i in picks + picks[::-1])]
+    expected = [_outcome(args, fresh=True) for _, args in sequence]
+    check_tail_merge_args.kept.clear()
+    check_step_args.kept.clear()
+    for (name, args), want in zip(sequence, expected, strict=True):
+        assert _outcome(args) == want, name
