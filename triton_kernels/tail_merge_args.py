@@ -8,9 +8,10 @@ check mode (``validate_indices=True``).
 Every error is a :class:`TailMergeInputError` whose message names the argument, the value found,
 the limit and the fix.
 
-The checks run per layer and step in eager mode, and they read metadata only (shapes, strides,
-dtypes, devices, addresses and the Python scalars passed), so :func:`memoize_metadata_check` keeps
-the verdicts on metadata seen before; a failing check is never kept.
+The checks run per layer and step in eager mode. All but the overlap checks read metadata only
+(shapes, strides, dtypes, devices and the Python scalars passed), so :func:`memoize_metadata_check`
+keeps their verdicts on metadata seen before (a failing check is never kept); the overlap checks,
+which read addresses, run on every call.
 """
 
 from __future__ import annotations
@@ -99,17 +100,19 @@ class TailMergeGeometry(StepGeometry):
 METADATA_CHECKS_KEPT = 1024
 
 _SCALAR_TYPES = (bool, int, float, str)
+# Every memoized check's store (tests empty them all to compare against the checks themselves).
+_KEPT_STORES = []
 _Check = TypeVar("_Check", bound=Callable)
 
 
 def _metadata_key(values) -> Optional[tuple]:
-    """A hashable key of everything an argument check reads from ``values``: each tensor's type, address,
+    """A hashable key of everything an address-free argument check reads from ``values``: each tensor's type,
     shape, strides, dtype and device, each scalar's type and value, recursing into tuples; ``None`` when a
     value is none of these (the check then runs)."""
     key = []
     for v in values:
         if isinstance(v, torch.Tensor):
-            key += (type(v), v.data_ptr(), v.shape, v.stride(), v.dtype, v.device)
+            key += (type(v), v.shape, v.stride(), v.dtype, v.device)
         elif v is None or type(v) in _SCALAR_TYPES:
             key += (type(v), v)
         elif type(v) is tuple:
@@ -123,17 +126,19 @@ def _metadata_key(values) -> Optional[tuple]:
 
 
 def memoize_metadata_check(check: _Check) -> _Check:
-    """``check`` (a function of its arguments' metadata alone, returning an immutable result or raising)
-    with its results kept by :func:`_metadata_key`: equal metadata gets the kept result without the check
-    (a key is about a sixth of a full check's Python). Exceptions propagate and are not kept, and
-    arguments a key cannot describe are checked every time."""
+    """``check`` (a function of its arguments' metadata alone, addresses excluded: it must not compare where
+    tensors lie; returning an immutable result or raising) with its results kept by :func:`_metadata_key`:
+    equal metadata gets the kept result without the check (a key is about a sixth of a full check's Python).
+    Exceptions propagate and are not kept, and arguments a key cannot describe are checked every time.
+    Leaving addresses out, one verdict serves every layer and step of a shape, wherever its tensors lie."""
     kept = {}
+    _KEPT_STORES.append(kept)
 
     @functools.wraps(check)
     def checked(*args, **kwargs):
         try:
             key = _metadata_key(args + tuple(sorted(kwargs.items())))
-        except RuntimeError:  # e.g. a tensor without storage (data_ptr() raises): just check
+        except RuntimeError:  # e.g. a sparse tensor's strides: the check names what is wrong
             key = None
         if key is not None:
             result = kept.get(key)
@@ -221,7 +226,6 @@ def _spans_overlap(sa, sb) -> bool:
     return sa[0] < sb[1] and sb[0] < sa[1]
 
 
-@memoize_metadata_check
 def check_step_args(
     q,
     new_k,
@@ -251,6 +255,46 @@ def check_step_args(
     Returns the :class:`StepGeometry`; raises :class:`TailMergeInputError` naming the offending
     value, its limit and the fix.
     """
+    geom = _check_step_metadata(
+        q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width, out,
+        sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor, extra_tensors=extra_tensors,
+        reads_step_kv=reads_step_kv,
+    )
+    if reads_step_kv:
+        _check_out_overlaps(out, (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache))
+                            + tuple(extra_tensors))
+    return geom
+
+
+def _check_out_overlaps(out, others) -> None:
+    """``out`` shares no byte with any of ``others`` (``(name, tensor or None)`` pairs): run on every call,
+    since it reads addresses, which the memoized checks leave out."""
+    out_span = _byte_span(out)
+    for name, x in others:
+        if x is not None and _spans_overlap(out_span, _byte_span(x)):
+            _fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
+
+
+@memoize_metadata_check
+def _check_step_metadata(
+    q,
+    new_k,
+    new_v,
+    kv_cache,
+    beam_page_table,
+    kv_lens,
+    prompt_lens,
+    cache_indirection,
+    beam_width,
+    out,
+    *,
+    sm_scale=None,
+    kv_layout="HND",
+    page_index_divisor=1,
+    extra_tensors=(),
+    reads_step_kv=True,
+) -> StepGeometry:
+    """:func:`check_step_args` but the overlap of ``out`` with the other tensors (addresses are not in its key)."""
     step_kv = bool(reads_step_kv)
     names = (("q", q),) + ((("new_k", new_k), ("new_v", new_v)) if step_kv else ()) + (
         ("kv_cache", kv_cache), ("beam_page_table", beam_page_table), ("kv_lens", kv_lens),
@@ -367,10 +411,6 @@ def check_step_args(
         if tuple(out.shape) != (num_rows, num_qo_heads, head_dim):
             _fail(f"out must be [rows={num_rows}, Hq={num_qo_heads}, D={head_dim}], got {tuple(out.shape)}.")
         _need_last_dim_contiguous("out", out)
-        out_span = _byte_span(out)
-        for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)) + tuple(extra_tensors):
-            if x is not None and _spans_overlap(out_span, _byte_span(x)):
-                _fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
 
     sm_scale = resolve_sm_scale(sm_scale, head_dim)
 
@@ -403,7 +443,6 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     return value
 
 
-@memoize_metadata_check
 def check_tail_merge_args(
     q,
     new_k,
@@ -431,6 +470,41 @@ def check_tail_merge_args(
     Returns the :class:`TailMergeGeometry` the kernel is launched with; raises
     :class:`TailMergeInputError` naming the offending value, its limit and the fix.
     """
+    geom = _check_tail_merge_metadata(
+        q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
+        prefix_out, prefix_lse, out, sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
+        prefix_lse_layout=prefix_lse_layout, prefix_lse_base=prefix_lse_base, reads_step_kv=reads_step_kv,
+    )
+    if reads_step_kv:
+        _check_out_overlaps(out, (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache),
+                                  ("prefix_out", prefix_out), ("prefix_lse", prefix_lse)))
+    return geom
+
+
+@memoize_metadata_check
+def _check_tail_merge_metadata(
+    q,
+    new_k,
+    new_v,
+    kv_cache,
+    beam_page_table,
+    kv_lens,
+    prompt_lens,
+    cache_indirection,
+    beam_width,
+    prefix_out,
+    prefix_lse,
+    out,
+    *,
+    sm_scale=None,
+    kv_layout="HND",
+    page_index_divisor=1,
+    prefix_lse_layout="NH",
+    prefix_lse_base="log2",
+    reads_step_kv=True,
+) -> TailMergeGeometry:
+    """:func:`check_tail_merge_args` but the overlap of ``out`` with the other tensors (addresses are not in
+    its key)."""
     _need_tensor("prefix_out", prefix_out)
     _need_tensor("prefix_lse", prefix_lse)
     if prefix_lse_layout not in LSE_LAYOUTS:
@@ -438,7 +512,7 @@ def check_tail_merge_args(
               f"'HN' ([heads, rows], FA4).")
     if prefix_lse_base not in LSE_BASES:
         _fail(f"prefix_lse_base={prefix_lse_base!r} is not supported; use 'log2' (FlashInfer) or 'ln' (FA4).")
-    geom = check_step_args(
+    geom = _check_step_metadata(
         q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width, out,
         sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
         extra_tensors=(("prefix_out", prefix_out), ("prefix_lse", prefix_lse)), reads_step_kv=reads_step_kv,

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from triton_kernels import tail_merge_args
 from triton_kernels.tail_merge_args import (
     TailMergeInputError,
     _byte_span,
@@ -65,11 +66,9 @@ def test_spans_overlap_is_byte_exact():
 
 
 def test_memoized_check_keeps_a_verdict_for_equal_metadata_only(monkeypatch):
-    """A kept verdict is reused only for arguments whose every tensor has the same type, address, shape,
-    strides, dtype and device and whose scalars have the same type and value; a failing check is never kept,
-    an argument no key describes is checked every time, and the store starts over when full."""
-    from triton_kernels import tail_merge_args
-
+    """A kept verdict is reused only for arguments whose every tensor has the same type, shape, strides,
+    dtype and device (wherever it lies) and whose scalars have the same type and value; a failing check is
+    never kept, an argument no key describes is checked every time, and the store starts over when full."""
     calls = []
 
     @memoize_metadata_check
@@ -83,14 +82,15 @@ def test_memoized_check_keeps_a_verdict_for_equal_metadata_only(monkeypatch):
     assert check(base) == ((8, 4), None) and len(calls) == 1
     assert check(base) == ((8, 4), None) and len(calls) == 1  # kept
     assert check(base.view(8, 4)) == ((8, 4), None) and len(calls) == 1  # another view, equal metadata: kept
-    others = [base.clone(), base.as_strided((8, 4), (1, 8)), base.t(), base[:4], base.to(torch.float64),
-              base[1:].view(7, 4), base.view(torch.int32)]
+    assert check(base.clone()) == ((8, 4), None) and len(calls) == 1  # elsewhere, equal metadata: kept
+    others = [base.as_strided((8, 4), (1, 8)), base.t(), base[:4], base.to(torch.float64),
+              base[1:].view(7, 4), base.view(torch.int32), torch.nn.Parameter(base)]
     for i, other in enumerate(others):
         check(other)
         assert len(calls) == 2 + i, other.stride()
     n = len(calls)
     for kwargs in (dict(scale=1), dict(scale=1.0), dict(scale="1"), dict(names=(("a", base),)),
-                   dict(names=(("a", base.clone()),))):
+                   dict(names=(("a", base.t()),))):
         check(base, **kwargs)
         assert len(calls) == n + 1, kwargs
         n += 1
@@ -102,7 +102,7 @@ def test_memoized_check_keeps_a_verdict_for_equal_metadata_only(monkeypatch):
     check(base, names=[base])  # a list: no key, checked each time
     assert len(calls) == n + 4
     monkeypatch.setattr(tail_merge_args, "METADATA_CHECKS_KEPT", len(check.kept))
-    check(base.clone())  # full: the store starts over with this one
+    check(base[:2])  # full: the store starts over with this one
     assert len(check.kept) == 1
 
 
@@ -148,27 +148,40 @@ _CHANGES = [
 ]
 
 
+def _forget_kept_checks():
+    for kept in tail_merge_args._KEPT_STORES:
+        kept.clear()
+
+
+def _step_check(prefix_out, prefix_lse, prefix_lse_layout="NH", prefix_lse_base="log2", **args):
+    """:func:`check_step_args` as the cascade's launcher calls it, an extra tensor included."""
+    return check_step_args(**args, extra_tensors=(("prompt_page_table", prefix_out),))
+
+
 def _outcome(args, fresh=False):
-    """``("ok", geometry)`` or ``("error", message)`` of :func:`check_tail_merge_args`; ``fresh``: with every
-    kept verdict dropped first (its own and the nested :func:`check_step_args`'s), i.e. the check itself."""
-    if fresh:
-        check_tail_merge_args.kept.clear()
-        check_step_args.kept.clear()
-    try:
-        return "ok", check_tail_merge_args(**args)
-    except TailMergeInputError as exc:
-        return "error", str(exc)
+    """``("ok", geometry)`` or ``("error", message)`` of :func:`check_tail_merge_args` and of
+    :func:`check_step_args`; ``fresh``: with every kept verdict of every memoized check dropped first, i.e.
+    the checks themselves."""
+    outcomes = []
+    for check in (check_tail_merge_args, _step_check):
+        if fresh:
+            _forget_kept_checks()
+        try:
+            outcomes.append(("ok", check(**args)))
+        except TailMergeInputError as exc:
+            outcomes.append(("error", str(exc)))
+    return outcomes
 
 
 @settings(max_examples=60, deadline=None)
 @given(picks=st.lists(st.integers(0, len(_CHANGES) - 1), min_size=1, max_size=12))
 def test_memoized_tail_check_agrees_with_the_check_itself(picks):
     """Over a sequence of argument sets (valid and not, with metadata repeating across the sequence, in both
-    orders), the memoized :func:`check_tail_merge_args` gives the geometry or the error the check itself gives."""
+    orders), the memoized :func:`check_tail_merge_args` and :func:`check_step_args` give the geometry or the
+    error the checks themselves give."""
     base = _valid_tail_args()
     sequence = [(name, {**base, **change(base)}) for name, change in (_CHANGES[i] for i in picks + picks[::-1])]
     expected = [_outcome(args, fresh=True) for _, args in sequence]
-    check_tail_merge_args.kept.clear()
-    check_step_args.kept.clear()
+    _forget_kept_checks()
     for (name, args), want in zip(sequence, expected, strict=True):
         assert _outcome(args) == want, name
