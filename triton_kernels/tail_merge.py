@@ -204,8 +204,8 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
       per program, and one at up to 1,024 row-KV-heads: 64 x 30 x 500 at 16/16, tail 64, 155.1 against 175.1
       us for the previous default, 64 x 96 456.7 against 506.7, 8 x 8 21.1 against 47.9; within 0.8% of it
       at tail 4.
-    - Otherwise (``G = 1``, ``G = 8``, ``16-32`` and ``64`` at other heads; unmeasured): the previous default, the
-      ``[QH, D]`` kernel with about 1024 query-slot elements per program, 4 warps, ``block_t`` 1 (2 above
+    - Otherwise (``G = 1``, ``G = 8``, ``16-32`` and ``64`` at heads other than above; unmeasured): the previous
+      default, the ``[QH, D]`` kernel with about 1024 query-slot elements per program, 4 warps, ``block_t`` 1 (2 above
       1024); a group wider than that (MQA, G = 32 or 64) stays in one program with 8-16 warps (at G = 64
       and D = 256, 128 registers). The grouped kernel spreads groups above 4 over threads and warps again
       (167-225 registers at G = 16-32 on sm_90).

@@ -125,12 +125,14 @@ def _metadata_key(values) -> Optional[tuple]:
     return tuple(key)
 
 
-def memoize_metadata_check(check: _Check) -> _Check:
+def memoize_metadata_check(check: _Check, every_call: Optional[Callable] = None) -> _Check:
     """``check`` (a function of its arguments' metadata alone, addresses excluded: it must not compare where
     tensors lie; returning an immutable result or raising) with its results kept by :func:`_metadata_key`:
     equal metadata gets the kept result without the check (a key is about a sixth of a full check's Python).
     Exceptions propagate and are not kept, and arguments a key cannot describe are checked every time.
-    Leaving addresses out, one verdict serves every layer and step of a shape, wherever its tensors lie."""
+    Leaving addresses out, one verdict serves every layer and step of a shape, wherever its tensors lie.
+    ``every_call`` (same arguments) runs after it on every call, kept result or not: the checks that do
+    read addresses."""
     kept = {}
     _KEPT_STORES.append(kept)
 
@@ -140,15 +142,15 @@ def memoize_metadata_check(check: _Check) -> _Check:
             key = _metadata_key(args + tuple(sorted(kwargs.items())))
         except RuntimeError:  # e.g. a sparse tensor's strides: the check names what is wrong
             key = None
-        if key is not None:
-            result = kept.get(key)
-            if result is not None:
-                return result
-        result = check(*args, **kwargs)
-        if key is not None:
-            if len(kept) >= METADATA_CHECKS_KEPT:
-                kept.clear()
-            kept[key] = result
+        result = None if key is None else kept.get(key)
+        if result is None:
+            result = check(*args, **kwargs)
+            if key is not None:
+                if len(kept) >= METADATA_CHECKS_KEPT:
+                    kept.clear()
+                kept[key] = result
+        if every_call is not None:
+            every_call(*args, **kwargs)
         return result
 
     checked.kept = kept  # for tests
@@ -226,7 +228,7 @@ def _spans_overlap(sa, sb) -> bool:
     return sa[0] < sb[1] and sb[0] < sa[1]
 
 
-def check_step_args(
+def _step_metadata(
     q,
     new_k,
     new_v,
@@ -255,46 +257,6 @@ def check_step_args(
     Returns the :class:`StepGeometry`; raises :class:`TailMergeInputError` naming the offending
     value, its limit and the fix.
     """
-    geom = _check_step_metadata(
-        q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width, out,
-        sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor, extra_tensors=extra_tensors,
-        reads_step_kv=reads_step_kv,
-    )
-    if reads_step_kv:
-        _check_out_overlaps(out, (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache))
-                            + tuple(extra_tensors))
-    return geom
-
-
-def _check_out_overlaps(out, others) -> None:
-    """``out`` shares no byte with any of ``others`` (``(name, tensor or None)`` pairs): run on every call,
-    since it reads addresses, which the memoized checks leave out."""
-    out_span = _byte_span(out)
-    for name, x in others:
-        if x is not None and _spans_overlap(out_span, _byte_span(x)):
-            _fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
-
-
-@memoize_metadata_check
-def _check_step_metadata(
-    q,
-    new_k,
-    new_v,
-    kv_cache,
-    beam_page_table,
-    kv_lens,
-    prompt_lens,
-    cache_indirection,
-    beam_width,
-    out,
-    *,
-    sm_scale=None,
-    kv_layout="HND",
-    page_index_divisor=1,
-    extra_tensors=(),
-    reads_step_kv=True,
-) -> StepGeometry:
-    """:func:`check_step_args` but the overlap of ``out`` with the other tensors (addresses are not in its key)."""
     step_kv = bool(reads_step_kv)
     names = (("q", q),) + ((("new_k", new_k), ("new_v", new_v)) if step_kv else ()) + (
         ("kv_cache", kv_cache), ("beam_page_table", beam_page_table), ("kv_lens", kv_lens),
@@ -429,6 +391,25 @@ def _check_step_metadata(
     )
 
 
+def _check_out_overlaps(out, others) -> None:
+    """``out`` shares no byte with any of ``others`` (``(name, tensor or None)`` pairs): run on every call,
+    since it reads addresses, which the memoized checks leave out."""
+    out_span = _byte_span(out)
+    for name, x in others:
+        if x is not None and _spans_overlap(out_span, _byte_span(x)):
+            _fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
+
+
+def _step_overlaps(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
+                   out, *, extra_tensors=(), reads_step_kv=True, **_) -> None:
+    if reads_step_kv:
+        _check_out_overlaps(out, (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache))
+                            + tuple(extra_tensors))
+
+
+check_step_args = memoize_metadata_check(_step_metadata, every_call=_step_overlaps)
+
+
 def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     """The softmax scale as a float: ``1/sqrt(D)`` for None; anything but a finite positive number
     fails (the kernels take the running max on unscaled scores, which needs a positive scale)."""
@@ -443,7 +424,7 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     return value
 
 
-def check_tail_merge_args(
+def _tail_merge_metadata(
     q,
     new_k,
     new_v,
@@ -470,41 +451,6 @@ def check_tail_merge_args(
     Returns the :class:`TailMergeGeometry` the kernel is launched with; raises
     :class:`TailMergeInputError` naming the offending value, its limit and the fix.
     """
-    geom = _check_tail_merge_metadata(
-        q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
-        prefix_out, prefix_lse, out, sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
-        prefix_lse_layout=prefix_lse_layout, prefix_lse_base=prefix_lse_base, reads_step_kv=reads_step_kv,
-    )
-    if reads_step_kv:
-        _check_out_overlaps(out, (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache),
-                                  ("prefix_out", prefix_out), ("prefix_lse", prefix_lse)))
-    return geom
-
-
-@memoize_metadata_check
-def _check_tail_merge_metadata(
-    q,
-    new_k,
-    new_v,
-    kv_cache,
-    beam_page_table,
-    kv_lens,
-    prompt_lens,
-    cache_indirection,
-    beam_width,
-    prefix_out,
-    prefix_lse,
-    out,
-    *,
-    sm_scale=None,
-    kv_layout="HND",
-    page_index_divisor=1,
-    prefix_lse_layout="NH",
-    prefix_lse_base="log2",
-    reads_step_kv=True,
-) -> TailMergeGeometry:
-    """:func:`check_tail_merge_args` but the overlap of ``out`` with the other tensors (addresses are not in
-    its key)."""
     _need_tensor("prefix_out", prefix_out)
     _need_tensor("prefix_lse", prefix_lse)
     if prefix_lse_layout not in LSE_LAYOUTS:
@@ -512,7 +458,7 @@ def _check_tail_merge_metadata(
               f"'HN' ([heads, rows], FA4).")
     if prefix_lse_base not in LSE_BASES:
         _fail(f"prefix_lse_base={prefix_lse_base!r} is not supported; use 'log2' (FlashInfer) or 'ln' (FA4).")
-    geom = _check_step_metadata(
+    geom = _step_metadata(
         q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width, out,
         sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
         extra_tensors=(("prefix_out", prefix_out), ("prefix_lse", prefix_lse)), reads_step_kv=reads_step_kv,
@@ -537,6 +483,16 @@ def _check_tail_merge_metadata(
         lse_strides = (prefix_lse.stride(1), prefix_lse.stride(0))
     return TailMergeGeometry(**{f: getattr(geom, f) for f in StepGeometry.__dataclass_fields__},
                              lse_strides=lse_strides, lse_scale=1.0 if prefix_lse_base == "log2" else LOG2E)
+
+
+def _tail_merge_overlaps(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection,
+                         beam_width, prefix_out, prefix_lse, out, *, reads_step_kv=True, **_) -> None:
+    if reads_step_kv:
+        _check_out_overlaps(out, (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache),
+                                  ("prefix_out", prefix_out), ("prefix_lse", prefix_lse)))
+
+
+check_tail_merge_args = memoize_metadata_check(_tail_merge_metadata, every_call=_tail_merge_overlaps)
 
 
 def check_tail_index_values(
