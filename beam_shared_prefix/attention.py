@@ -20,7 +20,9 @@ steps whose longest tail, given to :meth:`BeamSharedPrefixAttention.plan` as ``m
 :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` generated tokens, where it measured faster,
 and there ``backend="auto"`` prefers the two-launch paths to the cascade. At MHA (head 128) ``auto``
 also leaves the cascade for FA4 + tail past
-:data:`~beam_shared_prefix.prefix.select.CASCADE_MAX_TAIL` generated tokens.
+:data:`~beam_shared_prefix.prefix.select.CASCADE_MAX_TAIL` generated tokens, but only with
+``use_cuda_graph=True``: an eager call pays FA4's host time (about twice the cascade's) every time, which
+outweighed its device gain on the H200.
 
 Modelled on FlashInfer's wrappers: :meth:`BeamSharedPrefixAttention.plan` is host work done once
 per batch composition (the prompt pages of a request do not change while it decodes), cached by
@@ -39,7 +41,7 @@ launch cannot switch kernels); it judges the shape at the longest prompt the cap
 (:func:`~beam_shared_prefix.prefix.select.graph_rule_prompt`), and at ``max_requests`` requests. The
 shared-run stage is decided at the same first plan and kept: with ``shared_run="auto"`` it is captured
 only if that plan's ``max_tail_len`` was long enough (an engine capturing at warm-up passes none); the
-tail limit of the cascade is judged at that plan's ``max_tail_len`` too (none: not judged).
+tail limit of the cascade is judged at that plan's ``max_tail_len`` too (none: not judged), and kept.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ from .prefix.base import (
 )
 from .prefix.buffers import DeviceBuffer
 from .prefix.flashinfer import PREFIX_KERNELS
-from .prefix.select import (BACKEND_CLASSES, cascade_preferred, cascade_tail_too_long, graph_rule_prompt,
-                            long_tail_for_shared_run, resolve_prefix_backend, split_kv_preferred)
+from .prefix.select import (BACKEND_CLASSES, cascade_preferred, graph_rule_prompt, long_tail_for_shared_run,
+                            resolve_prefix_backend, split_kv_preferred)
 
 __all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
 
@@ -253,7 +255,7 @@ class BeamSharedPrefixAttention:
         if not self.use_cuda_graph and self.requested_backend == "auto":
             side = (split_kv_preferred(num_requests, mean_prompt, hq, hkv, step_plan.beam_width, d)[0],
                     cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d, num_requests, tail_len,
-                                      self.shared_run != "off")[0])
+                                      self.shared_run != "off", eager=True)[0])
         cache_key = (problem_key, side)
         name = self._backend_for_problem.get(cache_key)
         if name is None:
@@ -266,7 +268,7 @@ class BeamSharedPrefixAttention:
             name = resolve_prefix_backend(self.requested_backend, self.device, dtype, d, hq, hkv, pg, self.kv_layout,
                                           mean_prompt_len=mean_prompt, beam_width=step_plan.beam_width,
                                           num_requests=num_requests, tail_len=tail_len,
-                                          shared_run=self.shared_run != "off")
+                                          shared_run=self.shared_run != "off", eager=not self.use_cuda_graph)
             self._backend_for_problem[cache_key] = name
             logger.info("beam_shared_prefix: prefix backend %s serves Hq=%d Hkv=%d D=%d page %d %s, %s %s "
                         "(requested %s)", name, hq, hkv, d, pg, _dtype_name(dtype),
@@ -317,16 +319,15 @@ class BeamSharedPrefixAttention:
             max_tail_len: the step's longest tail, generated tokens per beam with this step's own
                 (``max(kv_len) - prompt_len`` over the batch), as the host knows it; ``None``: unknown. Only
                 whether it reaches :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` is used
-                (``shared_run="auto"``), and with ``backend="auto"`` whether it passes
-                :data:`~beam_shared_prefix.prefix.select.CASCADE_MAX_TAIL`; run() reads the true lengths
-                from ``kv_lens``.
+                (``shared_run="auto"``), and with ``backend="auto"`` and ``use_cuda_graph`` whether the first
+                plan's passes :data:`~beam_shared_prefix.prefix.select.CASCADE_MAX_TAIL`; run() reads the true
+                lengths from ``kv_lens``.
 
         Returns:
             The :class:`StepPlan` (the same object while the composition is unchanged; then the backend
             is not planned again either: :attr:`num_backend_plans` does not move, except once where the
-            tail reaches :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` or passes
-            :data:`~beam_shared_prefix.prefix.select.CASCADE_MAX_TAIL` and ``auto`` moves the batch from
-            the cascade to a two-launch path).
+            tail reaches :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` and ``auto`` moves
+            the batch from the cascade to a two-launch path).
         """
         ensure_not_capturing("BeamSharedPrefixAttention.plan()")
         if dtype not in DTYPES:
@@ -352,11 +353,9 @@ class BeamSharedPrefixAttention:
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
         problem_key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, default_sm_scale(head_dim, sm_scale))
         long_tail = self._long_tail(problem_key, max_tail_len)
-        # What of the tail the step's path depends on: the stage, and whether the tail is past the cascade's.
-        tail_verdict = (long_tail, cascade_tail_too_long(num_qo_heads // num_kv_heads, head_dim, max_tail_len))
         active = self._active
         same_step = active is not None and active[0] is step_plan and active[1] == problem_key
-        if same_step and active[3] == tail_verdict:
+        if same_step and active[3] == long_tail:
             return step_plan
         # A plan that fails part-way leaves no active plan: run() refuses instead of mixing the old
         # plan's buffers with the new shapes.
@@ -366,7 +365,7 @@ class BeamSharedPrefixAttention:
             backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, problem_key[5])
             self.num_backend_plans += 1
         self._prepare_buffers(step_plan, problem_key, backend, long_tail)
-        self._active = (step_plan, problem_key, backend, tail_verdict)
+        self._active = (step_plan, problem_key, backend, long_tail)
         return step_plan
 
     def _prepare_buffers(self, step_plan: StepPlan, problem_key: tuple, backend: PrefixBackend,

@@ -82,7 +82,8 @@ def estimate_workload_bytes(shape: BenchShape, with_baseline_pages: bool = True)
 def _auto_verdict(shape: BenchShape):
     """``(one_launch, split_kv, decline reason)``: the path backend ``"auto"`` takes for ``shape`` on a GPU
     with every prefix backend installed (the cascade, FlashInfer's split prompt, or else FA4/FlashInfer +
-    tail), eagerly with the wrapper's default ``shared_run="auto"`` (a long tail leaves the cascade), and what
+    tail), eagerly (the cascade's MHA tail limit applies to CUDA-graph replays only) with the wrapper's default
+    ``shared_run="auto"`` (a long tail leaves the cascade), and what
     :func:`beam_shared_prefix.decline.should_decline` says of it at the shape's (longest) tail (``None``:
     served)."""
     from beam_shared_prefix.decline import should_decline
@@ -91,7 +92,7 @@ def _auto_verdict(shape: BenchShape):
     split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
                                  shape.head_dim)
     one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                                 shape.head_dim, shape.requests, shape.tail)
+                                                 shape.head_dim, shape.requests, shape.tail, eager=True)
     reason = should_decline(shape.requests, shape.beams, shape.prompt, shape.heads, shape.kv_heads, shape.head_dim,
                             one_launch=one_launch, split_kv=split_kv, tail_len=shape.tail)
     return one_launch, split_kv, reason

@@ -255,17 +255,18 @@ def test_auto_rejudges_the_backend_when_the_request_count_changes_it(monkeypatch
 
 
 @pytest.mark.parametrize("graph,shared_run", [(False, "auto"), (False, "off"), (True, "auto")])
-def test_auto_rejudges_the_backend_when_the_tail_passes_the_cascade_limit(monkeypatch, graph, shared_run):
-    """At MHA (head 128) the cascade serves tails up to ``CASCADE_MAX_TAIL``: within one composition, the
-    eager wrapper judges the backend again at the first step past it, with that step's tail (whatever
-    ``shared_run``, which the rule hears too); under CUDA graphs the first plan's choice is kept."""
+def test_only_cuda_graphs_judge_the_cascade_tail_limit(monkeypatch, graph, shared_run):
+    """At MHA (head 128) the cascade's tail limit (``CASCADE_MAX_TAIL``) is a rule for CUDA-graph replays: the
+    eager wrapper judges the backend once per composition as ``eager`` and keeps it past the limit (only the
+    shared-run stage's threshold, far above, moves it); a CUDA-graph wrapper judges it at its first plan's
+    tail, past the limit here, and keeps it."""
     import beam_shared_prefix.attention as attention_module
     from beam_shared_prefix.prefix.select import CASCADE_MAX_TAIL
 
     calls = []
 
-    def resolve(requested, *args, tail_len=None, shared_run=True, **kw):
-        calls.append((tail_len, shared_run))
+    def resolve(requested, *args, tail_len=None, shared_run=True, eager=False, **kw):
+        calls.append((tail_len, shared_run, eager))
         return "reference"
 
     monkeypatch.setattr(attention_module, "resolve_prefix_backend", resolve)
@@ -275,11 +276,12 @@ def test_auto_rejudges_the_backend_when_the_tail_passes_the_cascade_limit(monkey
     att = BeamSharedPrefixAttention("cpu", backend="auto", check=False, shared_run=shared_run,
                                     use_cuda_graph=graph, **caps)
     limit = CASCADE_MAX_TAIL[(1, d)]
-    for tail in range(1, limit + 4):
+    first = limit + 1 if graph else 1
+    for tail in range(first, limit + 4):
         att.plan([0, pages, 2 * pages], list(range(2 * pages)), [prompt] * requests, w, h, h, d, pg, 2 * pages + 1,
                  torch.bfloat16, key="one composition", max_tail_len=tail)
-    stage = shared_run != "off"
-    assert calls == ([(1, stage)] if graph else [(1, stage), (limit + 1, stage)]), calls
+    assert calls == [(first, shared_run != "off", not graph)], calls
+    assert att.num_backend_plans == 1
 
 
 @pytest.mark.interpreter

@@ -45,7 +45,7 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
            "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run", "CASCADE_MAX_TAIL",
-           "cascade_tail_too_long", "tail_class"]
+           "cascade_tail_too_long"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
@@ -289,24 +289,26 @@ def long_tail_for_shared_run(tail_len: Optional[float]) -> bool:
 # generated tokens FA4 + tail was faster at 17 of 18 points (1.03-1.36x; 64 x 14 x 2,000 at 64 tokens
 # even, 0.99x), at 8 tokens within 3% either way (0.92-1.03x), at 4 tokens slower (the cascade 0.77-0.96x).
 # GQA 2 and 4 (g2_, g4_auto_grid_round33.json) kept the cascade to 64 tokens (at most 6% slower, 64 x 30 x
-# 100 at GQA 2), so they have no limit.
+# 100 at GQA 2), so they have no limit. Head 64 at MHA (g1_d64_grid_round34.json) kept it too: the cascade was
+# faster at 15 of 16 points to 64 tokens (0.62-0.96x), 3% slower at 64 x 30 x 100 with 64 tokens.
+#
+# The limit is a device-time rule, so it applies only where the calls are replayed from a CUDA graph. An eager
+# call pays each path's host time every time, and FA4's is the largest: on the H200 host (eager_mha_round34.json)
+# one eager call took 105-195 us of host time on the cascade and 205-435 us on FA4 + tail, so where the device
+# needs less than that the step is host-bound. Eager FA4 + tail took 1.02-3.0x the eager cascade's time a call at
+# four of the six measured points past the limit, and was 6-13% faster only at two whose cascade needed 250-490 us
+# of device time (64 x 30 at 64 tokens).
 #: ``{(GQA group, head size): the longest tail}`` (generated tokens per beam, the step's longest, its own
 #: token included) at which ``auto`` picks the one-launch cascade; longer tails take FA4 + tail.
 CASCADE_MAX_TAIL = {(1, 128): 8}
 
 
-def cascade_tail_too_long(group_size: int, head_dim: int, tail_len: Optional[float]) -> bool:
+def cascade_tail_too_long(group_size: int, head_dim: int, tail_len: Optional[float], eager: bool = False) -> bool:
     """Whether a step whose longest tail is ``tail_len`` tokens (``None``: unknown, e.g. a CUDA graph's
-    capture, which serves any tail) is past :data:`CASCADE_MAX_TAIL` for this group and head size."""
+    capture, which serves any tail) is past :data:`CASCADE_MAX_TAIL` for this group and head size. Never for
+    ``eager`` calls (no CUDA graph): FA4's host time per call outweighs its device gain there."""
     limit = CASCADE_MAX_TAIL.get((group_size, head_dim))
-    return limit is not None and tail_len is not None and float(tail_len) > limit
-
-
-def tail_class(group_size: int, head_dim: int, tail_len: Optional[float]) -> Tuple[bool, bool]:
-    """What of a step's longest tail ``tail_len`` (tokens; ``None``: unknown) the ``auto`` rules read:
-    ``(long enough for the shared-run stage, past the cascade's tail limit)``. A plan made at one class
-    serves every step of that class; an engine plans again when it changes."""
-    return long_tail_for_shared_run(tail_len), cascade_tail_too_long(group_size, head_dim, tail_len)
+    return limit is not None and not eager and tail_len is not None and float(tail_len) > limit
 
 
 BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
@@ -374,6 +376,7 @@ def cascade_preferred(
     num_requests: Optional[int] = None,
     tail_len: Optional[float] = None,
     shared_run: bool = True,
+    eager: bool = False,
 ) -> Tuple[bool, str]:
     """Whether ``auto`` picks the one-launch cascade for a batch: ``(True, "")`` or ``(False, reason)``.
 
@@ -382,8 +385,9 @@ def cascade_preferred(
     ``num_requests`` the batch's ``R`` (``None``: unknown, judged as many): with few cascade programs
     some shapes have a lower limit (:data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS`). ``tail_len``: the
     step's longest tail (generated tokens per beam, ``None``: unknown, e.g. a CUDA graph's capture):
-    past :data:`CASCADE_MAX_TAIL` FA4 + tail is preferred, and where ``shared_run`` (the shared-run
-    stage may run), from :data:`SHARED_RUN_MIN_TAIL` the two-launch paths with the stage are.
+    past :data:`CASCADE_MAX_TAIL` FA4 + tail is preferred unless ``eager`` (the calls run without a CUDA
+    graph, see :func:`cascade_tail_too_long`), and where ``shared_run`` (the shared-run stage may run), from
+    :data:`SHARED_RUN_MIN_TAIL` the two-launch paths with the stage are.
     """
     group = num_qo_heads // max(num_kv_heads, 1)
     if group > CASCADE_MAX_GROUP:
@@ -400,9 +404,9 @@ def cascade_preferred(
     if shared_run and long_tail_for_shared_run(tail_len):
         return False, (f"tail {float(tail_len):.0f} >= {SHARED_RUN_MIN_TAIL} generated tokens per beam: a two-launch "
                        f"path with the shared-run stage measured faster there")
-    if cascade_tail_too_long(group, head_dim, tail_len):
+    if cascade_tail_too_long(group, head_dim, tail_len, eager):
         return False, (f"tail {float(tail_len):.0f} > {CASCADE_MAX_TAIL[(group, head_dim)]} generated tokens per "
-                       f"beam at G={group}, head {head_dim}: FA4 + tail measured faster there")
+                       f"beam at G={group}, head {head_dim} under a CUDA graph: FA4 + tail measured faster there")
     limit = cascade_prompt_limit(beam_width, group, head_dim)
     two_blocks = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, 2, num_requests, num_kv_heads,
                                      beam_width, group, head_dim)
@@ -547,10 +551,11 @@ def cascade_serves(
     num_requests: Optional[int] = None,
     tail_len: Optional[float] = None,
     shared_run: bool = True,
+    eager: bool = False,
 ) -> bool:
     """Whether the one-launch cascade would serve a CUDA batch under the ``requested`` backend setting:
     ``"triton"`` where the kernel tiles the shape, ``"auto"`` where :func:`cascade_preferred` picks it
-    (``tail_len`` and ``shared_run`` as there) and :func:`split_kv_preferred` (``num_requests``: the batch's, ``None``
+    (``tail_len``, ``shared_run`` and ``eager`` as there) and :func:`split_kv_preferred` (``num_requests``: the batch's, ``None``
     unknown) does not.
     (The decline rule's thresholds differ for it and for the two-launch paths.)"""
     if requested == "triton":
@@ -563,7 +568,7 @@ def cascade_serves(
         if split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)[0]:
             return False
         return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim, num_requests,
-                                 tail_len, shared_run)[0]
+                                 tail_len, shared_run, eager)[0]
     return False
 
 
@@ -590,22 +595,23 @@ def step_path(
     head_dim: int,
     tail_len: Optional[float] = None,
     shared_run: bool = True,
+    eager: bool = False,
 ) -> Tuple[bool, bool]:
     """``(split_kv, one_launch)``: whether FlashInfer's split prompt, or the one-launch cascade, serves a
     CUDA batch under ``requested``, with the packages installed here (what the per-step decline rule
-    must judge); ``tail_len`` and ``shared_run`` as for :func:`cascade_preferred`. Unlike :func:`flashinfer_serves` and
+    must judge); ``tail_len``, ``shared_run`` and ``eager`` as for :func:`cascade_preferred`. Unlike :func:`flashinfer_serves` and
     :func:`cascade_serves`, which model a machine with every backend installed, a missing FlashInfer sends
     ``auto``'s few-request batches to the cascade or FA4, and a missing FA4 sends ``fa4`` to FlashInfer."""
     if requested == "fa4" and not _installed("fa4"):
         requested = "flashinfer"
     if requested == "auto" and not _installed("flashinfer"):
         preferred = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                                      num_requests, tail_len, shared_run)[0]
+                                      num_requests, tail_len, shared_run, eager)[0]
         return False, preferred
     split_kv = flashinfer_serves(requested, num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
                                  head_dim)
     one_launch = not split_kv and cascade_serves(requested, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                                 head_dim, num_requests, tail_len, shared_run)
+                                                 head_dim, num_requests, tail_len, shared_run, eager)
     return split_kv, one_launch
 
 
@@ -622,13 +628,15 @@ def choose_prefix_backend(
     num_requests: Optional[int] = None,
     tail_len: Optional[float] = None,
     shared_run: bool = True,
+    eager: bool = False,
 ) -> Tuple[str, List[str]]:
     """The ``backend="auto"`` choice for a shape: ``(name, [reasons the faster backends declined])``.
 
     ``mean_prompt_len`` (tokens, the batch's mean), ``beam_width`` and ``num_requests`` let the rule
     pick FlashInfer's split prompt for few requests (:func:`split_kv_preferred`) or the one-launch
     cascade (:func:`cascade_preferred`, with ``tail_len``: the step's longest tail, ``None`` where unknown,
-    and ``shared_run``: whether the shared-run stage may run).
+    ``shared_run``: whether the shared-run stage may run, and ``eager``: whether the calls run without a
+    CUDA graph).
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -637,7 +645,7 @@ def choose_prefix_backend(
     split, split_why = split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
                                           head_dim)
     preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                                       num_requests, tail_len, shared_run)
+                                       num_requests, tail_len, shared_run, eager)
     candidates = ("triton", "fa4", "flashinfer") if preferred else ("fa4", "flashinfer")
     if split:
         candidates = ("flashinfer",) + candidates[:-1]
@@ -668,12 +676,13 @@ def resolve_prefix_backend(
     num_requests: Optional[int] = None,
     tail_len: Optional[float] = None,
     shared_run: bool = True,
+    eager: bool = False,
 ) -> str:
     """The backend that will run for ``requested`` (``auto``/``triton``/``fa4``/``flashinfer``/``reference``).
 
     ``mean_prompt_len``: the batch's mean prompt length (tokens), ``beam_width``, ``num_requests`` and
-    ``tail_len`` (the step's longest tail, ``None`` where unknown) and ``shared_run`` (whether the
-    shared-run stage may run), for the ``auto`` rule.
+    ``tail_len`` (the step's longest tail, ``None`` where unknown), ``shared_run`` (whether the
+    shared-run stage may run) and ``eager`` (whether the calls run without a CUDA graph), for the ``auto`` rule.
 
     Declines are logged on the ``beam_shared_prefix`` logger with their reason.
 
@@ -683,7 +692,7 @@ def resolve_prefix_backend(
     if requested == "auto":
         name, declined = choose_prefix_backend(device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size,
                                                kv_layout, mean_prompt_len, beam_width, num_requests, tail_len,
-                                               shared_run)
+                                               shared_run, eager)
         for reason in declined:
             logger.info("beam_shared_prefix: backend=auto declined %s", reason)
         if name == "reference" and torch.device(device).type == "cuda":

@@ -40,7 +40,7 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 
 from ..decline import should_decline, tail_decline_reason
-from ..prefix.select import step_path, tail_class
+from ..prefix.select import long_tail_for_shared_run, step_path
 from .gates import batch_decline_reason, decline_log, slow_step_log, step_decline_reason
 from .kv_cache import LayerKV, PageAdapter, adapter_for
 from .registration import current_settings
@@ -157,8 +157,9 @@ class StepInfo:
                 shape = (self.mean_prompt_len, family.num_qo_heads, family.num_kv_heads, self.beam_width,
                          family.head_dim)
                 # The path that serves a long tail depends on whether the shared-run stage may run.
+                # A judged tail is an eager step's (CUDA-graph metadata hands none): eager keeps the cascade.
                 split_kv, one_launch = step_path(settings.backend, self.num_requests, *shape, tail_len=tail,
-                                                 shared_run=settings.shared_run != "off")
+                                                 shared_run=settings.shared_run != "off", eager=True)
                 reason = should_decline(
                     self.num_requests,
                     self.beam_width,
@@ -438,9 +439,10 @@ def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family)
     """``family``'s wrapper on this metadata, planned for ``step`` (host work only on a new composition)."""
     layer = step.adapter.layer(family.layer_idx)
     indptr, indices, key = step.pages_for(metadata, family, layer)
-    # The longest tail, for the wrapper's shared-run and cascade rules (None under a CUDA graph).
+    # The longest tail, for the wrapper's shared-run rule (None under a CUDA graph). The cascade's tail limit
+    # applies to graph-replayed calls only, whose metadata hands no tail, so it never moves an eager plan.
     tail = step.judged_tail
-    planned = (key, tail_class(family.num_qo_heads // family.num_kv_heads, family.head_dim, tail))
+    planned = (key, long_tail_for_shared_run(tail))
     wrapper = state.wrappers.get(family.key)
     if wrapper is not None and state.planned_key.get(family.key) == planned:
         return wrapper

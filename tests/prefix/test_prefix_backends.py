@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from h200_grids import grid_points, with_auto_backend
+from h200_grids import RESULTS, grid_points, with_auto_backend
 
 from beam_shared_prefix.plan import build_step_plan
 from beam_shared_prefix.prefix import (
@@ -565,8 +565,8 @@ def test_long_tails_take_a_two_launch_path_with_the_shared_run_stage(monkeypatch
 
 def test_mha_leaves_the_cascade_past_its_tail_limit(monkeypatch):
     """At MHA (head 128) ``auto`` keeps the cascade up to ``CASCADE_MAX_TAIL`` generated tokens and takes FA4
-    + tail past it, with the stage on or off; an unknown tail (a CUDA graph's capture) and the shapes
-    without a limit (GQA 2, MHA at head 64) keep the prompt rule."""
+    + tail past it, with the stage on or off, for CUDA-graph replays only: eager calls, an unknown tail (a CUDA
+    graph's capture) and the shapes without a limit (GQA 2, MHA at head 64) keep the prompt rule."""
     from beam_shared_prefix.prefix import select
 
     limit = select.CASCADE_MAX_TAIL[(1, 128)]
@@ -575,15 +575,17 @@ def test_mha_leaves_the_cascade_past_its_tail_limit(monkeypatch):
         assert select.cascade_preferred(500, 16, 16, 30, 128, 64, limit, shared_run)[0]
         picked, why = select.cascade_preferred(500, 16, 16, 30, 128, 64, limit + 1, shared_run)
         assert not picked and f"tail {limit + 1} > {limit} generated tokens per beam at G=1, head 128" in why
+        assert select.cascade_preferred(500, 16, 16, 30, 128, 64, 64, shared_run, eager=True)[0]
+    assert select.cascade_tail_too_long(1, 128, limit + 1) and not select.cascade_tail_too_long(1, 128, limit)
+    assert not select.cascade_tail_too_long(1, 128, limit + 1, eager=True)
     assert select.cascade_preferred(500, 16, 16, 30, 128, 64, None)[0]
     assert select.cascade_preferred(500, 16, 8, 30, 128, 64, 64)[0]
     assert select.cascade_preferred(500, 16, 16, 30, 64, 64, 64)[0]
-    assert select.tail_class(1, 128, limit + 1) == (False, True)
-    assert select.tail_class(1, 128, None) == (False, False)
-    assert select.tail_class(2, 128, select.SHARED_RUN_MIN_TAIL) == (True, False)
     monkeypatch.setattr(select, "_installed", lambda name: True)
     assert select.step_path("auto", 64, 500, 16, 16, 30, 128, tail_len=limit) == (False, True)
     assert select.step_path("auto", 64, 500, 16, 16, 30, 128, tail_len=limit + 1) == (False, False)
+    assert select.step_path("auto", 64, 500, 16, 16, 30, 128, tail_len=limit + 1, eager=True) == (False, True)
+    assert select.cascade_serves("auto", 500, 16, 16, 30, 128, 64, limit + 1, eager=True)
 
 
 def test_shared_run_tail_threshold_agrees_with_the_h200_grids():
@@ -676,6 +678,50 @@ def test_cascade_tail_limit_agrees_with_the_h200_grids():
             assert auto["time_us"] <= 1.02 * arms["library/fa4"]["time_us"], (name, s["name"])
         checked += 1
     assert checked == 20, checked
+    # Thirty-fourth round (g1_d64_grid_round34.json): MHA at head 64 has no limit, and the cascade was at most 3%
+    # slower than FA4 + tail there (64 x 30 x 100 at 64 tokens), 4-38% faster at the other 15 points.
+    points = 0
+    for name, s, prompt, arms in _h200_grid_points("g1_d64_grid_round34.json"):
+        r, w, hq, hkv, d, tail = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"], s["tail"]
+        assert (hq, hkv, d) == (16, 16, 64) and cascade_preferred(prompt, hq, hkv, w, d, r, tail)[0], s["name"]
+        assert arms["library/triton"] <= 1.04 * arms["library/fa4"], (name, s["name"], arms)
+        points += 1
+    assert points == 16, points
+
+
+def test_eager_calls_keep_the_cascade_past_the_mha_tail_limit_as_measured():
+    """Thirty-fourth round (``eager_mha_round34.json``: eager ``run()`` calls at MHA, head 128, 64 x 30 x 100 and
+    2,000 and 4 x 16 x 500, tails 8, 16 and 64). Every eager call paid more host time on FA4 + tail than on the
+    cascade; past ``CASCADE_MAX_TAIL``, where eager calls keep the cascade, FA4 + tail took 1.02-3.0x the
+    cascade's time a call at four of the six points and was faster only where the cascade's device time was
+    long (64 x 30 at 64 tokens: 6-13%)."""
+    import json
+
+    from beam_shared_prefix.prefix.select import CASCADE_MAX_TAIL, cascade_preferred
+
+    path = RESULTS / "eager_mha_round34.json"
+    rows = json.loads(path.read_text())["results"]
+    by_point = {}
+    for row in rows:
+        s = row["shape"]
+        by_point.setdefault((s["requests"], s["beams"], s["prompt"], s["tail"]), {})[row["arm"]] = row
+    assert len(by_point) == 9
+    slower, faster = 0, 0
+    for (r, w, prompt, tail), arms in by_point.items():
+        cascade, fa4 = arms["library/triton"], arms["library/fa4"]
+        assert fa4["host_us"] > cascade["host_us"], (r, w, prompt, tail)
+        if tail <= CASCADE_MAX_TAIL[(1, 128)]:
+            continue
+        assert cascade_preferred(prompt, 16, 16, w, 128, r, tail, eager=True)[0]
+        assert not cascade_preferred(prompt, 16, 16, w, 128, r, tail)[0]
+        # What the eager rule costs where FA4 + tail was faster: at most 15% a call, and only where the cascade
+        # is device-bound (its device time past FA4 + tail's host time).
+        if fa4["step_us"] < cascade["step_us"]:
+            faster += 1
+            assert fa4["step_us"] >= 0.85 * cascade["step_us"] and cascade["device_us"] > fa4["host_us"]
+        else:
+            slower += 1
+    assert (slower, faster) == (4, 2)
 
 
 @pytest.mark.parametrize("group,head_dim,one_block_up_to,one_block_limit,split_limit", [
