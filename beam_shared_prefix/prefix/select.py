@@ -299,7 +299,7 @@ def long_tail_for_shared_run(tail_len: Optional[float]) -> bool:
 # four of the six measured points past the limit, and was 6-13% faster only at two whose cascade needed 250-490 us
 # of device time (64 x 30 at 64 tokens).
 #: ``{(GQA group, head size): the longest tail}`` (generated tokens per beam, the step's longest, its own
-#: token included) at which ``auto`` picks the one-launch cascade; longer tails take FA4 + tail.
+#: token included) at which ``auto`` picks the one-launch cascade; longer tails take FA4 + tail under a CUDA graph.
 CASCADE_MAX_TAIL = {(1, 128): 8}
 
 
@@ -555,8 +555,8 @@ def cascade_serves(
 ) -> bool:
     """Whether the one-launch cascade would serve a CUDA batch under the ``requested`` backend setting:
     ``"triton"`` where the kernel tiles the shape, ``"auto"`` where :func:`cascade_preferred` picks it
-    (``tail_len``, ``shared_run`` and ``eager`` as there) and :func:`split_kv_preferred` (``num_requests``: the batch's, ``None``
-    unknown) does not.
+    (``tail_len``, ``shared_run`` and ``eager`` as there) and :func:`split_kv_preferred` (``num_requests``: the
+    batch's, ``None`` unknown) does not.
     (The decline rule's thresholds differ for it and for the two-launch paths.)"""
     if requested == "triton":
         try:
@@ -599,9 +599,10 @@ def step_path(
 ) -> Tuple[bool, bool]:
     """``(split_kv, one_launch)``: whether FlashInfer's split prompt, or the one-launch cascade, serves a
     CUDA batch under ``requested``, with the packages installed here (what the per-step decline rule
-    must judge); ``tail_len``, ``shared_run`` and ``eager`` as for :func:`cascade_preferred`. Unlike :func:`flashinfer_serves` and
-    :func:`cascade_serves`, which model a machine with every backend installed, a missing FlashInfer sends
-    ``auto``'s few-request batches to the cascade or FA4, and a missing FA4 sends ``fa4`` to FlashInfer."""
+    must judge); ``tail_len``, ``shared_run`` and ``eager`` as for :func:`cascade_preferred`. Unlike
+    :func:`flashinfer_serves` and :func:`cascade_serves`, which model a machine with every backend installed, a
+    missing FlashInfer sends ``auto``'s few-request batches to the cascade or FA4, and a missing FA4 sends
+    ``fa4`` to FlashInfer."""
     if requested == "fa4" and not _installed("fa4"):
         requested = "flashinfer"
     if requested == "auto" and not _installed("flashinfer"):
