@@ -33,6 +33,7 @@ __all__ = [
     "ShapeError",
     "parse_sweep",
     "expand_sweeps",
+    "parse_custom_shapes",
     "reduced_cpu_shape",
     "DTYPES",
     "ANCESTRIES",
@@ -242,6 +243,32 @@ def expand_sweeps(base: BenchShape, sweeps: Sequence[Tuple[str, List]]) -> List[
         tag = ",".join(f"{k}={v}" for k, v in changes.items())
         points.append(replace(base, name=f"{base.name}[{tag}]", **changes))
     return points
+
+
+def parse_custom_shapes(spec: str) -> List[BenchShape]:
+    """The tuning tools' ``--custom``: ``"8x8x500,2x12x6000:32/4,8x8x500:16/8/64"`` -> shapes ``R x W x P``
+    (requests x beams x prompt tokens) at B-medium's tail, page and dtype, and its heads (16/8, head 128)
+    unless an item names its own ``:Hq/Hkv`` or ``:Hq/Hkv/D``; each named by its item.
+
+    Raises:
+        ShapeError: an item that is not ``RxWxP[:Hq/Hkv[/D]]`` of positive integers with ``Hq % Hkv == 0``.
+    """
+    shapes = []
+    for item in (x for x in spec.split(",") if x):
+        dims, _, heads = item.lower().partition(":")
+        parts = dims.split("x")
+        head_parts = heads.split("/") if heads else ["16", "8"]
+        if (len(parts) != 3 or len(head_parts) not in (2, 3)
+                or not all(x.isdigit() and int(x) > 0 for x in parts + head_parts)
+                or int(head_parts[0]) % int(head_parts[1])):
+            raise ShapeError(f"--custom item {item!r} is not RxWxP[:Hq/Hkv[/D]] with positive integers and Hq a "
+                             f"multiple of Hkv (e.g. 8x8x500 or 2x12x6000:32/4 or 8x8x500:16/8/64)")
+        r, w, prompt = (int(x) for x in parts)
+        hq, hkv = int(head_parts[0]), int(head_parts[1])
+        d = int(head_parts[2]) if len(head_parts) == 3 else PRESETS["B-medium"].head_dim
+        shapes.append(replace(PRESETS["B-medium"], requests=r, beams=w, prompt=prompt, heads=hq, kv_heads=hkv,
+                              head_dim=d, name=item))
+    return shapes
 
 
 def reduced_cpu_shape(shape: BenchShape) -> BenchShape:

@@ -1,6 +1,7 @@
 """Sweep the one-launch cascade kernel's tiling on the GPU: ``python -m microbenchmarks.tune_cascade``.
 
-For each shape, every :class:`triton_kernels.CascadeLaunchConfig` of the grid (beams per program x
+For each shape (presets by ``--shapes``, ``RxWxP[:Hq/Hkv[/D]]`` shapes by ``--custom``, each at ``--tails`` if
+given), every :class:`triton_kernels.CascadeLaunchConfig` of the grid (beams per program x
 ``block_n`` x ``tail_block`` x warps x stages x register cap x KV heads per program x prompt first x
 pipeline stages of the prompt and the tail x tail on CUDA cores x shared-ancestry path; tiles over 128 query rows
 skipped) is run on the shape's workload, compared with the default tiling's output and timed as a CUDA graph with CUDA
@@ -32,7 +33,7 @@ import torch
 
 from .check import OUT_TOL
 from .floors import count_flops, count_traffic, measure_copy_bandwidth, stage_work
-from .shapes import PRESETS, BenchShape
+from .shapes import PRESETS, BenchShape, ShapeError, parse_custom_shapes
 from .timing import capture_graph, time_cuda
 from .workload import build_workload, torch_dtype
 
@@ -200,27 +201,42 @@ def main(argv=None) -> int:
                    help="tune the prompt pass alone (beam_prefix_attention), not the one-launch step")
     p.add_argument("--top", type=int, default=4, help="tilings listed per shape")
     p.add_argument("--default-only", action="store_true", help="time only each shape's default tiling")
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)} ('' for none)")
+    p.add_argument("--custom", default=None,
+                   help="extra shapes RxWxP[:Hq/Hkv[/D]] (default 16/8, D 128; page 32), e.g. 64x30x500:16/16")
+    p.add_argument("--tails", default=None,
+                   help="run each shape at these tails instead of its own (e.g. 4,16,64; names gain -tN)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    names = [n for n in args.shapes.split(",") if n]
+    unknown = sorted(set(names) - set(SHAPES))
+    if unknown:
+        p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
+    shapes = [SHAPES[n] for n in names]
+    try:
+        shapes += parse_custom_shapes(args.custom or "")
+    except ShapeError as exc:
+        p.error(str(exc))
+    if args.tails:
+        shapes = [dataclasses.replace(s, tail=t, name=f"{s.name}-t{t}") for s in shapes for t in ints(args.tails)]
+    if not shapes:
+        p.error("no shapes: name presets with --shapes or add --custom shapes")
     if not torch.cuda.is_available():
         print("tune_cascade: no CUDA device; nothing to tune.")
         return 0
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     grid = [] if args.default_only else list(itertools.product(
         ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps), ints(args.num_stages),
         ints(args.max_registers), ints(args.heads_per_program), ints(args.prompt_first), ints(args.prompt_stages),
         ints(args.tail_stages), ints(args.tail_on_cores), ints(args.shared_ancestry)))
-    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
-    if unknown:
-        p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
           f"(beams, block_n, tail_block, num_warps, num_stages, max_registers, heads_per_program, prompt_first, "
           f"prompt_stages, tail_stages, tail_on_cores, shared_ancestry)", flush=True)
     report = []
-    for name in args.shapes.split(","):
-        r = tune_shape(SHAPES[name], grid, args.iters, bandwidth, args.write_kv, args.l2_flush, args.prefix_only)
+    for shape in shapes:
+        name = shape.name
+        r = tune_shape(shape, grid, args.iters, bandwidth, args.write_kv, args.l2_flush, args.prefix_only)
         report.append(r)
         fmt = lambda x: "-" if x is None else f"{x['us']:.1f} us ({x['us'] / r['floor_us']:.2f}x) {_key(x['config'])}"  # noqa: E731
         print(f"{name:>9}: floor {r['floor_us']:.1f} us | default {fmt(r['default'])} | best {fmt(r['best'])}",
@@ -228,7 +244,7 @@ def main(argv=None) -> int:
         for x in sorted((x for x in r["all"] if "us" in x), key=lambda x: x["us"])[:args.top]:
             print(f"{'':>11}{x['us']:.1f} us {_key(x['config'])} rel err {x['rel_err_vs_default']:.1e} vs default, "
                   f"regs {x.get('regs')} spills {x.get('spills')} smem {x.get('smem')}")
-        tol = OUT_TOL[torch_dtype(SHAPES[name].dtype)]
+        tol = OUT_TOL[torch_dtype(shape.dtype)]
         bad = [x for x in r["all"] if "us" in x and not x["rel_err_vs_default"] <= tol]
         if bad:
             print(f"{'':>11}MISMATCH in {len(bad)} tilings (rel err > {tol}), e.g. {_key(bad[0]['config'])} "

@@ -29,7 +29,7 @@ from typing import Dict, List
 import torch
 
 from .floors import count_traffic, measure_copy_bandwidth, stage_work
-from .shapes import PRESETS, BenchShape
+from .shapes import PRESETS, BenchShape, parse_custom_shapes
 from .timing import capture_graph, time_cuda
 from .workload import build_workload
 
@@ -159,27 +159,6 @@ def _across_shapes(report: List[Dict]) -> List[tuple]:
     return sorted(rows)
 
 
-def custom_shapes(spec: str) -> List[BenchShape]:
-    """``"8x8x500,2x12x6000:32/4,8x8x500:16/8/64"`` -> shapes ``R x W x P`` at B-medium's tail, page and dtype,
-    and its heads (16/8, head 128) unless an item names its own ``:Hq/Hkv`` or ``:Hq/Hkv/D``."""
-    shapes = []
-    for item in (x for x in spec.split(",") if x):
-        dims, _, heads = item.lower().partition(":")
-        parts = dims.split("x")
-        head_parts = heads.split("/") if heads else ["16", "8"]
-        if (len(parts) != 3 or len(head_parts) not in (2, 3)
-                or not all(x.isdigit() and int(x) > 0 for x in parts + head_parts)
-                or int(head_parts[0]) % int(head_parts[1])):
-            raise ValueError(f"--custom item {item!r} is not RxWxP[:Hq/Hkv[/D]] with positive integers and Hq a "
-                             f"multiple of Hkv (e.g. 8x8x500 or 2x12x6000:32/4 or 8x8x500:16/8/64)")
-        r, w, prompt = (int(x) for x in parts)
-        hq, hkv = int(head_parts[0]), int(head_parts[1])
-        d = int(head_parts[2]) if len(head_parts) == 3 else PRESETS["B-medium"].head_dim
-        shapes.append(dataclasses.replace(PRESETS["B-medium"], requests=r, beams=w, prompt=prompt, heads=hq,
-                                          kv_heads=hkv, head_dim=d, name=item))
-    return shapes
-
-
 def main(argv=None) -> int:
     """CLI entry point (``argv`` as for argparse); returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -206,7 +185,7 @@ def main(argv=None) -> int:
         p.error(f"unknown shapes {unknown}; choose from {[s.name for s in SHAPES]}")
     shapes = [s for s in SHAPES if s.name in names]
     try:
-        shapes += custom_shapes(args.custom or "")
+        shapes += parse_custom_shapes(args.custom or "")
     except ValueError as exc:
         p.error(str(exc))
     if args.tails:

@@ -3,7 +3,8 @@
 import pytest
 
 from microbenchmarks.cli import build_parser, resolve_shapes
-from microbenchmarks.shapes import PRESETS, BenchShape, ShapeError, expand_sweeps, parse_sweep, reduced_cpu_shape
+from microbenchmarks.shapes import (PRESETS, BenchShape, ShapeError, expand_sweeps, parse_custom_shapes, parse_sweep,
+                                   reduced_cpu_shape)
 
 # The reference workloads as issue 6 states them: (R, W, P, T, Hq, Hkv); all bf16, head 128, page 32.
 ISSUE_PRESETS = {
@@ -102,6 +103,21 @@ def test_cli_rejects_bad_values_with_usage_error(capsys):
         main(["--sweep", "beams=0"])
     assert exc.value.code == 2
     assert "beams=0" in capsys.readouterr().err
+
+
+def test_parse_custom_shapes_reads_the_tuning_tools_items():
+    """``RxWxP[:Hq/Hkv[/D]]`` items at B-medium's heads or the item's, named by the item; a malformed one is
+    named with the form it must take."""
+    a, b, c, d = parse_custom_shapes("8x8x500,64X4x100,2x12x6000:32/4,1x8x50:8/1/64")
+    assert (a.requests, a.beams, a.prompt, a.heads, a.kv_heads, a.name) == (8, 8, 500, 16, 8, "8x8x500")
+    assert (b.requests, b.beams, b.prompt) == (64, 4, 100)
+    assert (c.requests, c.beams, c.prompt, c.heads, c.kv_heads, c.head_dim) == (2, 12, 6000, 32, 4, 128)
+    assert (d.heads, d.kv_heads, d.head_dim) == (8, 1, 64)
+    assert (a.tail, a.page_size, a.dtype) == (PRESETS["B-medium"].tail, 32, "bfloat16")
+    assert parse_custom_shapes("") == []
+    for bad in ("8x8", "8x8x500:32/5", "8x8x500:32", "8x8x500:16/8/64/2", "8x0x500"):
+        with pytest.raises(ShapeError, match=f"'{bad}' is not RxWxP"):
+            parse_custom_shapes(bad)
 
 
 def test_reduced_cpu_shape_keeps_the_attention_shape():

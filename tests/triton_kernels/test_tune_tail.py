@@ -86,22 +86,20 @@ def test_profile_step_launches_each_kernel(kernel):
     assert torch.isfinite(out.float()).all()
 
 
-def test_tune_tail_custom_shapes_and_tails(monkeypatch, capsys):
-    """``--custom RxWxP[:Hq/Hkv]`` adds shapes at B-medium's heads or the item's; a malformed one is named;
-    no GPU exits 0."""
-    from microbenchmarks import tune_tail
+@pytest.mark.parametrize("tool", ["tune_tail", "tune_cascade"])
+def test_tuning_tools_take_custom_shapes_and_tails(monkeypatch, capsys, tool):
+    """``--custom RxWxP[:Hq/Hkv]`` adds shapes (``parse_custom_shapes``); a malformed one, or no shape at all, is
+    named before the device is looked for; ``--tails`` runs each shape at those tails; no GPU exits 0."""
+    import importlib
 
-    a, b, c, d = tune_tail.custom_shapes("8x8x500,64X4x100,2x12x6000:32/4,1x8x50:8/1/64")
-    assert (a.requests, a.beams, a.prompt, a.heads, a.kv_heads, a.name) == (8, 8, 500, 16, 8, "8x8x500")
-    assert (b.requests, b.beams, b.prompt) == (64, 4, 100)
-    assert (c.requests, c.beams, c.prompt, c.heads, c.kv_heads, c.head_dim) == (2, 12, 6000, 32, 4, 128)
-    assert (d.heads, d.kv_heads, d.head_dim) == (8, 1, 64)
-    for bad in ("8x8", "8x8x500:32/5", "8x8x500:32", "8x8x500:16/8/64/2"):
-        with pytest.raises(ValueError, match=f"'{bad}' is not RxWxP"):
-            tune_tail.custom_shapes(bad)
+    module = importlib.import_module(f"microbenchmarks.{tool}")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit):  # named before the device is looked for
-        tune_tail.main(["--custom", "8x0x500"])
+    with pytest.raises(SystemExit):
+        module.main(["--custom", "8x0x500"])
     assert "'8x0x500' is not RxWxP[:Hq/Hkv[/D]] with positive integers" in capsys.readouterr().err
-    assert tune_tail.main(["--custom", "8x8x500", "--tails", "64,256"]) == 0
+    if tool == "tune_cascade":
+        with pytest.raises(SystemExit):
+            module.main(["--shapes", ""])
+        assert "no shapes" in capsys.readouterr().err
+    assert module.main(["--shapes", "B-short", "--custom", "8x8x500:16/16", "--tails", "16,64"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
