@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass, replace
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
     "BenchShape",
@@ -34,6 +34,7 @@ __all__ = [
     "parse_sweep",
     "expand_sweeps",
     "parse_custom_shapes",
+    "tuning_shapes",
     "reduced_cpu_shape",
     "DTYPES",
     "ANCESTRIES",
@@ -268,6 +269,31 @@ def parse_custom_shapes(spec: str) -> List[BenchShape]:
         d = int(head_parts[2]) if len(head_parts) == 3 else PRESETS["B-medium"].head_dim
         shapes.append(replace(PRESETS["B-medium"], requests=r, beams=w, prompt=prompt, heads=hq, kv_heads=hkv,
                               head_dim=d, name=item))
+    return shapes
+
+
+def tuning_shapes(known: Sequence[BenchShape], names: str, custom: Optional[str] = None,
+                  tails: Optional[str] = None) -> List[BenchShape]:
+    """The shapes a tuning tool runs: those of ``known`` named in ``names`` (comma-separated), then the
+    ``custom`` items (:func:`parse_custom_shapes`), each at every tail of ``tails`` (``"4,64"``; names gain
+    ``-tN``) if given.
+
+    Raises:
+        ShapeError: an unknown name, a malformed item or tail, or no shape at all.
+    """
+    by_name = {s.name: s for s in known}
+    picked = [n for n in names.split(",") if n]
+    unknown = sorted(set(picked) - set(by_name))
+    if unknown:
+        raise ShapeError(f"unknown shapes {unknown}; choose from {list(by_name)}")
+    shapes = [by_name[n] for n in picked] + parse_custom_shapes(custom or "")
+    if tails:
+        items = [t for t in tails.split(",") if t]
+        if not all(t.isdigit() and int(t) > 0 for t in items):
+            raise ShapeError(f"--tails {tails!r} must list positive integers (generated tokens per beam), e.g. 4,64")
+        shapes = [replace(s, tail=int(t), name=f"{s.name}-t{t}") for s in shapes for t in items]
+    if not shapes:
+        raise ShapeError("no shapes: name presets with --shapes or add --custom shapes")
     return shapes
 
 

@@ -33,7 +33,7 @@ import torch
 
 from .check import OUT_TOL
 from .floors import count_flops, count_traffic, measure_copy_bandwidth, stage_work
-from .shapes import PRESETS, BenchShape, ShapeError, parse_custom_shapes
+from .shapes import PRESETS, BenchShape, ShapeError, tuning_shapes
 from .timing import capture_graph, time_cuda
 from .workload import build_workload, torch_dtype
 
@@ -209,19 +209,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    names = [n for n in args.shapes.split(",") if n]
-    unknown = sorted(set(names) - set(SHAPES))
-    if unknown:
-        p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
-    shapes = [SHAPES[n] for n in names]
     try:
-        shapes += parse_custom_shapes(args.custom or "")
+        shapes = tuning_shapes(SHAPES.values(), args.shapes, args.custom, args.tails)
     except ShapeError as exc:
         p.error(str(exc))
-    if args.tails:
-        shapes = [dataclasses.replace(s, tail=t, name=f"{s.name}-t{t}") for s in shapes for t in ints(args.tails)]
-    if not shapes:
-        p.error("no shapes: name presets with --shapes or add --custom shapes")
     if not torch.cuda.is_available():
         print("tune_cascade: no CUDA device; nothing to tune.")
         return 0

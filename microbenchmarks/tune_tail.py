@@ -29,7 +29,7 @@ from typing import Dict, List
 import torch
 
 from .floors import count_traffic, measure_copy_bandwidth, stage_work
-from .shapes import PRESETS, BenchShape, parse_custom_shapes
+from .shapes import PRESETS, BenchShape, ShapeError, tuning_shapes
 from .timing import capture_graph, time_cuda
 from .workload import build_workload
 
@@ -179,17 +179,10 @@ def main(argv=None) -> int:
     grid = list(itertools.product(
         ints(args.kv_heads_per_prog), ints(args.block_t), ints(args.num_warps), ints(args.index_block),
         ints(args.grouped)))
-    names = [n for n in args.shapes.split(",") if n]
-    unknown = sorted(set(names) - {s.name for s in SHAPES})
-    if unknown:
-        p.error(f"unknown shapes {unknown}; choose from {[s.name for s in SHAPES]}")
-    shapes = [s for s in SHAPES if s.name in names]
     try:
-        shapes += parse_custom_shapes(args.custom or "")
-    except ValueError as exc:
+        shapes = tuning_shapes(SHAPES, args.shapes, args.custom, args.tails)
+    except ShapeError as exc:
         p.error(str(exc))
-    if args.tails:
-        shapes = [dataclasses.replace(s, tail=t, name=f"{s.name}-t{t}") for s in shapes for t in ints(args.tails)]
     if not torch.cuda.is_available():
         print("tune_tail: no CUDA device; nothing to tune.")
         return 0

@@ -4,7 +4,7 @@ import pytest
 
 from microbenchmarks.cli import build_parser, resolve_shapes
 from microbenchmarks.shapes import (PRESETS, BenchShape, ShapeError, expand_sweeps, parse_custom_shapes, parse_sweep,
-                                   reduced_cpu_shape)
+                                   reduced_cpu_shape, tuning_shapes)
 
 # The reference workloads as issue 6 states them: (R, W, P, T, Hq, Hkv); all bf16, head 128, page 32.
 ISSUE_PRESETS = {
@@ -118,6 +118,22 @@ def test_parse_custom_shapes_reads_the_tuning_tools_items():
     for bad in ("8x8", "8x8x500:32/5", "8x8x500:32", "8x8x500:16/8/64/2", "8x0x500"):
         with pytest.raises(ShapeError, match=f"'{bad}' is not RxWxP"):
             parse_custom_shapes(bad)
+
+
+def test_tuning_shapes_pick_presets_and_custom_shapes_at_each_tail():
+    """The tuning tools' ``--shapes``, ``--custom`` and ``--tails``: named presets in the order named, then the
+    custom shapes, each at every tail (``-tN`` names); an unknown name, a bad tail or no shape is refused."""
+    known = [PRESETS["B-short"], PRESETS["B-4B"]]
+    shapes = tuning_shapes(known, "B-4B,B-short", "8x8x500:16/16", "4,64")
+    assert [(s.name, s.tail) for s in shapes] == [("B-4B-t4", 4), ("B-4B-t64", 64), ("B-short-t4", 4),
+                                                  ("B-short-t64", 64), ("8x8x500:16/16-t4", 4),
+                                                  ("8x8x500:16/16-t64", 64)]
+    assert shapes[4].kv_heads == 16 and shapes[0].heads == 32
+    assert tuning_shapes(known, "B-short") == [PRESETS["B-short"]]
+    for names, custom, tails, needle in (("A", None, None, "unknown shapes ['A']"), ("", None, None, "no shapes"),
+                                         ("B-short", None, "4,0", "must list positive integers")):
+        with pytest.raises(ShapeError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            tuning_shapes(known, names, custom, tails)
 
 
 def test_reduced_cpu_shape_keeps_the_attention_shape():
