@@ -94,8 +94,14 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
 #   G = 1, several blocks (32-beam tiles of 32 rows): W = 64 (two tiles) 17% faster at 50 and 100
 #   tokens, 10% at 250, 3% slower at 500; W = 128 14-36% and W = 256 19-40% slower from 100 up;
 #   hence 256 at head 64 for two tiles, never beyond (or with W unknown).
+# - Round 35, G = 2 at head 128, several blocks, re-timed on this tree's kernels (auto_rule_round35_g2_*.json;
+#   4, 16 and 64 requests of 48-256 beams): the cascade 1-18% faster than FA4 + tail at all 25 points of
+#   192-256 tokens (W = 256 at 64 requests 1% at 256), faster at 320-448 with 48-96 beams but W = 96 at 16
+#   requests (2% slower at 384; 128 and 256 beams not timed there), from 4% faster to 7% slower at 500, and
+#   3-19% slower at 1,000 but W = 96 at 64 requests; hence 256, as at head 64 (the sixth round's 128 was set
+#   on older kernels, 8% faster at 200 tokens then).
 CASCADE_MAX_MEAN_PROMPT = 4096
-CASCADE_MAX_MEAN_PROMPT_SPLIT = 128
+CASCADE_MAX_MEAN_PROMPT_SPLIT = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64 = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA = 0
 CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64 = 256

@@ -261,9 +261,9 @@ def test_declines_name_their_reason(fake_sm):
     for hq, prompt, beams, why in [
         (16, 5000, 30, "mean prompt 5000 tokens > 4096 at W=30, G=2 (one beam block"),
         (32, 5000, 16, "mean prompt 5000 tokens > 4096 at W=16, G=4 (one beam block"),
-        (16, 200, 64, "mean prompt 200 tokens > 128 at W=64, G=2 (several beam blocks"),
+        (16, 300, 64, "mean prompt 300 tokens > 256 at W=64, G=2 (several beam blocks"),
         (32, 500, 30, "mean prompt 500 tokens > 256 at W=30, G=4 (several beam blocks"),  # B-4B
-        (16, 200, None, "> 128 at W=None"),  # beam width unknown: the stricter limit
+        (16, 300, None, "> 256 at W=None"),  # beam width unknown: the stricter limit
         (8, 50, 64, "mean prompt 50 tokens > 0 at W=64, G=1 (several beam blocks"),
         (64, 150, 16, "mean prompt 150 tokens > 128 at W=16, G=8 (one beam block"),
         (128, 100, 30, "GQA group 16 > 8"),
@@ -353,8 +353,8 @@ def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, 
     assert name == "flashinfer" and "> 1024 at W=64" in declined[0] and "fa4:" in declined[1]
     # ... where with two blocks and at most 128 programs the cascade serves up to 1,024 tokens
     assert auto(8, 1000, beams=64) == ("triton", [])  # 128 programs
-    assert "> 128 at W=64" in auto(16, 500, beams=64)[1][0]  # 256 programs: the usual limit
-    assert "> 128 at W=128" in auto(1, 500, beams=128)[1][0]  # four blocks: the usual limit
+    assert "> 256 at W=64" in auto(16, 500, beams=64)[1][0]  # 256 programs: the usual limit
+    assert "> 256 at W=128" in auto(1, 500, beams=128)[1][0]  # four blocks: the usual limit
     assert "takes 4 beam blocks" in split_kv_preferred(1, 4000, 16, 8, 128, 128)[1]
     assert split_kv_preferred(1, 4000, 32, 8, 64, 128)[0]  # GQA 4: 4 blocks of 16 beams
     assert "takes 5 beam blocks" in split_kv_preferred(1, 4000, 32, 8, 80, 128)[1]
@@ -644,6 +644,36 @@ def test_auto_rule_agrees_with_the_h200_grids():
     assert points >= 70
 
 
+def test_gqa2_several_blocks_prompt_limit_agrees_with_the_round35_grids():
+    """Thirty-fifth round, GQA 16/8 at head 128 with several beam blocks a request (48-256 beams; 4, 16 and 64
+    requests; 192-1,000 tokens; ``auto_rule_round35_g2_*.json``), the cascade against FA4 + tail on this tree's
+    kernels. Up to the limit (256 tokens) the cascade was faster at every point; past it, where ``auto`` takes
+    FA4 + tail (two-block batches of few requests keep the cascade to 1,024 tokens), FA4 + tail was at most 22%
+    slower, and more than 12% slower only at 320-384 tokens with 64 or 96 beams, which the limit, shared by
+    every beam width, gives up so that 128-256 beams do not lose (5-19% slower at 500-1,000)."""
+    from beam_shared_prefix.prefix.select import CASCADE_MAX_MEAN_PROMPT_SPLIT, cascade_preferred
+
+    assert CASCADE_MAX_MEAN_PROMPT_SPLIT == 256
+    picked_points, lost = 0, set()
+    for name, s, prompt, arms in _h200_grid_points("auto_rule_round35_g2_*.json"):
+        r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
+        assert (hq, hkv, d) == (16, 8, 128) and w > 32, (name, s["name"])
+        picked, why = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
+        cascade, two_launch = arms["library/triton"], arms["library/fa4"]
+        where = f"{name}: {s['name']}"
+        if prompt <= CASCADE_MAX_MEAN_PROMPT_SPLIT:
+            assert picked and cascade < two_launch, (where, why, cascade, two_launch)
+        if picked:
+            picked_points += 1
+            assert cascade <= 1.05 * two_launch, f"{where}: cascade {cascade:.1f} against {two_launch:.1f} us"
+        else:
+            assert "several beam blocks" in why and two_launch <= 1.22 * cascade, (where, why, cascade, two_launch)
+            if two_launch > 1.12 * cascade:
+                lost.add((w, prompt))
+    assert picked_points == 31, picked_points  # 25 points up to 256 tokens, 6 two-block batches of 4 requests
+    assert lost and all(w in (64, 96) and 320 <= prompt <= 384 for w, prompt in lost), lost
+
+
 def test_cascade_tail_limit_agrees_with_the_h200_grids():
     """Thirty-third round, 64 requests of 14 and 30 beams, 100-2,000 tokens, head 128
     (``g[124]_auto_grid_round33.json``: GQA 16/16 at tails 4-64, 16/8 at 8-64, 32/8 at 16 and 64). Where
@@ -726,7 +756,7 @@ def test_eager_calls_keep_the_cascade_past_the_mha_tail_limit_as_measured():
 
 @pytest.mark.parametrize("group,head_dim,one_block_up_to,one_block_limit,split_limit", [
     # G = 1: tiles of at most 32 beams; several blocks never (round 8)
-    (1, 128, 32, 4096, 0), (2, 128, 32, 4096, 128), (2, 64, 32, 4096, 256),
+    (1, 128, 32, 4096, 0), (2, 128, 32, 4096, 256), (2, 64, 32, 4096, 256),
     # groups 3-4: head 128 attends the tail on CUDA cores (round 7), head 64 on tensor cores; the
     # same one-block limit for both (round 9), several blocks to 512 tokens at head 64 (round 15)
     (3, 128, 16, 4096, 256), (4, 128, 16, 4096, 256), (3, 64, 16, 4096, 512), (4, 64, 16, 4096, 512),
@@ -736,7 +766,7 @@ def test_eager_calls_keep_the_cascade_past_the_mha_tail_limit_as_measured():
 def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block_up_to, one_block_limit, split_limit):
     """4096 tokens while one program's beam block (at most 32 beams and 64 query rows) holds all W
     beams (at groups 5-8: 128 at head 128, 256 at head 64); beyond, and when W is unknown: none at
-    G = 1, 128 tokens at G = 2 (256 at head 64), 256 at groups 3-4 (512 at head 64), as at groups 5-8
+    G = 1, 256 tokens at G = 2 (round 35; 128 before), 256 at groups 3-4 (512 at head 64), as at groups 5-8
     otherwise."""
     from beam_shared_prefix.prefix.select import cascade_prompt_limit, one_beam_block
 
