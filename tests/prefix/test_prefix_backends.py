@@ -650,7 +650,8 @@ def test_gqa2_several_blocks_prompt_limit_agrees_with_the_round35_grids():
     kernels. Up to the limit (256 tokens) the cascade was faster at every point; past it, where ``auto`` takes
     FA4 + tail (two-block batches of few requests keep the cascade to 1,024 tokens), FA4 + tail was at most 22%
     slower, and more than 12% slower only at 320-384 tokens with 64 or 96 beams, which the limit, shared by
-    every beam width, gives up so that 128-256 beams do not lose (5-19% slower at 500-1,000)."""
+    every beam width, gives up so that 128-256 beams do not lose (5-19% slower at 500-1,000); then the
+    ``auto`` arm took the cascade below the limit."""
     from beam_shared_prefix.prefix.select import CASCADE_MAX_MEAN_PROMPT_SPLIT, cascade_preferred
 
     assert CASCADE_MAX_MEAN_PROMPT_SPLIT == 256
@@ -672,6 +673,15 @@ def test_gqa2_several_blocks_prompt_limit_agrees_with_the_round35_grids():
                 lost.add((w, prompt))
     assert picked_points == 31, picked_points  # 25 points up to 256 tokens, 6 two-block batches of 4 requests
     assert lost and all(w in (64, 96) and 320 <= prompt <= 384 for w, prompt in lost), lost
+    # Then, on the new limit (auto_check_g2_round35.json: 16 and 64 requests of 64 and 128 beams at 224 tokens),
+    # the library's ``auto`` arm ran the cascade and was 3-14% faster than FA4 + tail.
+    checked = 0
+    for name, s, prompt, arms in grid_points("auto_check_g2_round35.json"):
+        auto = arms["library/auto"]
+        assert auto["info"]["backend"] == "triton", (s["name"], auto["info"])
+        assert auto["time_us"] < arms["library/fa4"]["time_us"], s["name"]
+        checked += 1
+    assert checked == 4, checked
 
 
 def test_cascade_tail_limit_agrees_with_the_h200_grids():
