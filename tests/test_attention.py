@@ -389,16 +389,42 @@ def _mutations(sim, step):
 
 @pytest.mark.parametrize("case", list(_mutations(make_sim(), make_sim().begin_step())))
 def test_run_validation_errors(case):
+    """Each bad argument fails, every time, after a valid call."""
     sim = make_sim()
     step = sim.begin_step()
     att = BeamSharedPrefixAttention("cpu", backend="reference", check=False)
     plan_step(att, sim, step)
     args = dict(q=step.q, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table, kv_lens=step.kv_lens,
                 cache_indirection=step.cache_indirection, new_k=step.new_k, new_v=step.new_v)
+    att.run(**args)
     change, message = _mutations(sim, step)[case]
     args.update(change)
-    with pytest.raises(AttentionInputError, match=message):
+    for _ in range(2):
+        with pytest.raises(AttentionInputError, match=message):
+            att.run(**args)
+
+
+def test_run_checks_are_judged_against_the_current_plan():
+    """``run()`` judges its arguments against the current plan and layout: after a valid call, a plan for fewer
+    requests refuses the first batch's q, and a wrapper on the other KV layout refuses the same pool view."""
+    sim = make_sim()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", check=False)
+    plan_step(att, sim, step)
+    args = dict(q=step.q, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table, kv_lens=step.kv_lens,
+                cache_indirection=step.cache_indirection, new_k=step.new_k, new_v=step.new_v)
+    att.run(**args)
+    indptr, indices = step.prompt_page_indptr, step.prompt_page_indices
+    att.plan(indptr[1:] - indptr[1], indices[int(indptr[1]):], step.prompt_lens_per_request[1:], step.beam_width,
+             sim.num_qo_heads, sim.num_kv_heads, sim.head_dim, sim.page_size, sim.num_pages, sim.dtype,
+             key=(tuple(step.request_ids[1:]), step.beam_width))
+    with pytest.raises(AttentionInputError, match="re-plan when the batch changes"):
         att.run(**args)
+    assert sim.kv_layout == "HND" and sim.num_kv_heads != sim.page_size
+    other_layout = BeamSharedPrefixAttention("cpu", backend="reference", check=False, kv_layout="NHD")
+    plan_step(other_layout, sim, step)
+    with pytest.raises(AttentionInputError, match="check kv_layout='NHD'"):
+        other_layout.run(**args)
 
 
 # --------------------------------------------------------------------------------------------

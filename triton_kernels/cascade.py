@@ -430,18 +430,19 @@ def beam_cascade_attention(
     num_beam_blocks = cdiv(geom.beam_width, cfg.beams_per_program)
     grid = (geom.num_requests * num_beam_blocks, cdiv(geom.num_kv_heads, cfg.heads_per_program))
     s_page, s_kv, s_head, s_slot = geom.kv_strides
+    # Each tensor's strides from one `stride()` call: `stride(i)` costs twice as much, per layer and step.
     args = (
         q, new_k, new_v, kv_cache, prompt_page_table, beam_page_table, kv_lens, prompt_lens, cache_indirection,
         out, out,  # no LSE output in the fused step: the second `out` is an unused placeholder
-        q.stride(0), q.stride(1),
-        new_k.stride(0), new_k.stride(1),
-        new_v.stride(0), new_v.stride(1),
+        *q.stride()[:2],
+        *new_k.stride()[:2],
+        *new_v.stride()[:2],
         s_page, s_kv, s_head, s_slot,
-        prompt_page_table.stride(0), prompt_page_table.stride(1),
-        beam_page_table.stride(0), beam_page_table.stride(1),
+        *prompt_page_table.stride()[:2],
+        *beam_page_table.stride()[:2],
         prompt_lens.stride(0) * geom.beam_width,
-        cache_indirection.stride(0), cache_indirection.stride(1), cache_indirection.stride(2),
-        out.stride(0), out.stride(1),
+        *cache_indirection.stride()[:3],
+        *out.stride()[:2],
         0, 0,
         geom.beam_width, num_beam_blocks, geom.num_kv_heads, prompt_page_table.shape[1] * geom.page_size,
         geom.page_size, page_index_divisor, geom.num_pages, geom.max_seq_len,
@@ -538,15 +539,15 @@ def beam_prefix_attention(
     args = (
         q, q, q, kv_cache, prompt_page_table, prompt_page_table, prompt_lens, prompt_lens, prompt_lens,
         out, lse,  # new_k/new_v/beam table/kv_lens/indirection are unused placeholders in the prefix stage
-        q.stride(0), q.stride(1),
+        *q.stride()[:2],
         0, 0, 0, 0,
         s_page, s_kv, s_head, s_slot,
-        prompt_page_table.stride(0), prompt_page_table.stride(1),
+        *prompt_page_table.stride()[:2],
         0, 0,
         prompt_lens.stride(0),
         0, 0, 0,
-        out.stride(0), out.stride(1),
-        lse.stride(0), lse.stride(1),
+        *out.stride()[:2],
+        *lse.stride()[:2],
         beam_width, num_beam_blocks, num_kv_heads, prompt_page_table.shape[1] * page_size,
         page_size, 1, num_pages, 1,
         sm_scale * LOG2E,

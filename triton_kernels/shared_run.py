@@ -208,11 +208,11 @@ def beam_shared_run_attention(
     s_lse_row, s_lse_head = geom.lse_strides
     args = (
         q, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, prefix_out, prefix_lse, tail_skip,
-        q.stride(0), q.stride(1),
+        *q.stride()[:2],
         s_page, s_kv, s_head, s_slot,
-        beam_page_table.stride(0), beam_page_table.stride(1),
-        cache_indirection.stride(0), cache_indirection.stride(1), cache_indirection.stride(2),
-        prefix_out.stride(0), prefix_out.stride(1),
+        *beam_page_table.stride()[:2],
+        *cache_indirection.stride()[:3],
+        *prefix_out.stride()[:2],
         s_lse_row, s_lse_head,
         geom.beam_width, num_beam_blocks, geom.page_size, page_index_divisor, geom.num_pages, geom.max_seq_len,
         min_cached_tail, geom.sm_scale * LOG2E, geom.lse_scale,

@@ -159,13 +159,12 @@ def memoize_metadata_check(check: _Check, every_call: Optional[Callable] = None)
 
 def pool_layout(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[Tuple[int, int, int, int], Tuple[int, int, int, int]]:
     """``((pages, Hkv, Pg, D), (page, k_or_v, head, slot) element strides)`` of a 5-D ``[pages, 2, ...]`` pool."""
+    s = kv_cache.stride()
     if kv_layout == "HND":  # [pages, 2, Hkv, Pg, D]
         num_pages, _, heads, page_size, dim = kv_cache.shape
-        return (num_pages, heads, page_size, dim), (
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+        return (num_pages, heads, page_size, dim), (s[0], s[1], s[2], s[3])
     num_pages, _, page_size, heads, dim = kv_cache.shape  # NHD: [pages, 2, Pg, Hkv, D]
-    return (num_pages, heads, page_size, dim), (
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3), kv_cache.stride(2))
+    return (num_pages, heads, page_size, dim), (s[0], s[1], s[3], s[2])
 
 
 def _fail(msg: str) -> None:
