@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from h200_grids import RESULTS, grid_points, with_auto_backend
 
 from beam_shared_prefix.plan import build_step_plan
@@ -642,6 +644,24 @@ def test_auto_rule_agrees_with_the_h200_grids():
                 assert two_launch <= 1.12 * cascade, f"{where}: FA4 + tail {two_launch:.1f} against {cascade:.1f} us"
             points += 1
     assert points >= 70
+
+
+@settings(max_examples=300, deadline=None)
+@given(group=st.integers(1, 9), num_kv_heads=st.sampled_from([1, 2, 8]), head_dim=st.sampled_from([64, 128]),
+       beam_width=st.one_of(st.none(), st.integers(1, 256)), num_requests=st.one_of(st.none(), st.integers(1, 128)),
+       tail_len=st.one_of(st.none(), st.integers(1, 8), st.integers(1, 300)),
+       prompts=st.lists(st.one_of(st.integers(0, 600), st.integers(0, 10_000)), min_size=2, max_size=2).map(sorted),
+       shared_run=st.booleans(), eager=st.booleans())
+def test_cascade_preference_only_shrinks_as_the_prompt_grows(group, num_kv_heads, head_dim, beam_width, num_requests,
+                                                             tail_len, prompts, shared_run, eager):
+    """Every limit of ``auto``'s cascade rule is a longest prompt: where it takes the cascade at a mean prompt,
+    it takes it at any shorter one, whatever the group, head size, beam width, request count and tail."""
+    from beam_shared_prefix.prefix.select import cascade_preferred
+
+    shorter, longer = prompts
+    args = (group * num_kv_heads, num_kv_heads, beam_width, head_dim, num_requests, tail_len, shared_run, eager)
+    if cascade_preferred(longer, *args)[0]:
+        assert cascade_preferred(shorter, *args)[0], (shorter, longer, args)
 
 
 def test_gqa2_several_blocks_prompt_limit_agrees_with_the_round35_grids():
