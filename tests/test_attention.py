@@ -387,9 +387,8 @@ def _mutations(sim, step):
     }
 
 
-@pytest.mark.parametrize("case", list(_mutations(make_sim(), make_sim().begin_step())))
-def test_run_validation_errors(case):
-    """Each bad argument fails, every time, after a valid call."""
+def _after_a_valid_run():
+    """``(sim, step, wrapper, run() arguments)`` after one valid ``run()`` of a fresh planned step."""
     sim = make_sim()
     step = sim.begin_step()
     att = BeamSharedPrefixAttention("cpu", backend="reference", check=False)
@@ -397,6 +396,13 @@ def test_run_validation_errors(case):
     args = dict(q=step.q, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table, kv_lens=step.kv_lens,
                 cache_indirection=step.cache_indirection, new_k=step.new_k, new_v=step.new_v)
     att.run(**args)
+    return sim, step, att, args
+
+
+@pytest.mark.parametrize("case", list(_mutations(make_sim(), make_sim().begin_step())))
+def test_run_validation_errors(case):
+    """Each bad argument fails, every time, after a valid call."""
+    sim, step, att, args = _after_a_valid_run()
     change, message = _mutations(sim, step)[case]
     args.update(change)
     for _ in range(2):
@@ -407,13 +413,7 @@ def test_run_validation_errors(case):
 def test_run_checks_are_judged_against_the_current_plan():
     """``run()`` judges its arguments against the current plan and layout: after a valid call, a plan for fewer
     requests refuses the first batch's q, and a wrapper on the other KV layout refuses the same pool view."""
-    sim = make_sim()
-    step = sim.begin_step()
-    att = BeamSharedPrefixAttention("cpu", backend="reference", check=False)
-    plan_step(att, sim, step)
-    args = dict(q=step.q, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table, kv_lens=step.kv_lens,
-                cache_indirection=step.cache_indirection, new_k=step.new_k, new_v=step.new_v)
-    att.run(**args)
+    sim, step, att, args = _after_a_valid_run()
     indptr, indices = step.prompt_page_indptr, step.prompt_page_indices
     att.plan(indptr[1:] - indptr[1], indices[int(indptr[1]):], step.prompt_lens_per_request[1:], step.beam_width,
              sim.num_qo_heads, sim.num_kv_heads, sim.head_dim, sim.page_size, sim.num_pages, sim.dtype,
