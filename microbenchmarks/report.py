@@ -87,6 +87,18 @@ def write_json(doc: Dict, path: str) -> None:
         f.write("\n")
 
 
+def write_progress_json(doc: Dict, path: str) -> None:
+    """Write a tuning tool's document (``tune_cascade``, ``tune_tail``) after each shape it finishes, so that a run
+    cut short by a time limit keeps what it measured (``doc["complete"]`` says whether it ran to the end). The
+    file is replaced whole (written aside, then renamed), so a kill mid-write leaves the previous version."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(partial, path)
+
+
 def load_json(path: str) -> Dict:
     """Read a results document written by :func:`write_json`; refuses another schema."""
     with open(path) as f:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import sys
 from typing import Dict, List
 
@@ -33,6 +32,7 @@ import torch
 
 from .check import OUT_TOL
 from .floors import count_flops, count_traffic, measure_copy_bandwidth, stage_work
+from .report import write_progress_json
 from .shapes import PRESETS, BenchShape, ShapeError, tuning_shapes
 from .timing import capture_graph, time_cuda
 from .workload import build_workload, torch_dtype
@@ -225,10 +225,14 @@ def main(argv=None) -> int:
           f"(beams, block_n, tail_block, num_warps, num_stages, max_registers, heads_per_program, prompt_first, "
           f"prompt_stages, tail_stages, tail_on_cores, shared_ancestry)", flush=True)
     report = []
+    doc = {"bandwidth": bandwidth, "l2_flush": args.l2_flush, "prefix_only": args.prefix_only, "complete": False,
+           "shapes": report}
     for shape in shapes:
         name = shape.name
         r = tune_shape(shape, grid, args.iters, bandwidth, args.write_kv, args.l2_flush, args.prefix_only)
         report.append(r)
+        if args.json:
+            write_progress_json(doc, args.json)
         fmt = lambda x: "-" if x is None else f"{x['us']:.1f} us ({x['us'] / r['floor_us']:.2f}x) {_key(x['config'])}"  # noqa: E731
         print(f"{name:>9}: floor {r['floor_us']:.1f} us | default {fmt(r['default'])} | best {fmt(r['best'])}",
               flush=True)
@@ -244,9 +248,7 @@ def main(argv=None) -> int:
         if errors:
             print(f"{'':>11}{len(errors)} tilings failed, e.g. {errors[0]}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bandwidth": bandwidth, "l2_flush": args.l2_flush, "prefix_only": args.prefix_only,
-                       "shapes": report}, f, indent=1)
+        write_progress_json({**doc, "complete": True}, args.json)
     return 0
 
 

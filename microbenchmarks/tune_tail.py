@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import math
 import sys
 from typing import Dict, List
@@ -29,6 +28,7 @@ from typing import Dict, List
 import torch
 
 from .floors import count_traffic, measure_copy_bandwidth, stage_work
+from .report import write_progress_json
 from .shapes import PRESETS, BenchShape, ShapeError, tuning_shapes
 from .timing import capture_graph, time_cuda
 from .workload import build_workload
@@ -190,9 +190,12 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
           f"(kv_heads_per_prog, block_t, num_warps, index_block, grouped)", flush=True)
     report = []
+    doc = {"bandwidth": bandwidth, "complete": False, "shapes": report}
     for shape in shapes:
         r = tune_shape(shape, grid, args.iters, bandwidth)
         report.append(r)
+        if args.json:
+            write_progress_json(doc, args.json)
         d, b = r["default"], r["best"]
         fmt = lambda x: "-" if x is None else f"{x['us']:.1f} us {_key(x['config'])}"  # noqa: E731
         print(f"{r['shape']:>10}: floor {r['floor_us']:.1f} us | default {fmt(d)} | best {fmt(b)}", flush=True)
@@ -211,8 +214,7 @@ def main(argv=None) -> int:
         for gm, worst, key in _across_shapes(report)[:8]:
             print(f"{'':>12}{key}: {100 * (gm - 1):.1f}% mean, {100 * (worst - 1):.1f}% worst")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bandwidth": bandwidth, "shapes": report}, f, indent=1)
+        write_progress_json({**doc, "complete": True}, args.json)
     return 0
 
 

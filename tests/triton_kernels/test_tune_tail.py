@@ -103,3 +103,41 @@ def test_tuning_tools_take_custom_shapes_and_tails(monkeypatch, capsys, tool):
         assert "no shapes" in capsys.readouterr().err
     assert module.main(["--shapes", "B-short", "--custom", "8x8x500:16/16", "--tails", "16,64"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+class _CutShort(Exception):
+    pass
+
+
+@pytest.mark.parametrize("tool", ["tune_tail", "tune_cascade"])
+def test_tuning_tools_keep_each_finished_shape_in_their_json(monkeypatch, tmp_path, tool):
+    """The document is rewritten after every shape: a run cut short (a time limit) keeps the shapes it finished,
+    marked incomplete, and a whole run ends marked complete with every shape."""
+    import importlib
+    import json
+
+    module = importlib.import_module(f"microbenchmarks.{tool}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(module, "measure_copy_bandwidth", lambda device: 4.0e12)
+    done = []
+
+    def fake_tune_shape(shape, *args):
+        if len(done) == stop_after:
+            raise _CutShort
+        done.append(shape.name)
+        return {"shape": shape.name, "floor_us": 1.0, "default": None, "best": None, "all": []}
+
+    monkeypatch.setattr(module, "tune_shape", fake_tune_shape)
+    path = tmp_path / "tune.json"
+    argv = ["--shapes", "B-short,B-medium,B-4B", "--json", str(path)]
+    stop_after = 2
+    with pytest.raises(_CutShort):
+        module.main(argv)
+    doc = json.loads(path.read_text())
+    assert not doc["complete"] and [s["shape"] for s in doc["shapes"]] == ["B-short", "B-medium"]
+    assert not (tmp_path / "tune.json.partial").exists()
+    done.clear()
+    stop_after = 3
+    assert module.main(argv) == 0
+    doc = json.loads(path.read_text())
+    assert doc["complete"] and [s["shape"] for s in doc["shapes"]] == ["B-short", "B-medium", "B-4B"]
