@@ -78,25 +78,26 @@ def _clean(obj):
     return str(obj)
 
 
+def _replace_json(doc, path: str, **dump_kwargs) -> None:
+    """Write ``doc`` to ``path`` (creating parent folders) aside, then rename it over ``path``, so that a kill
+    mid-write leaves the previous version."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(doc, f, indent=1, **dump_kwargs)
+        f.write("\n")
+    os.replace(partial, path)
+
+
 def write_json(doc: Dict, path: str) -> None:
     """Write the document (creating parent folders), strictly valid JSON (no NaN/Infinity)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(_clean(doc), f, indent=1, allow_nan=False)
-        f.write("\n")
+    _replace_json(_clean(doc), path, allow_nan=False)
 
 
 def write_progress_json(doc: Dict, path: str) -> None:
     """Write a tuning tool's document (``tune_cascade``, ``tune_tail``) after each shape it finishes, so that a run
-    cut short by a time limit keeps what it measured (``doc["complete"]`` says whether it ran to the end). The
-    file is replaced whole (written aside, then renamed), so a kill mid-write leaves the previous version."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(partial, path)
+    cut short by a time limit keeps what it measured (``doc["complete"]`` says whether it ran to the end)."""
+    _replace_json(doc, path)
 
 
 def load_json(path: str) -> Dict:

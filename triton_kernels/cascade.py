@@ -431,12 +431,13 @@ def beam_cascade_attention(
     grid = (geom.num_requests * num_beam_blocks, cdiv(geom.num_kv_heads, cfg.heads_per_program))
     s_page, s_kv, s_head, s_slot = geom.kv_strides
     # Each tensor's strides from one `stride()` call: `stride(i)` costs twice as much, per layer and step.
+    k_strides, v_strides = new_k.stride()[:2], new_v.stride()[:2]
     args = (
         q, new_k, new_v, kv_cache, prompt_page_table, beam_page_table, kv_lens, prompt_lens, cache_indirection,
         out, out,  # no LSE output in the fused step: the second `out` is an unused placeholder
         *q.stride()[:2],
-        *new_k.stride()[:2],
-        *new_v.stride()[:2],
+        *k_strides,
+        *v_strides,
         s_page, s_kv, s_head, s_slot,
         *prompt_page_table.stride()[:2],
         *beam_page_table.stride()[:2],
@@ -448,7 +449,7 @@ def beam_cascade_attention(
         geom.page_size, page_index_divisor, geom.num_pages, geom.max_seq_len,
         geom.sm_scale * LOG2E,
     )
-    aligned = _rows_aligned((new_k, new_k.stride()[:2]), (new_v, new_v.stride()[:2]), (kv_cache, geom.kv_strides))
+    aligned = _rows_aligned((new_k, k_strides), (new_v, v_strides), (kv_cache, geom.kv_strides))
     _launch(grid, args, cfg, geom.group_size, geom.head_dim, write_kv, False, q.device, q.dtype,
             prompt_page_table.shape[1] * geom.page_size, aligned, error_flags)
     return out
