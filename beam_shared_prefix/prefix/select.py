@@ -43,7 +43,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP",
-           "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
+           "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
+           "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
            "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run", "CASCADE_MAX_TAIL",
            "cascade_tail_too_long"]
 
@@ -100,8 +101,17 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
 #   requests (2% slower at 384; 128 and 256 beams not timed there), from 4% faster to 7% slower at 500, and
 #   3-19% slower at 1,000 but W = 96 at 64 requests; hence 256, as at head 64 (the sixth round's 128 was set
 #   on older kernels, 8% faster at 200 tokens then).
-CASCADE_MAX_MEAN_PROMPT = 4096
-CASCADE_MAX_MEAN_PROMPT_SPLIT = 256
+# - Round 36, the same grids at 36-256 beams and 320-448 tokens (auto_rule_round36_g2_f.json): at 320 tokens
+#   the cascade was faster or within 0.4% at all 21 points of both rounds (36 beams at 64 requests 0.4%
+#   slower; 96 beams at 64 requests 18% faster), at 384 from 13% faster to 5% slower (256 beams at 64
+#   requests); hence 320. With few programs the limit is higher (CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS).
+# - Round 36, one beam block past 4,096 tokens, eager calls (eager_one_block_*_round36.json: 64 requests at
+#   GQA 1, 2 and 4, head 128 and 64; 16 requests at GQA 2): at 6,000 and 8,000 tokens the cascade took 3-28%
+#   less device time than FA4 + tail and 10-51% less time a call (FA4 + tail's host time), but 16 x 30 at
+#   head 64 (128 programs, 20% more device time; the few-programs limit of 2,048 declines it); hence 8,192.
+#   Graph replays agreed at 6,000 (2-12% less time, one_block_long_round35.json).
+CASCADE_MAX_MEAN_PROMPT = 8192
+CASCADE_MAX_MEAN_PROMPT_SPLIT = 320
 CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64 = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA = 0
 CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64 = 256
@@ -267,6 +277,14 @@ CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048, (4, 64): 1
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with two beam blocks and at most
 #: :data:`CASCADE_FEW_PROGRAMS` programs (it raises :func:`cascade_prompt_limit`'s several-block limit).
 CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS = {(2, 128): 1024, (2, 64): 1024}
+# Several beam blocks at GQA 2 (96-256 beams) with at most 128 programs (thirty-sixth round,
+# few_programs_g2_round36.json and auto_rule_round3[56]_g2_*.json: 1, 2 and 4 requests at head 128): the
+# cascade 7-12% faster than FA4 + tail and FlashInfer + tail at 256-448 tokens with 48-128 programs, within
+# 1.5% either way with 24-32 (1 request of 96 or 128 beams at 448), from 10% slower to 1% faster at 768.
+#: ``{(GQA group, head size): mean prompt limit}`` of the cascade with two or more beam blocks and at most
+#: :data:`CASCADE_FEW_PROGRAMS` programs (it raises :func:`cascade_prompt_limit`'s several-block limit;
+#: two blocks take the larger of this and :data:`CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS`).
+CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS = {(2, 128): 448}
 
 # Long tails and the shared-run stage (twenty-ninth round, shared_run_round29_*.json and
 # shared_cross_round29_*.json; GQA 16/8 and 32/8, head 128, page 32, 14-96 beams, 100-3,000 tokens, tails
@@ -414,15 +432,16 @@ def cascade_preferred(
         return False, (f"tail {float(tail_len):.0f} > {CASCADE_MAX_TAIL[(group, head_dim)]} generated tokens per "
                        f"beam at G={group}, head {head_dim} under a CUDA graph: FA4 + tail measured faster there")
     limit = cascade_prompt_limit(beam_width, group, head_dim)
-    two_blocks = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, 2, num_requests, num_kv_heads,
-                                     beam_width, group, head_dim)
-    if two_blocks is not None:
-        limit = max(limit, two_blocks[1])
+    for table, blocks in ((CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, (2, 2)),
+                          (CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS, (2, None))):
+        few_blocks = _few_programs_limit(table, blocks, num_requests, num_kv_heads, beam_width, group, head_dim)
+        if few_blocks is not None:
+            limit = max(limit, few_blocks[1])
     if mean_prompt_len > limit:
         blocks = "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"measured slower than FA4 + tail there)")
-    few = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS, 1, num_requests, num_kv_heads, beam_width, group,
+    few = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS, (1, 1), num_requests, num_kv_heads, beam_width, group,
                               head_dim)
     if few is not None and mean_prompt_len > few[1]:
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {few[1]} with {few[0]} cascade programs "
@@ -441,13 +460,14 @@ def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, gro
 
 def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_width, group, head_dim):
     """``(programs, limit)`` of ``table`` (``{(group, head size): limit or {tile rows: limit}}``; groups
-    3 and 4 share an entry) for a batch of at most :data:`CASCADE_FEW_PROGRAMS` cascade programs in
-    ``beam_blocks`` beam blocks per request, else ``None``."""
+    3 and 4 share an entry) for a batch of at most :data:`CASCADE_FEW_PROGRAMS` cascade programs whose
+    beam blocks per request are within ``beam_blocks`` (``(least, most)``, ``None``: no most), else ``None``."""
     limit = table.get((4 if group in (3, 4) else group, head_dim))
     if limit is None or num_requests is None or beam_width is None:
         return None
     programs, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
-    if blocks != beam_blocks or programs > CASCADE_FEW_PROGRAMS:
+    least, most = beam_blocks
+    if blocks < least or (most is not None and blocks > most) or programs > CASCADE_FEW_PROGRAMS:
         return None
     if isinstance(limit, dict):
         limit = limit.get(rows)
@@ -534,7 +554,7 @@ def graph_rule_prompt(prompt_capacity: int, num_qo_heads: int, num_kv_heads: int
     cascade is taken only if it measured faster than FA4 + tail at that length. One exception: where
     one beam block holds all of a request's beams (limit :data:`CASCADE_MAX_MEAN_PROMPT`), the
     cascade was faster at every prompt measured, by a margin that shrinks slowly (16% at 1,000-2,000
-    tokens, 10% at 4,000 at G = 2), so a wider capacity is judged at that limit and keeps it."""
+    tokens, 10% at 4,000, 2-12% at 6,000 at G = 2), so a wider capacity is judged at that limit and keeps it."""
     from triton_kernels.cascade import cascade_supported  # deferred: triton is imported on first use
 
     group = num_qo_heads // max(num_kv_heads, 1)

@@ -151,7 +151,7 @@ def test_check_mode_names_a_bad_page(device):
 def test_auto_rule_is_decided_per_side_of_the_prompt_threshold(monkeypatch, graph):
     """Eagerly, the wrapper asks the rule with the batch's mean prompt once per (shape, side of the
     threshold); in CUDA-graph mode once per shape (a captured run() cannot switch kernels), with the
-    longest prompt its table serves (8,192 tokens here; one beam block: judged at the 4,096 limit)."""
+    longest prompt its table serves (twice the one-block limit here; one beam block: judged at that limit)."""
     asked = []
 
     def resolve(requested, *a, mean_prompt_len=None, beam_width=None, **k):
