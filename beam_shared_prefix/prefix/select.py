@@ -106,9 +106,9 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
 #   slower; 96 beams at 64 requests 18% faster), at 384 from 13% faster to 5% slower (256 beams at 64
 #   requests); hence 320. With few programs the limit is higher (CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS).
 # - Round 36, one beam block past 4,096 tokens, eager calls (eager_one_block_*_round36.json: 64 requests at
-#   GQA 1, 2 and 4, head 128 and 64; 16 requests at GQA 2): at 6,000 and 8,000 tokens the cascade took 3-28%
-#   less device time than FA4 + tail and 10-51% less time a call (FA4 + tail's host time), but 16 x 30 at
-#   head 64 (128 programs, 20% more device time; the few-programs limit of 2,048 declines it); hence 8,192.
+#   GQA 1, 2 and 4, head 128 and 64; 16 requests at GQA 2): at 6,000 and 8,000 tokens the cascade took 3-24%
+#   less device time than FA4 + tail and 10-55% less time a call (FA4 + tail's host time), but 16 x 30 at
+#   head 64 (128 programs, 25% more device time; the few-programs limit of 2,048 declines it); hence 8,192.
 #   Graph replays agreed at 6,000 (2-12% less time, one_block_long_round35.json).
 CASCADE_MAX_MEAN_PROMPT = 8192
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 320
