@@ -277,10 +277,11 @@ CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048, (4, 64): 1
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with two beam blocks and at most
 #: :data:`CASCADE_FEW_PROGRAMS` programs (it raises :func:`cascade_prompt_limit`'s several-block limit).
 CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS = {(2, 128): 1024, (2, 64): 1024}
-# Several beam blocks at GQA 2 (96-256 beams) with at most 128 programs (thirty-sixth round,
-# few_programs_g2_round36.json and auto_rule_round3[56]_g2_*.json: 1, 2 and 4 requests at head 128): the
-# cascade 7-12% faster than FA4 + tail and FlashInfer + tail at 256-448 tokens with 48-128 programs, within
-# 1.5% either way with 24-32 (1 request of 96 or 128 beams at 448), from 10% slower to 1% faster at 768.
+# Several beam blocks at GQA 2 (33-256 beams) with at most 128 programs (thirty-sixth round,
+# few_programs_g2_round36.json and auto_rule_round3[56]_g2_*.json: 1, 2 and 4 requests of 36-256 beams at
+# head 128): the cascade 7-12% faster than FA4 + tail at 256-448 tokens with 48-128 programs (and than
+# FlashInfer + tail at 448, where it ran), 1-1.5% slower with 24-32 (1 request of 96 or 128 beams at 448),
+# from 10% slower to 1% faster at 768 (two blocks keep their own, higher limit).
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with two or more beam blocks and at most
 #: :data:`CASCADE_FEW_PROGRAMS` programs (it raises :func:`cascade_prompt_limit`'s several-block limit;
 #: two blocks take the larger of this and :data:`CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS`).
@@ -441,8 +442,8 @@ def cascade_preferred(
         blocks = "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"measured slower than FA4 + tail there)")
-    few = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS, (1, 1), num_requests, num_kv_heads, beam_width, group,
-                              head_dim)
+    few = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS, (1, 1), num_requests, num_kv_heads, beam_width,
+                              group, head_dim)
     if few is not None and mean_prompt_len > few[1]:
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {few[1]} with {few[0]} cascade programs "
                        f"(<= {CASCADE_FEW_PROGRAMS}) at G={group}, head {head_dim}: measured slower than FA4 + tail there")
