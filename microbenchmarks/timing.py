@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 __all__ = ["GraphedCall", "capture_graph", "time_cuda", "time_cpu", "time_kernels", "call_spans_us",
-           "measure_event_overhead", "TimingResult", "L2_FLUSH_MODES", "L2Flush", "CALL_START", "CALL_END"]
+           "measure_event_overhead", "TimingResult", "L2_FLUSH_MODES", "L2Flush", "CALL_START", "CALL_END",
+           "sleep_cycles_per_us"]
 
 # How L2 is emptied between timed calls (see the module docstring).
 L2_FLUSH_MODES = ("read", "write", "none")
@@ -108,7 +109,7 @@ def capture_graph(fn: Callable[[], object], warmup: int = 2, pool=None) -> Graph
 _CYCLES_PER_US: Optional[float] = None
 
 
-def _cycles_per_us() -> float:
+def sleep_cycles_per_us() -> float:
     """Calibrate ``torch.cuda._sleep`` (spin cycles) against CUDA events once per process."""
     global _CYCLES_PER_US
     if _CYCLES_PER_US is None:
@@ -164,7 +165,7 @@ def _run_backlogged(fns: Sequence[Callable[[], object]], total: int, warmup: int
     torch.cuda.synchronize()
     chunk = int(max(1, min(total, max_backlog_us // host_us)))
     have_sleep = hasattr(torch.cuda, "_sleep")
-    cpu_per_us = _cycles_per_us() if have_sleep else 0.0
+    cpu_per_us = sleep_cycles_per_us() if have_sleep else 0.0
     k = 0
     while k < total:
         n = min(chunk, total - k)
