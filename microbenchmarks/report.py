@@ -95,8 +95,9 @@ def write_json(doc: Dict, path: str) -> None:
 
 
 def write_progress_json(doc: Dict, path: str) -> None:
-    """Write a tuning tool's document (``tune_cascade``, ``tune_tail``) after each shape it finishes, so that a run
-    cut short by a time limit keeps what it measured (``doc["complete"]`` says whether it ran to the end)."""
+    """Write a sweep tool's document (``tune_cascade``, ``tune_tail``, ``eager_calls``) after each shape it finishes,
+    so that a run cut short by a time limit keeps what it measured (``doc["complete"]`` says whether it ran to the
+    end)."""
     _replace_json(doc, path)
 
 
