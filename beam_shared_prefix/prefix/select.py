@@ -39,6 +39,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "SPLIT_KV_MAX_PROGRAMS", "SPLIT_KV_PROMPT", "graph_rule_prompt", "choose_prefix_backend",
            "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
+           "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64", "CASCADE_MANY_BLOCKS_HEAD_64",
+           "CASCADE_SEVERAL_BLOCKS_FEW_PROGRAMS",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
@@ -110,9 +112,21 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
 #   less device time than FA4 + tail and 10-55% less time a call (FA4 + tail's host time), but 16 x 30 at
 #   head 64 (128 programs, 25% more device time; the few-programs limit of 2,048 declines it); hence 8,192.
 #   Graph replays agreed at 6,000 (2-12% less time, one_block_long_round35.json).
+# - Round 37, G = 2 at head 64, several blocks (32-beam tiles), graph replays (auto_rule_round37_g2_d64.json,
+#   _wide.json: 4, 16 and 64 requests of 40-256 beams at 128-448 tokens; round 9's 256 was set on older
+#   kernels): with 2-4 blocks (40 and 128 beams) the cascade was 1-29% faster than FA4 + tail at every point
+#   up to 384 tokens, and 2-4% slower at 448 with 512-2,048 programs; with 5-8 blocks (160-256 beams) and
+#   640 or more programs 1-10% faster at 128 tokens and 1-10% slower from 192 (64 x 256 at 256: 202.3
+#   against 186.9 us, which the old 256 took). With at most 256 programs (4 requests of 40-256 beams, 16 of
+#   40) it was faster at every point up to 448 (by 12-29%) whatever the block count
+#   (CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS). Hence 384 for 2-4 blocks and 128 from 5 blocks
+#   (and for an unknown W).
 CASCADE_MAX_MEAN_PROMPT = 8192
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 320
-CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64 = 256
+CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64 = 384
+CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64 = 128
+#: Beam blocks per request from which G = 2 at head 64 takes :data:`CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64`.
+CASCADE_MANY_BLOCKS_HEAD_64 = 5
 CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA = 0
 CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64 = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
@@ -230,9 +244,15 @@ SPLIT_KV_PROMPT = {
 #: The most beam blocks per request at which each shape of :data:`SPLIT_KV_PROMPT` was measured.
 SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2, (1, 128): 1, (1, 64): 1, (3, 128): 2,
                             (3, 64): 2, (5, 128): 2, (6, 128): 2, (7, 128): 2, (8, 128): 2}
-#: Shapes where FlashInfer's split prompt stops below :data:`SPLIT_KV_MAX_PROGRAMS` cascade programs.
+#
+# Thirty-seventh round, GQA 2 at head 64, 64-row tiles with 128 programs (16 requests x 30 beams at 8,000 tokens,
+# which 60 per program admits from 7,680; graphed_one_block_8000_d64_round37.json, eager_d64_16req_round37.json):
+# FlashInfer + tail 134.5 against FA4 + tail's 123.9 us (graph replays), 132.7 against 121.1 us of device time
+# eagerly. As at head 128 (65-128 programs slower at every length), 64-row tiles there stop at 64 programs.
+#: Shapes where FlashInfer's split prompt stops below :data:`SPLIT_KV_MAX_PROGRAMS` cascade programs: a number,
+#: or ``{tile rows: programs}`` (rows not listed: :data:`SPLIT_KV_MAX_PROGRAMS`).
 SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 64, (3, 64): 64, (5, 128): 32, (6, 128): 32,
-                                  (7, 128): 32, (8, 128): 32}
+                                  (7, 128): 32, (8, 128): 32, (2, 64): {64: 64}}
 
 # Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
 # (at most 128: under one per SM) each attends its whole prompt in turn, and FA4 overtakes it at
@@ -282,10 +302,17 @@ CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS = {(2, 128): 1024, (2, 64): 1024
 # head 128): the cascade 7-12% faster than FA4 + tail at 256-448 tokens with 48-128 programs (and than
 # FlashInfer + tail at 448, where it ran), 1-1.5% slower with 24-32 (1 request of 96 or 128 beams at 448),
 # from 10% slower to 1% faster at 768 (two blocks keep their own, higher limit).
+# Head 64 (thirty-seventh round, auto_rule_round37_g2_d64*.json): with at most 256 programs (4 requests of
+# 40-256 beams, 16 requests of 40) the cascade was 12-29% faster than FA4 + tail at every point up to 448
+# tokens, with 2 to 8 blocks; with 512 or more, 2-4% slower at 448 even with 2-4 blocks.
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with two or more beam blocks and at most
-#: :data:`CASCADE_FEW_PROGRAMS` programs (it raises :func:`cascade_prompt_limit`'s several-block limit;
-#: two blocks take the larger of this and :data:`CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS`).
-CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS = {(2, 128): 448}
+#: :data:`CASCADE_SEVERAL_BLOCKS_FEW_PROGRAMS` programs (it raises :func:`cascade_prompt_limit`'s
+#: several-block limit; two blocks take the larger of this and
+#: :data:`CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS`).
+CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS = {(2, 128): 448, (2, 64): 448}
+#: ``{(GQA group, head size): programs}``: how many cascade programs count as few for
+#: :data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS` (elsewhere :data:`CASCADE_FEW_PROGRAMS`).
+CASCADE_SEVERAL_BLOCKS_FEW_PROGRAMS = {(2, 64): 256}
 
 # Long tails and the shared-run stage (twenty-ninth round, shared_run_round29_*.json and
 # shared_cross_round29_*.json; GQA 16/8 and 32/8, head 128, page 32, 14-96 beams, 100-3,000 tokens, tails
@@ -367,7 +394,7 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     | group | one beam block holds all ``W`` beams | several blocks (or ``W`` unknown) |
     | --- | --- | --- |
     | 1 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA` (head 64, two blocks: :data:`CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64`) |
-    | 2 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64`) |
+    | 2 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64`, from :data:`CASCADE_MANY_BLOCKS_HEAD_64` blocks or ``W`` unknown :data:`CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64`) |
     | 3-4 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64`) |
     | 5-8, head 128 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` |
     | 5-8, head 64 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` |
@@ -382,7 +409,11 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     if group_size <= 2:
         if one:
             return CASCADE_MAX_MEAN_PROMPT
-        return CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64 if head_dim == 64 else CASCADE_MAX_MEAN_PROMPT_SPLIT
+        if head_dim != 64:
+            return CASCADE_MAX_MEAN_PROMPT_SPLIT
+        if beam_width is None or beam_width > (CASCADE_MANY_BLOCKS_HEAD_64 - 1) * _beams_per_block(group_size, 64):
+            return CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64
+        return CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64
     if group_size > 4:
         return CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 if head_dim == 64 else CASCADE_MAX_MEAN_PROMPT_GROUP_8
     if one:
@@ -433,9 +464,11 @@ def cascade_preferred(
         return False, (f"tail {float(tail_len):.0f} > {CASCADE_MAX_TAIL[(group, head_dim)]} generated tokens per "
                        f"beam at G={group}, head {head_dim} under a CUDA graph: FA4 + tail measured faster there")
     limit = cascade_prompt_limit(beam_width, group, head_dim)
-    for table, blocks in ((CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, (2, 2)),
-                          (CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS, (2, None))):
-        few_blocks = _few_programs_limit(table, blocks, num_requests, num_kv_heads, beam_width, group, head_dim)
+    several_few = CASCADE_SEVERAL_BLOCKS_FEW_PROGRAMS.get((group, head_dim), CASCADE_FEW_PROGRAMS)
+    for table, blocks, few_programs in ((CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, (2, 2), CASCADE_FEW_PROGRAMS),
+                                        (CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS, (2, None), several_few)):
+        few_blocks = _few_programs_limit(table, blocks, num_requests, num_kv_heads, beam_width, group, head_dim,
+                                         few_programs)
         if few_blocks is not None:
             limit = max(limit, few_blocks[1])
     if mean_prompt_len > limit:
@@ -459,16 +492,17 @@ def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, gro
     return int(num_requests) * -(-int(num_kv_heads) // cfg.heads_per_program) * blocks, blocks, cfg.block_m
 
 
-def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_width, group, head_dim):
+def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_width, group, head_dim,
+                        few_programs=CASCADE_FEW_PROGRAMS):
     """``(programs, limit)`` of ``table`` (``{(group, head size): limit or {tile rows: limit}}``; groups
-    3 and 4 share an entry) for a batch of at most :data:`CASCADE_FEW_PROGRAMS` cascade programs whose
-    beam blocks per request are within ``beam_blocks`` (``(least, most)``, ``None``: no most), else ``None``."""
+    3 and 4 share an entry) for a batch of at most ``few_programs`` cascade programs whose beam blocks
+    per request are within ``beam_blocks`` (``(least, most)``, ``None``: no most), else ``None``."""
     limit = table.get((4 if group in (3, 4) else group, head_dim))
     if limit is None or num_requests is None or beam_width is None:
         return None
     programs, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
     least, most = beam_blocks
-    if blocks < least or (most is not None and blocks > most) or programs > CASCADE_FEW_PROGRAMS:
+    if blocks < least or (most is not None and blocks > most) or programs > few_programs:
         return None
     if isinstance(limit, dict):
         limit = limit.get(rows)
@@ -504,6 +538,8 @@ def split_kv_preferred(
         return False, (f"W={beam_width} takes {blocks} beam blocks: not measured against FlashInfer's split prompt "
                        f"at GQA {group}, head {head_dim}")
     most = SPLIT_KV_MAX_PROGRAMS_BY_SHAPE.get((group, head_dim), SPLIT_KV_MAX_PROGRAMS)
+    if isinstance(most, dict):
+        most = most.get(64 if rows >= 64 else 32, SPLIT_KV_MAX_PROGRAMS)
     if programs > most:
         return False, (f"{programs} cascade programs > {most} at GQA {group}, head {head_dim}: the cascade or FA4 "
                        f"measured faster there")

@@ -829,7 +829,7 @@ def test_eager_calls_keep_the_cascade_past_the_mha_tail_limit_as_measured():
 
 @pytest.mark.parametrize("group,head_dim,one_block_up_to,one_block_limit,split_limit", [
     # G = 1: tiles of at most 32 beams; several blocks never (round 8)
-    (1, 128, 32, 8192, 0), (2, 128, 32, 8192, 320), (2, 64, 32, 8192, 256),
+    (1, 128, 32, 8192, 0), (2, 128, 32, 8192, 320),
     # groups 3-4: head 128 attends the tail on CUDA cores (round 7), head 64 on tensor cores; the
     # same one-block limit for both (round 9), several blocks to 512 tokens at head 64 (round 15)
     (3, 128, 16, 8192, 256), (4, 128, 16, 8192, 256), (3, 64, 16, 8192, 512), (4, 64, 16, 8192, 512),
@@ -839,8 +839,8 @@ def test_eager_calls_keep_the_cascade_past_the_mha_tail_limit_as_measured():
 def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block_up_to, one_block_limit, split_limit):
     """8,192 tokens while one program's beam block (at most 32 beams and 64 query rows) holds all W
     beams (round 36; 4,096 before; at groups 5-8: 128 at head 128, 256 at head 64); beyond, and when W is
-    unknown: none at G = 1, 320 tokens at G = 2 (round 36; 256 in round 35, 128 before; 256 at head 64),
-    256 at groups 3-4 (512 at head 64), as at groups 5-8 otherwise."""
+    unknown: none at G = 1, 320 tokens at G = 2 (round 36; 256 in round 35, 128 before; head 64 by the
+    block count, below), 256 at groups 3-4 (512 at head 64), as at groups 5-8 otherwise."""
     from beam_shared_prefix.prefix.select import cascade_prompt_limit, one_beam_block
 
     assert cascade_prompt_limit(1, group, head_dim) == one_block_limit
@@ -849,6 +849,74 @@ def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block
     assert cascade_prompt_limit(one_block_up_to + 1, group, head_dim) == split_limit
     assert cascade_prompt_limit(256, group, head_dim) == split_limit
     assert cascade_prompt_limit(None, group, head_dim) == split_limit
+
+
+def test_gqa2_head_64_several_blocks_limit_follows_the_block_count():
+    """G = 2, head 64 (32-beam tiles), round 37: 384 tokens with 2-4 beam blocks, 128 from 5 blocks and with
+    W unknown; with at most 256 cascade programs 448 at any block count (two blocks with at most 128
+    programs keep their 1,024)."""
+    from beam_shared_prefix.prefix.select import cascade_preferred, cascade_prompt_limit
+
+    assert cascade_prompt_limit(32, 2, 64) == 8192
+    assert cascade_prompt_limit(33, 2, 64) == 384 and cascade_prompt_limit(128, 2, 64) == 384
+    assert cascade_prompt_limit(129, 2, 64) == 128 and cascade_prompt_limit(256, 2, 64) == 128
+    assert cascade_prompt_limit(None, 2, 64) == 128
+    assert cascade_prompt_limit(256, 2, 128) == 320  # head 128: one limit for every width
+
+    def picked(requests, beams, prompt):
+        return cascade_preferred(prompt, 16, 8, beams, 64, requests, 4)
+
+    assert picked(64, 128, 384)[0] and not picked(64, 128, 448)[0]  # 2,048 programs
+    assert picked(64, 256, 128)[0]
+    ok, why = picked(64, 256, 192)
+    assert not ok and "> 128 at W=256" in why and "several beam blocks" in why
+    assert picked(4, 256, 448)[0] and not picked(4, 256, 449)[0]  # 256 programs
+    assert picked(16, 40, 448)[0]  # two blocks, 256 programs
+    assert picked(8, 64, 1000)[0]  # two blocks, 128 programs: the two-block limit
+    assert not picked(8, 256, 192)[0]  # 512 programs
+    assert not picked(None, 256, 192)[0]  # requests unknown: judged as many
+
+
+def test_gqa2_head_64_several_blocks_limits_agree_with_the_h200_grids():
+    """Thirty-seventh round, GQA 16/8 at head 64 with several beam blocks a request, graph replays
+    (``auto_rule_round37_g2_d64*.json``: 4, 16 and 64 requests of 40-256 beams at 128-448 tokens). ``auto``
+    picks the cascade exactly where it was faster than FA4 + tail, at 40 of the 63 points; at the other 23 FA4 +
+    tail was faster. Round 9's limit (256 tokens for every width) took 64 x 256 at 256 tokens, 8% slower, and
+    gave up 4 x 128-256 and 16 x 40 at 320-448, where the cascade was 12-22% faster. (The rule was fitted to
+    these grids; ``auto_check_round37_d64.json`` checks it at other widths and request counts.)"""
+    from beam_shared_prefix.prefix.select import cascade_preferred
+
+    picked_points, declined_points = 0, 0
+    for name, s, prompt, arms in _h200_grid_points("auto_rule_round37_g2_d64*.json"):
+        r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
+        assert (hq, hkv, d) == (16, 8, 64) and w > 32, (name, s["name"])
+        picked, why = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
+        cascade, two_launch = arms["library/triton"], arms["library/fa4"]
+        assert picked == (cascade < two_launch), (f"{name}: {s['name']}", why, cascade, two_launch)
+        picked_points += picked
+        declined_points += not picked
+    assert (picked_points, declined_points) == (40, 23), (picked_points, declined_points)
+
+
+def test_flashinfer_split_prompt_stops_at_64_programs_of_64_rows_at_head_64():
+    """GQA 2, head 64, 64-row tiles, round 37: 16 requests x 30 beams (128 programs) at 8,000 tokens, which
+    the 60 tokens a program admitted to FlashInfer's split prompt, ran 9-10% slower with it than with FA4 (graph
+    replays and eager device time); 32-row tiles keep 128 programs (8 beams: FlashInfer faster at 4,000)."""
+    import json
+
+    from beam_shared_prefix.prefix.select import split_kv_preferred
+
+    ok, why = split_kv_preferred(16, 8000, 16, 8, 30, 64)
+    assert not ok and "128 cascade programs > 64 at GQA 2, head 64" in why
+    assert split_kv_preferred(8, 4000, 16, 8, 30, 64)[0]  # 64 programs need 3,840 tokens
+    assert split_kv_preferred(16, 4000, 16, 8, 8, 64)[0]  # 32-row tiles: up to 128 programs
+    (_, s, prompt, arms), = [p for p in _h200_grid_points("graphed_one_block_8000_d64_round37.json")
+                             if p[1]["requests"] == 16]
+    assert prompt == 8000 and arms["library/flashinfer"] > 1.05 * arms["library/fa4"], arms
+    eager = {row["arm"]: row for row in json.loads((RESULTS / "eager_d64_16req_round37.json").read_text())["results"]
+             if row["shape"]["prompt"] == 8000}
+    assert eager["library/auto"]["backend"] == "flashinfer", eager["library/auto"]
+    assert eager["library/auto"]["device_us"] > 1.05 * eager["library/fa4"]["device_us"]
 
 
 def test_two_beam_blocks_without_gqa_at_head_64():
