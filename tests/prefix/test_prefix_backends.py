@@ -898,6 +898,36 @@ def test_gqa2_head_64_several_blocks_limits_agree_with_the_h200_grids():
     assert (picked_points, declined_points) == (40, 23), (picked_points, declined_points)
 
 
+def test_gqa2_head_64_several_blocks_rule_on_held_out_widths():
+    """The round-37 head-64 rule at widths and request counts outside the grids it was fitted to
+    (``auto_check_round37_d64.json``: 8 and 32 requests of 64, 96, 160 and 256 beams at 128-448 tokens, graph
+    replays, ``auto`` timed with the rule). ``auto`` ran the backend the rule names at every point and the
+    faster of the two at 26 of 32; it lost at most 10% (8 x 256 at 192 tokens, 32.5 against the cascade's 29.6
+    us), 9.6 us summed over the points. Round 9's limit, judged on the same points, misses 8 of them, up to 19%
+    (8 x 96 at 384: FA4 + tail 24.3 against 20.4 us), 19.4 us summed (the straight-line limits miss the cascade's
+    waves: 8 x 160 runs 320 programs, 1.2 waves of two a multiprocessor, and is slower than FA4 + tail at
+    every length)."""
+    from beam_shared_prefix.prefix.select import cascade_preferred
+
+    faster, worst, lost_us, old_lost_us, old_missed = 0, 1.0, 0.0, 0.0, 0
+    for name, s, prompt, arms in grid_points("auto_check_round37_d64.json"):
+        r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
+        picked, _ = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
+        auto = arms["library/auto"]
+        assert auto["info"]["backend"] == ("triton" if picked else "fa4"), (s["name"], auto["info"])
+        cascade, two_launch = arms["library/triton"]["time_us"], arms["library/fa4"]["time_us"]
+        best, chosen = min(cascade, two_launch), (cascade if picked else two_launch)
+        faster += chosen == best
+        worst = max(worst, chosen / best)
+        lost_us += chosen - best
+        old_pick = prompt <= 256 or (w <= 64 and r * 8 * 2 <= 128)  # round 9's 256; two blocks' few programs
+        old_chosen = cascade if old_pick else two_launch
+        old_missed += old_chosen != best
+        old_lost_us += old_chosen - best
+    assert faster == 26 and worst < 1.10, (faster, worst)
+    assert old_missed == 8 and old_lost_us > 1.8 * lost_us, (old_missed, old_lost_us, lost_us)
+
+
 def test_flashinfer_split_prompt_stops_at_64_programs_of_64_rows_at_head_64():
     """GQA 2, head 64, 64-row tiles, round 37: 16 requests x 30 beams (128 programs) at 8,000 tokens, which
     the 60 tokens a program admitted to FlashInfer's split prompt, ran 9-10% slower with it than with FA4 (graph
@@ -917,6 +947,16 @@ def test_flashinfer_split_prompt_stops_at_64_programs_of_64_rows_at_head_64():
              if row["shape"]["prompt"] == 8000}
     assert eager["library/auto"]["backend"] == "flashinfer", eager["library/auto"]
     assert eager["library/auto"]["device_us"] > 1.05 * eager["library/fa4"]["device_us"]
+    # Then (split_kv_check_round37_d64.json) auto ran FlashInfer with 64 programs at 4,000 and 8,000 tokens, FA4
+    # with 128, each the fastest of the three prefix backends
+    checked = 0
+    for _, s, prompt, arms in _h200_grid_points("split_kv_check_round37_d64.json"):
+        want = "library/flashinfer" if s["requests"] == 8 else "library/fa4"
+        backends = {a: arms[a] for a in ("library/triton", "library/fa4", "library/flashinfer")}
+        assert min(backends, key=backends.get) == want, (s["name"], backends)
+        assert split_kv_preferred(s["requests"], prompt, 16, 8, 30, 64)[0] == (want == "library/flashinfer")
+        checked += 1
+    assert checked == 4
 
 
 def test_two_beam_blocks_without_gqa_at_head_64():
