@@ -116,11 +116,13 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
 #   _wide.json: 4, 16 and 64 requests of 40-256 beams at 128-448 tokens; round 9's 256 was set on older
 #   kernels): with 2-4 blocks (40 and 128 beams) the cascade was 1-29% faster than FA4 + tail at every point
 #   up to 384 tokens, and 2-4% slower at 448 with 512-2,048 programs; with 5-8 blocks (160-256 beams) and
-#   640 or more programs 1-10% faster at 128 tokens and 1-10% slower from 192 (64 x 256 at 256: 202.3
+#   640 or more programs 1-10% faster at 128 tokens and 1-25% slower from 192 (64 x 256 at 256: 202.3
 #   against 186.9 us, which the old 256 took). With at most 256 programs (4 requests of 40-256 beams, 16 of
-#   40) it was faster at every point up to 448 (by 12-29%) whatever the block count
+#   40) it was faster at every point up to 448 (by 11-29%) whatever the block count
 #   (CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS). Hence 384 for 2-4 blocks and 128 from 5 blocks
-#   (and for an unknown W).
+#   (and for an unknown W). Checked at widths and request counts outside those grids (auto_check_round37_d64.json:
+#   8 and 32 requests of 64-256 beams): the faster arm at 26 of 32 points, at most 10% slower; straight lines
+#   miss the cascade's waves (8 x 160 runs 320 programs, 1.2 waves, and lost at every length).
 CASCADE_MAX_MEAN_PROMPT = 8192
 CASCADE_MAX_MEAN_PROMPT_SPLIT = 320
 CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64 = 384
@@ -303,7 +305,7 @@ CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS = {(2, 128): 1024, (2, 64): 1024
 # FlashInfer + tail at 448, where it ran), 1-1.5% slower with 24-32 (1 request of 96 or 128 beams at 448),
 # from 10% slower to 1% faster at 768 (two blocks keep their own, higher limit).
 # Head 64 (thirty-seventh round, auto_rule_round37_g2_d64*.json): with at most 256 programs (4 requests of
-# 40-256 beams, 16 requests of 40) the cascade was 12-29% faster than FA4 + tail at every point up to 448
+# 40-256 beams, 16 requests of 40) the cascade was 11-29% faster than FA4 + tail at every point up to 448
 # tokens, with 2 to 8 blocks; with 512 or more, 2-4% slower at 448 even with 2-4 blocks.
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with two or more beam blocks and at most
 #: :data:`CASCADE_SEVERAL_BLOCKS_FEW_PROGRAMS` programs (it raises :func:`cascade_prompt_limit`'s
