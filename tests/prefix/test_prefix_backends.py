@@ -851,6 +851,33 @@ def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block
     assert cascade_prompt_limit(None, group, head_dim) == split_limit
 
 
+def test_gqa2_several_blocks_limits_on_held_out_widths():
+    """The round-36 head-128 limits at widths and request counts outside the grids they were set on
+    (``auto_check_round37_d128.json``: 8 and 32 requests of 48, 96, 160 and 256 beams at 192, 320 and 448 tokens,
+    graph replays, ``auto`` timed with the rule). ``auto`` ran the backend the rule names at every point; up to
+    320 tokens the cascade, faster at all 16 (by 1-21%); at 448 it declined 7 of 8 points (two blocks with 128
+    programs keep the cascade), where FA4 + tail was even (within 0.2%: 8 x 96, 8 x 160) or faster (8 x 256 and
+    32 x 256, by 3% and 5%) at four and slower at three, by 2%, 7% and 16% (32 x 96: 78.4 against the cascade's
+    67.5 us): the limit, one for every width, gives those up so that 256 beams do not lose."""
+    from beam_shared_prefix.prefix.select import CASCADE_MAX_MEAN_PROMPT_SPLIT, cascade_preferred
+
+    lost = []
+    checked = 0
+    for name, s, prompt, arms in grid_points("auto_check_round37_d128.json"):
+        r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
+        picked, _ = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
+        assert arms["library/auto"]["info"]["backend"] == ("triton" if picked else "fa4"), s["name"]
+        cascade, two_launch = arms["library/triton"]["time_us"], arms["library/fa4"]["time_us"]
+        if prompt <= CASCADE_MAX_MEAN_PROMPT_SPLIT:
+            assert picked and cascade < two_launch, (s["name"], cascade, two_launch)
+        elif picked:
+            assert (r, w) == (8, 48) and cascade < two_launch, s["name"]
+        elif two_launch > 1.005 * cascade:
+            lost.append((r, w, round(two_launch / cascade, 2)))
+        checked += 1
+    assert checked == 24 and sorted(lost) == [(32, 48, 1.02), (32, 96, 1.16), (32, 160, 1.07)], (checked, lost)
+
+
 def test_gqa2_head_64_several_blocks_limit_follows_the_block_count():
     """G = 2, head 64 (32-beam tiles), round 37: 384 tokens with 2-4 beam blocks, 128 from 5 blocks and with
     W unknown; with at most 256 cascade programs 448 at any block count (two blocks with at most 128
