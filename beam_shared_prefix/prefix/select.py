@@ -40,7 +40,7 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64", "CASCADE_MANY_BLOCKS_HEAD_64",
-           "CASCADE_SEVERAL_BLOCKS_FEW_PROGRAMS",
+           "CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
@@ -308,13 +308,13 @@ CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS = {(2, 128): 1024, (2, 64): 1024
 # 40-256 beams, 16 requests of 40) the cascade was 11-29% faster than FA4 + tail at every point up to 448
 # tokens, with 2 to 8 blocks; with 512 or more, 2-4% slower at 448 even with 2-4 blocks.
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with two or more beam blocks and at most
-#: :data:`CASCADE_SEVERAL_BLOCKS_FEW_PROGRAMS` programs (it raises :func:`cascade_prompt_limit`'s
+#: :data:`CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS` programs (it raises :func:`cascade_prompt_limit`'s
 #: several-block limit; two blocks take the larger of this and
 #: :data:`CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS`).
 CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS = {(2, 128): 448, (2, 64): 448}
 #: ``{(GQA group, head size): programs}``: how many cascade programs count as few for
 #: :data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS` (elsewhere :data:`CASCADE_FEW_PROGRAMS`).
-CASCADE_SEVERAL_BLOCKS_FEW_PROGRAMS = {(2, 64): 256}
+CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256}
 
 # Long tails and the shared-run stage (twenty-ninth round, shared_run_round29_*.json and
 # shared_cross_round29_*.json; GQA 16/8 and 32/8, head 128, page 32, 14-96 beams, 100-3,000 tokens, tails
@@ -466,7 +466,7 @@ def cascade_preferred(
         return False, (f"tail {float(tail_len):.0f} > {CASCADE_MAX_TAIL[(group, head_dim)]} generated tokens per "
                        f"beam at G={group}, head {head_dim} under a CUDA graph: FA4 + tail measured faster there")
     limit = cascade_prompt_limit(beam_width, group, head_dim)
-    several_few = CASCADE_SEVERAL_BLOCKS_FEW_PROGRAMS.get((group, head_dim), CASCADE_FEW_PROGRAMS)
+    several_few = CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS.get((group, head_dim), CASCADE_FEW_PROGRAMS)
     for table, blocks, few_programs in ((CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, (2, 2), CASCADE_FEW_PROGRAMS),
                                         (CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS, (2, None), several_few)):
         few_blocks = _few_programs_limit(table, blocks, num_requests, num_kv_heads, beam_width, group, head_dim,
