@@ -876,6 +876,17 @@ def test_gqa2_several_blocks_limits_on_held_out_widths():
             lost.append((r, w, round(two_launch / cascade, 2)))
         checked += 1
     assert checked == 24 and sorted(lost) == [(32, 48, 1.02), (32, 96, 1.16), (32, 160, 1.07)], (checked, lost)
+    # Then 16 and 48 requests of 64-160 beams at 384-512 tokens (g2_full_blocks_round37.json), every point past the
+    # limit: `auto` ran FA4 + tail at all 24; the cascade was faster at 11 (all six of W = 64, by 2-8%; W = 96 and
+    # 160 only at 48 requests) and slower or even at the other 13 (up to 7%), so no width rule was drawn from them.
+    faster, slower = [], []
+    for name, s, prompt, arms in grid_points("g2_full_blocks_round37.json"):
+        assert prompt > CASCADE_MAX_MEAN_PROMPT_SPLIT and arms["library/auto"]["info"]["backend"] == "fa4", s["name"]
+        assert not cascade_preferred(prompt, s["heads"], s["kv_heads"], s["beams"], 128, s["requests"], s["tail"])[0]
+        ratio = arms["library/triton"]["time_us"] / arms["library/fa4"]["time_us"]
+        (faster if ratio < 1.0 else slower).append((s["requests"], s["beams"], prompt, round(ratio, 2)))
+    assert len(faster) == 11 and {w for r, w, _, _ in faster if r == 16} == {64}, faster
+    assert max(r for *_, r in slower) <= 1.07, slower
 
 
 def test_gqa2_head_64_several_blocks_limit_follows_the_block_count():
