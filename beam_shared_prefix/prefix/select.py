@@ -48,7 +48,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
            "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
            "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run", "CASCADE_MAX_TAIL",
-           "cascade_tail_too_long"]
+           "cascade_tail_too_long", "EAGER_CASCADE_MAX_BYTES", "EAGER_CASCADE_MAX_MEAN_PROMPT", "cascade_step_bytes",
+           "eager_cascade_preferred"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
@@ -356,6 +357,58 @@ def long_tail_for_shared_run(tail_len: Optional[float]) -> bool:
 #: token included) at which ``auto`` picks the one-launch cascade; longer tails take FA4 + tail under a CUDA graph.
 CASCADE_MAX_TAIL = {(1, 128): 8}
 
+# Eager calls and host time (thirty-seventh round, from every eager file so far: eager_mha_round34.json,
+# eager_mha_eager_rule_round34.json, eager_prompt_round34.json, eager_one_block_{long,8000}_round36.json and
+# eager_d64_16req_round37.json; 41 points with the cascade and FA4 + tail each timed a call). An eager call pays
+# its path's host time every call, on the H200 host about 100-200 us for the cascade, 170-250 for FlashInfer +
+# tail and 210-450 for FA4 + tail, so a step whose device time is shorter than that is host-bound. At the 9 points
+# where the device-time limits above take FA4 + tail or FlashInfer + tail, the cascade's time a call was 1.13-2.1x
+# shorter (64 x 64 x 500: 199 against FA4 + tail's 414 us; 4 x 30 x 6,000: 110 against FlashInfer + tail's 156;
+# 16 x 30 x 8,000 at head 64: 152 against 318 and 186). It lost a call only with 64 generated tokens at MHA, where
+# its device time (250-490 us) passed FA4 + tail's host time and the step moved 1-2 GB. So an eager step takes
+# the cascade past those limits while the bytes it moves (each beam block reads the prompt:
+# :func:`cascade_step_bytes`) stay within EAGER_CASCADE_MAX_BYTES and its mean prompt within the longest measured
+# eagerly (a few programs walk a longer prompt at a fixed latency per token): 8,192 tokens at groups 1-4, 512 at
+# groups 5-8 (measured at 500).
+#: Bytes (:func:`cascade_step_bytes`) up to which an eager step is host-bound enough to take the cascade.
+EAGER_CASCADE_MAX_BYTES = 640 << 20
+#: ``{largest GQA group: longest mean prompt}`` of the eager rule (:func:`eager_cascade_preferred`).
+EAGER_CASCADE_MAX_MEAN_PROMPT = {4: CASCADE_MAX_MEAN_PROMPT, 8: 512}
+
+
+def cascade_step_bytes(num_requests: int, beam_width: int, mean_prompt_len: float, tail_len: float,
+                       num_qo_heads: int, num_kv_heads: int, head_dim: int, element_size: int = 2) -> int:
+    """Bytes the one-launch cascade moves for a step (an estimate for the eager rule): each beam block's
+    program reads its request's prompt K/V, every beam its ``tail_len`` generated K/V rows, and the queries
+    and output once; ``element_size`` bytes a value (2: bf16/fp16)."""
+    group = num_qo_heads // max(num_kv_heads, 1)
+    blocks = -(-int(beam_width) // _beams_per_block(group, head_dim))
+    kv_row = 2 * num_kv_heads * head_dim  # K and V of one token, values
+    values = (num_requests * blocks * mean_prompt_len * kv_row + num_requests * beam_width * tail_len * kv_row
+              + 2 * num_requests * beam_width * num_qo_heads * head_dim)
+    return int(values * element_size)
+
+
+def eager_cascade_preferred(mean_prompt_len: Optional[float], num_qo_heads: int, num_kv_heads: int,
+                            beam_width: Optional[int], head_dim: int, num_requests: Optional[int],
+                            tail_len: Optional[float]) -> Tuple[bool, str]:
+    """Whether an eager step (no CUDA graph) is small enough that the cascade's lower host time wins a call
+    wherever the device-time limits would pick FA4 + tail or FlashInfer + tail: ``(True, why)`` or ``(False,
+    reason)``. Needs the batch's requests, beam width, mean prompt and tail (``None``: unknown, never); the
+    caller checks that the cascade tiles the shape and that no long-tail path applies."""
+    if None in (mean_prompt_len, beam_width, num_requests, tail_len):
+        return False, "eager: requests, beam width, prompt or tail unknown"
+    group = num_qo_heads // max(num_kv_heads, 1)
+    longest = next(p for g, p in sorted(EAGER_CASCADE_MAX_MEAN_PROMPT.items()) if group <= g)
+    if mean_prompt_len > longest:
+        return False, f"eager: mean prompt {mean_prompt_len:.0f} > {longest} tokens at G={group} (not measured)"
+    nbytes = cascade_step_bytes(num_requests, beam_width, mean_prompt_len, tail_len, num_qo_heads, num_kv_heads,
+                                head_dim)
+    if nbytes > EAGER_CASCADE_MAX_BYTES:
+        return False, f"eager: the cascade moves {nbytes >> 20} MiB > {EAGER_CASCADE_MAX_BYTES >> 20} MiB (device-bound)"
+    return True, (f"eager: the cascade moves {nbytes >> 20} MiB <= {EAGER_CASCADE_MAX_BYTES >> 20} MiB, host-bound, "
+                  f"where its host time measured the shortest")
+
 
 def cascade_tail_too_long(group_size: int, head_dim: int, tail_len: Optional[float], eager: bool = False) -> bool:
     """Whether a step whose longest tail is ``tail_len`` tokens (``None``: unknown, e.g. a CUDA graph's
@@ -465,6 +518,9 @@ def cascade_preferred(
     if cascade_tail_too_long(group, head_dim, tail_len, eager):
         return False, (f"tail {float(tail_len):.0f} > {CASCADE_MAX_TAIL[(group, head_dim)]} generated tokens per "
                        f"beam at G={group}, head {head_dim} under a CUDA graph: FA4 + tail measured faster there")
+    if eager and eager_cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
+                                         num_requests, tail_len)[0]:
+        return True, ""
     limit = cascade_prompt_limit(beam_width, group, head_dim)
     several_few = CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS.get((group, head_dim), CASCADE_FEW_PROGRAMS)
     for table, blocks, few_programs in ((CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, (2, 2), CASCADE_FEW_PROGRAMS),
