@@ -367,9 +367,12 @@ CASCADE_MAX_TAIL = {(1, 128): 8}
 # 16 x 30 x 8,000 at head 64: 152 against 318 and 186). It lost a call only with 64 generated tokens at MHA, where
 # its device time (250-490 us) passed FA4 + tail's host time and the step moved 1-2 GB. So an eager step takes
 # the cascade past those limits while the bytes it moves (each beam block reads the prompt:
-# :func:`cascade_step_bytes`) stay within EAGER_CASCADE_MAX_BYTES and its mean prompt within the longest measured
-# eagerly (a few programs walk a longer prompt at a fixed latency per token): 8,192 tokens at groups 1-4, 512 at
-# groups 5-8 (measured at 500).
+# :func:`cascade_step_bytes`) stay within EAGER_CASCADE_MAX_BYTES (640 MiB; the largest winner, 64 x 64 x 500 at
+# MHA, 1.13x, moved 660 and stays with FA4 + tail) and its mean prompt within the longest measured eagerly (a few
+# programs walk a longer prompt at a fixed latency per token): 8,192 tokens at groups 1-4, 512 at groups 5-8
+# (measured at 500). FlashInfer's split prompt keeps its precedence (the decline rule's few-rows exemption is
+# its own). Then, held out (eager_rule_check_round37.json: 6 shapes the rule moves, several blocks, GQA 8 and MHA),
+# auto ran the cascade at all 6, 96-191 us a call against FA4 + tail's 187-232.
 #: Bytes (:func:`cascade_step_bytes`) up to which an eager step is host-bound enough to take the cascade.
 EAGER_CASCADE_MAX_BYTES = 640 << 20
 #: ``{largest GQA group: longest mean prompt}`` of the eager rule (:func:`eager_cascade_preferred`).

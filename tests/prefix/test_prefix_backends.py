@@ -854,6 +854,53 @@ def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block
     assert cascade_prompt_limit(None, group, head_dim) == split_limit
 
 
+def test_eager_steps_take_the_cascade_while_host_bound(monkeypatch):
+    """Every eager file (rounds 34, 36 and 37: ``run()`` calls back to back, the cascade and FA4 + tail each
+    timed a call). Where the eager rule (:func:`eager_cascade_preferred`) gives a step the cascade that the
+    earlier rules gave FA4 + tail, the cascade's time a call was the shorter: the 7 such points the rule was
+    drawn from, 1.23-2.1x (an eighth, 64 x 64 x 500 at MHA, 1.13x, moves 660 MiB and stays with FA4 + tail), and
+    the 6 of ``eager_rule_check_round37.json``, timed after it (held out: several blocks, GQA 8 and MHA), where
+    ``auto`` ran the cascade and took 96-191 us a call against FA4 + tail's 187-232. The cascade lost a call only
+    at MHA with 64 generated tokens, steps of 1-2 GB that the byte limit leaves to the earlier rules."""
+    import json
+
+    import beam_shared_prefix.prefix.select as select
+    from beam_shared_prefix.prefix.select import (EAGER_CASCADE_MAX_BYTES, cascade_preferred, cascade_step_bytes,
+                                                  eager_cascade_preferred, split_kv_preferred)
+
+    def before_the_rule(*args):  # the eager choice without this rule (the byte limit below every step)
+        with monkeypatch.context() as m:
+            m.setattr(select, "EAGER_CASCADE_MAX_BYTES", -1)
+            return cascade_preferred(*args, eager=True)[0]
+
+    moved, lost = [], []
+    for path in sorted(RESULTS.glob("eager*.json")):
+        points = {}
+        for row in json.loads(path.read_text())["results"]:
+            s = row["shape"]
+            points.setdefault((s["requests"], s["beams"], s["prompt"], s["tail"], s["heads"], s["kv_heads"],
+                               s["head_dim"]), {})[row["arm"]] = row
+        for (r, w, prompt, tail, hq, hkv, d), arms in points.items():
+            if "library/triton" not in arms or "library/fa4" not in arms:
+                continue
+            cascade, fa4 = arms["library/triton"]["step_us"], arms["library/fa4"]["step_us"]
+            if cascade > fa4:
+                lost.append((r, w, prompt, tail, hq, hkv, d))
+                assert cascade_step_bytes(r, w, prompt, tail, hq, hkv, d) > EAGER_CASCADE_MAX_BYTES
+                assert not eager_cascade_preferred(prompt, hq, hkv, w, d, r, tail)[0]
+            if split_kv_preferred(r, prompt, hq, hkv, w, d)[0] or before_the_rule(prompt, hq, hkv, w, d, r, tail):
+                continue  # FlashInfer's split prompt, or the cascade already
+            if not cascade_preferred(prompt, hq, hkv, w, d, r, tail, eager=True)[0]:
+                continue
+            assert eager_cascade_preferred(prompt, hq, hkv, w, d, r, tail)[0]
+            assert cascade < fa4, (path.name, r, w, prompt, tail, hq, hkv, d, cascade, fa4)
+            moved.append(path.name)
+            if "library/auto" in arms and path.name == "eager_rule_check_round37.json":
+                assert arms["library/auto"]["backend"] == "triton" and arms["library/auto"]["step_us"] < fa4
+    assert len(lost) == 3 and all(hq == hkv and tail == 64 for _, _, _, tail, hq, hkv, _ in lost), lost
+    assert moved.count("eager_rule_check_round37.json") == 6 and len(moved) == 13, moved
+
+
 def test_gqa2_several_blocks_limits_on_held_out_widths():
     """The round-36 head-128 limits at widths and request counts outside the grids they were set on
     (``auto_check_round37_d128.json``: 8 and 32 requests of 48, 96, 160 and 256 beams at 192, 320 and 448 tokens,
