@@ -402,13 +402,18 @@ def eager_cascade_preferred(mean_prompt_len: Optional[float], num_qo_heads: int,
     if None in (mean_prompt_len, beam_width, num_requests, tail_len):
         return False, "eager: requests, beam width, prompt or tail unknown"
     group = num_qo_heads // max(num_kv_heads, 1)
-    longest = next(p for g, p in sorted(EAGER_CASCADE_MAX_MEAN_PROMPT.items()) if group <= g)
+    longest = next((p for g, p in sorted(EAGER_CASCADE_MAX_MEAN_PROMPT.items()) if group <= g), None)
+    from triton_kernels.cascade import cascade_supported  # deferred: triton is imported on first use
+
+    if longest is None or not cascade_supported(group, head_dim)[0]:
+        return False, f"eager: GQA {group}, head {head_dim} not measured on eager steps"
     if mean_prompt_len > longest:
         return False, f"eager: mean prompt {mean_prompt_len:.0f} > {longest} tokens at G={group} (not measured)"
     nbytes = cascade_step_bytes(num_requests, beam_width, mean_prompt_len, tail_len, num_qo_heads, num_kv_heads,
                                 head_dim)
     if nbytes > EAGER_CASCADE_MAX_BYTES:
-        return False, f"eager: the cascade moves {nbytes >> 20} MiB > {EAGER_CASCADE_MAX_BYTES >> 20} MiB (device-bound)"
+        return False, (f"eager: the cascade moves {nbytes >> 20} MiB > {EAGER_CASCADE_MAX_BYTES >> 20} MiB "
+                       f"(device-bound)")
     return True, (f"eager: the cascade moves {nbytes >> 20} MiB <= {EAGER_CASCADE_MAX_BYTES >> 20} MiB, host-bound, "
                   f"where its host time measured the shortest")
 

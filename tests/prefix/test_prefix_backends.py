@@ -898,6 +898,14 @@ def test_eager_steps_take_the_cascade_while_host_bound(monkeypatch):
             if "library/auto" in arms and path.name == "eager_rule_check_round37.json":
                 assert arms["library/auto"]["backend"] == "triton" and arms["library/auto"]["step_us"] < fa4
     assert len(lost) == 3 and all(hq == hkv and tail == 64 for _, _, _, tail, hq, hkv, _ in lost), lost
+    # Outside what was measured eagerly: groups above 8, head sizes the cascade does not tile, unknown inputs,
+    # prompts past 8,192 tokens (512 at groups 5-8)
+    assert not eager_cascade_preferred(500, 72, 8, 30, 128, 4, 4)[0]
+    assert not eager_cascade_preferred(500, 16, 8, 30, 256, 4, 4)[0]
+    assert not eager_cascade_preferred(500, 16, 8, 30, 128, 4, None)[0]
+    assert eager_cascade_preferred(8192, 16, 8, 30, 128, 1, 4)[0]
+    assert not eager_cascade_preferred(8200, 16, 8, 30, 128, 1, 4)[0]
+    assert eager_cascade_preferred(512, 64, 8, 16, 128, 4, 4)[0] and not eager_cascade_preferred(513, 64, 8, 16, 128, 4, 4)[0]
     assert moved.count("eager_rule_check_round37.json") == 6 and len(moved) == 13, moved
 
 
