@@ -905,7 +905,8 @@ def test_eager_steps_take_the_cascade_while_host_bound(monkeypatch):
     assert not eager_cascade_preferred(500, 16, 8, 30, 128, 4, None)[0]
     assert eager_cascade_preferred(8192, 16, 8, 30, 128, 1, 4)[0]
     assert not eager_cascade_preferred(8200, 16, 8, 30, 128, 1, 4)[0]
-    assert eager_cascade_preferred(512, 64, 8, 16, 128, 4, 4)[0] and not eager_cascade_preferred(513, 64, 8, 16, 128, 4, 4)[0]
+    assert eager_cascade_preferred(512, 64, 8, 16, 128, 4, 4)[0]
+    assert not eager_cascade_preferred(513, 64, 8, 16, 128, 4, 4)[0]
     assert moved.count("eager_rule_check_round37.json") == 6 and len(moved) == 13, moved
 
 
