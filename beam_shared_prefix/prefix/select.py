@@ -506,7 +506,8 @@ def cascade_preferred(
     step's longest tail (generated tokens per beam, ``None``: unknown, e.g. a CUDA graph's capture):
     past :data:`CASCADE_MAX_TAIL` FA4 + tail is preferred unless ``eager`` (the calls run without a CUDA
     graph, see :func:`cascade_tail_too_long`), and where ``shared_run`` (the shared-run stage may run), from
-    :data:`SHARED_RUN_MIN_TAIL` the two-launch paths with the stage are.
+    :data:`SHARED_RUN_MIN_TAIL` the two-launch paths with the stage are. An ``eager`` step that
+    :func:`eager_cascade_preferred` finds host-bound takes the cascade past the prompt limits.
     """
     group = num_qo_heads // max(num_kv_heads, 1)
     if group > CASCADE_MAX_GROUP:
