@@ -360,8 +360,9 @@ CASCADE_MAX_TAIL = {(1, 128): 8}
 # Eager calls and host time (thirty-seventh round, from every eager file so far: eager_mha_round34.json,
 # eager_mha_eager_rule_round34.json, eager_prompt_round34.json, eager_one_block_{long,8000}_round36.json and
 # eager_d64_16req_round37.json; 41 points with the cascade and FA4 + tail each timed a call). An eager call pays
-# its path's host time every call, on the H200 host about 100-200 us for the cascade, 170-250 for FlashInfer +
-# tail and 210-450 for FA4 + tail, so a step whose device time is shorter than that is host-bound. At the 9 points
+# its path's host time every call, on the H200 host about 90-210 us for the cascade and 190-520 for FA4 + tail
+# (FlashInfer + tail 156 and 186 at the two eager points it ran), so a step whose device time is shorter is
+# host-bound. At the 9 points
 # where the device-time limits above take FA4 + tail or FlashInfer + tail, the cascade's time a call was 1.13-2.1x
 # shorter (64 x 64 x 500: 199 against FA4 + tail's 414 us; 4 x 30 x 6,000: 110 against FlashInfer + tail's 156;
 # 16 x 30 x 8,000 at head 64: 152 against 318 and 186). It lost a call only with 64 generated tokens at MHA, where
