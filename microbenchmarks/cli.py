@@ -234,7 +234,10 @@ def _print_rule(shapes: Sequence[BenchShape], log) -> int:
     for s in shapes:
         v = rule_verdict(s)
         verdict = "serve" if v["decline_reason"] is None else f"decline: {v['decline_reason']}"
-        log(f"{s.label()}: {v['path']}, tails served up to {v['max_tail']} generated tokens -> {verdict}")
+        path = v["path"]
+        if v["graph_path"] != path:
+            path += f" (eager; {v['graph_path']} under a CUDA graph)"
+        log(f"{s.label()}: {path}, tails served up to {v['max_tail']} generated tokens -> {verdict}")
     return 0
 
 

@@ -110,19 +110,26 @@ def decline_reason(shape: BenchShape) -> Optional[str]:
 def rule_verdict(shape: BenchShape) -> Dict:
     """What the library's default does with ``shape`` (eagerly), without measuring: ``path`` (``"cascade"``,
     ``"flashinfer split prompt"`` or ``"prefix + tail kernel"``, with ``" + shared-run stage"`` from
-    ``SHARED_RUN_MIN_TAIL`` generated tokens where the stage tiles the shape), ``decline_reason`` (``None``:
-    served) and ``max_tail`` (the longest tail, in generated tokens per beam with this step's, that the tail
-    clause serves at this shape)."""
+    ``SHARED_RUN_MIN_TAIL`` generated tokens where the stage tiles the shape), ``graph_path`` (the same for a
+    CUDA-graph wrapper planned at this shape: eager steps take the cascade further, where host-bound, and MHA's
+    tail limit binds graph replays only), ``decline_reason`` (``None``: served) and ``max_tail`` (the longest
+    tail, in generated tokens per beam with this step's, that the tail clause serves at this shape)."""
     from beam_shared_prefix.decline import max_tail_len
-    from beam_shared_prefix.prefix.select import long_tail_for_shared_run
+    from beam_shared_prefix.prefix.select import cascade_serves, long_tail_for_shared_run
     from triton_kernels.shared_run import shared_run_supported
 
     one_launch, split_kv, reason = _auto_verdict(shape)
-    path = "cascade" if one_launch else "flashinfer split prompt" if split_kv else "prefix + tail kernel"
-    if (not one_launch and long_tail_for_shared_run(shape.tail)
-            and shared_run_supported(shape.heads // shape.kv_heads, shape.head_dim)[0]):
-        path += " + shared-run stage"
-    return {"path": path, "decline_reason": reason,
+    graph_one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
+                                                       shape.head_dim, shape.requests, shape.tail)
+
+    def path_of(cascade: bool) -> str:
+        path = "cascade" if cascade else "flashinfer split prompt" if split_kv else "prefix + tail kernel"
+        if (not cascade and long_tail_for_shared_run(shape.tail)
+                and shared_run_supported(shape.heads // shape.kv_heads, shape.head_dim)[0]):
+            path += " + shared-run stage"
+        return path
+
+    return {"path": path_of(one_launch), "graph_path": path_of(graph_one_launch), "decline_reason": reason,
             "max_tail": int(max_tail_len(shape.beams, shape.prompt, shape.kv_heads, shape.requests, shape.heads))}
 
 

@@ -218,3 +218,9 @@ def test_rule_prints_the_library_verdict_without_measuring(capsys, monkeypatch):
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split(" bf16: ", 1)[1].split(",")[0] for line in lines] == [
         "cascade", "cascade", "prefix + tail kernel + shared-run stage"], lines
+    # Eager steps take the cascade further than CUDA-graph replays while they are host-bound (64 x 64 x 500:
+    # two beam blocks past the 320-token limit of graph replays).
+    argv = ["--preset", "B-medium", "--rule", "--beams", "64"]
+    assert cli.main(argv) == 0
+    line = capsys.readouterr().out.strip()
+    assert ": cascade (eager; prefix + tail kernel under a CUDA graph), tails served" in line, line
