@@ -910,6 +910,19 @@ def test_eager_steps_take_the_cascade_while_host_bound(monkeypatch):
     assert moved.count("eager_rule_check_round37.json") == 6 and len(moved) == 13, moved
 
 
+@pytest.mark.parametrize("r, w, prompt, tail, hq, hkv, d, blocks", [
+    (64, 30, 500, 4, 16, 8, 128, 1), (16, 64, 1000, 8, 16, 16, 128, 2), (8, 40, 300, 4, 32, 4, 64, 3)])
+def test_cascade_step_bytes_counts_each_block_reading_the_prompt(r, w, prompt, tail, hq, hkv, d, blocks):
+    """The eager rule's byte count against the benchmark's traffic count (``microbenchmarks.floors``): the prompt
+    once per beam block, every beam's generated rows and this step's K/V read once, the queries and the output."""
+    from beam_shared_prefix.prefix.select import cascade_step_bytes
+    from microbenchmarks.floors import count_traffic
+
+    t = count_traffic(np.full(r, prompt), tail, w, hq, hkv, d, 32, 2)
+    assert cascade_step_bytes(r, w, prompt, tail, hq, hkv, d) == (
+        blocks * t.prompt_kv + t.tail_kv_per_beam + t.new_kv // 2 + t.q + t.out)
+
+
 def test_gqa2_several_blocks_limits_on_held_out_widths():
     """The round-36 head-128 limits at widths and request counts outside the grids they were set on
     (``auto_check_round37_d128.json``: 8 and 32 requests of 48, 96, 160 and 256 beams at 192, 320 and 448 tokens,
