@@ -115,12 +115,12 @@ def rule_verdict(shape: BenchShape) -> Dict:
     tail limit binds graph replays only), ``decline_reason`` (``None``: served) and ``max_tail`` (the longest
     tail, in generated tokens per beam with this step's, that the tail clause serves at this shape)."""
     from beam_shared_prefix.decline import max_tail_len
-    from beam_shared_prefix.prefix.select import cascade_serves, long_tail_for_shared_run
+    from beam_shared_prefix.prefix.select import cascade_preferred, long_tail_for_shared_run
     from triton_kernels.shared_run import shared_run_supported
 
     one_launch, split_kv, reason = _auto_verdict(shape)
-    graph_one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                                       shape.head_dim, shape.requests, shape.tail)
+    graph_one_launch = not split_kv and cascade_preferred(shape.prompt, shape.heads, shape.kv_heads, shape.beams,
+                                                          shape.head_dim, shape.requests, shape.tail)[0]
 
     def path_of(cascade: bool) -> str:
         path = "cascade" if cascade else "flashinfer split prompt" if split_kv else "prefix + tail kernel"

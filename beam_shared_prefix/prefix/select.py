@@ -385,8 +385,8 @@ def cascade_step_bytes(num_requests: int, beam_width: int, mean_prompt_len: floa
     """Bytes the one-launch cascade moves for a step (an estimate for the eager rule): each beam block's
     program reads its request's prompt K/V, every beam its ``tail_len`` generated K/V rows, and the queries
     and output once; ``element_size`` bytes a value (2: bf16/fp16)."""
-    group = num_qo_heads // max(num_kv_heads, 1)
-    blocks = -(-int(beam_width) // _beams_per_block(group, head_dim))
+    _, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, num_qo_heads // max(num_kv_heads, 1),
+                                     head_dim)
     kv_row = 2 * num_kv_heads * head_dim  # K and V of one token, values
     values = (num_requests * blocks * mean_prompt_len * kv_row + num_requests * beam_width * tail_len * kv_row
               + 2 * num_requests * beam_width * num_qo_heads * head_dim)
@@ -400,12 +400,12 @@ def eager_cascade_preferred(mean_prompt_len: Optional[float], num_qo_heads: int,
     wherever the device-time limits would pick FA4 + tail or FlashInfer + tail: ``(True, why)`` or ``(False,
     reason)``. Needs the batch's requests, beam width, mean prompt and tail (``None``: unknown, never); the
     caller checks that the cascade tiles the shape and that no long-tail path applies."""
+    from triton_kernels.cascade import cascade_supported  # deferred: triton is imported on first use
+
     if None in (mean_prompt_len, beam_width, num_requests, tail_len):
         return False, "eager: requests, beam width, prompt or tail unknown"
     group = num_qo_heads // max(num_kv_heads, 1)
     longest = next((p for g, p in sorted(EAGER_CASCADE_MAX_MEAN_PROMPT.items()) if group <= g), None)
-    from triton_kernels.cascade import cascade_supported  # deferred: triton is imported on first use
-
     if longest is None or not cascade_supported(group, head_dim)[0]:
         return False, f"eager: GQA {group}, head {head_dim} not measured on eager steps"
     if mean_prompt_len > longest:
