@@ -316,22 +316,28 @@ CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS = {(2, 128): 448, (2, 64): 4
 #: ``{(GQA group, head size): programs}``: how many cascade programs count as few for
 #: :data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS` (elsewhere :data:`CASCADE_FEW_PROGRAMS`).
 CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256}
-# Many programs at GQA 2, head 128, 2-5 blocks (thirty-eighth round, g2_d128_64req_round38.json with the rounds
-# 35-37 grids: auto_rule_round3[56]_g2_*.json, auto_check_round37_d128.json, g2_full_blocks_round37.json; graph
-# replays). Past 320 tokens the cascade's relative speed grows with its program count: with 768 or more programs
-# (three waves of two a multiprocessor) and 2-5 well-filled blocks it was faster than FA4 + tail or within 0.7% at
-# every point of 384 and 448 tokens (64 x 96 at 448: 127.6 against 149.6 us; 48 x 128 at 384: 0.7% slower), and
-# from 9% faster to 6% slower at 512. With fewer programs (16 requests of 96-160 beams: 384-640) it was 1-3%
-# slower from 384; with 8 blocks (256 beams) 3-5% slower at every request count; and with a half-empty last block
-# (36 and 40 beams: two blocks for 36-40 beams' rows) 2-4% slower at 64 requests.
+# Many programs at GQA 2, head 128, several blocks (thirty-eighth round; graph replays). Past 320 tokens the cascade
+# reads the prompt once per 32-beam block (64 rows), FA4 once per 128-row tile (its own tile at head 128 on SM90),
+# so the cascade is at its best where FA4's last tile is half empty: an odd block count, 3 or 5 blocks against 2
+# or 3 tiles. With 768 or more programs (three waves of two a multiprocessor) and such widths it was the faster
+# at every point of 384 and 448 tokens: 64 requests of 96 and 160 beams (g2_d128_64req_round38.json) 5-15%
+# (64 x 96 at 448: 127.6 against FA4 + tail's 149.6 us), 32 and 48 requests (auto_check_round37_d128.json,
+# g2_full_blocks_round37.json) 3-14%, and held out (g2_d128_many_programs_check_round38.json: 24-56 requests of
+# 80 and 144 beams) 2-8%; at 512 from 9% faster to 2% slower. With an even count (2 or 4 blocks against 1 or 2
+# full tiles) it was from 8% faster (48-64 x 64) to 5% slower (56 x 112 at 384: 133.8 against 127.2 us), and
+# with fewer programs (24 x 80: 576) 9% slower, so those keep 320.
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with at least
-#: :data:`CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS` programs, 2 to :data:`CASCADE_MANY_PROGRAMS_MAX_BLOCKS` beam blocks
-#: and beam blocks at least :data:`CASCADE_MANY_PROGRAMS_MIN_FILL` full on average (it raises
-#: :func:`cascade_prompt_limit`'s several-block limit).
+#: :data:`CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS` programs and 2 to :data:`CASCADE_MANY_PROGRAMS_MAX_BLOCKS` beam
+#: blocks, fewer than two per :data:`FA4_TILE_ROWS`-row FA4 tile and at least
+#: :data:`CASCADE_MANY_PROGRAMS_MIN_FILL` full on average (it raises :func:`cascade_prompt_limit`'s several-block
+#: limit).
 CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_MANY_PROGRAMS = {(2, 128): 448}
 CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS = 768
 CASCADE_MANY_PROGRAMS_MAX_BLOCKS = 5
-CASCADE_MANY_PROGRAMS_MIN_FILL = 0.75
+#: The fullest measured: 80-96 beams in 3 blocks, 144-160 in 5.
+CASCADE_MANY_PROGRAMS_MIN_FILL = 0.8
+#: Query rows of FA4's own tile at head 128 on SM90 (``prefix/fa4.py``).
+FA4_TILE_ROWS = 128
 
 # Long tails and the shared-run stage (twenty-ninth round, shared_run_round29_*.json and
 # shared_cross_round29_*.json; GQA 16/8 and 32/8, head 128, page 32, 14-96 beams, 100-3,000 tokens, tails
@@ -601,16 +607,18 @@ def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_wid
 def _many_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
     """``(programs, limit)`` of :data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_MANY_PROGRAMS` for a batch of at
     least :data:`CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS` cascade programs, 2 to
-    :data:`CASCADE_MANY_PROGRAMS_MAX_BLOCKS` beam blocks per request, on average at least
-    :data:`CASCADE_MANY_PROGRAMS_MIN_FILL` full; else ``None``."""
+    :data:`CASCADE_MANY_PROGRAMS_MAX_BLOCKS` beam blocks per request, fewer than two per FA4 tile of
+    :data:`FA4_TILE_ROWS` query rows, on average at least :data:`CASCADE_MANY_PROGRAMS_MIN_FILL` full; else
+    ``None``."""
     limit = CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_MANY_PROGRAMS.get((group, head_dim))
     if limit is None or num_requests is None or beam_width is None:
         return None
     programs, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
-    # A block of `rows` query rows holds rows // group beams; a half-empty last block still reads the whole prompt.
+    # Each block of `rows` query rows and each FA4 tile reads the whole prompt, however full.
     fill = int(beam_width) * group / (blocks * rows)
+    fa4_tiles = -(-int(beam_width) * group // FA4_TILE_ROWS)
     if (programs < CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS or not 2 <= blocks <= CASCADE_MANY_PROGRAMS_MAX_BLOCKS
-            or fill < CASCADE_MANY_PROGRAMS_MIN_FILL):
+            or blocks >= 2 * fa4_tiles or fill < CASCADE_MANY_PROGRAMS_MIN_FILL):
         return None
     return programs, limit
 
