@@ -322,10 +322,13 @@ CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256}
 # or 3 tiles. With 768 or more programs (three waves of two a multiprocessor) and such widths it was the faster
 # at every point of 384 and 448 tokens: 64 requests of 96 and 160 beams (g2_d128_64req_round38.json) 5-15%
 # (64 x 96 at 448: 127.6 against FA4 + tail's 149.6 us), 32 and 48 requests (auto_check_round37_d128.json,
-# g2_full_blocks_round37.json) 3-14%, and held out (g2_d128_many_programs_check_round38.json: 24-56 requests of
-# 80 and 144 beams) 2-8%; at 512 from 9% faster to 2% slower. With an even count (2 or 4 blocks against 1 or 2
-# full tiles) it was from 8% faster (48-64 x 64) to 5% slower (56 x 112 at 384: 133.8 against 127.2 us), and
-# with fewer programs (24 x 80: 576) 9% slower, so those keep 320.
+# g2_full_blocks_round37.json) 3-14%; at 512 from 9% faster to 2% slower. With an even count (2 or 4 blocks against
+# 1 or 2 full tiles) it was from 8% faster (48-64 x 64) to 5% slower (56 x 112 at 384: 133.8 against 127.2 us,
+# g2_d128_many_programs_check_round38.json, which a first raise for every 2-5-block width lost at its 2- and
+# 4-block points, 1-5%), and with fewer programs (24 x 80: 576) 9% slower, so those keep 320. Held out from the
+# final raise (g2_d128_many_programs_check2_round38.json: 28, 44 and 60 requests of 88, 120 and 152 beams at 416
+# and 448 tokens) it took 10 of 18 points, all faster by 3-18%; of the 8 it left, FA4 + tail was 0-4% faster at
+# the 4-block ones and 12% slower at 28 x 88 (672 programs: the straight count misses the waves).
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with at least
 #: :data:`CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS` programs and 2 to :data:`CASCADE_MANY_PROGRAMS_MAX_BLOCKS` beam
 #: blocks, fewer than two per :data:`FA4_TILE_ROWS`-row FA4 tile and at least
