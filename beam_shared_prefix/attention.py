@@ -253,7 +253,7 @@ class BeamSharedPrefixAttention:
         num_requests = step_plan.num_requests
         side = None
         if not self.use_cuda_graph and self.requested_backend == "auto":
-            side = (split_kv_preferred(num_requests, mean_prompt, hq, hkv, step_plan.beam_width, d)[0],
+            side = (split_kv_preferred(num_requests, mean_prompt, hq, hkv, step_plan.beam_width, d, eager=True)[0],
                     cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d, num_requests, tail_len,
                                       self.shared_run != "off", eager=True)[0])
         cache_key = (problem_key, side)

@@ -82,7 +82,8 @@ def estimate_workload_bytes(shape: BenchShape, with_baseline_pages: bool = True)
 def _auto_verdict(shape: BenchShape):
     """``(one_launch, split_kv, decline reason)``: the path backend ``"auto"`` takes for ``shape`` on a GPU
     with every prefix backend installed (the cascade, FlashInfer's split prompt, or else FA4/FlashInfer +
-    tail), eagerly (the cascade's MHA tail limit applies to CUDA-graph replays only) with the wrapper's default
+    tail), eagerly (the cascade's MHA tail limit applies to CUDA-graph replays only, and eager steps take it ahead
+    of some of FlashInfer's split prompts) with the wrapper's default
     ``shared_run="auto"`` (a long tail leaves the cascade), and what
     :func:`beam_shared_prefix.decline.should_decline` says of it at the shape's (longest) tail (``None``:
     served)."""
@@ -90,7 +91,7 @@ def _auto_verdict(shape: BenchShape):
     from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 
     split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                 shape.head_dim)
+                                 shape.head_dim, eager=True)
     one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
                                                  shape.head_dim, shape.requests, shape.tail, eager=True)
     reason = should_decline(shape.requests, shape.beams, shape.prompt, shape.heads, shape.kv_heads, shape.head_dim,
@@ -115,21 +116,24 @@ def rule_verdict(shape: BenchShape) -> Dict:
     tail limit binds graph replays only), ``decline_reason`` (``None``: served) and ``max_tail`` (the longest
     tail, in generated tokens per beam with this step's, that the tail clause serves at this shape)."""
     from beam_shared_prefix.decline import max_tail_len
-    from beam_shared_prefix.prefix.select import cascade_preferred, long_tail_for_shared_run
+    from beam_shared_prefix.prefix.select import cascade_preferred, flashinfer_serves, long_tail_for_shared_run
     from triton_kernels.shared_run import shared_run_supported
 
     one_launch, split_kv, reason = _auto_verdict(shape)
-    graph_one_launch = not split_kv and cascade_preferred(shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                                          shape.head_dim, shape.requests, shape.tail)[0]
+    graph_split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
+                                       shape.head_dim)
+    graph_one_launch = not graph_split_kv and cascade_preferred(shape.prompt, shape.heads, shape.kv_heads, shape.beams,
+                                                                shape.head_dim, shape.requests, shape.tail)[0]
 
-    def path_of(cascade: bool) -> str:
-        path = "cascade" if cascade else "flashinfer split prompt" if split_kv else "prefix + tail kernel"
+    def path_of(cascade: bool, split: bool) -> str:
+        path = "cascade" if cascade else "flashinfer split prompt" if split else "prefix + tail kernel"
         if (not cascade and long_tail_for_shared_run(shape.tail)
                 and shared_run_supported(shape.heads // shape.kv_heads, shape.head_dim)[0]):
             path += " + shared-run stage"
         return path
 
-    return {"path": path_of(one_launch), "graph_path": path_of(graph_one_launch), "decline_reason": reason,
+    return {"path": path_of(one_launch, split_kv), "graph_path": path_of(graph_one_launch, graph_split_kv),
+            "decline_reason": reason,
             "max_tail": int(max_tail_len(shape.beams, shape.prompt, shape.kv_heads, shape.requests, shape.heads))}
 
 

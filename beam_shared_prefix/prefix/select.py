@@ -49,7 +49,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
            "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run", "CASCADE_MAX_TAIL",
            "cascade_tail_too_long", "EAGER_CASCADE_MAX_BYTES", "EAGER_CASCADE_MAX_MEAN_PROMPT", "cascade_step_bytes",
-           "eager_cascade_preferred"]
+           "eager_cascade_preferred", "eager_cascade_over_split_kv", "EAGER_CASCADE_OVER_SPLIT_KV",
+           "EAGER_CASCADE_OVER_SPLIT_KV_MAX_PROMPT"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
 # 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
@@ -444,6 +445,51 @@ def eager_cascade_preferred(mean_prompt_len: Optional[float], num_qo_heads: int,
                   f"where its host time measured the shortest")
 
 
+# Eager steps where FlashInfer's split prompt serves (thirty-eighth round, eager_split_round38.json: 1-16 requests
+# of 30 beams at 2,000-8,000 tokens, 4 and 16 of 16 beams, GQA 16/8 and 32/8 at head 128; and 4 x 30 x 6,000 of
+# eager_prompt_round34.json). An eager call pays its path's host time; the fastest batch of each measurement took
+# 141-252 us a call on FlashInfer + tail and 101-191 on the cascade (medians to 308 us: that host was noisy). At
+# GQA 2 with one 64-row block (17-32 beams) the cascade's device time stayed under FlashInfer's host time to 8,000
+# tokens (39-46 us at 2,000, 70-77 at 4,000, 132-139 at 8,000, 1-16 requests). Of the 9 points of 2-8 requests
+# FlashInfer served, the cascade's time a call was the shorter at 7, by 1-52% (4 x 30 x 4,000: 104.6 against
+# 142.4 us; 2 x 30 x 8,000: 171.0 against 173.3), and longer at 2, by 4% (4 x 30 x 2,000) and 16% (8 x 30 x 4,000:
+# 184.5 against 159.2), where its own host time ran slow (fastest batches 113 and 180 us; 101-116 at its other
+# points). With 32-row tiles (16 beams) the cascade's device time grows twice as fast (57-75 us at 2,000, 238-259 at
+# 8,000: 4 x 16 x 8,000 took 239.5 against 153.4 us a call), and at GQA 4 it was even or slower (8 x 16 x 4,000:
+# 196.9 against 159.8); those keep FlashInfer. One request of 30 beams (30 rows) is a few-rows step that the decline
+# rule serves only through FlashInfer's split prompt, so it keeps FlashInfer too. What an eager step gives up is
+# device time (8 x 30 x 8,000: 134 against 92 us), which only a host-bound step hides.
+#: ``{(GQA group, head size): tile rows}`` at which an eager step takes the cascade ahead of FlashInfer's split
+#: prompt (one beam block, mean prompt up to :data:`EAGER_CASCADE_OVER_SPLIT_KV_MAX_PROMPT` tokens).
+EAGER_CASCADE_OVER_SPLIT_KV = {(2, 128): 64}
+EAGER_CASCADE_OVER_SPLIT_KV_MAX_PROMPT = 8192
+
+
+def eager_cascade_over_split_kv(num_requests: int, mean_prompt_len: float, num_qo_heads: int, num_kv_heads: int,
+                                beam_width: int, head_dim: int) -> Tuple[bool, str]:
+    """Whether an eager step that FlashInfer's split prompt would serve takes the one-launch cascade instead, its
+    lower host time the shorter call (:data:`EAGER_CASCADE_OVER_SPLIT_KV`): ``(True, why)`` or ``(False,
+    reason)``. Never where the decline rule would leave the cascade's step to per-beam decode (few beam rows):
+    FlashInfer's split prompt serves those."""
+    from ..decline import should_decline  # deferred: the decline module documents this one
+
+    group = num_qo_heads // max(num_kv_heads, 1)
+    tile_rows = EAGER_CASCADE_OVER_SPLIT_KV.get((group, head_dim))
+    if tile_rows is None:
+        return False, f"eager: GQA {group}, head {head_dim} not measured against FlashInfer's split prompt eagerly"
+    _, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
+    if blocks != 1 or rows != tile_rows:
+        return False, f"eager: {blocks} beam block(s) of {rows} rows (measured: one of {tile_rows})"
+    if mean_prompt_len > EAGER_CASCADE_OVER_SPLIT_KV_MAX_PROMPT:
+        return False, f"eager: mean prompt {mean_prompt_len:.0f} > {EAGER_CASCADE_OVER_SPLIT_KV_MAX_PROMPT} tokens"
+    declined = should_decline(num_requests, beam_width, mean_prompt_len, num_qo_heads, num_kv_heads, head_dim,
+                              one_launch=True)
+    if declined is not None:
+        return False, f"eager: the decline rule would leave the cascade's step to per-beam decode ({declined})"
+    return True, (f"eager: one block of {rows} rows, mean prompt {mean_prompt_len:.0f} <= "
+                  f"{EAGER_CASCADE_OVER_SPLIT_KV_MAX_PROMPT} tokens: the cascade's host time a call is the shorter")
+
+
 def cascade_tail_too_long(group_size: int, head_dim: int, tail_len: Optional[float], eager: bool = False) -> bool:
     """Whether a step whose longest tail is ``tail_len`` tokens (``None``: unknown, e.g. a CUDA graph's
     capture, which serves any tail) is past :data:`CASCADE_MAX_TAIL` for this group and head size. Never for
@@ -633,12 +679,14 @@ def split_kv_preferred(
     num_kv_heads: int,
     beam_width: Optional[int],
     head_dim: int = 128,
+    eager: bool = False,
 ) -> Tuple[bool, str]:
     """Whether ``auto`` picks FlashInfer (its prefill splits a prompt over many CTAs) ahead of the
     cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 1-4 at head 128 and head
     64 (:data:`SPLIT_KV_PROMPT`, up to :data:`SPLIT_KV_MAX_BEAM_BLOCKS` beam blocks and
     :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs); elsewhere never. ``num_requests`` and
-    ``mean_prompt_len`` (tokens) are the batch's; ``None`` (unknown) never prefers it."""
+    ``mean_prompt_len`` (tokens) are the batch's; ``None`` (unknown) never prefers it. An ``eager`` step (no
+    CUDA graph) where :func:`eager_cascade_over_split_kv` holds takes the cascade instead."""
     if num_requests is None or mean_prompt_len is None or beam_width is None:
         return False, "request count, beam width or prompt length unknown"
     group = num_qo_heads // max(num_kv_heads, 1)
@@ -663,6 +711,11 @@ def split_kv_preferred(
     if mean_prompt_len < least:
         return False, (f"mean prompt {mean_prompt_len:.0f} < {least} tokens for {programs} cascade programs "
                        f"of {rows} rows: the cascade or FA4 measured as fast there")
+    if eager:
+        over, why = eager_cascade_over_split_kv(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
+                                                head_dim)
+        if over:
+            return False, why
     return True, (f"{num_requests} request(s) run {programs} cascade programs of {rows} rows for a mean prompt of "
                   f"{mean_prompt_len:.0f} >= {least} tokens: FlashInfer's split prompt measured faster")
 
@@ -686,16 +739,18 @@ def flashinfer_serves(
     num_kv_heads: int,
     beam_width: Optional[int],
     head_dim: int,
+    eager: bool = False,
 ) -> bool:
     """Whether FlashInfer's prefix backend (split prompt) serves a CUDA batch under the ``requested``
     setting: ``"flashinfer"`` always; every setting where no other backend tiles the head size
     (:func:`only_flashinfer_tiles`: ``"fa4"`` and ``"triton"`` fall back to FlashInfer there, as
-    :func:`resolve_prefix_backend` does); else ``"auto"`` where :func:`split_kv_preferred` picks it."""
+    :func:`resolve_prefix_backend` does); else ``"auto"`` where :func:`split_kv_preferred` picks it (``eager``
+    as there)."""
     if requested == "flashinfer" or (requested in ("auto", "fa4", "triton") and only_flashinfer_tiles(head_dim)):
         return True
     if requested == "auto":
         return split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                  head_dim)[0]
+                                  head_dim, eager)[0]
     return False
 
 
@@ -743,7 +798,8 @@ def cascade_serves(
             return False
         return cascade_supported(num_qo_heads // max(num_kv_heads, 1), head_dim)[0]
     if requested == "auto":
-        if split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim)[0]:
+        if split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
+                              eager)[0]:
             return False
         return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim, num_requests,
                                  tail_len, shared_run, eager)[0]
@@ -788,7 +844,7 @@ def step_path(
                                       num_requests, tail_len, shared_run, eager)[0]
         return False, preferred
     split_kv = flashinfer_serves(requested, num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                 head_dim)
+                                 head_dim, eager)
     one_launch = not split_kv and cascade_serves(requested, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
                                                  head_dim, num_requests, tail_len, shared_run, eager)
     return split_kv, one_launch
@@ -822,7 +878,7 @@ def choose_prefix_backend(
         return "reference", [f"device {device} is not CUDA: the torch reference path serves it"]
     declined = []
     split, split_why = split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                          head_dim)
+                                          head_dim, eager)
     preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
                                        num_requests, tail_len, shared_run, eager)
     candidates = ("triton", "fa4", "flashinfer") if preferred else ("fa4", "flashinfer")

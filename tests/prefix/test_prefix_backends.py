@@ -910,6 +910,73 @@ def test_eager_steps_take_the_cascade_while_host_bound(monkeypatch):
     assert moved.count("eager_rule_check_round37.json") == 6 and len(moved) == 13, moved
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes a GPU on a CPU-only machine")
+def test_eager_auto_puts_the_cascade_before_the_split_prompt(fake_sm, monkeypatch):
+    """``choose_prefix_backend(eager=True)``: at GQA 2, head 128, one 64-row block, 2-8 requests to 8,192 tokens
+    the cascade comes first; one request (30 rows, which the decline rule serves only through the split prompt),
+    32-row tiles and longer prompts keep FlashInfer first, as graph replays do everywhere."""
+    cuda = torch.device("cuda")
+    fake_sm((9, 0))
+    monkeypatch.setattr(FlashInferPrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))
+
+    def auto(requests, prompt, beams=30, eager=True):
+        return choose_prefix_backend(cuda, torch.bfloat16, 128, 16, 8, 32, mean_prompt_len=prompt, beam_width=beams,
+                                     num_requests=requests, tail_len=4, eager=eager)[0]
+
+    assert [auto(r, 4000) for r in (1, 2, 4, 8)] == ["flashinfer", "triton", "triton", "triton"]
+    assert auto(4, 4000, eager=False) == "flashinfer" and auto(4, 8192) == "triton"
+    assert auto(4, 8193) == "flashinfer" and auto(4, 4000, beams=16) == "flashinfer"
+
+
+def test_eager_steps_take_the_cascade_over_the_split_prompt(monkeypatch):
+    """Eager steps that FlashInfer's split prompt serves (``eager_split_round38.json``; 4 x 30 x 6,000 of
+    ``eager_prompt_round34.json``; ``run()`` calls back to back, a call's time). At GQA 2, head 128, one 64-row
+    block (30 beams) and 2-8 requests the rule hands 9 points to the cascade: its time a call was the shorter at 7
+    (by 1-52%) and longer at 2 (4%, 16%) on slow host batches; its device time stayed under 140 us to 8,000 tokens.
+    It keeps FlashInfer for 1 request (30 rows: the decline rule serves few rows only through the split prompt),
+    for 16 beams (32-row tiles: 4 x 16 x 8,000 took 239.5 us a call on the cascade against 153.4) and at GQA 4."""
+    import json
+
+    import beam_shared_prefix.prefix.select as select
+    from beam_shared_prefix.decline import should_decline
+    from beam_shared_prefix.prefix.select import eager_cascade_over_split_kv, split_kv_preferred
+
+    over, kept = {}, {}
+    for name in ("eager_split_round38.json", "eager_prompt_round34.json"):
+        points = {}
+        for row in json.loads((RESULTS / name).read_text())["results"]:
+            s = row["shape"]
+            key = (s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"])
+            points.setdefault(key, []).append(row)
+        for (r, w, prompt, hq, hkv, d), rows in points.items():
+            if not split_kv_preferred(r, prompt, hq, hkv, w, d)[0]:
+                continue
+            cascade = next(row for row in rows if row["arm"] == "library/triton")
+            split = min(row["step_us"] for row in rows if row["backend"] == "flashinfer")
+            picked, why = eager_cascade_over_split_kv(r, prompt, hq, hkv, w, d)
+            if picked:
+                assert split_kv_preferred(r, prompt, hq, hkv, w, d, eager=True) == (False, why)
+            else:
+                assert split_kv_preferred(r, prompt, hq, hkv, w, d, eager=True)[0]
+            (over if picked else kept)[(r, w, prompt, hq)] = round(cascade["step_us"] / split, 2)
+            if picked:
+                assert (hq, hkv, d, w) == (16, 8, 128, 30) and 2 <= r <= 8 and cascade["device_us"] < 140, name
+    assert len(over) == 9 and sorted(v for v in over.values() if v >= 1.0) == [1.04, 1.16], over
+    assert max(over.values()) < 1.2 and min(over.values()) < 0.5, over
+    assert {k for k in kept if k[:2] == (1, 30)} == {(1, 30, 2000, 16), (1, 30, 4000, 16), (1, 30, 8000, 16)}, kept
+    assert should_decline(1, 30, 4000, 16, 8, 128, one_launch=True) and kept[(4, 16, 8000, 16)] > 1.5, kept
+    assert {k for k in kept if k[3] == 32} == {(2, 16, 4000, 32), (8, 16, 4000, 32)}, kept
+    # The path the decline rule judges, with FlashInfer installed: the cascade eagerly, the split prompt under a graph
+    monkeypatch.setattr(select, "_installed", lambda name: True)
+    assert select.step_path("auto", 4, 4000, 16, 8, 30, 128, tail_len=4, eager=True) == (False, True)
+    assert select.step_path("auto", 4, 4000, 16, 8, 30, 128, tail_len=4) == (True, False)
+    assert select.step_path("auto", 1, 4000, 16, 8, 30, 128, tail_len=4, eager=True) == (True, False)
+    # Outside what was measured: longer prompts, two blocks, head 64
+    assert not eager_cascade_over_split_kv(4, 8200, 16, 8, 30, 128)[0]
+    assert not eager_cascade_over_split_kv(1, 4000, 16, 8, 60, 128)[0]
+    assert not eager_cascade_over_split_kv(4, 4000, 16, 8, 30, 64)[0]
+
+
 @pytest.mark.parametrize("r, w, prompt, tail, hq, hkv, d, blocks", [
     (64, 30, 500, 4, 16, 8, 128, 1), (16, 64, 1000, 8, 16, 16, 128, 2), (8, 40, 300, 4, 32, 4, 64, 3)])
 def test_cascade_step_bytes_counts_each_block_reading_the_prompt(r, w, prompt, tail, hq, hkv, d, blocks):
