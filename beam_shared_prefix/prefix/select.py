@@ -40,7 +40,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64", "CASCADE_MANY_BLOCKS_HEAD_64",
-           "CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS",
+           "CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_MANY_PROGRAMS",
+           "CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS", "CASCADE_MANY_PROGRAMS_MAX_BLOCKS", "CASCADE_MANY_PROGRAMS_MIN_FILL",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
@@ -473,7 +474,7 @@ def eager_cascade_over_split_kv(num_requests: int, mean_prompt_len: float, num_q
     lower host time the shorter call (:data:`EAGER_CASCADE_OVER_SPLIT_KV`): ``(True, why)`` or ``(False,
     reason)``. Never where the decline rule would leave the cascade's step to per-beam decode (few beam rows):
     FlashInfer's split prompt serves those."""
-    from ..decline import should_decline  # deferred: the decline module documents this one
+    from ..decline import should_decline  # deferred: the decline rule is the package's, loaded after this
 
     group = num_qo_heads // max(num_kv_heads, 1)
     tile_rows = EAGER_CASCADE_OVER_SPLIT_KV.get((group, head_dim))
@@ -576,7 +577,9 @@ def cascade_preferred(
     ``mean_prompt_len`` is the batch's mean prompt length in tokens (``None``: unknown, not preferred);
     ``beam_width`` the batch's ``W`` (``None``: unknown, the stricter prompt limit applies);
     ``num_requests`` the batch's ``R`` (``None``: unknown, judged as many): with few cascade programs
-    some shapes have a lower limit (:data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS`). ``tail_len``: the
+    some shapes have a lower limit (:data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS`) and several-block ones a higher
+    (:data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS`), as have many programs of 3 or 5 blocks at GQA
+    2, head 128 (:data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_MANY_PROGRAMS`). ``tail_len``: the
     step's longest tail (generated tokens per beam, ``None``: unknown, e.g. a CUDA graph's capture):
     past :data:`CASCADE_MAX_TAIL` FA4 + tail is preferred unless ``eager`` (the calls run without a CUDA
     graph, see :func:`cascade_tail_too_long`), and where ``shared_run`` (the shared-run stage may run), from
