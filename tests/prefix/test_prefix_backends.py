@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from h200_grids import RESULTS, grid_points, with_auto_backend
 
@@ -908,6 +908,35 @@ def test_eager_steps_take_the_cascade_while_host_bound(monkeypatch):
     assert eager_cascade_preferred(512, 64, 8, 16, 128, 4, 4)[0]
     assert not eager_cascade_preferred(513, 64, 8, 16, 128, 4, 4)[0]
     assert moved.count("eager_rule_check_round37.json") == 6 and len(moved) == 13, moved
+
+
+@settings(max_examples=400, deadline=None)
+@given(group=st.sampled_from([1, 2, 3, 4, 8]), num_kv_heads=st.sampled_from([1, 2, 4, 8, 16]),
+       head_dim=st.sampled_from([64, 128]), beam_width=st.integers(2, 64), num_requests=st.integers(1, 128),
+       prompt=st.integers(500, 12_000), tail_len=st.integers(1, 8))
+@example(group=2, num_kv_heads=8, head_dim=128, beam_width=30, num_requests=4, prompt=4000, tail_len=4)  # moved
+@example(group=2, num_kv_heads=8, head_dim=128, beam_width=30, num_requests=1, prompt=4000, tail_len=4)  # 30 rows
+@example(group=2, num_kv_heads=2, head_dim=128, beam_width=24, num_requests=6, prompt=6000, tail_len=4)  # 144 < 240 rows
+def test_eager_split_prompt_override_never_hands_a_step_to_the_decline_rule(group, num_kv_heads, head_dim, beam_width,
+                                                                            num_requests, prompt, tail_len):
+    """Where an eager step leaves FlashInfer's split prompt for the cascade, the decline rule serves the cascade's
+    step: the override never turns a served step into a fallback (few beam rows keep the split prompt)."""
+    from unittest import mock
+
+    import beam_shared_prefix.prefix.select as select
+    from beam_shared_prefix.decline import should_decline
+
+    shape = (num_requests, prompt, group * num_kv_heads, num_kv_heads, beam_width, head_dim)
+    with mock.patch.object(select, "_installed", lambda name: True):
+        graph = select.step_path("auto", *shape, tail_len=tail_len)
+        eager = select.step_path("auto", *shape, tail_len=tail_len, eager=True)
+    if graph[0] and not eager[0]:  # the override moved it
+        assert eager == (False, True), (shape, eager)
+        assert (group, head_dim) in select.EAGER_CASCADE_OVER_SPLIT_KV and prompt <= 8192, shape
+        args = (num_requests, beam_width, prompt, group * num_kv_heads, num_kv_heads, head_dim)
+        assert should_decline(*args, one_launch=True, tail_len=tail_len) is None, shape
+    else:
+        assert graph[0] == eager[0], shape
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fakes a GPU on a CPU-only machine")
