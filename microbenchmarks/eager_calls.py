@@ -9,7 +9,8 @@ library arm, over ``--batches`` batches of ``--calls`` back-to-back ``run()`` ca
 
 - ``host_us``: wall time to issue the batch / calls, no sync inside (what the host pays before it can issue
   the next layer); ``host_min_us`` the fastest batch;
-- ``step_us``: CUDA events around the same batch / calls (an eager caller's time a call);
+- ``step_us``: CUDA events around the same batch / calls (an eager caller's time a call); ``step_min_us`` the
+  fastest batch's (on a noisy host the medians of one path spread by tens of us, the fastest batches less);
 - ``device_us``: the batch queued behind a ``torch.cuda._sleep`` spin longer than its issue time, so the
   events bracket device time alone.
 
@@ -40,8 +41,9 @@ DEFAULT_SHAPES = ("B-short", "B-medium", "A")
 FIELDS_NOTE = ("eager (no CUDA graph) BeamSharedPrefixAttention.run() of one planned step through the CLI's "
                "LibraryArm: host_us = wall time of a batch of back-to-back calls / calls, no sync inside (median over "
                "the batches; host_min_us their minimum); step_us = CUDA events around the same batch / calls (an eager "
-               "caller's time a call); device_us = the batch queued behind a torch.cuda._sleep spin that outlasts its "
-               "issue, so the events bracket device time alone. python -m microbenchmarks.eager_calls")
+               "caller's time a call; step_min_us the fastest batch's); device_us = the batch queued behind a "
+               "torch.cuda._sleep spin that outlasts its issue, so the events bracket device time alone. "
+               "python -m microbenchmarks.eager_calls")
 # Retries of a device-time batch whose issue outlasted its spin (the device then idled between calls).
 SPIN_RETRIES = 3
 
@@ -91,7 +93,7 @@ def time_eager_calls(call: Callable[[], object], calls: int, batches: int, warmu
             raise RuntimeError(f"issuing {calls} calls outlasted a {spin_us / 2:.0f} us spin {SPIN_RETRIES + 1} times; "
                                f"this host is too busy to time device work behind a spin")
     return {"host_us": statistics.median(hosts), "host_min_us": min(hosts), "step_us": statistics.median(steps),
-            "device_us": statistics.median(devices)}
+            "step_min_us": min(steps), "device_us": statistics.median(devices)}
 
 
 def measure_shape(shape, arms: Sequence[str], calls: int, batches: int, warmup: int, seed: int) -> List[Dict]:
@@ -158,7 +160,8 @@ def main(argv=None) -> int:
                 print(f"{shape.label():44s} {row['arm']:16s} skipped: {row['skipped']}", flush=True)
             else:
                 print(f"{shape.label():44s} {row['arm']:16s} {row['backend']!s:10s} host {row['host_us']:7.1f} us "
-                      f"(min {row['host_min_us']:6.1f})  a call {row['step_us']:7.1f} us  device {row['device_us']:7.1f} us",
+                      f"(min {row['host_min_us']:6.1f})  a call {row['step_us']:7.1f} us (min {row['step_min_us']:6.1f})  "
+                      f"device {row['device_us']:7.1f} us",
                       flush=True)
         if args.json:
             write_progress_json(doc, args.json)

@@ -82,6 +82,7 @@ def test_times_are_per_call_medians_and_device_batches_outlast_their_spin(monkey
     times = eager_calls.time_eager_calls(_costed_call(clock, calls, [50, 70, 60], 150), calls, 3, warmup=0)
     assert times["host_us"] == pytest.approx(60.0) and times["host_min_us"] == pytest.approx(50.0)
     assert times["step_us"] == pytest.approx(60.0) and times["device_us"] == pytest.approx(150.0)
+    assert times["step_min_us"] == pytest.approx(50.0)
     assert clock.spins == [pytest.approx(c, abs=1) for c in (1_400_000, 2_800_000, 2_800_000, 2_800_000)]
 
     clock.spins.clear()
@@ -106,7 +107,8 @@ def test_json_is_rewritten_after_every_shape(monkeypatch, tmp_path):
         done.append(shape.name)
         assert (calls, batches, warmup, seed) == (5, 2, 1, 3)
         return [{"shape": shape.to_dict(), "arm": f"library/{a}", "backend": a, "shared_run": False,
-                 "host_us": 1.0, "host_min_us": 1.0, "step_us": 2.0, "device_us": 1.5} for a in arms]
+                 "host_us": 1.0, "host_min_us": 1.0, "step_us": 2.0, "step_min_us": 2.0, "device_us": 1.5}
+                for a in arms]
 
     monkeypatch.setattr(eager_calls, "measure_shape", fake_measure)
     path = tmp_path / "eager.json"
@@ -138,6 +140,7 @@ def test_eager_calls_time_a_small_shape(tmp_path):
         assert "skipped" not in row, row
         assert row["backend"] in ("triton", "fa4", "flashinfer"), row
         assert 0 < row["host_min_us"] <= row["host_us"] and row["step_us"] > 0 and row["device_us"] > 0, row
+        assert 0 < row["step_min_us"] <= row["step_us"], row
         # An eager call is no faster than its device work, nor (beyond event noise) than issuing it.
         assert row["step_us"] >= 0.9 * row["device_us"] and row["step_us"] >= 0.9 * row["host_min_us"], row
     assert doc["results"][0]["backend"] == "triton"
