@@ -79,21 +79,27 @@ def estimate_workload_bytes(shape: BenchShape, with_baseline_pages: bool = True)
     return pool + ind + act
 
 
-def _auto_verdict(shape: BenchShape):
-    """``(one_launch, split_kv, decline reason)``: the path backend ``"auto"`` takes for ``shape`` on a GPU
-    with every prefix backend installed (the cascade, FlashInfer's split prompt, or else FA4/FlashInfer +
-    tail), eagerly (the cascade's MHA tail limit applies to CUDA-graph replays only, and eager steps take it ahead
-    of some of FlashInfer's split prompts) with the wrapper's default
-    ``shared_run="auto"`` (a long tail leaves the cascade), and what
-    :func:`beam_shared_prefix.decline.should_decline` says of it at the shape's (longest) tail (``None``:
-    served)."""
-    from beam_shared_prefix.decline import should_decline
+def _auto_path(shape: BenchShape, eager: bool):
+    """``(one_launch, split_kv)``: the path backend ``"auto"`` takes for ``shape`` on a GPU with every prefix
+    backend installed (the cascade, FlashInfer's split prompt, or else FA4/FlashInfer + tail), on ``eager`` steps
+    or under a CUDA graph, with the wrapper's default ``shared_run="auto"`` (a long tail leaves the cascade)."""
     from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 
     split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                 shape.head_dim, eager=True)
+                                 shape.head_dim, eager=eager)
     one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                                 shape.head_dim, shape.requests, shape.tail, eager=True)
+                                                 shape.head_dim, shape.requests, shape.tail, eager=eager)
+    return one_launch, split_kv
+
+
+def _auto_verdict(shape: BenchShape):
+    """``(one_launch, split_kv, decline reason)``: :func:`_auto_path` eagerly (the cascade's MHA tail limit applies
+    to CUDA-graph replays only, and eager steps take it ahead of some of FlashInfer's split prompts), and what
+    :func:`beam_shared_prefix.decline.should_decline` says of it at the shape's (longest) tail (``None``:
+    served)."""
+    from beam_shared_prefix.decline import should_decline
+
+    one_launch, split_kv = _auto_path(shape, eager=True)
     reason = should_decline(shape.requests, shape.beams, shape.prompt, shape.heads, shape.kv_heads, shape.head_dim,
                             one_launch=one_launch, split_kv=split_kv, tail_len=shape.tail)
     return one_launch, split_kv, reason
@@ -116,14 +122,11 @@ def rule_verdict(shape: BenchShape) -> Dict:
     tail limit binds graph replays only), ``decline_reason`` (``None``: served) and ``max_tail`` (the longest
     tail, in generated tokens per beam with this step's, that the tail clause serves at this shape)."""
     from beam_shared_prefix.decline import max_tail_len
-    from beam_shared_prefix.prefix.select import cascade_preferred, flashinfer_serves, long_tail_for_shared_run
+    from beam_shared_prefix.prefix.select import long_tail_for_shared_run
     from triton_kernels.shared_run import shared_run_supported
 
     one_launch, split_kv, reason = _auto_verdict(shape)
-    graph_split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                       shape.head_dim)
-    graph_one_launch = not graph_split_kv and cascade_preferred(shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                                                shape.head_dim, shape.requests, shape.tail)[0]
+    graph_one_launch, graph_split_kv = _auto_path(shape, eager=False)
 
     def path_of(cascade: bool, split: bool) -> str:
         path = "cascade" if cascade else "flashinfer split prompt" if split else "prefix + tail kernel"
