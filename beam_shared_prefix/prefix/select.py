@@ -25,6 +25,7 @@ caller asked for a fast GPU path.
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Tuple, Type
 
 import torch
@@ -42,6 +43,9 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64", "CASCADE_MANY_BLOCKS_HEAD_64",
            "CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_MANY_PROGRAMS",
            "CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS", "CASCADE_MANY_PROGRAMS_MAX_BLOCKS", "CASCADE_MANY_PROGRAMS_MIN_FILL",
+           "CASCADE_MAX_MEAN_PROMPT_THREE_BLOCKS_BY_WAVES", "CASCADE_THREE_BLOCKS_MIN_FILL",
+           "CASCADE_THREE_BLOCKS_MIN_WAVE_BALANCE", "CASCADE_PROGRAMS_PER_SM", "FA4_CTAS_PER_SM",
+           "DEFAULT_MULTIPROCESSORS", "multiprocessors", "wave_efficiency", "wave_balance",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
@@ -344,6 +348,33 @@ CASCADE_MANY_PROGRAMS_MIN_FILL = 0.8
 #: Query rows of FA4's own tile at head 128 on SM90 (``prefix/fa4.py``).
 FA4_TILE_ROWS = 128
 
+# Three beam blocks, judged by waves (thirty-ninth round; graph replays, 320-512 tokens). Past the several-block
+# limit the cascade's lead over FA4 + tail at three blocks is a few percent (GQA 2, 65-96 beams: 8-14%; GQA 4, 33-48
+# beams: 2-10%), about what the last, partly filled wave of either kernel costs: the cascade runs two programs a
+# multiprocessor (253-255 registers, tune_default_regs_round39.json), FA4 one CTA of 128 query rows (a request's
+# W x G rows of a KV head, pack_gqa). With both waves' efficiency (the mean fill of a kernel's waves, programs over
+# waves times slots) the ratio of the two times fit as base x (FA4's efficiency / the cascade's)^0.4-0.6 (a 2-3% rms
+# residual against 7% without it). GQA 4 (g4_d128_waves_round39.json: 11-55 requests of 40-48 beams, request counts
+# picked by waves; g4_d128_odd_blocks*_round39.json): with 44-48 beams and the cascade's efficiency at least 0.95 of
+# FA4's the cascade was faster at every point to 448 tokens, by 2-29% (11 x 48 at 448: 25.1 against 35.5 us); below
+# that balance it lost by up to 11% (16 x 44 at 416: 43.9 against 39.8 us, 1.45 cascade waves); 40 beams led by 0-5%
+# at even waves, too little to keep. GQA 2 (g2_d128_waves_round39.json: 11-44 requests of 96 beams, 416 and 448
+# tokens; the round-37/38 grids): with 77-96 beams and a balance of at least 0.8 faster everywhere, by 6-29% (also
+# under the 768 programs the many-programs raise asks for: 11 x 96 at 448, 25.8 against 36.2 us); at 0.75 (8, 16 and
+# 24 requests) 0-9% slower.
+#: ``{(GQA group, head size): mean prompt limit}`` of the cascade with three beam blocks at least
+#: :data:`CASCADE_THREE_BLOCKS_MIN_FILL` full and a wave balance (:func:`wave_balance`) of at least
+#: :data:`CASCADE_THREE_BLOCKS_MIN_WAVE_BALANCE` (it raises :func:`cascade_prompt_limit`'s several-block limit).
+CASCADE_MAX_MEAN_PROMPT_THREE_BLOCKS_BY_WAVES = {(2, 128): 448, (4, 128): 448}
+CASCADE_THREE_BLOCKS_MIN_FILL = {(2, 128): 0.8, (4, 128): 0.9}
+CASCADE_THREE_BLOCKS_MIN_WAVE_BALANCE = {(2, 128): 0.8, (4, 128): 0.95}
+#: Resident cascade programs a multiprocessor at head 128 (registers: 64K a multiprocessor over 128 threads of 253-255).
+CASCADE_PROGRAMS_PER_SM = 2
+#: Resident FA4 CTAs a multiprocessor at head 128 on SM90 (one 128-row tile, three warpgroups).
+FA4_CTAS_PER_SM = 1
+#: Multiprocessors assumed where no CUDA device is visible: the H200's (and H100 SXM's), where the rule was measured.
+DEFAULT_MULTIPROCESSORS = 132
+
 # Long tails and the shared-run stage (twenty-ninth round, shared_run_round29_*.json and
 # shared_cross_round29_*.json; GQA 16/8 and 32/8, head 128, page 32, 14-96 beams, 100-3,000 tokens, tails
 # 3-256). With the stage between the prefix and the tail (triton_kernels.beam_shared_run_attention), FA4 +
@@ -615,9 +646,10 @@ def cascade_preferred(
                                          few_programs)
         if few_blocks is not None:
             limit = max(limit, few_blocks[1])
-    many = _many_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
-    if many is not None:
-        limit = max(limit, many[1])
+    for raise_ in (_many_programs_limit, _three_blocks_limit):
+        raised = raise_(num_requests, num_kv_heads, beam_width, group, head_dim)
+        if raised is not None:
+            limit = max(limit, raised[1])
     if mean_prompt_len > limit:
         blocks = "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
@@ -675,6 +707,56 @@ def _many_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim
             or blocks >= 2 * fa4_tiles or fill < CASCADE_MANY_PROGRAMS_MIN_FILL):
         return None
     return programs, limit
+
+
+def multiprocessors() -> int:
+    """Multiprocessors of the current CUDA device, or :data:`DEFAULT_MULTIPROCESSORS` without one."""
+    if not torch.cuda.is_available():
+        return DEFAULT_MULTIPROCESSORS
+    return _device_multiprocessors(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_multiprocessors(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def wave_efficiency(units: int, slots: int) -> float:
+    """The mean fill of a grid's waves: ``units`` (CTAs) over ``slots`` (resident CTAs on the whole GPU) times
+    its waves, in (0, 1]; 1 where the grid is a whole number of waves."""
+    if units <= 0 or slots <= 0:
+        raise ValueError(f"units={units} and slots={slots} must be positive")
+    return units / (slots * -(-units // slots))
+
+
+def wave_balance(num_requests: int, num_kv_heads: int, beam_width: int, group: int, head_dim: int,
+                 num_sms: Optional[int] = None) -> float:
+    """The cascade's wave efficiency over FA4's for a batch (above 1: FA4's last wave is the emptier).
+
+    The cascade runs :data:`CASCADE_PROGRAMS_PER_SM` programs a multiprocessor, one per request, KV head and beam
+    block; FA4 :data:`FA4_CTAS_PER_SM` CTA, one per request, KV head and :data:`FA4_TILE_ROWS` query rows.
+    ``num_sms``: the GPU's multiprocessors (``None``: :func:`multiprocessors`)."""
+    sms = multiprocessors() if num_sms is None else int(num_sms)
+    programs, _, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
+    ctas = int(num_requests) * int(num_kv_heads) * -(-int(beam_width) * group // FA4_TILE_ROWS)
+    return wave_efficiency(programs, CASCADE_PROGRAMS_PER_SM * sms) / wave_efficiency(ctas, FA4_CTAS_PER_SM * sms)
+
+
+def _three_blocks_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
+    """``(wave balance, limit)`` of :data:`CASCADE_MAX_MEAN_PROMPT_THREE_BLOCKS_BY_WAVES` for a batch of three beam
+    blocks per request, at least :data:`CASCADE_THREE_BLOCKS_MIN_FILL` full, whose :func:`wave_balance` is at least
+    :data:`CASCADE_THREE_BLOCKS_MIN_WAVE_BALANCE`; else ``None``."""
+    key = (group, head_dim)
+    limit = CASCADE_MAX_MEAN_PROMPT_THREE_BLOCKS_BY_WAVES.get(key)
+    if limit is None or num_requests is None or beam_width is None or num_requests < 1:
+        return None
+    _, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
+    if blocks != 3 or int(beam_width) * group / (blocks * rows) < CASCADE_THREE_BLOCKS_MIN_FILL[key]:
+        return None
+    balance = wave_balance(num_requests, num_kv_heads, beam_width, group, head_dim)
+    if balance < CASCADE_THREE_BLOCKS_MIN_WAVE_BALANCE[key]:
+        return None
+    return balance, limit
 
 
 def split_kv_preferred(
