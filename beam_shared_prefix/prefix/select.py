@@ -41,10 +41,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "resolve_prefix_backend", "cascade_prompt_limit", "one_beam_block",
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64", "CASCADE_MANY_BLOCKS_HEAD_64",
-           "CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_MANY_PROGRAMS",
-           "CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS", "CASCADE_MANY_PROGRAMS_MAX_BLOCKS", "CASCADE_MANY_PROGRAMS_MIN_FILL",
-           "CASCADE_MAX_MEAN_PROMPT_THREE_BLOCKS_BY_WAVES", "CASCADE_THREE_BLOCKS_MIN_FILL",
-           "CASCADE_THREE_BLOCKS_MIN_WAVE_BALANCE", "CASCADE_PROGRAMS_PER_SM", "FA4_CTAS_PER_SM",
+           "CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS", "CASCADE_MAX_MEAN_PROMPT_BY_WAVES", "CASCADE_BY_WAVES_MIN_BALANCE",
+           "CASCADE_BY_WAVES_MIN_FILL", "FA4_TILE_ROWS", "CASCADE_PROGRAMS_PER_SM", "FA4_CTAS_PER_SM",
            "DEFAULT_MULTIPROCESSORS", "multiprocessors", "wave_efficiency", "wave_balance",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
@@ -322,53 +320,49 @@ CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS = {(2, 128): 448, (2, 64): 4
 #: ``{(GQA group, head size): programs}``: how many cascade programs count as few for
 #: :data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS` (elsewhere :data:`CASCADE_FEW_PROGRAMS`).
 CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256}
-# Many programs at GQA 2, head 128, several blocks (thirty-eighth round; graph replays). Past 320 tokens the cascade
-# reads the prompt once per 32-beam block (64 rows), FA4 once per 128-row tile (its own tile at head 128 on SM90),
-# so the cascade is at its best where FA4's last tile is half empty: an odd block count, 3 or 5 blocks against 2
-# or 3 tiles. With 768 or more programs (three waves of two a multiprocessor) and such widths it was the faster
-# at every point of 384 and 448 tokens: 64 requests of 96 and 160 beams (g2_d128_64req_round38.json) 5-15%
-# (64 x 96 at 448: 127.6 against FA4 + tail's 149.6 us), 32 and 48 requests (auto_check_round37_d128.json,
-# g2_full_blocks_round37.json) 3-14%; at 512 from 9% faster to 2% slower. With an even count (2 or 4 blocks against
-# 1 or 2 full tiles) it was from 8% faster (48-64 x 64) to 5% slower (56 x 112 at 384: 133.8 against 127.2 us,
-# g2_d128_many_programs_check_round38.json, which a first raise for every 2-5-block width lost at its 2- and
-# 4-block points, 1-5%), and with fewer programs (24 x 80: 576) 9% slower, so those keep 320. Held out from the
-# final raise (g2_d128_many_programs_check2_round38.json: 28, 44 and 60 requests of 88, 120 and 152 beams at 416
-# and 448 tokens) it took 10 of 18 points, all faster by 3-18%; of the 8 it left, FA4 + tail was 0-4% faster at
-# the 4-block ones and 12% slower at 28 x 88 (672 programs: the straight count misses the waves).
-#: ``{(GQA group, head size): mean prompt limit}`` of the cascade with at least
-#: :data:`CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS` programs and 2 to :data:`CASCADE_MANY_PROGRAMS_MAX_BLOCKS` beam
-#: blocks, fewer than two per :data:`FA4_TILE_ROWS`-row FA4 tile and at least
-#: :data:`CASCADE_MANY_PROGRAMS_MIN_FILL` full on average (it raises :func:`cascade_prompt_limit`'s several-block
+# Several beam blocks at head 128, judged by waves (rounds 38 and 39; graph replays). Past the several-block limit
+# the cascade reads the prompt once per beam block (64 rows), FA4 once per 128-row tile (its own tile at head 128 on
+# SM90; a request's W x G rows of a KV head, pack_gqa), so the cascade is at its best where FA4's last tile is half
+# empty: an odd block count, 3 or 5 blocks against 2 or 3 tiles. Even counts (2 or 4 blocks against 1 or 2 full
+# tiles) were from 8% faster to 5% slower (56 x 112 at 384: 133.8 against 127.2 us,
+# g2_d128_many_programs_check_round38.json) and keep the several-block limit.
+# Round 38 took 3 and 5 blocks at GQA 2 from 768 programs; held out (g2_d128_many_programs_check2_round38.json) it
+# left 28 x 88 (672 programs), 12% faster with the cascade, while 24 x 80 (576) was 9% slower: a program count misses
+# the waves. What the odd counts gain is a few percent, about what the last, partly filled wave of either kernel
+# costs: the cascade runs two programs a multiprocessor (253-255 registers, tune_default_regs_round39.json), FA4 one
+# CTA. With each kernel's wave efficiency (wave_efficiency) the ratio of the two times fit as base x (FA4's
+# efficiency / the cascade's)^0.4-0.6, a 2-3% rms residual against 7% without the waves. Round 39 (graph replays,
+# 384-448 tokens unless named):
+# - GQA 2, 3 blocks (77-96 beams; g2_d128_waves_round39.json, 11-44 requests of 96 beams, request counts picked by
+#   waves, and the round-37/38 grids): with a wave balance (wave_balance: the cascade's efficiency over FA4's) of at
+#   least 0.87 faster everywhere, by 6-29% (11 x 96 at 448: 25.8 against 36.2 us), at 0.75 (8, 16 and 24 requests)
+#   0-9% slower.
+# - GQA 2, 5 blocks (129-160 beams; g2_d128_five_blocks_waves_round39.json, 8-33 requests of 144 and 160 beams, and
+#   the round-37/38 grids): at a balance of 0.92 or more faster everywhere, by 2-15% (12 x 160 at 448: 46.0 against
+#   54.1 us), at 0.83 (8, 16 and 20 requests) 0.5-7% slower, 20 requests (800 programs, which round 38 took) among
+#   them.
+# - GQA 4, 3 blocks (33-48 beams; g4_d128_waves_round39.json, 11-55 requests of 40-48 beams;
+#   g4_d128_odd_blocks*_round39.json, 16-96 requests at 320-512 tokens): the lead is smaller. With 44-48 beams and
+#   a balance of at least 0.95 faster everywhere to 448 tokens, by 2-29% (11 x 48 at 448: 25.1 against 35.5 us);
+#   below it up to 11% slower (16 x 44 at 416: 43.9 against 39.8 us); 36-40 beams led by 0-5% at even waves, too
+#   little to keep; 5 and 7 blocks 1-7% faster at 320 tokens and slower from 352.
+# Held out from the three-block raise (g4_d128_waves_check_round39.json, 13-72 requests of 45 and 47 beams at 352
+# and 416; g2_d128_waves_check_round39.json, 9-36 requests of 84 and 92 beams at 384 and 448; auto timed with it):
+# every point taken was faster, by 0.5-28%, and at every point left FA4 + tail was faster or within 3%.
+#: ``{(GQA group, head size): mean prompt limit}`` of the cascade with a beam block count listed in
+#: :data:`CASCADE_BY_WAVES_MIN_BALANCE`, the blocks at least :data:`CASCADE_BY_WAVES_MIN_FILL` full on average and
+#: the batch's :func:`wave_balance` at least the count's (it raises :func:`cascade_prompt_limit`'s several-block
 #: limit).
-CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_MANY_PROGRAMS = {(2, 128): 448}
-CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS = 768
-CASCADE_MANY_PROGRAMS_MAX_BLOCKS = 5
-#: The fullest measured: 80-96 beams in 3 blocks, 144-160 in 5.
-CASCADE_MANY_PROGRAMS_MIN_FILL = 0.8
+CASCADE_MAX_MEAN_PROMPT_BY_WAVES = {(2, 128): 448, (4, 128): 448}
+#: ``{(GQA group, head size): {beam blocks: least wave balance}}`` (block counts not listed: no raise).
+CASCADE_BY_WAVES_MIN_BALANCE = {(2, 128): {3: 0.8, 5: 0.9}, (4, 128): {3: 0.95}}
+#: ``{(GQA group, head size): least mean fill of the beam blocks}`` (the fullest measured: 80-96 beams in three
+#: GQA-2 blocks, 144-160 in five, 44-48 in three GQA-4 blocks).
+CASCADE_BY_WAVES_MIN_FILL = {(2, 128): 0.8, (4, 128): 0.9}
 #: Query rows of FA4's own tile at head 128 on SM90 (``prefix/fa4.py``).
 FA4_TILE_ROWS = 128
-
-# Three beam blocks, judged by waves (thirty-ninth round; graph replays, 320-512 tokens). Past the several-block
-# limit the cascade's lead over FA4 + tail at three blocks is a few percent (GQA 2, 65-96 beams: 8-14%; GQA 4, 33-48
-# beams: 2-10%), about what the last, partly filled wave of either kernel costs: the cascade runs two programs a
-# multiprocessor (253-255 registers, tune_default_regs_round39.json), FA4 one CTA of 128 query rows (a request's
-# W x G rows of a KV head, pack_gqa). With both waves' efficiency (the mean fill of a kernel's waves, programs over
-# waves times slots) the ratio of the two times fit as base x (FA4's efficiency / the cascade's)^0.4-0.6 (a 2-3% rms
-# residual against 7% without it). GQA 4 (g4_d128_waves_round39.json: 11-55 requests of 40-48 beams, request counts
-# picked by waves; g4_d128_odd_blocks*_round39.json): with 44-48 beams and the cascade's efficiency at least 0.95 of
-# FA4's the cascade was faster at every point to 448 tokens, by 2-29% (11 x 48 at 448: 25.1 against 35.5 us); below
-# that balance it lost by up to 11% (16 x 44 at 416: 43.9 against 39.8 us, 1.45 cascade waves); 40 beams led by 0-5%
-# at even waves, too little to keep. GQA 2 (g2_d128_waves_round39.json: 11-44 requests of 96 beams, 416 and 448
-# tokens; the round-37/38 grids): with 77-96 beams and a balance of at least 0.8 faster everywhere, by 6-29% (also
-# under the 768 programs the many-programs raise asks for: 11 x 96 at 448, 25.8 against 36.2 us); at 0.75 (8, 16 and
-# 24 requests) 0-9% slower.
-#: ``{(GQA group, head size): mean prompt limit}`` of the cascade with three beam blocks at least
-#: :data:`CASCADE_THREE_BLOCKS_MIN_FILL` full and a wave balance (:func:`wave_balance`) of at least
-#: :data:`CASCADE_THREE_BLOCKS_MIN_WAVE_BALANCE` (it raises :func:`cascade_prompt_limit`'s several-block limit).
-CASCADE_MAX_MEAN_PROMPT_THREE_BLOCKS_BY_WAVES = {(2, 128): 448, (4, 128): 448}
-CASCADE_THREE_BLOCKS_MIN_FILL = {(2, 128): 0.8, (4, 128): 0.9}
-CASCADE_THREE_BLOCKS_MIN_WAVE_BALANCE = {(2, 128): 0.8, (4, 128): 0.95}
-#: Resident cascade programs a multiprocessor at head 128 (registers: 64K a multiprocessor over 128 threads of 253-255).
+#: Resident cascade programs a multiprocessor at head 128 (registers: 64K a multiprocessor over 128 threads of
+#: 253-255).
 CASCADE_PROGRAMS_PER_SM = 2
 #: Resident FA4 CTAs a multiprocessor at head 128 on SM90 (one 128-row tile, three warpgroups).
 FA4_CTAS_PER_SM = 1
@@ -609,8 +603,8 @@ def cascade_preferred(
     ``beam_width`` the batch's ``W`` (``None``: unknown, the stricter prompt limit applies);
     ``num_requests`` the batch's ``R`` (``None``: unknown, judged as many): with few cascade programs
     some shapes have a lower limit (:data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS`) and several-block ones a higher
-    (:data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS`), as have many programs of 3 or 5 blocks at GQA
-    2, head 128 (:data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_MANY_PROGRAMS`). ``tail_len``: the
+    (:data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS`), as have some odd block counts at head 128 whose
+    waves are as full as FA4's (:data:`CASCADE_MAX_MEAN_PROMPT_BY_WAVES`). ``tail_len``: the
     step's longest tail (generated tokens per beam, ``None``: unknown, e.g. a CUDA graph's capture):
     past :data:`CASCADE_MAX_TAIL` FA4 + tail is preferred unless ``eager`` (the calls run without a CUDA
     graph, see :func:`cascade_tail_too_long`), and where ``shared_run`` (the shared-run stage may run), from
@@ -646,10 +640,9 @@ def cascade_preferred(
                                          few_programs)
         if few_blocks is not None:
             limit = max(limit, few_blocks[1])
-    for raise_ in (_many_programs_limit, _three_blocks_limit):
-        raised = raise_(num_requests, num_kv_heads, beam_width, group, head_dim)
-        if raised is not None:
-            limit = max(limit, raised[1])
+    by_waves = _waves_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
+    if by_waves is not None:
+        limit = max(limit, by_waves[1])
     if mean_prompt_len > limit:
         blocks = "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
@@ -690,25 +683,6 @@ def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_wid
     return programs, limit
 
 
-def _many_programs_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
-    """``(programs, limit)`` of :data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_MANY_PROGRAMS` for a batch of at
-    least :data:`CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS` cascade programs, 2 to
-    :data:`CASCADE_MANY_PROGRAMS_MAX_BLOCKS` beam blocks per request, fewer than two per FA4 tile of
-    :data:`FA4_TILE_ROWS` query rows, on average at least :data:`CASCADE_MANY_PROGRAMS_MIN_FILL` full; else
-    ``None``."""
-    limit = CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_MANY_PROGRAMS.get((group, head_dim))
-    if limit is None or num_requests is None or beam_width is None:
-        return None
-    programs, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
-    # Each block of `rows` query rows and each FA4 tile reads the whole prompt, however full.
-    fill = int(beam_width) * group / (blocks * rows)
-    fa4_tiles = -(-int(beam_width) * group // FA4_TILE_ROWS)
-    if (programs < CASCADE_MANY_PROGRAMS_SEVERAL_BLOCKS or not 2 <= blocks <= CASCADE_MANY_PROGRAMS_MAX_BLOCKS
-            or blocks >= 2 * fa4_tiles or fill < CASCADE_MANY_PROGRAMS_MIN_FILL):
-        return None
-    return programs, limit
-
-
 def multiprocessors() -> int:
     """Multiprocessors of the current CUDA device, or :data:`DEFAULT_MULTIPROCESSORS` without one."""
     if not torch.cuda.is_available():
@@ -742,21 +716,21 @@ def wave_balance(num_requests: int, num_kv_heads: int, beam_width: int, group: i
     return wave_efficiency(programs, CASCADE_PROGRAMS_PER_SM * sms) / wave_efficiency(ctas, FA4_CTAS_PER_SM * sms)
 
 
-def _three_blocks_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
-    """``(wave balance, limit)`` of :data:`CASCADE_MAX_MEAN_PROMPT_THREE_BLOCKS_BY_WAVES` for a batch of three beam
-    blocks per request, at least :data:`CASCADE_THREE_BLOCKS_MIN_FILL` full, whose :func:`wave_balance` is at least
-    :data:`CASCADE_THREE_BLOCKS_MIN_WAVE_BALANCE`; else ``None``."""
+def _waves_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
+    """``(wave balance, limit)`` of :data:`CASCADE_MAX_MEAN_PROMPT_BY_WAVES` for a batch whose beam blocks per request
+    are a count listed in :data:`CASCADE_BY_WAVES_MIN_BALANCE`, at least :data:`CASCADE_BY_WAVES_MIN_FILL` full,
+    and whose :func:`wave_balance` is at least that count's; else ``None``."""
     key = (group, head_dim)
-    limit = CASCADE_MAX_MEAN_PROMPT_THREE_BLOCKS_BY_WAVES.get(key)
+    limit = CASCADE_MAX_MEAN_PROMPT_BY_WAVES.get(key)
     if limit is None or num_requests is None or beam_width is None or num_requests < 1:
         return None
     _, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
-    if blocks != 3 or int(beam_width) * group / (blocks * rows) < CASCADE_THREE_BLOCKS_MIN_FILL[key]:
+    least = CASCADE_BY_WAVES_MIN_BALANCE[key].get(blocks)
+    # Each block of `rows` query rows reads the whole prompt, however full.
+    if least is None or int(beam_width) * group / (blocks * rows) < CASCADE_BY_WAVES_MIN_FILL[key]:
         return None
     balance = wave_balance(num_requests, num_kv_heads, beam_width, group, head_dim)
-    if balance < CASCADE_THREE_BLOCKS_MIN_WAVE_BALANCE[key]:
-        return None
-    return balance, limit
+    return (balance, limit) if balance >= least else None
 
 
 def split_kv_preferred(
