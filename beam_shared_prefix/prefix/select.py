@@ -348,7 +348,10 @@ CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256}
 #   little to keep; 5 and 7 blocks 1-7% faster at 320 tokens and slower from 352.
 # Held out from the three-block raise (g4_d128_waves_check_round39.json, 13-72 requests of 45 and 47 beams at 352
 # and 416; g2_d128_waves_check_round39.json, 9-36 requests of 84 and 92 beams at 384 and 448; auto timed with it):
-# every point taken was faster, by 0.5-28%, and at every point left FA4 + tail was faster or within 3%.
+# every point taken was faster, by 0.5-29%, and at every point left FA4 + tail was faster or within 3%. Held out from
+# the five-block threshold (g2_d128_five_blocks_check_round39.json, 6-36 requests of 136 and 152 beams at 384 and 416):
+# every point taken faster, by 1-28%, every point left faster with FA4 + tail, by 2-13% (22 requests, 880 programs,
+# which round 38's count took, among them).
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with a beam block count listed in
 #: :data:`CASCADE_BY_WAVES_MIN_BALANCE`, the blocks at least :data:`CASCADE_BY_WAVES_MIN_FILL` full on average and
 #: the batch's :func:`wave_balance` at least the count's (it raises :func:`cascade_prompt_limit`'s several-block
