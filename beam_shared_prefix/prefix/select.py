@@ -331,21 +331,21 @@ CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256}
 # the waves. What the odd counts gain is a few percent, about what the last, partly filled wave of either kernel
 # costs: the cascade runs two programs a multiprocessor (253-255 registers, tune_default_regs_round39.json), FA4 one
 # CTA. With each kernel's wave efficiency (wave_efficiency) the ratio of the two times fit as base x (FA4's
-# efficiency / the cascade's)^0.44-0.57, a 1.6-2.9% rms residual against 6.8-8.8% without the waves. Round 39 (graph replays,
-# 384-448 tokens unless named):
+# efficiency / the cascade's)^0.44-0.57, a 1.6-2.9% rms residual against 6.8-8.8% without the waves. Round 39
+# (graph replays, 384-448 tokens unless named):
 # - GQA 2, 3 blocks (77-96 beams; g2_d128_waves_round39.json, 11-44 requests of 96 beams, request counts picked by
 #   waves, and the round-37/38 grids): with a wave balance (wave_balance: the cascade's efficiency over FA4's) of at
 #   least 0.87 faster everywhere, by 8-29% (11 x 96 at 448: 25.8 against 36.2 us), at 0.75 (8, 16 and 24 requests)
 #   even to 10% slower.
 # - GQA 2, 5 blocks (129-160 beams; g2_d128_five_blocks_waves_round39.json, 8-33 requests of 144 and 160 beams, and
 #   the round-37/38 grids): at a balance of 0.92 or more faster everywhere, by 3-15% (12 x 160 at 448: 46.0 against
-#   54.1 us), at 0.83 (8, 16 and 20 requests) 0.5-7% slower, 20 requests (800 programs, which round 38 took) among
+#   54.1 us), at 0.83 (8, 16 and 20 requests) 0.5-8% slower, 20 requests (800 programs, which round 38 took) among
 #   them.
 # - GQA 4, 3 blocks (33-48 beams; g4_d128_waves_round39.json, 11-55 requests of 40-48 beams;
 #   g4_d128_odd_blocks*_round39.json, 16-96 requests at 320-512 tokens): the lead is smaller. With 44-48 beams and
 #   a balance of at least 0.95 faster everywhere to 448 tokens, by 2-29% (11 x 48 at 448: 25.1 against 35.5 us);
-#   below it from 5% faster (39 x 48) to 11% slower (16 x 44 at 416: 43.9 against 39.8 us); 36-40 beams led by 0-5% at even waves, too
-#   little to keep; 5 and 7 blocks 1-7% faster at 320 tokens and slower from 352.
+#   below it from 5% faster (39 x 48) to 11% slower (16 x 44 at 416: 43.9 against 39.8 us); 40 beams led by 1-5%
+#   at even waves, too little to keep; 5 and 7 blocks 1-7% faster at 320 tokens and slower from 352.
 # Held out from the three-block raise (g4_d128_waves_check_round39.json, 13-72 requests of 45 and 47 beams at 352
 # and 416; g2_d128_waves_check_round39.json, 9-36 requests of 84 and 92 beams at 384 and 448; auto timed with it):
 # every point taken was faster, by 0.5-29%, and at every point left FA4 + tail was faster or within 3%. Held out from
