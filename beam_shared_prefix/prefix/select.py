@@ -713,8 +713,12 @@ def wave_balance(num_requests: int, num_kv_heads: int, beam_width: int, group: i
     The cascade runs :data:`CASCADE_PROGRAMS_PER_SM` programs a multiprocessor, one per request, KV head and beam
     block; FA4 :data:`FA4_CTAS_PER_SM` CTA, one per request, KV head and :data:`FA4_TILE_ROWS` query rows.
     ``num_sms``: the GPU's multiprocessors (``None``: :func:`multiprocessors`)."""
-    sms = multiprocessors() if num_sms is None else int(num_sms)
     programs, _, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
+    return _wave_balance(programs, num_requests, num_kv_heads, beam_width, group,
+                         multiprocessors() if num_sms is None else int(num_sms))
+
+
+def _wave_balance(programs: int, num_requests: int, num_kv_heads: int, beam_width: int, group: int, sms: int) -> float:
     ctas = int(num_requests) * int(num_kv_heads) * -(-int(beam_width) * group // FA4_TILE_ROWS)
     return wave_efficiency(programs, CASCADE_PROGRAMS_PER_SM * sms) / wave_efficiency(ctas, FA4_CTAS_PER_SM * sms)
 
@@ -727,12 +731,12 @@ def _waves_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
     limit = CASCADE_MAX_MEAN_PROMPT_BY_WAVES.get(key)
     if limit is None or num_requests is None or beam_width is None or num_requests < 1:
         return None
-    _, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
+    programs, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
     least = CASCADE_BY_WAVES_MIN_BALANCE[key].get(blocks)
     # Each block of `rows` query rows reads the whole prompt, however full.
     if least is None or int(beam_width) * group / (blocks * rows) < CASCADE_BY_WAVES_MIN_FILL[key]:
         return None
-    balance = wave_balance(num_requests, num_kv_heads, beam_width, group, head_dim)
+    balance = _wave_balance(programs, num_requests, num_kv_heads, beam_width, group, multiprocessors())
     return (balance, limit) if balance >= least else None
 
 
