@@ -644,12 +644,16 @@ def cascade_preferred(
         if few_blocks is not None:
             limit = max(limit, few_blocks[1])
     by_waves = _waves_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
-    if by_waves is not None:
-        limit = max(limit, by_waves[1])
+    if by_waves is not None and by_waves[0] >= by_waves[1]:
+        limit = max(limit, by_waves[2])
     if mean_prompt_len > limit:
         blocks = "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
+        waves = ""
+        if by_waves is not None and mean_prompt_len <= by_waves[2]:
+            waves = (f"; {by_waves[2]} where the cascade's waves are at least {by_waves[1]:g} as full as FA4's, "
+                     f"here {by_waves[0]:.2f}")
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
-                       f"measured slower than FA4 + tail there)")
+                       f"measured slower than FA4 + tail there{waves})")
     few = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS, (1, 1), num_requests, num_kv_heads, beam_width,
                               group, head_dim)
     if few is not None and mean_prompt_len > few[1]:
@@ -724,9 +728,10 @@ def _wave_balance(programs: int, num_requests: int, num_kv_heads: int, beam_widt
 
 
 def _waves_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
-    """``(wave balance, limit)`` of :data:`CASCADE_MAX_MEAN_PROMPT_BY_WAVES` for a batch whose beam blocks per request
-    are a count listed in :data:`CASCADE_BY_WAVES_MIN_BALANCE`, at least :data:`CASCADE_BY_WAVES_MIN_FILL` full,
-    and whose :func:`wave_balance` is at least that count's; else ``None``."""
+    """``(wave balance, least balance, limit)`` of :data:`CASCADE_MAX_MEAN_PROMPT_BY_WAVES` for a batch whose beam
+    blocks per request are a count listed in :data:`CASCADE_BY_WAVES_MIN_BALANCE` (``least balance``: that count's)
+    and at least :data:`CASCADE_BY_WAVES_MIN_FILL` full; else ``None``. The limit applies where the
+    :func:`wave_balance` is at least the least."""
     key = (group, head_dim)
     limit = CASCADE_MAX_MEAN_PROMPT_BY_WAVES.get(key)
     if limit is None or num_requests is None or beam_width is None or num_requests < 1:
@@ -736,8 +741,7 @@ def _waves_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
     # Each block of `rows` query rows reads the whole prompt, however full.
     if least is None or int(beam_width) * group / (blocks * rows) < CASCADE_BY_WAVES_MIN_FILL[key]:
         return None
-    balance = _wave_balance(programs, num_requests, num_kv_heads, beam_width, group, multiprocessors())
-    return (balance, limit) if balance >= least else None
+    return _wave_balance(programs, num_requests, num_kv_heads, beam_width, group, multiprocessors()), least, limit
 
 
 def split_kv_preferred(

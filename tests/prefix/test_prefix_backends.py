@@ -1109,7 +1109,8 @@ def test_gqa2_odd_blocks_raise_on_the_round38_grids(pattern, taken_points, slowe
         if prompt <= 320:
             assert picked and cascade < two_launch, s["name"]
             continue
-        assert picked == (_waves_limit(r, hkv, w, hq // hkv, d) is not None and prompt <= 448), (s["name"], why)
+        by_waves = _waves_limit(r, hkv, w, hq // hkv, d)
+        assert picked == (by_waves is not None and by_waves[0] >= by_waves[1] and prompt <= 448), (s["name"], why)
         if picked:
             assert -(-w // 32) in (3, 5) and cascade < 0.98 * two_launch, (s["name"], cascade, two_launch)
             taken += 1
@@ -1153,15 +1154,18 @@ def test_odd_blocks_raise_follows_the_waves_on_the_h200_grids(pattern, points, t
         ratio = arms["library/triton"]["time_us"] / arms["library/fa4"]["time_us"]
         raised = _waves_limit(r, hkv, w, group, d)
         _, blocks, rows = _cascade_programs(r, hkv, w, group, d)
-        if raised is not None:
+        if raised is not None and raised[0] >= raised[1]:
             assert picked and blocks in (3, 5) and prompt <= 448, (s["name"], why)
             assert ratio < 0.995, (s["name"], ratio, raised)
             taken += 1
         else:
             assert not picked, s["name"]
-            if (blocks in CASCADE_BY_WAVES_MIN_BALANCE[(group, d)]
-                    and w * group / (blocks * rows) >= CASCADE_BY_WAVES_MIN_FILL[(group, d)]):
+            eligible = (blocks in CASCADE_BY_WAVES_MIN_BALANCE[(group, d)]
+                        and w * group / (blocks * rows) >= CASCADE_BY_WAVES_MIN_FILL[(group, d)])
+            assert (raised is not None) == eligible, s["name"]
+            if eligible:
                 left.append((r, w, prompt, round(wave_balance(r, hkv, w, group, d), 2), round(ratio, 3)))
+                assert f"here {raised[0]:.2f}" in why, why  # the decline names the balance it fell short by
     assert (seen, taken) == (points, taken_points), (seen, taken)
     assert all(ratio > 0.95 for *_, ratio in left), left
 
@@ -1188,8 +1192,11 @@ def test_wave_balance_counts_both_kernels_waves(monkeypatch):
     monkeypatch.setattr(select, "_device_multiprocessors", lambda index: 114 if index == 7 else 0)
     assert select.multiprocessors() == 114
     assert select.wave_balance(11, 8, 48, 4, 128) == pytest.approx((264 / 456) / (176 / 228))
-    assert select._waves_limit(11, 8, 48, 4, 128) is None  # 0.75 of FA4's: declined
-    assert select._waves_limit(19, 8, 48, 4, 128) is not None  # 456 programs: one whole wave
+    assert select._waves_limit(11, 8, 48, 4, 128) == (pytest.approx(0.75), 0.95, 448)  # short of 0.95: declined
+    assert not select.cascade_preferred(416, 32, 8, 48, 128, 11, 4)[0]
+    # 456 programs: one whole cascade wave (228 slots x 2); 304 FA4 CTAs: 2.67 waves.
+    assert select._waves_limit(19, 8, 48, 4, 128) == (pytest.approx(1.125), 0.95, 448)
+    assert select.cascade_preferred(416, 32, 8, 48, 128, 19, 4)[0]
 
 
 def test_gqa2_head_64_several_blocks_limit_follows_the_block_count():
