@@ -1103,8 +1103,8 @@ def test_gqa2_odd_blocks_raise_on_the_round38_grids(pattern, taken_points, slowe
         r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
         picked, why = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
         cascade, two_launch = arms["library/triton"]["time_us"], arms["library/fa4"]["time_us"]
-        if auto_differs is not None:  # where round 38's rule picked otherwise, named
-            round38 = picked != ((r, w) in auto_differs and prompt <= 448)
+        if auto_differs is not None:  # round 38's rule, which auto ran: this one but for the points it newly takes
+            round38 = picked and not ((r, w) in auto_differs and prompt <= 448)
             assert arms["library/auto"]["info"]["backend"] == ("triton" if round38 else "fa4"), s["name"]
         if prompt <= 320:
             assert picked and cascade < two_launch, s["name"]
