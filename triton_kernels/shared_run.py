@@ -97,11 +97,12 @@ def shared_run_kv_heads_per_program(tiles: int, num_kv_heads: int, sm_count: int
 def _sm_count(device) -> int:
     if device.type != "cuda":
         return 1
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def _cuda_sm_count(index: int) -> int:
+def cuda_sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device ``index`` (read once per device)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 

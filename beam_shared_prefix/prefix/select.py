@@ -25,7 +25,6 @@ caller asked for a fast GPU path.
 
 from __future__ import annotations
 
-import functools
 from typing import Dict, List, Optional, Tuple, Type
 
 import torch
@@ -694,12 +693,9 @@ def multiprocessors() -> int:
     """Multiprocessors of the current CUDA device, or :data:`DEFAULT_MULTIPROCESSORS` without one."""
     if not torch.cuda.is_available():
         return DEFAULT_MULTIPROCESSORS
-    return _device_multiprocessors(torch.cuda.current_device())
+    from triton_kernels.shared_run import cuda_sm_count  # deferred: triton is imported on first use
 
-
-@functools.lru_cache(maxsize=None)
-def _device_multiprocessors(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+    return int(cuda_sm_count(torch.cuda.current_device()))
 
 
 def wave_efficiency(units: int, slots: int) -> float:
@@ -722,7 +718,8 @@ def wave_balance(num_requests: int, num_kv_heads: int, beam_width: int, group: i
                          multiprocessors() if num_sms is None else int(num_sms))
 
 
-def _wave_balance(programs: int, num_requests: int, num_kv_heads: int, beam_width: int, group: int, sms: int) -> float:
+def _wave_balance(programs: int, num_requests: int, num_kv_heads: int, beam_width: int, group: int,
+                  sms: int) -> float:
     ctas = int(num_requests) * int(num_kv_heads) * -(-int(beam_width) * group // FA4_TILE_ROWS)
     return wave_efficiency(programs, CASCADE_PROGRAMS_PER_SM * sms) / wave_efficiency(ctas, FA4_CTAS_PER_SM * sms)
 

@@ -1189,7 +1189,9 @@ def test_wave_balance_counts_both_kernels_waves(monkeypatch):
     # A GPU of 114 multiprocessors (H100 PCIe) moves the waves: 11 x 48 is no longer a whole cascade wave.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 7)
-    monkeypatch.setattr(select, "_device_multiprocessors", lambda index: 114 if index == 7 else 0)
+    import triton_kernels.shared_run as shared_run
+
+    monkeypatch.setattr(shared_run, "cuda_sm_count", lambda index: 114 if index == 7 else 0)
     assert select.multiprocessors() == 114
     assert select.wave_balance(11, 8, 48, 4, 128) == pytest.approx((264 / 456) / (176 / 228))
     assert select._waves_limit(11, 8, 48, 4, 128) == (pytest.approx(0.75), 0.95, 448)  # short of 0.95: declined
