@@ -1,4 +1,5 @@
-"""The committed H200 results (``docs/results/h200``) that the rule tests check the code against."""
+"""The committed H200 results (``docs/results/h200``) that the rule tests check the code against, and the few
+H100 ones (``docs/results/h100``, round 40, when no H200 was lent)."""
 
 import json
 import pathlib
@@ -31,11 +32,18 @@ def _load(name):
     return json.loads((RESULTS / name).read_text())["results"]
 
 
-def grid_points(pattern, as_measured=False):
+def grid_points(pattern, as_measured=False, card="h200"):
     """``(file name, shape, mean prompt, {arm name: arm record})`` of every point of the committed grids
     whose file name matches ``pattern``, with only the arms that ran (status ``ok``). A grid in
     :data:`SUPERSEDED` yields the points of its replacement in place of its own, and a replacement
-    is not yielded on its own; ``as_measured`` yields every file as it is."""
+    is not yielded on its own; ``as_measured`` yields every file as it is. ``card``: the results folder
+    (``h200`` or ``h100``)."""
+    if card != "h200":
+        for path in sorted((RESULTS.parent / card).glob(pattern)):
+            for point in json.loads(path.read_text())["results"]:
+                arms = {a["name"]: a for a in point["arms"] if a["status"] == "ok"}
+                yield path.name, point["shape"], point["prompt_lens"]["mean"], arms
+        return
     for path in sorted(RESULTS.glob(pattern)):
         if path.name in _REPLACEMENTS and not as_measured:
             continue

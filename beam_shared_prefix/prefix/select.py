@@ -41,8 +41,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64", "CASCADE_MANY_BLOCKS_HEAD_64",
            "CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS", "CASCADE_MAX_MEAN_PROMPT_BY_WAVES", "CASCADE_BY_WAVES_MIN_BALANCE",
-           "CASCADE_BY_WAVES_MIN_FILL", "FA4_TILE_ROWS", "CASCADE_PROGRAMS_PER_SM", "FA4_CTAS_PER_SM",
-           "DEFAULT_MULTIPROCESSORS", "multiprocessors", "wave_efficiency", "wave_balance",
+           "CASCADE_BY_WAVES_MIN_FILL", "CASCADE_BY_WAVES_PARTLY_FULL", "FA4_TILE_ROWS", "CASCADE_PROGRAMS_PER_SM",
+           "FA4_CTAS_PER_SM", "DEFAULT_MULTIPROCESSORS", "multiprocessors", "wave_efficiency", "wave_balance",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
@@ -361,6 +361,12 @@ CASCADE_BY_WAVES_MIN_BALANCE = {(2, 128): {3: 0.8, 5: 0.9}, (4, 128): {3: 0.95}}
 #: ``{(GQA group, head size): least mean fill of the beam blocks}`` (the fullest measured: 80-96 beams in three
 #: GQA-2 blocks, 144-160 in five, 44-48 in three GQA-4 blocks).
 CASCADE_BY_WAVES_MIN_FILL = {(2, 128): 0.8, (4, 128): 0.9}
+#: ``{(GQA group, head size): (least fill, least balance)}``: blocks under :data:`CASCADE_BY_WAVES_MIN_FILL` but at
+#: least this full take the raise at this (higher) wave balance, whatever their count's. Round 40: GQA 4 with 40-43
+#: beams in three blocks (0.83-0.9 full) was faster with the cascade at every balance of 1.05 or more, by 1-25% (40
+#: beams, H200, g4_d128_waves_round39.json) and 5-24% (41-43 beams held out, H100, g4_d128_fill_check_round40.json);
+#: at 1.0 by 0.4-5% and 1-3%; at 0.94 and below it was slower, by up to 2.5% and 18%.
+CASCADE_BY_WAVES_PARTLY_FULL = {(4, 128): (0.83, 1.05)}
 #: Query rows of FA4's own tile at head 128 on SM90 (``prefix/fa4.py``).
 FA4_TILE_ROWS = 128
 #: Resident cascade programs a multiprocessor at head 128 (registers: 64K a multiprocessor over 128 threads of
@@ -721,24 +727,34 @@ def wave_balance(num_requests: int, num_kv_heads: int, beam_width: int, group: i
 def _wave_balance(programs: int, num_requests: int, num_kv_heads: int, beam_width: int, group: int,
                   sms: int) -> float:
     ctas = int(num_requests) * int(num_kv_heads) * -(-int(beam_width) * group // FA4_TILE_ROWS)
-    return wave_efficiency(programs, CASCADE_PROGRAMS_PER_SM * sms) / wave_efficiency(ctas, FA4_CTAS_PER_SM * sms)
+    balance = wave_efficiency(programs, CASCADE_PROGRAMS_PER_SM * sms) / wave_efficiency(ctas, FA4_CTAS_PER_SM * sms)
+    # Rounded: ratios of whole waves land on the thresholds (1.05 = (1248/1320) / (832/924)), in floats just under.
+    return round(balance, 9)
 
 
 def _waves_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
     """``(wave balance, least balance, limit)`` of :data:`CASCADE_MAX_MEAN_PROMPT_BY_WAVES` for a batch whose beam
     blocks per request are a count listed in :data:`CASCADE_BY_WAVES_MIN_BALANCE` (``least balance``: that count's)
-    and at least :data:`CASCADE_BY_WAVES_MIN_FILL` full; else ``None``. The limit applies where the
-    :func:`wave_balance` is at least the least."""
+    and at least :data:`CASCADE_BY_WAVES_MIN_FILL` full, or :data:`CASCADE_BY_WAVES_PARTLY_FULL`'s fill (``least
+    balance``: the higher of the two); else ``None``. The limit applies where the :func:`wave_balance` is at least the
+    least."""
     key = (group, head_dim)
     limit = CASCADE_MAX_MEAN_PROMPT_BY_WAVES.get(key)
     if limit is None or num_requests is None or beam_width is None or num_requests < 1:
         return None
     programs, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
     least = CASCADE_BY_WAVES_MIN_BALANCE[key].get(blocks)
-    # Each block of `rows` query rows reads the whole prompt, however full.
-    if least is None or int(beam_width) * group / (blocks * rows) < CASCADE_BY_WAVES_MIN_FILL[key]:
+    if least is None:
         return None
-    return _wave_balance(programs, num_requests, num_kv_heads, beam_width, group, multiprocessors()), least, limit
+    # Each block of `rows` query rows reads the whole prompt, however full: emptier blocks need fuller waves.
+    fill = int(beam_width) * group / (blocks * rows)
+    if fill < CASCADE_BY_WAVES_MIN_FILL[key]:
+        partly = CASCADE_BY_WAVES_PARTLY_FULL.get(key)
+        if partly is None or fill < partly[0]:
+            return None
+        least = max(least, partly[1])
+    balance = _wave_balance(programs, num_requests, num_kv_heads, beam_width, group, multiprocessors())
+    return balance, least, limit
 
 
 def split_kv_preferred(
