@@ -370,7 +370,7 @@ CASCADE_BY_WAVES_PARTLY_FULL = {(4, 128): (0.83, 1.05)}
 #: Query rows of FA4's own tile at head 128 on SM90 (``prefix/fa4.py``).
 FA4_TILE_ROWS = 128
 #: Resident cascade programs a multiprocessor at head 128 (registers: 64K a multiprocessor over 128 threads of
-#: 253-255).
+#: 253-255). Checked against the tilings compiled for sm_90 (tests/triton_kernels/test_tail_merge_compile.py).
 CASCADE_PROGRAMS_PER_SM = 2
 #: Resident FA4 CTAs a multiprocessor at head 128 on SM90 (one 128-row tile, three warpgroups).
 FA4_CTAS_PER_SM = 1

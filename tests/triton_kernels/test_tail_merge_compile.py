@@ -9,6 +9,7 @@ shape ahead of time with the ``ptxas`` bundled in the Triton wheel, so such a re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -89,6 +90,37 @@ def test_cascade_default_tilings_compile_for_sm90(usage):
     assert len(rows) == 12, rows
     for row in rows:
         assert row["wgmma"] + row["mma_sync"] > 0, f"no tensor-core instructions: {row}"
+
+
+# SM90 (H100, H200): registers, shared memory and threads a multiprocessor; registers are allocated per warp in
+# units of 256 (8 a thread), shared memory per block with 1 KB the system reserves.
+SM90_REGISTERS, SM90_SHARED, SM90_THREADS = 65536, 228 * 1024, 2048
+
+
+def _resident_programs(row):
+    """Programs of a compiled kernel (a usage row) resident on one SM90 multiprocessor."""
+    by_registers = SM90_REGISTERS // (-(-row["registers"] // 8) * 8 * 32 * row["num_warps"])
+    by_shared = SM90_SHARED // (row["dynamic_shared"] + row["shared"] + 1024)
+    return min(by_registers, by_shared, SM90_THREADS // (32 * row["num_warps"]))
+
+
+def test_wave_rule_occupancy_matches_the_compiled_cascade(usage):
+    """The several-block rule by waves (``prefix/select.py``) counts :data:`CASCADE_PROGRAMS_PER_SM` cascade
+    programs a multiprocessor at head 128, a constant measured on the H200 (253-255 registers, Triton 3.6). Here it
+    is read from the tilings the rule judges, compiled with this Triton: G = 2's 32-beam tile (B-medium's, the
+    tiling of every width from 17 beams) and G = 4's 16-beam tile (B-4B's, every width from 9). A Triton whose
+    compile moves the occupancy fails here before the rule misjudges the waves. (Triton 3.9, the CPU suite's: 255
+    registers, and 112 KB (G = 2, the prompt loop's three stages) and 80 KB (G = 4) of shared memory: both bounds give
+    two.)"""
+    from beam_shared_prefix.prefix.select import CASCADE_PROGRAMS_PER_SM
+    from triton_kernels.cascade import cascade_launch_config
+
+    rows = {row["shape"][0]: row for row in usage if row["kernel"] == "cascade"}
+    for name, widths, group in (("B-medium", (17, 48, 96, 160, 256), 2), ("B-4B", (9, 30, 48, 64, 256), 4)):
+        row = rows[name]
+        assert all(list(dataclasses.astuple(cascade_launch_config(w, group, 128))) == row["config"] for w in widths), (
+            name, row["config"])
+        assert _resident_programs(row) == CASCADE_PROGRAMS_PER_SM, row
 
 
 def test_shared_run_stage_compiles_for_sm90(usage):
