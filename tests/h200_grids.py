@@ -28,8 +28,8 @@ SUPERSEDED = {
 _REPLACEMENTS = frozenset(SUPERSEDED.values())
 
 
-def _load(name):
-    return json.loads((RESULTS / name).read_text())["results"]
+def _load(name, root=RESULTS):
+    return json.loads((root / name).read_text())["results"]
 
 
 def grid_points(pattern, as_measured=False, card="h200"):
@@ -38,18 +38,13 @@ def grid_points(pattern, as_measured=False, card="h200"):
     :data:`SUPERSEDED` yields the points of its replacement in place of its own, and a replacement
     is not yielded on its own; ``as_measured`` yields every file as it is. ``card``: the results folder
     (``h200`` or ``h100``)."""
-    if card != "h200":
-        for path in sorted((RESULTS.parent / card).glob(pattern)):
-            for point in json.loads(path.read_text())["results"]:
-                arms = {a["name"]: a for a in point["arms"] if a["status"] == "ok"}
-                yield path.name, point["shape"], point["prompt_lens"]["mean"], arms
-        return
-    for path in sorted(RESULTS.glob(pattern)):
+    root = RESULTS.parent / card
+    for path in sorted(root.glob(pattern)):
         if path.name in _REPLACEMENTS and not as_measured:
             continue
-        points = _load(path.name)
+        points = _load(path.name, root)
         if path.name in SUPERSEDED and not as_measured:
-            again = {point["shape"]["name"]: point for point in _load(SUPERSEDED[path.name])}
+            again = {point["shape"]["name"]: point for point in _load(SUPERSEDED[path.name], root)}
             points = [again.get(point["shape"]["name"], point) for point in points]
         for point in points:
             arms = {a["name"]: a for a in point["arms"] if a["status"] == "ok"}
