@@ -351,28 +351,36 @@ CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256}
 # the five-block threshold (g2_d128_five_blocks_check_round39.json, 6-36 requests of 136 and 152 beams at 384 and 416):
 # every point taken faster, by 1-28%, every point left faster with FA4 + tail, by 2-13% (22 requests, 880 programs,
 # which round 38's count took, among them).
+# Head 64, GQA 2, five blocks (129-160 beams; round 41, H200, g2_d64_waves_round41.json: 9-44 requests of 144 and 160
+# beams at 192-320 tokens, graph replays). FA4's own tile at head 64 on SM90 is 192 rows, so 160 beams (320 rows of a
+# KV head) take two half-full tiles against the cascade's five full blocks. At a balance of 1.25 (9, 10, 13, 18 and 26
+# requests) the cascade was faster at every point to 256 tokens, by 4-12% (18 x 144 at 192: 40.3 against 45.6 us),
+# and at 320 from 7% faster to 2% slower (26 requests); at 1.04-1.07 (36 and 44) from 2% faster to 2% slower at
+# 192-256 and 6-11% slower at 320. The thirty-seventh round's 128 tokens for five blocks stands elsewhere: its 8 x 160
+# (a balance of 0.62) lost at every length, 64 x 160 (1.0) by 1-2% at 192-224.
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with a beam block count listed in
 #: :data:`CASCADE_BY_WAVES_MIN_BALANCE`, the blocks at least :data:`CASCADE_BY_WAVES_MIN_FILL` full on average and
 #: the batch's :func:`wave_balance` at least the count's (it raises :func:`cascade_prompt_limit`'s several-block
 #: limit).
-CASCADE_MAX_MEAN_PROMPT_BY_WAVES = {(2, 128): 448, (4, 128): 448}
+CASCADE_MAX_MEAN_PROMPT_BY_WAVES = {(2, 128): 448, (4, 128): 448, (2, 64): 256}
 #: ``{(GQA group, head size): {beam blocks: least wave balance}}`` (block counts not listed: no raise).
-CASCADE_BY_WAVES_MIN_BALANCE = {(2, 128): {3: 0.8, 5: 0.9}, (4, 128): {3: 0.95}}
+CASCADE_BY_WAVES_MIN_BALANCE = {(2, 128): {3: 0.8, 5: 0.9}, (4, 128): {3: 0.95}, (2, 64): {5: 1.2}}
 #: ``{(GQA group, head size): least mean fill of the beam blocks}`` (the fullest measured: 80-96 beams in three
-#: GQA-2 blocks, 144-160 in five, 44-48 in three GQA-4 blocks).
-CASCADE_BY_WAVES_MIN_FILL = {(2, 128): 0.8, (4, 128): 0.9}
+#: GQA-2 blocks, 144-160 in five, 44-48 in three GQA-4 blocks; 144-160 in five at head 64).
+CASCADE_BY_WAVES_MIN_FILL = {(2, 128): 0.8, (4, 128): 0.9, (2, 64): 0.9}
 #: ``{(GQA group, head size): (least fill, least balance)}``: blocks under :data:`CASCADE_BY_WAVES_MIN_FILL` but at
 #: least this full take the raise at this (higher) wave balance, whatever their count's. Round 40: GQA 4 with 40-43
 #: beams in three blocks (0.83-0.9 full) was faster with the cascade at every balance of 1.05 or more, by 1-25% (40
 #: beams, H200, g4_d128_waves_round39.json) and 5-24% (41-43 beams held out, H100, g4_d128_fill_check_round40.json);
 #: at 1.0 by 0.4-5% and 1-3%; at 0.94 and below it was slower, by up to 2.5% and 18%.
 CASCADE_BY_WAVES_PARTLY_FULL = {(4, 128): (0.83, 1.05)}
-#: Query rows of FA4's own tile at head 128 on SM90 (``prefix/fa4.py``).
-FA4_TILE_ROWS = 128
-#: Resident cascade programs a multiprocessor at head 128 (registers: 64K a multiprocessor over 128 threads of
-#: 253-255). Checked against the tilings compiled for sm_90 (tests/triton_kernels/test_tail_merge_compile.py).
+#: ``{head size: query rows}`` of FA4's own tile on SM90 (``_tile_size_fwd_sm90``: 192 x 128 up to head 64,
+#: 128 x 128 at 128).
+FA4_TILE_ROWS = {64: 192, 128: 128}
+#: Resident cascade programs a multiprocessor at heads 128 and 64 (registers: 64K a multiprocessor over 128 threads
+#: of 230-255). Checked against the tilings compiled for sm_90 (tests/triton_kernels/test_tail_merge_compile.py).
 CASCADE_PROGRAMS_PER_SM = 2
-#: Resident FA4 CTAs a multiprocessor at head 128 on SM90 (one 128-row tile, three warpgroups).
+#: Resident FA4 CTAs a multiprocessor on SM90 (one tile, three warpgroups: 128 rows at head 128, 192 at head 64).
 FA4_CTAS_PER_SM = 1
 #: Multiprocessors assumed where no CUDA device is visible: the H200's (and H100 SXM's), where the rule was measured.
 DEFAULT_MULTIPROCESSORS = 132
@@ -611,8 +619,8 @@ def cascade_preferred(
     ``beam_width`` the batch's ``W`` (``None``: unknown, the stricter prompt limit applies);
     ``num_requests`` the batch's ``R`` (``None``: unknown, judged as many): with few cascade programs
     some shapes have a lower limit (:data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS`) and several-block ones a higher
-    (:data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS`), as have some odd block counts at head 128 whose
-    waves are as full as FA4's (:data:`CASCADE_MAX_MEAN_PROMPT_BY_WAVES`). ``tail_len``: the
+    (:data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS`), as have some odd block counts (heads 128 and 64)
+    whose waves are as full as FA4's or fuller (:data:`CASCADE_MAX_MEAN_PROMPT_BY_WAVES`). ``tail_len``: the
     step's longest tail (generated tokens per beam, ``None``: unknown, e.g. a CUDA graph's capture):
     past :data:`CASCADE_MAX_TAIL` FA4 + tail is preferred unless ``eager`` (the calls run without a CUDA
     graph, see :func:`cascade_tail_too_long`), and where ``shared_run`` (the shared-run stage may run), from
@@ -717,16 +725,18 @@ def wave_balance(num_requests: int, num_kv_heads: int, beam_width: int, group: i
     """The cascade's wave efficiency over FA4's for a batch (above 1: FA4's last wave is the emptier).
 
     The cascade runs :data:`CASCADE_PROGRAMS_PER_SM` programs a multiprocessor, one per request, KV head and beam
-    block; FA4 :data:`FA4_CTAS_PER_SM` CTA, one per request, KV head and :data:`FA4_TILE_ROWS` query rows.
-    ``num_sms``: the GPU's multiprocessors (``None``: :func:`multiprocessors`)."""
+    block; FA4 :data:`FA4_CTAS_PER_SM` CTA, one per request, KV head and tile of :data:`FA4_TILE_ROWS` query rows
+    (head sizes 64 and 128). ``num_sms``: the GPU's multiprocessors (``None``: :func:`multiprocessors`)."""
+    if head_dim not in FA4_TILE_ROWS:
+        raise ValueError(f"head_dim={head_dim}: FA4's tile is known at head sizes {sorted(FA4_TILE_ROWS)} only")
     programs, _, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
-    return _wave_balance(programs, num_requests, num_kv_heads, beam_width, group,
+    return _wave_balance(programs, num_requests, num_kv_heads, beam_width, group, head_dim,
                          multiprocessors() if num_sms is None else int(num_sms))
 
 
-def _wave_balance(programs: int, num_requests: int, num_kv_heads: int, beam_width: int, group: int,
+def _wave_balance(programs: int, num_requests: int, num_kv_heads: int, beam_width: int, group: int, head_dim: int,
                   sms: int) -> float:
-    ctas = int(num_requests) * int(num_kv_heads) * -(-int(beam_width) * group // FA4_TILE_ROWS)
+    ctas = int(num_requests) * int(num_kv_heads) * -(-int(beam_width) * group // FA4_TILE_ROWS[head_dim])
     balance = wave_efficiency(programs, CASCADE_PROGRAMS_PER_SM * sms) / wave_efficiency(ctas, FA4_CTAS_PER_SM * sms)
     # Rounded: ratios of whole waves land on the thresholds (1.05 = (1248/1320) / (832/924)), in floats just under.
     return round(balance, 9)
@@ -753,7 +763,7 @@ def _waves_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
         if partly is None or fill < partly[0]:
             return None
         least = max(least, partly[1])
-    balance = _wave_balance(programs, num_requests, num_kv_heads, beam_width, group, multiprocessors())
+    balance = _wave_balance(programs, num_requests, num_kv_heads, beam_width, group, head_dim, multiprocessors())
     return balance, least, limit
 
 

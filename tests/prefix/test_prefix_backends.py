@@ -1127,7 +1127,8 @@ def test_gqa2_odd_blocks_raise_on_the_round38_grids(pattern, taken_points, slowe
     ("g4_d128_waves_check_round39.json", 28, 20, True),
     ("g2_d128_waves_check_round39.json", 20, 16, True),
     ("g2_d128_five_blocks_check_round39.json", 32, 20, True),
-    ("h100/g4_d128_fill_check_round40.json", 48, 24, (52,))])
+    ("h100/g4_d128_fill_check_round40.json", 48, 24, (52,)),
+    ("g4_d128_fill_check_round41.json", 48, 24, True)])
 def test_odd_blocks_raise_follows_the_waves_on_the_h200_grids(pattern, points, taken_points, auto_on_rule):
     """Round 39, head 128, graph replays: GQA 32/8 with 11-55 requests of 40, 44 and 48 beams (three blocks) at 384
     and 448 tokens, the request counts picked by the cascade's waves (``g4_d128_waves_round39.json``); GQA 32/8 with
@@ -1146,7 +1147,9 @@ def test_odd_blocks_raise_follows_the_waves_on_the_h200_grids(pattern, points, t
     points): 10-77 requests of 41, 42 and 43 beams at 352 and 416 tokens, GQA 4's three blocks 0.85-0.9 full,
     request counts not timed before, held out from the partly-full tier (``CASCADE_BY_WAVES_PARTLY_FULL``). ``auto``
     ran the tier before the balance was rounded: 52 requests (a balance of exactly 1.05, a float just under) took FA4
-    + tail there, 5-8% slower; the rule now takes it."""
+    + tail there, 5-8% slower; the rule now takes it. Round 41 held the same grid out on the H200, ``auto`` on the
+    final rule: every point taken was faster with the cascade, by 3-26%; those left were 0.6-2.6% faster (27 requests,
+    a balance of 1.0) or slower, by 1-17%."""
     from beam_shared_prefix.prefix.select import (CASCADE_BY_WAVES_MIN_BALANCE, CASCADE_BY_WAVES_MIN_FILL,
                                                   CASCADE_BY_WAVES_PARTLY_FULL, _cascade_programs, _waves_limit,
                                                   cascade_preferred, wave_balance)
@@ -1198,6 +1201,10 @@ def test_wave_balance_counts_both_kernels_waves(monkeypatch):
     assert select.wave_balance(11, 8, 48, 4, 128, num_sms=132) == pytest.approx(1.5)
     # 16 x 96 at GQA 2: 384 programs (1.45 waves) against 256 CTAs (1.94).
     assert select.wave_balance(16, 8, 96, 2, 128, num_sms=132) == pytest.approx((384 / 528) / (256 / 264))
+    # Head 64: FA4's tile is 192 rows. 9 x 160 at GQA 2: 360 programs (1.36 waves) against 144 CTAs (1.09).
+    assert select.wave_balance(9, 8, 160, 2, 64, num_sms=132) == pytest.approx(1.25)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        select.wave_balance(9, 8, 160, 2, 96, num_sms=132)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert select.multiprocessors() == select.DEFAULT_MULTIPROCESSORS == 132
     # A GPU of 114 multiprocessors (H100 PCIe) moves the waves: 11 x 48 is no longer a whole cascade wave.
@@ -1231,6 +1238,40 @@ def test_partly_full_blocks_ask_a_fuller_wave_balance():
     assert select.cascade_preferred(416, 32, 8, 44, 128, 27, 4)[0]
     assert select._waves_limit(10, 8, 39, 4, 128) is None  # 0.81 full
     assert not select.cascade_preferred(416, 32, 8, 39, 128, 10, 4)[0]
+
+
+@pytest.mark.parametrize("pattern, points, taken_points, auto_ran", [
+    ("g2_d64_waves_round41.json", 42, 20, False),
+    ("g2_d64_waves_check_round41.json", 40, 20, True)])
+def test_head_64_five_blocks_raise_follows_the_waves_on_the_h200_grids(pattern, points, taken_points, auto_ran):
+    """Round 41, GQA 16/8 at head 64, five blocks (129-160 beams), graph replays: 9-44 requests of 144 and 160 beams
+    at 192-320 tokens (``g2_d64_waves_round41.json``); held out, ``auto`` timed with the raise, 11-58 requests of 148
+    and 156 beams at 224 and 256 (``g2_d64_waves_check_round41.json``). FA4's 192-row tile at head 64 makes the
+    balance 1.25 at 9-13, 17-19 and 25-26 requests of 8 KV heads. Every point the raise takes (to 256 tokens at a
+    balance of 1.2 or more) was faster with the cascade, by 4-12%; of those it leaves by their balance (0.83-1.11)
+    none was faster by more than 2.5%."""
+    from beam_shared_prefix.prefix.select import _waves_limit, cascade_preferred
+
+    seen, taken, left = 0, 0, []
+    for name, s, prompt, arms in grid_points(pattern):
+        r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
+        assert (hq, hkv, d) == (16, 8, 64) and 129 <= w <= 160, s["name"]
+        seen += 1
+        picked, why = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
+        if auto_ran:
+            assert arms["library/auto"]["info"]["backend"] == ("triton" if picked else "fa4"), s["name"]
+        ratio = arms["library/triton"]["time_us"] / arms["library/fa4"]["time_us"]
+        balance, least, limit = _waves_limit(r, hkv, w, hq // hkv, d)
+        assert (least, limit) == (1.2, 256), s["name"]
+        assert picked == (balance >= least and prompt <= limit), (s["name"], why)
+        if picked:
+            assert ratio < 0.97, (s["name"], ratio)
+            taken += 1
+        elif prompt <= limit:
+            left.append(ratio)
+            assert f"here {balance:.2f}" in why, why
+    assert (seen, taken) == (points, taken_points), (seen, taken)
+    assert left and all(ratio > 0.97 for ratio in left), left
 
 
 def test_gqa2_head_64_several_blocks_limit_follows_the_block_count():

@@ -118,6 +118,7 @@ def _compile_sm90(kernel, pointers, constexprs, float_args, div16_ints, num_warp
 CASCADE_SHAPES = [
     ("B-short", 30, 16, 8, 128, "bf16", 128),
     ("B-medium", 30, 16, 8, 128, "bf16", None),
+    ("B-medium-D64", 30, 16, 8, 64, "bf16", None),
     ("B-4B", 30, 32, 8, 128, "bf16", None),
     ("B-beam14", 14, 16, 8, 128, "bf16", None),
     ("A", 96, 16, 8, 128, "bf16", None),

@@ -87,7 +87,7 @@ def test_cascade_default_tilings_compile_for_sm90(usage):
     Triton versions; ``docs/benchmarks.md`` has the measured ones.
     """
     rows = [row for row in usage if row["kernel"].startswith("cascade")]
-    assert len(rows) == 12, rows
+    assert len(rows) == 14, rows  # 7 shapes, whole step and prompt pass
     for row in rows:
         assert row["wgmma"] + row["mma_sync"] > 0, f"no tensor-core instructions: {row}"
 
@@ -108,17 +108,20 @@ def test_wave_rule_occupancy_matches_the_compiled_cascade(usage):
     """The several-block rule by waves (``prefix/select.py``) counts :data:`CASCADE_PROGRAMS_PER_SM` cascade
     programs a multiprocessor at head 128, a constant measured on the H200 (253-255 registers, Triton 3.6). Here it
     is read from the tilings the rule judges, compiled with this Triton: G = 2's 32-beam tile (B-medium's, the
-    tiling of every width from 17 beams) and G = 4's 16-beam tile (B-4B's, every width from 9). A Triton whose
-    compile moves the occupancy fails here before the rule misjudges the waves. (Triton 3.9, the CPU suite's: 255
-    registers, and 112 KB (G = 2, the prompt loop's three stages) and 80 KB (G = 4) of shared memory: both bounds give
-    two.)"""
-    from beam_shared_prefix.prefix.select import CASCADE_PROGRAMS_PER_SM
+    tiling of every width from 17 beams, at head 128 and at head 64) and G = 4's 16-beam tile (B-4B's, every width
+    from 9). A Triton whose compile moves the occupancy fails here before the rule misjudges the waves. (Triton 3.9,
+    the CPU suite's: 255 registers, and 112 KB (G = 2, the prompt loop's three stages) and 80 KB (G = 4) of shared
+    memory: both bounds give two; at head 64, 226 registers and 41 KB: the registers give two.)"""
+    from beam_shared_prefix.prefix.select import CASCADE_BY_WAVES_MIN_BALANCE, CASCADE_PROGRAMS_PER_SM
     from triton_kernels.cascade import cascade_launch_config
 
     rows = {row["shape"][0]: row for row in usage if row["kernel"] == "cascade"}
-    for name, widths, group in (("B-medium", (17, 48, 96, 160, 256), 2), ("B-4B", (9, 30, 48, 64, 256), 4)):
+    judged = (("B-medium", (17, 48, 96, 160, 256), 2, 128), ("B-4B", (9, 30, 48, 64, 256), 4, 128),
+              ("B-medium-D64", (17, 48, 96, 160, 256), 2, 64))
+    assert {(group, d) for *_, group, d in judged} == set(CASCADE_BY_WAVES_MIN_BALANCE)  # every tiling the rule judges
+    for name, widths, group, d in judged:
         row = rows[name]
-        assert all(list(dataclasses.astuple(cascade_launch_config(w, group, 128))) == row["config"] for w in widths), (
+        assert all(list(dataclasses.astuple(cascade_launch_config(w, group, d))) == row["config"] for w in widths), (
             name, row["config"])
         assert _resident_programs(row) == CASCADE_PROGRAMS_PER_SM, row
 
