@@ -112,7 +112,10 @@ def test_wave_rule_occupancy_matches_the_compiled_cascade(usage):
     from 9). A Triton whose compile moves the occupancy fails here before the rule misjudges the waves. (Triton 3.9,
     the CPU suite's: 255 registers, and 112 KB (G = 2, the prompt loop's three stages) and 80 KB (G = 4) of shared
     memory: both bounds give two; at head 64, 226 registers and 41 KB: the registers give two.)"""
-    from beam_shared_prefix.prefix.select import CASCADE_BY_WAVES_MIN_BALANCE, CASCADE_PROGRAMS_PER_SM
+    from beam_shared_prefix.prefix.select import (
+        CASCADE_BY_WAVES_MIN_BALANCE,
+        CASCADE_PROGRAMS_PER_SM,
+    )
     from triton_kernels.cascade import cascade_launch_config
 
     rows = {row["shape"][0]: row for row in usage if row["kernel"] == "cascade"}
