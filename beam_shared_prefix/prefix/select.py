@@ -357,7 +357,10 @@ CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256}
 # requests) the cascade was faster at every point to 256 tokens, by 4-12% (18 x 144 at 192: 40.3 against 45.6 us),
 # and at 320 from 7% faster to 2% slower (26 requests); at 1.04-1.07 (36 and 44) from 2% faster to 2% slower at
 # 192-256 and 6-11% slower at 320. The thirty-seventh round's 128 tokens for five blocks stands elsewhere: its 8 x 160
-# (a balance of 0.62) lost at every length, 64 x 160 (1.0) by 1-2% at 192-224.
+# (a balance of 0.62) lost at every length, 64 x 160 (1.0) by 1-2% at 192-224. Held out
+# (g2_d64_waves_check_round41.json, 11-58 requests of 148 and 156 beams at 224 and 256, auto timed with it): the 20
+# points taken were faster with the cascade by 4-12%; of the 20 left (balances 0.83-1.11) none was faster with it by
+# more than 2.4%.
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with a beam block count listed in
 #: :data:`CASCADE_BY_WAVES_MIN_BALANCE`, the blocks at least :data:`CASCADE_BY_WAVES_MIN_FILL` full on average and
 #: the batch's :func:`wave_balance` at least the count's (it raises :func:`cascade_prompt_limit`'s several-block
@@ -726,7 +729,10 @@ def wave_balance(num_requests: int, num_kv_heads: int, beam_width: int, group: i
 
     The cascade runs :data:`CASCADE_PROGRAMS_PER_SM` programs a multiprocessor, one per request, KV head and beam
     block; FA4 :data:`FA4_CTAS_PER_SM` CTA, one per request, KV head and tile of :data:`FA4_TILE_ROWS` query rows
-    (head sizes 64 and 128). ``num_sms``: the GPU's multiprocessors (``None``: :func:`multiprocessors`)."""
+    (head sizes 64 and 128). ``num_sms``: the GPU's multiprocessors (``None``: :func:`multiprocessors`).
+
+    Raises:
+        ValueError: a head size whose FA4 tile :data:`FA4_TILE_ROWS` does not list."""
     if head_dim not in FA4_TILE_ROWS:
         raise ValueError(f"head_dim={head_dim}: FA4's tile is known at head sizes {sorted(FA4_TILE_ROWS)} only")
     programs, _, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
