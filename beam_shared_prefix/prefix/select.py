@@ -384,6 +384,8 @@ FA4_TILE_ROWS = {64: 192, 128: 128}
 #: of 230-255). Checked against the tilings compiled for sm_90 (tests/triton_kernels/test_tail_merge_compile.py).
 CASCADE_PROGRAMS_PER_SM = 2
 #: Resident FA4 CTAs a multiprocessor on SM90 (one tile, three warpgroups: 128 rows at head 128, 192 at head 64).
+#: Read from FA4's waves on the H200 (fa4_waves_d{128,64}_round41.json: the prompt pass's time steps by 26-76% at
+#: 133 and 265 CTAs, by at most 12% between).
 FA4_CTAS_PER_SM = 1
 #: Multiprocessors assumed where no CUDA device is visible: the H200's (and H100 SXM's), where the rule was measured.
 DEFAULT_MULTIPROCESSORS = 132

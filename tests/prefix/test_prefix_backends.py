@@ -1222,6 +1222,32 @@ def test_wave_balance_counts_both_kernels_waves(monkeypatch):
     assert select.cascade_preferred(416, 32, 8, 48, 128, 19, 4)[0]
 
 
+def test_fa4_ctas_per_multiprocessor_match_its_waves_on_the_h200():
+    """The wave balance counts :data:`FA4_CTAS_PER_SM` FA4 CTA a multiprocessor, one per request, KV head and tile of
+    :data:`FA4_TILE_ROWS` rows; FA4's CuTe-DSL kernel does not compile here, so the count is read from its waves on the
+    H200 (round 41, ``fa4_waves_d{128,64}_round41.json``: the prompt pass alone, graph replays, one tile a request and
+    KV head (64 beams at head 128, 96 at head 64, G = 2), 16-34 requests of 8 KV heads at 1,000 and 2,000 tokens).
+    Where the counted waves step (17 requests: 136 CTAs; 34: 272) the time rose by 26-76%; between the steps by at most
+    12% from one request count to the next (8-20% from 17 to 33 requests, twice the bytes). Two CTAs a multiprocessor
+    would put 16-33 requests in one wave."""
+    from beam_shared_prefix.prefix.select import DEFAULT_MULTIPROCESSORS, FA4_CTAS_PER_SM, FA4_TILE_ROWS
+
+    series = {}
+    for name, s, prompt, arms in grid_points("fa4_waves_d*_round41.json"):
+        d, rows = s["head_dim"], s["beams"] * s["heads"] // s["kv_heads"]
+        assert rows == FA4_TILE_ROWS[d], s["name"]  # one FA4 tile a request and KV head
+        ctas = s["requests"] * s["kv_heads"]
+        waves = -(-ctas // (FA4_CTAS_PER_SM * DEFAULT_MULTIPROCESSORS))
+        series.setdefault((d, prompt), []).append((s["requests"], waves, arms["prefix/fa4"]["time_us"]))
+    assert sorted(series) == [(64, 1000), (64, 2000), (128, 1000), (128, 2000)], sorted(series)
+    for key, points in series.items():
+        points.sort()
+        assert [r for r, _, _ in points] == [16, 17, 24, 32, 33, 34], key
+        assert len({w for _, w, _ in points}) == 3, (key, points)  # the counted waves step twice
+        for (_, w0, t0), (_, w1, t1) in zip(points, points[1:]):
+            assert (t1 / t0 > 1.2) if w1 > w0 else (t1 / t0 < 1.2), (key, points)
+
+
 def test_partly_full_blocks_ask_a_fuller_wave_balance():
     """GQA 4's three blocks under 0.9 full (40-43 beams) take the raise from a balance of 1.05, fuller ones from 0.95;
     under 0.83 full (39 beams and fewer) none. A balance of exactly 1.05 (52 requests: (1248/1320) / (832/924), a
