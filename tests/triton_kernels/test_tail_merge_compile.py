@@ -108,9 +108,8 @@ def test_wave_rule_occupancy_matches_the_compiled_cascade(usage):
     """The several-block rule by waves (``prefix/select.py``) counts :data:`CASCADE_PROGRAMS_PER_SM` cascade
     programs a multiprocessor at heads 128 and 64, a constant read off the H200 (253-255 registers at head 128, Triton
     3.6) and the H100 (230 at head 64). Here it is read from the tilings the rule judges, compiled with this Triton:
-    G = 2's 32-beam tile (B-medium's, the
-    tiling of every width from 17 beams, at head 128 and at head 64) and G = 4's 16-beam tile (B-4B's, every width
-    from 9). A Triton whose compile moves the occupancy fails here before the rule misjudges the waves. (Triton 3.9,
+    G = 2's 32-beam tile (B-medium's, the tiling of every width from 17 beams, at head 128 and at head 64) and G = 4's
+    16-beam tile (B-4B's, every width from 9). A Triton whose compile moves the occupancy fails here before the rule misjudges the waves. (Triton 3.9,
     the CPU suite's: 255 registers, and 112 KB (G = 2, the prompt loop's three stages) and 80 KB (G = 4) of shared
     memory: both bounds give two; at head 64, 226 registers and 41 KB: the registers give two.)"""
     from beam_shared_prefix.prefix.select import (
