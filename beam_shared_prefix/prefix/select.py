@@ -361,15 +361,25 @@ CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256}
 # (g2_d64_waves_check_round41.json, 11-58 requests of 148 and 156 beams at 224 and 256, auto timed with it): the 20
 # points taken were faster with the cascade by 4-12%; of the 20 left (balances 0.83-1.11) none was faster with it by
 # more than 2.4%.
+# Head 64, GQA 2, six to eight blocks (161-256 beams; round 42, H200, g2_d64_w{192,224,256}_waves_round42.json: 7-43
+# requests at 192-384 tokens, graph replays, request counts picked by balance). FA4's tiles decide how full its waves
+# must be: 192 beams fill two 192-row tiles exactly, 224 and 256 take three tiles 0.78 and 0.89 full.
+# - 6 blocks (192 beams): at a balance of 1.5 (9 requests) 9-10% faster to 256 tokens; at 1.2 (26) 1% slower, at
+#   1.12 (18, 43) 4-6% slower, at 1.0 (30) 10% slower.
+# - 7 blocks (224 beams): at 1.17 (7, 13, 23 and 28 requests) 6-12% faster to 256 tokens (0.97-1.01 at 384); at 1.0
+#   (31) 1% faster, at 0.93 (20) even.
+# - 8 blocks (256 beams): at 1.33 (7 and 12 requests) 9-12% faster to 256 tokens; at 1.07-1.14 (18, 23, 28) from 1%
+#   faster to 3% slower; at 1.0 (14) 6% slower. (Round 37's 8 x 256 at 1.33: 0.84-0.98 from 128 to 384 tokens.)
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with a beam block count listed in
 #: :data:`CASCADE_BY_WAVES_MIN_BALANCE`, the blocks at least :data:`CASCADE_BY_WAVES_MIN_FILL` full on average and
 #: the batch's :func:`wave_balance` at least the count's (it raises :func:`cascade_prompt_limit`'s several-block
 #: limit).
 CASCADE_MAX_MEAN_PROMPT_BY_WAVES = {(2, 128): 448, (4, 128): 448, (2, 64): 256}
 #: ``{(GQA group, head size): {beam blocks: least wave balance}}`` (block counts not listed: no raise).
-CASCADE_BY_WAVES_MIN_BALANCE = {(2, 128): {3: 0.8, 5: 0.9}, (4, 128): {3: 0.95}, (2, 64): {5: 1.2}}
+CASCADE_BY_WAVES_MIN_BALANCE = {(2, 128): {3: 0.8, 5: 0.9}, (4, 128): {3: 0.95},
+                                (2, 64): {5: 1.2, 6: 1.5, 7: 1.15, 8: 1.3}}
 #: ``{(GQA group, head size): least mean fill of the beam blocks}`` (the fullest measured: 80-96 beams in three
-#: GQA-2 blocks, 144-160 in five, 44-48 in three GQA-4 blocks; 144-160 in five at head 64).
+#: GQA-2 blocks, 144-160 in five, 44-48 in three GQA-4 blocks; 144-160 in five, 180-256 in six to eight at head 64).
 CASCADE_BY_WAVES_MIN_FILL = {(2, 128): 0.8, (4, 128): 0.9, (2, 64): 0.9}
 #: ``{(GQA group, head size): (least fill, least balance)}``: blocks under :data:`CASCADE_BY_WAVES_MIN_FILL` but at
 #: least this full take the raise at this (higher) wave balance, whatever their count's. Round 40: GQA 4 with 40-43
