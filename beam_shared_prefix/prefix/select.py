@@ -354,8 +354,11 @@ CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256}
 # GQA 2, seven blocks (193-224 beams; round 43, H200, g2_d128_seven_blocks_waves_round43.json: 8-43 requests of 224
 # beams at 320-448 tokens, request counts picked by balance): four 128-row FA4 tiles, the last half full, as with 3
 # and 5 blocks. At a balance of 1.09 or more (9, 13 and 17 requests) the cascade was faster at every point, by 4-16%
-# (9 x 224 at 448: 46.3 against 53.8 us); at 0.96-1.02 (25, 31, 36 and 43) by 2-7% at 320 and by at most 2% at
+# (9 x 224 at 448: 46.3 against 53.8 us); at 0.96-1.02 (25, 31, 36 and 43) by 6-7% at 320 and by at most 2% at
 # 384-448 (43 x 224 at 384 0.2% slower); at 0.88 (8 and 20) 3-5% slower at 384-448.
+# Held out (g2_d128_seven_blocks_held_out_w{196,208,216}_round43.json, 9-50 requests at 384 and 448, auto timed with
+# the rule): of the 36 points taken 35 were faster with the cascade, by 1-15%, and 21 x 196 at 384 0.5% slower; of the
+# 18 left, from 4% faster (50 x 216 at 448, a balance of 1.03) to 10% slower.
 # Head 64, GQA 2, five blocks (129-160 beams; round 41, H200, g2_d64_waves_round41.json: 9-44 requests of 144 and 160
 # beams at 192-320 tokens, graph replays). FA4's own tile at head 64 on SM90 is 192 rows, so 160 beams (320 rows of a
 # KV head) take two half-full tiles against the cascade's five full blocks. At a balance of 1.25 (9, 10, 13, 18 and 26
@@ -384,7 +387,8 @@ CASCADE_MAX_MEAN_PROMPT_BY_WAVES = {(2, 128): 448, (4, 128): 448, (2, 64): 256}
 CASCADE_BY_WAVES_MIN_BALANCE = {(2, 128): {3: 0.8, 5: 0.9, 7: 1.05}, (4, 128): {3: 0.95},
                                 (2, 64): {5: 1.2, 6: 1.5, 7: 1.15, 8: 1.3}}
 #: ``{(GQA group, head size): least mean fill of the beam blocks}`` (the fullest measured: 80-96 beams in three
-#: GQA-2 blocks, 144-160 in five, 44-48 in three GQA-4 blocks; 144-160 in five, 180-256 in six to eight at head 64).
+#: GQA-2 blocks, 144-160 in five, 196-224 in seven, 44-48 in three GQA-4 blocks; 144-160 in five, 180-256 in six to
+#: eight at head 64).
 CASCADE_BY_WAVES_MIN_FILL = {(2, 128): 0.8, (4, 128): 0.9, (2, 64): 0.9}
 #: ``{(GQA group, head size): (least fill, least balance)}``: blocks under :data:`CASCADE_BY_WAVES_MIN_FILL` but at
 #: least this full take the raise at this (higher) wave balance, whatever their count's. Round 40: GQA 4 with 40-43

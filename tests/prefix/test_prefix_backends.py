@@ -1187,6 +1187,44 @@ def test_odd_blocks_raise_follows_the_waves_on_the_h200_grids(pattern, points, t
     assert all(ratio > 0.945 for *_, ratio in left), left
 
 
+@pytest.mark.parametrize("pattern, points, taken_points, auto_ran", [
+    ("g2_d128_seven_blocks_waves_round43.json", 27, 6, False),
+    ("g2_d128_seven_blocks_held_out_w*_round43.json", 54, 36, True)])
+def test_seven_blocks_raise_follows_the_waves_on_the_h200_grids(pattern, points, taken_points, auto_ran):
+    """Round 43, GQA 16/8 at head 128, seven beam blocks (193-224 beams: four FA4 tiles of 128 rows, the last half
+    full), graph replays, request counts picked by balance: 8-43 requests of 224 beams at 320-448 tokens
+    (``g2_d128_seven_blocks_waves_round43.json``, balances 0.88-1.31); held out, ``auto`` timed with the raise, 9-50
+    requests of 196, 208 and 216 beams (0.88-0.96 full) at 384 and 448 (``..._held_out_w*_round43.json``). Past the
+    several-block limit (320 tokens) the raise takes a balance of 1.05 or more to 448 tokens: every point it takes
+    was faster with the cascade, by 1-15%, but for 21 x 196 at 384 (0.5% slower, the emptiest blocks at the
+    threshold); of the points it leaves none was faster by more than 4.1% (50 x 216 at 448, a balance of 1.03)."""
+    from beam_shared_prefix.prefix.select import _waves_limit, cascade_preferred
+
+    seen, taken, left = 0, [], []
+    for name, s, prompt, arms in grid_points(pattern):
+        r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
+        assert (hq, hkv, d) == (16, 8, 128) and 193 <= w <= 224, s["name"]
+        seen += 1
+        picked, why = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
+        if auto_ran:
+            assert arms["library/auto"]["info"]["backend"] == ("triton" if picked else "fa4"), s["name"]
+        ratio = arms["library/triton"]["time_us"] / arms["library/fa4"]["time_us"]
+        if prompt <= 320:  # the several-block limit, whatever the waves
+            assert picked, (s["name"], why)
+            continue
+        balance, least, limit = _waves_limit(r, hkv, w, hq // hkv, d)
+        assert (least, limit) == (1.05, 448), s["name"]
+        assert picked == (balance >= least), (s["name"], why)
+        if picked:
+            taken.append(ratio)
+        else:
+            left.append(ratio)
+            assert f"here {balance:.2f}" in why, why
+    assert (seen, len(taken)) == (points, taken_points), (seen, len(taken))
+    assert max(taken) < 1.006 and sorted(taken)[len(taken) // 2] < 0.96, sorted(taken)
+    assert left and min(left) > 0.955, sorted(left)
+
+
 def test_wave_balance_counts_both_kernels_waves(monkeypatch):
     """The wave efficiency is the mean fill of a grid's waves; the balance divides the cascade's (two programs a
     multiprocessor, one per request, KV head and beam block) by FA4's (one CTA of 128 rows a multiprocessor);
