@@ -1187,6 +1187,21 @@ def test_odd_blocks_raise_follows_the_waves_on_the_h200_grids(pattern, points, t
     assert all(ratio > 0.945 for *_, ratio in left), left
 
 
+def _raise_by_waves_points(pattern, head_dim, beam_range, auto_ran):
+    """``(shape, prompt, picked, why, cascade time over FA4 + tail's, _waves_limit)`` of each point of a GQA 16/8
+    grid whose width lies in ``beam_range``; where ``auto_ran``, ``auto``'s recorded backend must be the rule's."""
+    from beam_shared_prefix.prefix.select import _waves_limit, cascade_preferred
+
+    for _, s, prompt, arms in grid_points(pattern):
+        r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
+        assert (hq, hkv, d) == (16, 8, head_dim) and beam_range[0] <= w <= beam_range[1], s["name"]
+        picked, why = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
+        if auto_ran:
+            assert arms["library/auto"]["info"]["backend"] == ("triton" if picked else "fa4"), s["name"]
+        ratio = arms["library/triton"]["time_us"] / arms["library/fa4"]["time_us"]
+        yield s, prompt, picked, why, ratio, _waves_limit(r, hkv, w, hq // hkv, d)
+
+
 @pytest.mark.parametrize("pattern, points, taken_points, auto_ran", [
     ("g2_d128_seven_blocks_waves_round43.json", 27, 6, False),
     ("g2_d128_seven_blocks_held_out_w*_round43.json", 54, 36, True)])
@@ -1198,21 +1213,13 @@ def test_seven_blocks_raise_follows_the_waves_on_the_h200_grids(pattern, points,
     several-block limit (320 tokens) the raise takes a balance of 1.05 or more to 448 tokens: every point it takes
     was faster with the cascade, by 1-15%, but for 21 x 196 at 384 (0.5% slower, the emptiest blocks at the
     threshold); of the points it leaves none was faster by more than 4.1% (50 x 216 at 448, a balance of 1.03)."""
-    from beam_shared_prefix.prefix.select import _waves_limit, cascade_preferred
-
     seen, taken, left = 0, [], []
-    for name, s, prompt, arms in grid_points(pattern):
-        r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
-        assert (hq, hkv, d) == (16, 8, 128) and 193 <= w <= 224, s["name"]
+    for s, prompt, picked, why, ratio, (balance, least, limit) in _raise_by_waves_points(pattern, 128, (193, 224),
+                                                                                         auto_ran):
         seen += 1
-        picked, why = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
-        if auto_ran:
-            assert arms["library/auto"]["info"]["backend"] == ("triton" if picked else "fa4"), s["name"]
-        ratio = arms["library/triton"]["time_us"] / arms["library/fa4"]["time_us"]
         if prompt <= 320:  # the several-block limit, whatever the waves
             assert picked, (s["name"], why)
             continue
-        balance, least, limit = _waves_limit(r, hkv, w, hq // hkv, d)
         assert (least, limit) == (1.05, 448), s["name"]
         assert picked == (balance >= least), (s["name"], why)
         if picked:
@@ -1318,20 +1325,12 @@ def test_head_64_many_blocks_raise_follows_the_waves_on_the_h200_grids(pattern, 
     sets each count's balance: 1.2 for five blocks, 1.5 for six (two full FA4 tiles), 1.15 for seven, 1.3 for eight.
     Every point the raise takes (to 256 tokens) was faster with the cascade, by 4-12%; of those it leaves by their
     balance none was faster by more than 2.5%."""
-    from beam_shared_prefix.prefix.select import _waves_limit, cascade_preferred
-
     least_by_blocks = {5: 1.2, 6: 1.5, 7: 1.15, 8: 1.3}
     seen, taken, left = 0, 0, []
-    for name, s, prompt, arms in grid_points(pattern):
-        r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
-        assert (hq, hkv, d) == (16, 8, 64) and 129 <= w <= 256, s["name"]
+    for s, prompt, picked, why, ratio, (balance, least, limit) in _raise_by_waves_points(pattern, 64, (129, 256),
+                                                                                         auto_ran):
         seen += 1
-        picked, why = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
-        if auto_ran:
-            assert arms["library/auto"]["info"]["backend"] == ("triton" if picked else "fa4"), s["name"]
-        ratio = arms["library/triton"]["time_us"] / arms["library/fa4"]["time_us"]
-        balance, least, limit = _waves_limit(r, hkv, w, hq // hkv, d)
-        assert (least, limit) == (least_by_blocks[-(-w // 32)], 256), s["name"]
+        assert (least, limit) == (least_by_blocks[-(-s["beams"] // 32)], 256), s["name"]
         assert picked == (balance >= least and prompt <= limit), (s["name"], why)
         if picked:
             assert ratio < 0.97, (s["name"], ratio)
