@@ -45,6 +45,7 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "FA4_CTAS_PER_SM", "DEFAULT_MULTIPROCESSORS", "multiprocessors", "wave_efficiency", "wave_balance",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
+           "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
@@ -140,7 +141,16 @@ CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
 # FA4 + tail at 500 tokens at GQA 3 with 1-16 requests (small_batches_backends_g3_d64.json; 3-6% slower
 # at 1,000) and even at GQA 4 with 64 requests (74.7 against 74.6 us, auto_rule_round9_g4_d64_w30_b.json;
 # 16% slower at 1,000); hence 512 there.
+# Forty-fourth round (H200, graph replays, the cascade's 16-beam tile without its shared-ancestry path, which had
+# spilled there and cost every step 11-25% since the twenty-seventh round; g4_d64_w{32,48,80}_nosa_round44.json,
+# g3_d64_w48_nosa_round44.json, 8-64 requests at 128-640 tokens): with two blocks (17-32 beams) the cascade was
+# faster than FA4 + tail at every point to 512 tokens, by 2-27% (64 x 32 at 512: 74.6 against 76.3 us), and within 2%
+# either way at 640; with three and five blocks (33-48 and 65-80 beams) from 5% faster to 1% slower at 128 tokens,
+# from 2% faster to 13% slower at 256 (G = 3, 16 x 48: 27.7 against 24.5 us) and 8-37% slower from 384 with 384 or
+# more programs. Hence 512 for two blocks and 128 from three (and where the width is unknown). With fewer programs the
+# cascade led further (9 x 48, 216 programs: 9% faster at 512; 9 x 80, 360 programs: 2% at 512), not yet a rule.
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64 = 512
+CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64 = 128
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
 CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 = 256
 CASCADE_MAX_GROUP = 8
@@ -598,7 +608,7 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     | --- | --- | --- |
     | 1 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA` (head 64, two blocks: :data:`CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64`) |
     | 2 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64`, from :data:`CASCADE_MANY_BLOCKS_HEAD_64` blocks or ``W`` unknown :data:`CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64`) |
-    | 3-4 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64`) |
+    | 3-4 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64` with two blocks, from three or ``W`` unknown :data:`CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64`) |
     | 5-8, head 128 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` |
     | 5-8, head 64 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` |
     """
@@ -622,6 +632,8 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     if one:
         return CASCADE_MAX_MEAN_PROMPT
     if head_dim == 64:
+        if beam_width is None or beam_width > 2 * _beams_per_block(group_size, 64):
+            return CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64
         return CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64
     return CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP
 

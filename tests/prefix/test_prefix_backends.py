@@ -830,28 +830,34 @@ def test_eager_calls_keep_the_cascade_past_the_mha_tail_limit_as_measured():
     assert (slower, faster) == (4, 2)
 
 
-@pytest.mark.parametrize("group,head_dim,one_block_up_to,one_block_limit,split_limit", [
+@pytest.mark.parametrize("group,head_dim,one_block_up_to,one_block_limit,split_limit,many_blocks_limit", [
     # G = 1: tiles of at most 32 beams; several blocks never (round 8)
-    (1, 128, 32, 8192, 0), (2, 128, 32, 8192, 320),
+    (1, 128, 32, 8192, 0, 0), (2, 128, 32, 8192, 320, 320),
     # groups 3-4: head 128 attends the tail on CUDA cores (round 7), head 64 on tensor cores; the
-    # same one-block limit for both (round 9), several blocks to 512 tokens at head 64 (round 15)
-    (3, 128, 16, 8192, 256), (4, 128, 16, 8192, 256), (3, 64, 16, 8192, 512), (4, 64, 16, 8192, 512),
+    # same one-block limit for both (round 9); at head 64 two blocks to 512 tokens (round 15), three
+    # and more (or W unknown) to 128 (round 44)
+    (3, 128, 16, 8192, 256, 256), (4, 128, 16, 8192, 256, 256), (3, 64, 16, 8192, 512, 128),
+    (4, 64, 16, 8192, 512, 128),
     # groups 5-8: 16-beam tiles of 128 rows, 128 tokens either way at head 128 (round 8), 256 at head 64 (round 9)
-    (5, 128, 16, 128, 128), (8, 128, 16, 128, 128), (8, 64, 16, 256, 256),
+    (5, 128, 16, 128, 128, 128), (8, 128, 16, 128, 128, 128), (8, 64, 16, 256, 256, 256),
 ])
-def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block_up_to, one_block_limit, split_limit):
+def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block_up_to, one_block_limit, split_limit,
+                                                      many_blocks_limit):
     """8,192 tokens while one program's beam block (at most 32 beams and 64 query rows) holds all W
     beams (round 36; 4,096 before; at groups 5-8: 128 at head 128, 256 at head 64); beyond, and when W is
     unknown: none at G = 1, 320 tokens at G = 2 (round 36; 256 in round 35, 128 before; head 64 by the
-    block count, below), 256 at groups 3-4 (512 at head 64), as at groups 5-8 otherwise."""
+    block count, below), 256 at groups 3-4 (at head 64 512 with two blocks, 128 from three), as at groups 5-8
+    otherwise."""
     from beam_shared_prefix.prefix.select import cascade_prompt_limit, one_beam_block
 
     assert cascade_prompt_limit(1, group, head_dim) == one_block_limit
     assert cascade_prompt_limit(one_block_up_to, group, head_dim) == one_block_limit
     assert one_beam_block(one_block_up_to, group, head_dim) and not one_beam_block(one_block_up_to + 1, group, head_dim)
     assert cascade_prompt_limit(one_block_up_to + 1, group, head_dim) == split_limit
-    assert cascade_prompt_limit(256, group, head_dim) == split_limit
-    assert cascade_prompt_limit(None, group, head_dim) == split_limit
+    assert cascade_prompt_limit(2 * one_block_up_to, group, head_dim) == split_limit
+    assert cascade_prompt_limit(2 * one_block_up_to + 1, group, head_dim) == many_blocks_limit
+    assert cascade_prompt_limit(256, group, head_dim) == many_blocks_limit
+    assert cascade_prompt_limit(None, group, head_dim) == many_blocks_limit
 
 
 def test_eager_steps_take_the_cascade_while_host_bound(monkeypatch):
@@ -1200,6 +1206,31 @@ def _raise_by_waves_points(pattern, head_dim, beam_range, auto_ran):
             assert arms["library/auto"]["info"]["backend"] == ("triton" if picked else "fa4"), s["name"]
         ratio = arms["library/triton"]["time_us"] / arms["library/fa4"]["time_us"]
         yield s, prompt, picked, why, ratio, _waves_limit(r, hkv, w, hq // hkv, d)
+
+
+def test_wide_groups_at_head_64_take_several_blocks_to_the_h200_grids():
+    """Round 44, GQA 32/8 and 24/8 at head 64 (16-beam tiles of 64 rows, without the shared-ancestry path, which had
+    spilled there), graph replays: 8-64 requests of 32, 48 and 80 beams at 128-640 tokens
+    (``g[34]_d64_w*_nosa_round44.json``). The several-block limit is 512 tokens with two blocks and 128 from three.
+    Every point it takes was faster with the cascade than FA4 + tail, by 2-27%, or within 1.2% (G = 3, 16 x 48 at
+    128); from three blocks the cascade was 8-37% slower at 384-512 tokens wherever 384 or more programs ran, points
+    that the old limit (512 at any block count) took."""
+    from beam_shared_prefix.prefix.select import cascade_preferred
+
+    taken, left, old_taken = [], [], []
+    for _, s, prompt, arms in grid_points("g[34]_d64_w*_nosa_round44.json"):
+        r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
+        assert hkv == 8 and d == 64 and hq // hkv in (3, 4), s["name"]
+        picked, why = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
+        blocks = -(-w // 16)
+        assert picked == (prompt <= (512 if blocks <= 2 else 128)), (s["name"], prompt, why)
+        ratio = arms["library/triton"]["time_us"] / arms["library/fa4"]["time_us"]
+        (taken if picked else left).append(ratio)
+        if blocks >= 3 and r * hkv * blocks >= 384 and 384 <= prompt <= 512:
+            old_taken.append(ratio)
+    assert (len(taken), len(left)) == (19, 31), (len(taken), len(left))
+    assert max(taken) <= 1.015 and sorted(taken)[len(taken) // 2] <= 0.9, sorted(taken)
+    assert len(old_taken) == 10 and min(old_taken) >= 1.07, sorted(old_taken)
 
 
 @pytest.mark.parametrize("pattern, points, taken_points, auto_ran", [
