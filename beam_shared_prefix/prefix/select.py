@@ -145,9 +145,9 @@ CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
 # spilled there and cost every step 11-25% since the twenty-seventh round; g4_d64_w{32,48,80}_nosa_round44.json,
 # g3_d64_w48_nosa_round44.json, 8-64 requests at 128-640 tokens): with two blocks (17-32 beams) the cascade was
 # faster than FA4 + tail at every point to 512 tokens, by 2-27% (64 x 32 at 512: 74.6 against 76.3 us), and within 2%
-# either way at 640; with three and five blocks (33-48 and 65-80 beams) from 5% faster to 1% slower at 128 tokens,
-# from 2% faster to 13% slower at 256 (G = 3, 16 x 48: 27.7 against 24.5 us) and 8-37% slower from 384 with 384 or
-# more programs. Hence 512 for two blocks and 128 from three (and where the width is unknown). With fewer programs the
+# either way at 640; with three and five blocks (33-48 and 65-80 beams) and 384 or more programs from 11% faster to
+# 1% slower at 128 tokens, from 2% faster to 13% slower at 256 (G = 3, 16 x 48: 27.7 against 24.5 us) and 8-37% slower
+# at 384-512. Hence 512 for two blocks and 128 from three (and where the width is unknown). With fewer programs the
 # cascade led further (9 x 48, 216 programs: 9% faster at 512; 9 x 80, 360 programs: 2% at 512), not yet a rule.
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64 = 512
 CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64 = 128
