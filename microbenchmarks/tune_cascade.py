@@ -17,7 +17,8 @@ reads this step's slot from the cache), so every call still sees the same inputs
 Times are reported against the step's floor (all bytes the step must move over the copy bandwidth
 measured in the same run). The default a shape is compared with is the library's own choice for
 its launch, which depends on the prompt table's width (one 128-token block at B-short). It informs :func:`triton_kernels.cascade.cascade_launch_config`; it is
-not a test.
+not a test. ``--vary FIELD=V1,V2`` (repeatable) replaces the grid by each shape's default tiling with those fields
+set, so that one choice (``shared_ancestry=0,1``, ``num_warps=4,8``) is compared across shapes whose defaults differ.
 """
 
 from __future__ import annotations
@@ -46,6 +47,39 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(a).all():
         return float("inf")
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def parse_vary(specs: list[str]) -> list[dict[str, object]]:
+    """``--vary`` specs (``FIELD=V1,V2``, a :class:`triton_kernels.CascadeLaunchConfig` field, dashes or
+    underscores) as the product of their overrides: ``[{field: value, ...}, ...]``. Booleans take ``0``/``1``;
+    the optional ints (``max_registers``, the stages) also take ``none``.
+
+    Raises:
+        ValueError: a spec without ``=`` or values, an unknown field, or a value its field cannot take."""
+    from triton_kernels.cascade import CascadeLaunchConfig
+
+    fields = {f.name: f.type for f in dataclasses.fields(CascadeLaunchConfig)}
+    axes = []
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        field = name.strip().replace("-", "_")
+        if not sep or not values.strip():
+            raise ValueError(f"--vary {spec!r} is not FIELD=V1,V2")
+        if field not in fields:
+            raise ValueError(f"--vary {spec!r}: {field!r} is not a launch-config field; use one of {sorted(fields)}")
+        kind = str(fields[field])
+        parsed = []
+        for text in (v.strip().lower() for v in values.split(",") if v.strip()):
+            if text == "none" and "Optional" in kind:
+                parsed.append(None)
+            elif "bool" in kind and text in ("0", "1"):
+                parsed.append(text == "1")
+            elif "bool" not in kind and text.lstrip("-").isdigit():
+                parsed.append(int(text))
+            else:
+                raise ValueError(f"--vary {spec!r}: {text!r} is not a value of {field} ({kind})")
+        axes.append([(field, v) for v in parsed])
+    return [dict(combo) for combo in itertools.product(*axes)]
 
 
 def _resources(cfg_call) -> Dict:
@@ -94,11 +128,12 @@ def _prefix_call(wl, table, prompt_lens, cfg, out, lse):
 
 
 def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: float, write_kv: bool = False,
-               l2_flush: str = "read", prefix_only: bool = False) -> Dict:
+               l2_flush: str = "read", prefix_only: bool = False, variants: list[dict] | None = None) -> Dict:
     """Check and time every tiling of ``grid`` (``(beams, block_n, tail_block, num_warps, num_stages,
     max_registers, heads_per_program, prompt_first, prompt_stages, tail_stages, tail_on_cores,
     shared_ancestry)``,
-    ``max_registers`` and the stages 0 for the defaults) on
+    ``max_registers`` and the stages 0 for the defaults), and the shape's default tiling with each of
+    ``variants``' field overrides (:func:`parse_vary`), on
     ``shape``; returns the shape's ``floor_us``, ``default``, ``best`` and ``all`` results (us, ulps)."""
     import numpy as np
 
@@ -142,6 +177,10 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
                 beams * tail_block < 32 and not cores) or cfg in configs:
             continue
         configs.append(cfg)
+    for overrides in variants or []:
+        cfg = dataclasses.replace(default, **overrides)
+        if cfg not in configs:
+            configs.append(cfg)
     if default not in configs:
         configs.append(default)
     results = []
@@ -201,6 +240,9 @@ def main(argv=None) -> int:
                    help="tune the prompt pass alone (beam_prefix_attention), not the one-launch step")
     p.add_argument("--top", type=int, default=4, help="tilings listed per shape")
     p.add_argument("--default-only", action="store_true", help="time only each shape's default tiling")
+    p.add_argument("--vary", action="append", default=[], metavar="FIELD=V1,V2",
+                   help="time each shape's default tiling with a launch-config field set to each value, instead of "
+                        "the grid (repeatable: the product), e.g. --vary shared-ancestry=0,1")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)} ('' for none)")
     p.add_argument("--custom", default=None,
                    help="extra shapes RxWxP[:Hq/Hkv[/D]] (default 16/8, D 128; page 32), e.g. 64x30x500:16/16")
@@ -213,15 +255,19 @@ def main(argv=None) -> int:
         shapes = tuning_shapes(SHAPES.values(), args.shapes, args.custom, args.tails)
     except ShapeError as exc:
         p.error(str(exc))
+    try:
+        variants = parse_vary(args.vary)
+    except ValueError as exc:
+        p.error(str(exc))
     if not torch.cuda.is_available():
         print("tune_cascade: no CUDA device; nothing to tune.")
         return 0
-    grid = [] if args.default_only else list(itertools.product(
+    grid = [] if args.default_only or args.vary else list(itertools.product(
         ints(args.beams), ints(args.block_n), ints(args.tail_block), ints(args.num_warps), ints(args.num_stages),
         ints(args.max_registers), ints(args.heads_per_program), ints(args.prompt_first), ints(args.prompt_stages),
         ints(args.tail_stages), ints(args.tail_on_cores), ints(args.shared_ancestry)))
     bandwidth = measure_copy_bandwidth("cuda")
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid) or len(variants)} tilings per shape "
           f"(beams, block_n, tail_block, num_warps, num_stages, max_registers, heads_per_program, prompt_first, "
           f"prompt_stages, tail_stages, tail_on_cores, shared_ancestry)", flush=True)
     report = []
@@ -229,7 +275,7 @@ def main(argv=None) -> int:
            "shapes": report}
     for shape in shapes:
         name = shape.name
-        r = tune_shape(shape, grid, args.iters, bandwidth, args.write_kv, args.l2_flush, args.prefix_only)
+        r = tune_shape(shape, grid, args.iters, bandwidth, args.write_kv, args.l2_flush, args.prefix_only, variants)
         report.append(r)
         if args.json:
             write_progress_json(doc, args.json)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,6 +44,33 @@ def test_tune_cascade_mismatch_measure_and_no_gpu_exit(monkeypatch, capsys):
     assert tune_cascade.rel_err(poisoned, ref) == float("inf")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tune_cascade.main(["--shapes", "B-short"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_tune_cascade_varies_fields_of_the_default_tiling(monkeypatch, capsys):
+    """``--vary FIELD=V1,V2`` (repeatable) gives the product of overrides of the default tiling's fields, booleans as
+    0/1 and ``none`` for the optional ints; an unknown field or a value its field cannot take is named before the
+    device is looked for."""
+    from microbenchmarks import tune_cascade
+    from triton_kernels.cascade import cascade_launch_config
+
+    variants = tune_cascade.parse_vary(["shared-ancestry=0,1", "num_warps=4,8"])
+    assert variants == [{"shared_ancestry": a, "num_warps": w} for a in (False, True) for w in (4, 8)]
+    assert tune_cascade.parse_vary(["max_registers=none,168"]) == [{"max_registers": None}, {"max_registers": 168}]
+    assert tune_cascade.parse_vary([]) == [{}]
+    default = cascade_launch_config(30, 4, 64)
+    assert [dataclasses.replace(default, **v).shared_ancestry for v in tune_cascade.parse_vary(["shared_ancestry=1"])] \
+        == [True]
+    for spec, message in [("warps=4", "'warps' is not a launch-config field"), ("num_warps", "is not FIELD=V1,V2"),
+                          ("shared_ancestry=2", "'2' is not a value of shared_ancestry"),
+                          ("block_n=none", "'none' is not a value of block_n")]:
+        with pytest.raises(ValueError, match=message):
+            tune_cascade.parse_vary([spec])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        tune_cascade.main(["--shapes", "B-short", "--vary", "warps=4"])
+    assert "'warps' is not a launch-config field" in capsys.readouterr().err
+    assert tune_cascade.main(["--shapes", "B-short", "--vary", "shared_ancestry=0,1"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
 
 
