@@ -195,7 +195,7 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
       58.6 against 57.4-57.6 us, B-long 147.3-147.8 against 146.3), and the one-block tiling 1.1-1.3
       us of B-short's 32.0-32.1, which sits on its 2.0x target (``ab_shared_round27_final.json``).
       It is off in the 16-beam tiles of G = 3-4 at ``D = 64`` too: there it spilled (6 bytes, Triton 3.6) and cost
-      every step 11-25% on the H200 (64 x 32 x 512 at GQA 32/8: 84.4 against 74.5 us; 24 x 48 x 256: 46.1
+      every step 12-26% on the H200 (64 x 32 x 512 at GQA 32/8: 84.4 against 74.5 us; 24 x 48 x 256: 46.1
       against 36.8; ``tune_cascade_g4_d64_round44.json``), which had made the cascade slower than FA4 + tail
       wherever the rule took it with several beam blocks (``docs/rounds.md``, "The forty-fourth round").
     """

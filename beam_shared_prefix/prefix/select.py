@@ -142,7 +142,7 @@ CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
 # at 1,000) and even at GQA 4 with 64 requests (74.7 against 74.6 us, auto_rule_round9_g4_d64_w30_b.json;
 # 16% slower at 1,000); hence 512 there.
 # Forty-fourth round (H200, graph replays, the cascade's 16-beam tile without its shared-ancestry path, which had
-# spilled there and cost every step 11-25% since the twenty-seventh round; g4_d64_w{32,48,80}_nosa_round44.json,
+# spilled there and cost every step 12-26% since the twenty-seventh round; g4_d64_w{32,48,80}_nosa_round44.json,
 # g3_d64_w48_nosa_round44.json, 8-64 requests at 128-640 tokens): with two blocks (17-32 beams) the cascade was
 # faster than FA4 + tail at every point to 512 tokens, by 2-27% (64 x 32 at 512: 74.6 against 76.3 us), and within 2%
 # either way at 640; with three and five blocks (33-48 and 65-80 beams) and 384 or more programs from 11% faster to
