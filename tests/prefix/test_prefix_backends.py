@@ -1215,18 +1215,18 @@ def test_wide_groups_at_head_64_take_several_blocks_to_the_h200_grids():
     Every point it takes was faster with the cascade than FA4 + tail, by 2-27%, or within 1.2% (G = 3, 16 x 48 at
     128); from three blocks the cascade was 8-37% slower at 384-512 tokens wherever 384 or more programs ran, points
     that the old limit (512 at any block count) took."""
-    from beam_shared_prefix.prefix.select import cascade_preferred
+    from beam_shared_prefix.prefix.select import _cascade_programs, cascade_preferred
 
     taken, left, old_taken = [], [], []
     for _, s, prompt, arms in grid_points("g[34]_d64_w*_nosa_round44.json"):
         r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
         assert hkv == 8 and d == 64 and hq // hkv in (3, 4), s["name"]
         picked, why = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
-        blocks = -(-w // 16)
+        programs, blocks, _ = _cascade_programs(r, hkv, w, hq // hkv, d)
         assert picked == (prompt <= (512 if blocks <= 2 else 128)), (s["name"], prompt, why)
         ratio = arms["library/triton"]["time_us"] / arms["library/fa4"]["time_us"]
         (taken if picked else left).append(ratio)
-        if blocks >= 3 and r * hkv * blocks >= 384 and 384 <= prompt <= 512:
+        if blocks >= 3 and programs >= 384 and 384 <= prompt <= 512:
             old_taken.append(ratio)
     assert (len(taken), len(left)) == (19, 31), (len(taken), len(left))
     assert max(taken) <= 1.015 and sorted(taken)[len(taken) // 2] <= 0.9, sorted(taken)
