@@ -138,15 +138,20 @@ def tune_shape(shape: BenchShape, grid: List[tuple], iters: int, bandwidth: floa
     import numpy as np
 
     from beam_shared_prefix.plan import build_step_plan
-    from triton_kernels.cascade import CascadeLaunchConfig, cascade_launch_config
+    from triton_kernels.cascade import (
+        CascadeLaunchConfig,
+        cascade_launch_config,
+        launch_multiprocessors,
+    )
 
     wl = build_workload(shape, device="cuda", seed=0, with_baseline_pages=False)
     plan = build_step_plan(wl.prompt_page_indptr.numpy(), wl.prompt_page_indices.numpy(),
                            wl.prompt_lens_host.astype(np.int32), wl.beam_width, shape.page_size, wl.num_pages)
     table = torch.from_numpy(plan.page_table.copy()).cuda()
     group = shape.heads // shape.kv_heads
-    # The library's own choice for this launch: the prompt table's width is part of it.
-    default = cascade_launch_config(shape.beams, group, shape.head_dim, table.shape[1] * shape.page_size)
+    # The library's own choice for this launch: the prompt table's width and the program count are part of it.
+    default = cascade_launch_config(shape.beams, group, shape.head_dim, table.shape[1] * shape.page_size,
+                                    shape.requests, shape.kv_heads, launch_multiprocessors(wl.q.device))
     prompt_lens = torch.from_numpy(plan.prompt_lens.astype("int32")).cuda()
 
     def make_call(cfg, out):

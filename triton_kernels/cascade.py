@@ -74,6 +74,8 @@ MAX_BLOCK_M = {64: 128, 128: 128}
 # Cached tail positions from which a tile looks for the run of positions all its beams share (the
 # scan costs a dependent load before the prompt's; a shorter tail is walked per beam as it is).
 SHARED_ANCESTRY_MIN_TAIL = 16
+# Multiprocessors assumed where the launch's device is not a CUDA GPU (the H100's and H200's).
+DEFAULT_MULTIPROCESSORS = 132
 
 
 @dataclass(frozen=True)
@@ -148,14 +150,16 @@ def cascade_supported(group_size: int, head_dim: int) -> Tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
-                          prompt_capacity: Optional[int] = None) -> CascadeLaunchConfig:
+                          prompt_capacity: Optional[int] = None, num_requests: int | None = None,
+                          num_kv_heads: int = 1, num_sms: int = DEFAULT_MULTIPROCESSORS) -> CascadeLaunchConfig:
     """The default tiling for a shape (requires :func:`cascade_supported`), from H200 sweeps
     (``python -m microbenchmarks.tune_cascade``; ``docs/results/h200/tune_cascade*.json``).
 
     ``prompt_capacity`` is the prompt page table's width in tokens (``None``: unknown). It bounds
     every prompt of the launch and is a shape, known on the host without a sync; under CUDA graphs
     the table is allocated at its maximum width, so a captured graph keeps the tiling for the
-    longest prompts it may see.
+    longest prompts it may see. ``num_requests`` and ``num_kv_heads`` give the launch's program count
+    (``None``: unknown, judged as many), against the GPU's ``num_sms`` multiprocessors.
 
     - Beams per program: up to 64 query rows per tile (32 beams at G = 2): the kernel is latency-
       bound at decode shapes and the register file, not the tensor cores, limits how many programs
@@ -188,6 +192,14 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
       code with the tail's index chain split around the prompt's loads: 32.5 against 33.1 us (the
       same block, the tail first) and 33.7 us (the long-prompt tiling) at B-short
       (``tune_cascade_round7_tail_kv_order_v0_b_short.json``, ``tune_cascade_round7_defaults.json``).
+    - 128-row tiles at ``D = 64`` (16 beams at G = 5-8) take 4 warps where the launch runs more programs than the
+      GPU has multiprocessors, else 8. The tile holds 238-255 registers a thread, so 8 warps fit one program a
+      multiprocessor and 4 fit two: at 4-token tails 4 warps took 64 x 30 x 256 at GQA 64/8 (1,024 programs) from
+      108.2 to 84.5 us, 16 x 30 x 500 (256) from 41.5 to 36.9, 64 x 96 x 128 (3,072) from 249.2 to 183.3, 4 x 96 x
+      128 (192) from 24.5 to 24.3, and at 64-token tails 64 x 30 x 256 from 343.1 to 244.1
+      (``tune_cascade``'s ``g8_d64_warps_round45.json``, ``g8_d64_few_programs_round45.json``). Where every program
+      has a multiprocessor of its own the 8 warps finish a program's rows sooner: 14.4 against 21.0 us at 4 x 8 x
+      128 (32 programs), 24.4 against 34.7 at 16 x 16 x 512 (128), 23.9 against 33.0 at GQA 40/8, 16 x 8 x 500.
     - ``shared_ancestry`` (the run of tail positions every beam of a tile reads from one ancestor,
       folded once for the tile) is on in every masked-tail tiling but the one-block one. Where the
       histories coalesce it took 64 x 30 x 500 with 255 earlier positions from 600 to 246 us, and
@@ -205,6 +217,9 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
     beams = max(MIN_BEAMS_PER_PROGRAM, min(next_power_of_2(beam_width), cap))
     block_m = beams * group_pad
     num_warps = 4 if block_m <= 64 else 8
+    if head_dim == 64 and block_m > 64 and (
+            num_requests is None or num_requests * num_kv_heads * cdiv(beam_width, beams) > num_sms):
+        num_warps = 4
     tail_block = max(4, MIN_TAIL_COLUMNS // beams)
     if head_dim == 128 and beams == 16 and 2 <= group_pad <= 4:
         return CascadeLaunchConfig(beams, group_pad, block_n=64, tail_block=4, num_warps=4, num_stages=1,
@@ -227,14 +242,29 @@ def _is_pow2(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and (x & (x - 1)) == 0
 
 
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch_multiprocessors(device: torch.device) -> int:
+    """Multiprocessors of a launch's device (read once per GPU); :data:`DEFAULT_MULTIPROCESSORS` off CUDA."""
+    if device.type != "cuda":
+        return DEFAULT_MULTIPROCESSORS
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int,
-                    prompt_capacity: Optional[int] = None) -> CascadeLaunchConfig:
+                    prompt_capacity: int | None = None, num_requests: int | None = None,
+                    num_kv_heads: int = 1, device: torch.device | None = None) -> CascadeLaunchConfig:
     ok, reason = cascade_supported(group_size, head_dim)
     if not ok:
         raise TailMergeInputError(f"{reason}; use the prefix backend + tail kernel path (backend='fa4' or "
                                   f"'flashinfer').")
     if cfg is None:
-        return cascade_launch_config(beam_width, group_size, head_dim, prompt_capacity)
+        sms = DEFAULT_MULTIPROCESSORS if device is None else launch_multiprocessors(device)
+        return cascade_launch_config(beam_width, group_size, head_dim, prompt_capacity, num_requests, num_kv_heads,
+                                     sms)
     if not isinstance(cfg, CascadeLaunchConfig):
         raise TailMergeInputError(f"launch_config must be a CascadeLaunchConfig or None, got {type(cfg).__name__}.")
     for name in ("beams_per_program", "group_pad", "block_n", "tail_block", "num_warps", "heads_per_program"):
@@ -423,7 +453,7 @@ def beam_cascade_attention(
     _check_prompt_table(prompt_page_table, geom.num_requests, q.device)
     check_error_flags(error_flags, q.device)
     cfg = _resolve_config(launch_config, geom.beam_width, geom.group_size, geom.head_dim,
-                          prompt_page_table.shape[1] * geom.page_size)
+                          prompt_page_table.shape[1] * geom.page_size, geom.num_requests, geom.num_kv_heads, q.device)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
         per_request = prompt_lens[:: geom.beam_width]
@@ -531,7 +561,8 @@ def beam_prefix_attention(
         _fail("lse overlaps q or kv_cache in memory; pass a separate LSE buffer.")
     _check_device(q)
     group_size = num_qo_heads // num_kv_heads
-    cfg = _resolve_config(launch_config, beam_width, group_size, head_dim, prompt_page_table.shape[1] * page_size)
+    cfg = _resolve_config(launch_config, beam_width, group_size, head_dim, prompt_page_table.shape[1] * page_size,
+                          num_requests, num_kv_heads, q.device)
     if launch_config is None:  # the register cap is the fused step's (its tail's state); the prompt alone spills under it
         cfg = dataclasses.replace(cfg, max_registers=None)
     if validate_indices:

@@ -487,6 +487,44 @@ def test_default_config_fits_the_tile_limits():
     assert cascade_launch_config(64, 1, 128).beams_per_program == 32
 
 
+@pytest.mark.parametrize("group, beam_width, num_requests, num_kv_heads, num_sms, warps", [
+    (8, 30, 4, 8, 132, 8),    # 64 programs: each has a multiprocessor, 8 warps finish its rows sooner
+    (8, 8, 16, 8, 132, 8),    # 128 programs
+    (8, 8, 17, 8, 132, 4),    # 136 programs: more than the multiprocessors, 4 warps fit two a multiprocessor
+    (8, 30, 16, 8, 132, 4),   # 256
+    (5, 16, 16, 8, 132, 8),   # G = 5 pads to the same 128-row tile
+    (8, 30, 16, 8, 264, 8),   # a GPU with more multiprocessors
+    (8, 30, None, 8, 132, 4),  # requests unknown: judged as many
+    (4, 30, 4, 8, 132, 4),    # 64-row tiles keep 4 warps at any count
+])
+def test_group_8_head_64_tile_takes_warps_by_programs(group, beam_width, num_requests, num_kv_heads, num_sms, warps):
+    """The 128-row tile at head 64 runs 8 warps while every program has a multiprocessor of its own and 4 above
+    (two programs a multiprocessor; ``docs/rounds.md``, "The forty-fifth round"); nothing else of the tiling moves."""
+    cfg = cascade_launch_config(beam_width, group, 64, None, num_requests, num_kv_heads, num_sms)
+    assert cfg.num_warps == warps, cfg
+    assert dataclasses.replace(cfg, num_warps=4) == dataclasses.replace(cascade_launch_config(beam_width, group, 64),
+                                                                        num_warps=4)
+
+
+def test_launches_pass_their_program_count_to_the_tiling(monkeypatch, device):
+    """The whole step and the prompt pass hand the default tiling their requests, KV heads and the device's
+    multiprocessors (the count that picks the warps of the head-64 128-row tile), read from the shapes."""
+    from triton_kernels import cascade
+
+    seen, real = [], cascade.cascade_launch_config
+    monkeypatch.setattr(cascade, "cascade_launch_config", lambda *args: seen.append(args) or real(*args))
+    sim, step = _one_step(device)  # 2 requests of 2 beams, 2 KV heads
+    table = prompt_table(sim, step)
+    beam_cascade_attention(step.q, step.new_k, step.new_v, sim.kv_cache, table, step.beam_page_table, step.kv_lens,
+                           step.prompt_lens, step.cache_indirection, step.beam_width, torch.empty_like(step.q),
+                           kv_layout=sim.kv_layout)
+    lse = torch.empty(step.q.shape[:2], dtype=torch.float32, device=step.q.device)
+    beam_prefix_attention(step.q, sim.kv_cache, table, step.prompt_lens[:: step.beam_width].contiguous(),
+                          step.beam_width, torch.empty_like(step.q), lse, kv_layout=sim.kv_layout)
+    sms = cascade.launch_multiprocessors(step.q.device)
+    assert [args[4:] for args in seen] == [(2, 2, sms)] * 2, seen
+
+
 # --------------------------------------------------------------------------------------------
 # property: random shapes, layouts, encodings and tilings against the oracle
 
