@@ -47,7 +47,9 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
-           "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_GROUP",
+           "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_GROUP_8_HEAD_64",
+           "CASCADE_MAX_MEAN_PROMPT_PADDED_GROUP_8_HEAD_64",
+           "CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64", "CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64", "CASCADE_GROUP_8_HEAD_64_MIN_BALANCE", "CASCADE_MAX_GROUP",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
            "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
            "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run", "CASCADE_MAX_TAIL",
@@ -152,7 +154,34 @@ CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64 = 512
 CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64 = 128
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
-CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 = 256
+# Forty-fifth round (H200, graph replays; g8_d64_4warps_w{8,16,30,48,96}_round45.json and g6_d64_4warps_w30_round45.json:
+# 4, 16 and 64 requests at GQA 64/8, 16 and 64 at GQA 48/8, 128-2,000 tokens). Above one program a multiprocessor the
+# 128-row tile runs 4 warps, two programs a multiprocessor where 8 warps held one (tune_cascade's
+# g8_d64_warps_round45.json and g8_d64_few_programs_round45.json: 1-48% faster at 192-3,072 programs). There the cascade against FA4 + tail went by
+# the waves of the two grids (wave_balance): at a balance of 0.75 (4 x 96 and 16 x 48: 192 and 384 programs) it was
+# 8-92% slower at every length, 128 tokens included; at 1 with G = 8 (16 x 30, 16 x 96, 64 requests of every width)
+# 3-28% faster at 128 tokens, with one or two blocks (8-32 beams) 1-21% faster at 256-512 (64 x 16 at 512: 66.2
+# against 74.3 us) and within 4% at 768-1,024, and with three or six blocks 2-6% faster at 256 but 16 x 96 (5%
+# slower) and 5-19% slower from 384. GQA 6 pads to the same 8-row groups: 2-3% faster at 128 tokens, 11% slower at
+# 256. Hence 512 (two blocks), 256 (three or more, or W unknown) and 128 (G = 5-7), each where the balance reaches
+# CASCADE_GROUP_8_HEAD_64_MIN_BALANCE. (The old 256-token limit, set on the 8-warp tile at 64 requests, took the
+# slower points of a balance of 0.75.)
+CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 = 512
+CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_GROUP_8_HEAD_64 = 256
+CASCADE_MAX_MEAN_PROMPT_PADDED_GROUP_8_HEAD_64 = 128
+# With at most one program a multiprocessor the tile keeps 8 warps (triton_kernels.cascade.cascade_launch_config);
+# there (g[68]_d64_few_w*_round45.json: 1-16 requests of 8-96 beams, 8-128 programs, 128-1,000 tokens) the cascade
+# took 15 us at 128 tokens whatever the batch, while FA4 + tail grew with it: with 48-128 programs the cascade was
+# 7-20% faster at 128-256 tokens and within 2% either way at 384; with 8-32 programs from 3% faster to 8% slower at
+# 128 and 4-15% slower at 256.
+#: G = 5-8 at head 64 with more than :data:`CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64` programs and at most one a
+#: multiprocessor.
+CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64 = 256
+#: G = 5-8 at head 64 never takes the cascade with at most this many programs.
+CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64 = 32
+#: The least :func:`wave_balance` at which G = 5-8 at head 64 takes the cascade (requests and width known): the
+#: forty-fifth round's grids lost at every point of 0.75 or less and won at 1.
+CASCADE_GROUP_8_HEAD_64_MIN_BALANCE = 0.9
 CASCADE_MAX_GROUP = 8
 
 # Few requests (tenth round, small_batches_backends*.json: GQA 16/8, head 128, page 32, tail 4, 1-16
@@ -610,7 +639,13 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     | 2 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64`, from :data:`CASCADE_MANY_BLOCKS_HEAD_64` blocks or ``W`` unknown :data:`CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64`) |
     | 3-4 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64` with two blocks, from three or ``W`` unknown :data:`CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64`) |
     | 5-8, head 128 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` |
-    | 5-8, head 64 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` |
+    | 8, head 64 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` | two blocks: :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64`; from three or ``W`` unknown :data:`CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_GROUP_8_HEAD_64` |
+    | 5-7, head 64 | :data:`CASCADE_MAX_MEAN_PROMPT_PADDED_GROUP_8_HEAD_64` | :data:`CASCADE_MAX_MEAN_PROMPT_PADDED_GROUP_8_HEAD_64` |
+
+    At G = 5-8 and head 64 :func:`cascade_preferred` also wants the waves full enough
+    (:data:`CASCADE_GROUP_8_HEAD_64_MIN_BALANCE`) where the launch has more programs than the GPU multiprocessors,
+    takes :data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64` where it has at most as many, and none with
+    at most :data:`CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64`.
     """
     one = one_beam_block(beam_width, group_size, head_dim)
     if group_size == 1:
@@ -628,7 +663,13 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
             return CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64
         return CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64
     if group_size > 4:
-        return CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 if head_dim == 64 else CASCADE_MAX_MEAN_PROMPT_GROUP_8
+        if head_dim != 64:
+            return CASCADE_MAX_MEAN_PROMPT_GROUP_8
+        if group_size < 8:  # padded to 8-row groups: the cascade reads as much as at G = 8, FA4 less
+            return CASCADE_MAX_MEAN_PROMPT_PADDED_GROUP_8_HEAD_64
+        if beam_width is None or beam_width > 2 * _beams_per_block(group_size, 64):
+            return CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_GROUP_8_HEAD_64
+        return CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64
     if one:
         return CASCADE_MAX_MEAN_PROMPT
     if head_dim == 64:
@@ -685,6 +726,20 @@ def cascade_preferred(
                                          num_requests, tail_len)[0]:
         return True, ""
     limit = cascade_prompt_limit(beam_width, group, head_dim)
+    if group > 4 and head_dim == 64 and num_requests is not None and beam_width is not None and num_requests >= 1:
+        sms = multiprocessors()
+        programs = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)[0]
+        if programs <= CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64:
+            return False, (f"{programs} cascade programs (<= {CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64}) at G={group}, "
+                           f"head 64: from 3% faster to 8% slower than FA4 + tail at 128 tokens, slower beyond")
+        if programs <= sms:
+            limit = CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64  # the 8-warp tile, a program a multiprocessor
+        else:
+            balance = wave_balance(num_requests, num_kv_heads, beam_width, group, head_dim, sms)
+            if balance < CASCADE_GROUP_8_HEAD_64_MIN_BALANCE:
+                return False, (f"the cascade's waves are {balance:.2f} as full as FA4's at {num_requests} x "
+                               f"{beam_width} beams, G={group}, head 64 (< {CASCADE_GROUP_8_HEAD_64_MIN_BALANCE}: "
+                               f"measured slower than FA4 + tail there at every prompt length)")
     several_few = CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS.get((group, head_dim), CASCADE_FEW_PROGRAMS)
     for table, blocks, few_programs in ((CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, (2, 2), CASCADE_FEW_PROGRAMS),
                                         (CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS, (2, None), several_few)):

@@ -627,6 +627,9 @@ def test_shared_run_tail_threshold_agrees_with_the_h200_grids():
 # H200 grids of the cascade against FA4 + tail measured with the kernels in this tree (rounds 7-9;
 # earlier rounds' kernels were up to 20% slower at some of these shapes).
 AUTO_RULE_GRIDS = ("auto_rule_round7_*.json", "auto_rule_round8_*.json", "auto_rule_round9_*.json")
+# GQA 5-8 at head 64 ran on the 8-warp tile then (one program a multiprocessor); round 45 took it to 4 warps and
+# re-measured its rule (test_group_8_at_head_64_follows_the_waves_on_the_h200_grids).
+AUTO_RULE_OLD_TILE = ("auto_rule_round9_g8_d64.json", "auto_rule_round9_g8_d64_b.json")
 
 
 def test_auto_rule_agrees_with_the_h200_grids():
@@ -640,6 +643,8 @@ def test_auto_rule_agrees_with_the_h200_grids():
     points = 0
     for pattern in AUTO_RULE_GRIDS:
         for name, s, prompt, arms in _h200_grid_points(pattern):
+            if name in AUTO_RULE_OLD_TILE:
+                continue
             picked, _ = cascade_preferred(prompt, s["heads"], s["kv_heads"], s["beams"], s["head_dim"])
             cascade, two_launch = arms["library/triton"], arms["library/fa4"]
             where = f"{name}: W={s['beams']} P={s['prompt']} {s['heads']}/{s['kv_heads']} D={s['head_dim']}"
@@ -838,8 +843,9 @@ def test_eager_calls_keep_the_cascade_past_the_mha_tail_limit_as_measured():
     # and more (or W unknown) to 128 (round 44)
     (3, 128, 16, 8192, 256, 256), (4, 128, 16, 8192, 256, 256), (3, 64, 16, 8192, 512, 128),
     (4, 64, 16, 8192, 512, 128),
-    # groups 5-8: 16-beam tiles of 128 rows, 128 tokens either way at head 128 (round 8), 256 at head 64 (round 9)
-    (5, 128, 16, 128, 128, 128), (8, 128, 16, 128, 128, 128), (8, 64, 16, 256, 256, 256),
+    # groups 5-8: 16-beam tiles of 128 rows, 128 tokens either way at head 128 (round 8); at head 64 (round 45) G = 8
+    # to 512 with one or two blocks, 256 from three, and the padded groups 5-7 to 128
+    (5, 128, 16, 128, 128, 128), (8, 128, 16, 128, 128, 128), (8, 64, 16, 512, 512, 256), (6, 64, 16, 128, 128, 128),
 ])
 def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block_up_to, one_block_limit, split_limit,
                                                       many_blocks_limit):
@@ -847,7 +853,7 @@ def test_cascade_prompt_limit_follows_the_beam_blocks(group, head_dim, one_block
     beams (round 36; 4,096 before; at groups 5-8: 128 at head 128, 256 at head 64); beyond, and when W is
     unknown: none at G = 1, 320 tokens at G = 2 (round 36; 256 in round 35, 128 before; head 64 by the
     block count, below), 256 at groups 3-4 (at head 64 512 with two blocks, 128 from three), as at groups 5-8
-    otherwise."""
+    otherwise (at head 64 by the block count too)."""
     from beam_shared_prefix.prefix.select import cascade_prompt_limit, one_beam_block
 
     assert cascade_prompt_limit(1, group, head_dim) == one_block_limit
@@ -1231,6 +1237,63 @@ def test_wide_groups_at_head_64_take_several_blocks_to_the_h200_grids():
     assert (len(taken), len(left)) == (19, 31), (len(taken), len(left))
     assert max(taken) <= 1.015 and sorted(taken)[len(taken) // 2] <= 0.9, sorted(taken)
     assert len(old_taken) == 10 and min(old_taken) >= 1.07, sorted(old_taken)
+
+
+def _group_8_head_64_points(pattern, many_programs):
+    """``(shape, prompt, programs, picked, why, cascade / FA4 + tail)`` of round 45's GQA 5-8 head-64 grids, keeping
+    the points above one cascade program a multiprocessor (``many_programs``: the 4-warp tile) or at most one (8)."""
+    from beam_shared_prefix.prefix.select import DEFAULT_MULTIPROCESSORS, _cascade_programs, cascade_preferred
+
+    for _, s, prompt, arms in grid_points(pattern):
+        r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
+        assert hkv == 8 and d == 64 and hq // hkv in (6, 8), s["name"]
+        programs, blocks, _ = _cascade_programs(r, hkv, w, hq // hkv, d)
+        if (programs > DEFAULT_MULTIPROCESSORS) != many_programs:
+            continue
+        picked, why = cascade_preferred(prompt, hq, hkv, w, d, r, s["tail"])
+        yield s, prompt, programs, blocks, picked, why, arms["library/triton"]["time_us"] / arms["library/fa4"]["time_us"]
+
+
+def test_group_8_at_head_64_follows_the_waves_on_the_h200_grids():
+    """Round 45, GQA 64/8 and 48/8 at head 64, graph replays, above one cascade program a multiprocessor (the
+    128-row tile at 4 warps): 4, 16 and 64 requests of 8-96 beams (GQA 6: 16 and 64 of 30) at 128-2,000 tokens
+    (``g[68]_d64_4warps_w*_round45.json``; its points of at most 132 programs ran the 4-warp tile, which no longer
+    serves them). Where the cascade's waves are emptier than FA4's (a balance of 0.75) it was 8-93% slower at every
+    point and ``auto`` leaves them all, 128 tokens included; elsewhere it takes G = 8 to 512 tokens with one or two
+    blocks and 256 with more, G = 6 to 128. Every point taken was faster with the cascade, by up to 28%, or within
+    5% (16 x 96 at 256); none left was more than 3.1% faster."""
+    from beam_shared_prefix.prefix.select import CASCADE_GROUP_8_HEAD_64_MIN_BALANCE, wave_balance
+
+    taken, left = [], []
+    for s, prompt, _, blocks, picked, why, ratio in _group_8_head_64_points("g[68]_d64_4warps_w*_round45.json", True):
+        g = s["heads"] // s["kv_heads"]
+        balance = wave_balance(s["requests"], s["kv_heads"], s["beams"], g, 64, num_sms=132)
+        limit = 128 if g < 8 else 512 if blocks <= 2 else 256
+        assert picked == (balance >= CASCADE_GROUP_8_HEAD_64_MIN_BALANCE and prompt <= limit), (s["name"], why)
+        (taken if picked else left).append(ratio)
+        if balance < CASCADE_GROUP_8_HEAD_64_MIN_BALANCE:
+            assert ratio >= 1.08 and "waves" in why, (s["name"], ratio, why)
+    assert (len(taken), len(left)) == (24, 53), (len(taken), len(left))
+    assert max(taken) <= 1.05 and sorted(taken)[len(taken) // 2] <= 0.9, sorted(taken)
+    assert min(left) >= 0.965, sorted(left)[:3]
+
+
+def test_group_8_at_head_64_few_programs_on_the_h200_grids():
+    """Round 45, GQA 64/8 and 48/8 at head 64, at most one cascade program a multiprocessor (the tile keeps 8
+    warps): 1-16 requests of 8-96 beams at 128-1,000 tokens (``g[68]_d64_few_w*_round45.json``, 8-128 programs).
+    With more than 32 programs ``auto`` takes the cascade to 256 tokens, where it was 7-20% faster than FA4 + tail;
+    with at most 32 never (from 3% faster to 8% slower at 128 tokens, 4-15% slower at 256). None left was more than
+    3.9% faster."""
+    from beam_shared_prefix.prefix.select import CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64
+
+    taken, left = [], []
+    for s, prompt, programs, _, picked, why, ratio in _group_8_head_64_points("g[68]_d64_few_w*_round45.json", False):
+        assert picked == (programs > CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64 and prompt <= 256), (s["name"], why)
+        (taken if picked else left).append(ratio)
+        if programs <= CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64 and prompt <= 256:
+            assert "cascade programs" in why and 0.96 <= ratio <= 1.15, (s["name"], ratio, why)
+    assert (len(taken), len(left)) == (12, 53), (len(taken), len(left))
+    assert max(taken) <= 0.935 and min(left) >= 0.96, (sorted(taken)[-3:], sorted(left)[:3])
 
 
 @pytest.mark.parametrize("pattern, points, taken_points, auto_ran", [
