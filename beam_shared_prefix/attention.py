@@ -61,8 +61,8 @@ from .prefix.base import (
 )
 from .prefix.buffers import DeviceBuffer
 from .prefix.flashinfer import PREFIX_KERNELS
-from .prefix.select import (BACKEND_CLASSES, cascade_preferred, graph_rule_prompt, long_tail_for_shared_run,
-                            resolve_prefix_backend, split_kv_preferred)
+from .prefix.select import (BACKEND_CLASSES, cascade_preferred, cascade_tail_bound, graph_rule_prompt,
+                            long_tail_for_shared_run, resolve_prefix_backend, split_kv_preferred)
 
 __all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
 
@@ -109,6 +109,13 @@ class BeamSharedPrefixAttention:
             :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` (there ``backend="auto"`` also
             prefers the two-launch paths to the cascade); ``True``/``"on"``: every step; ``False``/``"off"``:
             never. ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_SHARED_RUN`` (default ``"auto"``).
+        max_tail_len: the longest tail any step will have, in generated tokens per beam (this step's
+            included); ``None`` (default): unknown. The cascade leaves paths out of its launch that no such
+            tail takes (:func:`triton_kernels.cascade.cascade_launch_config`; 1-26% a step at 4-16 tokens in
+            some tilings). Eager steps use their plan's ``max_tail_len`` where given; under CUDA graphs a
+            capture keeps its launches, so only this bound applies there. A plan past it logs a warning
+            once: the steps stay exact (the bound is about speed), but captured ones miss the long-tail path.
+            ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_MAX_TAIL`` (default unset).
 
     Attributes:
         backend_name: the prefix backend serving the active plan (``None`` before the first plan).
@@ -132,8 +139,9 @@ class BeamSharedPrefixAttention:
         prefix_kernel: str = "auto",
         report_errors: Optional[bool] = None,
         shared_run: Union[None, bool, str] = None,
+        max_tail_len: int | None = None,
     ):
-        settings = (load_settings() if None in (backend, check, report_errors, shared_run) else None)
+        settings = load_settings() if None in (backend, check, report_errors, shared_run, max_tail_len) else None
         backend = settings.backend if backend is None else backend
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not accepted; use one of {', '.join(BACKENDS)}.")
@@ -180,6 +188,15 @@ class BeamSharedPrefixAttention:
         self._errors_seen = 0
         self._error_poll = None  # (pinned host word, event) of the copy in flight
         self.shared_run = shared_run_mode(settings.shared_run if shared_run is None else shared_run)
+        max_tail_len = settings.max_tail_len if max_tail_len is None else max_tail_len
+        if max_tail_len is not None:
+            max_tail_len = _as_int("max_tail_len", max_tail_len, ValueError)
+            if max_tail_len < 1:
+                raise ValueError(f"max_tail_len={max_tail_len} must be >= 1 (generated tokens per beam, this step's "
+                                 f"included), or None where the longest tail is unknown.")
+        self.max_tail_len = max_tail_len
+        self._launch_tail: int | None = cascade_tail_bound(max_tail_len)  # the bound the cascade's launch gets
+        self._warned_tail_bound = False
         self._graph_long_tail: Dict[tuple, bool] = {}  # CUDA graphs: the first plan's verdict, per shape
 
         self._planner: Optional[StepPlanner] = None
@@ -320,8 +337,9 @@ class BeamSharedPrefixAttention:
                 (``max(kv_len) - prompt_len`` over the batch), as the host knows it; ``None``: unknown. Only
                 whether it reaches :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` is used
                 (``shared_run="auto"``), and with ``backend="auto"`` and ``use_cuda_graph`` whether the first
-                plan's passes :data:`~beam_shared_prefix.prefix.select.CASCADE_MAX_TAIL`; run() reads the true
-                lengths from ``kv_lens``.
+                plan's passes :data:`~beam_shared_prefix.prefix.select.CASCADE_MAX_TAIL`; on an eager step the
+                cascade's launch is also given it as a bound (the constructor's ``max_tail_len``). run() reads the
+                true lengths from ``kv_lens``.
 
         Returns:
             The :class:`StepPlan` (the same object while the composition is unchanged; then the backend
@@ -349,6 +367,7 @@ class BeamSharedPrefixAttention:
                     f"max_tail_len={max_tail_len} must be >= 0 (generated tokens per beam, this step's included), "
                     f"or None where the host does not know it."
                 )
+        self._set_launch_tail(max_tail_len)
         planner = self._planner_for(page_size, num_cache_pages)
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
         problem_key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, default_sm_scale(head_dim, sm_scale))
@@ -367,6 +386,18 @@ class BeamSharedPrefixAttention:
         self._prepare_buffers(step_plan, problem_key, backend, long_tail)
         self._active = (step_plan, problem_key, backend, long_tail)
         return step_plan
+
+    def _set_launch_tail(self, max_tail_len: int | None) -> None:
+        """The tail bound the next run()'s cascade launch gets: the plan's on eager steps, else the wrapper's."""
+        over = max_tail_len is not None and self.max_tail_len is not None and max_tail_len > self.max_tail_len
+        if over and not self._warned_tail_bound:
+            self._warned_tail_bound = True
+            logger.warning("beam_shared_prefix: a step's tail of %d generated tokens exceeds max_tail_len=%d; "
+                           "its results stay exact, but launches captured under that bound leave out the "
+                           "long-tail path (slower there); raise max_tail_len (TLLM_BEAM_SHARED_PREFIX_MAX_TAIL).",
+                           max_tail_len, self.max_tail_len)
+        step_tail = max_tail_len if max_tail_len is not None and not self.use_cuda_graph else self.max_tail_len
+        self._launch_tail = cascade_tail_bound(step_tail)
 
     def _prepare_buffers(self, step_plan: StepPlan, problem_key: tuple, backend: PrefixBackend,
                          long_tail: bool) -> None:
@@ -469,7 +500,7 @@ class BeamSharedPrefixAttention:
             backend.run_step(
                 q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection, new_k, new_v,
                 out, page_index_divisor=page_index_divisor, write_kv=write_kv, validate_indices=check,
-                error_flags=self.error_flags,
+                error_flags=self.error_flags, max_tail_len=self._launch_tail,
             )
         else:
             tail_skip = self._views.get("tail_skip")

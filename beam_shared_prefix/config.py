@@ -6,6 +6,7 @@
 | ``TLLM_BEAM_SHARED_PREFIX_CHECK`` | ``0``, ``1`` | ``0`` | check mode: sync, validate and recompute every stage |
 | ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` | ``0``, ``1`` | ``0`` | device error flag: invalid indices the kernels mask are reported without a sync (about 2% slower on the H200 presets, B-beam14 3%) |
 | ``TLLM_BEAM_SHARED_PREFIX_SHARED_RUN`` | ``auto``, ``1``, ``0`` | ``auto`` | the shared-run stage: on the two-launch paths (FA4 or FlashInfer + tail), attend the generated positions that every beam of a block reads from one ancestor once per block, between the prefix and the tail. ``auto``: on for steps whose longest tail is at least ``SHARED_RUN_MIN_TAIL`` (96) generated tokens, where it measured faster, and off under CUDA graphs (a captured step's tail is unknown); ``1``: on every step; ``0``: never |
+| ``TLLM_BEAM_SHARED_PREFIX_MAX_TAIL`` | an int >= 1 | unset | the longest tail any step will have, in generated tokens per beam (its own included); where it is at most 16 the cascade's CUDA-graph captures leave out the long-tail (shared-ancestry) path, 1-26% a step in some tilings at short tails. A longer step stays exact, logs a warning once, and runs without that path |
 | ``TLLM_BEAM_SHARED_PREFIX_DECLINE`` | ``auto``, ``never`` | ``auto`` | ``auto`` declines shapes where the measured rule says the library is slower than the default kernel; ``never`` serves every supported shape |
 
 An invalid value raises :class:`ConfigError` naming the variable, the value and the accepted values.
@@ -32,6 +33,7 @@ ENV_CHECK = "TLLM_BEAM_SHARED_PREFIX_CHECK"
 ENV_DECLINE = "TLLM_BEAM_SHARED_PREFIX_DECLINE"
 ENV_REPORT_ERRORS = "TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS"
 ENV_SHARED_RUN = "TLLM_BEAM_SHARED_PREFIX_SHARED_RUN"
+ENV_MAX_TAIL = "TLLM_BEAM_SHARED_PREFIX_MAX_TAIL"
 
 
 class ConfigError(ValueError):
@@ -42,13 +44,14 @@ class ConfigError(ValueError):
 class Settings:
     """Parsed environment settings (see the module table): prefix ``backend``, ``check`` mode, ``decline``
     mode, ``report_errors`` (the device error flag), ``shared_run`` (the shared-run stage: one of
-    :data:`SHARED_RUN_MODES`)."""
+    :data:`SHARED_RUN_MODES`), ``max_tail_len`` (the longest tail any step will have; ``None``: unset)."""
 
     backend: str = "auto"
     check: bool = False
     decline: str = "auto"
     report_errors: bool = False
     shared_run: str = "auto"
+    max_tail_len: int | None = None
 
 
 def _choice(env: Mapping[str, str], name: str, accepted, default: str) -> str:
@@ -101,6 +104,17 @@ def _shared_run(env: Mapping[str, str]) -> str:
                           f"1 (on) or 0 (off).") from None
 
 
+def _max_tail(env: Mapping[str, str]) -> int | None:
+    raw = env.get(ENV_MAX_TAIL)
+    if raw is None or raw.strip() == "":
+        return None
+    text = raw.strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{ENV_MAX_TAIL}={raw!r} is not accepted; use an integer >= 1 (the longest tail in generated "
+                          f"tokens per beam), or leave it unset where the tail is unknown.")
+    return int(text)
+
+
 def load_settings(env: Optional[Mapping[str, str]] = None) -> Settings:
     """Parse the library's environment variables (``os.environ`` by default)."""
     env = os.environ if env is None else env
@@ -110,4 +124,5 @@ def load_settings(env: Optional[Mapping[str, str]] = None) -> Settings:
         decline=_choice(env, ENV_DECLINE, DECLINE_MODES, "auto"),
         report_errors=_flag(env, ENV_REPORT_ERRORS),
         shared_run=_shared_run(env),
+        max_tail_len=_max_tail(env),
     )

@@ -715,3 +715,43 @@ def test_auto_tail_impl_on_cpu_follows_the_interpreter(monkeypatch, interpret, e
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     assert BeamSharedPrefixAttention("cpu", backend="reference").tail_impl == expected
     assert BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch").tail_impl == "torch"
+
+
+@pytest.mark.interpreter
+def test_the_cascade_launch_hears_the_tail_bound(monkeypatch, caplog):
+    """The cascade's launch is bounded by the step's tail (``cascade_tail_bound``: 16 generated tokens where the
+    tail is within it, else none): on eager steps the plan's ``max_tail_len`` (else the wrapper's), under CUDA
+    graphs only the wrapper's (a capture keeps its launches; a longer plan logs a warning once). Outputs stay the
+    oracle's, check mode on."""
+    from beam_shared_prefix.prefix.select import CASCADE_SHORT_TAIL
+    from beam_shared_prefix.prefix.triton import TritonPrefixBackend
+    from triton_kernels.cascade import SHARED_ANCESTRY_MIN_TAIL
+
+    assert CASCADE_SHORT_TAIL == SHARED_ANCESTRY_MIN_TAIL  # the longest tail that never takes the path
+    heard, run_step_fn = [], TritonPrefixBackend.run_step
+
+    def recording(self, *args, **kwargs):
+        heard.append(kwargs.get("max_tail_len"))
+        return run_step_fn(self, *args, **kwargs)
+
+    monkeypatch.setattr(TritonPrefixBackend, "run_step", recording)
+    sim = make_sim(prompts=(5, 9), beams=3, d=64, max_seq_len=48)
+    eager = BeamSharedPrefixAttention("cpu", backend="triton", check=True, max_tail_len=None)
+    graph = BeamSharedPrefixAttention("cpu", backend="triton", check=True, use_cuda_graph=True, max_requests=2,
+                                      max_beam_width=3, max_prompt_pages=4, max_tail_len=8)
+    for plan_tail in (None, 1, 20, 30):
+        step = sim.begin_step()
+        for att in (eager, graph):
+            plan_step(att, sim, step, max_tail_len=plan_tail)
+            with caplog.at_level("WARNING", logger="beam_shared_prefix"):
+                out = run_step(att, sim, step)
+            torch.testing.assert_close(out.float(), oracle(sim, step).float(), atol=2e-2, rtol=2e-2)
+        sim.end_step(write_kv=False)
+    short = CASCADE_SHORT_TAIL
+    assert heard == [None, short, short, short, None, short, None, short], heard
+    warnings = [r for r in caplog.records if "exceeds max_tail_len=8" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    with pytest.raises(ValueError, match=r"max_tail_len=0 must be >= 1"):
+        BeamSharedPrefixAttention("cpu", backend="triton", max_tail_len=0)
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_MAX_TAIL", "5")
+    assert BeamSharedPrefixAttention("cpu", backend="triton").max_tail_len == 5

@@ -8,6 +8,7 @@ from beam_shared_prefix.config import (
     ENV_BACKEND,
     ENV_CHECK,
     ENV_DECLINE,
+    ENV_MAX_TAIL,
     ENV_REPORT_ERRORS,
     ENV_SHARED_RUN,
     SHARED_RUN_MODES,
@@ -85,7 +86,7 @@ def test_accepted_values_are_documented():
 
     for value in BACKENDS + DECLINE_MODES + ("auto",):
         assert f"``{value}``" in config.__doc__, f"{value} missing from the settings table"
-    for name in (ENV_BACKEND, ENV_CHECK, ENV_DECLINE, ENV_REPORT_ERRORS, ENV_SHARED_RUN):
+    for name in (ENV_BACKEND, ENV_CHECK, ENV_DECLINE, ENV_REPORT_ERRORS, ENV_SHARED_RUN, ENV_MAX_TAIL):
         assert f"``{name}``" in config.__doc__
 
 
@@ -112,3 +113,15 @@ def test_invalid_check_flag(value):
 
 def test_config_error_is_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), ("", None), (" ", None), ("8", 8), (" 17 ", 17), ("1", 1)])
+def test_max_tail(value, expected):
+    env = {} if value is None else {ENV_MAX_TAIL: value}
+    assert load_settings(env).max_tail_len == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-4", "8.5", "short"])
+def test_invalid_max_tail(value):
+    with pytest.raises(ConfigError, match=rf"{ENV_MAX_TAIL}='{value}' is not accepted; use an integer >= 1"):
+        load_settings({ENV_MAX_TAIL: value})

@@ -19,6 +19,7 @@ from .cascade import (
     beam_prefix_attention,
     cascade_launch_config,
     cascade_supported,
+    shared_ancestry_reachable,
 )
 from .shared_run import beam_shared_run_attention, shared_run_supported
 from .tail_merge import TailLaunchConfig, beam_tail_attention_merge, tail_launch_config
@@ -31,6 +32,7 @@ __all__ = [
     "CascadeLaunchConfig",
     "cascade_launch_config",
     "cascade_supported",
+    "shared_ancestry_reachable",
     "beam_shared_run_attention",
     "shared_run_supported",
     "beam_tail_attention_merge",

@@ -48,6 +48,7 @@ __all__ = [
     "CascadeLaunchConfig",
     "cascade_launch_config",
     "cascade_supported",
+    "shared_ancestry_reachable",
     "beam_cascade_attention",
     "beam_prefix_attention",
 ]
@@ -151,7 +152,8 @@ def cascade_supported(group_size: int, head_dim: int) -> Tuple[bool, str]:
 @functools.lru_cache(maxsize=None)
 def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
                           prompt_capacity: Optional[int] = None, num_requests: int | None = None,
-                          num_kv_heads: int = 1, num_sms: int = DEFAULT_MULTIPROCESSORS) -> CascadeLaunchConfig:
+                          num_kv_heads: int = 1, num_sms: int = DEFAULT_MULTIPROCESSORS,
+                          max_tail_len: int | None = None) -> CascadeLaunchConfig:
     """The default tiling for a shape (requires :func:`cascade_supported`), from H200 sweeps
     (``python -m microbenchmarks.tune_cascade``; ``docs/results/h200/tune_cascade*.json``).
 
@@ -159,7 +161,10 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
     every prompt of the launch and is a shape, known on the host without a sync; under CUDA graphs
     the table is allocated at its maximum width, so a captured graph keeps the tiling for the
     longest prompts it may see. ``num_requests`` and ``num_kv_heads`` give the launch's program count
-    (``None``: unknown, judged as many), against the GPU's ``num_sms`` multiprocessors.
+    (``None``: unknown, judged as many), against the GPU's ``num_sms`` multiprocessors. ``max_tail_len``
+    bounds every row's tail (generated tokens, this step's included; ``None``: unknown): at most
+    ``SHARED_ANCESTRY_MIN_TAIL`` leaves the shared-ancestry path out of the tilings below that measured
+    faster without it, since such a tail never takes it (:func:`shared_ancestry_reachable`).
 
     - Beams per program: up to 64 query rows per tile (32 beams at G = 2): the kernel is latency-
       bound at decode shapes and the register file, not the tensor cores, limits how many programs
@@ -200,6 +205,10 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
       (``tune_cascade``'s ``g8_d64_warps_round45.json``, ``g8_d64_few_programs_round45.json``). Where every program
       has a multiprocessor of its own the 8 warps finish a program's rows sooner: 14.4 against 21.0 us at 4 x 8 x
       128 (32 programs), 24.4 against 34.7 at 16 x 16 x 512 (128), 23.9 against 33.0 at GQA 40/8, 16 x 8 x 500.
+    - A launch whose tails are all too short for the shared-ancestry path (``max_tail_len``) leaves it out of the
+      ``block_n`` 128 tilings (head 64, and groups 5-8 at head 128), whose steps it cost 1-26% at 4 and 16
+      generated tokens on the H200; the head-128 tiles of groups 1-2 keep it (within 3% either way, preset A 2%
+      slower without it; ``docs/rounds.md``, "The forty-fifth round").
     - ``shared_ancestry`` (the run of tail positions every beam of a tile reads from one ancestor,
       folded once for the tile) is on in every masked-tail tiling but the one-block one. Where the
       histories coalesce it took 64 x 30 x 500 with 255 earlier positions from 600 to 246 us, and
@@ -233,9 +242,16 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
         return CascadeLaunchConfig(beams, group_pad, block_n=64, tail_block=tail_block, num_warps=num_warps,
                                    num_stages=1, prompt_first=(block_m == 64 and beams == 32), prompt_stages=3)
     num_stages = 1 if block_m >= 64 else 2
+    shared = not (head_dim == 64 and group_pad == 4) and shared_ancestry_reachable(max_tail_len)
     return CascadeLaunchConfig(beams, group_pad, block_n=128, tail_block=tail_block,
-                               num_warps=num_warps, num_stages=num_stages,
-                               shared_ancestry=not (head_dim == 64 and group_pad == 4))
+                               num_warps=num_warps, num_stages=num_stages, shared_ancestry=shared)
+
+
+def shared_ancestry_reachable(max_tail_len: int | None, shared_min_tail: int = SHARED_ANCESTRY_MIN_TAIL) -> bool:
+    """Whether a launch whose tails are at most ``max_tail_len`` generated tokens (this step's included;
+    ``None``: unknown) may take the shared-ancestry path, which looks at ``shared_min_tail`` cached
+    positions or more."""
+    return max_tail_len is None or max_tail_len - 1 >= shared_min_tail
 
 
 def _is_pow2(x) -> bool:
@@ -256,7 +272,8 @@ def launch_multiprocessors(device: torch.device) -> int:
 
 def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int,
                     prompt_capacity: int | None = None, num_requests: int | None = None,
-                    num_kv_heads: int = 1, device: torch.device | None = None) -> CascadeLaunchConfig:
+                    num_kv_heads: int = 1, device: torch.device | None = None,
+                    max_tail_len: int | None = None) -> CascadeLaunchConfig:
     ok, reason = cascade_supported(group_size, head_dim)
     if not ok:
         raise TailMergeInputError(f"{reason}; use the prefix backend + tail kernel path (backend='fa4' or "
@@ -264,7 +281,7 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int,
     if cfg is None:
         sms = DEFAULT_MULTIPROCESSORS if device is None else launch_multiprocessors(device)
         return cascade_launch_config(beam_width, group_size, head_dim, prompt_capacity, num_requests, num_kv_heads,
-                                     sms)
+                                     sms, max_tail_len)
     if not isinstance(cfg, CascadeLaunchConfig):
         raise TailMergeInputError(f"launch_config must be a CascadeLaunchConfig or None, got {type(cfg).__name__}.")
     for name in ("beams_per_program", "group_pad", "block_n", "tail_block", "num_warps", "heads_per_program"):
@@ -404,6 +421,7 @@ def beam_cascade_attention(
     validate_indices=False,
     launch_config=None,
     error_flags=None,
+    max_tail_len=None,
 ):
     """A whole beam-search decode step of one layer in one launch: prompt once per beam block, tail, KV write.
 
@@ -433,6 +451,10 @@ def beam_cascade_attention(
         write_kv: store ``new_k``/``new_v`` at ``L - 1`` of each row's own page in the same launch.
         validate_indices: check mode: read lengths, pages and indirection back and check them (host sync).
         launch_config: a :class:`CascadeLaunchConfig` (tuning and benchmarks).
+        max_tail_len: ``None``, or a bound on every row's tail, ``kv_len - prompt_len`` generated tokens (this
+            step's included), known on the host: the default tiling then leaves out paths no such tail takes
+            (:func:`cascade_launch_config`). A wrong bound costs speed, never correctness: those paths are
+            shortcuts. ``validate_indices`` checks it.
         error_flags: ``None``, or an ``int32 [1]`` tensor on q's device into which the kernel ORs one
             bit per kind of invalid index or length it masked (:mod:`triton_kernels.device_errors`;
             no sync).
@@ -452,10 +474,21 @@ def beam_cascade_attention(
     _check_device(q)
     _check_prompt_table(prompt_page_table, geom.num_requests, q.device)
     check_error_flags(error_flags, q.device)
+    if max_tail_len is not None and (isinstance(max_tail_len, bool) or not isinstance(max_tail_len, int)
+                                     or max_tail_len < 1):
+        _fail(f"max_tail_len={max_tail_len!r} must be None or an int >= 1 (generated tokens per beam, this step's "
+              f"included).")
     cfg = _resolve_config(launch_config, geom.beam_width, geom.group_size, geom.head_dim,
-                          prompt_page_table.shape[1] * geom.page_size, geom.num_requests, geom.num_kv_heads, q.device)
+                          prompt_page_table.shape[1] * geom.page_size, geom.num_requests, geom.num_kv_heads, q.device,
+                          max_tail_len)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
+        if max_tail_len is not None and geom.num_rows:
+            tails = (kv_lens[: geom.num_rows].long() - prompt_lens[: geom.num_rows].long()).cpu()
+            row = int(tails.argmax())
+            if int(tails[row]) > max_tail_len:
+                _fail(f"row {row} has a tail of {int(tails[row])} generated tokens (kv_len - prompt_len) but "
+                      f"max_tail_len={max_tail_len}; pass the step's longest tail, or None where it is unknown.")
         per_request = prompt_lens[:: geom.beam_width]
         if bool((prompt_lens.reshape(-1, geom.beam_width) != per_request[:, None]).any()):
             _fail("prompt_lens differ between the beams of one request; every beam shares its request's prompt.")

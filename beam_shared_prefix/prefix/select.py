@@ -49,10 +49,12 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_GROUP_8_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_PADDED_GROUP_8_HEAD_64",
-           "CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64", "CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64", "CASCADE_GROUP_8_HEAD_64_MIN_BALANCE", "CASCADE_MAX_GROUP",
+           "CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64", "CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64",
+           "CASCADE_GROUP_8_HEAD_64_MIN_BALANCE", "CASCADE_MAX_GROUP",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
            "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
-           "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run", "CASCADE_MAX_TAIL",
+           "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run",
+           "CASCADE_SHORT_TAIL", "cascade_tail_bound", "CASCADE_MAX_TAIL",
            "cascade_tail_too_long", "EAGER_CASCADE_MAX_BYTES", "EAGER_CASCADE_MAX_MEAN_PROMPT", "cascade_step_bytes",
            "eager_cascade_preferred", "eager_cascade_over_split_kv", "EAGER_CASCADE_OVER_SPLIT_KV",
            "EAGER_CASCADE_OVER_SPLIT_KV_MAX_PROMPT"]
@@ -154,18 +156,18 @@ CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64 = 512
 CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64 = 128
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
-# Forty-fifth round (H200, graph replays; g8_d64_4warps_w{8,16,30,48,96}_round45.json and g6_d64_4warps_w30_round45.json:
-# 4, 16 and 64 requests at GQA 64/8, 16 and 64 at GQA 48/8, 128-2,000 tokens). Above one program a multiprocessor the
-# 128-row tile runs 4 warps, two programs a multiprocessor where 8 warps held one (tune_cascade's
-# g8_d64_warps_round45.json and g8_d64_few_programs_round45.json: 1-48% faster at 192-3,072 programs). There the cascade against FA4 + tail went by
-# the waves of the two grids (wave_balance): at a balance of 0.75 (4 x 96 and 16 x 48: 192 and 384 programs) it was
-# 8-92% slower at every length, 128 tokens included; at 1 with G = 8 (16 x 30, 16 x 96, 64 requests of every width)
-# 3-28% faster at 128 tokens, with one or two blocks (8-32 beams) 1-21% faster at 256-512 (64 x 16 at 512: 66.2
-# against 74.3 us) and within 4% at 768-1,024, and with three or six blocks 2-6% faster at 256 but 16 x 96 (5%
-# slower) and 5-19% slower from 384. GQA 6 pads to the same 8-row groups: 2-3% faster at 128 tokens, 11% slower at
-# 256. Hence 512 (two blocks), 256 (three or more, or W unknown) and 128 (G = 5-7), each where the balance reaches
-# CASCADE_GROUP_8_HEAD_64_MIN_BALANCE. (The old 256-token limit, set on the 8-warp tile at 64 requests, took the
-# slower points of a balance of 0.75.)
+# Forty-fifth round (H200, graph replays; g8_d64_4warps_w{8,16,30,48,96}_round45.json and
+# g6_d64_4warps_w30_round45.json: 4, 16 and 64 requests at GQA 64/8, 16 and 64 at GQA 48/8, 128-2,000 tokens). Above
+# one program a multiprocessor the 128-row tile runs 4 warps, two programs a multiprocessor where 8 warps held one
+# (tune_cascade's g8_d64_warps_round45.json and g8_d64_few_programs_round45.json: 1-48% faster at 192-3,072 programs).
+# There the cascade against FA4 + tail went by the waves of the two grids (wave_balance): at a balance of 0.75 (4 x 96
+# and 16 x 48: 192 and 384 programs) it was 8-93% slower at every length, 128 tokens included; at 1 with G = 8 (16 x
+# 30, 16 x 96, 64 requests of every width) 6-28% faster at 128 tokens, with one or two blocks (8-32 beams) 1-21%
+# faster at 256-512 (64 x 16 at 512: 66.2 against 74.3 us) and from 3% faster to 8% slower at 768-1,024, and with
+# three or six blocks 2-6% faster at 256 but 16 x 96 (5% slower) and 5-19% slower from 384. GQA 6 pads to the same
+# 8-row groups: 2-3% faster at 128 tokens, 11% slower at 256. Hence 512 (two blocks), 256 (three or more, or W
+# unknown) and 128 (G = 5-7), each where the balance reaches CASCADE_GROUP_8_HEAD_64_MIN_BALANCE. (The old 256-token
+# limit, set on the 8-warp tile at 64 requests, took the slower points of a balance of 0.75.)
 CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64 = 512
 CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_GROUP_8_HEAD_64 = 256
 CASCADE_MAX_MEAN_PROMPT_PADDED_GROUP_8_HEAD_64 = 128
@@ -467,6 +469,19 @@ def long_tail_for_shared_run(tail_len: Optional[float]) -> bool:
     """Whether a step whose longest tail is ``tail_len`` generated tokens per beam (``None``: unknown, e.g.
     a CUDA graph) is long enough for the shared-run stage: ``tail_len >= SHARED_RUN_MIN_TAIL``."""
     return tail_len is not None and float(tail_len) >= SHARED_RUN_MIN_TAIL
+
+
+#: The longest tail (generated tokens per beam, the step's own included) that never takes the cascade's
+#: shared-ancestry path, which looks at :data:`triton_kernels.cascade.SHARED_ANCESTRY_MIN_TAIL` (16) cached positions
+#: or more. A launch bounded by it leaves the path out where that measured faster (forty-fifth round).
+CASCADE_SHORT_TAIL = 16
+
+
+def cascade_tail_bound(tail_len: float | None) -> int | None:
+    """The tail bound a cascade launch is given for a step whose longest tail is ``tail_len`` (``None``:
+    unknown): :data:`CASCADE_SHORT_TAIL` where the tail is within it (so that a plan serves every later step of
+    a short tail with one launch configuration), else ``None``."""
+    return CASCADE_SHORT_TAIL if tail_len is not None and float(tail_len) <= CASCADE_SHORT_TAIL else None
 
 
 # MHA's tail (thirty-third round, g1_auto_grid_round33.json: GQA 16/16 at head 128, 64 requests of 14 and 30

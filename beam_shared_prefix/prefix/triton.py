@@ -98,10 +98,11 @@ class TritonPrefixBackend(PrefixBackend):
 
     def run_step(self, q, kv_cache, beam_page_table, kv_lens, prompt_lens_per_row, cache_indirection, new_k, new_v,
                  out, page_index_divisor: int = 1, write_kv: bool = True, validate_indices: bool = False,
-                 error_flags=None):
+                 error_flags=None, max_tail_len=None):
         """The whole step in one launch (:func:`triton_kernels.beam_cascade_attention`; its arguments).
 
-        ``prompt_lens_per_row`` is ``[rows]`` int32 on the device (the wrapper's per-row view of the plan).
+        ``prompt_lens_per_row`` is ``[rows]`` int32 on the device (the wrapper's per-row view of the plan);
+        ``max_tail_len`` bounds every row's tail where the host knows it (``None``: unknown).
         """
         step_plan, problem = self._require_planned()
         from triton_kernels import beam_cascade_attention
@@ -110,5 +111,5 @@ class TritonPrefixBackend(PrefixBackend):
             q, new_k, new_v, kv_cache, self._page_table_view, beam_page_table, kv_lens, prompt_lens_per_row,
             cache_indirection, step_plan.beam_width, out, sm_scale=problem.sm_scale, kv_layout=self.kv_layout,
             page_index_divisor=page_index_divisor, write_kv=write_kv, validate_indices=validate_indices,
-            error_flags=error_flags,
+            error_flags=error_flags, max_tail_len=max_tail_len,
         )

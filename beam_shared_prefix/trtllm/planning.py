@@ -40,7 +40,7 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 
 from ..decline import should_decline, tail_decline_reason
-from ..prefix.select import long_tail_for_shared_run, step_path
+from ..prefix.select import cascade_tail_bound, long_tail_for_shared_run, step_path
 from .gates import batch_decline_reason, decline_log, slow_step_log, step_decline_reason
 from .kv_cache import LayerKV, PageAdapter, adapter_for
 from .registration import current_settings
@@ -431,6 +431,7 @@ def _new_wrapper(metadata, state: _MetadataState, step: StepInfo):
         check=settings.check,
         report_errors=settings.report_errors,
         shared_run=settings.shared_run,
+        max_tail_len=settings.max_tail_len,
         tail_impl="auto",  # the fused kernel on CUDA (and under TRITON_INTERPRET=1), the torch tail on a plain CPU
     )
 
@@ -442,7 +443,8 @@ def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family)
     # The longest tail, for the wrapper's shared-run rule (None under a CUDA graph). The cascade's tail limit
     # applies to graph-replayed calls only, whose metadata hands no tail, so it never moves an eager plan.
     tail = step.judged_tail
-    planned = (key, long_tail_for_shared_run(tail))
+    # A plan also bounds the cascade's launch by the tail (cascade_tail_bound): plan again where that moves.
+    planned = (key, long_tail_for_shared_run(tail), cascade_tail_bound(tail))
     wrapper = state.wrappers.get(family.key)
     if wrapper is not None and state.planned_key.get(family.key) == planned:
         return wrapper

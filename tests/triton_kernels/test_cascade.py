@@ -31,7 +31,9 @@ from triton_kernels import (
     beam_prefix_attention,
     cascade_launch_config,
     cascade_supported,
+    shared_ancestry_reachable,
 )
+from triton_kernels.cascade import SHARED_ANCESTRY_MIN_TAIL
 
 from test_beam_index import leading_shared_run
 from test_tail_merge import assert_matches, earlier_tail, expected_pool_after_write, make_sim, oracle, step_after
@@ -522,7 +524,59 @@ def test_launches_pass_their_program_count_to_the_tiling(monkeypatch, device):
     beam_prefix_attention(step.q, sim.kv_cache, table, step.prompt_lens[:: step.beam_width].contiguous(),
                           step.beam_width, torch.empty_like(step.q), lse, kv_layout=sim.kv_layout)
     sms = cascade.launch_multiprocessors(step.q.device)
-    assert [args[4:] for args in seen] == [(2, 2, sms)] * 2, seen
+    assert [args[4:] for args in seen] == [(2, 2, sms, None)] * 2, seen  # and no tail bound
+
+
+@pytest.mark.parametrize("group, head_dim, beam_width, kept", [
+    (2, 64, 30, False),   # head 64: 1-10% a short-tail step with the path (forty-fifth round)
+    (1, 64, 48, False),
+    (8, 64, 30, False),   # 20-26% on the 4-warp tile
+    (8, 128, 30, False),  # groups 5-8 at head 128: 3-17%
+    (2, 128, 30, True),   # head 128 below G = 8: within 3% either way, preset A 2% slower without it
+    (1, 128, 96, True),
+])
+def test_short_tails_leave_the_shared_ancestry_path_out(group, head_dim, beam_width, kept):
+    """A launch whose tails are at most 16 generated tokens (15 cached positions; the path looks at 16 or more)
+    never takes the shared-ancestry path, so the tilings that measured faster without it leave it out; one more
+    token, or an unknown tail, keeps it. Nothing else of the tiling moves."""
+    bound = SHARED_ANCESTRY_MIN_TAIL
+    assert not shared_ancestry_reachable(bound) and shared_ancestry_reachable(bound + 1) and shared_ancestry_reachable(None)
+    default = cascade_launch_config(beam_width, group, head_dim)
+    short = cascade_launch_config(beam_width, group, head_dim, max_tail_len=bound)
+    assert default.shared_ancestry and short.shared_ancestry == kept
+    assert dataclasses.replace(short, shared_ancestry=True) == default
+    assert cascade_launch_config(beam_width, group, head_dim, max_tail_len=bound + 1) == default
+
+
+def test_a_tail_bound_is_used_and_checked(monkeypatch, device):
+    """A step bounded by its tail runs the tiling without the shared-ancestry path and matches the oracle; check
+    mode names a row whose tail exceeds the bound; a bound that is not an int >= 1 is refused."""
+    from triton_kernels import cascade
+
+    sim, step = step_after({"prompts": [5, 9], "beams": 3, "hq": 4, "hkv": 2, "d": 64, "seed": 4}, 3)  # tails of 4
+    configs, launch = [], cascade._launch
+    monkeypatch.setattr(cascade, "_launch", lambda grid, args, cfg, *rest, **kw: configs.append(cfg)
+                        or launch(grid, args, cfg, *rest, **kw))
+    expected = oracle(sim, step)
+    out = run_cascade(sim, step, write_kv=False)  # the default tiling: tail unknown, the path in
+    assert_matches(out, expected, "no bound")
+    table = prompt_table(sim, step)
+
+    def call(max_tail_len, validate=False):
+        out = torch.full_like(step.q, float("nan"))
+        beam_cascade_attention(step.q, step.new_k, step.new_v, sim.kv_cache, table, step.beam_page_table,
+                               step.kv_lens, step.prompt_lens, step.cache_indirection, step.beam_width, out,
+                               kv_layout=sim.kv_layout, write_kv=False, validate_indices=validate,
+                               max_tail_len=max_tail_len)
+        return out
+
+    assert_matches(call(4, validate=True), expected, "bound 4")
+    assert [cfg.shared_ancestry for cfg in configs] == [True, False], configs
+    with pytest.raises(TailMergeInputError, match=r"row \d+ has a tail of 4 generated tokens .* max_tail_len=3"):
+        call(3, validate=True)
+    for bad in (0, True, 2.5):
+        with pytest.raises(TailMergeInputError, match=r"max_tail_len=.* must be None or an int >= 1"):
+            call(bad)
 
 
 # --------------------------------------------------------------------------------------------

@@ -74,17 +74,20 @@ def test_replans_only_when_the_composition_changes(setup):
     assert wrapper.num_plan_builds == 2
 
 
-@pytest.mark.parametrize("rule", ["shared-run stage", "cascade tail limit"])
+@pytest.mark.parametrize("rule", ["shared-run stage", "cascade tail limit", "cascade tail bound"])
 def test_the_wrapper_hears_the_steps_tail(setup, monkeypatch, rule):
     """The eager wrapper is handed each planned step's longest tail (``max_tail_len``, for its shared-run
     rule) and planned again, within one composition, once that tail reaches ``SHARED_RUN_MIN_TAIL`` (lowered
-    here); not when it passes ``CASCADE_MAX_TAIL`` (lowered instead), a rule for CUDA-graph replays, whose
+    here), or once it passes ``CASCADE_SHORT_TAIL`` (lowered instead: the cascade's launch is bounded by the
+    tail); not when it passes ``CASCADE_MAX_TAIL`` (lowered instead), a rule for CUDA-graph replays, whose
     metadata serves any tail and hands none."""
     from beam_shared_prefix.attention import BeamSharedPrefixAttention
     from beam_shared_prefix.prefix import select
 
     if rule == "shared-run stage":
         monkeypatch.setattr(select, "SHARED_RUN_MIN_TAIL", 3)
+    elif rule == "cascade tail bound":
+        monkeypatch.setattr(select, "CASCADE_SHORT_TAIL", 2)
     else:
         sim = setup.sim
         monkeypatch.setattr(select, "CASCADE_MAX_TAIL", {(sim.num_qo_heads // sim.num_kv_heads, sim.head_dim): 2})
@@ -105,7 +108,7 @@ def test_the_wrapper_hears_the_steps_tail(setup, monkeypatch, rule):
         setup.sim.end_step(write_kv=False)
     # Tails 1..5: the eager wrapper is planned at the first step (and again at tail 3 for the stage); the
     # graph's once.
-    again = [(False, 3)] if rule == "shared-run stage" else []
+    again = [(False, 3)] if rule != "cascade tail limit" else []
     assert heard == [(False, 1), (True, None)] + again, heard
 
 
