@@ -62,6 +62,7 @@ class RunContext:
     graph_baselines: bool = False
     fi_workspace_bytes: int = 512 << 20
     report_errors: bool = False  # the library arms' device error flag (off, as in serving, unless asked)
+    declare_tail: bool = False  # the library arms' wrappers get max_tail_len = the workload's longest tail
     _fi_workspace: Optional[torch.Tensor] = None
 
     def fi_workspace(self) -> torch.Tensor:
@@ -189,6 +190,10 @@ class LibraryArm(Arm):
             kwargs["shared_run"] = self.shared_run  # explicit, as report_errors
         elif self.shared_run == "on":
             raise ArmSkipped("the wrapper takes no shared_run argument")
+        if ctx.declare_tail:
+            if not _accepts(cls, "max_tail_len"):
+                raise ArmSkipped("the wrapper takes no max_tail_len argument")
+            kwargs["max_tail_len"] = int(wl.tail_lens_host.max())
         if _accepts(cls, "tail_impl"):
             kwargs["tail_impl"] = self.tail_impl
         elif self.tail_impl != "triton":

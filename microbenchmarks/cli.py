@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--report-errors", action="store_true",
                    help="time the library with its device error flag on (TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS=1; "
                         "off by default, as in serving); the check then also fails an arm that flags valid input")
+    m.add_argument("--declare-tail", action="store_true",
+                   help="construct the library's wrappers with max_tail_len set to each shape's longest tail, as "
+                        "TLLM_BEAM_SHARED_PREFIX_MAX_TAIL does in TensorRT-LLM: CUDA-graph captures then leave out "
+                        "paths no such tail takes (default: a capture's tail unknown, as TensorRT-LLM captures; "
+                        "that variable, if set, still applies)")
     m.add_argument("--kernel-times", action="store_true",
                    help="also time every arm's kernels in a CUPTI trace (torch.profiler): the span from its first "
                         "kernel's start to its last kernel's end, without the launch and event latency that the "
@@ -318,7 +323,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         kv_layout=args.kv_layout, seed=args.seed, plan_repeats=args.plan_repeats,
         baselines_need_pages=any(a.kind == "baseline" for a in arms), graph_baselines=args.graph_baselines,
         fi_workspace_mb=args.fi_workspace_mb, report_errors=args.report_errors, kernel_times=args.kernel_times,
+        declare_tail=args.declare_tail,
     )
+    if not args.declare_tail and os.environ.get("TLLM_BEAM_SHARED_PREFIX_MAX_TAIL", "").strip():
+        log(f"TLLM_BEAM_SHARED_PREFIX_MAX_TAIL={os.environ['TLLM_BEAM_SHARED_PREFIX_MAX_TAIL'].strip()} bounds the "
+            f"library arms' tails (as in serving); --declare-tail sets each shape's own.")
     if not gpu:
         opts.sets = min(opts.sets, 2)
         opts.iters = min(opts.iters, 3)

@@ -45,6 +45,7 @@ class RunOptions:
     fi_workspace_mb: int = 512
     report_errors: bool = False
     kernel_times: bool = False
+    declare_tail: bool = False  # the library's wrappers get max_tail_len = the shape's longest tail
 
 
 @dataclass
@@ -256,7 +257,8 @@ def run_point(
         f = floor_times_simple(d["bytes"], d["flops"], rates)
         d["floor_us"] = f
     ctx = RunContext(device=device, use_graphs=opts.use_graphs and is_cuda, graph_baselines=opts.graph_baselines,
-                     fi_workspace_bytes=opts.fi_workspace_mb << 20, report_errors=opts.report_errors)
+                     fi_workspace_bytes=opts.fi_workspace_mb << 20, report_errors=opts.report_errors,
+                     declare_tail=opts.declare_tail)
     arm_results = []
     plan_times = {}
     for arm in arms:

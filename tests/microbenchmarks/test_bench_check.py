@@ -116,3 +116,25 @@ def test_report_errors_times_the_library_with_its_flag_and_checks_it(monkeypatch
     (arm,) = point["arms"]
     assert arm["status"] == "ok", arm.get("reason")
     assert made and all(w.error_flags is not None for w in made)
+
+
+@pytest.mark.parametrize("declare", [False, True])
+def test_declare_tail_bounds_the_library_wrappers(monkeypatch, declare):
+    """``--declare-tail``: the library arms' wrappers are built with ``max_tail_len`` set to the shape's longest tail
+    (what ``TLLM_BEAM_SHARED_PREFIX_MAX_TAIL`` gives TensorRT-LLM's); without it, unknown (the variable unset)."""
+    from beam_shared_prefix import attention
+
+    made = []
+    real_init = attention.BeamSharedPrefixAttention.__init__
+
+    def spy(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(attention.BeamSharedPrefixAttention, "__init__", spy)
+    monkeypatch.delenv("TLLM_BEAM_SHARED_PREFIX_MAX_TAIL", raising=False)
+    point = run_point(SHAPE, [LibraryArm("reference", tail_impl="torch")],
+                      RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0, declare_tail=declare), Rates(), "cpu")
+    (arm,) = point["arms"]
+    assert arm["status"] == "ok", arm.get("reason")
+    assert made and {w.max_tail_len for w in made} == {SHAPE.tail if declare else None}, [w.max_tail_len for w in made]
