@@ -367,9 +367,9 @@ class BeamSharedPrefixAttention:
                     f"max_tail_len={max_tail_len} must be >= 0 (generated tokens per beam, this step's included), "
                     f"or None where the host does not know it."
                 )
-        self._set_launch_tail(max_tail_len)
         planner = self._planner_for(page_size, num_cache_pages)
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
+        self._set_launch_tail(max_tail_len)  # every plan, the cache hits too: the tail moves within a composition
         problem_key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, default_sm_scale(head_dim, sm_scale))
         long_tail = self._long_tail(problem_key, max_tail_len)
         active = self._active
