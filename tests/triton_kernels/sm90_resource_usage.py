@@ -125,6 +125,15 @@ CASCADE_SHAPES = [
     ("A", 96, 16, 8, 128, "bf16", None),
     ("G8-D64-fp16", 8, 64, 8, 64, "fp16", None),
 ]
+# (name, W, Hq, Hkv, D, dtype, prompt table tokens, requests, tail bound): tilings the launcher picks by the batch
+# (round 45): without the shared-ancestry path where every tail is at most 16 tokens, and the 8-warp tile of GQA 5-8 at
+# head 64 where every program has a multiprocessor of its own (4 requests x 8 KV heads).
+CASCADE_VARIANTS = [
+    ("B-medium-D64-short-tail", 30, 16, 8, 64, "bf16", None, None, 4),
+    ("G8-D64-short-tail", 30, 64, 8, 64, "bf16", None, None, 4),
+    ("G8-D128-short-tail", 30, 64, 8, 128, "bf16", None, None, 4),
+    ("G8-D64-few-programs", 8, 64, 8, 64, "bf16", None, 4, None),
+]
 _CASCADE_DIV16_INTS = {
     "stride_q_row", "stride_q_head", "stride_new_k_row", "stride_new_k_head", "stride_new_v_row",
     "stride_new_v_head", "stride_kv_page", "stride_kv_kv", "stride_kv_head", "stride_kv_slot", "stride_out_row",
@@ -133,11 +142,12 @@ _CASCADE_DIV16_INTS = {
 
 
 def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, dtype: str, prefix_only: bool = False,
-                         prompt_capacity=None):
+                         prompt_capacity=None, num_requests=None, max_tail_len=None):
     """Compile the cascade kernel's default tiling of a shape (the whole step, or its prompt pass) for a
-    prompt table of ``prompt_capacity`` tokens (``None``: unknown)."""
+    prompt table of ``prompt_capacity`` tokens, ``num_requests`` requests and tails of at most ``max_tail_len``
+    tokens (each ``None``: unknown)."""
     g = hq // hkv
-    cfg = cascade_launch_config(beam_width, g, d, prompt_capacity)
+    cfg = cascade_launch_config(beam_width, g, d, prompt_capacity, num_requests, hkv, max_tail_len=max_tail_len)
     if prefix_only:  # as beam_prefix_attention launches it: the fused step's register cap is dropped
         cfg = dataclasses.replace(cfg, max_registers=None)
     pointers = dict(
@@ -278,6 +288,9 @@ def main() -> None:
         for prefix_only in (False, True):
             print(json.dumps(compile_cascade_sm90(*shape, prefix_only=prefix_only, prompt_capacity=prompt_capacity)),
                   flush=True)
+    for *shape, prompt_capacity, num_requests, max_tail_len in CASCADE_VARIANTS:  # the whole step only
+        print(json.dumps(compile_cascade_sm90(*shape, prompt_capacity=prompt_capacity, num_requests=num_requests,
+                                              max_tail_len=max_tail_len)), flush=True)
     for shape in (SHAPES[0], SHAPES[2]):  # 16/8 and 32/8, D 128
         for ib in compare:
             print(json.dumps(compile_sm90(*shape, index_block=ib)), flush=True)

@@ -17,6 +17,9 @@ import sys
 
 import pytest
 import triton
+from sm90_resource_usage import CASCADE_SHAPES, CASCADE_VARIANTS
+
+from triton_kernels.cascade import CascadeLaunchConfig
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_resource_usage.py")
 # 4-warp programs with <= 128 registers keep >= 4 programs resident per SM (64K registers).
@@ -86,10 +89,25 @@ def test_cascade_default_tilings_compile_for_sm90(usage):
     (the fastest H200 tiling ran at 255 per thread with Triton 3.6), and the numbers differ between
     Triton versions; ``docs/benchmarks.md`` has the measured ones.
     """
-    rows = [row for row in usage if row["kernel"].startswith("cascade")]
+    defaults = {shape[0] for shape in CASCADE_SHAPES}
+    rows = [row for row in usage if row["kernel"].startswith("cascade") and row["shape"][0] in defaults]
     assert len(rows) == 16, rows  # 8 shapes, whole step and prompt pass
     for row in rows:
         assert row["wgmma"] + row["mma_sync"] > 0, f"no tensor-core instructions: {row}"
+
+
+def test_cascade_batch_tilings_compile_for_sm90(usage):
+    """The tilings the launcher picks by the batch (round 45) compile for sm_90 on tensor cores: without the
+    shared-ancestry path where every tail is at most 16 tokens (with no more stack than the default tiling, at
+    B-medium's head-64 shape), and GQA 8's 128-row tile at head 64 with 8 warps where 32 programs run."""
+    rows = {row["shape"][0]: row for row in usage if row["kernel"] == "cascade"}
+    shared_ancestry = [f.name for f in dataclasses.fields(CascadeLaunchConfig)].index("shared_ancestry")
+    for name, *_, max_tail_len in CASCADE_VARIANTS:
+        row = rows[name]
+        assert row["wgmma"] + row["mma_sync"] > 0, f"no tensor-core instructions: {row}"
+        assert row["config"][shared_ancestry] == (max_tail_len is None), row
+    assert rows["G8-D64-few-programs"]["num_warps"] == 8 and rows["G8-D64-short-tail"]["num_warps"] == 4
+    assert rows["B-medium-D64-short-tail"]["stack"] <= rows["B-medium-D64"]["stack"], rows["B-medium-D64-short-tail"]
 
 
 def test_cascade_g4_head64_tiling_has_no_stack(usage):
