@@ -195,7 +195,7 @@ class BeamSharedPrefixAttention:
                 raise ValueError(f"max_tail_len={max_tail_len} must be >= 1 (generated tokens per beam, this step's "
                                  f"included), or None where the longest tail is unknown.")
         self.max_tail_len = max_tail_len
-        self._launch_tail: int | None = cascade_tail_bound(max_tail_len)  # the bound the cascade's launch gets
+        self._launch_tail: int | None = None  # the bound the cascade's launch gets, set by every plan()
         self._warned_tail_bound = False
         self._graph_long_tail: Dict[tuple, bool] = {}  # CUDA graphs: the first plan's verdict, per shape
 

@@ -259,15 +259,16 @@ def _is_pow2(x) -> bool:
 
 
 @functools.cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def cuda_sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device ``index`` (read once per device)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def launch_multiprocessors(device: torch.device) -> int:
     """Multiprocessors of a launch's device (read once per GPU); :data:`DEFAULT_MULTIPROCESSORS` off CUDA."""
     if device.type != "cuda":
         return DEFAULT_MULTIPROCESSORS
-    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int,

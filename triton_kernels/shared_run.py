@@ -10,12 +10,11 @@ ancestry (``docs/rounds.md``, "The twenty-ninth round").
 
 from __future__ import annotations
 
-import functools
 from typing import Tuple
 
 import torch
 
-from .cascade import _check_device, cascade_launch_config, cascade_supported
+from .cascade import _check_device, cascade_launch_config, cascade_supported, cuda_sm_count
 from .cascade_kernel import SHARED_BLOCK
 from .device_errors import check_error_flags
 from .host_ints import cdiv
@@ -98,12 +97,6 @@ def _sm_count(device) -> int:
     if device.type != "cuda":
         return 1
     return cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def cuda_sm_count(index: int) -> int:
-    """Multiprocessors of CUDA device ``index`` (read once per device)."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def beam_shared_run_attention(

@@ -750,7 +750,7 @@ def cascade_preferred(
         if programs <= sms:
             limit = CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64  # the 8-warp tile, a program a multiprocessor
         else:
-            balance = wave_balance(num_requests, num_kv_heads, beam_width, group, head_dim, sms)
+            balance = _wave_balance(programs, num_requests, num_kv_heads, beam_width, group, head_dim, sms)
             if balance < CASCADE_GROUP_8_HEAD_64_MIN_BALANCE:
                 return False, (f"the cascade's waves are {balance:.2f} as full as FA4's at {num_requests} x "
                                f"{beam_width} beams, G={group}, head 64 (< {CASCADE_GROUP_8_HEAD_64_MIN_BALANCE}: "
