@@ -14,7 +14,12 @@ from typing import Tuple
 
 import torch
 
-from .cascade import _check_device, cascade_launch_config, cascade_supported, cuda_sm_count
+from .cascade import (
+    _check_device,
+    cascade_launch_config,
+    cascade_supported,
+    cuda_sm_count,
+)
 from .cascade_kernel import SHARED_BLOCK
 from .device_errors import check_error_flags
 from .host_ints import cdiv
