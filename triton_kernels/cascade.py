@@ -77,6 +77,9 @@ MAX_BLOCK_M = {64: 128, 128: 128}
 SHARED_ANCESTRY_MIN_TAIL = 16
 # Multiprocessors assumed where the launch's device is not a CUDA GPU (the H100's and H200's).
 DEFAULT_MULTIPROCESSORS = 132
+# Beams of the 128-row tile of GQA 3-4 at D = 64 (cascade_launch_config: where it pads no more beams than the
+# 16-beam tile and the launch has more programs than multiprocessors).
+WIDE_GROUP_HEAD_64_TILE_BEAMS = 32
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,16 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
       (``tune_cascade``'s ``g8_d64_warps_round45.json``, ``g8_d64_few_programs_round45.json``). Where every program
       has a multiprocessor of its own the 8 warps finish a program's rows sooner: 14.4 against 21.0 us at 4 x 8 x
       128 (32 programs), 24.4 against 34.7 at 16 x 16 x 512 (128), 23.9 against 33.0 at GQA 40/8, 16 x 8 x 500.
+    - GQA 3-4 at ``D = 64`` takes 32-beam tiles (128 rows, 4 warps, ``block_n`` 128) where the width fills them as
+      well as 16-beam ones (``W`` of 17-32, 49-64, 81-96, ...: no more padding beams) and the launch, counted in
+      32-beam blocks, still has more programs than the GPU has multiprocessors: each program reads its request's
+      prompt for 32 beams instead of 16. On the H200 (Triton 3.6: 255 registers and 36-48 bytes of spill, two programs
+      a multiprocessor as with 16 beams) that took 8-18% off every shape measured at 4- and 64-token tails, 192-1,024
+      programs (64 x 30 x 500 at GQA 32/8: 74.5 against 67.4 us; 64 x 96 x 256: 145.2 against 118.8; GQA 24/8, 32 x
+      96 x 256: 76.0 against 64.5), and was 4-6% slower at 24 x 48 (16 padding beams a request, the 16-beam tile none)
+      and 53-69% at 64 x 14 (``tune_cascade``'s ``g4_d64_tile32_round45.json``, ``g4_d64_tile32_round46.json``). With
+      the batch unknown (``num_requests`` ``None``) the 16-beam tile stays: fewer programs than multiprocessors were
+      not measured, and the ``auto`` rule (``prefix/select.py``) counts that tile's beam blocks.
     - A launch whose tails are all too short for the shared-ancestry path (``max_tail_len``) leaves it out of the
       ``block_n`` 128 tilings (head 64, and groups 5-8 at head 128), whose steps it cost 1-26% at 4 and 16
       generated tokens on the H200; the head-128 tiles of groups 1-2 keep it (within 3% either way, preset A 2%
@@ -224,6 +237,8 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
     rows_cap = min(64, MAX_BLOCK_M[head_dim])
     cap = max(MIN_BEAMS_PER_PROGRAM, min(MAX_BEAMS_PER_PROGRAM, rows_cap // group_pad))
     beams = max(MIN_BEAMS_PER_PROGRAM, min(next_power_of_2(beam_width), cap))
+    if _wide_group_head_64_tile(beam_width, beams, group_pad, head_dim, num_requests, num_kv_heads, num_sms):
+        beams = WIDE_GROUP_HEAD_64_TILE_BEAMS
     block_m = beams * group_pad
     num_warps = 4 if block_m <= 64 else 8
     if head_dim == 64 and block_m > 64 and (
@@ -245,6 +260,19 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
     shared = not (head_dim == 64 and group_pad == 4) and shared_ancestry_reachable(max_tail_len)
     return CascadeLaunchConfig(beams, group_pad, block_n=128, tail_block=tail_block,
                                num_warps=num_warps, num_stages=num_stages, shared_ancestry=shared)
+
+
+def _wide_group_head_64_tile(beam_width: int, beams: int, group_pad: int, head_dim: int, num_requests: int | None,
+                             num_kv_heads: int, num_sms: int) -> bool:
+    """Whether GQA 3-4 at ``D = 64`` takes the 32-beam (128-row) tile over the 16-beam one: where the width fills
+    32-beam blocks as well as 16-beam ones (no more padding beams) and the launch, with the wider blocks, still has
+    more programs than ``num_sms``. An unknown batch (``num_requests`` ``None``) keeps the 16-beam tile."""
+    wide = WIDE_GROUP_HEAD_64_TILE_BEAMS
+    if head_dim != 64 or group_pad != 4 or num_requests is None or beam_width <= beams:
+        return False
+    if cdiv(beam_width, wide) * wide != cdiv(beam_width, beams) * beams:
+        return False
+    return num_requests * num_kv_heads * cdiv(beam_width, wide) > num_sms
 
 
 def shared_ancestry_reachable(max_tail_len: int | None, shared_min_tail: int = SHARED_ANCESTRY_MIN_TAIL) -> bool:

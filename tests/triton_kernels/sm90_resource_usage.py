@@ -127,12 +127,14 @@ CASCADE_SHAPES = [
 ]
 # (name, W, Hq, Hkv, D, dtype, prompt table tokens, requests, tail bound): tilings the launcher picks by the batch
 # (round 45): without the shared-ancestry path where every tail is at most 16 tokens, and the 8-warp tile of GQA 5-8 at
-# head 64 where every program has a multiprocessor of its own (4 requests x 8 KV heads).
+# head 64 where every program has a multiprocessor of its own (4 requests x 8 KV heads); the 32-beam tile of GQA 3-4 at
+# head 64 where many programs run (round 46: 64 requests x 8 KV heads).
 CASCADE_VARIANTS = [
     ("B-medium-D64-short-tail", 30, 16, 8, 64, "bf16", None, None, 4),
     ("G8-D64-short-tail", 30, 64, 8, 64, "bf16", None, None, 4),
     ("G8-D128-short-tail", 30, 64, 8, 128, "bf16", None, None, 4),
     ("G8-D64-few-programs", 8, 64, 8, 64, "bf16", None, 4, None),
+    ("G4-D64-wide-tile", 30, 32, 8, 64, "bf16", None, 64, None),
 ]
 _CASCADE_DIV16_INTS = {
     "stride_q_row", "stride_q_head", "stride_new_k_row", "stride_new_k_head", "stride_new_v_row",

@@ -142,6 +142,8 @@ TILINGS = [
     ("tail_on_cores_8_warps_capped", CascadeLaunchConfig(32, 4, block_n=32, tail_block=2, num_warps=8, num_stages=1,
                                                          heads_per_program=2, prompt_stages=2, max_registers=128,
                                                          tail_on_cores=True)),
+    # GQA 3-4's 32-beam tile at head 64 (the default where many programs run): 18 beams in one 128-row tile.
+    ("wide_group_head_64", cascade_launch_config(30, 4, 64, None, 64, 8, 132)),
     # A register cap (maxnreg, CUDA only: the interpreter has no registers) forces spills.
     ("wide_group_pad_capped", CascadeLaunchConfig(16, 8, block_n=64, tail_block=2, num_warps=8, num_stages=3,
                                                   max_registers=128)),
@@ -506,6 +508,33 @@ def test_group_8_head_64_tile_takes_warps_by_programs(group, beam_width, num_req
     assert cfg.num_warps == warps, cfg
     assert dataclasses.replace(cfg, num_warps=4) == dataclasses.replace(cascade_launch_config(beam_width, group, 64),
                                                                         num_warps=4)
+
+
+@pytest.mark.parametrize("group, beam_width, num_requests, wide", [
+    (4, 30, 64, True),     # 512 programs of 32 beams: the prompt read once a request and KV head, not twice
+    (3, 30, 64, True),     # G = 3 pads to the same rows
+    (4, 64, 16, True),     # two 32-beam blocks, 256 programs
+    (4, 96, 8, True),      # 192 programs, the fewest measured
+    (4, 48, 64, False),    # 32-beam blocks pad 16 beams a request, 16-beam ones none
+    (4, 14, 64, False),    # one 16-beam block holds the request
+    (4, 30, 16, False),    # 128 programs of 32 beams, not more than the multiprocessors
+    (4, 30, None, False),  # batch unknown: the tile the auto rule counts
+])
+def test_group_4_head_64_widens_its_tile_where_it_pads_no_more(group, beam_width, num_requests, wide):
+    """GQA 3-4 at head 64 takes 32-beam tiles (128 rows, 4 warps, no shared-ancestry path) where the width fills them
+    as well as 16-beam ones and more programs than multiprocessors remain (8-18% faster on the H200; ``docs/rounds.md``,
+    "The forty-sixth round"); elsewhere, and at other groups and heads, the tiling does not move."""
+    cfg = cascade_launch_config(beam_width, group, 64, None, num_requests, 8, 132)
+    unknown = cascade_launch_config(beam_width, group, 64)
+    if wide:
+        assert (cfg.beams_per_program, cfg.block_m, cfg.num_warps, cfg.block_n, cfg.num_stages) == (32, 128, 4, 128, 1)
+        assert not cfg.shared_ancestry and cfg.tail_block == 4, cfg
+        assert dataclasses.replace(cfg, beams_per_program=16) == unknown, (cfg, unknown)
+    else:
+        assert cfg == unknown, cfg
+    for g, d in ((2, 64), (8, 64), (4, 128)):  # other groups and heads keep their beams a tile
+        assert (cascade_launch_config(beam_width, g, d, None, num_requests, 8, 132).beams_per_program
+                == cascade_launch_config(beam_width, g, d).beams_per_program)
 
 
 def test_launches_pass_their_program_count_to_the_tiling(monkeypatch, device):
