@@ -153,6 +153,10 @@ CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
 # 1% slower at 128 tokens, from 2% faster to 13% slower at 256 (G = 3, 16 x 48: 27.7 against 24.5 us) and 8-37% slower
 # at 384-512. Hence 512 for two blocks and 128 from three (and where the width is unknown). With fewer programs the
 # cascade led further (9 x 48, 216 programs: 9% faster at 512; 9 x 80, 360 programs: 2% at 512), not yet a rule.
+# Forty-sixth round: the launch now takes a 32-beam tile at these groups where it pads no more beams and more programs
+# than multiprocessors run (8-18% faster than the 16-beam tile at 256-1,000 tokens; g4_d64_tile32_round46.json). These
+# limits and their block counts stay the 16-beam tile's (cascade_launch_config without a batch): measured there, they
+# take the cascade only where it has since got faster.
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64 = 512
 CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64 = 128
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
