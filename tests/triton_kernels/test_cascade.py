@@ -377,13 +377,24 @@ def test_cascade_detects_a_wrong_beam(device):
         assert_matches(wrong, ref, "shifted indirection")
 
 
-@pytest.mark.parametrize("layout,heads_per_program,sm_scale", [("HND", 1, None), ("NHD", 2, 0.3), ("HND", 4, None)])
-def test_prefix_stage_matches_reference(layout, heads_per_program, sm_scale, device):
+# (layout, simulator kwargs, launch config, softmax scale)
+PREFIX_STAGE_CASES = [
+    ("HND", dict(beams=5, hq=6, hkv=3), cascade_launch_config(5, 2, 64), None),
+    ("NHD", dict(beams=5, hq=6, hkv=3), dataclasses.replace(cascade_launch_config(5, 2, 64), heads_per_program=2), 0.3),
+    ("HND", dict(beams=5, hq=6, hkv=3), dataclasses.replace(cascade_launch_config(5, 2, 64), heads_per_program=4), None),
+    # GQA 4's 32-beam tile at head 64 (the default where many programs run): 18 beams, 2 KV heads, 128 rows a tile.
+    ("HND", dict(beams=18, hq=8, hkv=2), cascade_launch_config(30, 4, 64, None, 64, 8, 132), None),
+]
+
+
+@pytest.mark.parametrize("layout,sim_kw,config,sm_scale", PREFIX_STAGE_CASES,
+                         ids=["one_head", "two_heads_nhd_scaled", "four_heads", "wide_group_head_64"])
+def test_prefix_stage_matches_reference(layout, sim_kw, config, sm_scale, device):
     """The prefix stage alone: output and base-2 LSE of every row against the prefix oracle, with 1, 2
     and 4 KV heads per program over Hkv = 3 (the last program's spare heads repeat head 2), at the
-    default softmax scale and another one (the kernel applies it in the exponent)."""
-    sim = make_sim(device, prompts=[1, 16, 50], beams=5, hq=6, hkv=3, d=64, layout=layout, seed=9)
-    config = dataclasses.replace(cascade_launch_config(5, 2, 64), heads_per_program=heads_per_program)
+    default softmax scale and another one (the kernel applies it in the exponent), and on GQA 4's
+    32-beam tile at head 64."""
+    sim = make_sim(device, prompts=[1, 16, 50], d=64, layout=layout, seed=9, **sim_kw)
     step = sim.begin_step()
     want_o, want_lse = reference_prefix_attention(
         step.q, sim.kv_cache, step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
