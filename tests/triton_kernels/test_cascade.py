@@ -378,10 +378,11 @@ def test_cascade_detects_a_wrong_beam(device):
 
 
 # (layout, simulator kwargs, launch config, softmax scale)
+_FIVE_BEAMS, _FIVE_BEAMS_TILE = {"beams": 5, "hq": 6, "hkv": 3}, cascade_launch_config(5, 2, 64)
 PREFIX_STAGE_CASES = [
-    ("HND", {"beams": 5, "hq": 6, "hkv": 3}, cascade_launch_config(5, 2, 64), None),
-    ("NHD", {"beams": 5, "hq": 6, "hkv": 3}, dataclasses.replace(cascade_launch_config(5, 2, 64), heads_per_program=2), 0.3),
-    ("HND", {"beams": 5, "hq": 6, "hkv": 3}, dataclasses.replace(cascade_launch_config(5, 2, 64), heads_per_program=4), None),
+    ("HND", _FIVE_BEAMS, _FIVE_BEAMS_TILE, None),
+    ("NHD", _FIVE_BEAMS, dataclasses.replace(_FIVE_BEAMS_TILE, heads_per_program=2), 0.3),
+    ("HND", _FIVE_BEAMS, dataclasses.replace(_FIVE_BEAMS_TILE, heads_per_program=4), None),
     # GQA 4's 32-beam tile at head 64 (the default where many programs run): 18 beams, 2 KV heads, 128 rows a tile.
     ("HND", {"beams": 18, "hq": 8, "hkv": 2}, cascade_launch_config(30, 4, 64, None, 64, 8, 132), None),
 ]
