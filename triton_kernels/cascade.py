@@ -212,7 +212,7 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
       well as 16-beam ones (``W`` of 17-32, 49-64, 81-96, ...: no more padding beams) and the launch, counted in
       32-beam blocks, still has more programs than the GPU has multiprocessors: each program reads its request's
       prompt for 32 beams instead of 16. On the H200 (Triton 3.6: 255 registers and 36-48 bytes of spill, two programs
-      a multiprocessor as with 16 beams) that took 8-18% off every shape measured at 4- and 64-token tails, 192-1,024
+      a multiprocessor as with 16 beams) that took 8-18% off every shape measured at 4- and 64-token tails, 192-1,536
       programs (64 x 30 x 500 at GQA 32/8: 74.5 against 67.4 us; 64 x 96 x 256: 145.2 against 118.8; GQA 24/8, 32 x
       96 x 256: 76.0 against 64.5), and was 4-6% slower at 24 x 48 (16 padding beams a request, the 16-beam tile none)
       and 53-69% at 64 x 14 (``tune_cascade``'s ``g4_d64_tile32_round45.json``, ``g4_d64_tile32_round46.json``). With
