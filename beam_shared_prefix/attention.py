@@ -272,7 +272,7 @@ class BeamSharedPrefixAttention:
         if not self.use_cuda_graph and self.requested_backend == "auto":
             side = (split_kv_preferred(num_requests, mean_prompt, hq, hkv, step_plan.beam_width, d, eager=True)[0],
                     cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d, num_requests, tail_len,
-                                      self.shared_run != "off", eager=True)[0])
+                                      self.shared_run != "off", eager=True, tail_bound=self._launch_tail)[0])
         cache_key = (problem_key, side)
         name = self._backend_for_problem.get(cache_key)
         if name is None:
@@ -285,7 +285,8 @@ class BeamSharedPrefixAttention:
             name = resolve_prefix_backend(self.requested_backend, self.device, dtype, d, hq, hkv, pg, self.kv_layout,
                                           mean_prompt_len=mean_prompt, beam_width=step_plan.beam_width,
                                           num_requests=num_requests, tail_len=tail_len,
-                                          shared_run=self.shared_run != "off", eager=not self.use_cuda_graph)
+                                          shared_run=self.shared_run != "off", eager=not self.use_cuda_graph,
+                                          tail_bound=self._launch_tail)
             self._backend_for_problem[cache_key] = name
             logger.info("beam_shared_prefix: prefix backend %s serves Hq=%d Hkv=%d D=%d page %d %s, %s %s "
                         "(requested %s)", name, hq, hkv, d, pg, _dtype_name(dtype),

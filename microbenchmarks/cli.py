@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not measure: load results written by --json (repeatable) and print/plot/merge them")
     o.add_argument("--rule", action="store_true",
                    help="do not measure (no GPU needed): print what the library's default does with each shape: the "
-                        "path backend auto takes, served or the decline reason, and the longest tail served there")
+                        "path backend auto takes, served or the decline reason, and the longest tail served there "
+                        "(with --declare-tail, CUDA-graph wrappers bounded by each shape's tail)")
     o.add_argument("--decline-report", action="store_true",
                    help="print, per point, the best library speedup over per-beam decode and whether to decline")
     e = p.add_argument_group("end to end (needs tensorrt_llm)")
@@ -232,12 +233,13 @@ def _emit(doc: Dict, args, log) -> int:
     return 1 if failed or crashed else 0
 
 
-def _print_rule(shapes: Sequence[BenchShape], log) -> int:
-    """``--rule``: the library's verdict on each shape, from the decline rule alone."""
+def _print_rule(shapes: Sequence[BenchShape], log, declare_tail: bool = False) -> int:
+    """``--rule``: the library's verdict on each shape, from the decline rule alone (``declare_tail``: CUDA-graph
+    wrappers bounded by each shape's tail)."""
     from .runner import rule_verdict
 
     for s in shapes:
-        v = rule_verdict(s)
+        v = rule_verdict(s, declare_tail)
         verdict = "serve" if v["decline_reason"] is None else f"decline: {v['decline_reason']}"
         path = v["path"]
         if v["graph_path"] != path:
@@ -291,7 +293,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(exc))
         return 2  # unreachable: parser.error exits
     if args.rule:
-        return _print_rule(shapes, log)
+        return _print_rule(shapes, log, args.declare_tail)
 
     import torch
 

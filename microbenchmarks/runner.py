@@ -80,16 +80,18 @@ def estimate_workload_bytes(shape: BenchShape, with_baseline_pages: bool = True)
     return pool + ind + act
 
 
-def _auto_path(shape: BenchShape, eager: bool):
+def _auto_path(shape: BenchShape, eager: bool, tail_bound: Optional[int] = None):
     """``(one_launch, split_kv)``: the path backend ``"auto"`` takes for ``shape`` on a GPU with every prefix
     backend installed (the cascade, FlashInfer's split prompt, or else FA4/FlashInfer + tail), on ``eager`` steps
-    or under a CUDA graph, with the wrapper's default ``shared_run="auto"`` (a long tail leaves the cascade)."""
+    or under a CUDA graph, with the wrapper's default ``shared_run="auto"`` (a long tail leaves the cascade);
+    ``tail_bound``: the cascade launch's tail bound (``None``: an eager step's own tail, else none)."""
     from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 
     split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
                                  shape.head_dim, eager=eager)
     one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                                 shape.head_dim, shape.requests, shape.tail, eager=eager)
+                                                 shape.head_dim, shape.requests, shape.tail, eager=eager,
+                                                 tail_bound=tail_bound)
     return one_launch, split_kv
 
 
@@ -115,19 +117,23 @@ def decline_reason(shape: BenchShape) -> Optional[str]:
         return None
 
 
-def rule_verdict(shape: BenchShape) -> Dict:
+def rule_verdict(shape: BenchShape, declare_tail: bool = False) -> Dict:
     """What the library's default does with ``shape`` (eagerly), without measuring: ``path`` (``"cascade"``,
     ``"flashinfer split prompt"`` or ``"prefix + tail kernel"``, with ``" + shared-run stage"`` from
     ``SHARED_RUN_MIN_TAIL`` generated tokens where the stage tiles the shape), ``graph_path`` (the same for a
     CUDA-graph wrapper planned at this shape: eager steps take the cascade further, where host-bound, and MHA's
     tail limit binds graph replays only), ``decline_reason`` (``None``: served) and ``max_tail`` (the longest
-    tail, in generated tokens per beam with this step's, that the tail clause serves at this shape)."""
+    tail, in generated tokens per beam with this step's, that the tail clause serves at this shape). The CUDA-graph
+    wrapper's tail bound is ``TLLM_BEAM_SHARED_PREFIX_MAX_TAIL``, or with ``declare_tail`` the shape's tail (as
+    ``--declare-tail`` builds the measured arms)."""
+    from beam_shared_prefix.config import load_settings
     from beam_shared_prefix.decline import max_tail_len
-    from beam_shared_prefix.prefix.select import long_tail_for_shared_run
+    from beam_shared_prefix.prefix.select import cascade_tail_bound, long_tail_for_shared_run
     from triton_kernels.shared_run import shared_run_supported
 
     one_launch, split_kv, reason = _auto_verdict(shape)
-    graph_one_launch, graph_split_kv = _auto_path(shape, eager=False)
+    wrapper_tail = shape.tail if declare_tail else load_settings().max_tail_len
+    graph_one_launch, graph_split_kv = _auto_path(shape, eager=False, tail_bound=cascade_tail_bound(wrapper_tail))
 
     def path_of(cascade: bool, split: bool) -> str:
         path = "cascade" if cascade else "flashinfer split prompt" if split else "prefix + tail kernel"

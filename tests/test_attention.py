@@ -284,6 +284,36 @@ def test_only_cuda_graphs_judge_the_cascade_tail_limit(monkeypatch, graph, share
     assert att.num_backend_plans == 1
 
 
+@pytest.mark.parametrize("graph,wrapper_bound,step_tail,rule_bound", [
+    (True, None, 4, None),  # a capture without max_tail_len keeps the shared-ancestry path, whatever the first tail
+    (True, 8, 4, 16),
+    (True, 64, 4, None),  # past CASCADE_SHORT_TAIL the launch is not bounded
+    (False, None, 4, 16),  # an eager launch is bounded by its own tail
+    (False, 8, 40, None),
+])
+def test_the_rule_hears_the_launch_tail_bound(monkeypatch, graph, wrapper_bound, step_tail, rule_bound):
+    """``auto`` judges the cascade with the tail bound its launch will get (GQA 5-8 at head 128 take it only where
+    that bound leaves the shared-ancestry path out): the wrapper's ``max_tail_len`` under CUDA graphs, the step's
+    own tail on eager calls (:func:`beam_shared_prefix.prefix.select.cascade_tail_bound`)."""
+    import beam_shared_prefix.attention as attention_module
+
+    calls = []
+
+    def resolve(requested, *args, tail_bound=None, **kw):
+        calls.append(tail_bound)
+        return "reference"
+
+    monkeypatch.setattr(attention_module, "resolve_prefix_backend", resolve)
+    requests, w, prompt, pg, hq, hkv, d = 2, 4, 100, 32, 16, 2, 128
+    pages = -(-prompt // pg)
+    caps = {"max_requests": requests, "max_beam_width": w, "max_prompt_pages": pages} if graph else {}
+    att = BeamSharedPrefixAttention("cpu", backend="auto", check=False, use_cuda_graph=graph,
+                                    max_tail_len=wrapper_bound, **caps)
+    att.plan([0, pages, 2 * pages], list(range(2 * pages)), [prompt] * requests, w, hq, hkv, d, pg, 2 * pages + 1,
+             torch.bfloat16, max_tail_len=step_tail)
+    assert calls == [rule_bound], calls
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("check", [False, True])
 def test_shared_run_stage_serves_coalesced_steps(check, monkeypatch):

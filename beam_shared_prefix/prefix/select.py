@@ -51,6 +51,9 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_PADDED_GROUP_8_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64", "CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64",
            "CASCADE_GROUP_8_HEAD_64_MIN_BALANCE", "CASCADE_MAX_GROUP",
+           "CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128", "CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128",
+           "CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128", "CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128",
+           "group_8_head_128_verdict", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
            "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
            "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run",
@@ -159,6 +162,15 @@ CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP = 256
 # take the cascade only where it has since got faster.
 CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64 = 512
 CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64 = 128
+# Forty-seventh round (H200, graph replays, 4-token tails; g4_d64_wide_w{32,64,96}*_round47.json and
+# g4_d64_w64_few_round47.json: GQA 32/8 at head 64, 4-64 requests of 32, 64 and 96 beams, 128-1,024 tokens), where the
+# launch takes the 32-beam tile: with one such block a request (W = 17-32) the cascade was 3-8% faster than FA4 + tail
+# at 640 tokens and from 4% faster to 0.5% slower at 768; with two (W = 49-64) 1-35% faster at every point to 384
+# tokens (17 x 64 at 384: 46.0 against 46.5 us) and from 14% faster to 6% slower at 512; with three (W = 81-96) from
+# 13% faster to 0.6% slower at 256 and from 3% faster to 11% slower at 384. GQA 24/8 (the same tile) stays at the
+# limits above: 64 beams took from 17% faster to 18% slower at 256 tokens (g3_d64_wide_w64*_round47.json).
+#: G = 4 at head 64 where the launch takes 32-beam tiles: ``{32-beam blocks a request: longest mean prompt}``.
+CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64 = {1: 640, 2: 384, 3: 256}
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
 # Forty-fifth round (H200, graph replays; g8_d64_4warps_w{8,16,30,48,96}_round45.json and
 # g6_d64_4warps_w30_round45.json: 4, 16 and 64 requests at GQA 64/8, 16 and 64 at GQA 48/8, 128-2,000 tokens). Above
@@ -188,6 +200,25 @@ CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64 = 32
 #: The least :func:`wave_balance` at which G = 5-8 at head 64 takes the cascade (requests and width known): the
 #: forty-fifth round's grids lost at every point of 0.75 or less and won at 1.
 CASCADE_GROUP_8_HEAD_64_MIN_BALANCE = 0.9
+# Forty-seventh round (H200, graph replays, 4-token tails; g8_d128_*_round47.json, g6_d128_*_round47.json and
+# g5_d128_decl_round47.json: GQA 64/8, 48/8 and 40/8 at head 128, 4-64 requests of 8-96 beams, 32-512 tokens). The
+# 128-row tile (16 beams of 8 padded heads, 8 warps) keeps the shared-ancestry path unless its launch is given a
+# tail bound of at most CASCADE_SHORT_TAIL, and with the path the cascade was slower than FA4 + tail at all 73
+# points, by 7-25% at 32-128 tokens (which the old rule took) and by 17-72% at 256-512. With the bound
+# (`--declare-tail`) it was 3-16% faster at 32-128 tokens with one or two beam blocks, 128-512 programs and blocks
+# at least 3/4 full (W = 12, 16, 30; W = 8 at 128 programs), 3-8% slower with half-full blocks at 256-512 programs
+# (W = 8 at 32 and 64 requests), from 5% faster to 3% slower at 1,024 programs (64 x 30) and from 0.4% faster to 7%
+# slower with six blocks (W = 96 at 16 and 64 requests). Not measured with the bound at 64 programs or fewer, where
+# without it the cascade lost by 25-33%, more than the bound saved anywhere (11-22%).
+#: G = 5-8 at head 128: the most beam blocks per request with which ``auto`` takes the cascade.
+CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128 = 2
+#: G = 5-8 at head 128: never the cascade with at most this many programs.
+CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128 = 64
+#: G = 5-8 at head 128: never the cascade with more programs than this many per multiprocessor.
+CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128 = 4
+#: G = 5-8 at head 128: the least fill of the beam blocks (beams over block capacity) with which the cascade runs
+#: more programs than the GPU has multiprocessors.
+CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128 = 0.75
 CASCADE_MAX_GROUP = 8
 
 # Few requests (tenth round, small_batches_backends*.json: GQA 16/8, head 128, page 32, tail 4, 1-16
@@ -657,14 +688,16 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     | 1 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA` (head 64, two blocks: :data:`CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64`) |
     | 2 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64`, from :data:`CASCADE_MANY_BLOCKS_HEAD_64` blocks or ``W`` unknown :data:`CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64`) |
     | 3-4 | :data:`CASCADE_MAX_MEAN_PROMPT` | :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP` (head 64: :data:`CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64` with two blocks, from three or ``W`` unknown :data:`CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64`) |
-    | 5-8, head 128 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` |
+    | 5-8, head 128 (where :func:`group_8_head_128_verdict` allows it) | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8` |
     | 8, head 64 | :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64` | two blocks: :data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64`; from three or ``W`` unknown :data:`CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_GROUP_8_HEAD_64` |
     | 5-7, head 64 | :data:`CASCADE_MAX_MEAN_PROMPT_PADDED_GROUP_8_HEAD_64` | :data:`CASCADE_MAX_MEAN_PROMPT_PADDED_GROUP_8_HEAD_64` |
 
     At G = 5-8 and head 64 :func:`cascade_preferred` also wants the waves full enough
     (:data:`CASCADE_GROUP_8_HEAD_64_MIN_BALANCE`) where the launch has more programs than the GPU multiprocessors,
     takes :data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64` where it has at most as many, and none with
-    at most :data:`CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64`.
+    at most :data:`CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64`. At G = 4 and head 64, where the batch's launch takes
+    32-beam tiles, :func:`cascade_preferred` raises the several-block limit to
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`.
     """
     one = one_beam_block(beam_width, group_size, head_dim)
     if group_size == 1:
@@ -708,6 +741,7 @@ def cascade_preferred(
     tail_len: Optional[float] = None,
     shared_run: bool = True,
     eager: bool = False,
+    tail_bound: int | None = None,
 ) -> Tuple[bool, str]:
     """Whether ``auto`` picks the one-launch cascade for a batch: ``(True, "")`` or ``(False, reason)``.
 
@@ -721,7 +755,11 @@ def cascade_preferred(
     past :data:`CASCADE_MAX_TAIL` FA4 + tail is preferred unless ``eager`` (the calls run without a CUDA
     graph, see :func:`cascade_tail_too_long`), and where ``shared_run`` (the shared-run stage may run), from
     :data:`SHARED_RUN_MIN_TAIL` the two-launch paths with the stage are. An ``eager`` step that
-    :func:`eager_cascade_preferred` finds host-bound takes the cascade past the prompt limits.
+    :func:`eager_cascade_preferred` finds host-bound takes the cascade past the prompt limits. ``tail_bound``: the
+    bound on every tail the cascade's launch is given (generated tokens per beam, this step's included; the wrapper's
+    ``max_tail_len`` under CUDA graphs, :func:`cascade_tail_bound` of the step's tail on eager calls); ``None``: an
+    ``eager`` step's ``tail_len``, else unbounded. Groups 5-8 at head 128 take the cascade only where it is at most
+    :data:`CASCADE_SHORT_TAIL` (:func:`group_8_head_128_verdict`).
     """
     group = num_qo_heads // max(num_kv_heads, 1)
     if group > CASCADE_MAX_GROUP:
@@ -745,6 +783,15 @@ def cascade_preferred(
                                          num_requests, tail_len)[0]:
         return True, ""
     limit = cascade_prompt_limit(beam_width, group, head_dim)
+    wide_tile = _wide_tile_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
+    if wide_tile is not None:
+        limit = max(limit, wide_tile)
+    if group > 4 and head_dim == 128:
+        if tail_bound is None and eager:
+            tail_bound = cascade_tail_bound(tail_len)
+        declined = group_8_head_128_verdict(num_requests, num_kv_heads, beam_width, group, tail_bound)
+        if declined is not None:
+            return False, declined
     if group > 4 and head_dim == 64 and num_requests is not None and beam_width is not None and num_requests >= 1:
         sms = multiprocessors()
         programs = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)[0]
@@ -792,6 +839,60 @@ def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, gro
     cfg = cascade_launch_config(int(beam_width), group, head_dim)
     blocks = -(-int(beam_width) // cfg.beams_per_program)
     return int(num_requests) * -(-int(num_kv_heads) // cfg.heads_per_program) * blocks, blocks, cfg.block_m
+
+
+def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,
+                     head_dim: int) -> int | None:
+    """:data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64` for a G = 4, head-64 batch whose launch takes 32-beam
+    tiles (:func:`triton_kernels.cascade.cascade_launch_config` with the batch), else ``None``."""
+    if group != 4 or head_dim != 64 or num_requests is None or beam_width is None or num_requests < 1:
+        return None
+    from triton_kernels.cascade import WIDE_GROUP_HEAD_64_TILE_BEAMS, cascade_launch_config  # deferred: triton
+
+    cfg = cascade_launch_config(int(beam_width), group, head_dim, num_requests=int(num_requests),
+                                num_kv_heads=int(num_kv_heads), num_sms=multiprocessors())
+    if cfg.beams_per_program != WIDE_GROUP_HEAD_64_TILE_BEAMS:
+        return None
+    return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64.get(-(-int(beam_width) // WIDE_GROUP_HEAD_64_TILE_BEAMS))
+
+
+def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,
+                             tail_bound: int | None, num_sms: int | None = None) -> str | None:
+    """Why ``auto`` leaves the cascade at G = 5-8 and head 128 for a batch, or ``None`` where the prompt limit
+    (:data:`CASCADE_MAX_MEAN_PROMPT_GROUP_8`) decides: the launch must leave out the shared-ancestry path
+    (``tail_bound``, generated tokens, at most :data:`CASCADE_SHORT_TAIL`), the batch be known (``num_requests``,
+    ``beam_width``), with at most :data:`CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128` beam blocks a request, more than
+    :data:`CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128` programs and at most
+    :data:`CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128` per multiprocessor (``num_sms``; ``None``:
+    :func:`multiprocessors`), and blocks :data:`CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128` full where the programs
+    outnumber the multiprocessors."""
+    from triton_kernels.cascade import shared_ancestry_reachable  # deferred: triton is imported on first use
+    from triton_kernels.host_ints import next_power_of_2
+
+    where = f"at G={group}, head 128"
+    if shared_ancestry_reachable(tail_bound):
+        bound = "no tail bound" if tail_bound is None else f"a tail bound of {tail_bound} (> {CASCADE_SHORT_TAIL})"
+        return (f"the cascade's launch has {bound}, so it keeps the shared-ancestry path: 7-25% slower than FA4 + "
+                f"tail {where} at every length measured; a CUDA-graph wrapper with max_tail_len <= "
+                f"{CASCADE_SHORT_TAIL} (TLLM_BEAM_SHARED_PREFIX_MAX_TAIL) leaves it out")
+    if num_requests is None or beam_width is None or num_requests < 1:
+        return f"requests or beam width unknown {where}: the cascade's program count decides there"
+    programs, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, 128)
+    sms = multiprocessors() if num_sms is None else int(num_sms)
+    if blocks > CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128:
+        return (f"{blocks} beam blocks a request (> {CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128}) {where}: from 0.4% faster "
+                f"to 7% slower than FA4 + tail with six")
+    if programs <= CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128:
+        return (f"{programs} cascade programs (<= {CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128}) {where}: 25-33% slower "
+                f"than FA4 + tail there without a tail bound, not measured with one")
+    if programs > CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128 * sms:
+        return (f"{programs} cascade programs (> {CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128} a multiprocessor, "
+                f"{sms} multiprocessors) {where}: from 5% faster to 7% slower than FA4 + tail at 768-3,072")
+    fill = int(beam_width) / (blocks * (rows // next_power_of_2(group)))
+    if programs > sms and fill < CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128:
+        return (f"beam blocks {fill:.2f} full (< {CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128}) with {programs} programs "
+                f"(> {sms} multiprocessors) {where}: 3-8% slower than FA4 + tail there")
+    return None
 
 
 def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_width, group, head_dim,
@@ -993,10 +1094,11 @@ def cascade_serves(
     tail_len: Optional[float] = None,
     shared_run: bool = True,
     eager: bool = False,
+    tail_bound: int | None = None,
 ) -> bool:
     """Whether the one-launch cascade would serve a CUDA batch under the ``requested`` backend setting:
     ``"triton"`` where the kernel tiles the shape, ``"auto"`` where :func:`cascade_preferred` picks it
-    (``tail_len``, ``shared_run`` and ``eager`` as there) and :func:`split_kv_preferred` (``num_requests``: the
+    (``tail_len``, ``shared_run``, ``eager`` and ``tail_bound`` as there) and :func:`split_kv_preferred` (``num_requests``: the
     batch's, ``None`` unknown) does not.
     (The decline rule's thresholds differ for it and for the two-launch paths.)"""
     if requested == "triton":
@@ -1010,7 +1112,7 @@ def cascade_serves(
                               eager)[0]:
             return False
         return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim, num_requests,
-                                 tail_len, shared_run, eager)[0]
+                                 tail_len, shared_run, eager, tail_bound)[0]
     return False
 
 
@@ -1038,10 +1140,11 @@ def step_path(
     tail_len: Optional[float] = None,
     shared_run: bool = True,
     eager: bool = False,
+    tail_bound: int | None = None,
 ) -> Tuple[bool, bool]:
     """``(split_kv, one_launch)``: whether FlashInfer's split prompt, or the one-launch cascade, serves a
     CUDA batch under ``requested``, with the packages installed here (what the per-step decline rule
-    must judge); ``tail_len``, ``shared_run`` and ``eager`` as for :func:`cascade_preferred`. Unlike
+    must judge); ``tail_len``, ``shared_run``, ``eager`` and ``tail_bound`` as for :func:`cascade_preferred`. Unlike
     :func:`flashinfer_serves` and :func:`cascade_serves`, which model a machine with every backend installed, a
     missing FlashInfer sends ``auto``'s few-request batches to the cascade or FA4, and a missing FA4 sends
     ``fa4`` to FlashInfer."""
@@ -1049,12 +1152,12 @@ def step_path(
         requested = "flashinfer"
     if requested == "auto" and not _installed("flashinfer"):
         preferred = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                                      num_requests, tail_len, shared_run, eager)[0]
+                                      num_requests, tail_len, shared_run, eager, tail_bound)[0]
         return False, preferred
     split_kv = flashinfer_serves(requested, num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
                                  head_dim, eager)
     one_launch = not split_kv and cascade_serves(requested, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                                 head_dim, num_requests, tail_len, shared_run, eager)
+                                                 head_dim, num_requests, tail_len, shared_run, eager, tail_bound)
     return split_kv, one_launch
 
 
@@ -1072,14 +1175,15 @@ def choose_prefix_backend(
     tail_len: Optional[float] = None,
     shared_run: bool = True,
     eager: bool = False,
+    tail_bound: int | None = None,
 ) -> Tuple[str, List[str]]:
     """The ``backend="auto"`` choice for a shape: ``(name, [reasons the faster backends declined])``.
 
     ``mean_prompt_len`` (tokens, the batch's mean), ``beam_width`` and ``num_requests`` let the rule
     pick FlashInfer's split prompt for few requests (:func:`split_kv_preferred`) or the one-launch
     cascade (:func:`cascade_preferred`, with ``tail_len``: the step's longest tail, ``None`` where unknown,
-    ``shared_run``: whether the shared-run stage may run, and ``eager``: whether the calls run without a
-    CUDA graph).
+    ``shared_run``: whether the shared-run stage may run, ``eager``: whether the calls run without a
+    CUDA graph, and ``tail_bound``: the bound on every tail the cascade's launch is given, ``None`` as there).
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -1088,7 +1192,7 @@ def choose_prefix_backend(
     split, split_why = split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
                                           head_dim, eager)
     preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                                       num_requests, tail_len, shared_run, eager)
+                                       num_requests, tail_len, shared_run, eager, tail_bound)
     candidates = ("triton", "fa4", "flashinfer") if preferred else ("fa4", "flashinfer")
     if split:
         candidates = ("flashinfer",) + candidates[:-1]
@@ -1120,12 +1224,14 @@ def resolve_prefix_backend(
     tail_len: Optional[float] = None,
     shared_run: bool = True,
     eager: bool = False,
+    tail_bound: int | None = None,
 ) -> str:
     """The backend that will run for ``requested`` (``auto``/``triton``/``fa4``/``flashinfer``/``reference``).
 
     ``mean_prompt_len``: the batch's mean prompt length (tokens), ``beam_width``, ``num_requests`` and
     ``tail_len`` (the step's longest tail, ``None`` where unknown), ``shared_run`` (whether the
-    shared-run stage may run) and ``eager`` (whether the calls run without a CUDA graph), for the ``auto`` rule.
+    shared-run stage may run), ``eager`` (whether the calls run without a CUDA graph) and ``tail_bound`` (the
+    bound on every tail the cascade's launch is given; see :func:`cascade_preferred`), for the ``auto`` rule.
 
     Declines are logged on the ``beam_shared_prefix`` logger with their reason.
 
@@ -1135,7 +1241,7 @@ def resolve_prefix_backend(
     if requested == "auto":
         name, declined = choose_prefix_backend(device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size,
                                                kv_layout, mean_prompt_len, beam_width, num_requests, tail_len,
-                                               shared_run, eager)
+                                               shared_run, eager, tail_bound)
         for reason in declined:
             logger.info("beam_shared_prefix: backend=auto declined %s", reason)
         if name == "reference" and torch.device(device).type == "cuda":

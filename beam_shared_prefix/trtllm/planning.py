@@ -158,8 +158,10 @@ class StepInfo:
                          family.head_dim)
                 # The path that serves a long tail depends on whether the shared-run stage may run.
                 # A judged tail is an eager step's (CUDA-graph metadata hands none): eager keeps the cascade.
+                # A captured launch is bounded by the wrapper's max_tail_len, an eager one by its own tail.
+                bound = cascade_tail_bound(settings.max_tail_len) if tail is None else None
                 split_kv, one_launch = step_path(settings.backend, self.num_requests, *shape, tail_len=tail,
-                                                 shared_run=settings.shared_run != "off", eager=True)
+                                                 shared_run=settings.shared_run != "off", eager=True, tail_bound=bound)
                 reason = should_decline(
                     self.num_requests,
                     self.beam_width,

@@ -224,3 +224,11 @@ def test_rule_prints_the_library_verdict_without_measuring(capsys, monkeypatch):
     assert cli.main(argv) == 0
     line = capsys.readouterr().out.strip()
     assert ": cascade (eager; prefix + tail kernel under a CUDA graph), tails served" in line, line
+    # GQA 8 at head 128: a CUDA-graph wrapper takes the cascade only with a tail bound (--declare-tail, or
+    # TLLM_BEAM_SHARED_PREFIX_MAX_TAIL); an eager step is bounded by its own tail.
+    monkeypatch.delenv("TLLM_BEAM_SHARED_PREFIX_MAX_TAIL", raising=False)
+    argv = ["--preset", "B-medium", "--rule", "--heads", "64", "--requests", "16", "--prompt", "100"]
+    for extra, graph_path in (([], " (eager; prefix + tail kernel under a CUDA graph)"), (["--declare-tail"], "")):
+        assert cli.main(argv + extra) == 0
+        line = capsys.readouterr().out.strip()
+        assert f"64/8 D128 Pg32 bf16: cascade{graph_path}, tails served" in line, line

@@ -112,6 +112,39 @@ def test_the_wrapper_hears_the_steps_tail(setup, monkeypatch, rule):
     assert heard == [(False, 1), (True, None)] + again, heard
 
 
+@pytest.mark.parametrize("max_tail", [None, "8"])
+def test_the_decline_rule_hears_the_launch_tail_bound(trt, monkeypatch, max_tail):
+    """The per-step decline rule judges the path the wrapper will take, so it hands the rule the tail bound the
+    cascade's launch will get (GQA 5-8 at head 128 take the cascade only with one): an eager step's own tail, and for
+    CUDA-graph metadata, which hands no tail, ``TLLM_BEAM_SHARED_PREFIX_MAX_TAIL`` (at most ``CASCADE_SHORT_TAIL``)."""
+    from beam_shared_prefix.prefix.select import CASCADE_SHORT_TAIL
+
+    if max_tail is None:
+        monkeypatch.delenv("TLLM_BEAM_SHARED_PREFIX_MAX_TAIL", raising=False)
+    else:
+        monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_MAX_TAIL", max_tail)
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
+    register()
+    built = build(model, prompts=(37, 70), beam_width=3)
+    heard = []
+    step_path = planning.step_path
+
+    def recording_step_path(*args, tail_len=None, tail_bound=None, **kwargs):
+        heard.append((tail_len is None, tail_bound))
+        return step_path(*args, tail_len=tail_len, tail_bound=tail_bound, **kwargs)
+
+    monkeypatch.setattr(planning, "step_path", recording_step_path)
+    graph = built.engine.graph_metadata(2)
+    step = built.sim.begin_step()
+    for metadata in (built.engine.metadata, graph):
+        out, _ = built.run(step, metadata=metadata)
+        check(built, step, out)
+    captured = CASCADE_SHORT_TAIL if max_tail is not None else None
+    assert heard == [(False, None), (True, captured)], heard
+
+
 def test_fresh_metadata_is_planned_in_prepare(setup, monkeypatch):
     """prepare() plans the attention family of every layer the library serves, before any forward: a
     CUDA-graph metadata whose very first forward is captured (no eager warm-up) needs no planning."""
