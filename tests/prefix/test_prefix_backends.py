@@ -674,7 +674,7 @@ def test_group_4_head_64_wide_tiles_on_the_h200_grids(monkeypatch):
     leaves, a lead.)"""
     from beam_shared_prefix.prefix import select
 
-    monkeypatch.setattr(select, "multiprocessors", lambda: 132)
+    monkeypatch.setattr(select, "multiprocessors", lambda: 132)  # the H200's, on any machine
     taken = left = wide = 0
     for name, s, prompt, arms in _h200_grid_points("g4_d64_*_round47.json"):
         picked, why = select.cascade_preferred(prompt, s["heads"], s["kv_heads"], s["beams"], s["head_dim"],
@@ -713,14 +713,16 @@ def test_group_8_head_128_verdict_names_its_limit(requests, beams, bound, sms, w
     assert verdict is None if why is None else why in verdict, verdict
 
 
-def test_group_8_at_head_128_wants_a_tail_bound_on_the_h200_grids():
+def test_group_8_at_head_128_wants_a_tail_bound_on_the_h200_grids(monkeypatch):
     """GQA 40/8, 48/8 and 64/8 at head 128, 4-64 requests of 8-96 beams, 32-512 tokens, 4-token tails, graph
     replays (forty-seventh round, ``g[568]_d128_*_round47.json``; ``decl`` in a name: the library's wrappers were
     given ``max_tail_len``, so the launch left the shared-ancestry path out). Without the bound the rule never takes
     the cascade, which lost at every point; with it, every point it takes was faster than FA4 + tail, and none it
     leaves was more than 5% faster."""
+    from beam_shared_prefix.prefix import select
     from beam_shared_prefix.prefix.select import CASCADE_SHORT_TAIL, cascade_preferred
 
+    monkeypatch.setattr(select, "multiprocessors", lambda: 132)  # the H200's, on any machine
     taken = left = 0
     for name, s, prompt, arms in _h200_grid_points("g[568]_d128_*_round47.json"):
         bound = CASCADE_SHORT_TAIL if "_decl" in name else None
