@@ -867,7 +867,6 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
     :func:`multiprocessors`), and blocks :data:`CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128` full where the programs
     outnumber the multiprocessors."""
     from triton_kernels.cascade import shared_ancestry_reachable  # deferred: triton is imported on first use
-    from triton_kernels.host_ints import next_power_of_2
 
     where = f"at G={group}, head 128"
     if shared_ancestry_reachable(tail_bound):
@@ -877,7 +876,7 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
                 f"{CASCADE_SHORT_TAIL} (TLLM_BEAM_SHARED_PREFIX_MAX_TAIL) leaves it out")
     if num_requests is None or beam_width is None or num_requests < 1:
         return f"requests or beam width unknown {where}: the cascade's program count decides there"
-    programs, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, 128)
+    programs, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, 128)
     sms = multiprocessors() if num_sms is None else int(num_sms)
     if blocks > CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128:
         return (f"{blocks} beam blocks a request (> {CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128}) {where}: from 0.4% faster "
@@ -888,7 +887,7 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
     if programs > CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128 * sms:
         return (f"{programs} cascade programs (> {CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128} a multiprocessor, "
                 f"{sms} multiprocessors) {where}: from 5% faster to 7% slower than FA4 + tail at 768-3,072")
-    fill = int(beam_width) / (blocks * (rows // next_power_of_2(group)))
+    fill = int(beam_width) / (blocks * _beams_per_block(group, 128))
     if programs > sms and fill < CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128:
         return (f"beam blocks {fill:.2f} full (< {CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128}) with {programs} programs "
                 f"(> {sms} multiprocessors) {where}: 3-8% slower than FA4 + tail there")
