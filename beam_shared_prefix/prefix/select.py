@@ -54,6 +54,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128", "CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128",
            "CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128", "CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128",
            "group_8_head_128_verdict", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64",
+           "CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_4_HEAD_64", "CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64",
+           "wide_tile_launch", "group_3_head_64_verdict",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
            "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
            "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run",
@@ -171,6 +173,25 @@ CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64 = 128
 # limits above: 64 beams took from 17% faster to 18% slower at 256 tokens (g3_d64_wide_w64*_round47.json).
 #: G = 4 at head 64 where the launch takes 32-beam tiles: ``{32-beam blocks a request: longest mean prompt}``.
 CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64 = {1: 640, 2: 384, 3: 256}
+# Forty-eighth round (H200, graph replays, 4-token tails; g[34]_d64_w{32,64,96}_waves_round48.json and
+# g3_d64_waves_round48.json: GQA 32/8 and 24/8 at head 64 with 11-64 requests on 32-beam tiles, 64-384 tokens). On
+# those tiles (two programs a multiprocessor) a launch a little over one wave runs a second wave almost empty, and its
+# time jumps by half (GQA 24/8, 64 beams at 128 tokens: 21.4 us with 16 requests, 256 programs; 32.7 with 17, 272),
+# while FA4's grows by a fifth (26.0 to 30.8 us). With three blocks at GQA 4 (96 beams) the cascade was 8% slower
+# than FA4 + tail at 256 tokens with waves 0.55 full (12 requests) and 0.6% slower at 0.73 (16; round 47), 11-14%
+# faster at 0.91-0.97 (20-64 requests), and faster at 128 tokens at every fill; with two blocks it stayed faster at
+# 384 tokens however full (1% at 0.52, 17 x 64). At GQA 3, where FA4 fills its 192-row tile with 64 beams, two or
+# three blocks were from 1% faster to 7% slower at 64-128 tokens with waves 0.52-0.64 full (17-21 x 64, 12-14 x 96),
+# from 3% faster to even at 0.73-0.79 and 3-30% faster from 0.85; one block (32 beams, where FA4's tile is half
+# empty) was 13-19% faster even at 0.52. (A first limit of 0.6 took 14 x 96, 0.64 full, which a held-out run then
+# found 0.4-3% slower: g3_d64_w96_waves_heldout_round48.json.)
+#: G = 4 at head 64 on 32-beam tiles: ``{32-beam blocks a request: least wave fill}`` for the limits of
+#: :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64` where the launch runs more than one wave
+#: (:func:`wide_tile_launch`); below it the 16-beam tile's limit stays.
+CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_4_HEAD_64 = {3: 0.8}
+#: G = 3 at head 64 on 32-beam tiles, two or more blocks a request: the least wave fill with which ``auto`` takes the
+#: cascade where the launch runs more than one wave.
+CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64 = 0.7
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
 # Forty-fifth round (H200, graph replays; g8_d64_4warps_w{8,16,30,48,96}_round45.json and
 # g6_d64_4warps_w30_round45.json: 4, 16 and 64 requests at GQA 64/8, 16 and 64 at GQA 48/8, 128-2,000 tokens). Above
@@ -208,12 +229,15 @@ CASCADE_GROUP_8_HEAD_64_MIN_BALANCE = 0.9
 # (`--declare-tail`) it was 3-16% faster at 32-128 tokens with one or two beam blocks, 128-512 programs and blocks
 # at least 3/4 full (W = 12, 16, 30; W = 8 at 128 programs), 3-8% slower with half-full blocks at 256-512 programs
 # (W = 8 at 32 and 64 requests), from 5% faster to 3% slower at 1,024 programs (64 x 30) and from 0.4% faster to 7%
-# slower with six blocks (W = 96 at 16 and 64 requests). Not measured with the bound at 64 programs or fewer, where
-# without it the cascade lost by 25-33%, more than the bound saved anywhere (11-22%).
+# slower with six blocks (W = 96 at 16 and 64 requests). Forty-eighth round, with the bound (g[68]_d128_decl_*_round48.json:
+# 1-8 requests of 8-30 beams, 8-64 programs, 32-128 tokens; 40-48 requests of 16 and 30 beams): from 3% faster to 10%
+# slower at 8-48 programs (a program reads one request's prompt for 16 beams while FA4 + tail spreads the step over
+# more CTAs), 2-6% faster at 56-64, and from 3% faster to 1% slower at 640-768 programs with full blocks (past the
+# cap, which stays).
 #: G = 5-8 at head 128: the most beam blocks per request with which ``auto`` takes the cascade.
 CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128 = 2
 #: G = 5-8 at head 128: never the cascade with at most this many programs.
-CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128 = 64
+CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128 = 48
 #: G = 5-8 at head 128: never the cascade with more programs than this many per multiprocessor.
 CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128 = 4
 #: G = 5-8 at head 128: the least fill of the beam blocks (beams over block capacity) with which the cascade runs
@@ -367,7 +391,7 @@ SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 64, (3, 
 #   serve, 12-19% slower at 2,000.
 CASCADE_FEW_PROGRAMS = 128
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with at most
-#: :data:`CASCADE_FEW_PROGRAMS` programs and one beam block (groups 3 and 4 share an entry); a
+#: :data:`CASCADE_FEW_PROGRAMS` programs and one beam block (group 3 takes group 4's entry); a
 #: ``{tile rows: limit}`` value where the limit depends on the tile (rows not listed: no limit).
 CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048, (4, 64): 1024, (1, 128): {16: 1024, 32: 256},
                                         (1, 64): {32: 1024}, (2, 128): {32: 256}}
@@ -387,14 +411,19 @@ CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS = {(2, 128): 1024, (2, 64): 1024
 # Head 64 (thirty-seventh round, auto_rule_round37_g2_d64*.json): with at most 256 programs (4 requests of
 # 40-256 beams, 16 requests of 40) the cascade was 11-29% faster than FA4 + tail at every point up to 448
 # tokens, with 2 to 8 blocks; with 512 or more, 2-4% slower at 448 even with 2-4 blocks.
+# GQA 3-4 at head 64 (forty-eighth round, g4_d64_few{,_blocks}_round48.json and g3_d64_few_round48.json: 1-8
+# requests of 32-128 beams at 256-640 tokens, 24-256 programs of the 16-beam tile, which a launch of at most 256 of
+# them keeps): the cascade was faster than FA4 + tail at every point, at GQA 4 by 5-21% at 256-512 tokens and by
+# 1.4-8% at 640 (6 x 64: 24.3 against 24.7 us), at GQA 3 by 4.5-18% at 256-512 (not measured further). Hence 640 and
+# 512 (the 128 of three or more blocks at more programs, and of an unknown batch, stays).
 #: ``{(GQA group, head size): mean prompt limit}`` of the cascade with two or more beam blocks and at most
 #: :data:`CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS` programs (it raises :func:`cascade_prompt_limit`'s
 #: several-block limit; two blocks take the larger of this and
 #: :data:`CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS`).
-CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS = {(2, 128): 448, (2, 64): 448}
+CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS = {(2, 128): 448, (2, 64): 448, (4, 64): 640, (3, 64): 512}
 #: ``{(GQA group, head size): programs}``: how many cascade programs count as few for
 #: :data:`CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS` (elsewhere :data:`CASCADE_FEW_PROGRAMS`).
-CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256}
+CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS = {(2, 64): 256, (4, 64): 256, (3, 64): 256}
 # Several beam blocks at head 128, judged by waves (rounds 38 and 39; graph replays). Past the several-block limit
 # the cascade reads the prompt once per beam block (64 rows), FA4 once per 128-row tile (its own tile at head 128 on
 # SM90; a request's W x G rows of a KV head, pack_gqa), so the cascade is at its best where FA4's last tile is half
@@ -697,7 +726,10 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     takes :data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64` where it has at most as many, and none with
     at most :data:`CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64`. At G = 4 and head 64, where the batch's launch takes
     32-beam tiles, :func:`cascade_preferred` raises the several-block limit to
-    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`.
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64` (with three blocks and more than one wave, where the
+    waves are :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_4_HEAD_64` full); at G = 3 there it declines a launch of
+    two or more blocks whose waves are emptier than :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`
+    (:func:`group_3_head_64_verdict`).
     """
     one = one_beam_block(beam_width, group_size, head_dim)
     if group_size == 1:
@@ -786,6 +818,10 @@ def cascade_preferred(
     wide_tile = _wide_tile_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
     if wide_tile is not None:
         limit = max(limit, wide_tile)
+    if group == 3 and head_dim == 64:
+        declined = group_3_head_64_verdict(num_requests, num_kv_heads, beam_width)
+        if declined is not None:
+            return False, declined
     if group > 4 and head_dim == 128:
         if tail_bound is None and eager:
             tail_bound = cascade_tail_bound(tail_len)
@@ -841,19 +877,59 @@ def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, gro
     return int(num_requests) * -(-int(num_kv_heads) // cfg.heads_per_program) * blocks, blocks, cfg.block_m
 
 
-def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,
-                     head_dim: int) -> int | None:
-    """:data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64` for a G = 4, head-64 batch whose launch takes 32-beam
-    tiles (:func:`triton_kernels.cascade.cascade_launch_config` with the batch), else ``None``."""
-    if group != 4 or head_dim != 64 or num_requests is None or beam_width is None or num_requests < 1:
+def wide_tile_launch(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int, head_dim: int,
+                     num_sms: int | None = None) -> tuple[int, int, float] | None:
+    """``(32-beam blocks a request, programs, wave fill)`` of a G = 3-4, head-64 batch whose launch takes 32-beam tiles
+    (:func:`triton_kernels.cascade.cascade_launch_config` with the batch), else ``None``. The wave fill is the
+    :func:`wave_efficiency` of the programs at :data:`CASCADE_PROGRAMS_PER_SM` a multiprocessor (``num_sms``;
+    ``None``: :func:`multiprocessors`)."""
+    if group not in (3, 4) or head_dim != 64 or num_requests is None or beam_width is None or num_requests < 1:
         return None
     from triton_kernels.cascade import WIDE_GROUP_HEAD_64_TILE_BEAMS, cascade_launch_config  # deferred: triton
 
+    sms = multiprocessors() if num_sms is None else int(num_sms)
     cfg = cascade_launch_config(int(beam_width), group, head_dim, num_requests=int(num_requests),
-                                num_kv_heads=int(num_kv_heads), num_sms=multiprocessors())
+                                num_kv_heads=int(num_kv_heads), num_sms=sms)
     if cfg.beams_per_program != WIDE_GROUP_HEAD_64_TILE_BEAMS:
         return None
-    return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64.get(-(-int(beam_width) // WIDE_GROUP_HEAD_64_TILE_BEAMS))
+    blocks = -(-int(beam_width) // WIDE_GROUP_HEAD_64_TILE_BEAMS)
+    programs = int(num_requests) * -(-int(num_kv_heads) // cfg.heads_per_program) * blocks
+    return blocks, programs, wave_efficiency(programs, CASCADE_PROGRAMS_PER_SM * sms)
+
+
+def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,
+                     head_dim: int) -> int | None:
+    """:data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64` for a G = 4, head-64 batch whose launch takes 32-beam
+    tiles (:func:`wide_tile_launch`) and, where it runs more than one wave, fills them at least
+    :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_4_HEAD_64`; else ``None``."""
+    launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, group, head_dim) if group == 4 else None
+    if launch is None:
+        return None
+    blocks, programs, fill = launch
+    least = CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_4_HEAD_64.get(blocks)
+    if least is not None and programs > CASCADE_PROGRAMS_PER_SM * multiprocessors() and fill < least:
+        return None
+    return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64.get(blocks)
+
+
+def group_3_head_64_verdict(num_requests: int | None, num_kv_heads: int, beam_width: int | None,
+                            num_sms: int | None = None) -> str | None:
+    """Why ``auto`` leaves the cascade at G = 3 and head 64 for a batch, or ``None`` where the prompt limits decide:
+    a launch on 32-beam tiles (:func:`wide_tile_launch`) with two or more blocks a request and more than one wave of
+    programs (:data:`CASCADE_PROGRAMS_PER_SM` a multiprocessor, ``num_sms``; ``None``: :func:`multiprocessors`) must
+    fill its waves at least :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`."""
+    sms = multiprocessors() if num_sms is None else int(num_sms)
+    launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, 3, 64, sms)
+    if launch is None:
+        return None
+    blocks, programs, fill = launch
+    slots = CASCADE_PROGRAMS_PER_SM * sms
+    if blocks < 2 or programs <= slots or fill >= CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64:
+        return None
+    return (f"{programs} cascade programs on 32-beam tiles ({blocks} a request) fill their "
+            f"{-(-programs // slots)} waves {fill:.2f} full (< {CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64}; "
+            f"{slots} a wave on {sms} multiprocessors) at G=3, head 64: from 1% faster to 7% slower than FA4 + tail "
+            f"with waves 0.52-0.64 full at 64-128 tokens")
 
 
 def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,
@@ -882,8 +958,8 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
         return (f"{blocks} beam blocks a request (> {CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128}) {where}: from 0.4% faster "
                 f"to 7% slower than FA4 + tail with six")
     if programs <= CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128:
-        return (f"{programs} cascade programs (<= {CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128}) {where}: 25-33% slower "
-                f"than FA4 + tail there without a tail bound, not measured with one")
+        return (f"{programs} cascade programs (<= {CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128}) {where}: from 3% faster "
+                f"to 10% slower than FA4 + tail there with a tail bound")
     if programs > CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128 * sms:
         return (f"{programs} cascade programs (> {CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128} a multiprocessor, "
                 f"{sms} multiprocessors) {where}: from 5% faster to 7% slower than FA4 + tail at 768-3,072")
@@ -896,10 +972,10 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
 
 def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_width, group, head_dim,
                         few_programs=CASCADE_FEW_PROGRAMS):
-    """``(programs, limit)`` of ``table`` (``{(group, head size): limit or {tile rows: limit}}``; groups
-    3 and 4 share an entry) for a batch of at most ``few_programs`` cascade programs whose beam blocks
+    """``(programs, limit)`` of ``table`` (``{(group, head size): limit or {tile rows: limit}}``; group 3
+    takes group 4's entry where it has none of its own) for a batch of at most ``few_programs`` cascade programs whose beam blocks
     per request are within ``beam_blocks`` (``(least, most)``, ``None``: no most), else ``None``."""
-    limit = table.get((4 if group in (3, 4) else group, head_dim))
+    limit = table.get((group, head_dim), table.get((4, head_dim)) if group == 3 else None)
     if limit is None or num_requests is None or beam_width is None:
         return None
     programs, blocks, rows = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
