@@ -54,7 +54,9 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128", "CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128",
            "CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128", "CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128",
            "group_8_head_128_verdict", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64",
-           "CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_4_HEAD_64", "CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64",
+           "CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64",
+           "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64",
+           "CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64",
            "wide_tile_launch", "group_3_head_64_verdict",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
            "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
@@ -185,10 +187,22 @@ CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64 = {1: 640, 2: 384, 3: 256}
 # from 3% faster to even at 0.73-0.79 and 3-30% faster from 0.85; one block (32 beams, where FA4's tile is half
 # empty) was 13-19% faster even at 0.52. (A first limit of 0.6 took 14 x 96, 0.64 full, which a held-out run then
 # found 0.4-3% slower: g3_d64_w96_waves_heldout_round48.json.)
-#: G = 4 at head 64 on 32-beam tiles: ``{32-beam blocks a request: least wave fill}`` for the limits of
-#: :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64` where the launch runs more than one wave
-#: (:func:`wide_tile_launch`); below it the 16-beam tile's limit stays.
-CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_4_HEAD_64 = {3: 0.8}
+# The same holds with one block a request (g[34]_d64_w{24,32}_*waves*_round48.json, 33-64 requests of 24 and 32
+# beams): past one wave with waves 0.52-0.73 full the cascade was 2-11% faster than FA4 + tail at 256 tokens, from 1%
+# faster to 7% slower at 384 and 7-17% slower at 512-768 (GQA 4, 48 x 32 at 640: 72.2 against 64.3 us), points that
+# round 47's 640 (GQA 4) and round 44's 512 (GQA 3, measured on 16-beam tiles) took; at 0.85 (56 x 32) it was 4-20%
+# faster to 640, and with full waves (33 and 64 x 32, GQA 3) 8-17% faster at 384-512.
+#: Past one wave of programs, 32-beam launches at head 64 whose waves are under this fill are partly full.
+CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64 = 0.8
+#: ``{(GQA group, 32-beam blocks a request): longest mean prompt}`` of partly full 32-beam launches at head 64 (in place
+#: of :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64` and of the 16-beam tile's limit; pairs not listed keep
+#: the 16-beam tile's).
+CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64 = {(4, 1): 256, (4, 2): 384, (4, 3): 128, (3, 1): 256}
+# Two blocks at GQA 4 past one wave at least 0.8 full (28-64 x 64; g4_d64_w64_long_waves_round48.json and round 47's
+# g4_d64_wide_w64_round47.json) were 5-14% faster at 512 tokens, and from 9% faster to 1% slower at 640.
+#: ``{(GQA group, 32-beam blocks a request): longest mean prompt}`` of 32-beam launches at head 64 past one wave and at
+#: least :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full (pairs not listed: as with one wave).
+CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64 = {(4, 2): 512}
 #: G = 3 at head 64 on 32-beam tiles, two or more blocks a request: the least wave fill with which ``auto`` takes the
 #: cascade where the launch runs more than one wave.
 CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64 = 0.7
@@ -726,9 +740,10 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     takes :data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64` where it has at most as many, and none with
     at most :data:`CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64`. At G = 4 and head 64, where the batch's launch takes
     32-beam tiles, :func:`cascade_preferred` raises the several-block limit to
-    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64` (with three blocks and more than one wave, where the
-    waves are :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_4_HEAD_64` full); at G = 3 there it declines a launch of
-    two or more blocks whose waves are emptier than :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`; past one wave under
+    :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full G = 3-4 take
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64` there instead, and G = 3 declines two or more blocks
+    whose waves are emptier than :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`
     (:func:`group_3_head_64_verdict`).
     """
     one = one_beam_block(beam_width, group_size, head_dim)
@@ -817,7 +832,7 @@ def cascade_preferred(
     limit = cascade_prompt_limit(beam_width, group, head_dim)
     wide_tile = _wide_tile_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
     if wide_tile is not None:
-        limit = max(limit, wide_tile)
+        limit = wide_tile
     if group == 3 and head_dim == 64:
         declined = group_3_head_64_verdict(num_requests, num_kv_heads, beam_width)
         if declined is not None:
@@ -899,17 +914,23 @@ def wide_tile_launch(num_requests: int | None, num_kv_heads: int, beam_width: in
 
 def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,
                      head_dim: int) -> int | None:
-    """:data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64` for a G = 4, head-64 batch whose launch takes 32-beam
-    tiles (:func:`wide_tile_launch`) and, where it runs more than one wave, fills them at least
-    :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_4_HEAD_64`; else ``None``."""
-    launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, group, head_dim) if group == 4 else None
+    """The prompt limit of a G = 3-4, head-64 batch whose launch takes 32-beam tiles (:func:`wide_tile_launch`), in
+    place of the 16-beam tile's: :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64` where the launch runs
+    more than one wave, under :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full, and
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64` where they are fuller, else (G = 4)
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`; ``None`` where neither lists the block count (or the
+    launch keeps 16-beam tiles): the 16-beam tile's limit stays."""
+    launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, group, head_dim)
     if launch is None:
         return None
     blocks, programs, fill = launch
-    least = CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_4_HEAD_64.get(blocks)
-    if least is not None and programs > CASCADE_PROGRAMS_PER_SM * multiprocessors() and fill < least:
-        return None
-    return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64.get(blocks)
+    if programs > CASCADE_PROGRAMS_PER_SM * multiprocessors():
+        if fill < CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64:
+            return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64.get((group, blocks))
+        full = CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64.get((group, blocks))
+        if full is not None:
+            return full
+    return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64.get(blocks) if group == 4 else None
 
 
 def group_3_head_64_verdict(num_requests: int | None, num_kv_heads: int, beam_width: int | None,

@@ -668,11 +668,11 @@ def test_auto_rule_agrees_with_the_h200_grids():
 def test_groups_3_and_4_at_head_64_on_the_h200_grids(monkeypatch):
     """GQA 32/8 and 24/8 at head 64, graph replays, 4-token tails: 4-64 requests of 32, 64 and 96 beams at 128-1,024
     tokens on the 32-beam tile wherever the launch takes it (forty-seventh round), 1-8 requests of 24-128 beams at
-    256-640 tokens on the 16-beam tile and 11-33 requests around the 32-beam tile's waves (forty-eighth round, held-out
-    points included; ``g[34]_d64_*_round4[78].json``). Every point ``auto`` takes with the cascade was at most even
-    with FA4 + tail (G = 3, 24 x 64 and 26 x 64 at 128 tokens); those it leaves on the 32-beam tile were at most 16%
-    faster with the cascade (G = 4, 64 x 64 at 512 tokens, where 17 requests were 6% slower: their blocks fill 0.52 of
-    a second wave); and no point :func:`group_3_head_64_verdict` declines was more than 1% faster with the cascade."""
+    256-640 tokens on the 16-beam tile and 11-64 requests of 24-96 beams around the 32-beam tile's waves at 64-1,024
+    tokens (forty-eighth round, held-out points included; ``g[34]_d64_*_round4[78].json``). Every point ``auto`` takes
+    with the cascade was at most even with FA4 + tail (G = 3, 24 x 64 and 26 x 64 at 128 tokens); those it leaves on
+    the 32-beam tile at most 9% faster with the cascade (G = 4, 48 x 64 at 640 tokens, where 40 x 64 was 1% slower);
+    and no point :func:`group_3_head_64_verdict` declines was more than 1% faster with the cascade."""
     from beam_shared_prefix.prefix import select
 
     monkeypatch.setattr(select, "multiprocessors", lambda: 132)  # the H200's, on any machine
@@ -690,9 +690,9 @@ def test_groups_3_and_4_at_head_64_on_the_h200_grids(monkeypatch):
             assert "32-beam tiles" in why and ratio >= 0.99, (where, why)
             by_waves += 1
         elif select.wide_tile_launch(s["requests"], s["kv_heads"], s["beams"], group, 64) is not None:
-            assert ratio >= 1 / 1.17, (where, why)
+            assert ratio >= 1 / 1.1, (where, why)
             left_wide += 1
-    assert (taken, left_wide, by_waves) == (170, 36, 21), (taken, left_wide, by_waves)
+    assert (taken, left_wide, by_waves) == (192, 72, 21), (taken, left_wide, by_waves)
 
 
 @pytest.mark.parametrize("requests,beams,sms,why", [
@@ -714,20 +714,27 @@ def test_group_3_head_64_verdict_names_its_limit(requests, beams, sms, why):
     assert verdict is None if why is None else why in verdict, verdict
 
 
-@pytest.mark.parametrize("requests,beams,limit", [
-    (12, 96, None),  # 288 programs of three 32-beam blocks, 0.55 of two waves: the 16-beam tile's limit
-    (14, 96, None),  # 0.64
-    (18, 96, 256),  # 0.82
-    (8, 96, 256),  # 192 programs, one wave
-    (17, 64, 384),  # two blocks: no least fill
-    (17, 32, 640),
-    (4, 64, None),  # 16-beam tiles
+@pytest.mark.parametrize("group,requests,beams,limit", [
+    (4, 17, 32, 640),  # 136 programs of one 32-beam block: one wave
+    (4, 34, 32, 256),  # 272 programs: 0.52 of two waves
+    (4, 56, 32, 640),  # 0.85
+    (4, 17, 64, 384),  # two blocks, 0.52
+    (4, 28, 64, 512),  # two blocks, 0.85
+    (4, 12, 96, 128),  # three blocks, 0.55
+    (4, 18, 96, 256),  # 0.82
+    (4, 8, 96, 256),  # 192 programs, one wave
+    (4, 4, 64, None),  # 16-beam tiles (64 programs of 32 beams are fewer than the multiprocessors)
+    (3, 40, 32, 256),  # one block, 0.61
+    (3, 33, 32, None),  # one full wave: the 16-beam tile's limit
+    (3, 20, 64, None),  # two blocks: group_3_head_64_verdict
 ])
-def test_group_4_head_64_wide_tile_limit_wants_full_waves_from_three_blocks(monkeypatch, requests, beams, limit):
+def test_wide_tile_limit_follows_the_waves(monkeypatch, group, requests, beams, limit):
+    """The 32-beam tile's prompt limit at GQA 3-4 and head 64 by block count and wave fill (H200: 264 programs a
+    wave), in place of the 16-beam tile's."""
     from beam_shared_prefix.prefix import select
 
     monkeypatch.setattr(select, "multiprocessors", lambda: 132)
-    assert select._wide_tile_limit(requests, 8, beams, 4, 64) == limit
+    assert select._wide_tile_limit(requests, 8, beams, group, 64) == limit
 
 
 @pytest.mark.parametrize("requests,beams,bound,sms,why", [
