@@ -243,11 +243,11 @@ CASCADE_GROUP_8_HEAD_64_MIN_BALANCE = 0.9
 # (`--declare-tail`) it was 3-16% faster at 32-128 tokens with one or two beam blocks, 128-512 programs and blocks
 # at least 3/4 full (W = 12, 16, 30; W = 8 at 128 programs), 3-8% slower with half-full blocks at 256-512 programs
 # (W = 8 at 32 and 64 requests), from 5% faster to 3% slower at 1,024 programs (64 x 30) and from 0.4% faster to 7%
-# slower with six blocks (W = 96 at 16 and 64 requests). Forty-eighth round, with the bound (g[68]_d128_decl_*_round48.json:
-# 1-8 requests of 8-30 beams, 8-64 programs, 32-128 tokens; 40-48 requests of 16 and 30 beams): from 3% faster to 10%
-# slower at 8-48 programs (a program reads one request's prompt for 16 beams while FA4 + tail spreads the step over
-# more CTAs), 2-6% faster at 56-64, and from 3% faster to 1% slower at 640-768 programs with full blocks (past the
-# cap, which stays).
+# slower with six blocks (W = 96 at 16 and 64 requests). Forty-eighth round, with the bound
+# (g[68]_d128_decl_*_round48.json: 1-8 requests of 8-30 beams, 8-64 programs, 32-128 tokens; 40-48 requests of 16 and
+# 30 beams): from 3% faster to 10% slower at 8-48 programs (a program reads one request's prompt for 16 beams while
+# FA4 + tail spreads the step over more CTAs), 2-6% faster at 56-64, and from 3% faster to 1% slower at 640-768
+# programs with full blocks (past the cap, which stays).
 #: G = 5-8 at head 128: the most beam blocks per request with which ``auto`` takes the cascade.
 CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128 = 2
 #: G = 5-8 at head 128: never the cascade with at most this many programs.
@@ -994,8 +994,9 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
 def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_width, group, head_dim,
                         few_programs=CASCADE_FEW_PROGRAMS):
     """``(programs, limit)`` of ``table`` (``{(group, head size): limit or {tile rows: limit}}``; group 3
-    takes group 4's entry where it has none of its own) for a batch of at most ``few_programs`` cascade programs whose beam blocks
-    per request are within ``beam_blocks`` (``(least, most)``, ``None``: no most), else ``None``."""
+    takes group 4's entry where it has none of its own) for a batch of at most ``few_programs`` cascade
+    programs whose beam blocks per request are within ``beam_blocks`` (``(least, most)``, ``None``: no
+    most), else ``None``."""
     limit = table.get((group, head_dim), table.get((4, head_dim)) if group == 3 else None)
     if limit is None or num_requests is None or beam_width is None:
         return None
