@@ -25,6 +25,7 @@ caller asked for a fast GPU path.
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Tuple, Type
 
 import torch
@@ -900,15 +901,21 @@ def wide_tile_launch(num_requests: int | None, num_kv_heads: int, beam_width: in
     ``None``: :func:`multiprocessors`)."""
     if group not in (3, 4) or head_dim != 64 or num_requests is None or beam_width is None or num_requests < 1:
         return None
+    sms = multiprocessors() if num_sms is None else int(num_sms)
+    return _wide_tile_launch(int(num_requests), int(num_kv_heads), int(beam_width), group, head_dim, sms)
+
+
+@functools.lru_cache(maxsize=4096)  # eager steps ask the rule at every step; a serving batch repeats its shape
+def _wide_tile_launch(num_requests: int, num_kv_heads: int, beam_width: int, group: int, head_dim: int,
+                      sms: int) -> tuple[int, int, float] | None:
     from triton_kernels.cascade import WIDE_GROUP_HEAD_64_TILE_BEAMS, cascade_launch_config  # deferred: triton
 
-    sms = multiprocessors() if num_sms is None else int(num_sms)
-    cfg = cascade_launch_config(int(beam_width), group, head_dim, num_requests=int(num_requests),
-                                num_kv_heads=int(num_kv_heads), num_sms=sms)
+    cfg = cascade_launch_config(beam_width, group, head_dim, num_requests=num_requests, num_kv_heads=num_kv_heads,
+                                num_sms=sms)
     if cfg.beams_per_program != WIDE_GROUP_HEAD_64_TILE_BEAMS:
         return None
-    blocks = -(-int(beam_width) // WIDE_GROUP_HEAD_64_TILE_BEAMS)
-    programs = int(num_requests) * -(-int(num_kv_heads) // cfg.heads_per_program) * blocks
+    blocks = -(-beam_width // WIDE_GROUP_HEAD_64_TILE_BEAMS)
+    programs = num_requests * -(-num_kv_heads // cfg.heads_per_program) * blocks
     return blocks, programs, wave_efficiency(programs, CASCADE_PROGRAMS_PER_SM * sms)
 
 
