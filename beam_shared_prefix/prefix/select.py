@@ -889,16 +889,21 @@ def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, gro
     from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
 
     cfg = cascade_launch_config(int(beam_width), group, head_dim)
+    return (*_launch_programs(cfg, num_requests, num_kv_heads, beam_width), cfg.block_m)
+
+
+def _launch_programs(cfg, num_requests: int, num_kv_heads: int, beam_width: int) -> tuple[int, int]:
+    """``(programs, beam blocks a request)`` of a cascade launch with tiling ``cfg`` for a batch."""
     blocks = -(-int(beam_width) // cfg.beams_per_program)
-    return int(num_requests) * -(-int(num_kv_heads) // cfg.heads_per_program) * blocks, blocks, cfg.block_m
+    return int(num_requests) * -(-int(num_kv_heads) // cfg.heads_per_program) * blocks, blocks
 
 
 def wide_tile_launch(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int, head_dim: int,
-                     num_sms: int | None = None) -> tuple[int, int, float] | None:
-    """``(32-beam blocks a request, programs, wave fill)`` of a G = 3-4, head-64 batch whose launch takes 32-beam tiles
-    (:func:`triton_kernels.cascade.cascade_launch_config` with the batch), else ``None``. The wave fill is the
-    :func:`wave_efficiency` of the programs at :data:`CASCADE_PROGRAMS_PER_SM` a multiprocessor (``num_sms``;
-    ``None``: :func:`multiprocessors`)."""
+                     num_sms: int | None = None) -> tuple[int, int, int, float] | None:
+    """``(32-beam blocks a request, programs, waves, wave fill)`` of a G = 3-4, head-64 batch whose launch takes 32-beam
+    tiles (:func:`triton_kernels.cascade.cascade_launch_config` with the batch), else ``None``. A wave is
+    :data:`CASCADE_PROGRAMS_PER_SM` programs a multiprocessor (``num_sms``; ``None``: :func:`multiprocessors`), and the
+    wave fill the programs' :func:`wave_efficiency` there."""
     if group not in (3, 4) or head_dim != 64 or num_requests is None or beam_width is None or num_requests < 1:
         return None
     sms = multiprocessors() if num_sms is None else int(num_sms)
@@ -907,16 +912,16 @@ def wide_tile_launch(num_requests: int | None, num_kv_heads: int, beam_width: in
 
 @functools.lru_cache(maxsize=4096)  # eager steps ask the rule at every step; a serving batch repeats its shape
 def _wide_tile_launch(num_requests: int, num_kv_heads: int, beam_width: int, group: int, head_dim: int,
-                      sms: int) -> tuple[int, int, float] | None:
+                      sms: int) -> tuple[int, int, int, float] | None:
     from triton_kernels.cascade import WIDE_GROUP_HEAD_64_TILE_BEAMS, cascade_launch_config  # deferred: triton
 
     cfg = cascade_launch_config(beam_width, group, head_dim, num_requests=num_requests, num_kv_heads=num_kv_heads,
                                 num_sms=sms)
     if cfg.beams_per_program != WIDE_GROUP_HEAD_64_TILE_BEAMS:
         return None
-    blocks = -(-beam_width // WIDE_GROUP_HEAD_64_TILE_BEAMS)
-    programs = num_requests * -(-num_kv_heads // cfg.heads_per_program) * blocks
-    return blocks, programs, wave_efficiency(programs, CASCADE_PROGRAMS_PER_SM * sms)
+    programs, blocks = _launch_programs(cfg, num_requests, num_kv_heads, beam_width)
+    slots = CASCADE_PROGRAMS_PER_SM * sms
+    return blocks, programs, -(-programs // slots), wave_efficiency(programs, slots)
 
 
 def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,
@@ -930,8 +935,8 @@ def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: in
     launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, group, head_dim)
     if launch is None:
         return None
-    blocks, programs, fill = launch
-    if programs > CASCADE_PROGRAMS_PER_SM * multiprocessors():
+    blocks, _, waves, fill = launch
+    if waves > 1:
         if fill < CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64:
             return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64.get((group, blocks))
         full = CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64.get((group, blocks))
@@ -950,12 +955,12 @@ def group_3_head_64_verdict(num_requests: int | None, num_kv_heads: int, beam_wi
     launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, 3, 64, sms)
     if launch is None:
         return None
-    blocks, programs, fill = launch
-    slots = CASCADE_PROGRAMS_PER_SM * sms
-    if blocks < 2 or programs <= slots or fill >= CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64:
+    blocks, programs, waves, fill = launch
+    if blocks < 2 or waves == 1 or fill >= CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64:
         return None
+    slots = CASCADE_PROGRAMS_PER_SM * sms
     return (f"{programs} cascade programs on 32-beam tiles ({blocks} a request) fill their "
-            f"{-(-programs // slots)} waves {fill:.2f} full (< {CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64}; "
+            f"{waves} waves {fill:.2f} full (< {CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64}; "
             f"{slots} a wave on {sms} multiprocessors) at G=3, head 64: from 1% faster to 7% slower than FA4 + tail "
             f"with waves 0.52-0.64 full at 64-128 tokens")
 
