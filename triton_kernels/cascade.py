@@ -78,8 +78,11 @@ SHARED_ANCESTRY_MIN_TAIL = 16
 # Multiprocessors assumed where the launch's device is not a CUDA GPU (the H100's and H200's).
 DEFAULT_MULTIPROCESSORS = 132
 # Beams of the 128-row tile of GQA 3-4 at D = 64 (cascade_launch_config: where it pads no more beams than the
-# 16-beam tile and the launch has more programs than multiprocessors).
+# 16-beam tile, the launch has more programs than multiprocessors and its last wave is more than half full).
 WIDE_GROUP_HEAD_64_TILE_BEAMS = 32
+# Resident 128-row programs a multiprocessor at D = 64 (255 registers a thread with 4 warps: two fit 64K registers),
+# with 32 beams (GQA 3-4) as with 16 (GQA 5-8).
+WIDE_TILE_PROGRAMS_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,13 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
       96 x 256: 76.0 against 64.5), and was 4-6% slower at 24 x 48 (16 padding beams a request, the 16-beam tile none)
       and 53-69% at 64 x 14 (``tune_cascade``'s ``g4_d64_tile32_round45.json``, ``g4_d64_tile32_round46.json``). With
       the batch unknown (``num_requests`` ``None``) the 16-beam tile stays: fewer programs than multiprocessors were
-      not measured, and the ``auto`` rule (``prefix/select.py``) counts that tile's beam blocks.
+      not measured, and the ``auto`` rule (``prefix/select.py``) counts that tile's beam blocks. Where the 32-beam
+      launch's last wave would be at most half full (two programs a multiprocessor make a wave), the 16-beam launch
+      runs one wave fewer of programs that finish in about half the time, and it stays
+      (:func:`wide_group_head_64_tile_choice`): 4-11% faster at 272-384 programs (34 x 32 x 384 at GQA 32/8: 44.0
+      against 48.6 us; 48 x 32 x 512 at GQA 24/8: 57.8 against 64.3; 12 x 96 x 128: 30.6 against 31.8), while the
+      32-beam tile stayed 8-12% faster with full waves (64 x 32 x 512: 68.9 against 74.8) and one wave (GQA 24/8,
+      8 x 96 x 256: 24.8 against 28.5; ``tune_cascade``'s ``g34_d64_tile_waves_round49.json``).
     - A launch whose tails are all too short for the shared-ancestry path (``max_tail_len``) leaves it out of the
       ``block_n`` 128 tilings (head 64, and groups 5-8 at head 128), whose steps it cost 1-26% at 4 and 16
       generated tokens on the H200; the head-128 tiles of groups 1-2 keep it (within 3% either way, preset A 2%
@@ -234,10 +243,8 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
       wherever the rule took it with several beam blocks (``docs/rounds.md``, "The forty-fourth round").
     """
     group_pad = next_power_of_2(group_size)
-    rows_cap = min(64, MAX_BLOCK_M[head_dim])
-    cap = max(MIN_BEAMS_PER_PROGRAM, min(MAX_BEAMS_PER_PROGRAM, rows_cap // group_pad))
-    beams = max(MIN_BEAMS_PER_PROGRAM, min(next_power_of_2(beam_width), cap))
-    if _wide_group_head_64_tile(beam_width, beams, group_pad, head_dim, num_requests, num_kv_heads, num_sms):
+    beams = _group_pad_beams(beam_width, group_pad, head_dim)
+    if wide_group_head_64_tile_choice(beam_width, group_size, head_dim, num_requests, num_kv_heads, num_sms) == "wide":
         beams = WIDE_GROUP_HEAD_64_TILE_BEAMS
     block_m = beams * group_pad
     num_warps = 4 if block_m <= 64 else 8
@@ -262,17 +269,35 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
                                num_warps=num_warps, num_stages=num_stages, shared_ancestry=shared)
 
 
-def _wide_group_head_64_tile(beam_width: int, beams: int, group_pad: int, head_dim: int, num_requests: int | None,
-                             num_kv_heads: int, num_sms: int) -> bool:
-    """Whether GQA 3-4 at ``D = 64`` takes the 32-beam (128-row) tile over the 16-beam one: where the width fills
-    32-beam blocks as well as 16-beam ones (no more padding beams) and the launch, with the wider blocks, still has
-    more programs than ``num_sms``. An unknown batch (``num_requests`` ``None``) keeps the 16-beam tile."""
+def _group_pad_beams(beam_width: int, group_pad: int, head_dim: int) -> int:
+    """Beams a program of the default tiles holds (64 rows at most), before GQA 3-4's 32-beam tile."""
+    rows_cap = min(64, MAX_BLOCK_M[head_dim])
+    cap = max(MIN_BEAMS_PER_PROGRAM, min(MAX_BEAMS_PER_PROGRAM, rows_cap // group_pad))
+    return max(MIN_BEAMS_PER_PROGRAM, min(next_power_of_2(beam_width), cap))
+
+
+def wide_group_head_64_tile_choice(beam_width: int, group_size: int, head_dim: int, num_requests: int | None,
+                                   num_kv_heads: int, num_sms: int) -> str | None:
+    """How GQA 3-4 at ``D = 64`` tiles a batch's beams: ``"wide"`` (the 32-beam tile, 128 rows), ``"half_wave"``
+    (16 beams, where 32-beam blocks would fit the width but their launch's last wave would be at most half full) or
+    ``None`` (16 beams: another group or head size, the batch unknown, padding beams, or no more 32-beam programs
+    than ``num_sms``). ``num_requests`` ``None`` (unknown batch) keeps the 16-beam tile."""
     wide = WIDE_GROUP_HEAD_64_TILE_BEAMS
-    if head_dim != 64 or group_pad != 4 or num_requests is None or beam_width <= beams:
-        return False
+    beams = _group_pad_beams(beam_width, next_power_of_2(group_size), head_dim)
+    if head_dim != 64 or next_power_of_2(group_size) != 4 or num_requests is None or beam_width <= beams:
+        return None
     if cdiv(beam_width, wide) * wide != cdiv(beam_width, beams) * beams:
-        return False
-    return num_requests * num_kv_heads * cdiv(beam_width, wide) > num_sms
+        return None
+    programs = num_requests * num_kv_heads * cdiv(beam_width, wide)
+    if programs <= num_sms:
+        return None
+    # Twice the programs of half the beams finish a wave sooner than one 32-beam wave (about 0.54 of its time on the
+    # H200), so where the 32-beam launch's last wave is at most half full the 16-beam launch runs one wave fewer of
+    # the smaller programs: 4-11% faster at 272-384 programs (tune_cascade's g34_d64_tile_waves_round49.json).
+    slots = WIDE_TILE_PROGRAMS_PER_SM * num_sms
+    if programs > slots and cdiv(2 * programs, slots) < 2 * cdiv(programs, slots):
+        return "half_wave"
+    return "wide"
 
 
 def shared_ancestry_reachable(max_tail_len: int | None, shared_min_tail: int = SHARED_ANCESTRY_MIN_TAIL) -> bool:

@@ -57,8 +57,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "group_8_head_128_verdict", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64",
            "CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64",
-           "CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64",
-           "wide_tile_launch", "group_3_head_64_verdict",
+           "CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64",
+           "wide_tile_launch",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
            "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
            "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run",
@@ -204,9 +204,21 @@ CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64 = {(4, 1): 256, (4, 2): 38
 #: ``{(GQA group, 32-beam blocks a request): longest mean prompt}`` of 32-beam launches at head 64 past one wave and at
 #: least :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full (pairs not listed: as with one wave).
 CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64 = {(4, 2): 512}
-#: G = 3 at head 64 on 32-beam tiles, two or more blocks a request: the least wave fill with which ``auto`` takes the
-#: cascade where the launch runs more than one wave.
-CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64 = 0.7
+# Forty-ninth round: where the 32-beam launch's last wave would be at most half full, the launch takes 16-beam tiles
+# (triton_kernels.cascade.wide_group_head_64_tile_choice, "half_wave"; 4-11% faster than the 32-beam tile at 272-384
+# programs), which left no 32-beam launch past one wave under 0.75 full. On the 16-beam tile at those shapes
+# (alt16_g[34]_d64_*_round49.json: 34-48 x 32, 17-24 x 64 and 12 x 96 at GQA 32/8, 36-48 x 32, 17-20 x 64 and 12 x 96
+# at GQA 24/8, graph replays, 4-token tails) the cascade against FA4 + tail was:
+# - one 32-beam block's width (two 16-beam blocks): GQA 4 0.83-0.87 at 256 tokens, 0.90-0.94 at 384, 0.97-0.995 at 512
+#   and 1.02-1.03 at 640 (the 32-beam tile had been 1.07-1.08 at 512); GQA 3 0.79-0.82 at 128, 0.94-0.96 at 384 and
+#   1.01-1.02 at 512;
+# - two (four 16-beam blocks): GQA 4 0.86-0.88 at 256, 0.93-0.94 at 384, 0.99-1.00 at 512, 1.03-1.04 at 640; GQA 3
+#   0.98-1.00 at 64-128 tokens and 1.09-1.10 at 256;
+# - three (six): 0.95 (GQA 4) and 0.98 (GQA 3) at 128 tokens, 1.04-1.08 at 256.
+#: ``{(GQA group, 32-beam blocks the width fills): longest mean prompt}`` at head 64 where the launch keeps 16-beam
+#: tiles because the 32-beam launch's last wave would be at most half full (pairs not listed: the 16-beam tile's).
+CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64 = {(4, 1): 512, (3, 1): 384, (4, 2): 512, (3, 2): 128, (4, 3): 128,
+                                             (3, 3): 128}
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
 # Forty-fifth round (H200, graph replays; g8_d64_4warps_w{8,16,30,48,96}_round45.json and
 # g6_d64_4warps_w30_round45.json: 4, 16 and 64 requests at GQA 64/8, 16 and 64 at GQA 48/8, 128-2,000 tokens). Above
@@ -743,9 +755,9 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     32-beam tiles, :func:`cascade_preferred` raises the several-block limit to
     :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`; past one wave under
     :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full G = 3-4 take
-    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64` there instead, and G = 3 declines two or more blocks
-    whose waves are emptier than :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`
-    (:func:`group_3_head_64_verdict`).
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64` there instead, and where the launch keeps 16-beam
+    tiles because the 32-beam launch's last wave would be at most half full,
+    :data:`CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64`.
     """
     one = one_beam_block(beam_width, group_size, head_dim)
     if group_size == 1:
@@ -834,10 +846,6 @@ def cascade_preferred(
     wide_tile = _wide_tile_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
     if wide_tile is not None:
         limit = wide_tile
-    if group == 3 and head_dim == 64:
-        declined = group_3_head_64_verdict(num_requests, num_kv_heads, beam_width)
-        if declined is not None:
-            return False, declined
     if group > 4 and head_dim == 128:
         if tail_bound is None and eager:
             tail_bound = cascade_tail_bound(tail_len)
@@ -899,43 +907,49 @@ def _launch_programs(cfg, num_requests: int, num_kv_heads: int, beam_width: int)
 
 
 def wide_tile_launch(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int, head_dim: int,
-                     num_sms: int | None = None) -> tuple[int, int, int, float] | None:
-    """``(32-beam blocks a request, programs, waves, wave fill)`` of a G = 3-4, head-64 batch whose launch takes 32-beam
-    tiles (:func:`triton_kernels.cascade.cascade_launch_config` with the batch), else ``None``. A wave is
-    :data:`CASCADE_PROGRAMS_PER_SM` programs a multiprocessor (``num_sms``; ``None``: :func:`multiprocessors`), and the
-    wave fill the programs' :func:`wave_efficiency` there."""
+                     num_sms: int | None = None) -> tuple[str, int, int, int, float] | None:
+    """``(tile choice, 32-beam blocks a request, programs, waves, wave fill)`` of a G = 3-4, head-64 batch whose width
+    fills 32-beam blocks as well as 16-beam ones and whose 32-beam launch has more programs than multiprocessors
+    (``num_sms``; ``None``: :func:`multiprocessors`), else ``None``. The choice is
+    :func:`triton_kernels.cascade.wide_group_head_64_tile_choice`'s: ``"wide"`` where the launch takes the 32-beam
+    tile, ``"half_wave"`` where it keeps 16 beams because the 32-beam launch's last wave would be at most half full.
+    The programs, waves and fill are the 32-beam launch's, :data:`CASCADE_PROGRAMS_PER_SM` programs a multiprocessor
+    making a wave (the fill is their :func:`wave_efficiency`)."""
     if group not in (3, 4) or head_dim != 64 or num_requests is None or beam_width is None or num_requests < 1:
         return None
     sms = multiprocessors() if num_sms is None else int(num_sms)
-    return _wide_tile_launch(int(num_requests), int(num_kv_heads), int(beam_width), group, head_dim, sms)
+    return _wide_tile_launch(int(num_requests), int(num_kv_heads), int(beam_width), group, sms)
 
 
 @functools.lru_cache(maxsize=4096)  # eager steps ask the rule at every step; a serving batch repeats its shape
-def _wide_tile_launch(num_requests: int, num_kv_heads: int, beam_width: int, group: int, head_dim: int,
-                      sms: int) -> tuple[int, int, int, float] | None:
-    from triton_kernels.cascade import WIDE_GROUP_HEAD_64_TILE_BEAMS, cascade_launch_config  # deferred: triton
+def _wide_tile_launch(num_requests: int, num_kv_heads: int, beam_width: int, group: int,
+                      sms: int) -> tuple[str, int, int, int, float] | None:
+    from triton_kernels.cascade import WIDE_GROUP_HEAD_64_TILE_BEAMS, wide_group_head_64_tile_choice  # deferred
 
-    cfg = cascade_launch_config(beam_width, group, head_dim, num_requests=num_requests, num_kv_heads=num_kv_heads,
-                                num_sms=sms)
-    if cfg.beams_per_program != WIDE_GROUP_HEAD_64_TILE_BEAMS:
+    choice = wide_group_head_64_tile_choice(beam_width, group, 64, num_requests, num_kv_heads, sms)
+    if choice is None:
         return None
-    programs, blocks = _launch_programs(cfg, num_requests, num_kv_heads, beam_width)
+    blocks = -(-beam_width // WIDE_GROUP_HEAD_64_TILE_BEAMS)
+    programs = num_requests * num_kv_heads * blocks
     slots = CASCADE_PROGRAMS_PER_SM * sms
-    return blocks, programs, -(-programs // slots), wave_efficiency(programs, slots)
+    return choice, blocks, programs, -(-programs // slots), wave_efficiency(programs, slots)
 
 
 def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,
                      head_dim: int) -> int | None:
-    """The prompt limit of a G = 3-4, head-64 batch whose launch takes 32-beam tiles (:func:`wide_tile_launch`), in
-    place of the 16-beam tile's: :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64` where the launch runs
-    more than one wave, under :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full, and
+    """The prompt limit of a G = 3-4, head-64 batch whose width fills 32-beam tiles (:func:`wide_tile_launch`), in
+    place of the 16-beam tile's. On 32-beam tiles: :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64`
+    where the launch runs more than one wave, under :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full, and
     :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64` where they are fuller, else (G = 4)
-    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`; ``None`` where neither lists the block count (or the
-    launch keeps 16-beam tiles): the 16-beam tile's limit stays."""
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`. Kept on 16-beam tiles by the half-full last wave:
+    :data:`CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64`. ``None`` where no table lists the block count (or the width
+    does not fill 32-beam tiles): the 16-beam tile's limit stays."""
     launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, group, head_dim)
     if launch is None:
         return None
-    blocks, _, waves, fill = launch
+    choice, blocks, _, waves, fill = launch
+    if choice == "half_wave":
+        return CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64.get((group, blocks))
     if waves > 1:
         if fill < CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64:
             return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64.get((group, blocks))
@@ -943,26 +957,6 @@ def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: in
         if full is not None:
             return full
     return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64.get(blocks) if group == 4 else None
-
-
-def group_3_head_64_verdict(num_requests: int | None, num_kv_heads: int, beam_width: int | None,
-                            num_sms: int | None = None) -> str | None:
-    """Why ``auto`` leaves the cascade at G = 3 and head 64 for a batch, or ``None`` where the prompt limits decide:
-    a launch on 32-beam tiles (:func:`wide_tile_launch`) with two or more blocks a request and more than one wave of
-    programs (:data:`CASCADE_PROGRAMS_PER_SM` a multiprocessor, ``num_sms``; ``None``: :func:`multiprocessors`) must
-    fill its waves at least :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`."""
-    sms = multiprocessors() if num_sms is None else int(num_sms)
-    launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, 3, 64, sms)
-    if launch is None:
-        return None
-    blocks, programs, waves, fill = launch
-    if blocks < 2 or waves == 1 or fill >= CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64:
-        return None
-    slots = CASCADE_PROGRAMS_PER_SM * sms
-    return (f"{programs} cascade programs on 32-beam tiles ({blocks} a request) fill their "
-            f"{waves} waves {fill:.2f} full (< {CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64}; "
-            f"{slots} a wave on {sms} multiprocessors) at G=3, head 64: from 1% faster to 7% slower than FA4 + tail "
-            f"with waves 0.52-0.64 full at 64-128 tokens")
 
 
 def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,

@@ -33,7 +33,7 @@ from triton_kernels import (
     cascade_supported,
     shared_ancestry_reachable,
 )
-from triton_kernels.cascade import SHARED_ANCESTRY_MIN_TAIL
+from triton_kernels.cascade import SHARED_ANCESTRY_MIN_TAIL, wide_group_head_64_tile_choice
 
 from test_beam_index import leading_shared_run
 from test_tail_merge import assert_matches, earlier_tail, expected_pool_after_write, make_sim, oracle, step_after
@@ -522,29 +522,36 @@ def test_group_8_head_64_tile_takes_warps_by_programs(group, beam_width, num_req
                                                                         num_warps=4)
 
 
-@pytest.mark.parametrize("group, beam_width, num_requests, wide", [
-    (4, 30, 64, True),     # 512 programs of 32 beams: the prompt read once a request and KV head, not twice
-    (3, 30, 64, True),     # G = 3 pads to the same rows
-    (4, 64, 16, True),     # two 32-beam blocks, 256 programs
-    (4, 96, 8, True),      # 192 programs, the fewest measured
-    (4, 48, 64, False),    # 32-beam blocks pad 16 beams a request, 16-beam ones none
-    (4, 14, 64, False),    # one 16-beam block holds the request
-    (4, 30, 16, False),    # 128 programs of 32 beams, not more than the multiprocessors
-    (4, 30, None, False),  # batch unknown: the tile the auto rule counts
+@pytest.mark.parametrize("group, beam_width, num_requests, choice", [
+    (4, 30, 64, "wide"),       # 512 programs of 32 beams: the prompt read once a request and KV head, not twice
+    (3, 30, 64, "wide"),       # G = 3 pads to the same rows
+    (4, 64, 16, "wide"),       # two 32-beam blocks, 256 programs
+    (4, 96, 8, "wide"),        # 192 programs, the fewest measured
+    (4, 32, 50, "wide"),       # 400 programs: the second of two waves 0.52 full
+    (4, 32, 70, "half_wave"),  # 560: a third wave 0.12 full; 1,120 of 16 beams take five waves, not six
+    (4, 32, 34, "half_wave"),  # 272: the second wave 0.03 full
+    (3, 64, 24, "half_wave"),  # 384: 0.45 full
+    (4, 48, 64, None),         # 32-beam blocks pad 16 beams a request, 16-beam ones none
+    (4, 14, 64, None),         # one 16-beam block holds the request
+    (4, 30, 16, None),         # 128 programs of 32 beams, not more than the multiprocessors
+    (4, 30, None, None),       # batch unknown: the tile the auto rule counts
 ])
-def test_group_4_head_64_widens_its_tile_where_it_pads_no_more(group, beam_width, num_requests, wide):
+def test_group_4_head_64_widens_its_tile_where_it_pads_no_more(group, beam_width, num_requests, choice):
     """GQA 3-4 at head 64 takes 32-beam tiles (128 rows, 4 warps, no shared-ancestry path) where the width fills them
-    as well as 16-beam ones and more programs than multiprocessors remain (8-18% faster on the H200; ``docs/rounds.md``,
-    "The forty-sixth round"); elsewhere, and at other groups and heads, the tiling does not move."""
+    as well as 16-beam ones, more programs than multiprocessors remain (8-18% faster on the H200; ``docs/rounds.md``,
+    "The forty-sixth round") and the launch's last wave is more than half full ("half_wave": 16-beam launches were
+    4-11% faster there, "The forty-ninth round"); elsewhere, and at other groups and heads, the tiling does not move."""
+    assert wide_group_head_64_tile_choice(beam_width, group, 64, num_requests, 8, 132) == choice
     cfg = cascade_launch_config(beam_width, group, 64, None, num_requests, 8, 132)
     unknown = cascade_launch_config(beam_width, group, 64)
-    if wide:
+    if choice == "wide":
         assert (cfg.beams_per_program, cfg.block_m, cfg.num_warps, cfg.block_n, cfg.num_stages) == (32, 128, 4, 128, 1)
         assert not cfg.shared_ancestry and cfg.tail_block == 4, cfg
         assert dataclasses.replace(cfg, beams_per_program=16) == unknown, (cfg, unknown)
     else:
         assert cfg == unknown, cfg
     for g, d in ((2, 64), (8, 64), (4, 128)):  # other groups and heads keep their beams a tile
+        assert wide_group_head_64_tile_choice(beam_width, g, d, num_requests, 8, 132) is None
         assert (cascade_launch_config(beam_width, g, d, None, num_requests, 8, 132).beams_per_program
                 == cascade_launch_config(beam_width, g, d).beams_per_program)
 
