@@ -78,7 +78,7 @@ SHARED_ANCESTRY_MIN_TAIL = 16
 # Multiprocessors assumed where the launch's device is not a CUDA GPU (the H100's and H200's).
 DEFAULT_MULTIPROCESSORS = 132
 # Beams of the 128-row tile of GQA 3-4 at D = 64 (cascade_launch_config: where it pads no more beams than the
-# 16-beam tile, the launch has more programs than multiprocessors and its last wave is more than half full).
+# 16-beam tile, the launch has more programs than multiprocessors and does not run a second wave at most half full).
 WIDE_GROUP_HEAD_64_TILE_BEAMS = 32
 # Resident 128-row programs a multiprocessor at D = 64 (255 registers a thread with 4 warps: two fit 64K registers),
 # with 32 beams (GQA 3-4) as with 16 (GQA 5-8).
@@ -221,12 +221,13 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
       and 53-69% at 64 x 14 (``tune_cascade``'s ``g4_d64_tile32_round45.json``, ``g4_d64_tile32_round46.json``). With
       the batch unknown (``num_requests`` ``None``) the 16-beam tile stays: fewer programs than multiprocessors were
       not measured, and the ``auto`` rule (``prefix/select.py``) counts that tile's beam blocks. Where the 32-beam
-      launch's last wave would be at most half full (two programs a multiprocessor make a wave), the 16-beam launch
-      runs one wave fewer of programs that finish in about half the time, and it stays
+      launch would run two waves, the second at most half full (two programs a multiprocessor make a wave), the
+      16-beam launch runs three waves of programs that finish in about half the time, and it stays
       (:func:`wide_group_head_64_tile_choice`): 4-11% faster at 272-384 programs (34 x 32 x 384 at GQA 32/8: 44.0
       against 48.6 us; 48 x 32 x 512 at GQA 24/8: 57.8 against 64.3; 12 x 96 x 128: 30.6 against 31.8), while the
-      32-beam tile stayed 8-12% faster with full waves (64 x 32 x 512: 68.9 against 74.8) and one wave (GQA 24/8,
-      8 x 96 x 256: 24.8 against 28.5; ``tune_cascade``'s ``g34_d64_tile_waves_round49.json``).
+      32-beam tile stayed 8-15% faster with full waves (64 x 32 x 512: 68.9 against 74.8) and one wave (GQA 24/8,
+      8 x 96 x 256: 24.8 against 28.5; ``tune_cascade``'s ``g34_d64_tile_waves_round49.json``), and even or up to 5%
+      faster past two waves (``g34_d64_tile_waves_more_round49.json``).
     - A launch whose tails are all too short for the shared-ancestry path (``max_tail_len``) leaves it out of the
       ``block_n`` 128 tilings (head 64, and groups 5-8 at head 128), whose steps it cost 1-26% at 4 and 16
       generated tokens on the H200; the head-128 tiles of groups 1-2 keep it (within 3% either way, preset A 2%
@@ -279,7 +280,8 @@ def _group_pad_beams(beam_width: int, group_pad: int, head_dim: int) -> int:
 def wide_group_head_64_tile_choice(beam_width: int, group_size: int, head_dim: int, num_requests: int | None,
                                    num_kv_heads: int, num_sms: int) -> str | None:
     """How GQA 3-4 at ``D = 64`` tiles a batch's beams: ``"wide"`` (the 32-beam tile, 128 rows), ``"half_wave"``
-    (16 beams, where 32-beam blocks would fit the width but their launch's last wave would be at most half full) or
+    (16 beams, where 32-beam blocks would fit the width but their launch would run two waves, the second at most half
+    full) or
     ``None`` (16 beams: another group or head size, the batch unknown, padding beams, or no more 32-beam programs
     than ``num_sms``). ``num_requests`` ``None`` (unknown batch) keeps the 16-beam tile."""
     wide = WIDE_GROUP_HEAD_64_TILE_BEAMS
@@ -291,11 +293,13 @@ def wide_group_head_64_tile_choice(beam_width: int, group_size: int, head_dim: i
     programs = num_requests * num_kv_heads * cdiv(beam_width, wide)
     if programs <= num_sms:
         return None
-    # Twice the programs of half the beams finish a wave sooner than one 32-beam wave (about 0.54 of its time on the
-    # H200), so where the 32-beam launch's last wave is at most half full the 16-beam launch runs one wave fewer of
-    # the smaller programs: 4-11% faster at 272-384 programs (tune_cascade's g34_d64_tile_waves_round49.json).
+    # A 16-beam program finishes in about 0.54 of a 32-beam one's time on the H200, so where a two-wave 32-beam launch's
+    # second wave is at most half full, the 16-beam launch (three waves of twice the programs) is the shorter: 4-11%
+    # faster at 272-384 programs (tune_cascade's g34_d64_tile_waves_round49.json). Past two waves the saved wave is a
+    # smaller share: at three the tiles were within 1.4% either way or the 32-beam one 4-5% faster, at four 4% faster
+    # (g34_d64_tile_waves_more_round49.json), so it stays.
     slots = WIDE_TILE_PROGRAMS_PER_SM * num_sms
-    if programs > slots and cdiv(2 * programs, slots) < 2 * cdiv(programs, slots):
+    if slots < programs <= slots + slots // 2:
         return "half_wave"
     return "wide"
 

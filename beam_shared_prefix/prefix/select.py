@@ -57,8 +57,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "group_8_head_128_verdict", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64",
            "CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64",
-           "CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64",
-           "wide_tile_launch",
+           "CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64", "CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64",
+           "wide_tile_launch", "group_3_head_64_verdict",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
            "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "step_path",
            "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run",
@@ -196,18 +196,18 @@ CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64 = {1: 640, 2: 384, 3: 256}
 #: Past one wave of programs, 32-beam launches at head 64 whose waves are under this fill are partly full.
 CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64 = 0.8
 #: ``{(GQA group, 32-beam blocks a request): longest mean prompt}`` of partly full 32-beam launches at head 64 (in place
-#: of :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64` and of the 16-beam tile's limit; pairs not listed keep
-#: the 16-beam tile's).
-CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64 = {(4, 1): 256, (4, 2): 384, (4, 3): 128, (3, 1): 256}
+#: of :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64` and of the 16-beam tile's limit; pairs not listed: as
+#: with one wave).
+CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64 = {(4, 1): 512, (4, 2): 512, (4, 3): 128, (3, 1): 384}
 # Two blocks at GQA 4 past one wave at least 0.8 full (28-64 x 64; g4_d64_w64_long_waves_round48.json and round 47's
 # g4_d64_wide_w64_round47.json) were 5-14% faster at 512 tokens, and from 9% faster to 1% slower at 640.
 #: ``{(GQA group, 32-beam blocks a request): longest mean prompt}`` of 32-beam launches at head 64 past one wave and at
 #: least :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full (pairs not listed: as with one wave).
 CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64 = {(4, 2): 512}
-# Forty-ninth round: where the 32-beam launch's last wave would be at most half full, the launch takes 16-beam tiles
-# (triton_kernels.cascade.wide_group_head_64_tile_choice, "half_wave"; 4-11% faster than the 32-beam tile at 272-384
-# programs), which left no 32-beam launch past one wave under 0.75 full. On the 16-beam tile at those shapes
-# (alt16_g[34]_d64_*_round49.json: 34-48 x 32, 17-24 x 64 and 12 x 96 at GQA 32/8, 36-48 x 32, 17-20 x 64 and 12 x 96
+# Forty-ninth round: where the 32-beam launch would run two waves, the second at most half full, the launch takes
+# 16-beam tiles (triton_kernels.cascade.wide_group_head_64_tile_choice, "half_wave"; 4-11% faster than the 32-beam tile
+# at 272-384 programs). On the 16-beam tile at those shapes
+# (g[34]_d64_*_half_wave_round49.json: 34-48 x 32, 17-24 x 64 and 12 x 96 at GQA 32/8, 36-48 x 32, 17-20 x 64 and 12 x 96
 # at GQA 24/8, graph replays, 4-token tails) the cascade against FA4 + tail was:
 # - one 32-beam block's width (two 16-beam blocks): GQA 4 0.83-0.87 at 256 tokens, 0.90-0.94 at 384, 0.97-0.995 at 512
 #   and 1.02-1.03 at 640 (the 32-beam tile had been 1.07-1.08 at 512); GQA 3 0.79-0.82 at 128, 0.94-0.96 at 384 and
@@ -215,8 +215,23 @@ CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64 = {(4, 2): 512}
 # - two (four 16-beam blocks): GQA 4 0.86-0.88 at 256, 0.93-0.94 at 384, 0.99-1.00 at 512, 1.03-1.04 at 640; GQA 3
 #   0.98-1.00 at 64-128 tokens and 1.09-1.10 at 256;
 # - three (six): 0.95 (GQA 4) and 0.98 (GQA 3) at 128 tokens, 1.04-1.08 at 256.
+# Those launches (two waves, the second at most half full) were the ones round 48's limits for partly full 32-beam
+# launches had been fitted on. What stays on 32-beam tiles past one wave under 0.8 full is two waves 0.75-0.8 full
+# and three 0.67-0.8 full. Held out (g[34]_d64_*_tile_heldout_round49.json), 50-52 x 32 and 26 x 64 (0.76-0.79) were
+# faster than FA4 + tail to every limit that would apply without the table: GQA 4, one block 0.97-0.98 at 640 tokens,
+# two 0.90 at 512; GQA 3, one block 0.97 at 512, two 0.99 at 128 (1.11 at 256). At three waves 0.71 full, timed on
+# 16-beam tiles (70 x 32, 35 x 64; g[34]_d64_*_16beam_three_waves_round49.json; the 32-beam tile was within 1% of
+# them there, or 4-5% faster), GQA 4 with one block was 0.86-1.00 to 512 tokens and 1.03 at 640, two blocks 0.88-0.96
+# to 384 and 1.02 at 512; GQA 3 with one block 0.82-0.98 to 384 and 1.03 at 512, two blocks 1.04-1.05 at 64-128
+# tokens (the 32-beam tile, 4% faster than the 16-beam one at 35 x 64, would put two blocks near 0.98 at 512). Hence
+# 512 with one and two blocks at GQA 4, 384 with one at GQA 3 and round 48's 128 with three at GQA 4;
+# group_3_head_64_verdict declines GQA 3 with two or more blocks under 0.75 full.
+#: G = 3 at head 64 on 32-beam tiles, two or more blocks a request: the least wave fill with which ``auto`` takes the
+#: cascade where the launch runs more than one wave (:func:`group_3_head_64_verdict`).
+CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64 = 0.75
 #: ``{(GQA group, 32-beam blocks the width fills): longest mean prompt}`` at head 64 where the launch keeps 16-beam
-#: tiles because the 32-beam launch's last wave would be at most half full (pairs not listed: the 16-beam tile's).
+#: tiles because the 32-beam launch would run two waves, the second at most half full (pairs not listed: the 16-beam
+#: tile's).
 CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64 = {(4, 1): 512, (3, 1): 384, (4, 2): 512, (3, 2): 128, (4, 3): 128,
                                              (3, 3): 128}
 CASCADE_MAX_MEAN_PROMPT_GROUP_8 = 128
@@ -755,9 +770,10 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     32-beam tiles, :func:`cascade_preferred` raises the several-block limit to
     :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`; past one wave under
     :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full G = 3-4 take
-    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64` there instead, and where the launch keeps 16-beam
-    tiles because the 32-beam launch's last wave would be at most half full,
-    :data:`CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64`.
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64` there instead, G = 3 declines two or more blocks
+    whose waves are emptier than :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`
+    (:func:`group_3_head_64_verdict`), and where the launch keeps 16-beam tiles because the 32-beam launch would run
+    a second wave at most half full, :data:`CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64` applies.
     """
     one = one_beam_block(beam_width, group_size, head_dim)
     if group_size == 1:
@@ -846,6 +862,10 @@ def cascade_preferred(
     wide_tile = _wide_tile_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
     if wide_tile is not None:
         limit = wide_tile
+    if group == 3 and head_dim == 64:
+        declined = group_3_head_64_verdict(num_requests, num_kv_heads, beam_width)
+        if declined is not None:
+            return False, declined
     if group > 4 and head_dim == 128:
         if tail_bound is None and eager:
             tail_bound = cascade_tail_bound(tail_len)
@@ -912,7 +932,7 @@ def wide_tile_launch(num_requests: int | None, num_kv_heads: int, beam_width: in
     fills 32-beam blocks as well as 16-beam ones and whose 32-beam launch has more programs than multiprocessors
     (``num_sms``; ``None``: :func:`multiprocessors`), else ``None``. The choice is
     :func:`triton_kernels.cascade.wide_group_head_64_tile_choice`'s: ``"wide"`` where the launch takes the 32-beam
-    tile, ``"half_wave"`` where it keeps 16 beams because the 32-beam launch's last wave would be at most half full.
+    tile, ``"half_wave"`` where it keeps 16 beams because the 32-beam launch would run a second wave at most half full.
     The programs, waves and fill are the 32-beam launch's, :data:`CASCADE_PROGRAMS_PER_SM` programs a multiprocessor
     making a wave (the fill is their :func:`wave_efficiency`)."""
     if group not in (3, 4) or head_dim != 64 or num_requests is None or beam_width is None or num_requests < 1:
@@ -941,7 +961,7 @@ def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: in
     place of the 16-beam tile's. On 32-beam tiles: :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64`
     where the launch runs more than one wave, under :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full, and
     :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64` where they are fuller, else (G = 4)
-    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`. Kept on 16-beam tiles by the half-full last wave:
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`. Kept on 16-beam tiles by the half-full second wave:
     :data:`CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64`. ``None`` where no table lists the block count (or the width
     does not fill 32-beam tiles): the 16-beam tile's limit stays."""
     launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, group, head_dim)
@@ -951,12 +971,32 @@ def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: in
     if choice == "half_wave":
         return CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64.get((group, blocks))
     if waves > 1:
-        if fill < CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64:
-            return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64.get((group, blocks))
-        full = CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64.get((group, blocks))
-        if full is not None:
-            return full
+        partly_full = fill < CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64
+        by_fill = (CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64 if partly_full
+                   else CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64).get((group, blocks))
+        if by_fill is not None:
+            return by_fill
     return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64.get(blocks) if group == 4 else None
+
+
+def group_3_head_64_verdict(num_requests: int | None, num_kv_heads: int, beam_width: int | None,
+                            num_sms: int | None = None) -> str | None:
+    """Why ``auto`` leaves the cascade at G = 3 and head 64 for a batch, or ``None`` where the prompt limits decide:
+    a launch on 32-beam tiles (:func:`wide_tile_launch`) with two or more blocks a request and more than one wave of
+    programs (:data:`CASCADE_PROGRAMS_PER_SM` a multiprocessor, ``num_sms``; ``None``: :func:`multiprocessors`) must
+    fill its waves at least :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`."""
+    sms = multiprocessors() if num_sms is None else int(num_sms)
+    launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, 3, 64, sms)
+    if launch is None or launch[0] != "wide":
+        return None
+    _, blocks, programs, waves, fill = launch
+    if blocks < 2 or waves == 1 or fill >= CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64:
+        return None
+    slots = CASCADE_PROGRAMS_PER_SM * sms
+    return (f"{programs} cascade programs on 32-beam tiles ({blocks} a request) fill their "
+            f"{waves} waves {fill:.2f} full (< {CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64}; "
+            f"{slots} a wave on {sms} multiprocessors) at G=3, head 64: from 1% faster to 7% slower than FA4 + tail "
+            f"with two waves 0.52-0.64 full at 64-128 tokens; on 16-beam tiles 4-5% slower with three 0.71 full")
 
 
 def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,

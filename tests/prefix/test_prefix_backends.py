@@ -669,17 +669,20 @@ def test_groups_3_and_4_at_head_64_on_the_h200_grids(monkeypatch):
     """GQA 32/8 and 24/8 at head 64, graph replays, 4-token tails: 4-64 requests of 32, 64 and 96 beams at 128-1,024
     tokens on the 32-beam tile wherever the launch takes it (forty-seventh round), 1-8 requests of 24-128 beams at
     256-640 tokens on the 16-beam tile and 11-64 requests of 24-96 beams around the 32-beam tile's waves at 64-1,024
-    tokens (forty-eighth round, held-out points included; ``g[34]_d64_*_round4[78].json``), and the launches whose last
-    32-beam wave would be at most half full on the 16-beam tiles they now take (forty-ninth round,
-    ``g[34]_d64_*_half_wave_round49.json``; the older timings of those launches on 32-beam tiles are left out). Every
+    tokens (forty-eighth round, held-out points included; ``g[34]_d64_*_round4[78].json``), then (forty-ninth round)
+    the launches whose 32-beam programs would run a second wave at most half full, on the 16-beam tiles they now take
+    (``g[34]_d64_*_half_wave_round49.json``; the older timings of those launches on 32-beam tiles are left out), and
+    held-out 32-beam launches two waves 0.76-0.79 full (``g[34]_d64_*_tile_heldout_round49.json``). Every
     point ``auto`` takes with the cascade was at most even with FA4 + tail (G = 3, 17 x 64 at 64 tokens); those it
     leaves at most 9% faster with the cascade (G = 4, 48 x 64 at 640 tokens on the 32-beam tile, where 40 x 64 was 1%
-    slower)."""
+    slower). No point measured on 32-beam tiles lies where :func:`group_3_head_64_verdict` now declines (round 48's
+    lie on 16-beam tiles now)."""
     from beam_shared_prefix.prefix import select
 
     monkeypatch.setattr(select, "multiprocessors", lambda: 132)  # the H200's, on any machine
-    counts = {"taken": 0, "left": 0, "retiled": 0}
-    for pattern in ("g[34]_d64_*_round4[78].json", "g[34]_d64_*_half_wave_round49.json"):
+    counts = {"taken": 0, "left": 0, "by_waves": 0, "retiled": 0}
+    for pattern in ("g[34]_d64_*_round4[78].json", "g[34]_d64_*_half_wave_round49.json",
+                    "g[34]_d64_*_tile_heldout_round49.json"):
         for name, s, prompt, arms in _h200_grid_points(pattern):
             group = s["heads"] // s["kv_heads"]
             launch = select.wide_tile_launch(s["requests"], s["kv_heads"], s["beams"], group, 64)
@@ -693,16 +696,42 @@ def test_groups_3_and_4_at_head_64_on_the_h200_grids(monkeypatch):
             if picked:
                 assert ratio <= 1.0, where
                 counts["taken"] += 1
+            elif group == 3 and select.group_3_head_64_verdict(s["requests"], s["kv_heads"], s["beams"]) is not None:
+                assert "32-beam tiles" in why and ratio >= 0.99, where
+                counts["by_waves"] += 1
             elif launch is not None:  # the 32-beam tile's limits, or the half-wave ones, decided
                 assert ratio >= 1 / 1.1, where
                 counts["left"] += 1
-    assert counts == {"taken": 193, "left": 51, "retiled": 90}, counts
+    assert counts == {"taken": 208, "left": 57, "by_waves": 0, "retiled": 87}, counts
+
+
+@pytest.mark.parametrize("requests,beams,sms,why", [
+    (34, 64, 132, ("544 cascade programs on 32-beam tiles (2 a request) fill their 3 waves 0.69 full (< 0.75; 264 a "
+                   "wave on 132 multiprocessors)")),
+    (35, 64, 132, "560 cascade programs on 32-beam tiles (2 a request) fill their 3 waves 0.71 full"),
+    (30, 64, 114, "480 cascade programs on 32-beam tiles (2 a request) fill their 3 waves 0.70 full (< 0.75; 228"),
+    (17, 64, 132, None),  # 272 programs: 16-beam tiles (the second of two waves at most half full)
+    (16, 64, 132, None),  # 256 programs: one wave
+    (26, 64, 132, None),  # 0.79 full
+    (70, 32, 132, None),  # one block a request (FA4's tile half empty)
+    (8, 64, 132, None),  # 16-beam tiles (64 programs of 32 beams are fewer than the multiprocessors)
+    (None, 64, 132, None),
+])
+def test_group_3_head_64_verdict_names_its_limit(requests, beams, sms, why):
+    """The G = 3, head-64 wave clause on 32-beam tiles, with the fill, the limit and the wave size in its reason."""
+    from beam_shared_prefix.prefix.select import group_3_head_64_verdict
+
+    verdict = group_3_head_64_verdict(requests, 8, beams, num_sms=sms)
+    assert verdict is None if why is None else why in verdict, verdict
 
 
 @pytest.mark.parametrize("group,requests,beams,limit", [
     (4, 17, 32, 640),  # 136 programs of one 32-beam block: one wave
     (4, 34, 32, 512),  # 272 programs: the second wave 0.03 full, so 16-beam tiles
-    (4, 50, 32, 256),  # 400 programs on 32-beam tiles: 0.76 of two waves
+    (4, 50, 32, 512),  # 400 programs on 32-beam tiles: 0.76 of two waves
+    (4, 26, 64, 512),  # two blocks, 0.79
+    (4, 70, 32, 512),  # 560 programs: 0.71 of three waves
+    (3, 70, 32, 384),
     (4, 56, 32, 640),  # 0.85
     (4, 17, 64, 512),  # two blocks, 16-beam tiles
     (4, 28, 64, 512),  # two blocks, 0.85
