@@ -281,12 +281,13 @@ def wide_group_head_64_tile_choice(beam_width: int, group_size: int, head_dim: i
                                    num_kv_heads: int, num_sms: int) -> str | None:
     """How GQA 3-4 at ``D = 64`` tiles a batch's beams: ``"wide"`` (the 32-beam tile, 128 rows), ``"half_wave"``
     (16 beams, where 32-beam blocks would fit the width but their launch would run two waves, the second at most half
-    full) or
-    ``None`` (16 beams: another group or head size, the batch unknown, padding beams, or no more 32-beam programs
-    than ``num_sms``). ``num_requests`` ``None`` (unknown batch) keeps the 16-beam tile."""
+    full) or ``None`` (16 beams: another group or head size, the batch unknown, padding beams, or no more 32-beam
+    programs than ``num_sms``). ``num_requests`` ``None`` (unknown batch) keeps the 16-beam tile."""
     wide = WIDE_GROUP_HEAD_64_TILE_BEAMS
-    beams = _group_pad_beams(beam_width, next_power_of_2(group_size), head_dim)
-    if head_dim != 64 or next_power_of_2(group_size) != 4 or num_requests is None or beam_width <= beams:
+    if head_dim != 64 or next_power_of_2(group_size) != 4 or num_requests is None:
+        return None
+    beams = _group_pad_beams(beam_width, 4, head_dim)
+    if beam_width <= beams:
         return None
     if cdiv(beam_width, wide) * wide != cdiv(beam_width, beams) * beams:
         return None
