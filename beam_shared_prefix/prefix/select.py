@@ -933,7 +933,7 @@ def wide_tile_launch(num_requests: int | None, num_kv_heads: int, beam_width: in
     (``num_sms``; ``None``: :func:`multiprocessors`), else ``None``. The choice is
     :func:`triton_kernels.cascade.wide_group_head_64_tile_choice`'s: ``"wide"`` where the launch takes the 32-beam
     tile, ``"half_wave"`` where it keeps 16 beams because the 32-beam launch would run a second wave at most half full.
-    The programs, waves and fill are the 32-beam launch's, :data:`CASCADE_PROGRAMS_PER_SM` programs a multiprocessor
+    The programs, waves and fill are the 32-beam launch's, ``WIDE_TILE_PROGRAMS_PER_SM`` programs a multiprocessor
     making a wave (the fill is their :func:`wave_efficiency`)."""
     if group not in (3, 4) or head_dim != 64 or num_requests is None or beam_width is None or num_requests < 1:
         return None
@@ -944,14 +944,18 @@ def wide_tile_launch(num_requests: int | None, num_kv_heads: int, beam_width: in
 @functools.lru_cache(maxsize=4096)  # eager steps ask the rule at every step; a serving batch repeats its shape
 def _wide_tile_launch(num_requests: int, num_kv_heads: int, beam_width: int, group: int,
                       sms: int) -> tuple[str, int, int, int, float] | None:
-    from triton_kernels.cascade import WIDE_GROUP_HEAD_64_TILE_BEAMS, wide_group_head_64_tile_choice  # deferred
+    from triton_kernels.cascade import (  # deferred: triton is imported on first use
+        WIDE_GROUP_HEAD_64_TILE_BEAMS,
+        WIDE_TILE_PROGRAMS_PER_SM,
+        wide_group_head_64_tile_choice,
+    )
 
     choice = wide_group_head_64_tile_choice(beam_width, group, 64, num_requests, num_kv_heads, sms)
     if choice is None:
         return None
     blocks = -(-beam_width // WIDE_GROUP_HEAD_64_TILE_BEAMS)
     programs = num_requests * num_kv_heads * blocks
-    slots = CASCADE_PROGRAMS_PER_SM * sms
+    slots = WIDE_TILE_PROGRAMS_PER_SM * sms  # the wave the tile choice counts, so the two cannot disagree
     return choice, blocks, programs, -(-programs // slots), wave_efficiency(programs, slots)
 
 
@@ -983,7 +987,7 @@ def group_3_head_64_verdict(num_requests: int | None, num_kv_heads: int, beam_wi
                             num_sms: int | None = None) -> str | None:
     """Why ``auto`` leaves the cascade at G = 3 and head 64 for a batch, or ``None`` where the prompt limits decide:
     a launch on 32-beam tiles (:func:`wide_tile_launch`) with two or more blocks a request and more than one wave of
-    programs (:data:`CASCADE_PROGRAMS_PER_SM` a multiprocessor, ``num_sms``; ``None``: :func:`multiprocessors`) must
+    programs (``WIDE_TILE_PROGRAMS_PER_SM`` a multiprocessor, ``num_sms``; ``None``: :func:`multiprocessors`) must
     fill its waves at least :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`."""
     sms = multiprocessors() if num_sms is None else int(num_sms)
     launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, 3, 64, sms)
@@ -992,7 +996,9 @@ def group_3_head_64_verdict(num_requests: int | None, num_kv_heads: int, beam_wi
     _, blocks, programs, waves, fill = launch
     if blocks < 2 or waves == 1 or fill >= CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64:
         return None
-    slots = CASCADE_PROGRAMS_PER_SM * sms
+    from triton_kernels.cascade import WIDE_TILE_PROGRAMS_PER_SM  # deferred: triton is imported on first use
+
+    slots = WIDE_TILE_PROGRAMS_PER_SM * sms
     return (f"{programs} cascade programs on 32-beam tiles ({blocks} a request) fill their "
             f"{waves} waves {fill:.2f} full (< {CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64}; "
             f"{slots} a wave on {sms} multiprocessors) at G=3, head 64: from 1% faster to 7% slower than FA4 + tail "
