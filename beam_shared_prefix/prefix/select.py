@@ -897,7 +897,7 @@ def cascade_preferred(
     if by_waves is not None and by_waves[0] >= by_waves[1]:
         limit = max(limit, by_waves[2])
     if mean_prompt_len > limit:
-        blocks = "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
+        blocks = _beam_blocks_phrase(num_requests, num_kv_heads, beam_width, group, head_dim)
         waves = ""
         if by_waves is not None and mean_prompt_len <= by_waves[2]:
             waves = (f"; {by_waves[2]} where the cascade's waves are at least {by_waves[1]:g} as full as FA4's, "
@@ -910,6 +910,16 @@ def cascade_preferred(
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {few[1]} with {few[0]} cascade programs "
                        f"(<= {CASCADE_FEW_PROGRAMS}) at G={group}, head {head_dim}: measured slower than FA4 + tail there")
     return True, ""
+
+
+def _beam_blocks_phrase(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,
+                        head_dim: int) -> str:
+    """How a decline names the batch's beam tiling: the launch's own, so a batch that takes the 32-beam tile of
+    G = 3-4 at head 64 (:func:`wide_tile_launch`) is not described by the batch-blind 16-beam tile."""
+    wide = wide_tile_launch(num_requests, num_kv_heads, beam_width, group, head_dim)
+    if wide is not None and wide[0] == "wide":
+        return "one 32-beam block" if wide[1] == 1 else f"{wide[1]} 32-beam blocks per request"
+    return "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
 
 
 def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, group: int, head_dim: int):

@@ -752,6 +752,23 @@ def test_wide_tile_limit_follows_the_waves(monkeypatch, group, requests, beams, 
     assert select._wide_tile_limit(requests, 8, beams, group, 64) == limit
 
 
+@pytest.mark.parametrize("heads,requests,beams,prompt,blocks", [
+    (32, 70, 32, 640, "(one 32-beam block;"),  # 560 programs of 32 beams, three waves
+    (32, 33, 64, 768, "(2 32-beam blocks per request;"),  # two full waves of 32-beam programs
+    (24, 76, 32, 512, "(one 32-beam block;"),
+    (32, 4, 64, 1024, "(several beam blocks per request;"),  # 64 32-beam programs: the launch keeps 16-beam tiles
+    (32, 20, 64, 640, "(several beam blocks per request;"),  # a half-full second 32-beam wave: 16-beam tiles
+])
+def test_prompt_decline_names_the_launch_tile(monkeypatch, heads, requests, beams, prompt, blocks):
+    """A prompt-limit decline at GQA 3-4 and head 64 describes the tile the batch's launch takes, not the batch-blind
+    16-beam one, with the prompt and the limit."""
+    from beam_shared_prefix.prefix import select
+
+    monkeypatch.setattr(select, "multiprocessors", lambda: 132)
+    ok, why = select.cascade_preferred(prompt, heads, 8, beams, 64, requests, tail_len=4)
+    assert not ok and f"mean prompt {prompt} tokens > " in why and blocks in why, why
+
+
 @pytest.mark.parametrize("requests,beams,bound,sms,why", [
     (16, 30, None, 132, "no tail bound, so it keeps the shared-ancestry path"),
     (16, 30, 64, 132, "a tail bound of 64 (> 16)"),
