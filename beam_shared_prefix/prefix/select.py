@@ -56,7 +56,8 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128", "CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128",
            "group_8_head_128_verdict", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64",
            "CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64",
-           "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64",
+           "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64", "CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64",
+           "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64", "CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64",
            "wide_tile_launch", "group_3_head_64_verdict",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
@@ -204,6 +205,16 @@ CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64 = {(4, 1): 512, (4, 2): 51
 #: ``{(GQA group, 32-beam blocks a request): longest mean prompt}`` of 32-beam launches at head 64 past one wave and at
 #: least :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full (pairs not listed: as with one wave).
 CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64 = {(4, 2): 512}
+# Fiftieth round (g4_d64_w64_{full,fuller}_waves_round50.json with round 47-48's 28-64 x 64): two blocks at GQA 4 past
+# one wave at least 0.84 full were 3-6% faster than FA4 + tail at 768 tokens (28, 32, 33, 48, 64 and 66 x 64: 0.936-0.972)
+# and from 4% faster to even at 896 (28 x 64, 0.848 full: 88.1 against 87.9 us); 40 x 64, 0.81 full, was 1% slower
+# at 640 and 3.5% at 768, so 0.8-0.84 keeps 512.
+#: Past one wave of programs, 32-beam launches at head 64 whose waves are at least this full are fuller still.
+CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64 = 0.84
+#: ``{(GQA group, 32-beam blocks a request): longest mean prompt}`` of 32-beam launches at head 64 past one wave and at
+#: least :data:`CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64` full (pairs not listed: as at
+#: :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64`).
+CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64 = {(4, 2): 768}
 # Forty-ninth round: where the 32-beam launch would run two waves, the second at most half full, the launch takes
 # 16-beam tiles (triton_kernels.cascade.wide_group_head_64_tile_choice, "half_wave"; 4-11% faster than the 32-beam tile
 # at 272-384 programs). On the 16-beam tile at those shapes
@@ -770,7 +781,9 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     32-beam tiles, :func:`cascade_preferred` raises the several-block limit to
     :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`; past one wave under
     :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full G = 3-4 take
-    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64` there instead, G = 3 declines two or more blocks
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64` there instead (at least
+    :data:`CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64` full, two blocks at G = 4 take
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64`), G = 3 declines two or more blocks
     whose waves are emptier than :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`
     (:func:`group_3_head_64_verdict`), and where the launch keeps 16-beam tiles because the 32-beam launch would run
     a second wave at most half full, :data:`CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64` applies.
@@ -974,7 +987,9 @@ def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: in
     """The prompt limit of a G = 3-4, head-64 batch whose width fills 32-beam tiles (:func:`wide_tile_launch`), in
     place of the 16-beam tile's. On 32-beam tiles: :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64`
     where the launch runs more than one wave, under :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full, and
-    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64` where they are fuller, else (G = 4)
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64` where they are fuller
+    (:data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64` from
+    :data:`CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64`), else (G = 4)
     :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`. Kept on 16-beam tiles by the half-full second wave:
     :data:`CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64`. ``None`` where no table lists the block count (or the width
     does not fill 32-beam tiles): the 16-beam tile's limit stays."""
@@ -985,6 +1000,9 @@ def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: in
     if choice == "half_wave":
         return CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64.get((group, blocks))
     if waves > 1:
+        fuller = CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64.get((group, blocks))
+        if fuller is not None and fill >= CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64:
+            return fuller
         partly_full = fill < CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64
         by_fill = (CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64 if partly_full
                    else CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64).get((group, blocks))
@@ -1012,7 +1030,8 @@ def group_3_head_64_verdict(num_requests: int | None, num_kv_heads: int, beam_wi
     return (f"{programs} cascade programs on 32-beam tiles ({blocks} a request) fill their "
             f"{waves} waves {fill:.2f} full (< {CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64}; "
             f"{slots} a wave on {sms} multiprocessors) at G=3, head 64: from 1% faster to 7% slower than FA4 + tail "
-            f"with two waves 0.52-0.64 full at 64-128 tokens; on 16-beam tiles 4-5% slower with three 0.71 full")
+            f"with two waves 0.52-0.64 full at 64-128 tokens; with three 0.69-0.71 full 2% faster at 64 tokens, even to "
+            f"1% slower at 128 and 15-18% slower at 256")
 
 
 def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,
