@@ -205,10 +205,12 @@ CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64 = {(4, 1): 512, (4, 2): 51
 #: ``{(GQA group, 32-beam blocks a request): longest mean prompt}`` of 32-beam launches at head 64 past one wave and at
 #: least :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full (pairs not listed: as with one wave).
 CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64 = {(4, 2): 512}
-# Fiftieth round (g4_d64_w64_{full,fuller}_waves_round50.json with round 47-48's 28-64 x 64): two blocks at GQA 4 past
-# one wave at least 0.84 full were 3-6% faster than FA4 + tail at 768 tokens (28, 32, 33, 48, 64 and 66 x 64: 0.936-0.972)
-# and from 4% faster to even at 896 (28 x 64, 0.848 full: 88.1 against 87.9 us); 40 x 64, 0.81 full, was 1% slower
-# at 640 and 3.5% at 768, so 0.8-0.84 keeps 512.
+# Fiftieth round (g4_d64_w64_{full,fuller}_waves_round50.json with round 47-48's 28-64 x 64): two blocks at GQA 4
+# past one wave at least 0.84 full were 3-6% faster than FA4 + tail at 768 tokens (28, 32, 33, 48, 64 and 66 x 64:
+# 0.936-0.972) and from 4% faster to even at 896 (28 x 64, 0.848 full: 88.1 against 87.9 us); 40 x 64, 0.81 full, was
+# 1% slower at 640 and 3.5% at 768, so 0.8-0.84 keeps 512. Held out (g4_d64_w64_fuller_heldout_round50.json): 29, 30
+# and 44 x 64 (0.88-0.91) 0.95-0.97 at 768, 0.98-1.00 at 896. One block stays at 640: 56 x 32 (0.85) was 1.3% slower
+# at 768 (g4_d64_w32_fuller_heldout_round50.json).
 #: Past one wave of programs, 32-beam launches at head 64 whose waves are at least this full are fuller still.
 CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64 = 0.84
 #: ``{(GQA group, 32-beam blocks a request): longest mean prompt}`` of 32-beam launches at head 64 past one wave and at

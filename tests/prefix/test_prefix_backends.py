@@ -674,8 +674,8 @@ def test_groups_3_and_4_at_head_64_on_the_h200_grids(monkeypatch):
     (``g[34]_d64_*_half_wave_round49.json``; the older timings of those launches on 32-beam tiles are left out), and
     held-out 32-beam launches two waves 0.76-0.79 full (``g[34]_d64_*_tile_heldout_round49.json``), then (fiftieth
     round) 32-beam launches over three waves 0.69-0.77 full, GQA 4's two blocks with full waves to 1,024 tokens and
-    held-out launches 0.85-0.91 full to 896 (``g[34]_d64_*_round50.json``). Every point ``auto`` takes with the cascade was at most even with FA4 + tail (G = 3,
-    17 x 64 at 64 tokens) but one, 0.3% slower (G = 4, 70 x 32 at 512, three waves 0.71 full; 76 x 32, 0.77, was
+    held-out launches 0.85-0.91 full to 896 (``g[34]_d64_*_round50.json``). Every point ``auto`` takes with the
+    cascade was at most even with FA4 + tail (G = 3, 17 x 64 at 64 tokens) but one, 0.3% slower (G = 4, 70 x 32 at 512, three waves 0.71 full; 76 x 32, 0.77, was
     0.6% faster); those it leaves at most 9% faster with the cascade.
     :func:`group_3_head_64_verdict` leaves 34-35 x 64 at G = 3 (0.69-0.71 full), 2% faster at 64 tokens, even to 1%
     slower at 128 and 15-18% slower at 256."""
