@@ -211,12 +211,18 @@ CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64 = {(4, 2): 512}
 # 1% slower at 640 and 3.5% at 768, so 0.8-0.84 keeps 512. Held out (g4_d64_w64_fuller_heldout_round50.json): 29, 30
 # and 44 x 64 (0.88-0.91) 0.95-0.97 at 768, 0.98-1.00 at 896. One block stays at 640: 56 x 32 (0.85) was 1.3% slower
 # at 768 (g4_d64_w32_fuller_heldout_round50.json).
-#: Past one wave of programs, 32-beam launches at head 64 whose waves are at least this full are fuller still.
-CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64 = 0.84
+# Fifty-first round (g4_d64_w32_fuller_waves_round51.json, g4_d64_w32_under_092_round51.json): one block at GQA 32/8
+# past one wave 0.92-0.97 full (61-64 x 32 over two waves, 92-96 x 32 over three) was 1.5-5% faster at 768 tokens and
+# from 2% faster to 1.3% slower at 896; 58-60 x 32 (0.88-0.91) were even at 768 (0.997-1.005), so one block takes
+# 768 from 0.92. Held out at GQA 16/4 (g4_d64_w32_kv4_*_round51.json; 122-190 x 32, 0.92-0.99 full): 5-13% faster at
+# 704-768 tokens, 2-9% at 896, even to 6% faster at 1,024.
+#: Past one wave of programs, ``{(GQA group, 32-beam blocks a request): least wave fill}`` from which 32-beam launches
+#: at head 64 are fuller still.
+CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64 = {(4, 1): 0.92, (4, 2): 0.84}
 #: ``{(GQA group, 32-beam blocks a request): longest mean prompt}`` of 32-beam launches at head 64 past one wave and at
-#: least :data:`CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64` full (pairs not listed: as at
+#: least as full as :data:`CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64` gives for the pair (pairs not listed: as at
 #: :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64`).
-CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64 = {(4, 2): 768}
+CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64 = {(4, 1): 768, (4, 2): 768}
 # Forty-ninth round: where the 32-beam launch would run two waves, the second at most half full, the launch takes
 # 16-beam tiles (triton_kernels.cascade.wide_group_head_64_tile_choice, "half_wave"; 4-11% faster than the 32-beam tile
 # at 272-384 programs). On the 16-beam tile at those shapes
@@ -783,8 +789,8 @@ def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: i
     32-beam tiles, :func:`cascade_preferred` raises the several-block limit to
     :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`; past one wave under
     :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full G = 3-4 take
-    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64` there instead (at least
-    :data:`CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64` full, two blocks at G = 4 take
+    :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64` there instead (at least as full as
+    :data:`CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64` gives, one and two blocks at G = 4 take
     :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64`), G = 3 declines two or more blocks
     whose waves are emptier than :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`
     (:func:`group_3_head_64_verdict`), and where the launch keeps 16-beam tiles because the 32-beam launch would run
@@ -990,7 +996,7 @@ def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: in
     place of the 16-beam tile's. On 32-beam tiles: :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64`
     where the launch runs more than one wave, under :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64` full, and
     :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64` where they are fuller
-    (:data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64` from
+    (:data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64` from the pair's
     :data:`CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64`), else (G = 4)
     :data:`CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64`. Kept on 16-beam tiles by the half-full second wave:
     :data:`CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64`. ``None`` where no table lists the block count (or the width
@@ -1003,7 +1009,7 @@ def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: in
         return CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64.get((group, blocks))
     if waves > 1:
         fuller = CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64.get((group, blocks))
-        if fuller is not None and fill >= CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64:
+        if fuller is not None and fill >= CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64[(group, blocks)]:
             return fuller
         partly_full = fill < CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64
         by_fill = (CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64 if partly_full
