@@ -7,6 +7,7 @@ Examples::
     beam-shared-prefix-bench --requests 32 --beams 64 --prompt 1000 --tail 8 --heads 32 --kv-heads 8
     beam-shared-prefix-bench --from-json sweep.json --plot sweep.png --decline-report
     beam-shared-prefix-bench --preset B-medium --sweep tail=4,64,256 --rule   # the rule's verdicts, no GPU
+    beam-shared-prefix-bench --sample 24 --seed 1 --arms auto,library,decode,cascade --decline-report  # held out
 
 Without a CUDA device the CLI says so and runs the CPU reference path (the library with the torch
 reference prefix and the torch tail, timed with ``time.perf_counter``) on a reduced shape, and
@@ -24,7 +25,7 @@ import sys
 from dataclasses import asdict, replace
 from typing import Dict, List, Optional, Sequence
 
-from .shapes import PRESETS, BenchShape, ShapeError, expand_sweeps, parse_sweep, reduced_cpu_shape
+from .shapes import PRESETS, BenchShape, ShapeError, expand_sweeps, parse_sweep, reduced_cpu_shape, sample_shapes
 
 __all__ = ["build_parser", "resolve_shapes", "main"]
 
@@ -62,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_ + " (overrides the preset)")
     g.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                    help="vary one field over values, e.g. beams=14,30,96,256 or prompt=100,500,2000; repeat for a grid")
+    g.add_argument("--sample", type=int, default=None, metavar="N",
+                   help="instead of a preset and sweeps, N shapes drawn at random (seeded by --seed) over 1-128 "
+                        "requests, 14-256 beams, 64-8,192-token prompts, 2-32-token tails and the heads of nine "
+                        "models (microbenchmarks.shapes.sample_shapes): held-out points for --decline-report; "
+                        "--page-size and --dtype still apply")
     g.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     a = p.add_argument_group("arms")
     a.add_argument("--arms", default=None,
@@ -123,7 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_shapes(args) -> List[BenchShape]:
-    """The base shape (preset with free overrides) expanded by the sweeps."""
+    """The base shape (preset with free overrides) expanded by the sweeps, or ``--sample``'s shapes.
+
+    Raises:
+        ShapeError: ``--sample`` with a preset, a sweep or a shape field other than the page size and dtype.
+    """
+    if getattr(args, "sample", None) is not None:
+        pinned = [f"--{name.replace('_', '-')}" for name, _, _ in _FREE
+                  if name not in ("page_size", "dtype") and getattr(args, name) is not None]
+        pinned += ["--preset"] if args.preset else []
+        pinned += ["--sweep"] if args.sweep else []
+        if pinned:
+            raise ShapeError(f"--sample draws every shape field; drop {', '.join(pinned)} (only --page-size and "
+                             f"--dtype apply to the sample).")
+        return sample_shapes(args.sample, args.seed, page_size=args.page_size or PRESETS["A"].page_size,
+                             dtype=args.dtype or PRESETS["A"].dtype)
     base = PRESETS[args.preset or "A"]
     overrides = {name: getattr(args, name) for name, _, _ in _FREE if getattr(args, name) is not None}
     if overrides:
@@ -197,7 +217,7 @@ def _progress(total: int, enabled: bool):
 
 
 def _emit(doc: Dict, args, log) -> int:
-    from .report import decline_table, plot_speedups, print_point, print_summary, write_json
+    from .report import audit_summary, decline_table, plot_speedups, print_point, print_summary, write_json
 
     for point in doc["results"]:
         print_point(point)
@@ -209,10 +229,14 @@ def _emit(doc: Dict, args, log) -> int:
         for r in rows:
             sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
             tail = f"{r['shortest_tail']}-{r['tail']}" if r["shortest_tail"] < r["tail"] else r["tail"]
+            auto = ("" if r["auto_over_best"] is None
+                    else f"; auto ({r['auto_backend']}) {r['auto_over_best']:.2f}x the best arm's time")
             log(f"  R={r['requests']} W={r['beams']} P={r['prompt']} T={tail} {r['heads']}/{r['kv_heads']} "
                 f"D={r['head_dim']}: {sp} ({r['best_arm']}) -> {'DECLINE' if r['decline'] else 'serve'}"
                 f"; rule now: {r['rule_now'] or 'serve'}"
-                + ("" if r["rule_now"] == r["rule_says"] else f" (when measured: {r['rule_says'] or 'serve'})"))
+                + ("" if r["rule_now"] == r["rule_says"] else f" (when measured: {r['rule_says'] or 'serve'})")
+                + auto)
+        log(audit_summary(rows))
     if args.json:
         write_json(doc, args.json)
         log(f"wrote {args.json}")

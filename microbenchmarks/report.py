@@ -43,6 +43,7 @@ __all__ = [
     "print_summary",
     "plot_speedups",
     "decline_table",
+    "audit_summary",
 ]
 
 SCHEMA = "beam-shared-prefix-bench/1"
@@ -329,7 +330,8 @@ def plot_speedups(doc: Dict, path: str) -> List[str]:
 
 
 def decline_table(doc: Dict, margin: float = 1.0) -> List[Dict]:
-    """Per point: the best library arm's speedup over per-beam decode and whether it is below ``margin``.
+    """Per point: the best library arm's speedup over per-beam decode and whether it is below ``margin``,
+    and ``library/auto``'s time over the best library arm's (``auto_over_best``; ``None`` without both).
 
     The decline rule is fitted to the points where ``decline`` is true (see docs/benchmarks.md).
     """
@@ -337,6 +339,9 @@ def decline_table(doc: Dict, margin: float = 1.0) -> List[Dict]:
     for p in doc["results"]:
         libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok" and a.get("speedup_vs_decode")]
         best = max(libs, key=lambda a: a["speedup_vs_decode"]) if libs else None
+        auto = next((a for a in libs if a["name"] == "library/auto"), None)
+        others = [a for a in libs if a["name"] != "library/auto"]
+        fastest = min(others, key=lambda a: a["time_us"]) if others else None
         sh = p["shape"]
         rows.append({
             "requests": sh["requests"], "beams": sh["beams"], "prompt": sh["prompt"], "tail": sh["tail"],
@@ -347,8 +352,34 @@ def decline_table(doc: Dict, margin: float = 1.0) -> List[Dict]:
             "decline": None if best is None else best["speedup_vs_decode"] < margin,
             "rule_says": p.get("decline_reason"),
             "rule_now": _rule_now(sh),
+            "auto_backend": None if auto is None else (auto.get("info") or {}).get("backend"),
+            "auto_over_best": (None if auto is None or fastest is None
+                               else auto["time_us"] / min(auto["time_us"], fastest["time_us"])),
         })
     return rows
+
+
+def audit_summary(rows: Sequence[Dict], slack: float = 1.05) -> str:
+    """One line judging the rule over :func:`decline_table`'s rows (held-out points, e.g. ``--sample``): how many
+    it serves and how many of those the best library arm lost to per-beam decode (the worst ratio), how many it
+    declines and how many of those the library would have won (the largest missed speedup), and at how many
+    served points ``library/auto`` was within ``slack`` of the fastest library arm (the worst ratio)."""
+    measured = [r for r in rows if r["speedup"] is not None]
+    served = [r for r in measured if not r["rule_now"]]
+    declined = [r for r in measured if r["rule_now"]]
+    lost = [r["speedup"] for r in served if r["decline"]]
+    missed = [r["speedup"] for r in declined if not r["decline"]]
+    ratios = [r["auto_over_best"] for r in served if r["auto_over_best"] is not None]
+    parts = [f"audit over {len(measured)} measured points: served {len(served)}, "
+             + (f"{len(lost)} slower than per-beam decode (worst {min(lost):.2f}x)" if lost
+                else "none slower than per-beam decode"),
+             f"declined {len(declined)}, "
+             + (f"{len(missed)} where the library was faster (up to {max(missed):.2f}x)" if missed
+                else "none where the library was faster")]
+    if ratios:
+        parts.append(f"auto within {slack:.2f}x of the fastest library arm at {sum(x <= slack for x in ratios)} of "
+                     f"{len(ratios)} served (worst {max(ratios):.2f}x)")
+    return "; ".join(parts)
 
 
 def _rule_now(shape: Dict) -> Optional[str]:

@@ -17,12 +17,15 @@ Presets (issue 6; layer level, bf16, head 128, page 32):
 | ``B-beam14`` | 64 x 14 x 500 | 4 | 16/8 | |
 
 A sweep (``--sweep beams=14,30,96,256``) varies one field over a list; several ``--sweep``
-arguments form their cartesian product.
+arguments form their cartesian product. A sample (``--sample N``, :func:`sample_shapes`) draws shapes at random
+over the serving space instead: held-out points for auditing the decline rule and the backend choice.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import random
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -36,6 +39,9 @@ __all__ = [
     "parse_custom_shapes",
     "tuning_shapes",
     "reduced_cpu_shape",
+    "sample_shapes",
+    "SAMPLE_HEADS",
+    "SAMPLE_RANGES",
     "DTYPES",
     "ANCESTRIES",
 ]
@@ -312,3 +318,57 @@ def reduced_cpu_shape(shape: BenchShape) -> BenchShape:
         tail=min(shape.tail, 5),
         name=f"{shape.name}-cpu",
     )
+
+
+#: ``(Hq, Hkv, D)`` of decoder models that beam-search serving runs, one of which each sampled shape takes:
+#: Qwen3-0.6B/1.7B, Qwen3-4B/8B and Llama-3.1-8B, Qwen3-14B, Llama-3.2-3B, Llama-3.2-1B, Qwen2.5-7B, Qwen2.5-1.5B,
+#: Qwen2.5-0.5B, and a GPT-2-small-like MHA model (GQA groups 1-7, heads 64 and 128).
+SAMPLE_HEADS: Tuple[Tuple[int, int, int], ...] = (
+    (16, 8, 128), (32, 8, 128), (40, 8, 128), (24, 8, 128), (32, 8, 64), (28, 4, 128), (12, 2, 128), (14, 2, 64),
+    (12, 12, 64),
+)
+#: Inclusive ``(low, high)`` of each sampled field, drawn log-uniformly: the issue's 14-256 beams over prompts of
+#: user history, tails of a few generated tokens (semantic IDs) to a few dozen.
+SAMPLE_RANGES: Dict[str, Tuple[int, int]] = {
+    "requests": (1, 128),
+    "beams": (14, 256),
+    "prompt": (64, 8192),
+    "tail": (2, 32),
+}
+
+
+def _log_uniform_int(rng: random.Random, low: int, high: int) -> int:
+    return min(high, max(low, int(round(math.exp(rng.uniform(math.log(low), math.log(high + 1) - 1e-9))))))
+
+
+def sample_shapes(count: int, seed: int = 0, max_decode_bytes: float = 16e9, page_size: int = 32,
+                  dtype: str = "bfloat16") -> List[BenchShape]:
+    """``count`` shapes drawn at random (``random.Random(seed)``: the same list for the same arguments).
+
+    Requests, beams, prompt and tail are log-uniform over :data:`SAMPLE_RANGES`; the heads one of
+    :data:`SAMPLE_HEADS`. A draw whose per-beam decode would read more than ``max_decode_bytes`` of K/V
+    (``R * W * (P + T) * Hkv * D * 2`` elements of 2 bytes; 16e9 is about 4 ms a call on an H200)
+    is drawn again, so that a sample runs in minutes. Names are ``sample<seed>.<i>``.
+
+    Raises:
+        ShapeError: ``count < 1`` or ``max_decode_bytes`` too small for the smallest shape of the ranges.
+    """
+    if count < 1:
+        raise ShapeError(f"--sample {count} must be >= 1.")
+    lo = SAMPLE_RANGES
+    least = lo["requests"][0] * lo["beams"][0] * (lo["prompt"][0] + lo["tail"][0]) * 8 * 64 * 4
+    if max_decode_bytes < least:
+        raise ShapeError(f"max_decode_bytes={max_decode_bytes:.3g} is below the smallest sampled shape's "
+                         f"{least} bytes; raise it.")
+    rng = random.Random(seed)
+    shapes: List[BenchShape] = []
+    while len(shapes) < count:
+        draw = {k: _log_uniform_int(rng, a, b) for k, (a, b) in SAMPLE_RANGES.items()}
+        heads, kv_heads, head_dim = SAMPLE_HEADS[rng.randrange(len(SAMPLE_HEADS))]
+        decode_bytes = (draw["requests"] * draw["beams"] * (draw["prompt"] + draw["tail"]) * kv_heads * head_dim
+                        * 2 * 2)
+        if decode_bytes > max_decode_bytes:
+            continue
+        shapes.append(BenchShape(heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
+                                 name=f"sample{seed}.{len(shapes)}", **draw))
+    return shapes

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from microbenchmarks import cli
-from microbenchmarks.report import SCHEMA, decline_table, load_json, make_document, plot_speedups
+from microbenchmarks.report import SCHEMA, audit_summary, decline_table, load_json, make_document, plot_speedups
 
 ARM_KEYS = {"name", "kind", "work", "status", "reason", "graphed", "info", "check", "time_us", "time_set_medians_us",
             "speedup_vs_decode", "speedup_vs_cascade", "floor_multiple", "achieved_GBps", "achieved_TFLOPs"}
@@ -106,6 +106,48 @@ def test_decline_report_flags_points_slower_than_decode():
     # The rule of the day the document was measured (recorded) beside today's.
     assert all(r["rule_says"] is None for r in rows)
     assert [r["rule_now"] is None for r in rows] == [True] * 5  # 64 x 14-96 beams, 4-token tails: all served
+
+
+def test_audit_judges_the_rule_and_the_backend_choice():
+    """Held-out points: a served point the library lost, a declined one it would have won, and auto's pick against the
+    fastest library arm, each counted in the audit line with its ratio."""
+    def point(requests, beams, prompt, auto_us, other_us, decode_us):
+        arms = [{"name": name, "kind": "library", "status": "ok", "time_us": us, "speedup_vs_decode": decode_us / us,
+                 "info": {"backend": backend}}
+                for name, backend, us in (("library/auto", "triton", auto_us), ("library/fa4", "fa4", other_us))]
+        arms.append({"name": "fi-decode-tc", "kind": "baseline", "status": "ok", "time_us": decode_us,
+                     "speedup_vs_decode": 1.0})
+        shape = dict(requests=requests, beams=beams, prompt=prompt, tail=4, heads=16, kv_heads=8, head_dim=128)
+        return {"shape": shape, "label": "x", "arms": arms, "floors": {}, "decline_reason": None}
+
+    doc = make_document([
+        point(64, 30, 500, 60.0, 75.0, 690.0),  # served, auto the fastest
+        point(64, 96, 500, 110.0, 100.0, 95.0),  # served, the fastest library arm 0.95x of decode, auto 1.10x it
+        point(2, 8, 81, 30.0, 35.0, 45.0),  # declined (16 beam rows), the library 1.5x faster
+    ], {"device": "test"}, {}, {}, ["x"])
+    rows = decline_table(doc)
+    assert [r["rule_now"] is None for r in rows] == [True, True, False]
+    assert [r["auto_backend"] for r in rows] == ["triton"] * 3
+    assert rows[0]["auto_over_best"] == 1.0 and rows[1]["auto_over_best"] == pytest.approx(1.1)
+    assert audit_summary(rows) == (
+        "audit over 3 measured points: served 2, 1 slower than per-beam decode (worst 0.95x); declined 1, 1 where the "
+        "library was faster (up to 1.50x); auto within 1.05x of the fastest library arm at 1 of 2 served (worst 1.10x)")
+
+
+def test_sample_replaces_the_preset_and_sweeps(capsys):
+    """``--sample N`` gives N seeded shapes at the requested page size; with a pinned shape field it is an error
+    naming the field."""
+    args = cli.build_parser().parse_args(["--sample", "5", "--seed", "7", "--page-size", "16"])
+    shapes = cli.resolve_shapes(args)
+    assert len(shapes) == 5 and {s.page_size for s in shapes} == {16}
+    assert [s.name for s in shapes] == [f"sample7.{i}" for i in range(5)]
+    for argv, named in ((["--preset", "A"], "--preset"), (["--beams", "30"], "--beams"),
+                        (["--sweep", "beams=14,30"], "--sweep")):
+        with pytest.raises(SystemExit):
+            cli.main(["--sample", "3", "--rule", *argv])
+        assert f"--sample draws every shape field; drop {named}" in capsys.readouterr().err
+    assert cli.main(["--sample", "4", "--seed", "7", "--rule"]) == 0
+    assert capsys.readouterr().out.count("sample7.") == 4
 
 
 def test_from_json_renders_and_plots(no_gpu, tmp_path, capsys):

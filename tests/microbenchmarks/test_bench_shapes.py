@@ -3,8 +3,19 @@
 import pytest
 
 from microbenchmarks.cli import build_parser, resolve_shapes
-from microbenchmarks.shapes import (PRESETS, BenchShape, ShapeError, expand_sweeps, parse_custom_shapes, parse_sweep,
-                                   reduced_cpu_shape, tuning_shapes)
+from microbenchmarks.shapes import (
+    PRESETS,
+    SAMPLE_HEADS,
+    SAMPLE_RANGES,
+    BenchShape,
+    ShapeError,
+    expand_sweeps,
+    parse_custom_shapes,
+    parse_sweep,
+    reduced_cpu_shape,
+    sample_shapes,
+    tuning_shapes,
+)
 
 # The reference workloads as issue 6 states them: (R, W, P, T, Hq, Hkv); all bf16, head 128, page 32.
 ISSUE_PRESETS = {
@@ -156,3 +167,28 @@ def test_each_point_records_the_rule_with_its_tail():
     assert decline_reason(medium) is None
     long_tail = BenchShape(requests=64, beams=medium.beams, prompt=100, tail=64, heads=16, kv_heads=8)
     assert "tail 64 generated tokens per beam > 16 (beam width 30 and 1920 beam rows" in decline_reason(long_tail)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sample_shapes_are_seeded_and_inside_their_ranges(seed):
+    """The same seed draws the same shapes, another seed others; every draw inside :data:`SAMPLE_RANGES`, with one
+    model's heads, and a per-beam decode under the byte cap."""
+    cap = 8e9
+    shapes = sample_shapes(40, seed, max_decode_bytes=cap)
+    assert shapes == sample_shapes(40, seed, max_decode_bytes=cap)
+    assert shapes != sample_shapes(40, seed + 10, max_decode_bytes=cap)
+    for s in shapes:
+        for field, (low, high) in SAMPLE_RANGES.items():
+            assert low <= getattr(s, field) <= high, (s.label(), field)
+        assert (s.heads, s.kv_heads, s.head_dim) in SAMPLE_HEADS
+        assert s.requests * s.beams * (s.prompt + s.tail) * s.kv_heads * s.head_dim * 4 <= cap
+    # Log-uniform over a wide range: both ends of each field are reached in a sample of this size.
+    assert min(s.beams for s in shapes) < 30 and max(s.beams for s in shapes) > 96
+    assert min(s.prompt for s in shapes) < 256 and max(s.prompt for s in shapes) > 1024
+
+
+def test_sample_shapes_reject_a_bad_count_or_cap():
+    with pytest.raises(ShapeError, match="--sample 0 must be >= 1"):
+        sample_shapes(0)
+    with pytest.raises(ShapeError, match="is below the smallest sampled shape's"):
+        sample_shapes(3, max_decode_bytes=1e3)
