@@ -47,6 +47,9 @@ _FREE = (
      "own parent: no shared generated rows)"),
 )
 
+# Free arguments that --sample keeps for every drawn shape (it draws the rest; --head-dim picks the models).
+_SAMPLE_KEEPS = ("page_size", "dtype", "prompt_jitter", "tail_jitter", "ancestry")
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``beam-shared-prefix-bench`` argument parser."""
@@ -67,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of a preset and sweeps, N shapes drawn at random (seeded by --seed) over 1-128 "
                         "requests, 14-256 beams, 64-8,192-token prompts, 2-32-token tails and the heads of nine "
                         "models (microbenchmarks.shapes.sample_shapes): held-out points for --decline-report; "
-                        "--page-size and --dtype still apply")
+                        "--head-dim keeps the models of that head size, and --page-size, --dtype, --ancestry and "
+                        "the jitters apply to every drawn shape")
     g.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     a = p.add_argument_group("arms")
     a.add_argument("--arms", default=None,
@@ -135,15 +139,16 @@ def resolve_shapes(args) -> List[BenchShape]:
         ShapeError: ``--sample`` with a preset, a sweep or a shape field other than the page size and dtype.
     """
     if getattr(args, "sample", None) is not None:
+        kept = {name: getattr(args, name) for name in _SAMPLE_KEEPS if getattr(args, name) is not None}
         pinned = [f"--{name.replace('_', '-')}" for name, _, _ in _FREE
-                  if name not in ("page_size", "dtype") and getattr(args, name) is not None]
+                  if name not in _SAMPLE_KEEPS and name != "head_dim" and getattr(args, name) is not None]
         pinned += ["--preset"] if args.preset else []
         pinned += ["--sweep"] if args.sweep else []
         if pinned:
-            raise ShapeError(f"--sample draws every shape field; drop {', '.join(pinned)} (only --page-size and "
-                             f"--dtype apply to the sample).")
-        return sample_shapes(args.sample, args.seed, page_size=args.page_size or PRESETS["A"].page_size,
-                             dtype=args.dtype or PRESETS["A"].dtype)
+            raise ShapeError(f"--sample draws the shape; drop {', '.join(pinned)} (--head-dim picks the models, "
+                             f"and {', '.join('--' + k.replace('_', '-') for k in _SAMPLE_KEEPS)} apply to every "
+                             f"drawn shape).")
+        return sample_shapes(args.sample, args.seed, head_dim=args.head_dim, **kept)
     base = PRESETS[args.preset or "A"]
     overrides = {name: getattr(args, name) for name, _, _ in _FREE if getattr(args, name) is not None}
     if overrides:

@@ -338,23 +338,33 @@ SAMPLE_RANGES: Dict[str, Tuple[int, int]] = {
 
 
 def _log_uniform_int(rng: random.Random, low: int, high: int) -> int:
-    return min(high, max(low, int(round(math.exp(rng.uniform(math.log(low), math.log(high + 1) - 1e-9))))))
+    return min(high, max(low, round(math.exp(rng.uniform(math.log(low), math.log(high + 1) - 1e-9)))))
 
 
-def sample_shapes(count: int, seed: int = 0, max_decode_bytes: float = 16e9, page_size: int = 32,
-                  dtype: str = "bfloat16") -> List[BenchShape]:
+def sample_shapes(count: int, seed: int = 0, max_decode_bytes: float = 16e9, head_dim: Optional[int] = None,
+                  **fixed) -> List[BenchShape]:
     """``count`` shapes drawn at random (``random.Random(seed)``: the same list for the same arguments).
 
     Requests, beams, prompt and tail are log-uniform over :data:`SAMPLE_RANGES`; the heads one of
-    :data:`SAMPLE_HEADS`. A draw whose per-beam decode would read more than ``max_decode_bytes`` of K/V
-    (``R * W * (P + T) * Hkv * D * 2`` elements of 2 bytes; 16e9 is about 4 ms a call on an H200)
-    is drawn again, so that a sample runs in minutes. Names are ``sample<seed>.<i>``.
+    :data:`SAMPLE_HEADS` (those of head size ``head_dim`` where it is given: a FlashInfer JIT cache usually holds
+    one head size, and each other costs minutes of compiles). A draw whose per-beam decode would read more than
+    ``max_decode_bytes`` of K/V (``R * W * (P + T) * Hkv * D * 2`` elements of 2 bytes; 16e9 is about 4 ms a call
+    on an H200) is drawn again, so that a sample runs in minutes. ``fixed``: other :class:`BenchShape` fields every
+    shape takes (page size, dtype, ancestry, jitters). Names are ``sample<seed>.<i>``.
 
     Raises:
-        ShapeError: ``count < 1`` or ``max_decode_bytes`` too small for the smallest shape of the ranges.
+        ShapeError: ``count < 1``, ``max_decode_bytes`` too small for the smallest shape of the ranges, a
+            ``head_dim`` no model of :data:`SAMPLE_HEADS` has, or a drawn field in ``fixed``.
     """
     if count < 1:
         raise ShapeError(f"--sample {count} must be >= 1.")
+    models = [m for m in SAMPLE_HEADS if head_dim is None or m[2] == head_dim]
+    if not models:
+        raise ShapeError(f"--sample with --head-dim {head_dim}: no sampled model has it; use one of "
+                         f"{sorted({m[2] for m in SAMPLE_HEADS})}.")
+    drawn = set(SAMPLE_RANGES) | {"heads", "kv_heads", "head_dim", "name"}
+    if drawn & set(fixed):
+        raise ShapeError(f"--sample draws {', '.join(sorted(drawn & set(fixed)))}; they cannot be fixed.")
     lo = SAMPLE_RANGES
     least = lo["requests"][0] * lo["beams"][0] * (lo["prompt"][0] + lo["tail"][0]) * 8 * 64 * 4
     if max_decode_bytes < least:
@@ -364,11 +374,10 @@ def sample_shapes(count: int, seed: int = 0, max_decode_bytes: float = 16e9, pag
     shapes: List[BenchShape] = []
     while len(shapes) < count:
         draw = {k: _log_uniform_int(rng, a, b) for k, (a, b) in SAMPLE_RANGES.items()}
-        heads, kv_heads, head_dim = SAMPLE_HEADS[rng.randrange(len(SAMPLE_HEADS))]
-        decode_bytes = (draw["requests"] * draw["beams"] * (draw["prompt"] + draw["tail"]) * kv_heads * head_dim
-                        * 2 * 2)
+        heads, kv_heads, size = models[rng.randrange(len(models))]
+        decode_bytes = draw["requests"] * draw["beams"] * (draw["prompt"] + draw["tail"]) * kv_heads * size * 2 * 2
         if decode_bytes > max_decode_bytes:
             continue
-        shapes.append(BenchShape(heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
-                                 name=f"sample{seed}.{len(shapes)}", **draw))
+        shapes.append(BenchShape(heads=heads, kv_heads=kv_heads, head_dim=size, name=f"sample{seed}.{len(shapes)}",
+                                 **draw, **fixed))
     return shapes

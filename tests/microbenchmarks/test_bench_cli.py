@@ -117,7 +117,8 @@ def test_audit_judges_the_rule_and_the_backend_choice():
                 for name, backend, us in (("library/auto", "triton", auto_us), ("library/fa4", "fa4", other_us))]
         arms.append({"name": "fi-decode-tc", "kind": "baseline", "status": "ok", "time_us": decode_us,
                      "speedup_vs_decode": 1.0})
-        shape = dict(requests=requests, beams=beams, prompt=prompt, tail=4, heads=16, kv_heads=8, head_dim=128)
+        shape = {"requests": requests, "beams": beams, "prompt": prompt, "tail": 4, "heads": 16, "kv_heads": 8,
+                 "head_dim": 128}
         return {"shape": shape, "label": "x", "arms": arms, "floors": {}, "decline_reason": None}
 
     doc = make_document([
@@ -135,17 +136,18 @@ def test_audit_judges_the_rule_and_the_backend_choice():
 
 
 def test_sample_replaces_the_preset_and_sweeps(capsys):
-    """``--sample N`` gives N seeded shapes at the requested page size; with a pinned shape field it is an error
-    naming the field."""
-    args = cli.build_parser().parse_args(["--sample", "5", "--seed", "7", "--page-size", "16"])
+    """``--sample N`` gives N seeded shapes with the page size and ancestry asked for, of the models with the head
+    size asked for; with a drawn shape field pinned it is an error naming the field."""
+    args = cli.build_parser().parse_args(["--sample", "5", "--seed", "7", "--page-size", "16", "--head-dim", "64",
+                                          "--ancestry", "independent"])
     shapes = cli.resolve_shapes(args)
-    assert len(shapes) == 5 and {s.page_size for s in shapes} == {16}
+    assert len(shapes) == 5 and {(s.page_size, s.head_dim, s.ancestry) for s in shapes} == {(16, 64, "independent")}
     assert [s.name for s in shapes] == [f"sample7.{i}" for i in range(5)]
     for argv, named in ((["--preset", "A"], "--preset"), (["--beams", "30"], "--beams"),
                         (["--sweep", "beams=14,30"], "--sweep")):
         with pytest.raises(SystemExit):
             cli.main(["--sample", "3", "--rule", *argv])
-        assert f"--sample draws every shape field; drop {named}" in capsys.readouterr().err
+        assert f"--sample draws the shape; drop {named} (--head-dim picks the models" in capsys.readouterr().err
     assert cli.main(["--sample", "4", "--seed", "7", "--rule"]) == 0
     assert capsys.readouterr().out.count("sample7.") == 4
 

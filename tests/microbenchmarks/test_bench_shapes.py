@@ -187,8 +187,26 @@ def test_sample_shapes_are_seeded_and_inside_their_ranges(seed):
     assert min(s.prompt for s in shapes) < 256 and max(s.prompt for s in shapes) > 1024
 
 
-def test_sample_shapes_reject_a_bad_count_or_cap():
+def test_sample_shapes_reject_a_bad_count_cap_head_size_or_fixed_field():
     with pytest.raises(ShapeError, match="--sample 0 must be >= 1"):
         sample_shapes(0)
     with pytest.raises(ShapeError, match="is below the smallest sampled shape's"):
         sample_shapes(3, max_decode_bytes=1e3)
+    with pytest.raises(ShapeError, match=r"--head-dim 96: no sampled model has it; use one of \[64, 128\]"):
+        sample_shapes(3, head_dim=96)
+    with pytest.raises(ShapeError, match="--sample draws beams; they cannot be fixed"):
+        sample_shapes(3, beams=30)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_sample_seeds_still_draw_the_audited_shapes(seed):
+    """The fifty-first round's audit (``audit_round51_seed{3,4}.json``) names its shapes by seed: the sampler must
+    draw them again, or the documented audit no longer says which shapes it ran."""
+    import json
+    import pathlib
+
+    doc = json.loads((pathlib.Path(__file__).parents[2] / "docs" / "results" / "h200"
+                      / f"audit_round51_seed{seed}.json").read_text())
+    fields = ("requests", "beams", "prompt", "tail", "heads", "kv_heads", "head_dim")
+    audited = [tuple(p["shape"][f] for f in fields) for p in doc["results"]]
+    assert [tuple(getattr(s, f) for f in fields) for s in sample_shapes(len(audited), seed)] == audited
