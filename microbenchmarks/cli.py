@@ -7,7 +7,7 @@ Examples::
     beam-shared-prefix-bench --requests 32 --beams 64 --prompt 1000 --tail 8 --heads 32 --kv-heads 8
     beam-shared-prefix-bench --from-json sweep.json --plot sweep.png --decline-report
     beam-shared-prefix-bench --preset B-medium --sweep tail=4,64,256 --rule   # the rule's verdicts, no GPU
-    beam-shared-prefix-bench --sample 24 --seed 1 --arms auto,library,decode,cascade --decline-report  # held out
+    beam-shared-prefix-bench --sample 24 --seed 1 --head-dim 128 --decline-report   # random shapes: a rule audit
 
 Without a CUDA device the CLI says so and runs the CPU reference path (the library with the torch
 reference prefix and the torch tail, timed with ``time.perf_counter``) on a reduced shape, and
@@ -136,7 +136,8 @@ def resolve_shapes(args) -> List[BenchShape]:
     """The base shape (preset with free overrides) expanded by the sweeps, or ``--sample``'s shapes.
 
     Raises:
-        ShapeError: ``--sample`` with a preset, a sweep or a shape field other than the page size and dtype.
+        ShapeError: ``--sample`` with a preset, a sweep or a shape field it draws (requests, beams, prompt, tail,
+            heads, KV heads).
     """
     if getattr(args, "sample", None) is not None:
         kept = {name: getattr(args, name) for name in _SAMPLE_KEEPS if getattr(args, name) is not None}
