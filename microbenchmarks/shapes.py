@@ -337,6 +337,11 @@ SAMPLE_RANGES: Dict[str, Tuple[int, int]] = {
 }
 
 
+def _decode_bytes(requests: int, beams: int, prompt: int, tail: int, kv_heads: int, head_dim: int) -> int:
+    """K/V bytes one per-beam decode step reads: every beam its whole ``P + T`` tokens (2-byte elements)."""
+    return requests * beams * (prompt + tail) * kv_heads * head_dim * 2 * 2
+
+
 def _log_uniform_int(rng: random.Random, low: int, high: int) -> int:
     return min(high, max(low, round(math.exp(rng.uniform(math.log(low), math.log(high + 1) - 1e-9)))))
 
@@ -365,8 +370,8 @@ def sample_shapes(count: int, seed: int = 0, max_decode_bytes: float = 16e9, hea
     drawn = set(SAMPLE_RANGES) | {"heads", "kv_heads", "head_dim", "name"}
     if drawn & set(fixed):
         raise ShapeError(f"--sample draws {', '.join(sorted(drawn & set(fixed)))}; they cannot be fixed.")
-    lo = SAMPLE_RANGES
-    least = lo["requests"][0] * lo["beams"][0] * (lo["prompt"][0] + lo["tail"][0]) * 8 * 64 * 4
+    lows = {field: low for field, (low, _) in SAMPLE_RANGES.items()}
+    least = min(_decode_bytes(**lows, kv_heads=kv_heads, head_dim=size) for _, kv_heads, size in models)
     if max_decode_bytes < least:
         raise ShapeError(f"max_decode_bytes={max_decode_bytes:.3g} is below the smallest sampled shape's "
                          f"{least} bytes; raise it.")
@@ -375,8 +380,7 @@ def sample_shapes(count: int, seed: int = 0, max_decode_bytes: float = 16e9, hea
     while len(shapes) < count:
         draw = {k: _log_uniform_int(rng, a, b) for k, (a, b) in SAMPLE_RANGES.items()}
         heads, kv_heads, size = models[rng.randrange(len(models))]
-        decode_bytes = draw["requests"] * draw["beams"] * (draw["prompt"] + draw["tail"]) * kv_heads * size * 2 * 2
-        if decode_bytes > max_decode_bytes:
+        if _decode_bytes(**draw, kv_heads=kv_heads, head_dim=size) > max_decode_bytes:
             continue
         shapes.append(BenchShape(heads=heads, kv_heads=kv_heads, head_dim=size, name=f"sample{seed}.{len(shapes)}",
                                  **draw, **fixed))

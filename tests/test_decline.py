@@ -548,8 +548,6 @@ def test_tail_tables_hold_the_measured_crossovers():
                                        for w2, r2 in ((w + 1, r), (w, 2 * r + 1))), (table, w, r)
 
 
-
-
 def test_the_random_audit_served_no_step_slower_than_per_beam_decode():
     """The fifty-first round's random audit (``audit_round51_seed{3,4}.json``: 24 shapes from ``--sample``, not
     chosen by any grid, beam-search ancestry): every step the rule serves ran faster on ``auto``'s path than the
