@@ -262,6 +262,7 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
            "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
            "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS",
+           "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP",
            "TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD", "TAIL_ONE_KV_HEAD_GROUP", "TAIL_FEW_ROW_KV_HEADS",
            "TAIL_PROMPT_ROW_KV_HEADS",
            "max_tail_len",
@@ -380,7 +381,7 @@ TAIL_MEASURED_LEN = 4
 TAIL_MIN_PROMPT_PER_TOKEN = (
     (2, 0, 74),
     (8, 0, 25), (8, 256, 17),
-    (12, 0, 16), (12, 256, 10), (12, 1024, 6),
+    (12, 0, 16), (12, 512, 10), (12, 1024, 7), (12, 2048, 6),
 )
 #: The same with 2-7 KV heads, or groups of 8 query heads per KV head and more, where the library has the
 #: fewest programs per query head and per-beam decode is cheapest for its heads. Two to seven beams were
@@ -388,7 +389,16 @@ TAIL_MIN_PROMPT_PER_TOKEN = (
 TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = (
     (2, 0, 500), (2, 128, 200),
     (8, 0, 122), (8, 128, 50),
-    (12, 128, 36),
+    (12, 128, 38), (12, 512, 30),
+)
+#: The same at 2-7 KV heads with a known group under 8 (GQA 12/2 and 28/4 in the fifty-second round): as
+#: :data:`TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS` but from 512 beam rows at 12 beams and more, where the library's
+#: programs per query head are those of the many-KV-heads grids and the groups of 8-16 that bind the table above
+#: (30 there) are not in it.
+TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP = (
+    (2, 0, 500), (2, 128, 200),
+    (8, 0, 122), (8, 128, 50),
+    (12, 128, 38), (12, 512, 16),
 )
 #: The same with one KV head (MQA) or an unknown count: MQA's per-beam decode is the cheapest of all (one
 #: KV head read by all of its query heads), so the library needs the most prompt per tail token there.
@@ -534,8 +544,10 @@ def _tail_table(num_kv_heads: Optional[int], group: Optional[int]):
     the strictest, one KV head and a group of 8 or more; the caller scales one KV head's table by the group)."""
     if num_kv_heads is None or int(num_kv_heads) <= 1:
         return TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD
-    if int(num_kv_heads) < _TAIL_MANY_KV_HEADS or group is None or int(group) >= _TAIL_LARGE_GROUP:
+    if group is None or int(group) >= _TAIL_LARGE_GROUP:
         return TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS
+    if int(num_kv_heads) < _TAIL_MANY_KV_HEADS:
+        return TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP
     return TAIL_MIN_PROMPT_PER_TOKEN
 
 

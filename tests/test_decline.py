@@ -15,7 +15,7 @@ from beam_shared_prefix.decline import (
     TAIL_FEW_ROW_KV_HEADS,
     TAIL_MEASURED_LEN,
     TAIL_MIN_PROMPT_PER_TOKEN,
-    TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS,
+    TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS, TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP,
     TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD,
     TAIL_PROMPT_ROW_KV_HEADS,
     _table_value,
@@ -438,8 +438,10 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
     (20, 10, 600, 16, 16, 25),     # 8-11 beams under 256 rows (MHA 16/16: 1.01x at 48 tokens)
     (64, 8, 2000, 32, 32, 17),     # 8-11 beams from 256 rows
     (8, 30, 2000, 16, 8, 16),      # 12 and more under 256 rows
-    (16, 30, 2000, 16, 8, 10),     # 256-1,023 rows
-    (64, 30, 2000, 32, 8, 6),      # from 1,024 rows (GQA 32/8)
+    (16, 30, 2000, 16, 8, 16),     # 256-511 rows (round 52: 32 x 12 x 4,000 crosses at 393 tokens)
+    (32, 30, 2000, 16, 8, 10),     # 512-1,023 rows
+    (64, 30, 2000, 32, 8, 7),      # 1,024-2,047 rows (GQA 32/8; round 52: 48 x 24 x 1,800 crosses at 426)
+    (96, 30, 2000, 32, 8, 6),      # from 2,048 rows
     (128, 96, 500, 64, 16, 6),     # 12,288 rows at 16 KV heads, group 4
     (2, 12, 6000, 16, 8, 105),     # under 256 row-KV-heads: 20,000 / (2 x 12 x 8)
     # 2-7 KV heads, or groups of 8 and more at any KV head count
@@ -448,7 +450,11 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
     (3, 8, 8000, 24, 3, 278),      # 72 row-KV-heads: 20,000 / 72
     (1, 10, 15000, 32, 4, 500),    # held-out 9: 1.09x at 60 tokens
     (32, 8, 1500, 16, 2, 50),      # 8-11 beams from 128 rows
-    (32, 12, 4000, 64, 8, 36),     # group 8 at 8 KV heads: the few-KV-heads table from 128 rows
+    (32, 12, 4000, 64, 8, 38),     # group 8 at 8 KV heads: the few-KV-heads table from 128 rows
+    (48, 24, 2000, 32, 4, 30),     # group 8 from 512 rows (GQA 64/4: 64 x 30 x 2,000 crosses at 101 tokens)
+    # 2-7 KV heads with a group under 8 (fifty-second round)
+    (8, 24, 1200, 28, 4, 38),      # under 512 rows (28/4: 1.03x at 64 tokens)
+    (44, 154, 960, 12, 2, 16),     # from 512 rows (12/2: 8 x 154 x 960 crosses at 91 tokens)
     # one KV head (MQA)
     (16, 16, 2000, 8, 1, 141),     # under 512 rows
     (4, 10, 20000, 8, 1, 500),     # 40 row-KV-heads
@@ -540,20 +546,25 @@ def test_tail_tables_hold_the_measured_crossovers():
     for (requests, beams, prompt, heads, kv_heads, _), need, why in needs:
         asked = _tail_prompt_per_token(beams, kv_heads, requests, heads)
         assert asked >= need, f"{asked} < {need:.1f}: {why}"
-    tables = (TAIL_MIN_PROMPT_PER_TOKEN, TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS, TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD)
+    tables = (TAIL_MIN_PROMPT_PER_TOKEN, TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS,
+              TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP, TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD)
     for table in tables:
         for w, r in ((w, r) for w in range(2, 300, 3) for r in (0, 64, 128, 256, 512, 1024, 4096)):
             here = _table_value(table, w, r)
             assert here is None or all(here >= (_table_value(table, w2, r2) or 0)
                                        for w2, r2 in ((w + 1, r), (w, 2 * r + 1))), (table, w, r)
+            # A group under 8 at 2-7 KV heads never asks more than the groups of 8 and more.
+            narrow = _table_value(TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP, w, r)
+            assert (narrow or 0) <= (_table_value(TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS, w, r) or 0), (w, r)
 
 
 def test_the_random_audit_served_no_step_slower_than_per_beam_decode():
     """The fifty-first round's random audit (``audit_round51_seed{3,4}.json``: 24 shapes from ``--sample``, not
     chosen by any grid, beam-search ancestry): every step the rule serves ran faster on ``auto``'s path than the
-    faster per-beam decode (at least 2.9x), and ``auto`` within 5% of the fastest library arm. The verdict counts are
-    pinned so that a rule change shows here; the declined winners are the long-tail clause's price at this ancestry
-    (docs/benchmarks.md, "A random audit")."""
+    faster per-beam decode (at least 2.6x), and ``auto`` within 5% of the fastest library arm. The verdict counts are
+    pinned so that a rule change shows here (the fifty-second round's tail tables serve three more: 2.62x-3.22x); the
+    declined winners are the long-tail clause's price at this ancestry, the clause being fitted to independent
+    ancestry (docs/benchmarks.md, "A random audit")."""
     from microbenchmarks.runner import decline_reason
     from microbenchmarks.shapes import BenchShape
 
@@ -566,8 +577,8 @@ def test_the_random_audit_served_no_step_slower_than_per_beam_decode():
         where = f"{name}: {fields}, per-beam decode / auto {decode / auto:.2f}"
         if decline_reason(BenchShape(**fields)) is None:
             counts["served"] += 1
-            assert decode / auto >= 2.9 and auto <= 1.05 * fastest, where
+            assert decode / auto >= 2.6 and auto <= 1.05 * fastest, where
         else:
             counts["declined"] += 1
             counts["declined, the library faster"] += decode / fastest > 1.0
-    assert counts == {"served": 16, "declined": 8, "declined, the library faster": 7}, counts
+    assert counts == {"served": 19, "declined": 5, "declined, the library faster": 4}, counts
