@@ -24,6 +24,9 @@ SUPERSEDED = {
                     "round23_heldout6_kv5", "round23_heldout6_mqa", "round23_heldout_g4_kv4",
                     "round23_heldout_mqa", "round23_mixed", "round23_mixed_mqa", "set2_g8", "set2_mqa",
                     "set3_mqa")},
+    # Held-out 12's head-64 grid (GQA 14/2) ran the tail kernel's default tiling at 1,024-13,056 row-KV-heads; the
+    # fifty-second round's few-rows bound at G = 5-8, head 64 (8,192) made its steps up to 1.60x faster.
+    "tail_auto_check_round52_heldout12_g7_kv2_d64.json": "tail_auto_check_round52_heldout12_g7_kv2_d64_few_rows_tiling.json",
 }
 _REPLACEMENTS = frozenset(SUPERSEDED.values())
 

@@ -454,7 +454,9 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
     (48, 24, 2000, 32, 4, 30),     # group 8 from 512 rows (GQA 64/4: 64 x 30 x 2,000 crosses at 101 tokens)
     # 2-7 KV heads with a group under 8 (fifty-second round)
     (8, 24, 1200, 28, 4, 38),      # under 512 rows (28/4: 1.03x at 64 tokens)
-    (44, 154, 960, 12, 2, 16),     # from 512 rows (12/2: 8 x 154 x 960 crosses at 91 tokens)
+    (44, 154, 960, 12, 2, 20),     # from 512 rows (held-out 12, 14/2 at head 64: 16 x 32 x 1,400 crosses at 108)
+    (80, 30, 2400, 40, 8, 20),     # groups 5-7 pad to 8 at any KV head count (held-out 12: GQA 40/8)
+    (64, 10, 2000, 40, 8, 50),     # (and 8-11 beams take the few-KV-heads entries there)
     # one KV head (MQA)
     (16, 16, 2000, 8, 1, 141),     # under 512 rows
     (4, 10, 20000, 8, 1, 500),     # 40 row-KV-heads

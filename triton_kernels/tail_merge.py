@@ -141,8 +141,12 @@ _GROUPED_ELEMENTS_PER_THREAD = 32
 # replaced took 1.08-1.87x. G = 1 at head 128 has its own few-rows tiling (below, without index blocks); other
 # shapes not listed (G = 1 at other heads, G = 4 at head 64 and 256, G = 16 and 32 at other heads) are unmeasured
 # and keep the defaults below.
+# G = 8 (5-8) at head 64 up to 8,192 (fifty-second round, tune_tail_round52_g7_d64.json, GQA 14/2, 1,024-6,528
+# row-KV-heads, tails 12 and 32): 1.02-2.03x faster than the default above 512, within 1.02-1.24x of the best of
+# 16 tilings; end to end (few_rows_bound_{2048,16384}_g7_kv2_d64_round52.json) 1.2-1.6x faster at 32 tokens, even
+# at 12; at 13,056 the default kept 12 tokens 5-8% faster, so the bound stops below it.
 _FEW_ROWS_MAX_ROW_KV_HEADS = {(2, 64): 1024, (2, 128): 1024, (2, 256): 1024, (4, 128): 1024,
-                              (8, 64): 512, (8, 128): 512, (8, 256): 512, (16, 128): 256, (32, 128): 128}
+                              (8, 64): 8192, (8, 128): 512, (8, 256): 512, (16, 128): 256, (32, 128): 128}
 _FEW_ROWS_BLOCK_T = 4
 _FEW_ROWS_INDEX_BLOCK = 32
 # G = 8 at head 128 above the few-rows bound: the [QH, D] kernel with 2 warps, 4 tokens per iteration
@@ -177,7 +181,7 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     ``num_rows`` (beam rows of the launch; ``None``: many) selects a tiling for few rows; it is fixed for
     a captured CUDA graph, so the choice is too.
 
-    - Few rows (``num_rows * Hkv`` up to 1,024 at ``G = 2`` and ``4``, up to 512 at ``G = 8``, up to 256 and
+    - Few rows (``num_rows * Hkv`` up to 1,024 at ``G = 2`` and ``4``, up to 512 at ``G = 8`` (8,192 at head 64), up to 256 and
       128 at ``G = 16`` and ``32`` (head 128); heads 64-256 where measured): the ``[QH, D]`` kernel with ``QH =
       4-32`` query slots (2 KV heads per program at ``G = 2``), 4 tokens per iteration and index blocks of 32
       positions, 2-8 warps by tile size. With

@@ -252,9 +252,9 @@ def test_rule_prints_the_library_verdict_without_measuring(capsys, monkeypatch):
         assert f"tails served up to {int(max_tail_len(beams, 500, 2, 64, 16))} generated tokens" in line, line
         reason = runner.decline_reason(shape)
         assert line.endswith("-> serve") if reason is None else line.endswith(f"-> decline: {reason}"), line
-    # 14 beams x 64 requests at 2 KV heads (group 8): 896 rows, prompt / 36 = 13 generated tokens.
-    assert "tails served up to 13 generated tokens -> serve" in lines[2]
-    assert "-> decline: tail 64 generated tokens per beam > 13" in lines[3]
+    # 14 beams x 64 requests at 2 KV heads (group 8): 896 rows, prompt / 30 = 16 generated tokens.
+    assert "tails served up to 16 generated tokens -> serve" in lines[2]
+    assert "-> decline: tail 64 generated tokens per beam > 16" in lines[3]
     # From SHARED_RUN_MIN_TAIL generated tokens the default leaves the cascade for a prefix + the shared-run
     # stage + the tail kernel (64 x 30 x 500 at GQA 2 takes the cascade at short tails).
     argv = ["--preset", "B-medium", "--rule", "--sweep", "tail=4,95,96"]

@@ -273,7 +273,8 @@ TILINGS = [
     (8, 1, 128, 513, (1, 4, 2, 0, False)),  # G = 8 between the bounds
     (8, 4, 128, 384, (1, 1, 2, 0, False)),  # from 1,536 row-KV-heads
     (8, 1, 64, 512, (1, 4, 2, 32, False)),
-    (8, 1, 64, 513, (1, 1, 4, 0, False)),  # G = 8 at head 64 keeps the previous default above few rows
+    (8, 2, 64, 4096, (1, 4, 2, 32, False)),  # G = 8 at head 64: few rows up to 8,192 row-KV-heads (round 52)
+    (8, 2, 64, 4097, (2, 1, 4, 0, False)),  # and the previous default above
     (16, 2, 128, 128, (1, 4, 4, 32, False)),  # G = 16, few rows: 256 row-KV-heads
     (16, 4, 128, 65, (1, 4, 2, 0, False)),  # G = 16 above: 4 tokens, 2 warps
     (12, 8, 128, None, (1, 4, 2, 0, False)),  # G = 12 pads to 16
