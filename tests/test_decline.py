@@ -560,27 +560,37 @@ def test_tail_tables_hold_the_measured_crossovers():
             assert (narrow or 0) <= (_table_value(TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS, w, r) or 0), (w, r)
 
 
-def test_the_random_audit_served_no_step_slower_than_per_beam_decode():
-    """The fifty-first round's random audit (``audit_round51_seed{3,4}.json``: 24 shapes from ``--sample``, not
-    chosen by any grid, beam-search ancestry): every step the rule serves ran faster on ``auto``'s path than the
-    faster per-beam decode (at least 2.6x), and ``auto`` within 5% of the fastest library arm. The verdict counts are
-    pinned so that a rule change shows here (the fifty-second round's tail tables serve three more: 2.62x-3.22x); the
-    declined winners are the long-tail clause's price at this ancestry, the clause being fitted to independent
-    ancestry (docs/benchmarks.md, "A random audit")."""
-    from microbenchmarks.runner import decline_reason
+@pytest.mark.parametrize("pattern,least_speedup,pick_slack,verdicts", [
+    ("audit_round51_seed*.json", 2.6, 1.05, {"served": 19, "declined": 5, "declined, the library faster": 4}),
+    ("audit_round52_seed*.json", 1.8, 1.15, {"served": 22, "declined": 14, "declined, the library faster": 12}),
+])
+def test_the_random_audit_served_no_step_slower_than_per_beam_decode(pattern, least_speedup, pick_slack, verdicts):
+    """The random audits (``--sample``: shapes no grid chose, beam-search ancestry): the fifty-first round's 24
+    (``audit_round51_seed{3,4}.json``, every model's heads) and the fifty-second's 36 (seeds 5-7, head 128). Every step
+    the rule serves ran faster on the path ``auto`` takes now (its backend's measured arm) than the faster per-beam
+    decode (at least ``least_speedup``), and that path within ``pick_slack`` of the fastest library arm (round 52: the
+    cascade at 23 x 193 x 111, 1.12x FA4's time). The verdict counts are pinned so that a rule change shows here: the
+    fifty-second round's tail tables serve three more of round 51's (2.62x-3.22x), and its FlashInfer picks at 1-5
+    requests over long prompts serve 1 x 47 x 6,000 at 40/8 (3.99x); the declined winners are the few-rows floors'
+    and the long-tail clause's price at this ancestry, the clause being fitted to independent ancestry
+    (docs/benchmarks.md, "A random audit", "The tail clause on the current kernels")."""
+    from microbenchmarks.runner import rule_verdict
     from microbenchmarks.shapes import BenchShape
 
     counts = collections.Counter()
-    for name, shape, _, arms in grid_points("audit_round51_seed*.json"):
+    for name, shape, _, arms in grid_points(pattern):
         fields = {k: shape[k] for k in ("requests", "beams", "prompt", "tail", "heads", "kv_heads", "head_dim")}
+        verdict = rule_verdict(BenchShape(**fields))
         decode = min(arms[a]["time_us"] for a in ("fi-decode-tc", "fi-decode-cc") if a in arms)
-        auto = arms["library/auto"]["time_us"]
+        path = verdict["graph_path"]  # the arms ran under CUDA graphs
+        backend = "triton" if path.startswith("cascade") else "flashinfer" if path.startswith("flashinfer") else "fa4"
+        picked = arms[f"library/{backend}"]["time_us"]
         fastest = min(a["time_us"] for n, a in arms.items() if n.startswith("library/"))
-        where = f"{name}: {fields}, per-beam decode / auto {decode / auto:.2f}"
-        if decline_reason(BenchShape(**fields)) is None:
+        where = f"{name}: {fields}, {backend}, per-beam decode / it {decode / picked:.2f}, it / fastest {picked / fastest:.2f}"
+        if verdict["decline_reason"] is None:
             counts["served"] += 1
-            assert decode / auto >= 2.6 and auto <= 1.05 * fastest, where
+            assert decode / picked >= least_speedup and picked <= pick_slack * fastest, where
         else:
             counts["declined"] += 1
             counts["declined, the library faster"] += decode / fastest > 1.0
-    assert counts == {"served": 19, "declined": 5, "declined, the library faster": 4}, counts
+    assert counts == verdicts, counts

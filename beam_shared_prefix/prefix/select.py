@@ -390,6 +390,17 @@ CASCADE_MAX_GROUP = 8
 # to 32 programs (4-17%: 22.2-26.6 against 26.7-27.7 us) and from 2,000 with up to 64 (1-10% at 64).
 # Hence 1,000 tokens and 30 per program, up to 64 programs (SPLIT_KV_MAX_PROGRAMS_BY_SHAPE; with
 # 64-row tiles 64 programs already need 3,840 tokens).
+#
+# Fifty-second round, GQA 3 and 5 at head 128 (small_batches_backends_g{3,5}_few_requests_round52.json: 1, 2, 3 and 5
+# requests of 18, 24 and 47 beams at 2,500 and 6,000 tokens, GQA 24/8 and 40/8, FlashInfer + tail against FA4 +
+# tail; a random audit had found auto on FA4 at 1-5 requests over long prompts where FlashInfer ran 1.13-2.02x
+# faster). FA4 takes 45-49 us at 2,500 tokens and 87-92 at 6,000 whatever the batch up to 5 x 47 (one CTA a request,
+# KV head and 128 rows), FlashInfer grows with the rows: with three beam blocks (47 beams) at one request it was
+# 1.33-2.18x faster, at two (48 programs) 1.03-1.41x; at G = 5 with 48 programs of two blocks 1.13-1.63x faster (3 x
+# 18 and 3 x 24), with 72 and more FA4 was faster at 2,500 (1.14-1.87x) and within 5% or faster at 6,000, except 5 x
+# 18 and 5 x 24 at G = 3 (80 programs), where FlashInfer was 1.16-1.60x faster at 6,000 and 0.96-1.16x at 2,500.
+# Hence three blocks at G = 3 and 5, up to 80 programs at G = 3 and 48 at G = 5 (50 tokens a program there: 48
+# programs from 2,400). The cost: 3 x 47 x 2,500 at G = 3 (72 programs) takes FlashInfer at 1.14x FA4's time.
 SPLIT_KV_MAX_PROGRAMS = 128
 #: ``{(GQA group, head size): {tile rows: (smallest mean prompt, tokens per cascade program)}}`` at
 #: which ``auto`` picks FlashInfer; shapes not listed never (not measured). Tiles of fewer than 64
@@ -403,14 +414,14 @@ SPLIT_KV_PROMPT = {
     (1, 64): {32: (1000, 30)},
     (3, 128): {64: (1000, 30)},
     (3, 64): {64: (1000, 30)},
-    (5, 128): {64: (1000, 60)},
+    (5, 128): {64: (1000, 50)},
     (6, 128): {64: (1000, 60)},
     (7, 128): {64: (1000, 60)},
     (8, 128): {64: (1000, 60)},
 }
 #: The most beam blocks per request at which each shape of :data:`SPLIT_KV_PROMPT` was measured.
-SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2, (1, 128): 1, (1, 64): 1, (3, 128): 2,
-                            (3, 64): 2, (5, 128): 2, (6, 128): 2, (7, 128): 2, (8, 128): 2}
+SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2, (1, 128): 1, (1, 64): 1, (3, 128): 3,
+                            (3, 64): 2, (5, 128): 3, (6, 128): 2, (7, 128): 2, (8, 128): 2}
 #
 # Thirty-seventh round, GQA 2 at head 64, 64-row tiles with 128 programs (16 requests x 30 beams at 8,000 tokens,
 # which 60 per program admits from 7,680; graphed_one_block_8000_d64_round37.json, eager_d64_16req_round37.json):
@@ -418,7 +429,7 @@ SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2, (1
 # eagerly. As at head 128 (65-128 programs slower at every length), 64-row tiles there stop at 64 programs.
 #: Shapes where FlashInfer's split prompt stops below :data:`SPLIT_KV_MAX_PROGRAMS` cascade programs: a number,
 #: or ``{tile rows: programs}`` (rows not listed: :data:`SPLIT_KV_MAX_PROGRAMS`).
-SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 64, (3, 64): 64, (5, 128): 32, (6, 128): 32,
+SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 80, (3, 64): 64, (5, 128): 48, (6, 128): 32,
                                   (7, 128): 32, (8, 128): 32, (2, 64): {64: 64}}
 
 # Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
