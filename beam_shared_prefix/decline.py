@@ -183,29 +183,31 @@ ask more. The binding shape of each entry:
 
 | KV heads, group | beam width | beam rows | served while the tail <= | binding shape (crossover, or loss) |
 | --- | --- | --- | --- | --- |
-| 8+, under 8 | 2-7 | any | mean prompt / 74 | 30 x 4 x 4,000 crosses at 82 tokens (49) |
-| 8+, under 8 | 8-11 | under 256 | mean prompt / 25 | loss: MHA 16/16, 20 x 10 x 600 at 48 tokens, 1.01x (12.5) |
-| 8+, under 8 | 8-11 | 256 and more | mean prompt / 17 | MHA 32/32, 64 x 8 x 2,000 crosses at 182 tokens (11.0) |
-| 8+, under 5 | 12+ | under 512 | mean prompt / 16 | loss: 8 x 30 x 2,000 at 256 tokens, 1.03x (7.8); 32 x 12 x 4,000 crosses at 393 (10.2)* |
+| 8+, under 5 | 2-7 | any | mean prompt / 74 | 30 x 4 x 4,000 crosses at 82 tokens (49) |
+| 8+, under 5 | 8-11 | under 256 | mean prompt / 25 | loss: MHA 16/16, 20 x 10 x 600 at 48 tokens, 1.01x (12.5) |
+| 8+, under 5 | 8-11 | 256 and more | mean prompt / 17 | MHA 32/32, 64 x 8 x 2,000 crosses at 182 tokens (11.0) |
+| 8+, under 5 | 12+ | under 512 | mean prompt / 16 | 32 x 12 x 4,000 crosses at 393 tokens (10.2)* |
 | 8+, under 5 | 12+ | 512-1,023 | mean prompt / 10 | loss: MHA 16/16, 20 x 28 x 600 at 150 tokens, 0.91x (4.0) |
 | 8+, under 5 | 12+ | 1,024-2,047 | mean prompt / 7 | GQA 32/8, 48 x 24 x 1,800 crosses at 426 tokens (4.2)* |
 | 8+, under 5 | 12+ | 2,048 and more | mean prompt / 6 | GQA 32/8, 80 x 40 x 1,800 crosses at 470 tokens (3.8)* |
 | 2-7, or group 8+ | 2-7 | under 128 / from 128 | mean prompt / 500 / 200 | not measured (twenty-third round's) |
 | 2-7, or group 8+ | 8+ | under 128 | mean prompt / 122 | GQA 48/6, 5 x 8 x 2,500 crosses at 31 tokens (80.7) |
 | 2-7, or group 8+ | 8-11 | 128 and more | mean prompt / 50 | 16/2, head 64: 64 x 8 x 1,000 crosses at 31 (32.6) |
-| group 8+ (or 2-7 KV heads and an unknown group) | 12+ | 128-511 | mean prompt / 38 | the narrow-group entry below (GQA 32/4, 8 x 16 x 15,000 crosses at 639 tokens: 23.5) |
-| group 8+ (or 2-7 KV heads and an unknown group) | 12+ | 512 and more | mean prompt / 30 | GQA 64/4, 64 x 30 x 2,000 crosses at 101 tokens (19.8) |
-| 2-7 with a group under 8, or 8+ with a group of 5-7 | 2-11 | as the row above | as for group 8+ | not measured apart |
-| 2-7 with a group under 8, or 8+ with a group of 5-7 | 12+ | 128-511 | mean prompt / 38 | loss: GQA 28/4, 8 x 24 x 1,200 at 64 tokens, 1.03x (18.8)* |
-| 2-7 with a group under 8, or 8+ with a group of 5-7 | 12+ | 512 and more | mean prompt / 20 | 14/2, head 64: 16 x 32 x 1,400 crosses at 108 tokens (13.0)* |
+| group 8+ (a) | 12+ | 128-511 | mean prompt / 38 | as the narrow-group entry (32/4, 8 x 16 x 15,000: 23.5) |
+| group 8+ (a) | 12+ | 512 and more | mean prompt / 30 | GQA 64/4, 64 x 30 x 2,000 crosses at 101 tokens (19.8) |
+| narrow group (b) | 2-11 | as for group 8+ | as for group 8+ | not measured apart |
+| narrow group (b) | 12+ | 128-511 | mean prompt / 38 | loss: GQA 28/4, 8 x 24 x 1,200 at 64 tokens, 1.03x (18.8)* |
+| narrow group (b) | 12+ | 512 and more | mean prompt / 20 | 14/2, head 64: 16 x 32 x 1,400 crosses at 108 (13.0)* |
 | 1 (or unknown) | any | under 512 | mean prompt / 141 | 16 x 16 x 2,000 crosses at 21 tokens (93.8) |
 | 1 | 2-11 | 512 and more | mean prompt / 55 | 64 x 8 x 1,000 without shared ancestry crosses at 28 tokens (36.2) |
 | 1 | 12+ | 512 and more | mean prompt / 22 | 96 x 20 x 6,000 crosses at 420 tokens (14.3) |
 | any | any | under 256 row-KV-heads | also 20,000 / (R x W x Hkv) | loss: 32/4, 1 x 10 x 15,000 at 60 tokens, 1.09x |
 
-Entries marked * were fitted in the fifty-second round on the kernels of the day under independent ancestry (no
-generated token shared between beams: the tail's worst case; ``tail_auto_check_*_independent_round52.json``, the new
-``tail_auto_check_round52_*.json`` grids and held-out 12). Their history is in ``docs/rounds.md``: the twenty-first round's width-only table, the twenty-second's
+(a) Or 2-7 KV heads and an unknown group. (b) 2-7 KV heads with a group under 8, or 8 KV heads and more with a group
+of 5-7 (the tail kernel pads it to 8). Entries marked * were fitted in the fifty-second round on the kernels of the
+day under independent ancestry (no generated token shared between beams: the tail's worst case;
+``tail_auto_check_*_independent_round52.json``, the new ``tail_auto_check_round52_*.json`` grids and held-out 12).
+Their history is in ``docs/rounds.md``: the twenty-first round's width-only table, the twenty-second's
 rows bands, the twenty-third's tables below 8 KV heads, each fitted to twice the ratio of every loss and
 broken by the next held-out set (eight of them) in the few-rows corner, where a loss ratio says nothing
 about shapes measured only far from their crossover. The twenty-fourth round's few-rows tail tiling made
@@ -434,10 +436,10 @@ _TAIL_MANY_KV_HEADS = 8
 # KV heads, GQA 64/8's crossovers (11.1-15.4 prompt tokens per tail token at 384-960 rows) were those of
 # the few-KV-heads grids (all but GQA 16/4 at group 8), 2-3x those of groups 1-4 at the same rows.
 _TAIL_LARGE_GROUP = 8
-# From this many query heads per KV head (to _TAIL_LARGE_GROUP) the tail kernel pads the group to 8, and at 8 KV
-# heads and more the step takes the narrow-group table: held-out 12 (fifty-second round, independent ancestry)
-# crossed at GQA 40/8 where the many-KV-heads table does not hold (80 x 30 x 2,400 at 264 tokens: 9.1 prompt
-# tokens per tail token, the table 6 from 2,048 rows), as the groups of 2-4 its grids measured do.
+# From this many query heads per KV head (up to _TAIL_LARGE_GROUP) the tail kernel pads the group to 8, and at 8 KV
+# heads and more the step takes the narrow-group table: in held-out 12 (fifty-second round, independent ancestry)
+# GQA 40/8 crossed earlier than the many-KV-heads table, fitted on groups of 1-4, allows (80 x 30 x 2,400 at 264
+# tokens: 9.1 prompt tokens per tail token, where the table asks 6 from 2,048 rows).
 _TAIL_PADDED_GROUP = 5
 
 

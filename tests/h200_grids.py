@@ -26,7 +26,8 @@ SUPERSEDED = {
                     "set3_mqa")},
     # Held-out 12's head-64 grid (GQA 14/2) ran the tail kernel's default tiling at 1,024-13,056 row-KV-heads; the
     # fifty-second round's few-rows bound at G = 5-8, head 64 (8,192) made its steps up to 1.60x faster.
-    "tail_auto_check_round52_heldout12_g7_kv2_d64.json": "tail_auto_check_round52_heldout12_g7_kv2_d64_few_rows_tiling.json",
+    "tail_auto_check_round52_heldout12_g7_kv2_d64.json":
+        "tail_auto_check_round52_heldout12_g7_kv2_d64_few_rows_tiling.json",
 }
 _REPLACEMENTS = frozenset(SUPERSEDED.values())
 

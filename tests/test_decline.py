@@ -586,7 +586,8 @@ def test_the_random_audit_served_no_step_slower_than_per_beam_decode(pattern, le
         backend = "triton" if path.startswith("cascade") else "flashinfer" if path.startswith("flashinfer") else "fa4"
         picked = arms[f"library/{backend}"]["time_us"]
         fastest = min(a["time_us"] for n, a in arms.items() if n.startswith("library/"))
-        where = f"{name}: {fields}, {backend}, per-beam decode / it {decode / picked:.2f}, it / fastest {picked / fastest:.2f}"
+        where = (f"{name}: {fields}, {backend}, per-beam decode / it {decode / picked:.2f}, "
+                 f"it / fastest {picked / fastest:.2f}")
         if verdict["decline_reason"] is None:
             counts["served"] += 1
             assert decode / picked >= least_speedup and picked <= pick_slack * fastest, where

@@ -181,13 +181,13 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     ``num_rows`` (beam rows of the launch; ``None``: many) selects a tiling for few rows; it is fixed for
     a captured CUDA graph, so the choice is too.
 
-    - Few rows (``num_rows * Hkv`` up to 1,024 at ``G = 2`` and ``4``, up to 512 at ``G = 8`` (8,192 at head 64), up to 256 and
-      128 at ``G = 16`` and ``32`` (head 128); heads 64-256 where measured): the ``[QH, D]`` kernel with ``QH =
-      4-32`` query slots (2 KV heads per program at ``G = 2``), 4 tokens per iteration and index blocks of 32
-      positions, 2-8 warps by tile size. With
-      so few programs each one's chain of dependent loads is the step's time; the index blocks cut
-      it from three latencies per token to about two per 32 tokens: 8 x 8 x 500 at 16/8, tail 64, 19.8
-      against 53.1 us; 1 x 32 rows at MQA 8/1, tail 16, 9.8 against 19.9 us; at tail 4 1.04-1.35x faster.
+    - Few rows (``num_rows * Hkv`` up to 1,024 at ``G = 2`` and ``4``, up to 512 at ``G = 8`` (8,192 at head 64),
+      up to 256 and 128 at ``G = 16`` and ``32`` (head 128); heads 64-256 where measured): the ``[QH, D]`` kernel
+      with ``QH = 4-32`` query slots (2 KV heads per program at ``G = 2``), 4 tokens per iteration and index
+      blocks of 32 positions, 2-8 warps by tile size. With so few programs each one's chain of dependent loads is
+      the step's time; the index blocks cut it from three latencies per token to about two per 32 tokens: 8 x 8 x
+      500 at 16/8, tail 64, 19.8 against 53.1 us; 1 x 32 rows at MQA 8/1, tail 16, 9.8 against 19.9 us; at tail 4
+      1.04-1.35x faster.
     - ``G = 2`` (padded): the grouped kernel (:mod:`~triton_kernels.tail_merge_grouped_kernel`), 8
       KV heads per program, 32 query elements per thread (2 warps at D = 128). Against the previous
       default (the ``[QH, D]`` kernel, ``QH * D = 1024``, 4 warps): 128 x 96 tail 3 87.8 against
