@@ -15,7 +15,8 @@ from beam_shared_prefix.decline import (
     TAIL_FEW_ROW_KV_HEADS,
     TAIL_MEASURED_LEN,
     TAIL_MIN_PROMPT_PER_TOKEN,
-    TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS, TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP,
+    TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS,
+    TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP,
     TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD,
     TAIL_PROMPT_ROW_KV_HEADS,
     _table_value,
@@ -452,7 +453,7 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
     (32, 8, 1500, 16, 2, 50),      # 8-11 beams from 128 rows
     (32, 12, 4000, 64, 8, 38),     # group 8 at 8 KV heads: the few-KV-heads table from 128 rows
     (48, 24, 2000, 32, 4, 30),     # group 8 from 512 rows (GQA 64/4: 64 x 30 x 2,000 crosses at 101 tokens)
-    # 2-7 KV heads with a group under 8 (fifty-second round)
+    # the narrow-group table (fifty-second round): 2-7 KV heads with a group under 8, or groups of 5-7 anywhere
     (8, 24, 1200, 28, 4, 38),      # under 512 rows (28/4: 1.03x at 64 tokens)
     (44, 154, 960, 12, 2, 20),     # from 512 rows (held-out 12, 14/2 at head 64: 16 x 32 x 1,400 crosses at 108)
     (80, 30, 2400, 40, 8, 20),     # groups 5-7 pad to 8 at any KV head count (held-out 12: GQA 40/8)
@@ -555,9 +556,10 @@ def test_tail_tables_hold_the_measured_crossovers():
             here = _table_value(table, w, r)
             assert here is None or all(here >= (_table_value(table, w2, r2) or 0)
                                        for w2, r2 in ((w + 1, r), (w, 2 * r + 1))), (table, w, r)
-            # A group under 8 at 2-7 KV heads never asks more than the groups of 8 and more.
-            narrow = _table_value(TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP, w, r)
-            assert (narrow or 0) <= (_table_value(TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS, w, r) or 0), (w, r)
+    # The narrow groups never ask more than the groups of 8 and more.
+    for w, r in ((w, r) for w in range(2, 300, 3) for r in (0, 64, 128, 256, 512, 1024, 4096)):
+        narrow = _table_value(TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP, w, r)
+        assert (narrow or 0) <= (_table_value(TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS, w, r) or 0), (w, r)
 
 
 @pytest.mark.parametrize("pattern,least_speedup,pick_slack,verdicts", [
