@@ -635,6 +635,8 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
             heads += f" and an unknown query head count (judged as a group of {_TAIL_LARGE_GROUP})"
         elif group >= _TAIL_LARGE_GROUP:
             heads += f" and {group} query heads per KV head"
+        elif group >= _TAIL_PADDED_GROUP:
+            heads += f" and {group} query heads per KV head (the tail kernel pads them to {_TAIL_LARGE_GROUP})"
     elif num_kv_heads is None or int(num_kv_heads) <= 1:  # the one-KV-head table, scaled by the group
         if group is None:
             heads += f" and an unknown query head count (judged as a group of {_WIDEST_GROUP})"

@@ -483,8 +483,9 @@ def test_long_tails_need_long_prompts(requests, beams, prompt, heads, kv_heads, 
         reason = should_decline(*shape, tail_len=longest + 1, **path)
         assert reason is not None and f"tail {longest + 1} generated tokens per beam > {longest}" in reason
         assert f"mean prompt {prompt}" in reason and f"needs {per_token} prompt tokens" in reason, reason
-        if kv_heads >= 8 and heads // kv_heads >= 8:
+        if kv_heads >= 8 and heads // kv_heads >= 5:
             assert f"{heads // kv_heads} query heads per KV head" in reason
+            assert ("pads them to 8" in reason) == (heads // kv_heads < 8), reason
         row_kv_heads = requests * beams * kv_heads
         if row_kv_heads < TAIL_FEW_ROW_KV_HEADS and per_token == -(-TAIL_PROMPT_ROW_KV_HEADS // row_kv_heads):
             assert f"({TAIL_PROMPT_ROW_KV_HEADS:,} / {row_kv_heads} row-KV-heads)" in reason
