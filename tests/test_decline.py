@@ -552,13 +552,14 @@ def test_tail_tables_hold_the_measured_crossovers():
         assert asked >= need, f"{asked} < {need:.1f}: {why}"
     tables = (TAIL_MIN_PROMPT_PER_TOKEN, TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS,
               TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP, TAIL_MIN_PROMPT_PER_TOKEN_ONE_KV_HEAD)
+    widths_and_rows = [(w, r) for w in range(2, 300, 3) for r in (0, 64, 128, 256, 512, 1024, 4096)]
     for table in tables:
-        for w, r in ((w, r) for w in range(2, 300, 3) for r in (0, 64, 128, 256, 512, 1024, 4096)):
+        for w, r in widths_and_rows:
             here = _table_value(table, w, r)
             assert here is None or all(here >= (_table_value(table, w2, r2) or 0)
                                        for w2, r2 in ((w + 1, r), (w, 2 * r + 1))), (table, w, r)
     # The narrow groups never ask more than the groups of 8 and more.
-    for w, r in ((w, r) for w in range(2, 300, 3) for r in (0, 64, 128, 256, 512, 1024, 4096)):
+    for w, r in widths_and_rows:
         narrow = _table_value(TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP, w, r)
         assert (narrow or 0) <= (_table_value(TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS, w, r) or 0), (w, r)
 
