@@ -141,18 +141,22 @@ _GROUPED_ELEMENTS_PER_THREAD = 32
 # replaced took 1.08-1.87x. G = 1 at head 128 has its own few-rows tiling (below, without index blocks); other
 # shapes not listed (G = 1 at other heads, G = 4 at head 64 and 256, G = 16 and 32 at other heads) are unmeasured
 # and keep the defaults below.
-# G = 8 (5-8) at head 64 up to 8,192 (fifty-second round, tune_tail_round52_g7_d64.json, GQA 14/2, 1,024-6,528
-# row-KV-heads, tails 12 and 32): 1.02-2.03x faster than the default above 512, within 1.02-1.24x of the best of
-# 16 tilings; end to end (few_rows_bound_{2048,16384}_g7_kv2_d64_round52.json) 1.2-1.6x faster at 32 tokens, even
-# at 12; at 13,056 the default kept 12 tokens 5-8% faster, so the bound stops below it.
+# G = 8 (5-8) at head 64 up to 1,024 (fifty-second round, tune_tail_round52_g7_d64.json, GQA 14/2, tails 12 and
+# 32): 1.5-2.0x faster than the default at 1,024; above it the many-rows tiling below.
 _FEW_ROWS_MAX_ROW_KV_HEADS = {(2, 64): 1024, (2, 128): 1024, (2, 256): 1024, (4, 128): 1024,
-                              (8, 64): 8192, (8, 128): 512, (8, 256): 512, (16, 128): 256, (32, 128): 128}
+                              (8, 64): 1024, (8, 128): 512, (8, 256): 512, (16, 128): 256, (32, 128): 128}
 _FEW_ROWS_BLOCK_T = 4
 _FEW_ROWS_INDEX_BLOCK = 32
 # G = 8 at head 128 above the few-rows bound: the [QH, D] kernel with 2 warps, 4 tokens per iteration
 # under 1,536 row-KV-heads and 1 from there (the H200, same files, 1,024-12,288 row-KV-heads: 1.07-1.56x
 # faster than the previous default of 4 warps and 1 token, within 1.00-1.16x of the best tiling).
 _MANY_ROWS_G8_SPLIT = 1536
+# G = 8 at head 64 above the few-rows bound: two KV heads and one token per 2-warp program, with index blocks
+# of 32 positions. The H200, tail stage alone (fifty-third round, tune_tail_round53_g8_d64_many_rows.json: GQA
+# 14/2, 28/4 and 48/8, 1,536-26,112 row-KV-heads, tails 12 and 32, 20 tilings): within 1.00-1.04x of the best
+# tiling of each shape, 1.08-1.39x faster than the few-rows tiling (the default up to 8,192 in round 52) and
+# 1.13-1.63x faster than the previous default; at 1,024 (round 52) the few-rows tiling stays 1.09x faster.
+_MANY_ROWS_G8_D64_KV_HEADS_PER_PROG = 2
 # Groups of 9-32 query heads per KV head (padded to 16 and 32) at head 128, above the few-rows bound: the
 # [QH, D] kernel with one KV head per program, 4 tokens per iteration and 32 query elements per thread (2
 # warps at G = 16, 4 at 32; the grouped kernel's _GROUPED_ELEMENTS_PER_THREAD). The H200, tail stage alone,
@@ -181,7 +185,7 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     ``num_rows`` (beam rows of the launch; ``None``: many) selects a tiling for few rows; it is fixed for
     a captured CUDA graph, so the choice is too.
 
-    - Few rows (``num_rows * Hkv`` up to 1,024 at ``G = 2`` and ``4``, up to 512 at ``G = 8`` (8,192 at head 64),
+    - Few rows (``num_rows * Hkv`` up to 1,024 at ``G = 2`` and ``4``, up to 512 at ``G = 8`` (1,024 at head 64),
       up to 256 and 128 at ``G = 16`` and ``32`` (head 128); heads 64-256 where measured): the ``[QH, D]`` kernel
       with ``QH = 4-32`` query slots (2 KV heads per program at ``G = 2``), 4 tokens per iteration and index
       blocks of 32 positions, 2-8 warps by tile size. With so few programs each one's chain of dependent loads is
@@ -199,6 +203,9 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     - ``G = 8`` (padded; 5-8) at head 128: one KV head per 2-warp program, 4 tokens per iteration under
       1,536 row-KV-heads, 1 from there (MQA 128 x 96 at 8/1, tail 4, 45.8 against 52.6 us; 64 x 30 at
       32/4, tail 64, 274.8 against 328.5 us).
+    - ``G = 8`` at head 64: two KV heads and one token per 2-warp program, index blocks of 32 positions (GQA 14/2
+      at 2,048 row-KV-heads, tail 12, 14.4 against 17.6 us for the few-rows tiling; 28/4 at 12,288, 55.9
+      against 62.3 for the previous default).
     - ``G = 16`` and ``32`` (padded; 9-32) at head 128: one KV head per program, 4 tokens per iteration, 2
       and 4 warps (32 query elements per thread): 64 x 30 x 500 at 96/8, tail 4, 74.4 against 96.1 us; at
       32/1, tail 64, 212.8 against 275.1 us; within 1.08x of each shape's best tiling from 1,920 row-KV-heads.
@@ -208,9 +215,9 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
       per program, and one at up to 1,024 row-KV-heads: 64 x 30 x 500 at 16/16, tail 64, 155.1 against 175.1
       us for the previous default, 64 x 96 456.7 against 506.7, 8 x 8 21.1 against 47.9; within 0.8% of it
       at tail 4.
-    - Otherwise (``G = 1``, ``G = 8``, ``16-32`` and ``64`` at heads other than above; unmeasured): the previous
-      default, the ``[QH, D]`` kernel with about 1024 query-slot elements per program, 4 warps, ``block_t`` 1 (2 above
-      1024); a group wider than that (MQA, G = 32 or 64) stays in one program with 8-16 warps (at G = 64
+    - Otherwise (``G = 1``, ``G = 8`` (head 256), ``16-32`` and ``64`` at heads other than above; unmeasured): the
+      previous default, the ``[QH, D]`` kernel with about 1024 query-slot elements per program, 4 warps, ``block_t`` 1
+      (2 above 1024); a group wider than that (MQA, G = 32 or 64) stays in one program with 8-16 warps (at G = 64
       and D = 256, 128 registers). The grouped kernel spreads groups above 4 over threads and warps again
       (167-225 registers at G = 16-32 on sm_90).
     """
@@ -234,6 +241,9 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     if group_pad == 8 and head_dim == 128 and num_rows is not None:
         block_t = 4 if num_rows * num_kv_heads < _MANY_ROWS_G8_SPLIT else 1
         return TailLaunchConfig(group_pad, 1, block_t, 2, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
+    if group_pad == 8 and head_dim == 64:
+        kv_heads_per_prog = min(next_power_of_2(num_kv_heads), _MANY_ROWS_G8_D64_KV_HEADS_PER_PROG)
+        return TailLaunchConfig(group_pad, kv_heads_per_prog, 1, 2, _TOKENS_OUTER, _FEW_ROWS_INDEX_BLOCK)
     if group_pad in (16, 32) and head_dim == 128:
         num_warps = group_pad * head_dim // (32 * _GROUPED_ELEMENTS_PER_THREAD)
         return TailLaunchConfig(group_pad, 1, 4, num_warps, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)

@@ -254,6 +254,7 @@ TILINGS = [
     ("index4_block_t2_tokens_outer", TailLaunchConfig(8, 2, 2, 4, tokens_outer=True, index_block=4)),
     ("index16_block_t4", TailLaunchConfig(4, 2, 4, 4, index_block=16)),
     ("few_rows_index32_block_t4", TailLaunchConfig(4, 1, 4, 2, index_block=32)),
+    ("index32_block_t1_heads_past_hkv", TailLaunchConfig(8, 2, 1, 2, tokens_outer=True, index_block=32)),
     ("grouped_one_head", TailLaunchConfig(4, 1, 1, 1, grouped=True)),
     ("grouped_heads_past_hkv", TailLaunchConfig(4, 4, 1, 2, grouped=True)),
     ("grouped_wide_group_pad", TailLaunchConfig(8, 2, 1, 4, grouped=True)),
@@ -273,8 +274,10 @@ TILINGS = [
     (8, 1, 128, 513, (1, 4, 2, 0, False)),  # G = 8 between the bounds
     (8, 4, 128, 384, (1, 1, 2, 0, False)),  # from 1,536 row-KV-heads
     (8, 1, 64, 512, (1, 4, 2, 32, False)),
-    (8, 2, 64, 4096, (1, 4, 2, 32, False)),  # G = 8 at head 64: few rows up to 8,192 row-KV-heads (round 52)
-    (8, 2, 64, 4097, (2, 1, 4, 0, False)),  # and the previous default above
+    (8, 2, 64, 512, (1, 4, 2, 32, False)),  # G = 8 at head 64: few rows up to 1,024 row-KV-heads
+    (7, 2, 64, 513, (2, 1, 2, 32, False)),  # and above: two heads and one token a 2-warp program (round 53)
+    (8, 1, 64, 1025, (1, 1, 2, 32, False)),  # one KV head in all
+    (7, 2, 64, None, (2, 1, 2, 32, False)),  # rows not given: many
     (16, 2, 128, 128, (1, 4, 4, 32, False)),  # G = 16, few rows: 256 row-KV-heads
     (16, 4, 128, 65, (1, 4, 2, 0, False)),  # G = 16 above: 4 tokens, 2 warps
     (12, 8, 128, None, (1, 4, 2, 0, False)),  # G = 12 pads to 16
