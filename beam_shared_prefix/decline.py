@@ -390,7 +390,7 @@ TAIL_MEASURED_LEN = 4
 TAIL_MIN_PROMPT_PER_TOKEN = (
     (2, 0, 74),
     (8, 0, 25), (8, 256, 17),
-    (12, 0, 16), (12, 512, 10), (12, 1024, 7), (12, 2048, 6),
+    (12, 0, 17), (12, 512, 10), (12, 1024, 7), (12, 2048, 6),
 )
 #: The same with 2-7 KV heads, or groups of 8 query heads per KV head and more, where the library has the
 #: fewest programs per query head and per-beam decode is cheapest for its heads. Two to seven beams were
@@ -408,7 +408,7 @@ TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS = (
 TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS_NARROW_GROUP = (
     (2, 0, 500), (2, 128, 200),
     (8, 0, 122), (8, 128, 50),
-    (12, 128, 38), (12, 512, 20),
+    (12, 128, 38), (12, 512, 24), (12, 2048, 17),
 )
 #: The same with one KV head (MQA) or an unknown count: MQA's per-beam decode is the cheapest of all (one
 #: KV head read by all of its query heads), so the library needs the most prompt per tail token there.

@@ -438,8 +438,8 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
     (40, 6, 1200, 16, 8, 74),      # 2-7 beams (held-out 10: 30 x 4 x 4,000 crosses at 82 tokens)
     (20, 10, 600, 16, 16, 25),     # 8-11 beams under 256 rows (MHA 16/16: 1.01x at 48 tokens)
     (64, 8, 2000, 32, 32, 17),     # 8-11 beams from 256 rows
-    (8, 30, 2000, 16, 8, 16),      # 12 and more under 256 rows
-    (16, 30, 2000, 16, 8, 16),     # 256-511 rows (round 52: 32 x 12 x 4,000 crosses at 393 tokens)
+    (8, 30, 2000, 16, 8, 17),      # 12 and more under 256 rows (held-out 13: 2 x 96 x 800 1.08x at 96 tokens)
+    (16, 30, 2000, 16, 8, 17),     # 256-511 rows (round 52: 32 x 12 x 4,000 crosses at 393 tokens)
     (32, 30, 2000, 16, 8, 10),     # 512-1,023 rows
     (64, 30, 2000, 32, 8, 7),      # 1,024-2,047 rows (GQA 32/8; round 52: 48 x 24 x 1,800 crosses at 426)
     (96, 30, 2000, 32, 8, 6),      # from 2,048 rows
@@ -455,8 +455,9 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
     (48, 24, 2000, 32, 4, 30),     # group 8 from 512 rows (GQA 64/4: 64 x 30 x 2,000 crosses at 101 tokens)
     # the narrow-group table (fifty-second round): 2-7 KV heads with a group under 8, or groups of 5-7 anywhere
     (8, 24, 1200, 28, 4, 38),      # under 512 rows (28/4: 1.03x at 64 tokens)
-    (44, 154, 960, 12, 2, 20),     # from 512 rows (held-out 12, 14/2 at head 64: 16 x 32 x 1,400 crosses at 108)
-    (80, 30, 2400, 40, 8, 20),     # groups 5-7 pad to 8 at any KV head count (held-out 12: GQA 40/8)
+    (24, 32, 2000, 28, 4, 24),     # 512-2,047 rows (held-out 13, 28/4 at head 64: 24 x 32 x 2,000 crosses at 128)
+    (44, 154, 960, 12, 2, 17),     # from 2,048 rows (held-out 13, 28/4 at head 64: 24 x 128 x 2,000 crosses at 179)
+    (80, 30, 2400, 40, 8, 17),     # groups 5-7 pad to 8 at any KV head count (held-out 12: GQA 40/8)
     (64, 10, 2000, 40, 8, 50),     # (and 8-11 beams take the few-KV-heads entries there)
     # one KV head (MQA)
     (16, 16, 2000, 8, 1, 141),     # under 512 rows
