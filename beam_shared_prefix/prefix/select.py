@@ -61,7 +61,7 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64", "CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64",
            "wide_tile_launch", "group_3_head_64_verdict",
            "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
-           "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "SPLIT_KV_MAX_BEAM_ROWS", "step_path",
+           "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "SPLIT_KV_MAX_QUERY_TILES", "step_path",
            "only_flashinfer_tiles", "SHARED_RUN_MIN_TAIL", "long_tail_for_shared_run",
            "CASCADE_SHORT_TAIL", "cascade_tail_bound", "CASCADE_MAX_TAIL",
            "cascade_tail_too_long", "EAGER_CASCADE_MAX_BYTES", "EAGER_CASCADE_MAX_MEAN_PROMPT", "cascade_step_bytes",
@@ -402,17 +402,16 @@ CASCADE_MAX_GROUP = 8
 # Hence three blocks at G = 3 and 5, up to 80 programs at G = 3 and 48 at G = 5 (50 tokens a program there: 48
 # programs from 2,400). The cost: 3 x 47 x 2,500 at G = 3 (72 programs) takes FlashInfer at 1.14x FA4's time.
 #
-# Fifty-third round, the held-out check of those picks (small_batches_backends_g{3,5}_heldout_round53.json: 1 and 4
-# requests of 20 and 40 beams at 3,500 and 8,000 tokens): every pick of one request held (FlashInfer 1.6x-4.0x faster
-# than FA4), but at 4 requests FA4's caps left FlashInfer out where it was 1.13x-1.42x faster (GQA 3, 4 x 40, 96
-# programs) and 1.18x-1.45x (GQA 5, 4 x 20, 64 programs), while GQA 5's 4 x 40 (96 programs) kept FA4 1.19x-1.32x
-# faster. Across both rounds FlashInfer's time grows with the beam rows R x W (the query rows of its split prompt) and
-# FA4's hardly at all up to 128 programs: at GQA 5 FA4 was the faster from 120 beam rows whatever the programs (4 x 30
-# at 64, 0.81x at 4,000 tokens; 5 x 24 at 80, 0.87x-1.08x; 3 x 47 at 72, 0.79x-0.95x) and FlashInfer up to 96 (2 x 47,
-# 3 x 24, 4 x 20, 8 x 8 at 4,000: 1.03x-1.55x); at GQA 3 FlashInfer from 1.03x to 1.42x up to 160 beam rows and 96
-# programs (8 x 16 at 64 programs 0.98x-1.14x, 3 x 47 0.88x-1.03x), FA4 at 235-240 (0.62x-0.81x) and at 128 programs
-# (16 x 8, 0.79x-0.87x). Hence up to 96 programs and 160 beam rows at G = 3, 80 programs and 96 beam rows at G = 5
-# (SPLIT_KV_MAX_BEAM_ROWS).
+# Fifty-third round, the held-out checks of those picks (small_batches_backends_g{3,5}_heldout{,14}_round53.json: 1-6
+# requests of 16-40 beams at 3,000-9,000 tokens): every pick of one request held (FlashInfer 1.6x-4.0x faster than FA4),
+# but at 4 requests FA4's program caps left FlashInfer out where it was 1.13x-1.46x faster (GQA 3, 4 x 40; GQA 5, 4 x
+# 20). Across both rounds FlashInfer's time follows its query tiles, R x ceil(W x G / 64) per KV head (the beams'
+# query rows of each request, packed over the group, in tiles of 64), while FA4's hardly grows up to 128 programs:
+# with up to 8 tiles FlashInfer was faster from 2,500-3,500 tokens (1.03x-1.55x: GQA 5 2 x 47, 3 x 24, 4 x 16-24,
+# 8 x 8; GQA 3 4 x 26-40, 4 x 30, 8 x 16 from 4,000), with 9-10 from 6,000 (1.03x-1.24x: GQA 5 5 x 16-24, 5 x 18;
+# GQA 3 3 x 47, 5 x 24; at 2,500-4,000 0.87x-1.05x), with 12 and more FA4 from 0.62x to 1.04x (GQA 5 4 x 30, 3 x 47, 4 x
+# 40, 8 x 16; GQA 3 6 x 26-36, 8 x 30, 16 x 8). Hence SPLIT_KV_MAX_QUERY_TILES at G = 3 and 5, with up to 96 and 80
+# programs (SPLIT_KV_MAX_PROGRAMS_BY_SHAPE).
 SPLIT_KV_MAX_PROGRAMS = 128
 #: ``{(GQA group, head size): {tile rows: (smallest mean prompt, tokens per cascade program)}}`` at
 #: which ``auto`` picks FlashInfer; shapes not listed never (not measured). Tiles of fewer than 64
@@ -443,9 +442,10 @@ SPLIT_KV_MAX_BEAM_BLOCKS = {(2, 128): 2, (4, 128): 4, (2, 64): 2, (4, 64): 2, (1
 #: or ``{tile rows: programs}`` (rows not listed: :data:`SPLIT_KV_MAX_PROGRAMS`).
 SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 96, (3, 64): 64, (5, 128): 80, (6, 128): 32,
                                   (7, 128): 32, (8, 128): 32, (2, 64): {64: 64}}
-#: Shapes where FlashInfer's split prompt also stops above a number of beam rows ``R x W`` (the query rows its prefill
-#: splits over the prompt; FA4's time hardly grows with them).
-SPLIT_KV_MAX_BEAM_ROWS = {(3, 128): 160, (5, 128): 96}
+#: Shapes where FlashInfer's split prompt also stops above a number of query tiles per KV head, ``R x ceil(W x G /
+#: SPLIT_KV_QUERY_TILE_ROWS)``: ``((from mean prompt, most tiles), ...)``, the entry of the longest prompt reached.
+SPLIT_KV_MAX_QUERY_TILES = {(3, 128): ((0, 8), (6000, 10)), (5, 128): ((0, 8), (6000, 10))}
+SPLIT_KV_QUERY_TILE_ROWS = 64
 
 # Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
 # (at most 128: under one per SM) each attends its whole prompt in turn, and FA4 overtakes it at
@@ -1205,7 +1205,7 @@ def split_kv_preferred(
     """Whether ``auto`` picks FlashInfer (its prefill splits a prompt over many CTAs) ahead of the
     cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 1-4 at head 128 and head
     64 (:data:`SPLIT_KV_PROMPT`, up to :data:`SPLIT_KV_MAX_BEAM_BLOCKS` beam blocks,
-    :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs and :data:`SPLIT_KV_MAX_BEAM_ROWS` beam rows); elsewhere never. ``num_requests`` and
+    :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs and :data:`SPLIT_KV_MAX_QUERY_TILES` query tiles); elsewhere never. ``num_requests`` and
     ``mean_prompt_len`` (tokens) are the batch's; ``None`` (unknown) never prefers it. An ``eager`` step (no
     CUDA graph) where :func:`eager_cascade_over_split_kv` holds takes the cascade instead."""
     if num_requests is None or mean_prompt_len is None or beam_width is None:
@@ -1227,10 +1227,14 @@ def split_kv_preferred(
     if programs > most:
         return False, (f"{programs} cascade programs > {most} at GQA {group}, head {head_dim}: the cascade or FA4 "
                        f"measured faster there")
-    most_rows = SPLIT_KV_MAX_BEAM_ROWS.get((group, head_dim))
-    if most_rows is not None and num_requests * beam_width > most_rows:
-        return False, (f"{num_requests} x {beam_width} = {num_requests * beam_width} beam rows > {most_rows} at GQA "
-                       f"{group}, head {head_dim}: FA4 measured faster there")
+    tile_limits = SPLIT_KV_MAX_QUERY_TILES.get((group, head_dim))
+    if tile_limits is not None:
+        tiles = num_requests * -(-beam_width * group // SPLIT_KV_QUERY_TILE_ROWS)
+        most_tiles = max(t for p, t in tile_limits if mean_prompt_len >= p)
+        if tiles > most_tiles:
+            return False, (f"{num_requests} x {beam_width} beams take {tiles} query tiles of {SPLIT_KV_QUERY_TILE_ROWS} "
+                           f"rows > {most_tiles} at GQA {group}, head {head_dim} and a mean prompt of "
+                           f"{mean_prompt_len:.0f}: FA4 measured faster there")
     floor, per_program = by_rows[64 if rows >= 64 else 32]
     least = max(floor, per_program * programs)
     if mean_prompt_len < least:

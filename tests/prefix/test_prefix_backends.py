@@ -334,20 +334,25 @@ def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, 
     # G = 5-8 at head 128 (16-beam tiles of 128 rows): up to 32 programs and two beam blocks; not at head 64
     assert split_kv_preferred(2, 4000, 64, 8, 30, 128)[0]  # 32 programs need 1,920 tokens
     assert "64 cascade programs > 32 at GQA 6, head 128" in split_kv_preferred(8, 4000, 48, 8, 8, 128)[1]
-    # G = 5 (rounds 52-53): up to 80 programs, 96 beam rows and three beam blocks, 50 tokens a program
+    # G = 5 (rounds 52-53): up to 80 programs and three beam blocks, 50 tokens a program, and FlashInfer's query tiles
+    # R x ceil(W x G / 64): up to 8, 10 from 6,000 tokens
     assert "96 cascade programs > 80 at GQA 5, head 128" in split_kv_preferred(12, 6000, 40, 8, 8, 128)[1]
-    assert split_kv_preferred(8, 4000, 40, 8, 8, 128)[0]  # 64 programs, 64 beam rows (FlashInfer 1.14x faster)
-    assert split_kv_preferred(4, 8000, 40, 8, 20, 128)[0]  # 64 programs, 80 beam rows (held-out 13: 1.45x faster)
-    assert "120 beam rows > 96 at GQA 5" in split_kv_preferred(4, 4000, 40, 8, 30, 128)[1]  # FA4 1.23x faster
+    assert split_kv_preferred(8, 4000, 40, 8, 8, 128)[0]  # 64 programs, 8 tiles (FlashInfer 1.14x faster)
+    assert split_kv_preferred(4, 8000, 40, 8, 20, 128)[0]  # 64 programs, 8 tiles (held-out 13: 1.45x faster)
+    assert "12 query tiles of 64 rows > 8 at GQA 5" in split_kv_preferred(4, 4000, 40, 8, 30, 128)[1]  # FA4 1.23x
+    assert "10 query tiles of 64 rows > 8 at GQA 5" in split_kv_preferred(5, 4000, 40, 8, 24, 128)[1]  # even
+    assert split_kv_preferred(5, 9000, 40, 8, 24, 128)[0]  # 10 tiles from 6,000 tokens (held-out 14: 1.19x faster)
     assert split_kv_preferred(1, 2500, 40, 8, 47, 128)[0]  # 3 blocks, 24 programs (FlashInfer 1.33x faster)
     assert split_kv_preferred(3, 2500, 40, 8, 18, 128)[0]  # 48 programs need 2,400 tokens (1.21x faster)
     assert not split_kv_preferred(2, 2000, 40, 8, 47, 128)[0]  # 48 programs: 2,000 < 2,400
-    # G = 3: three blocks, up to 96 programs and 160 beam rows
+    # G = 3: three blocks, up to 96 programs and the same tiles
     assert split_kv_preferred(1, 2500, 24, 8, 47, 128)[0]  # 24 programs (1.46x faster)
     assert split_kv_preferred(5, 6000, 24, 8, 18, 128)[0]  # 80 programs (1.60x faster)
-    assert split_kv_preferred(4, 8000, 24, 8, 40, 128)[0]  # 96 programs, 160 beam rows (held-out 13: 1.42x faster)
+    assert split_kv_preferred(4, 8000, 24, 8, 40, 128)[0]  # 96 programs, 8 tiles (held-out 13: 1.42x faster)
+    assert "9 query tiles of 64 rows > 8 at GQA 3" in split_kv_preferred(3, 2500, 24, 8, 47, 128)[1]  # FA4 1.14x
+    assert split_kv_preferred(3, 6000, 24, 8, 47, 128)[0]  # 9 tiles from 6,000 tokens (1.03x faster)
     assert "120 cascade programs > 96 at GQA 3" in split_kv_preferred(5, 6000, 24, 8, 47, 128)[1]  # FA4 1.5x faster
-    assert "192 beam rows > 160 at GQA 3" in split_kv_preferred(12, 6000, 24, 8, 16, 128)[1]
+    assert "12 query tiles of 64 rows > 10 at GQA 3" in split_kv_preferred(12, 6000, 24, 8, 16, 128)[1]
     assert "takes 3 beam blocks" in split_kv_preferred(1, 4000, 28, 4, 48, 128)[1]
     assert "measured only at" in split_kv_preferred(2, 4000, 64, 8, 30, 64)[1]  # G = 8, head 64: not measured
     assert "measured only at" in split_kv_preferred(2, 4000, 16, 1, 30, 128)[1]  # G = 16: not measured
