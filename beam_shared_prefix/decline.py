@@ -267,7 +267,7 @@ from typing import Optional
 __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
            "MIN_SHARED_PROMPT_TOKENS", "WIDE_GROUP", "WIDE_GROUP_MIN_PROMPT", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_HEAD_256",
            "MIN_BEAM_ROWS_LONG_PROMPT",
-           "FEW_ROWS_MIN_PROMPT",
+           "FEW_ROWS_MIN_PROMPT", "MIN_BEAM_ROWS_HEAD_128_REFIT", "FEW_ROWS_REFIT_MIN_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
            "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
            "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS",
@@ -300,6 +300,18 @@ _FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
 # 1-2, 1.22x-4.37x at GQA 4, 1.26x-4.54x at GQA 3, 1.16x-2.59x at GQA 8 and 1.18x-4.07x at GQA 5-7.
 # Groups above 8 are not measured.
 _FEW_ROWS_HEAD_256_GROUPS = frozenset(range(1, 9))
+#: At head 128 with 2-8 KV heads and groups of 4-7, from a mean prompt of :data:`FEW_ROWS_REFIT_MIN_PROMPT` tokens,
+#: this many rows at 8 KV heads (scaled the same way: ``R x W x Hkv >= 384``) replace both floors above. Fifty-third
+#: round, on the current kernels (``few_rows_round53_{g4_kv8,g7_kv4,g6_kv2}.json``: GQA 32/8, 28/4 and 12/2, 2-10
+#: requests of 10-27 beams at 99-1,506 tokens, beam-search ancestry, tail 4): every point from 304 row-KV-heads ran
+#: 1.12x-2.44x faster than per-beam decode (at 99 tokens 28/4 1.12x-1.53x from 340; at 380-456 1.13x-1.61x), every
+#: one at 152-264 from 0.78x to 1.13x (0.96x at 228 and 1,161 tokens; 1.13x at 204 on FlashInfer's split prompt). The
+#: floors of rounds 9-20 (960 and 480) were the smallest measured that won on the kernels of the day, with nothing
+#: measured in between; a random audit (rounds 51-52) found them declining 1.23x-1.75x winners at 324-912.
+MIN_BEAM_ROWS_HEAD_128_REFIT = 48
+FEW_ROWS_REFIT_MIN_PROMPT = 99
+_FEW_ROWS_REFIT_GROUPS = frozenset((4, 5, 6, 7))
+_FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
 # Head 256's groups whose short-prompt floor is head 128's MIN_BEAM_ROWS, not MIN_BEAM_ROWS_HEAD_256: at
 # 100 tokens R x W x Hkv = 960-1,024 measured 1.35x-1.58x at GQA 3, 4 and 8 (8, 4 and 2 KV heads; 4/1:
 # 1.51x-1.61x; nineteenth round, with the eighteenth's GQA 4 grids) and 1.41x-1.54x at GQA 5-7 (8 and 2
@@ -505,7 +517,7 @@ def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = Non
     :data:`MIN_BEAM_ROWS_LONG_PROMPT`, scaled the same way, at head 128 (``head_dim`` ``None`` counts as
     128), at head 64 for GQA ``group`` 2-4 and at head 256 for GQA 1-8 (fifteenth and seventeenth
     to twentieth rounds; the module docstring has the data)."""
-    return _row_floor(_beam_rows_floor(prompt_len, group, head_dim), num_kv_heads, head_dim)
+    return _row_floor(_beam_rows_floor(prompt_len, group, head_dim, num_kv_heads), num_kv_heads, head_dim)
 
 
 def _long_prompt_floor_applies(group: Optional[int], head_dim: Optional[int]) -> bool:
@@ -516,14 +528,26 @@ def _long_prompt_floor_applies(group: Optional[int], head_dim: Optional[int]) ->
             or (head_dim == 256 and group in _FEW_ROWS_HEAD_256_GROUPS))
 
 
-def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int]) -> int:
+def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
+                     num_kv_heads: Optional[int] = None) -> int:
     """The row floor at 8 KV heads, before :func:`_scaled_by_kv_heads`."""
+    if _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads):
+        return MIN_BEAM_ROWS_HEAD_128_REFIT
     long_prompt = prompt_len is not None and float(prompt_len) >= FEW_ROWS_MIN_PROMPT
     if long_prompt and _long_prompt_floor_applies(group, head_dim):
         return MIN_BEAM_ROWS_LONG_PROMPT
     if head_dim is not None and head_dim > 128 and not (head_dim == 256 and group in _SHORT_ROWS_HEAD_256_GROUPS):
         return MIN_BEAM_ROWS_HEAD_256
     return MIN_BEAM_ROWS
+
+
+def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
+                            num_kv_heads: Optional[int]) -> bool:
+    """Whether :data:`MIN_BEAM_ROWS_HEAD_128_REFIT` is the floor: head 128, a known group of 4-7, 2-8 KV heads and a
+    mean prompt of at least :data:`FEW_ROWS_REFIT_MIN_PROMPT` (where the fifty-third round measured it)."""
+    return (head_dim == 128 and group in _FEW_ROWS_REFIT_GROUPS and num_kv_heads is not None
+            and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS and prompt_len is not None
+            and float(prompt_len) >= FEW_ROWS_REFIT_MIN_PROMPT)
 
 
 def _narrow_head(head_dim: Optional[int]) -> bool:
@@ -695,7 +719,7 @@ def should_decline(
         return f"beam width {w} < {MIN_BEAM_WIDTH}: no beams share a prompt"
     rows = None if num_requests is None else int(num_requests) * w
     group = _group(num_qo_heads, num_kv_heads)
-    base = _beam_rows_floor(prompt_len, group, head_dim)
+    base = _beam_rows_floor(prompt_len, group, head_dim, num_kv_heads)
     least_rows = _row_floor(base, num_kv_heads, head_dim)
     if rows is not None and rows < least_rows:
         # The exception is measured at 8-30 beams and the shapes of _SPLIT_KV_MEASURED_SHAPES;
@@ -706,7 +730,9 @@ def should_decline(
             scaled = _kv_heads_note(base, num_kv_heads, head_dim)
             if base == MIN_BEAM_ROWS_HEAD_256:
                 scaled += f" at head {head_dim}"
-            if base == MIN_BEAM_ROWS_LONG_PROMPT:
+            if base == MIN_BEAM_ROWS_HEAD_128_REFIT:
+                scaled += f" at head 128 with {group} query heads per KV head"
+            elif base == MIN_BEAM_ROWS_LONG_PROMPT:
                 scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
             elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):
                 fewer = _row_floor(MIN_BEAM_ROWS_LONG_PROMPT, num_kv_heads, head_dim)
