@@ -185,8 +185,9 @@ def test_fewer_kv_heads_need_more_beam_rows():
 
 def test_head_128_groups_4_to_7_take_the_current_kernels_floor():
     """Fifty-third round (``few_rows_round53_*.json``, GQA 32/8, 28/4 and 12/2 at 99-1,506 tokens): from 304
-    row-KV-heads every point won (1.12x-2.44x), at 152-264 one (1.13x, FlashInfer's split prompt); the floor is ``R x W x Hkv >= 384``
-    at head 128, groups 4-7 and 2-8 KV heads from 99 tokens, where the older floors asked 960 (480 from 500 tokens)."""
+    row-KV-heads every point won (1.12x-2.44x), at 152-264 one (1.13x, FlashInfer's split prompt); the floor is
+    ``R x W x Hkv >= 384`` at head 128, groups 4-7 and 2-8 KV heads from 99 tokens, where the older floors asked 960
+    (480 from 500 tokens)."""
     from beam_shared_prefix.decline import min_beam_rows
 
     assert [min_beam_rows(h, 437, 4, 128) for h in (2, 4, 8)] == [192, 96, 48]

@@ -155,7 +155,9 @@ _MANY_ROWS_G8_SPLIT = 1536
 # of 32 positions. The H200, tail stage alone (fifty-third round, tune_tail_round53_g8_d64_many_rows.json: GQA
 # 14/2, 28/4 and 48/8, 1,536-26,112 row-KV-heads, tails 12 and 32, 20 tilings): within 1.00-1.04x of the best
 # tiling of each shape, 1.08-1.39x faster than the few-rows tiling (the default up to 8,192 in round 52) and
-# 1.13-1.63x faster than the previous default; at 1,024 (round 52) the few-rows tiling stays 1.09x faster.
+# 1.13-1.63x faster than the previous default; at 1,024 (round 52) the few-rows tiling stays 1.09x (12 tokens) and
+# 1.30x (32) faster. End to end (tail_tiling_round5{2,3}_g7_kv4_d64_round53.json, 28/4) 1.03-1.11x faster from 4,096,
+# but 4-5% slower at 3,072 row-KV-heads and 48 tokens.
 _MANY_ROWS_G8_D64_KV_HEADS_PER_PROG = 2
 # Groups of 9-32 query heads per KV head (padded to 16 and 32) at head 128, above the few-rows bound: the
 # [QH, D] kernel with one KV head per program, 4 tokens per iteration and 32 query elements per thread (2

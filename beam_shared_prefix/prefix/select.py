@@ -1205,9 +1205,9 @@ def split_kv_preferred(
     """Whether ``auto`` picks FlashInfer (its prefill splits a prompt over many CTAs) ahead of the
     cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 1-4 at head 128 and head
     64 (:data:`SPLIT_KV_PROMPT`, up to :data:`SPLIT_KV_MAX_BEAM_BLOCKS` beam blocks,
-    :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs and :data:`SPLIT_KV_MAX_QUERY_TILES` query tiles); elsewhere never. ``num_requests`` and
-    ``mean_prompt_len`` (tokens) are the batch's; ``None`` (unknown) never prefers it. An ``eager`` step (no
-    CUDA graph) where :func:`eager_cascade_over_split_kv` holds takes the cascade instead."""
+    :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs and :data:`SPLIT_KV_MAX_QUERY_TILES` query tiles); elsewhere
+    never. ``num_requests`` and ``mean_prompt_len`` (tokens) are the batch's; ``None`` (unknown) never prefers it. An
+    ``eager`` step (no CUDA graph) where :func:`eager_cascade_over_split_kv` holds takes the cascade instead."""
     if num_requests is None or mean_prompt_len is None or beam_width is None:
         return False, "request count, beam width or prompt length unknown"
     group = num_qo_heads // max(num_kv_heads, 1)
@@ -1232,8 +1232,8 @@ def split_kv_preferred(
         tiles = num_requests * -(-beam_width * group // SPLIT_KV_QUERY_TILE_ROWS)
         most_tiles = max(t for p, t in tile_limits if mean_prompt_len >= p)
         if tiles > most_tiles:
-            return False, (f"{num_requests} x {beam_width} beams take {tiles} query tiles of {SPLIT_KV_QUERY_TILE_ROWS} "
-                           f"rows > {most_tiles} at GQA {group}, head {head_dim} and a mean prompt of "
+            return False, (f"{num_requests} x {beam_width} beams take {tiles} query tiles of "
+                           f"{SPLIT_KV_QUERY_TILE_ROWS} rows > {most_tiles} at GQA {group}, head {head_dim} and a mean prompt of "
                            f"{mean_prompt_len:.0f}: FA4 measured faster there")
     floor, per_program = by_rows[64 if rows >= 64 else 32]
     least = max(floor, per_program * programs)
