@@ -444,7 +444,7 @@ SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 96, (3, 
                                   (7, 128): 32, (8, 128): 32, (2, 64): {64: 64}}
 #: Shapes where FlashInfer's split prompt also stops above a number of query tiles per KV head, ``R x ceil(W x G /
 #: SPLIT_KV_QUERY_TILE_ROWS)``: ``((from mean prompt, most tiles), ...)``, the entry of the longest prompt reached.
-SPLIT_KV_MAX_QUERY_TILES = {(3, 128): ((0, 8), (6000, 10)), (5, 128): ((0, 8), (6000, 10))}
+SPLIT_KV_MAX_QUERY_TILES = {(group, 128): ((0, 8), (6000, 10)) for group in (3, 5)}
 SPLIT_KV_QUERY_TILE_ROWS = 64
 
 # Few requests, the cascade against FA4 + tail (eleventh round, the same files). With few programs
