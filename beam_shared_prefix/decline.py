@@ -300,17 +300,24 @@ _FEW_ROWS_HEAD_64_GROUPS = frozenset((2, 3, 4))
 # 1-2, 1.22x-4.37x at GQA 4, 1.26x-4.54x at GQA 3, 1.16x-2.59x at GQA 8 and 1.18x-4.07x at GQA 5-7.
 # Groups above 8 are not measured.
 _FEW_ROWS_HEAD_256_GROUPS = frozenset(range(1, 9))
-#: At head 128 with 2-8 KV heads and groups of 4-7, from a mean prompt of :data:`FEW_ROWS_REFIT_MIN_PROMPT` tokens,
-#: this many rows at 8 KV heads (scaled the same way: ``R x W x Hkv >= 384``) replace both floors above. Fifty-third
-#: round, on the current kernels (``few_rows_round53_{g4_kv8,g7_kv4,g6_kv2}.json``: GQA 32/8, 28/4 and 12/2, 2-10
-#: requests of 10-27 beams at 99-1,506 tokens, beam-search ancestry, tail 4): every point from 304 row-KV-heads ran
-#: 1.12x-2.44x faster than per-beam decode (at 99 tokens 28/4 1.12x-1.53x from 340; at 380-456 1.13x-1.61x), every
-#: one at 152-264 from 0.78x to 1.13x (0.96x at 228 and 1,161 tokens; 1.13x at 204 on FlashInfer's split prompt). The
-#: floors of rounds 9-20 (960 and 480) were the smallest measured that won on the kernels of the day, with nothing
-#: measured in between; a random audit (rounds 51-52) found them declining 1.23x-1.75x winners at 324-912.
+#: At head 128 with 2-8 KV heads and groups of 3-8, from a mean prompt of :data:`FEW_ROWS_REFIT_MIN_PROMPT` tokens, this
+#: many rows at 8 KV heads (scaled the same way: ``R x W x Hkv >= 384``) replace both floors above. Fifty-third round,
+#: on the current kernels (``few_rows_round53_{g4_kv8,g7_kv4,g6_kv2}.json``: GQA 32/8, 28/4 and 12/2, 2-10 requests of
+#: 10-27 beams at 99-1,506 tokens, beam-search ancestry, tail 4): every point from 304 row-KV-heads ran 1.12x-2.44x
+#: faster than per-beam decode (at 99 tokens 28/4 1.12x-1.53x from 340; at 380-456 1.13x-1.61x), every one at 152-264
+#: from 0.78x to 1.13x (0.96x at 228 and 1,161 tokens; 1.13x at 204 on FlashInfer's split prompt). The floors of rounds
+#: 9-20 (960 and 480) were the smallest measured that won on the kernels of the day, with nothing measured in between; a
+#: random audit (rounds 51-52) found them declining 1.23x-1.75x winners at 324-912. Held-out 16 (GQA 40/8, 24/4, 16/4,
+#: 14/2) served its 27 points at 1.14x-3.27x. Fifty-fourth round
+#: (``few_rows_round54_{g3_kv8,g3_kv2,g8_kv8,g8_kv4}.json``, GQA 24/8, 6/2, 64/8 and 32/4 at 100-1,300 tokens): GQA 3
+#: and 8 as 4-7, every point from 384 row-KV-heads 1.18x-2.73x, at 288-378 1.10x-1.68x, at 104-280 0.80x-1.05x but at
+#: 1,000-1,300 tokens (FlashInfer's split prompt 1.10x-1.27x, 5 x 14 x 1,000 at 32/4 on FA4 1.43x). GQA 2 keeps the
+#: older floors: at 8 KV heads 304-760 row-KV-heads won 1.18x-2.15x at 10-19 beams (``few_rows_round54_g2_kv8.json``),
+#: but 8 x 8 x 100 (512) lost (0.88x, ``tail_auto_check_r8_b``), and at 16 KV heads (GQA 32/16) 576 lost at 120 tokens
+#: (1.06x).
 MIN_BEAM_ROWS_HEAD_128_REFIT = 48
 FEW_ROWS_REFIT_MIN_PROMPT = 99
-_FEW_ROWS_REFIT_GROUPS = frozenset((4, 5, 6, 7))
+_FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
 _FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
 # Head 256's groups whose short-prompt floor is head 128's MIN_BEAM_ROWS, not MIN_BEAM_ROWS_HEAD_256: at
 # 100 tokens R x W x Hkv = 960-1,024 measured 1.35x-1.58x at GQA 3, 4 and 8 (8, 4 and 2 KV heads; 4/1:
@@ -543,8 +550,9 @@ def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim
 
 def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
                             num_kv_heads: Optional[int]) -> bool:
-    """Whether :data:`MIN_BEAM_ROWS_HEAD_128_REFIT` is the floor: head 128, a known group of 4-7, 2-8 KV heads and a
-    mean prompt of at least :data:`FEW_ROWS_REFIT_MIN_PROMPT` (where the fifty-third round measured it)."""
+    """Whether :data:`MIN_BEAM_ROWS_HEAD_128_REFIT` is the floor: head 128, a known group of 3-8, 2-8 KV heads and a
+    mean prompt of at least :data:`FEW_ROWS_REFIT_MIN_PROMPT` (where the fifty-third and fifty-fourth rounds measured
+    it)."""
     return (head_dim == 128 and group in _FEW_ROWS_REFIT_GROUPS and num_kv_heads is not None
             and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS and prompt_len is not None
             and float(prompt_len) >= FEW_ROWS_REFIT_MIN_PROMPT)

@@ -169,9 +169,11 @@ def test_fewer_kv_heads_need_more_beam_rows():
     assert should_decline(1, 30, 500, 32, 16, 128) is None  # 30 rows from 500 tokens at 16 KV heads: 1.50x
     assert "30 beam rows < 60 (120 x 8 / 16 KV heads)" in should_decline(1, 30, 500, 16, 16, 64)  # GQA 1, head 64: 0.90x
     assert should_decline(1, 16, 2000, 32, 16, 128, split_kv=True) is None  # 32,000 >= 60,000 x 8 / 16: 1.55x
-    reason = should_decline(16, 8, 2000, 16, 2, 128)
+    reason = should_decline(16, 8, 2000, 4, 2, 128)
     assert "128 beam rows < 240 (60 x 8 / 2 KV heads) at a mean prompt of 500 tokens or more" in reason
-    assert "120 beam rows < 480 (120 x 8 / 2 KV heads)" in should_decline(4, 30, 400, 16, 2, 128)
+    # (GQA 16/2 takes the fifty-fourth round's floor at groups 3-8: 192 rows at 2 KV heads)
+    assert "128 beam rows < 192 (48 x 8 / 2 KV heads)" in should_decline(16, 8, 2000, 16, 2, 128)
+    assert "120 beam rows < 480 (120 x 8 / 2 KV heads)" in should_decline(4, 30, 400, 4, 2, 128)
     assert should_decline(16, 30, 400, 16, 2, 128) is None  # 480 rows
     assert should_decline(8, 30, 500, 12, 2, 128) is None  # 240 rows from 500 tokens: 1.44x
     assert should_decline(4, 30, 500, 28, 4, 128) is None  # 120 rows at 4 KV heads: 1.45x
@@ -183,23 +185,29 @@ def test_fewer_kv_heads_need_more_beam_rows():
     assert should_decline(8, 8, 4000, 4, 2, 128, split_kv=True) is None  # 256,000
 
 
-def test_head_128_groups_4_to_7_take_the_current_kernels_floor():
+def test_head_128_groups_3_to_8_take_the_current_kernels_floor():
     """Fifty-third round (``few_rows_round53_*.json``, GQA 32/8, 28/4 and 12/2 at 99-1,506 tokens): from 304
     row-KV-heads every point won (1.12x-2.44x), at 152-264 one (1.13x, FlashInfer's split prompt); the floor is
     ``R x W x Hkv >= 384`` at head 128, groups 4-7 and 2-8 KV heads from 99 tokens, where the older floors asked 960
-    (480 from 500 tokens)."""
+    (480 from 500 tokens). Fifty-fourth (``few_rows_round54_*.json``): GQA 3 and 8 (24/8, 6/2, 64/8, 32/4) the same,
+    from 384 1.18x-2.73x; GQA 2 not (8 x 8 x 100 at 16/8: 0.88x)."""
     from beam_shared_prefix.decline import min_beam_rows
 
-    assert [min_beam_rows(h, 437, 4, 128) for h in (2, 4, 8)] == [192, 96, 48]
+    assert [min_beam_rows(h, 437, g, 128) for g in (3, 4, 8) for h in (2, 4, 8)] == [192, 96, 48] * 3
     assert should_decline(3, 19, 437, 32, 8, 128) is None  # 456 row-KV-heads: 1.47x (audit 51: 1.43x)
     assert should_decline(5, 22, 99, 28, 4, 128) is None  # 440 at 99 tokens: 1.13x
+    assert should_decline(6, 9, 215, 24, 8, 128) is None  # GQA 3, 432: 1.34x
+    assert should_decline(6, 19, 215, 24, 8, 128) is None  # GQA 3, 912: 2.22x
+    assert should_decline(5, 25, 100, 32, 4, 128) is None  # GQA 8, 500 at 100 tokens: 1.18x
+    assert should_decline(3, 21, 120, 64, 8, 128) is None  # GQA 8, 504: 1.24x
     reason = should_decline(10, 19, 300, 12, 2, 128)  # 380: 1.33x, under the floor's margin of rows
     assert "190 beam rows < 192 (48 x 8 / 2 KV heads) at head 128 with 6 query heads per KV head" in reason
+    assert "189 beam rows < 192" in should_decline(7, 27, 180, 6, 2, 128)  # GQA 3, 378: 1.33x, the same margin
+    assert "30 beam rows < 48" in should_decline(3, 10, 150, 64, 8, 128)  # 240 row-KV-heads
     # where it was not measured the older floors stand
     assert "57 beam rows < 120" in should_decline(3, 19, 98, 32, 8, 128)  # under 99 tokens
-    assert "57 beam rows < 120" in should_decline(3, 19, 437, 16, 8, 128)  # group 2
-    assert "57 beam rows < 120" in should_decline(3, 19, 437, 24, 8, 128)  # group 3 (audit 52: 6 x 19 x 215 1.75x)
-    assert "beam rows < 120" in should_decline(3, 19, 437, 64, 8, 128)  # group 8
+    assert "57 beam rows < 120" in should_decline(3, 19, 437, 16, 8, 128)  # group 2 (8 x 8 x 100 at 16/8: 0.88x)
+    assert "beam rows < 120" in should_decline(3, 19, 437, 72, 8, 128)  # group 9
     assert "beam rows < 120" in should_decline(3, 19, 437, 32, 8, 64)  # head 64
     assert min_beam_rows(16, 437, 4, 128) == 60 and min_beam_rows(1, 437, 4, 128) == 960
 
@@ -390,6 +398,8 @@ def _grid_points(pattern):
     ("decline_requests*.json", "library/auto", 1.10, 12, 6),
     ("decline_g[24].json", "library/fa4", 1.10, 40, 20),
     ("few_rows_round53_*.json", "library/auto", 1.10, 36, 14),  # head 128's floor at groups 4-7 (fifty-third round)
+    ("few_rows_heldout16_*.json", "library/auto", 1.10, 36, 27),  # its held-out set (fifty-fourth round)
+    ("few_rows_round54_*.json", "library/auto", 1.10, 108, 0),  # groups 2, 3 and 8, head 64, 16 KV heads
 ])
 def test_rule_agrees_with_the_h200_grids(pattern, arm, margin, least_points, least_served):
     """Every grid point the rule serves was at least ``margin`` x faster than per-beam decode, with the
