@@ -268,6 +268,7 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "MIN_SHARED_PROMPT_TOKENS", "WIDE_GROUP", "WIDE_GROUP_MIN_PROMPT", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_HEAD_256",
            "MIN_BEAM_ROWS_LONG_PROMPT",
            "FEW_ROWS_MIN_PROMPT", "MIN_BEAM_ROWS_HEAD_128_REFIT", "FEW_ROWS_REFIT_MIN_PROMPT",
+           "MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW", "FEW_ROWS_REFIT_WIDE_FROM", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT", "FEW_ROWS_REFIT_NARROWEST",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
            "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
            "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS",
@@ -317,6 +318,17 @@ _FEW_ROWS_HEAD_256_GROUPS = frozenset(range(1, 9))
 #: (1.06x).
 MIN_BEAM_ROWS_HEAD_128_REFIT = 48
 FEW_ROWS_REFIT_MIN_PROMPT = 99
+#: Below :data:`FEW_ROWS_REFIT_WIDE_FROM` beams and under :data:`FEW_ROWS_REFIT_NARROW_MIN_PROMPT` tokens the refit
+#: floor is this many rows at 8 KV heads (``R x W x Hkv >= 576``), and below :data:`FEW_ROWS_REFIT_NARROWEST` beams
+#: it does not apply. Held-out 17 (fifty-fourth round, ``few_rows_heldout17_*.json``; 6-8 beams, where every earlier
+#: grid of the refit had 9-50): at 100 tokens GQA 24/8 served 6 x 8, 8 x 6 and 8 x 8 (384-512 row-KV-heads) at
+#: 1.06x-1.08x, under the margin (40/8 1.16x-1.17x, 64/8 at 110 tokens 1.21x), while 576-768 won 1.30x-1.54x (12 x 6
+#: and 12 x 8 at 24/8 and 40/8, 10 x 8 at 64/8), and from 160-180 tokens every point from 384 won 1.27x-1.48x. Fewer
+#: than 6 beams were not measured.
+MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW = 72
+FEW_ROWS_REFIT_WIDE_FROM = 10
+FEW_ROWS_REFIT_NARROW_MIN_PROMPT = 160
+FEW_ROWS_REFIT_NARROWEST = 6
 _FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
 _FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
 # Head 256's groups whose short-prompt floor is head 128's MIN_BEAM_ROWS, not MIN_BEAM_ROWS_HEAD_256: at
@@ -510,7 +522,7 @@ def _kv_heads_note(base: int, num_kv_heads: Optional[int], head_dim: Optional[in
 
 
 def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = None, group: Optional[int] = None,
-                  head_dim: Optional[int] = None) -> int:
+                  head_dim: Optional[int] = None, beam_width: Optional[int] = None) -> int:
     """The fewest beam rows (``R x W``) served with ``num_kv_heads`` KV heads: :data:`MIN_BEAM_ROWS`
     (:data:`MIN_BEAM_ROWS_HEAD_256` above head 128, but for head 256 at GQA 3-8), measured at 8
     KV heads, scaled by ``8 / num_kv_heads`` up to 16 KV heads (``None``: 8) and above 16 an ``R x W x
@@ -523,8 +535,12 @@ def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = Non
     From a mean prompt (``prompt_len``, tokens) of :data:`FEW_ROWS_MIN_PROMPT`, half as many:
     :data:`MIN_BEAM_ROWS_LONG_PROMPT`, scaled the same way, at head 128 (``head_dim`` ``None`` counts as
     128), at head 64 for GQA ``group`` 2-4 and at head 256 for GQA 1-8 (fifteenth and seventeenth
-    to twentieth rounds; the module docstring has the data)."""
-    return _row_floor(_beam_rows_floor(prompt_len, group, head_dim, num_kv_heads), num_kv_heads, head_dim)
+    to twentieth rounds; the module docstring has the data). At head 128, groups 3-8 and 2-8 KV heads the
+    fifty-third and fifty-fourth rounds' floor (:data:`MIN_BEAM_ROWS_HEAD_128_REFIT`) replaces both from 99 tokens at
+    ``beam_width`` 10 or more (``None``: not judged, as wide) and from 160 at 6-9 beams, where under 160 tokens
+    :data:`MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW` does."""
+    return _row_floor(_beam_rows_floor(prompt_len, group, head_dim, num_kv_heads, beam_width), num_kv_heads,
+                      head_dim)
 
 
 def _long_prompt_floor_applies(group: Optional[int], head_dim: Optional[int]) -> bool:
@@ -536,10 +552,12 @@ def _long_prompt_floor_applies(group: Optional[int], head_dim: Optional[int]) ->
 
 
 def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
-                     num_kv_heads: Optional[int] = None) -> int:
+                     num_kv_heads: Optional[int] = None, beam_width: Optional[int] = None) -> int:
     """The row floor at 8 KV heads, before :func:`_scaled_by_kv_heads`."""
-    if _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads):
-        return MIN_BEAM_ROWS_HEAD_128_REFIT
+    if _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
+        narrow_short = (beam_width is not None and int(beam_width) < FEW_ROWS_REFIT_WIDE_FROM
+                        and float(prompt_len) < FEW_ROWS_REFIT_NARROW_MIN_PROMPT)
+        return MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW if narrow_short else MIN_BEAM_ROWS_HEAD_128_REFIT
     long_prompt = prompt_len is not None and float(prompt_len) >= FEW_ROWS_MIN_PROMPT
     if long_prompt and _long_prompt_floor_applies(group, head_dim):
         return MIN_BEAM_ROWS_LONG_PROMPT
@@ -549,10 +567,13 @@ def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim
 
 
 def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
-                            num_kv_heads: Optional[int]) -> bool:
-    """Whether :data:`MIN_BEAM_ROWS_HEAD_128_REFIT` is the floor: head 128, a known group of 3-8, 2-8 KV heads and a
-    mean prompt of at least :data:`FEW_ROWS_REFIT_MIN_PROMPT` (where the fifty-third and fifty-fourth rounds measured
-    it)."""
+                            num_kv_heads: Optional[int], beam_width: Optional[int] = None) -> bool:
+    """Whether the fifty-third and fifty-fourth rounds' floors (:data:`MIN_BEAM_ROWS_HEAD_128_REFIT`, or
+    :data:`MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW` at narrow beams and short prompts) apply: head 128, a known group of
+    3-8, 2-8 KV heads, a mean prompt of at least :data:`FEW_ROWS_REFIT_MIN_PROMPT` and at least
+    :data:`FEW_ROWS_REFIT_NARROWEST` beams (``None``: not judged), where they were measured."""
+    if beam_width is not None and int(beam_width) < FEW_ROWS_REFIT_NARROWEST:
+        return False
     return (head_dim == 128 and group in _FEW_ROWS_REFIT_GROUPS and num_kv_heads is not None
             and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS and prompt_len is not None
             and float(prompt_len) >= FEW_ROWS_REFIT_MIN_PROMPT)
@@ -727,7 +748,7 @@ def should_decline(
         return f"beam width {w} < {MIN_BEAM_WIDTH}: no beams share a prompt"
     rows = None if num_requests is None else int(num_requests) * w
     group = _group(num_qo_heads, num_kv_heads)
-    base = _beam_rows_floor(prompt_len, group, head_dim, num_kv_heads)
+    base = _beam_rows_floor(prompt_len, group, head_dim, num_kv_heads, w)
     least_rows = _row_floor(base, num_kv_heads, head_dim)
     if rows is not None and rows < least_rows:
         # The exception is measured at 8-30 beams and the shapes of _SPLIT_KV_MEASURED_SHAPES;
@@ -740,8 +761,17 @@ def should_decline(
                 scaled += f" at head {head_dim}"
             if base == MIN_BEAM_ROWS_HEAD_128_REFIT:
                 scaled += f" at head 128 with {group} query heads per KV head"
+            elif base == MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW:
+                refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
+                scaled += (f" at head 128 with {group} query heads per KV head and {w} beams under a mean prompt of "
+                           f"{FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens ({refit} from {FEW_ROWS_REFIT_WIDE_FROM} beams "
+                           f"or {FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens; this one is {float(prompt_len):.0f})")
             elif base == MIN_BEAM_ROWS_LONG_PROMPT:
                 scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
+            elif _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads):  # but for the width
+                refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
+                scaled += (f" ({refit} from {FEW_ROWS_REFIT_NARROWEST} beams at head 128 with {group} query heads per "
+                           f"KV head; this one is {w} beams)")
             elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):
                 fewer = _row_floor(MIN_BEAM_ROWS_LONG_PROMPT, num_kv_heads, head_dim)
                 scaled += (f" ({fewer} from a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens; "

