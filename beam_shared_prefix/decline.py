@@ -262,13 +262,14 @@ benchmark code. Unknown quantities are passed as ``None`` and judged as describe
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WIDTH", "MIN_BEAM_WIDTH_ANY_PROMPT",
            "MIN_SHARED_PROMPT_TOKENS", "WIDE_GROUP", "WIDE_GROUP_MIN_PROMPT", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_HEAD_256",
            "MIN_BEAM_ROWS_LONG_PROMPT",
            "FEW_ROWS_MIN_PROMPT", "MIN_BEAM_ROWS_HEAD_128_REFIT", "FEW_ROWS_REFIT_MIN_PROMPT",
-           "MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW", "FEW_ROWS_REFIT_WIDE_FROM", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT", "FEW_ROWS_REFIT_NARROWEST",
+           "MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW", "FEW_ROWS_REFIT_WIDE_FROM", "FEW_ROWS_REFIT_GQA2_MIN_PROMPT", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT", "FEW_ROWS_REFIT_NARROWEST",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
            "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
            "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS",
@@ -312,10 +313,8 @@ _FEW_ROWS_HEAD_256_GROUPS = frozenset(range(1, 9))
 #: 14/2) served its 27 points at 1.14x-3.27x. Fifty-fourth round
 #: (``few_rows_round54_{g3_kv8,g3_kv2,g8_kv8,g8_kv4}.json``, GQA 24/8, 6/2, 64/8 and 32/4 at 100-1,300 tokens): GQA 3
 #: and 8 as 4-7, every point from 384 row-KV-heads 1.18x-2.73x, at 288-378 1.10x-1.68x, at 104-280 0.80x-1.05x but at
-#: 1,000-1,300 tokens (FlashInfer's split prompt 1.10x-1.27x, 5 x 14 x 1,000 at 32/4 on FA4 1.43x). GQA 2 keeps the
-#: older floors: at 8 KV heads 304-760 row-KV-heads won 1.18x-2.15x at 10-19 beams (``few_rows_round54_g2_kv8.json``),
-#: but 8 x 8 x 100 (512) lost (0.88x, ``tail_auto_check_r8_b``), and at 16 KV heads (GQA 32/16) 576 lost at 120 tokens
-#: (1.06x).
+#: 1,000-1,300 tokens (FlashInfer's split prompt 1.10x-1.27x, 5 x 14 x 1,000 at 32/4 on FA4 1.43x). GQA 2 takes it
+#: from a longer prompt only (:data:`FEW_ROWS_REFIT_GQA2_MIN_PROMPT`).
 MIN_BEAM_ROWS_HEAD_128_REFIT = 48
 FEW_ROWS_REFIT_MIN_PROMPT = 99
 #: Below :data:`FEW_ROWS_REFIT_WIDE_FROM` beams and under :data:`FEW_ROWS_REFIT_NARROW_MIN_PROMPT` tokens the refit
@@ -331,6 +330,14 @@ FEW_ROWS_REFIT_NARROW_MIN_PROMPT = 160
 FEW_ROWS_REFIT_NARROWEST = 6
 _FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
 _FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
+#: GQA 2 at head 128 takes the same floor (384) with 4-8 KV heads from this mean prompt, at 6 beams or more. Fifty-fourth
+#: round: at 8 KV heads (16/8) every point from 288 row-KV-heads won from 150 tokens at 10-19 beams (1.18x-2.15x,
+#: ``few_rows_round54_g2_kv8.json``) and from 180 at 6-8 (1.18x-1.62x, ``_g2_kv8_narrow``), but at 100 tokens 6-8 beams
+#: lost up to 576 (0.80x-0.99x) and 768 ran 1.06x; at 4 KV heads (8/4, ``_g2_kv4``) 320-480 lost at 120 tokens
+#: (0.85x-0.97x) and won at 400 (1.24x-1.50x). 2-3 KV heads and 9-16 (32/16: 576 at 120 tokens 1.06x) keep the older
+#: floors.
+FEW_ROWS_REFIT_GQA2_MIN_PROMPT = 160
+_FEW_ROWS_REFIT_GQA2_KV_HEADS = range(4, 9)
 # Head 256's groups whose short-prompt floor is head 128's MIN_BEAM_ROWS, not MIN_BEAM_ROWS_HEAD_256: at
 # 100 tokens R x W x Hkv = 960-1,024 measured 1.35x-1.58x at GQA 3, 4 and 8 (8, 4 and 2 KV heads; 4/1:
 # 1.51x-1.61x; nineteenth round, with the eighteenth's GQA 4 grids) and 1.41x-1.54x at GQA 5-7 (8 and 2
@@ -571,11 +578,15 @@ def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], h
     """Whether the fifty-third and fifty-fourth rounds' floors (:data:`MIN_BEAM_ROWS_HEAD_128_REFIT`, or
     :data:`MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW` at narrow beams and short prompts) apply: head 128, a known group of
     3-8, 2-8 KV heads, a mean prompt of at least :data:`FEW_ROWS_REFIT_MIN_PROMPT` and at least
-    :data:`FEW_ROWS_REFIT_NARROWEST` beams (``None``: not judged), where they were measured."""
+    :data:`FEW_ROWS_REFIT_NARROWEST` beams (``None``: not judged), or GQA 2 with 4-8 KV heads from
+    :data:`FEW_ROWS_REFIT_GQA2_MIN_PROMPT` tokens: where they were measured."""
     if beam_width is not None and int(beam_width) < FEW_ROWS_REFIT_NARROWEST:
         return False
-    return (head_dim == 128 and group in _FEW_ROWS_REFIT_GROUPS and num_kv_heads is not None
-            and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS and prompt_len is not None
+    if head_dim != 128 or num_kv_heads is None or prompt_len is None:
+        return False
+    if group == 2:
+        return int(num_kv_heads) in _FEW_ROWS_REFIT_GQA2_KV_HEADS and float(prompt_len) >= FEW_ROWS_REFIT_GQA2_MIN_PROMPT
+    return (group in _FEW_ROWS_REFIT_GROUPS and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS
             and float(prompt_len) >= FEW_ROWS_REFIT_MIN_PROMPT)
 
 
@@ -772,6 +783,15 @@ def should_decline(
                 refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
                 scaled += (f" ({refit} from {FEW_ROWS_REFIT_NARROWEST} beams at head 128 with {group} query heads per "
                            f"KV head; this one is {w} beams)")
+            elif prompt_len is not None and _few_rows_refit_applies(math.inf, group, head_dim, num_kv_heads, w):
+                refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
+                least_prompt = FEW_ROWS_REFIT_GQA2_MIN_PROMPT if group == 2 else FEW_ROWS_REFIT_MIN_PROMPT
+                if w < FEW_ROWS_REFIT_WIDE_FROM and least_prompt < FEW_ROWS_REFIT_NARROW_MIN_PROMPT:
+                    narrow = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW, num_kv_heads, head_dim)
+                    refit = f"{narrow} from a mean prompt of {least_prompt} tokens and {refit}"
+                    least_prompt = FEW_ROWS_REFIT_NARROW_MIN_PROMPT
+                scaled += (f" ({refit} from a mean prompt of {least_prompt} tokens at head 128 with {group} query heads "
+                           f"per KV head; this one is {float(prompt_len):.0f})")
             elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):
                 fewer = _row_floor(MIN_BEAM_ROWS_LONG_PROMPT, num_kv_heads, head_dim)
                 scaled += (f" ({fewer} from a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens; "

@@ -74,9 +74,14 @@ def test_few_beam_rows_are_declined():
     # 60 rows from 500 tokens; the reason says which floor and why
     assert should_decline(2, 30, 500, 16, 8, 128, one_launch=True) is None
     assert should_decline(8, 8, 500, 16, 8, 64, one_launch=True) is None  # head 64, GQA 2
-    reason = should_decline(2, 30, 499, 16, 8, 128, one_launch=True)
-    assert "60 beam rows < 120 (60 from a mean prompt of 500 tokens; this one is 499)" in reason
-    assert "32 beam rows < 60 at a mean prompt of 500 tokens or more" in should_decline(4, 8, 500, 16, 8, 128)
+    reason = should_decline(2, 30, 499, 4, 2, 128, one_launch=True)
+    assert "60 beam rows < 480 (120 x 8 / 2 KV heads) (240 from a mean prompt of 500 tokens; this one is 499)" in reason
+    assert "16 beam rows < 240 (60 x 8 / 2 KV heads) at a mean prompt of 500 tokens or more" in should_decline(
+        2, 8, 500, 4, 2, 128)
+    # (GQA 2 with 4-8 KV heads takes the fifty-fourth round's floor from 160 tokens: 48 rows at 8 KV heads)
+    reason = should_decline(2, 30, 150, 16, 8, 128, one_launch=True)
+    assert "60 beam rows < 120 (48 from a mean prompt of 160 tokens at head 128 with 2 query heads" in reason
+    assert "32 beam rows < 48 at head 128 with 2 query heads per KV head" in should_decline(4, 8, 500, 16, 8, 128)
     for hq, d in ((8, 64), (64, 64)):  # GQA 1 and 8 at head 64: not measured winning
         assert "64 beam rows < 120" in should_decline(8, 8, 2000, hq, 8, d, one_launch=True), (hq, d)
     assert "64 beam rows < 120" in should_decline(8, 8, None, 16, 8, 128)  # prompt unknown (a CUDA graph)
@@ -152,7 +157,7 @@ def test_few_beam_rows_with_long_prompts_are_served_by_the_split_prompt():
                      ((1, 30, 2000, 16, 8, 128), dict(one_launch=True)), ((2, 30, None, 16, 8, 128), {})]:
         assert "beam rows < " in should_decline(*args, split_kv=True, **kw), args
     assert "30 beam rows < 480" in should_decline(1, 30, 4000, 16, 1, 128, split_kv=True)  # GQA 16
-    assert "beam rows < 60" in should_decline(1, 30, 2000, 16, 8, 128)
+    assert "beam rows < 48" in should_decline(1, 30, 2000, 16, 8, 128)
 
 
 def test_fewer_kv_heads_need_more_beam_rows():
@@ -185,14 +190,16 @@ def test_fewer_kv_heads_need_more_beam_rows():
     assert should_decline(8, 8, 4000, 4, 2, 128, split_kv=True) is None  # 256,000
 
 
-def test_head_128_groups_3_to_8_take_the_current_kernels_floor():
+def test_head_128_few_rows_floor_on_the_current_kernels():
     """Fifty-third round (``few_rows_round53_*.json``, GQA 32/8, 28/4 and 12/2 at 99-1,506 tokens): from 304
     row-KV-heads every point won (1.12x-2.44x), at 152-264 one (1.13x, FlashInfer's split prompt); the floor is
     ``R x W x Hkv >= 384`` at head 128, groups 4-7 and 2-8 KV heads from 99 tokens, where the older floors asked 960
     (480 from 500 tokens). Fifty-fourth (``few_rows_round54_*.json``): GQA 3 and 8 (24/8, 6/2, 64/8, 32/4) the same,
     from 384 1.18x-2.73x; GQA 2 not (8 x 8 x 100 at 16/8: 0.88x). Held-out 17 (``few_rows_heldout17_*.json``, 6-8
     beams): at 100 tokens 384-512 served 1.06x-1.08x at 24/8, 576-768 won 1.30x-1.54x; from 160 tokens every point
-    from 384 won (1.27x-1.48x). So at 6-9 beams under 160 tokens the floor is 576, and under 6 beams the older ones."""
+    from 384 won (1.27x-1.48x). So at 6-9 beams under 160 tokens the floor is 576, and under 6 beams the older ones.
+    GQA 2 with 4-8 KV heads takes 384 from 160 tokens (at 8 KV heads from 288 1.18x-2.15x from 150 tokens at 10-19
+    beams and from 180 at 6-8; at 100-120 tokens 0.80x-0.99x up to 576 at 8 KV heads and 480 at 4)."""
     from beam_shared_prefix.decline import min_beam_rows
 
     assert [min_beam_rows(h, 437, g, 128) for g in (3, 4, 8) for h in (2, 4, 8)] == [192, 96, 48] * 3
@@ -220,7 +227,9 @@ def test_head_128_groups_3_to_8_take_the_current_kernels_floor():
         120, 72, 72, 48, 48]
     # where it was not measured the older floors stand
     assert "57 beam rows < 120" in should_decline(3, 19, 98, 32, 8, 128)  # under 99 tokens
-    assert "57 beam rows < 120" in should_decline(3, 19, 437, 16, 8, 128)  # group 2 (8 x 8 x 100 at 16/8: 0.88x)
+    assert "57 beam rows < 120" in should_decline(3, 19, 150, 16, 8, 128)  # group 2 under 160 tokens (8 x 8 x 100: 0.88x)
+    assert should_decline(3, 19, 437, 16, 8, 128) is None  # group 2 from 160 tokens, 4-8 KV heads: 456
+    assert "57 beam rows < 480" in should_decline(3, 19, 437, 4, 2, 128)  # group 2 at 2 KV heads
     assert "beam rows < 120" in should_decline(3, 19, 437, 72, 8, 128)  # group 9
     assert "beam rows < 120" in should_decline(3, 19, 437, 32, 8, 64)  # head 64
     assert min_beam_rows(16, 437, 4, 128) == 60 and min_beam_rows(1, 437, 4, 128) == 960
@@ -414,6 +423,7 @@ def _grid_points(pattern):
     ("few_rows_round53_*.json", "library/auto", 1.10, 36, 14),  # head 128's floor at groups 4-7 (fifty-third round)
     ("few_rows_heldout16_*.json", "library/auto", 1.10, 36, 26),  # its held-out set (fifty-fourth round)
     ("few_rows_heldout17_*.json", "library/auto", 1.10, 48, 30),  # groups 3-8 at 6-8 beams (the narrow floor's data)
+    ("few_rows_heldout18_*.json", "library/auto", 1.10, 56, 36),  # the narrow floor's held-out set
     ("few_rows_round54_*.json", "library/auto", 1.10, 180, 47),  # groups 2, 3 and 8, head 64, 16 KV heads
 ])
 def test_rule_agrees_with_the_h200_grids(pattern, arm, margin, least_points, least_served):
