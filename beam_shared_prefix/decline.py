@@ -92,6 +92,12 @@ a mean prompt of :data:`FEW_ROWS_MIN_PROMPT` = 500 tokens (:func:`min_beam_rows`
 at head 128 and at head 64 for GQA 2-4 (where it was measured and won); elsewhere at head 64 the floor
 stays at 960.
 
+Those floors were the smallest products measured that won on the kernels of their day. On the current kernels the
+fifty-third and fifty-fourth rounds re-timed them at head 128 (``few_rows_round5{3,4}_*.json``, held-out 16-19). With
+groups of 3-8 and 2-8 KV heads, ``R x W x Hkv >= 384`` serves from 99 tokens at 10 beams or more and from 160 tokens at
+6-9 beams; at 6-9 beams under 160 tokens the product is 576. GQA 2 with 4-8 KV heads takes 384 from 160 tokens
+(:data:`MIN_BEAM_ROWS_HEAD_128_REFIT` and the constants after it hold the data).
+
 More KV heads need fewer rows, down to 16 KV heads' floors (sixteenth round,
 ``small_batches_backends_{mha32,mha16_d64,g2_kv16}.json``: MHA 32/32 at head 128, MHA 16/16 at head 64
 and GQA 32/16, 1-64 requests of 8, 16 and 30 beams at 100, 500 and 2,000 tokens). At 16 KV heads every
