@@ -275,7 +275,8 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "MIN_SHARED_PROMPT_TOKENS", "WIDE_GROUP", "WIDE_GROUP_MIN_PROMPT", "MIN_BEAM_ROWS", "MIN_BEAM_ROWS_HEAD_256",
            "MIN_BEAM_ROWS_LONG_PROMPT",
            "FEW_ROWS_MIN_PROMPT", "MIN_BEAM_ROWS_HEAD_128_REFIT", "FEW_ROWS_REFIT_MIN_PROMPT",
-           "MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW", "FEW_ROWS_REFIT_WIDE_FROM", "FEW_ROWS_REFIT_GQA2_MIN_PROMPT", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT", "FEW_ROWS_REFIT_NARROWEST",
+           "MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW", "FEW_ROWS_REFIT_WIDE_FROM", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT",
+           "FEW_ROWS_REFIT_NARROWEST", "FEW_ROWS_REFIT_GQA2_MIN_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
            "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
            "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS",
@@ -336,8 +337,8 @@ FEW_ROWS_REFIT_NARROW_MIN_PROMPT = 160
 FEW_ROWS_REFIT_NARROWEST = 6
 _FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
 _FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
-#: GQA 2 at head 128 takes the same floor (384) with 4-8 KV heads from this mean prompt, at 6 beams or more. Fifty-fourth
-#: round: at 8 KV heads (16/8) every point from 288 row-KV-heads won from 150 tokens at 10-19 beams (1.18x-2.15x,
+#: GQA 2 at head 128 takes the same floor (384) with 4-8 KV heads from this mean prompt, at 6 beams or more.
+#: Fifty-fourth round: at 8 KV heads (16/8) every point from 288 row-KV-heads won from 150 tokens at 10-19 beams (1.18x-2.15x,
 #: ``few_rows_round54_g2_kv8.json``) and from 180 at 6-8 (1.18x-1.62x, ``_g2_kv8_narrow``), but at 100 tokens 6-8 beams
 #: lost up to 576 (0.80x-0.99x) and 768 ran 1.06x; at 4 KV heads (8/4, ``_g2_kv4``) 320-480 lost at 120 tokens
 #: (0.85x-0.97x) and won at 400 (1.24x-1.50x). 2-3 KV heads and 9-16 (32/16: 576 at 120 tokens 1.06x) keep the older
@@ -591,7 +592,8 @@ def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], h
     if head_dim != 128 or num_kv_heads is None or prompt_len is None:
         return False
     if group == 2:
-        return int(num_kv_heads) in _FEW_ROWS_REFIT_GQA2_KV_HEADS and float(prompt_len) >= FEW_ROWS_REFIT_GQA2_MIN_PROMPT
+        return (int(num_kv_heads) in _FEW_ROWS_REFIT_GQA2_KV_HEADS
+                and float(prompt_len) >= FEW_ROWS_REFIT_GQA2_MIN_PROMPT)
     return (group in _FEW_ROWS_REFIT_GROUPS and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS
             and float(prompt_len) >= FEW_ROWS_REFIT_MIN_PROMPT)
 
@@ -796,8 +798,8 @@ def should_decline(
                     narrow = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW, num_kv_heads, head_dim)
                     refit = f"{narrow} from a mean prompt of {least_prompt} tokens and {refit}"
                     least_prompt = FEW_ROWS_REFIT_NARROW_MIN_PROMPT
-                scaled += (f" ({refit} from a mean prompt of {least_prompt} tokens at head 128 with {group} query heads "
-                           f"per KV head; this one is {float(prompt_len):.0f})")
+                scaled += (f" ({refit} from a mean prompt of {least_prompt} tokens at head 128 with {group} query "
+                           f"heads per KV head; this one is {float(prompt_len):.0f})")
             elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):
                 fewer = _row_floor(MIN_BEAM_ROWS_LONG_PROMPT, num_kv_heads, head_dim)
                 scaled += (f" ({fewer} from a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens; "

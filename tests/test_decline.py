@@ -227,7 +227,7 @@ def test_head_128_few_rows_floor_on_the_current_kernels():
         120, 72, 72, 48, 48]
     # where it was not measured the older floors stand
     assert "57 beam rows < 120" in should_decline(3, 19, 98, 32, 8, 128)  # under 99 tokens
-    assert "57 beam rows < 120" in should_decline(3, 19, 150, 16, 8, 128)  # group 2 under 160 tokens (8 x 8 x 100: 0.88x)
+    assert "57 beam rows < 120" in should_decline(3, 19, 150, 16, 8, 128)  # group 2 under 160 tokens (8 x 8 x 100)
     assert should_decline(3, 19, 437, 16, 8, 128) is None  # group 2 from 160 tokens, 4-8 KV heads: 456
     assert "57 beam rows < 480" in should_decline(3, 19, 437, 4, 2, 128)  # group 2 at 2 KV heads
     assert "beam rows < 120" in should_decline(3, 19, 437, 72, 8, 128)  # group 9
