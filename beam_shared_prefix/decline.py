@@ -598,6 +598,43 @@ def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], h
             and float(prompt_len) >= FEW_ROWS_REFIT_MIN_PROMPT)
 
 
+def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], num_kv_heads: Optional[int],
+                    prompt_len: Optional[float], beam_width: int) -> str:
+    """What a few-rows decline reason adds after the floor: how it scales with the KV heads, which floor it is
+    (head 256's, the long-prompt one, the current kernels' at head 128) and the one that a longer prompt or more
+    beams would meet."""
+    scaled = _kv_heads_note(base, num_kv_heads, head_dim)
+    if base == MIN_BEAM_ROWS_HEAD_256:
+        scaled += f" at head {head_dim}"
+    if base == MIN_BEAM_ROWS_HEAD_128_REFIT:
+        scaled += f" at head 128 with {group} query heads per KV head"
+    elif base == MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW:
+        refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
+        scaled += (f" at head 128 with {group} query heads per KV head and {beam_width} beams under a mean prompt of "
+                   f"{FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens ({refit} from {FEW_ROWS_REFIT_WIDE_FROM} beams "
+                   f"or {FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens; this one is {float(prompt_len):.0f})")
+    elif base == MIN_BEAM_ROWS_LONG_PROMPT:
+        scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
+    elif _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads):  # but for the width
+        refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
+        scaled += (f" ({refit} from {FEW_ROWS_REFIT_NARROWEST} beams at head 128 with {group} query heads per "
+                   f"KV head; this one is {beam_width} beams)")
+    elif prompt_len is not None and _few_rows_refit_applies(math.inf, group, head_dim, num_kv_heads, beam_width):
+        refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
+        least_prompt = FEW_ROWS_REFIT_GQA2_MIN_PROMPT if group == 2 else FEW_ROWS_REFIT_MIN_PROMPT
+        if beam_width < FEW_ROWS_REFIT_WIDE_FROM and least_prompt < FEW_ROWS_REFIT_NARROW_MIN_PROMPT:
+            narrow = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW, num_kv_heads, head_dim)
+            refit = f"{narrow} from a mean prompt of {least_prompt} tokens and {refit}"
+            least_prompt = FEW_ROWS_REFIT_NARROW_MIN_PROMPT
+        scaled += (f" ({refit} from a mean prompt of {least_prompt} tokens at head 128 with {group} query "
+                   f"heads per KV head; this one is {float(prompt_len):.0f})")
+    elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):
+        fewer = _row_floor(MIN_BEAM_ROWS_LONG_PROMPT, num_kv_heads, head_dim)
+        scaled += (f" ({fewer} from a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens; "
+                   f"this one is {float(prompt_len):.0f})")
+    return scaled
+
+
 def _narrow_head(head_dim: Optional[int]) -> bool:
     """Whether head 64's cascade table applies (head 128's for ``None``)."""
     return head_dim is not None and head_dim <= 64
@@ -775,35 +812,7 @@ def should_decline(
         split_measured = (split_kv and not one_launch and prompt_len is not None
                           and w >= _SPLIT_KV_MEASURED_FROM_WIDTH and (group, head_dim) in _SPLIT_KV_MEASURED_SHAPES)
         if not split_measured:
-            scaled = _kv_heads_note(base, num_kv_heads, head_dim)
-            if base == MIN_BEAM_ROWS_HEAD_256:
-                scaled += f" at head {head_dim}"
-            if base == MIN_BEAM_ROWS_HEAD_128_REFIT:
-                scaled += f" at head 128 with {group} query heads per KV head"
-            elif base == MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW:
-                refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
-                scaled += (f" at head 128 with {group} query heads per KV head and {w} beams under a mean prompt of "
-                           f"{FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens ({refit} from {FEW_ROWS_REFIT_WIDE_FROM} beams "
-                           f"or {FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens; this one is {float(prompt_len):.0f})")
-            elif base == MIN_BEAM_ROWS_LONG_PROMPT:
-                scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
-            elif _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads):  # but for the width
-                refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
-                scaled += (f" ({refit} from {FEW_ROWS_REFIT_NARROWEST} beams at head 128 with {group} query heads per "
-                           f"KV head; this one is {w} beams)")
-            elif prompt_len is not None and _few_rows_refit_applies(math.inf, group, head_dim, num_kv_heads, w):
-                refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
-                least_prompt = FEW_ROWS_REFIT_GQA2_MIN_PROMPT if group == 2 else FEW_ROWS_REFIT_MIN_PROMPT
-                if w < FEW_ROWS_REFIT_WIDE_FROM and least_prompt < FEW_ROWS_REFIT_NARROW_MIN_PROMPT:
-                    narrow = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW, num_kv_heads, head_dim)
-                    refit = f"{narrow} from a mean prompt of {least_prompt} tokens and {refit}"
-                    least_prompt = FEW_ROWS_REFIT_NARROW_MIN_PROMPT
-                scaled += (f" ({refit} from a mean prompt of {least_prompt} tokens at head 128 with {group} query "
-                           f"heads per KV head; this one is {float(prompt_len):.0f})")
-            elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):
-                fewer = _row_floor(MIN_BEAM_ROWS_LONG_PROMPT, num_kv_heads, head_dim)
-                scaled += (f" ({fewer} from a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens; "
-                           f"this one is {float(prompt_len):.0f})")
+            scaled = _row_floor_note(base, group, head_dim, num_kv_heads, prompt_len, w)
             return (
                 f"{int(num_requests)} requests x beam width {w} = {rows} beam rows < {least_rows}{scaled}: too few "
                 f"programs to fill the GPU, per-beam decode is faster here (measured on the H200, docs/benchmarks.md)"
