@@ -591,11 +591,14 @@ def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], h
         return False
     if head_dim != 128 or num_kv_heads is None or prompt_len is None:
         return False
-    if group == 2:
-        return (int(num_kv_heads) in _FEW_ROWS_REFIT_GQA2_KV_HEADS
-                and float(prompt_len) >= FEW_ROWS_REFIT_GQA2_MIN_PROMPT)
-    return (group in _FEW_ROWS_REFIT_GROUPS and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS
-            and float(prompt_len) >= FEW_ROWS_REFIT_MIN_PROMPT)
+    kv_heads = _FEW_ROWS_REFIT_GQA2_KV_HEADS if group == 2 else _FEW_ROWS_REFIT_KV_HEADS
+    return ((group == 2 or group in _FEW_ROWS_REFIT_GROUPS) and int(num_kv_heads) in kv_heads
+            and float(prompt_len) >= _few_rows_refit_min_prompt(group))
+
+
+def _few_rows_refit_min_prompt(group: Optional[int]) -> int:
+    """The shortest mean prompt (tokens) from which the current kernels' few-rows floor applies at ``group``."""
+    return FEW_ROWS_REFIT_GQA2_MIN_PROMPT if group == 2 else FEW_ROWS_REFIT_MIN_PROMPT
 
 
 def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], num_kv_heads: Optional[int],
@@ -621,7 +624,7 @@ def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], nu
                    f"KV head; this one is {beam_width} beams)")
     elif prompt_len is not None and _few_rows_refit_applies(math.inf, group, head_dim, num_kv_heads, beam_width):
         refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
-        least_prompt = FEW_ROWS_REFIT_GQA2_MIN_PROMPT if group == 2 else FEW_ROWS_REFIT_MIN_PROMPT
+        least_prompt = _few_rows_refit_min_prompt(group)
         if beam_width < FEW_ROWS_REFIT_WIDE_FROM and least_prompt < FEW_ROWS_REFIT_NARROW_MIN_PROMPT:
             narrow = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW, num_kv_heads, head_dim)
             refit = f"{narrow} from a mean prompt of {least_prompt} tokens and {refit}"

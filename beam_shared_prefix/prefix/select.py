@@ -1233,8 +1233,8 @@ def split_kv_preferred(
         most_tiles = max(t for p, t in tile_limits if mean_prompt_len >= p)
         if tiles > most_tiles:
             return False, (f"{num_requests} x {beam_width} beams take {tiles} query tiles of "
-                           f"{SPLIT_KV_QUERY_TILE_ROWS} rows > {most_tiles} at GQA {group}, head {head_dim} and a mean prompt of "
-                           f"{mean_prompt_len:.0f}: FA4 measured faster there")
+                           f"{SPLIT_KV_QUERY_TILE_ROWS} rows > {most_tiles} at GQA {group}, head {head_dim} and a mean "
+                           f"prompt of {mean_prompt_len:.0f}: FA4 measured faster there")
     floor, per_program = by_rows[64 if rows >= 64 else 32]
     least = max(floor, per_program * programs)
     if mean_prompt_len < least:
