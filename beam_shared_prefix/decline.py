@@ -276,7 +276,9 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "MIN_BEAM_ROWS_LONG_PROMPT",
            "FEW_ROWS_MIN_PROMPT", "MIN_BEAM_ROWS_HEAD_128_REFIT", "FEW_ROWS_REFIT_MIN_PROMPT",
            "MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW", "FEW_ROWS_REFIT_WIDE_FROM", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT",
-           "FEW_ROWS_REFIT_NARROWEST", "FEW_ROWS_REFIT_GQA2_MIN_PROMPT",
+           "FEW_ROWS_REFIT_NARROWEST", "FEW_ROWS_REFIT_SHORT_PROMPT_FROM", "FEW_ROWS_REFIT_GQA2_MIN_PROMPT",
+           "MIN_BEAM_ROWS_HEAD_256_REFIT", "FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT", "FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT",
+           "FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
            "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
            "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS",
@@ -330,21 +332,42 @@ FEW_ROWS_REFIT_MIN_PROMPT = 99
 #: grid of the refit had 9-50): at 100 tokens GQA 24/8 served 6 x 8, 8 x 6 and 8 x 8 (384-512 row-KV-heads) at
 #: 1.06x-1.08x, under the margin (40/8 1.16x-1.17x, 64/8 at 110 tokens 1.21x), while 576-768 won 1.30x-1.54x (12 x 6
 #: and 12 x 8 at 24/8 and 40/8, 10 x 8 at 64/8), and from 160-180 tokens every point from 384 won 1.27x-1.48x. Fewer
-#: than 6 beams were not measured.
+#: than 6 beams were not measured there.
 MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW = 72
 FEW_ROWS_REFIT_WIDE_FROM = 10
 FEW_ROWS_REFIT_NARROW_MIN_PROMPT = 160
-FEW_ROWS_REFIT_NARROWEST = 6
+#: 3-5 beams take the refit floor (384) only from :data:`FEW_ROWS_REFIT_NARROW_MIN_PROMPT` tokens, and 2 beams never.
+#: Fifty-fifth round (``few_rows_round55_narrow_g{2,4}.json``, 16-48 requests of 3-5 beams at 200 and 800 tokens, GQA
+#: 16/8 and 32/8): every point from 384 row-KV-heads won, 1.15x-2.38x (GQA 4 at 384-768: 1.33x-1.76x at 200 tokens,
+#: 1.42x at 800; GQA 2: 576 and 768 at 200 tokens 1.29x and 1.15x), where the older floors declined them (960 under
+#: 500 tokens, 480 from it). Under 160 tokens they were not measured; the cascade serves 3 beams from 150 tokens only.
+FEW_ROWS_REFIT_NARROWEST = 3
+FEW_ROWS_REFIT_SHORT_PROMPT_FROM = 6
 _FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
 _FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
-#: GQA 2 at head 128 takes the same floor (384) with 4-8 KV heads from this mean prompt, at 6 beams or more.
+#: GQA 2 at head 128 takes the same floor (384) with 2-8 KV heads from this mean prompt, at 3 beams or more.
 #: Fifty-fourth round: at 8 KV heads (16/8) every point from 288 row-KV-heads won from 150 tokens at 10-19 beams (1.18x-2.15x,
 #: ``few_rows_round54_g2_kv8.json``) and from 180 at 6-8 (1.18x-1.62x, ``_g2_kv8_narrow``), but at 100 tokens 6-8 beams
 #: lost up to 576 (0.80x-0.99x) and 768 ran 1.06x; at 4 KV heads (8/4, ``_g2_kv4``) 320-480 lost at 120 tokens
-#: (0.85x-0.97x) and won at 400 (1.24x-1.50x). 2-3 KV heads and 9-16 (32/16: 576 at 120 tokens 1.06x) keep the older
-#: floors.
+#: (0.85x-0.97x) and won at 400 (1.24x-1.50x). Fifty-fifth (``few_rows_round55_g2_kv{2,3}.json``, GQA 4/2 and 6/3, 6-24
+#: requests of 10 and 20 beams at 170 and 400 tokens): every point from 320 won, 1.10x-1.32x at 170 tokens (from 360:
+#: 1.18x-1.32x) and 1.22x-2.55x at 400; 160-180 lost (0.81x-0.91x). 9-16 KV heads (32/16: 576 at 120 tokens 1.06x)
+#: keep the older floors.
 FEW_ROWS_REFIT_GQA2_MIN_PROMPT = 160
-_FEW_ROWS_REFIT_GQA2_KV_HEADS = range(4, 9)
+#: Head 256 on the current kernels (fifty-fifth round, ``few_rows_round55_{g4_d256,g8_kv2_d256,g2_d256}.json``: GQA
+#: 32/8, 16/2 and 16/8, 3-24 requests of 16 and 20 beams at 120-450 tokens, with the fifty-fourth's
+#: ``few_rows_round54_{g4_d256,g8_kv2_d256}.json`` at 120 and 400): from :data:`FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT`
+#: tokens ``R x W x Hkv >= 640`` (this many rows at 8 KV heads, scaled as the others), from
+#: :data:`FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT` 384 (:data:`MIN_BEAM_ROWS_HEAD_128_REFIT`), at groups 2-8 (GQA 2 from
+#: :data:`FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT`), 2-8 KV heads and 10 beams or more, where the older floors asked 960
+#: (GQA 2: 1,920) under 500 tokens. At 200-300 tokens 640-960 won 1.32x-1.88x at GQA 4 and 8, while 384-512 ran
+#: 0.95x-1.11x at 16/2 (1.16x-1.32x at 32/8); at 400-450 every point from 384 won (1.17x-2.07x; GQA 2 from 512 at 300
+#: tokens, 1.48x-3.84x). Under 200 tokens 512 lost (0.92x-1.10x at 120) and GQA 2's 640-768 ran 1.03x-1.11x.
+MIN_BEAM_ROWS_HEAD_256_REFIT = 80
+FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT = 200
+FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT = 300
+FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT = 400
+_FEW_ROWS_HEAD_256_REFIT_GROUPS = frozenset(range(2, 9))
 # Head 256's groups whose short-prompt floor is head 128's MIN_BEAM_ROWS, not MIN_BEAM_ROWS_HEAD_256: at
 # 100 tokens R x W x Hkv = 960-1,024 measured 1.35x-1.58x at GQA 3, 4 and 8 (8, 4 and 2 KV heads; 4/1:
 # 1.51x-1.61x; nineteenth round, with the eighteenth's GQA 4 grids) and 1.41x-1.54x at GQA 5-7 (8 and 2
@@ -572,6 +595,9 @@ def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim
         narrow_short = (beam_width is not None and int(beam_width) < FEW_ROWS_REFIT_WIDE_FROM
                         and float(prompt_len) < FEW_ROWS_REFIT_NARROW_MIN_PROMPT)
         return MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW if narrow_short else MIN_BEAM_ROWS_HEAD_128_REFIT
+    head_256 = _few_rows_head_256_refit(prompt_len, group, head_dim, num_kv_heads, beam_width)
+    if head_256 is not None:
+        return head_256
     long_prompt = prompt_len is not None and float(prompt_len) >= FEW_ROWS_MIN_PROMPT
     if long_prompt and _long_prompt_floor_applies(group, head_dim):
         return MIN_BEAM_ROWS_LONG_PROMPT
@@ -582,55 +608,85 @@ def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim
 
 def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
                             num_kv_heads: Optional[int], beam_width: Optional[int] = None) -> bool:
-    """Whether the fifty-third and fifty-fourth rounds' floors (:data:`MIN_BEAM_ROWS_HEAD_128_REFIT`, or
-    :data:`MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW` at narrow beams and short prompts) apply: head 128, a known group of
-    3-8, 2-8 KV heads, a mean prompt of at least :data:`FEW_ROWS_REFIT_MIN_PROMPT` and at least
-    :data:`FEW_ROWS_REFIT_NARROWEST` beams (``None``: not judged), or GQA 2 with 4-8 KV heads from
-    :data:`FEW_ROWS_REFIT_GQA2_MIN_PROMPT` tokens: where they were measured."""
+    """Whether the fifty-third to fifty-fifth rounds' floors at head 128 (:data:`MIN_BEAM_ROWS_HEAD_128_REFIT`, or
+    :data:`MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW` at 6-9 beams and short prompts) apply: head 128, a known group of 3-8
+    (GQA 2 from :data:`FEW_ROWS_REFIT_GQA2_MIN_PROMPT` tokens), 2-8 KV heads, a mean prompt of at least
+    :data:`FEW_ROWS_REFIT_MIN_PROMPT` and at least :data:`FEW_ROWS_REFIT_NARROWEST` beams (``None``: not judged),
+    under :data:`FEW_ROWS_REFIT_SHORT_PROMPT_FROM` beams from :data:`FEW_ROWS_REFIT_NARROW_MIN_PROMPT` tokens: where
+    they were measured."""
     if beam_width is not None and int(beam_width) < FEW_ROWS_REFIT_NARROWEST:
         return False
     if head_dim != 128 or num_kv_heads is None or prompt_len is None:
         return False
-    kv_heads = _FEW_ROWS_REFIT_GQA2_KV_HEADS if group == 2 else _FEW_ROWS_REFIT_KV_HEADS
-    return ((group == 2 or group in _FEW_ROWS_REFIT_GROUPS) and int(num_kv_heads) in kv_heads
-            and float(prompt_len) >= _few_rows_refit_min_prompt(group))
+    return ((group == 2 or group in _FEW_ROWS_REFIT_GROUPS) and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS
+            and float(prompt_len) >= _few_rows_refit_min_prompt(group, beam_width))
 
 
-def _few_rows_refit_min_prompt(group: Optional[int]) -> int:
-    """The shortest mean prompt (tokens) from which the current kernels' few-rows floor applies at ``group``."""
-    return FEW_ROWS_REFIT_GQA2_MIN_PROMPT if group == 2 else FEW_ROWS_REFIT_MIN_PROMPT
+def _few_rows_refit_min_prompt(group: Optional[int], beam_width: Optional[int] = None) -> int:
+    """The shortest mean prompt (tokens) from which head 128's current-kernel few-rows floor applies at ``group`` and
+    ``beam_width`` (``None``: as wide)."""
+    least = FEW_ROWS_REFIT_GQA2_MIN_PROMPT if group == 2 else FEW_ROWS_REFIT_MIN_PROMPT
+    if beam_width is not None and int(beam_width) < FEW_ROWS_REFIT_SHORT_PROMPT_FROM:
+        least = max(least, FEW_ROWS_REFIT_NARROW_MIN_PROMPT)
+    return least
+
+
+def _few_rows_head_256_refit(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
+                             num_kv_heads: Optional[int], beam_width: Optional[int]) -> Optional[int]:
+    """Head 256's current-kernel row floor at 8 KV heads (:data:`MIN_BEAM_ROWS_HEAD_256_REFIT` from
+    :data:`FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT` tokens, :data:`MIN_BEAM_ROWS_HEAD_128_REFIT` from
+    :data:`FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT`) where it was measured: groups 2-8, 2-8 KV heads, 10 beams or more
+    (``None``: as wide); ``None`` elsewhere."""
+    if (head_dim != 256 or group not in _FEW_ROWS_HEAD_256_REFIT_GROUPS or num_kv_heads is None
+            or int(num_kv_heads) not in _FEW_ROWS_REFIT_KV_HEADS or prompt_len is None
+            or (beam_width is not None and int(beam_width) < FEW_ROWS_REFIT_WIDE_FROM)):
+        return None
+    if float(prompt_len) >= FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT:
+        return MIN_BEAM_ROWS_HEAD_128_REFIT
+    if float(prompt_len) >= _few_rows_head_256_refit_min_prompt(group):
+        return MIN_BEAM_ROWS_HEAD_256_REFIT
+    return None
+
+
+def _few_rows_head_256_refit_min_prompt(group: Optional[int]) -> int:
+    """The shortest mean prompt (tokens) from which head 256's current-kernel few-rows floor applies at ``group``."""
+    return FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT if group == 2 else FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT
 
 
 def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], num_kv_heads: Optional[int],
                     prompt_len: Optional[float], beam_width: int) -> str:
     """What a few-rows decline reason adds after the floor: how it scales with the KV heads, which floor it is
-    (head 256's, the long-prompt one, the current kernels' at head 128) and the one that a longer prompt or more
-    beams would meet."""
+    (head 256's, the long-prompt one, the current kernels' at heads 128 and 256) and the one that a longer prompt or
+    more beams would meet."""
     scaled = _kv_heads_note(base, num_kv_heads, head_dim)
+    refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
+    where = f"at head {head_dim} with {group} query heads per KV head"
     if base == MIN_BEAM_ROWS_HEAD_256:
         scaled += f" at head {head_dim}"
     if base == MIN_BEAM_ROWS_HEAD_128_REFIT:
-        scaled += f" at head 128 with {group} query heads per KV head"
+        scaled += f" {where}"
     elif base == MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW:
-        refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
-        scaled += (f" at head 128 with {group} query heads per KV head and {beam_width} beams under a mean prompt of "
-                   f"{FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens ({refit} from {FEW_ROWS_REFIT_WIDE_FROM} beams "
-                   f"or {FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens; this one is {float(prompt_len):.0f})")
+        scaled += (f" {where} and {beam_width} beams under a mean prompt of {FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens "
+                   f"({refit} from {FEW_ROWS_REFIT_WIDE_FROM} beams or {FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens; this one "
+                   f"is {float(prompt_len):.0f})")
+    elif base == MIN_BEAM_ROWS_HEAD_256_REFIT:
+        scaled += (f" {where} under a mean prompt of {FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT} tokens ({refit} from "
+                   f"{FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT}; this one is {float(prompt_len):.0f})")
     elif base == MIN_BEAM_ROWS_LONG_PROMPT:
         scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
-    elif _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads):  # but for the width
-        refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
-        scaled += (f" ({refit} from {FEW_ROWS_REFIT_NARROWEST} beams at head 128 with {group} query heads per "
-                   f"KV head; this one is {beam_width} beams)")
+    elif beam_width < FEW_ROWS_REFIT_NARROWEST and _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads):
+        scaled += f" ({refit} from {FEW_ROWS_REFIT_NARROWEST} beams {where}; this one is {beam_width} beams)"
     elif prompt_len is not None and _few_rows_refit_applies(math.inf, group, head_dim, num_kv_heads, beam_width):
-        refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
-        least_prompt = _few_rows_refit_min_prompt(group)
+        least_prompt = _few_rows_refit_min_prompt(group, beam_width)
         if beam_width < FEW_ROWS_REFIT_WIDE_FROM and least_prompt < FEW_ROWS_REFIT_NARROW_MIN_PROMPT:
             narrow = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW, num_kv_heads, head_dim)
             refit = f"{narrow} from a mean prompt of {least_prompt} tokens and {refit}"
             least_prompt = FEW_ROWS_REFIT_NARROW_MIN_PROMPT
-        scaled += (f" ({refit} from a mean prompt of {least_prompt} tokens at head 128 with {group} query "
-                   f"heads per KV head; this one is {float(prompt_len):.0f})")
+        scaled += f" ({refit} from a mean prompt of {least_prompt} tokens {where}; this one is {float(prompt_len):.0f})"
+    elif prompt_len is not None and _few_rows_head_256_refit(math.inf, group, head_dim, num_kv_heads, beam_width):
+        first = _row_floor(MIN_BEAM_ROWS_HEAD_256_REFIT, num_kv_heads, head_dim)
+        scaled += (f" ({first} from a mean prompt of {_few_rows_head_256_refit_min_prompt(group)} tokens and {refit} "
+                   f"from {FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT} {where}; this one is {float(prompt_len):.0f})")
     elif prompt_len is not None and _long_prompt_floor_applies(group, head_dim):
         fewer = _row_floor(MIN_BEAM_ROWS_LONG_PROMPT, num_kv_heads, head_dim)
         scaled += (f" ({fewer} from a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens; "

@@ -74,7 +74,7 @@ def test_few_beam_rows_are_declined():
     # 60 rows from 500 tokens; the reason says which floor and why
     assert should_decline(2, 30, 500, 16, 8, 128, one_launch=True) is None
     assert should_decline(8, 8, 500, 16, 8, 64, one_launch=True) is None  # head 64, GQA 2
-    reason = should_decline(2, 30, 499, 4, 2, 128, one_launch=True)
+    reason = should_decline(2, 30, 499, 2, 2, 128, one_launch=True)
     assert "60 beam rows < 480 (120 x 8 / 2 KV heads) (240 from a mean prompt of 500 tokens; this one is 499)" in reason
     assert "16 beam rows < 240 (60 x 8 / 2 KV heads) at a mean prompt of 500 tokens or more" in should_decline(
         2, 8, 500, 4, 2, 128)
