@@ -276,7 +276,8 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "MIN_BEAM_ROWS_LONG_PROMPT",
            "FEW_ROWS_MIN_PROMPT", "MIN_BEAM_ROWS_HEAD_128_REFIT", "FEW_ROWS_REFIT_MIN_PROMPT",
            "MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW", "FEW_ROWS_REFIT_WIDE_FROM", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT",
-           "FEW_ROWS_REFIT_NARROWEST", "FEW_ROWS_REFIT_SHORT_PROMPT_FROM", "FEW_ROWS_REFIT_GQA2_MIN_PROMPT",
+           "FEW_ROWS_REFIT_NARROWEST", "FEW_ROWS_REFIT_SHORT_PROMPT_FROM", "FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT",
+           "MIN_BEAM_ROWS_GQA1_SHORT_PROMPT", "GQA1_SHORT_PROMPT", "FEW_ROWS_REFIT_GQA2_MIN_PROMPT",
            "MIN_BEAM_ROWS_HEAD_256_REFIT", "FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT", "FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT",
            "FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
@@ -336,13 +337,22 @@ FEW_ROWS_REFIT_MIN_PROMPT = 99
 MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW = 72
 FEW_ROWS_REFIT_WIDE_FROM = 10
 FEW_ROWS_REFIT_NARROW_MIN_PROMPT = 160
-#: 3-5 beams take the refit floor (384) only from :data:`FEW_ROWS_REFIT_NARROW_MIN_PROMPT` tokens, and 2 beams never.
-#: Fifty-fifth round (``few_rows_round55_narrow_g{2,4}.json``, 16-48 requests of 3-5 beams at 200 and 800 tokens, GQA
-#: 16/8 and 32/8): every point from 384 row-KV-heads won, 1.15x-2.38x (GQA 4 at 384-768: 1.33x-1.76x at 200 tokens,
-#: 1.42x at 800; GQA 2: 576 and 768 at 200 tokens 1.29x and 1.15x), where the older floors declined them (960 under
-#: 500 tokens, 480 from it). Under 160 tokens they were not measured; the cascade serves 3 beams from 150 tokens only.
+#: 3-5 beams take the refit floor (384) only from :data:`FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT` tokens, and 2 beams
+#: never. Fifty-fifth round (``few_rows_round55_narrow_g{2,4}.json``, 16-48 requests of 3-5 beams at 200 and 800 tokens,
+#: GQA 16/8 and 32/8): every point from 384 row-KV-heads won, 1.15x-2.38x, where the older floors declined them (960
+#: under 500 tokens, 480 from it). Held-out 20 (``few_rows_heldout20_narrow_*.json``, predicted from 160 tokens: GQA
+#: 24/8, 16/2 and 8/4) served 3 of its 20 points at 160-180 tokens under the margin (96 x 3 at 16/2: 1.04x; 32 x 5
+#: and 48 x 4 at 8/4: 1.09x), while at 350-800 tokens every point from 384 won (1.16x-1.95x).
 FEW_ROWS_REFIT_NARROWEST = 3
 FEW_ROWS_REFIT_SHORT_PROMPT_FROM = 6
+FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT = 350
+#: GQA 1 at head 128 under :data:`GQA1_SHORT_PROMPT` tokens needs this many rows at 8 KV heads (``R x W x Hkv >=
+#: 1,024``; scaled as the others) instead of :data:`MIN_BEAM_ROWS`. Fifty-fifth round
+#: (``few_rows_round55_g1_kv{8,4,16}_short.json``, ``few_rows_round55_g1_kv8.json``: GQA 8/8, 4/4 and MHA 16/16 at
+#: 100-200 tokens): 960 row-KV-heads ran 1.06x-1.09x at 100-150 tokens at every KV head count (6 x 20 x 150 at 8/8,
+#: served by 960: 1.06x) and 1.16x-1.18x at 200; 1,024 1.12x-1.17x at 100-150; 768 0.95x-0.98x.
+MIN_BEAM_ROWS_GQA1_SHORT_PROMPT = 128
+GQA1_SHORT_PROMPT = 200
 _FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
 _FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
 #: GQA 2 at head 128 takes the same floor (384) with 2-8 KV heads from this mean prompt, at 3 beams or more.
@@ -390,7 +400,7 @@ _MAX_SCALED_KV_HEADS = 16
 # 40). Measured up to 40 KV heads, which more keep: at 64 (MHA 64/64, twentieth round, mha64_auto_check.json
 # and _d64_auto_check.json) 40's floors served 51 points at 1.28x-10.3x, where the product would also serve
 # 1 x 8 x 500 at head 64 (8 rows, 0.95x).
-_MANY_KV_HEADS_ROW_HEADS = {MIN_BEAM_ROWS: 1024, MIN_BEAM_ROWS_LONG_PROMPT: 512}
+_MANY_KV_HEADS_ROW_HEADS = {MIN_BEAM_ROWS: 1024, MIN_BEAM_ROWS_GQA1_SHORT_PROMPT: 1024, MIN_BEAM_ROWS_LONG_PROMPT: 512}
 _MAX_MEASURED_KV_HEADS = 40
 #: Fewer beam rows are still served by FlashInfer's split prompt from this many ``R x W x P`` tokens.
 MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60_000
@@ -603,6 +613,8 @@ def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim
         return MIN_BEAM_ROWS_LONG_PROMPT
     if head_dim is not None and head_dim > 128 and not (head_dim == 256 and group in _SHORT_ROWS_HEAD_256_GROUPS):
         return MIN_BEAM_ROWS_HEAD_256
+    if group == 1 and head_dim in (None, 128) and (prompt_len is None or float(prompt_len) < GQA1_SHORT_PROMPT):
+        return MIN_BEAM_ROWS_GQA1_SHORT_PROMPT
     return MIN_BEAM_ROWS
 
 
@@ -627,7 +639,7 @@ def _few_rows_refit_min_prompt(group: Optional[int], beam_width: Optional[int] =
     ``beam_width`` (``None``: as wide)."""
     least = FEW_ROWS_REFIT_GQA2_MIN_PROMPT if group == 2 else FEW_ROWS_REFIT_MIN_PROMPT
     if beam_width is not None and int(beam_width) < FEW_ROWS_REFIT_SHORT_PROMPT_FROM:
-        least = max(least, FEW_ROWS_REFIT_NARROW_MIN_PROMPT)
+        least = max(least, FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT)
     return least
 
 
@@ -660,7 +672,7 @@ def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], nu
     more beams would meet."""
     scaled = _kv_heads_note(base, num_kv_heads, head_dim)
     refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
-    where = f"at head {head_dim} with {group} query heads per KV head"
+    where = f"at head {head_dim or 128} with {group} query heads per KV head"
     if base == MIN_BEAM_ROWS_HEAD_256:
         scaled += f" at head {head_dim}"
     if base == MIN_BEAM_ROWS_HEAD_128_REFIT:
@@ -674,6 +686,11 @@ def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], nu
                    f"{FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT}; this one is {float(prompt_len):.0f})")
     elif base == MIN_BEAM_ROWS_LONG_PROMPT:
         scaled += f" at a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
+    elif base == MIN_BEAM_ROWS_GQA1_SHORT_PROMPT:
+        usual = _row_floor(MIN_BEAM_ROWS, num_kv_heads, head_dim)
+        prompt = "unknown" if prompt_len is None else f"{float(prompt_len):.0f}"
+        scaled += (f" {where.replace('1 query heads', 'one query head')} under a mean prompt of {GQA1_SHORT_PROMPT} "
+                   f"tokens ({usual} from {GQA1_SHORT_PROMPT}; this one is {prompt})")
     elif beam_width < FEW_ROWS_REFIT_NARROWEST and _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads):
         scaled += f" ({refit} from {FEW_ROWS_REFIT_NARROWEST} beams {where}; this one is {beam_width} beams)"
     elif prompt_len is not None and _few_rows_refit_applies(math.inf, group, head_dim, num_kv_heads, beam_width):
