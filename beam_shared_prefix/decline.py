@@ -277,7 +277,7 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "FEW_ROWS_MIN_PROMPT", "MIN_BEAM_ROWS_HEAD_128_REFIT", "FEW_ROWS_REFIT_MIN_PROMPT",
            "MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW", "FEW_ROWS_REFIT_WIDE_FROM", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT",
            "FEW_ROWS_REFIT_NARROWEST", "FEW_ROWS_REFIT_SHORT_PROMPT_FROM", "FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT",
-           "MIN_BEAM_ROWS_GQA1_SHORT_PROMPT", "GQA1_SHORT_PROMPT", "FEW_ROWS_REFIT_GQA2_MIN_PROMPT",
+           "MIN_BEAM_ROWS_GQA1_SHORT_PROMPT", "GQA1_SHORT_PROMPT", "MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS", "FEW_ROWS_REFIT_GQA2_MIN_PROMPT",
            "MIN_BEAM_ROWS_HEAD_256_REFIT", "FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT", "FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT",
            "FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
@@ -337,13 +337,22 @@ FEW_ROWS_REFIT_MIN_PROMPT = 99
 MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW = 72
 FEW_ROWS_REFIT_WIDE_FROM = 10
 FEW_ROWS_REFIT_NARROW_MIN_PROMPT = 160
-#: 3-5 beams take the refit floor (384) only from :data:`FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT` tokens, and 2 beams
+#: 4-5 beams take the refit floor (384) only from :data:`FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT` tokens, and 2-3 beams
 #: never. Fifty-fifth round (``few_rows_round55_narrow_g{2,4}.json``, 16-48 requests of 3-5 beams at 200 and 800 tokens,
 #: GQA 16/8 and 32/8): every point from 384 row-KV-heads won, 1.15x-2.38x, where the older floors declined them (960
 #: under 500 tokens, 480 from it). Held-out 20 (``few_rows_heldout20_narrow_*.json``, predicted from 160 tokens: GQA
 #: 24/8, 16/2 and 8/4) served 3 of its 20 points at 160-180 tokens under the margin (96 x 3 at 16/2: 1.04x; 32 x 5
-#: and 48 x 4 at 8/4: 1.09x), while at 350-800 tokens every point from 384 won (1.16x-1.95x).
-FEW_ROWS_REFIT_NARROWEST = 3
+#: and 48 x 4 at 8/4: 1.09x), while at 350-800 tokens every point from 384 won (1.16x-1.95x). Held-out 21
+#: (``few_rows_heldout21_narrow_*.json``, from 350 tokens) served 4-5 beams at 1.26x-1.82x, but 3 beams at 80 x 3 with 2
+#: KV heads (4/2) at 380 and 550 tokens at 1.11x and 1.02x; ``few_rows_round55_w3_g{2,6}_kv2.json`` then found 80 x 3 at
+#: 2 KV heads slower than per-beam decode at 500-2,000 tokens (0.87x-1.03x at 4/2, 0.93x-0.98x at 12/2; 160 programs, a
+#: second wave a fifth full) where 64 x 3 and 96 x 3 won (1.12x-1.54x). 3 beams keep the older floors, but for
+#: :data:`MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS`.
+FEW_ROWS_REFIT_NARROWEST = 4
+#: 3 beams from :data:`FEW_ROWS_MIN_PROMPT` tokens need this many rows at 8 KV heads (``R x W x Hkv >= 576``, 192
+#: request-KV-head programs) instead of :data:`MIN_BEAM_ROWS_LONG_PROMPT` (480, 160 programs): 80 x 3 at 2 KV heads,
+#: which 480 served, ran 0.87x-1.03x at 500-2,000 tokens (above), 96 x 3 (576) 1.12x-1.26x.
+MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS = 72
 FEW_ROWS_REFIT_SHORT_PROMPT_FROM = 6
 FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT = 350
 #: GQA 1 at head 128 under :data:`GQA1_SHORT_PROMPT` tokens needs this many rows at 8 KV heads (``R x W x Hkv >=
@@ -610,7 +619,8 @@ def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim
         return head_256
     long_prompt = prompt_len is not None and float(prompt_len) >= FEW_ROWS_MIN_PROMPT
     if long_prompt and _long_prompt_floor_applies(group, head_dim):
-        return MIN_BEAM_ROWS_LONG_PROMPT
+        three_beams = beam_width is not None and int(beam_width) == 3
+        return MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS if three_beams else MIN_BEAM_ROWS_LONG_PROMPT
     if head_dim is not None and head_dim > 128 and not (head_dim == 256 and group in _SHORT_ROWS_HEAD_256_GROUPS):
         return MIN_BEAM_ROWS_HEAD_256
     if group == 1 and head_dim in (None, 128) and (prompt_len is None or float(prompt_len) < GQA1_SHORT_PROMPT):
@@ -677,6 +687,8 @@ def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], nu
         scaled += f" at head {head_dim}"
     if base == MIN_BEAM_ROWS_HEAD_128_REFIT:
         scaled += f" {where}"
+    elif base == MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS and beam_width == 3:
+        scaled += f" at 3 beams and a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
     elif base == MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW:
         scaled += (f" {where} and {beam_width} beams under a mean prompt of {FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens "
                    f"({refit} from {FEW_ROWS_REFIT_WIDE_FROM} beams or {FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens; this one "

@@ -77,7 +77,7 @@ def test_few_beam_rows_are_declined():
     reason = should_decline(2, 30, 499, 2, 2, 128, one_launch=True)
     assert "60 beam rows < 480 (120 x 8 / 2 KV heads) (240 from a mean prompt of 500 tokens; this one is 499)" in reason
     assert "16 beam rows < 240 (60 x 8 / 2 KV heads) at a mean prompt of 500 tokens or more" in should_decline(
-        2, 8, 500, 4, 2, 128)
+        2, 8, 500, 2, 2, 128)
     # (GQA 2 with 4-8 KV heads takes the fifty-fourth round's floor from 160 tokens: 48 rows at 8 KV heads)
     reason = should_decline(2, 30, 150, 16, 8, 128, one_launch=True)
     assert "60 beam rows < 120 (48 from a mean prompt of 160 tokens at head 128 with 2 query heads" in reason
@@ -99,8 +99,8 @@ def test_head_256_needs_more_rows_at_short_prompts():
 
     assert MIN_BEAM_ROWS_HEAD_256 == 240 and MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256 == 30_000
     assert [min_beam_rows(h, 100, 2, 256) for h in (4, 8, 16, 32)] == [480, 240, 120, 120]
-    assert [min_beam_rows(h, 500, 2, 256) for h in (4, 8, 16, 32)] == [120, 60, 30, 30]
-    assert [min_beam_rows(8, 500, g, 256) for g in (1, 3, 5, 6, 7, 8, 16)] == [60, 60, 60, 60, 60, 60, 240]
+    assert [min_beam_rows(h, 500, 2, 256) for h in (4, 8, 16, 32)] == [96, 48, 30, 30]  # (the fifty-fifth round's)
+    assert [min_beam_rows(8, 500, g, 256) for g in (1, 3, 5, 6, 7, 8, 16)] == [60, 48, 48, 48, 48, 48, 240]
     assert [min_beam_rows(8, 100, g, 256) for g in (1, 2, 3, 4, 5, 6, 7, 8, 16)] == [240, 240] + [120] * 6 + [240]
     assert min_beam_rows(2, 100, 8, 256) == 480  # GQA 16/2: 16 x 30 at 100 tokens, 1.44x; 64 x 4, 0.99x
     assert should_decline(16, 4, 500, 32, 8, 256, split_kv=True) is None  # 64 rows at GQA 4: 1.22x
@@ -174,11 +174,11 @@ def test_fewer_kv_heads_need_more_beam_rows():
     assert should_decline(1, 30, 500, 32, 16, 128) is None  # 30 rows from 500 tokens at 16 KV heads: 1.50x
     assert "30 beam rows < 60 (120 x 8 / 16 KV heads)" in should_decline(1, 30, 500, 16, 16, 64)  # GQA 1, head 64: 0.90x
     assert should_decline(1, 16, 2000, 32, 16, 128, split_kv=True) is None  # 32,000 >= 60,000 x 8 / 16: 1.55x
-    reason = should_decline(16, 8, 2000, 4, 2, 128)
+    reason = should_decline(16, 8, 2000, 2, 2, 128)
     assert "128 beam rows < 240 (60 x 8 / 2 KV heads) at a mean prompt of 500 tokens or more" in reason
     # (GQA 16/2 takes the fifty-fourth round's floor at groups 3-8: 192 rows at 2 KV heads)
     assert "128 beam rows < 192 (48 x 8 / 2 KV heads)" in should_decline(16, 8, 2000, 16, 2, 128)
-    assert "120 beam rows < 480 (120 x 8 / 2 KV heads)" in should_decline(4, 30, 400, 4, 2, 128)
+    assert "120 beam rows < 480 (120 x 8 / 2 KV heads)" in should_decline(4, 30, 400, 2, 2, 128)
     assert should_decline(16, 30, 400, 16, 2, 128) is None  # 480 rows
     assert should_decline(8, 30, 500, 12, 2, 128) is None  # 240 rows from 500 tokens: 1.44x
     assert should_decline(4, 30, 500, 28, 4, 128) is None  # 120 rows at 4 KV heads: 1.45x
@@ -221,18 +221,62 @@ def test_head_128_few_rows_floor_on_the_current_kernels():
     assert should_decline(6, 8, 180, 24, 8, 128, one_launch=True) is None  # 384 from 160 tokens: 1.42x
     assert should_decline(6, 8, 160, 40, 8, 128, one_launch=True) is None  # 384 at 160 tokens: 1.28x
     assert should_decline(6, 10, 110, 24, 8, 128) is None  # 10 beams: the wide floor
-    assert "(48 from 6 beams at head 128 with 3 query heads per KV head; this one is 5 beams)" in should_decline(
-        16, 5, 300, 24, 8, 128)
+    assert "(48 from a mean prompt of 350 tokens at head 128 with 3 query heads per KV head; this one is 300)" in (
+        should_decline(16, 5, 300, 24, 8, 128))
+    assert "(48 from 4 beams at head 128 with 3 query heads per KV head; this one is 3 beams)" in should_decline(
+        16, 3, 400, 24, 8, 128)
     assert [min_beam_rows(8, p, 3, 128, w) for w, p in ((5, 300), (6, 159), (9, 159), (9, 160), (10, 99))] == [
         120, 72, 72, 48, 48]
     # where it was not measured the older floors stand
     assert "57 beam rows < 120" in should_decline(3, 19, 98, 32, 8, 128)  # under 99 tokens
     assert "57 beam rows < 120" in should_decline(3, 19, 150, 16, 8, 128)  # group 2 under 160 tokens (8 x 8 x 100)
     assert should_decline(3, 19, 437, 16, 8, 128) is None  # group 2 from 160 tokens, 4-8 KV heads: 456
-    assert "57 beam rows < 480" in should_decline(3, 19, 437, 4, 2, 128)  # group 2 at 2 KV heads
+    assert "57 beam rows < 192" in should_decline(3, 19, 437, 4, 2, 128)  # group 2 at 2 KV heads (fifty-fifth round)
+    assert "57 beam rows < 480" in should_decline(3, 19, 150, 4, 2, 128)  # ... under 160 tokens
     assert "beam rows < 120" in should_decline(3, 19, 437, 72, 8, 128)  # group 9
     assert "beam rows < 120" in should_decline(3, 19, 437, 32, 8, 64)  # head 64
     assert min_beam_rows(16, 437, 4, 128) == 60 and min_beam_rows(1, 437, 4, 128) == 960
+
+
+def test_few_rows_floors_of_the_fifty_fifth_round():
+    """Head 256 (``few_rows_round55_{g4_d256,g8_kv2_d256,g2_d256}.json``): ``R x W x Hkv >= 640`` from 200 tokens (GQA 2
+    from 300) and 384 from 400, at groups 2-8, 2-8 KV heads and 10 beams or more (16/2 at 200-300 tokens: 384-512
+    0.95x-1.11x, 640 1.32x). GQA 2 at head 128 with 2-3 KV heads takes 384 from 160 tokens (4/2, 6/3: 1.10x-2.55x from
+    320). 4-5 beams take 384 from 350 tokens (held-out 20: 1.04x-1.09x at 160-180), 3 beams never, and from 500 tokens
+    576 (80 x 3 at 2 KV heads, 480: 0.87x-1.03x). GQA 1 at head 128 needs 1,024 under 200 tokens (960: 1.06x-1.09x)."""
+    from beam_shared_prefix.decline import min_beam_rows
+
+    # head 256
+    assert should_decline(4, 20, 200, 32, 8, 256, split_kv=True) is None  # 640 at 200 tokens: 1.40x
+    assert "48 beam rows < 80 at head 256 with 4 query heads per KV head under a mean prompt of 400 tokens (48 from " \
+        "400; this one is 300)" in should_decline(3, 16, 300, 32, 8, 256)  # 384: 1.16x, no margin
+    assert should_decline(12, 16, 450, 16, 2, 256, split_kv=True) is None  # 384 from 400 tokens: 1.35x
+    assert "192 beam rows < 320 (80 x 8 / 2 KV heads)" in should_decline(12, 16, 300, 16, 2, 256)  # 1.11x
+    assert "(320 from a mean prompt of 200 tokens and 192 from 400 at head 256 with 8 query heads per KV head; " \
+        "this one is 120)" in should_decline(16, 16, 120, 16, 2, 256)  # 512 at 120 tokens: 0.92x
+    assert should_decline(4, 20, 300, 16, 8, 256, split_kv=True) is None  # GQA 2 from 300 tokens: 640, 1.83x
+    assert "beam rows < 80" not in (should_decline(4, 20, 250, 16, 8, 256) or "")  # GQA 2 under 300: not the refit
+    assert [min_beam_rows(8, p, g, 256, 16) for g, p in ((4, 199), (4, 200), (2, 299), (2, 300), (4, 400), (1, 400))] \
+        == [120, 80, 240, 80, 48, 240]
+    assert min_beam_rows(8, 400, 4, 256, 9) == 120 and min_beam_rows(16, 400, 4, 256, 16) == 60  # 9 beams; 16 KV heads
+    # GQA 2 at head 128 with 2-3 KV heads
+    assert should_decline(24, 10, 170, 4, 2, 128, one_launch=True) is None  # 480: 1.31x
+    assert "160 beam rows < 192" in should_decline(16, 10, 170, 4, 2, 128, one_launch=True)  # 320: 1.10x
+    assert should_decline(16, 10, 170, 6, 3, 128, one_launch=True) is None  # 480 (160 rows >= 128): 1.30x
+    assert "120 beam rows < 128 (48 x 8 / 3 KV heads)" in should_decline(12, 10, 170, 6, 3, 128)  # 360: 1.25x, margin
+    # 3-5 beams
+    assert should_decline(48, 4, 350, 8, 4, 128, one_launch=True) is None  # 768 from 350 tokens: 1.33x
+    assert "(96 from a mean prompt of 350 tokens" in should_decline(48, 4, 160, 8, 4, 128, one_launch=True)  # 1.09x
+    assert "240 beam rows < 288 (72 x 8 / 2 KV heads) at 3 beams and a mean prompt of 500 tokens or more" in (
+        should_decline(80, 3, 1000, 4, 2, 128, one_launch=True))  # 0.93x
+    assert should_decline(96, 3, 1000, 4, 2, 128, one_launch=True) is None  # 576: 1.18x
+    # GQA 1 at head 128
+    assert "120 beam rows < 128 at head 128 with one query head per KV head under a mean prompt of 200 tokens (120 " \
+        "from 200; this one is 150)" in should_decline(6, 20, 150, 8, 8, 128, one_launch=True)  # 960: 1.06x
+    assert should_decline(8, 16, 100, 8, 8, 128, one_launch=True) is None  # 1,024: 1.12x
+    assert should_decline(6, 20, 200, 8, 8, 128, one_launch=True) is None  # 960 from 200 tokens: 1.17x
+    assert [min_beam_rows(h, 150, 1, 128) for h in (2, 4, 16, 32)] == [512, 256, 64, 32]  # 1,024 above 16 KV heads too
+    assert should_decline(2, 16, 100, 32, 32, 128) is None  # MHA 32/32, 1,024 row-heads: 1.17x
 
 
 def test_more_than_16_kv_heads_count_row_heads():
@@ -425,7 +469,10 @@ def _grid_points(pattern):
     ("few_rows_heldout17_*.json", "library/auto", 1.10, 48, 30),  # groups 3-8 at 6-8 beams (the narrow floor's data)
     ("few_rows_heldout18_*.json", "library/auto", 1.10, 56, 36),  # the narrow floor's held-out set
     ("few_rows_heldout19_*.json", "library/auto", 1.10, 44, 26),  # GQA 2 from 160 tokens: its held-out set
-    ("few_rows_round54_*.json", "library/auto", 1.10, 204, 60),  # groups 2, 3 and 8, heads 64 and 256, 16 KV heads
+    ("few_rows_round54_*.json", "library/auto", 1.10, 204, 62),  # groups 2, 3 and 8, heads 64 and 256, 16 KV heads
+    ("few_rows_round55_*.json", "library/auto", 1.10, 200, 121),  # head 256, GQA 1-2, 3-5 beams (fifty-fifth round)
+    ("few_rows_heldout20_*.json", "library/auto", 1.10, 96, 46),  # their held-out set
+    ("few_rows_heldout21_*.json", "library/auto", 1.10, 58, 30),  # the second, after the 3-5-beam and GQA 1 changes
 ])
 def test_rule_agrees_with_the_h200_grids(pattern, arm, margin, points_measured, points_served):
     """Every grid point the rule serves was at least ``margin`` x faster than per-beam decode, with the
