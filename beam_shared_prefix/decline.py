@@ -94,8 +94,11 @@ stays at 960.
 
 Those floors were the smallest products measured that won on the kernels of their day. On the current kernels the
 fifty-third and fifty-fourth rounds re-timed them at head 128 (``few_rows_round5{3,4}_*.json``, held-out 16-19). With
-groups of 3-8 and 2-8 KV heads, ``R x W x Hkv >= 384`` serves from 99 tokens at 10 beams or more and from 160 tokens at
-6-9 beams; at 6-9 beams under 160 tokens the product is 576. GQA 2 with 4-8 KV heads takes 384 from 160 tokens
+groups of 3-8 and 2-8 KV heads, ``R x W x Hkv >= 384`` serves from 99 tokens at 10 beams or more, from 160 tokens at
+6-9 beams and from 350 at 4-5; at 6-9 beams under 160 tokens the product is 576. GQA 2 with 2-8 KV heads takes 384 from
+160 tokens. The fifty-fifth round added head 256 (groups 2-8, 2-8 KV heads, 10 beams or more: 640 from 200 tokens,
+GQA 2 from 300, and 384 from 400), 3 beams' long-prompt floor (576 from 500 tokens, where 480 served 80 x 3 at 2 KV
+heads at 0.87x-1.03x) and GQA 1's short-prompt one (1,024 under 200 tokens, where 960 ran 1.06x-1.09x)
 (:data:`MIN_BEAM_ROWS_HEAD_128_REFIT` and the constants after it hold the data).
 
 More KV heads need fewer rows, down to 16 KV heads' floors (sixteenth round,

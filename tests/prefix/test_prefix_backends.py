@@ -1787,3 +1787,24 @@ def test_step_path_follows_the_installed_backends(monkeypatch, installed, reques
     # Head 256: FlashInfer's whenever it is installed, whatever was asked (the others fall back to it)
     head_256 = (True, False) if "flashinfer" in installed else (False, False)
     assert select.step_path(requested, 2, 2000, 16, 8, 30, 256) == head_256
+
+
+def test_narrow_beams_at_group_4_follow_the_waves_on_the_h200_grid():
+    """Round 55, 24-48 requests of 3 beams at GQA 32/8, head 128, 600 and 2,000 tokens (``w3_g4_backends_round55.json``,
+    graph replays, one beam block a request). Where the cascade's programs run a second wave (272-384 of them, a wave
+    balance of 0.75) FA4 + tail was 6-13% faster at every point and ``auto`` leaves the cascade; at 192 programs
+    (balance 1.0) the cascade was 9-10% faster and ``auto`` keeps it."""
+    from beam_shared_prefix.prefix.select import CASCADE_NARROW_BEAMS_MIN_BALANCE, cascade_preferred, wave_balance
+
+    taken, left = [], []
+    for _, s, prompt, arms in grid_points("w3_g4_backends_round55.json"):
+        g = s["heads"] // s["kv_heads"]
+        picked, why = cascade_preferred(prompt, s["heads"], s["kv_heads"], s["beams"], 128, s["requests"], s["tail"])
+        balance = wave_balance(s["requests"], s["kv_heads"], s["beams"], g, 128, num_sms=132)
+        assert picked == (balance >= CASCADE_NARROW_BEAMS_MIN_BALANCE[(g, 128)]), (s["name"], why)
+        ratio = arms["library/auto"]["time_us"] / arms["library/fa4"]["time_us"]  # the cascade's time over FA4's
+        (taken if picked else left).append(ratio)
+        if not picked:
+            assert "waves are 0.75 as full" in why, why
+    assert (len(taken), len(left)) == (2, 6)
+    assert max(taken) < 0.95 and min(left) > 1.05, (taken, left)
