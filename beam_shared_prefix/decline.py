@@ -280,9 +280,10 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "FEW_ROWS_MIN_PROMPT", "MIN_BEAM_ROWS_HEAD_128_REFIT", "FEW_ROWS_REFIT_MIN_PROMPT",
            "MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW", "FEW_ROWS_REFIT_WIDE_FROM", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT",
            "FEW_ROWS_REFIT_NARROWEST", "FEW_ROWS_REFIT_SHORT_PROMPT_FROM", "FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT",
-           "MIN_BEAM_ROWS_GQA1_SHORT_PROMPT", "GQA1_SHORT_PROMPT", "MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS", "FEW_ROWS_REFIT_GQA2_MIN_PROMPT",
-           "MIN_BEAM_ROWS_HEAD_256_REFIT", "FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT", "FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT",
-           "FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT",
+           "MIN_BEAM_ROWS_GQA1_SHORT_PROMPT", "GQA1_SHORT_PROMPT", "MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS",
+           "FEW_ROWS_REFIT_GQA2_MIN_PROMPT",
+           "MIN_BEAM_ROWS_HEAD_256_REFIT", "FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT",
+           "FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT", "FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
            "NARROW_BEAMS_MANY_KV_HEADS_MIN_PROMPT", "NARROW_BEAMS_MEASURED_KV_HEADS", "narrow_beams_min_prompt",
            "TAIL_MEASURED_LEN", "TAIL_MIN_PROMPT_PER_TOKEN", "TAIL_MIN_PROMPT_PER_TOKEN_FEW_KV_HEADS",
@@ -344,7 +345,7 @@ FEW_ROWS_REFIT_NARROW_MIN_PROMPT = 160
 #: never. Fifty-fifth round (``few_rows_round55_narrow_g{2,4}.json``, 16-48 requests of 3-5 beams at 200 and 800 tokens,
 #: GQA 16/8 and 32/8): every point from 384 row-KV-heads won, 1.15x-2.38x, where the older floors declined them (960
 #: under 500 tokens, 480 from it). Held-out 20 (``few_rows_heldout20_narrow_*.json``, predicted from 160 tokens: GQA
-#: 24/8, 16/2 and 8/4) served 3 of its 20 points at 160-180 tokens under the margin (96 x 3 at 16/2: 1.04x; 32 x 5
+#: 24/8, 16/2 and 8/4) served 3 of its 28 points at 160-180 tokens under the margin (96 x 3 at 16/2: 1.04x; 32 x 5
 #: and 48 x 4 at 8/4: 1.09x), while at 350-800 tokens every point from 384 won (1.16x-1.95x). Held-out 21
 #: (``few_rows_heldout21_narrow_*.json``, from 350 tokens) served 4-5 beams at 1.26x-1.82x, but 3 beams at 80 x 3 with 2
 #: KV heads (4/2) at 380 and 550 tokens at 1.11x and 1.02x; ``few_rows_round55_w3_g{2,6}_kv2.json`` then found 80 x 3 at
@@ -356,6 +357,8 @@ FEW_ROWS_REFIT_NARROWEST = 4
 #: request-KV-head programs) instead of :data:`MIN_BEAM_ROWS_LONG_PROMPT` (480, 160 programs): 80 x 3 at 2 KV heads,
 #: which 480 served, ran 0.87x-1.03x at 500-2,000 tokens (above), 96 x 3 (576) 1.12x-1.26x.
 MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS = 72
+#: Under this many beams (and from :data:`FEW_ROWS_REFIT_NARROWEST`) the refit floor needs
+#: :data:`FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT` tokens.
 FEW_ROWS_REFIT_SHORT_PROMPT_FROM = 6
 FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT = 350
 #: GQA 1 at head 128 under :data:`GQA1_SHORT_PROMPT` tokens needs this many rows at 8 KV heads (``R x W x Hkv >=
@@ -367,7 +370,8 @@ MIN_BEAM_ROWS_GQA1_SHORT_PROMPT = 128
 GQA1_SHORT_PROMPT = 200
 _FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
 _FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
-#: GQA 2 at head 128 takes the same floor (384) with 2-8 KV heads from this mean prompt, at 3 beams or more.
+#: GQA 2 at head 128 takes the same floor (384) with 2-8 KV heads from this mean prompt, at 4 beams or more (4-5 from
+#: :data:`FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT`).
 #: Fifty-fourth round: at 8 KV heads (16/8) every point from 288 row-KV-heads won from 150 tokens at 10-19 beams (1.18x-2.15x,
 #: ``few_rows_round54_g2_kv8.json``) and from 180 at 6-8 (1.18x-1.62x, ``_g2_kv8_narrow``), but at 100 tokens 6-8 beams
 #: lost up to 576 (0.80x-0.99x) and 768 ran 1.06x; at 4 KV heads (8/4, ``_g2_kv4``) 320-480 lost at 120 tokens
@@ -595,9 +599,12 @@ def min_beam_rows(num_kv_heads: Optional[int], prompt_len: Optional[float] = Non
     :data:`MIN_BEAM_ROWS_LONG_PROMPT`, scaled the same way, at head 128 (``head_dim`` ``None`` counts as
     128), at head 64 for GQA ``group`` 2-4 and at head 256 for GQA 1-8 (fifteenth and seventeenth
     to twentieth rounds; the module docstring has the data). At head 128, groups 3-8 and 2-8 KV heads the
-    fifty-third and fifty-fourth rounds' floor (:data:`MIN_BEAM_ROWS_HEAD_128_REFIT`) replaces both from 99 tokens at
-    ``beam_width`` 10 or more (``None``: not judged, as wide) and from 160 at 6-9 beams, where under 160 tokens
-    :data:`MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW` does."""
+    fifty-third to fifty-fifth rounds' floor (:data:`MIN_BEAM_ROWS_HEAD_128_REFIT`) replaces both from 99 tokens at
+    ``beam_width`` 10 or more (``None``: not judged, as wide), from 160 at 6-9 beams, where under 160 tokens
+    :data:`MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW` does, and from 350 at 4-5 (GQA 2 from 160 tokens). 3 beams take
+    :data:`MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS` from 500 tokens, GQA 1 at head 128
+    :data:`MIN_BEAM_ROWS_GQA1_SHORT_PROMPT` under 200, and head 256 at groups 2-8 :data:`MIN_BEAM_ROWS_HEAD_256_REFIT`
+    from 200 tokens and :data:`MIN_BEAM_ROWS_HEAD_128_REFIT` from 400 (fifty-fifth round)."""
     return _row_floor(_beam_rows_floor(prompt_len, group, head_dim, num_kv_heads, beam_width), num_kv_heads,
                       head_dim)
 
@@ -637,8 +644,8 @@ def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], h
     :data:`MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW` at 6-9 beams and short prompts) apply: head 128, a known group of 3-8
     (GQA 2 from :data:`FEW_ROWS_REFIT_GQA2_MIN_PROMPT` tokens), 2-8 KV heads, a mean prompt of at least
     :data:`FEW_ROWS_REFIT_MIN_PROMPT` and at least :data:`FEW_ROWS_REFIT_NARROWEST` beams (``None``: not judged),
-    under :data:`FEW_ROWS_REFIT_SHORT_PROMPT_FROM` beams from :data:`FEW_ROWS_REFIT_NARROW_MIN_PROMPT` tokens: where
-    they were measured."""
+    under :data:`FEW_ROWS_REFIT_SHORT_PROMPT_FROM` beams from :data:`FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT` tokens:
+    where they were measured."""
     if beam_width is not None and int(beam_width) < FEW_ROWS_REFIT_NARROWEST:
         return False
     if head_dim != 128 or num_kv_heads is None or prompt_len is None:
@@ -685,7 +692,8 @@ def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], nu
     more beams would meet."""
     scaled = _kv_heads_note(base, num_kv_heads, head_dim)
     refit = _row_floor(MIN_BEAM_ROWS_HEAD_128_REFIT, num_kv_heads, head_dim)
-    where = f"at head {head_dim or 128} with {group} query heads per KV head"
+    per_kv_head = "one query head" if group == 1 else f"{group} query heads"
+    where = f"at head {head_dim or 128} with {per_kv_head} per KV head"
     if base == MIN_BEAM_ROWS_HEAD_256:
         scaled += f" at head {head_dim}"
     if base == MIN_BEAM_ROWS_HEAD_128_REFIT:
@@ -694,8 +702,8 @@ def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], nu
         scaled += f" at 3 beams and a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
     elif base == MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW:
         scaled += (f" {where} and {beam_width} beams under a mean prompt of {FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens "
-                   f"({refit} from {FEW_ROWS_REFIT_WIDE_FROM} beams or {FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens; this one "
-                   f"is {float(prompt_len):.0f})")
+                   f"({refit} from {FEW_ROWS_REFIT_WIDE_FROM} beams or {FEW_ROWS_REFIT_NARROW_MIN_PROMPT} tokens; "
+                   f"this one is {float(prompt_len):.0f})")
     elif base == MIN_BEAM_ROWS_HEAD_256_REFIT:
         scaled += (f" {where} under a mean prompt of {FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT} tokens ({refit} from "
                    f"{FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT}; this one is {float(prompt_len):.0f})")
@@ -704,8 +712,8 @@ def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], nu
     elif base == MIN_BEAM_ROWS_GQA1_SHORT_PROMPT:
         usual = _row_floor(MIN_BEAM_ROWS, num_kv_heads, head_dim)
         prompt = "unknown" if prompt_len is None else f"{float(prompt_len):.0f}"
-        scaled += (f" {where.replace('1 query heads', 'one query head')} under a mean prompt of {GQA1_SHORT_PROMPT} "
-                   f"tokens ({usual} from {GQA1_SHORT_PROMPT}; this one is {prompt})")
+        scaled += (f" {where} under a mean prompt of {GQA1_SHORT_PROMPT} tokens ({usual} from {GQA1_SHORT_PROMPT}; "
+                   f"this one is {prompt})")
     elif beam_width < FEW_ROWS_REFIT_NARROWEST and _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads):
         scaled += f" ({refit} from {FEW_ROWS_REFIT_NARROWEST} beams {where}; this one is {beam_width} beams)"
     elif prompt_len is not None and _few_rows_refit_applies(math.inf, group, head_dim, num_kv_heads, beam_width):
