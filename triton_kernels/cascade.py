@@ -57,8 +57,13 @@ __all__ = [
 # 256 would need its own tiling (a 64 x 256 fp32 accumulator is 128 registers per thread at 4 warps)
 # and is left to the prefix backend + tail kernel path.
 SUPPORTED_HEAD_DIMS = (64, 128)
-# tl.dot needs 16 rows/columns: a tile holds at least 16 beams (padding beams are masked).
+# The default tilings hold at least 16 beams a program (padding beams are masked).
 MIN_BEAMS_PER_PROGRAM = 16
+# tl.dot needs 16 rows: an explicit launch_config may hold fewer beams (``tune_cascade --beams 4,8``) while its tile has
+# at least this many query rows (beams x padded group). Fifty-fifth round, on CPU only: 4- and 8-beam tiles match the
+# oracle under the interpreter, and at W = 3, G = 4, head 128 the 4-beam tile compiles for sm_90 to 168 registers and
+# 70 KB of shared memory (three programs a multiprocessor) against the 16-beam tile's 255 and 80-112 KB (two).
+MIN_BLOCK_M = 16
 # Prompt tokens per iteration: at least two tensor-core tiles.
 MIN_BLOCK_N = 32
 # Columns of a tail key block (tail_block x beams per program): 16 failed to compile on Triton 3.6.
@@ -90,8 +95,9 @@ class CascadeLaunchConfig:
     """Tiling of one cascade launch.
 
     Attributes:
-        beams_per_program: beams of one request in one program (a power of two >= 16); the tile has
-            ``beams_per_program * group_pad`` query rows, and each program reads the request's prompt.
+        beams_per_program: beams of one request in one program (a power of two, 16 or more in the default
+            tilings); the tile has ``beams_per_program * group_pad`` query rows (at least :data:`MIN_BLOCK_M`), and
+            each program reads the request's prompt.
         group_pad: ``G`` rounded up to a power of two.
         block_n: prompt tokens per loop iteration (a power of two >= 32).
         tail_block: earlier tail positions per key block (a power of two).
@@ -346,10 +352,11 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int,
     for name in ("beams_per_program", "group_pad", "block_n", "tail_block", "num_warps", "heads_per_program"):
         if not _is_pow2(getattr(cfg, name)):
             raise TailMergeInputError(f"launch_config.{name}={getattr(cfg, name)!r} must be a power of two >= 1.")
-    if cfg.beams_per_program < MIN_BEAMS_PER_PROGRAM or cfg.block_n < MIN_BLOCK_N:
+    if cfg.block_m < MIN_BLOCK_M or cfg.block_n < MIN_BLOCK_N:
         raise TailMergeInputError(
-            f"launch_config has beams_per_program={cfg.beams_per_program}, block_n={cfg.block_n}; they must be >= "
-            f"{MIN_BEAMS_PER_PROGRAM} and >= {MIN_BLOCK_N} (tensor-core tiles).")
+            f"launch_config has beams_per_program={cfg.beams_per_program} x group_pad={cfg.group_pad} = {cfg.block_m} "
+            f"query rows and block_n={cfg.block_n}; they must be >= {MIN_BLOCK_M} and >= {MIN_BLOCK_N} (tensor-core "
+            f"tiles): use more beams a program.")
     if not cfg.tail_on_cores and cfg.tail_block * cfg.beams_per_program < MIN_TAIL_COLUMNS:
         raise TailMergeInputError(
             f"launch_config has tail_block={cfg.tail_block} x beams_per_program={cfg.beams_per_program} = "

@@ -144,6 +144,12 @@ TILINGS = [
                                                          tail_on_cores=True)),
     # GQA 3-4's 32-beam tile at head 64 (the default where many programs run): 18 beams in one 128-row tile.
     ("wide_group_head_64", cascade_launch_config(30, 4, 64, None, 64, 8, 132)),
+    # Narrow tiles for narrow beams (tune_cascade only; the defaults keep 16 beams): 16 query rows of 4 beams with the
+    # core tail, and 8 beams on tensor cores (32 tail key columns) with the shared-ancestry path from 2 cached tokens.
+    ("four_beam_tile", CascadeLaunchConfig(4, 4, block_n=64, tail_block=4, num_warps=4, num_stages=1, prompt_stages=2,
+                                           tail_on_cores=True)),
+    ("eight_beam_tile_shared_ancestry", CascadeLaunchConfig(8, 4, block_n=32, tail_block=4, num_warps=4, num_stages=1,
+                                                            shared_min_tail=2)),
     # A register cap (maxnreg, CUDA only: the interpreter has no registers) forces spills.
     ("wide_group_pad_capped", CascadeLaunchConfig(16, 8, block_n=64, tail_block=2, num_warps=8, num_stages=3,
                                                   max_registers=128)),
@@ -441,7 +447,7 @@ def test_refuses_shapes_it_does_not_tile(device):
 @pytest.mark.parametrize("mutate,match", [
     (lambda a: a.update(prompt_page_table=a["prompt_page_table"].long()), "prompt_page_table has dtype int64"),
     (lambda a: a.update(prompt_page_table=a["prompt_page_table"][:1]), "R=2 requests"),
-    (lambda a: a.update(launch_config=CascadeLaunchConfig(8, 2)), "must be >= 16 and >= 32"),
+    (lambda a: a.update(launch_config=CascadeLaunchConfig(4, 2)), "= 8 query rows and block_n=64; they must be >= 16"),
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 1)), "group_pad=1 is smaller"),
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, tail_block=1)), "16 tail key columns"),
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, max_registers=32)), r"max_registers=32 .* \[64, 255\]"),
