@@ -415,15 +415,13 @@ def test_rule_agrees_with_the_wrapper_checks():
     points = served = long_tails = 0
     for name, s, arms, decode in _grid_points("*auto_check*.json"):
         lib = arms["library/auto"]
-        backend = lib["info"].get("backend")
         points += 1
-        if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
-                          one_launch=backend == "triton", split_kv=backend == "flashinfer", tail_len=s["tail"]) is None:
+        if _judged_as_run(s, lib, tail_len=s["tail"]) is None:
             served += 1
             long_tails += s["tail"] > TAIL_MEASURED_LEN
             speedup = decode / lib["time_us"]
             where = f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} T={s['tail']}"
-            assert speedup >= 1.10, f"{where} {backend} at {speedup:.2f}x"
+            assert speedup >= 1.10, f"{where} {lib['info'].get('backend')} at {speedup:.2f}x"
     assert points >= 1560 and served >= 900 and long_tails >= 580, (points, served, long_tails)
 
 
@@ -449,6 +447,14 @@ def test_superseded_grids_were_measured_again(old, new):
     times = {**{n: p[3]["library/auto"]["time_us"] for n, p in before.items()},
              **{p[1]["name"]: p[3]["library/auto"]["time_us"] for p in after}}
     assert [p[3]["library/auto"]["time_us"] for p in merged] == [times[n] for n in before]
+
+
+def _judged_as_run(s, lib, **kwargs):
+    """The rule's verdict on grid shape ``s`` on the path its arm ``lib`` ran: the cascade (``triton``), FlashInfer's
+    split prompt, or a prefix backend + the tail kernel."""
+    backend = lib["info"].get("backend")
+    return should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
+                          one_launch=backend == "triton", split_kv=backend == "flashinfer", **kwargs)
 
 
 def _grid_points(pattern):
@@ -484,10 +490,7 @@ def test_rule_agrees_with_the_h200_grids(pattern, arm, margin, points_measured, 
     served = 0
     for name, s, arms, decode in points:
         lib = arms[arm]
-        one_launch = lib["info"].get("backend") == "triton"
-        split_kv = lib["info"].get("backend") == "flashinfer"
-        if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
-                          one_launch=one_launch, split_kv=split_kv) is None:
+        if _judged_as_run(s, lib) is None:
             served += 1
             speedup = decode / lib["time_us"]
             where = f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']}"
@@ -528,9 +531,7 @@ def test_rule_serves_no_new_step_under_the_margin_across_every_h200_grid():
             if "library/auto" not in arms or s.get("tail", TAIL_MEASURED_LEN) > TAIL_MEASURED_LEN:
                 continue
             points += 1
-            backend = arms["library/auto"]["info"].get("backend")
-            if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
-                              one_launch=backend == "triton", split_kv=backend == "flashinfer") is None:
+            if _judged_as_run(s, arms["library/auto"]) is None:
                 served += 1
                 if decode / arms["library/auto"]["time_us"] < 1.10:
                     under.add((name, s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"]))
@@ -682,8 +683,7 @@ def test_tail_tables_hold_the_measured_crossovers():
         lib = arms["library/auto"]
         backend = lib["info"].get("backend")
         args = (s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"])
-        path = dict(one_launch=backend == "triton", split_kv=backend == "flashinfer")
-        if s["tail"] <= TAIL_MEASURED_LEN or should_decline(*args, tail_len=TAIL_MEASURED_LEN, **path) is not None:
+        if s["tail"] <= TAIL_MEASURED_LEN or _judged_as_run(s, lib, tail_len=TAIL_MEASURED_LEN) is not None:
             continue
         if decode / lib["time_us"] < 1.10:
             needs.append((args, 2 * s["prompt"] / s["tail"], f"{name}: {args} at {s['tail']} tokens (a loss)"))
