@@ -47,6 +47,8 @@ from .tail_merge_args import (
 __all__ = [
     "CascadeLaunchConfig",
     "cascade_launch_config",
+    "narrow_tile_beams",
+    "wide_launch_config",
     "cascade_supported",
     "shared_ancestry_reachable",
     "beam_cascade_attention",
@@ -57,12 +59,31 @@ __all__ = [
 # 256 would need its own tiling (a 64 x 256 fp32 accumulator is 128 registers per thread at 4 warps)
 # and is left to the prefix backend + tail kernel path.
 SUPPORTED_HEAD_DIMS = (64, 128)
-# The default tilings hold at least 16 beams a program (padding beams are masked).
+# The wide tilings hold at least 16 beams a program (padding beams are masked); narrow widths take fewer
+# (NARROW_TILE_BEAMS).
 MIN_BEAMS_PER_PROGRAM = 16
-# tl.dot needs 16 rows: an explicit launch_config may hold fewer beams (``tune_cascade --beams 4,8``) while its tile has
-# at least this many query rows (beams x padded group). Fifty-fifth round, on CPU only: 4- and 8-beam tiles match the
-# oracle under the interpreter, and at W = 3, G = 4, head 128 the 4-beam tile compiles for sm_90 to 168 registers and
-# 70 KB of shared memory (three programs a multiprocessor) against the 16-beam tile's 255 and 80-112 KB (two).
+# Narrow beam widths' tiles, ``{(head_dim, padded group): ((largest beam width, beams a program), ...)}``: a 16-beam tile
+# holding 3-8 beams runs 8-13 padding beams' rows through every tensor-core product, and its registers (253-255 at
+# G = 4, spills at G = 2 and 8) leave two programs a multiprocessor. On the H200 (CUDA graphs, L2 flushed, 4-token
+# tails; tune_cascade_narrow*_round56.json) against the 16-beam tile: D = 128, G = 2, 8 beams at 3-8 beams 1.15-1.46x
+# faster; G = 3-4, 4 beams at 3-4 beams 1.03-1.55x (154 registers, three a multiprocessor; 8 beams at 5-8 beams
+# 0.95-1.03x, so they keep 16); G = 5-8, 8 beams at 3-8 beams 1.66-2.11x (with cascade_launch_config's 4 warps and
+# 64-token blocks); D = 64, 8 beams at G = 2 1.18-1.75x, 4 beams at G = 4 and 8 at 3-4 beams 1.54-2.09x and 8 beams
+# at 5-8 beams 1.36-1.66x. One beam block still holds a request's beams, so the prompt is read once a KV head.
+NARROW_TILE_BEAMS = {
+    (128, 2): ((8, 8),),
+    (128, 4): ((4, 4),),
+    (128, 8): ((8, 8),),
+    (64, 2): ((8, 8),),
+    (64, 4): ((4, 4), (8, 8)),
+    (64, 8): ((4, 4), (8, 8)),
+}
+# G = 2's 8-beam tile at D = 128 takes this register cap where the launch's programs fit this many a multiprocessor
+# (else the 16-beam tile's 128, four a multiprocessor).
+NARROW_TILE_FEW_PROGRAMS_REGISTERS = 168
+NARROW_TILE_FEW_PROGRAMS_PER_SM = 3
+# tl.dot needs 16 rows: a tile of fewer than 16 beams (NARROW_TILE_BEAMS, or an explicit launch_config) has at least
+# this many query rows (beams x padded group).
 MIN_BLOCK_M = 16
 # Prompt tokens per iteration: at least two tensor-core tiles.
 MIN_BLOCK_N = 32
@@ -168,6 +189,48 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
                           max_tail_len: int | None = None) -> CascadeLaunchConfig:
     """The default tiling for a shape (requires :func:`cascade_supported`), from H200 sweeps
     (``python -m microbenchmarks.tune_cascade``; ``docs/results/h200/tune_cascade*.json``).
+
+    Narrow beam widths (:func:`narrow_tile_beams`: up to 4 or 8 beams, by group and head size) take the tiling of
+    :func:`wide_launch_config` with fewer beams a program (at least :data:`MIN_BLOCK_M` query rows), a tail key
+    block of at least :data:`MIN_TAIL_COLUMNS` columns, and 4 warps; at ``D = 128`` and G = 5-8 also 64-token prompt
+    blocks, and at G = 2 a cap of :data:`NARROW_TILE_FEW_PROGRAMS_REGISTERS` registers where the launch's programs
+    fit :data:`NARROW_TILE_FEW_PROGRAMS_PER_SM` a multiprocessor. Every other shape takes
+    :func:`wide_launch_config`'s tiling, and the arguments mean the same there.
+    """
+    wide = wide_launch_config(beam_width, group_size, head_dim, prompt_capacity, num_requests, num_kv_heads, num_sms,
+                              max_tail_len)
+    beams = narrow_tile_beams(beam_width, group_size, head_dim)
+    if beams is None:
+        return wide
+    tail_block = wide.tail_block if wide.tail_on_cores else max(wide.tail_block, MIN_TAIL_COLUMNS // beams)
+    cfg = dataclasses.replace(wide, beams_per_program=beams, tail_block=tail_block, num_warps=4)
+    if head_dim == 128 and wide.group_pad == 8:
+        # The 128-row tile's 8 warps and 128-token blocks were 1.1-1.2x faster than 16 beams; 4 warps and 64-token
+        # blocks (49 KB of shared memory) took the same 8 beams 1.5-1.8x further (tune_cascade_narrow_g8_warps_round56).
+        cfg = dataclasses.replace(cfg, block_n=64)
+    if head_dim == 128 and wide.group_pad == 2 and num_requests is not None and (
+            num_requests * num_kv_heads <= NARROW_TILE_FEW_PROGRAMS_PER_SM * num_sms):
+        # 168 registers spill nothing (128: 4 bytes) and fit three programs a multiprocessor: 3-8% faster where the
+        # launch fits such a wave (160-384 programs), 15% slower at 512 (a second wave; 128 registers fit four).
+        cfg = dataclasses.replace(cfg, max_registers=NARROW_TILE_FEW_PROGRAMS_REGISTERS)
+    return cfg
+
+
+def narrow_tile_beams(beam_width: int, group_size: int, head_dim: int) -> int | None:
+    """Beams a program of the narrow tile holds for ``beam_width`` beams at GQA ``group_size`` and ``head_dim``
+    (:data:`NARROW_TILE_BEAMS`), or ``None`` where the width takes :func:`wide_launch_config`'s tile."""
+    for max_width, beams in NARROW_TILE_BEAMS.get((head_dim, next_power_of_2(group_size)), ()):
+        if beam_width <= max_width:
+            return beams
+    return None
+
+
+def wide_launch_config(beam_width: int, group_size: int, head_dim: int,
+                       prompt_capacity: Optional[int] = None, num_requests: int | None = None,
+                       num_kv_heads: int = 1, num_sms: int = DEFAULT_MULTIPROCESSORS,
+                       max_tail_len: int | None = None) -> CascadeLaunchConfig:
+    """The tiling of 16 beams a program or more for a shape (requires :func:`cascade_supported`): the default
+    (:func:`cascade_launch_config`) wherever the width is not narrow.
 
     ``prompt_capacity`` is the prompt page table's width in tokens (``None``: unknown). It bounds
     every prompt of the launch and is a shape, known on the host without a sync; under CUDA graphs

@@ -16,9 +16,9 @@ import torch
 
 from .cascade import (
     _check_device,
-    cascade_launch_config,
     cascade_supported,
     cuda_sm_count,
+    wide_launch_config,
 )
 from .cascade_kernel import SHARED_BLOCK
 from .device_errors import check_error_flags
@@ -44,9 +44,10 @@ def shared_run_supported(group_size: int, head_dim: int) -> Tuple[bool, str]:
 
 def shared_run_tile(beam_width: int, group_size: int, head_dim: int) -> Tuple[int, int, int]:
     """``(beams per program, padded group, warps)``: the beam block of the cascade's default tiling for the
-    shape (a beam block is the set of beams whose common run is looked for, so wider blocks find shorter
-    runs), with 4 warps up to 64 query rows and 8 above."""
-    cfg = cascade_launch_config(beam_width, group_size, head_dim)
+    shape's wide tile (a beam block is the set of beams whose common run is looked for, so wider blocks find
+    shorter runs; narrow widths' tiles of fewer beams were not measured with this stage), with 4 warps up to 64
+    query rows and 8 above."""
+    cfg = wide_launch_config(beam_width, group_size, head_dim)
     return cfg.beams_per_program, cfg.group_pad, 4 if cfg.block_m <= 64 else 8
 
 

@@ -791,19 +791,19 @@ BACKEND_CLASSES: Dict[str, Type[PrefixBackend]] = {
 
 def _beams_per_block(group_size: int, head_dim: int) -> int:
     """Beams one cascade program holds at the widest beam widths (its tile's cap)."""
-    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
+    from triton_kernels.cascade import wide_launch_config  # deferred: triton is imported on first use
 
-    return cascade_launch_config(1 << 16, group_size, head_dim).beams_per_program
+    return wide_launch_config(1 << 16, group_size, head_dim).beams_per_program
 
 
 def one_beam_block(beam_width: Optional[int], group_size: int, head_dim: int) -> bool:
     """Whether one cascade program's beam block holds all ``W`` beams of a request (``False`` when ``W``
     is unknown), i.e. whether the cascade reads each prompt once per KV head."""
-    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
+    from triton_kernels.cascade import wide_launch_config  # deferred: triton is imported on first use
 
     if beam_width is None:
         return False
-    return beam_width <= cascade_launch_config(int(beam_width), group_size, head_dim).beams_per_program
+    return beam_width <= wide_launch_config(int(beam_width), group_size, head_dim).beams_per_program
 
 
 def cascade_prompt_limit(beam_width: Optional[int], group_size: int, head_dim: int) -> int:
@@ -988,10 +988,13 @@ def _beam_blocks_phrase(num_requests: int | None, num_kv_heads: int, beam_width:
 
 
 def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, group: int, head_dim: int):
-    """``(programs, beam blocks, tile rows)`` of the cascade's default tiling for a batch."""
-    from triton_kernels.cascade import cascade_launch_config  # deferred: triton is imported on first use
+    """``(programs, beam blocks, tile rows)`` of the cascade's wide tiling for a batch: the geometry the rule's tables
+    were measured and keyed on. Narrow widths' tiles (:func:`triton_kernels.cascade.narrow_tile_beams`, fifty-sixth
+    round) hold a request's beams in one block as the wide tile does, so the programs and blocks are theirs too; their
+    rows are fewer, and the tables keep the wide tile's (the narrow tile was 1.0-2.1x faster wherever it runs)."""
+    from triton_kernels.cascade import wide_launch_config  # deferred: triton is imported on first use
 
-    cfg = cascade_launch_config(int(beam_width), group, head_dim)
+    cfg = wide_launch_config(int(beam_width), group, head_dim)
     return (*_launch_programs(cfg, num_requests, num_kv_heads, beam_width), cfg.block_m)
 
 

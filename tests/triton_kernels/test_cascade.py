@@ -33,7 +33,14 @@ from triton_kernels import (
     cascade_supported,
     shared_ancestry_reachable,
 )
-from triton_kernels.cascade import SHARED_ANCESTRY_MIN_TAIL, wide_group_head_64_tile_choice
+from triton_kernels.cascade import (
+    MIN_BLOCK_M,
+    NARROW_TILE_FEW_PROGRAMS_REGISTERS,
+    SHARED_ANCESTRY_MIN_TAIL,
+    narrow_tile_beams,
+    wide_group_head_64_tile_choice,
+    wide_launch_config,
+)
 
 from test_beam_index import leading_shared_run
 from test_tail_merge import assert_matches, earlier_tail, expected_pool_after_write, make_sim, oracle, step_after
@@ -102,8 +109,13 @@ CASES = [
     ("g2_d64_pg64_block32", dict(prompts=[100, 7], beams=4, hq=4, hkv=2, d=64, pg=64, max_seq_len=128),
      dict(launch_config=CascadeLaunchConfig(16, 2, block_n=32, tail_block=2, num_warps=4, num_stages=1,
                                             prompt_stages=2)), 3, {}),
-    # G=8 (the widest group tiled at 16 beams), beam width 1.
+    # G=8 (the widest group tiled at 16 beams), beam width 1: the narrow tile of 4 beams (32 rows, 8-position tail
+    # blocks); W = 5 at G = 2 (above), 3 at G = 3 and 4 at G = 2 at head 64 take narrow tiles too.
     ("g8_d64_w1", dict(prompts=[9, 16], beams=1, hq=8, hkv=1, d=64), dict(), 3, {}),
+    # Narrow tiles at head 128: 4 beams a program at G = 4 (16 rows, the core tail), 8 at G = 6 (padded to 8: 64 rows,
+    # 64-token prompt blocks, the masked tail).
+    ("g4_d128_w3_narrow", dict(prompts=[70, 12], beams=3, hq=8, hkv=2, d=128, max_seq_len=96), dict(), 4, {}),
+    ("g6_d128_w7_narrow", dict(prompts=[40, 90], beams=7, hq=6, hkv=1, d=128, pg=32, max_seq_len=128), dict(), 3, {}),
 ]
 
 
@@ -144,8 +156,8 @@ TILINGS = [
                                                          tail_on_cores=True)),
     # GQA 3-4's 32-beam tile at head 64 (the default where many programs run): 18 beams in one 128-row tile.
     ("wide_group_head_64", cascade_launch_config(30, 4, 64, None, 64, 8, 132)),
-    # Narrow tiles for narrow beams (tune_cascade only; the defaults keep 16 beams): 16 query rows of 4 beams with the
-    # core tail, and 8 beams on tensor cores (32 tail key columns) with the shared-ancestry path from 2 cached tokens.
+    # Tiles of fewer beams: 16 query rows of 4 beams with the core tail, and 8 beams on tensor cores (32 tail key
+    # columns) with the shared-ancestry path from 2 cached tokens.
     ("four_beam_tile", CascadeLaunchConfig(4, 4, block_n=64, tail_block=4, num_warps=4, num_stages=1, prompt_stages=2,
                                            tail_on_cores=True)),
     ("eight_beam_tile_shared_ancestry", CascadeLaunchConfig(8, 4, block_n=32, tail_block=4, num_warps=4, num_stages=1,
@@ -487,10 +499,12 @@ def test_check_mode_names_a_prompt_page_outside_the_pool(device):
 
 
 def test_default_config_fits_the_tile_limits():
-    for w, g, d in [(30, 2, 128), (30, 4, 128), (14, 2, 128), (96, 2, 128), (256, 8, 128), (4, 1, 64)]:
+    for w, g, d in [(30, 2, 128), (30, 4, 128), (14, 2, 128), (96, 2, 128), (256, 8, 128), (4, 1, 64), (3, 2, 128),
+                    (4, 4, 128), (8, 8, 128), (1, 8, 64), (7, 3, 64)]:
         for capacity in (None, 128, 4096):
             cfg = cascade_launch_config(w, g, d, capacity)
-            assert cfg.beams_per_program >= 16 and cfg.group_pad >= g and cfg.block_m <= 128
+            assert cfg.block_m >= MIN_BLOCK_M and cfg.group_pad >= g and cfg.block_m <= 128
+            assert cfg.beams_per_program >= min(16, w)
             assert cfg.tail_on_cores or cfg.tail_block * cfg.beams_per_program >= 32
             assert not (cfg.tail_on_cores and cfg.prompt_first)
     # The prompt goes first only in 32-beam, 64-row tiles at D = 128 (where it was measured faster),
@@ -509,10 +523,51 @@ def test_default_config_fits_the_tile_limits():
     assert cascade_launch_config(64, 1, 128).beams_per_program == 32
 
 
+@pytest.mark.parametrize("group, head_dim, beam_width, beams", [
+    (2, 128, 3, 8), (2, 128, 8, 8), (2, 128, 9, None),  # 16 rows of 8 beams up to 8 beams
+    (3, 128, 3, 4), (4, 128, 4, 4), (4, 128, 5, None),  # 16 rows of 4 beams up to 4 (8 beams were not faster)
+    (5, 128, 3, 8), (8, 128, 8, 8), (8, 128, 9, None),  # 64 rows of 8 beams, 4 warps, 64-token blocks
+    (1, 128, 3, None), (1, 64, 2, None),                # G = 1: 16 beams are the fewest rows a tile takes
+    (2, 64, 5, 8), (4, 64, 4, 4), (4, 64, 5, 8), (3, 64, 8, 8), (4, 64, 9, None), (8, 64, 3, 4), (6, 64, 7, 8),
+])
+def test_narrow_widths_take_tiles_of_fewer_beams(group, head_dim, beam_width, beams):
+    """A width the narrow table lists takes the wide tiling with that many beams a program (one block still holds the
+    request's beams), a tail key block of 32 columns or more and 4 warps, and at head 128 and G = 5-8 64-token prompt
+    blocks (1.0-2.1x faster than 16 beams on the H200, ``tune_cascade_narrow*_round56.json``); any other width keeps
+    the wide tiling."""
+    assert narrow_tile_beams(beam_width, group, head_dim) == beams
+    wide = wide_launch_config(beam_width, group, head_dim)
+    cfg = cascade_launch_config(beam_width, group, head_dim)
+    assert wide.beams_per_program >= 16
+    if beams is None:
+        assert cfg == wide
+        return
+    assert cfg.beams_per_program == beams >= beam_width and cfg.block_m >= MIN_BLOCK_M and cfg.num_warps == 4
+    assert cfg.tail_on_cores or cfg.tail_block * beams >= 32
+    block_n = 64 if (head_dim, wide.group_pad) == (128, 8) else wide.block_n
+    assert cfg == dataclasses.replace(wide, beams_per_program=beams, tail_block=cfg.tail_block, num_warps=4,
+                                      block_n=block_n), (cfg, wide)
+
+
+@pytest.mark.parametrize("num_requests, num_kv_heads, num_sms, registers", [
+    (40, 8, 132, NARROW_TILE_FEW_PROGRAMS_REGISTERS),   # 320 programs: three a multiprocessor fit them
+    (49, 8, 132, NARROW_TILE_FEW_PROGRAMS_REGISTERS),   # 392
+    (50, 8, 132, 128),                                  # 400: a second wave at three; four fit them
+    (64, 8, 132, 128),
+    (None, 8, 132, 128),                                # batch unknown: the wide tile's cap
+])
+def test_group_2_narrow_tile_takes_registers_by_programs(num_requests, num_kv_heads, num_sms, registers):
+    """G = 2's 8-beam tile at head 128 lifts the 128-register cap to 168 (no spills, three programs a multiprocessor)
+    where its programs fit such a wave: 3-8% faster at 160-384 programs, 15% slower at 512 (round 56)."""
+    cfg = cascade_launch_config(5, 2, 128, None, num_requests, num_kv_heads, num_sms)
+    assert cfg.beams_per_program == 8 and cfg.max_registers == registers, cfg
+    assert dataclasses.replace(cfg, max_registers=128) == cascade_launch_config(5, 2, 128)
+
+
 @pytest.mark.parametrize("group, beam_width, num_requests, num_kv_heads, num_sms, warps", [
     (8, 30, 4, 8, 132, 8),    # 64 programs: each has a multiprocessor, 8 warps finish its rows sooner
-    (8, 8, 16, 8, 132, 8),    # 128 programs
-    (8, 8, 17, 8, 132, 4),    # 136 programs: more than the multiprocessors, 4 warps fit two a multiprocessor
+    (8, 12, 16, 8, 132, 8),   # 128 programs
+    (8, 12, 17, 8, 132, 4),   # 136 programs: more than the multiprocessors, 4 warps fit two a multiprocessor
     (8, 30, 16, 8, 132, 4),   # 256
     (5, 16, 16, 8, 132, 8),   # G = 5 pads to the same 128-row tile
     (8, 30, 16, 8, 264, 8),   # a GPU with more multiprocessors
@@ -646,9 +701,9 @@ def cascade_cases(draw):
     hkv = draw(st.integers(1, 3))
     group = draw(st.sampled_from([1, 2, 3, 4, 5, 8]))
     group_pad = 1 << (group - 1).bit_length()
-    beams_per_program = draw(st.sampled_from([b for b in (16, 32) if b * group_pad <= 128]))
+    beams_per_program = draw(st.sampled_from([b for b in (4, 8, 16, 32) if 16 <= b * group_pad <= 128]))
     tail_on_cores = draw(st.booleans())
-    tail_block = draw(st.sampled_from([t for t in (1, 2, 4) if tail_on_cores or t * beams_per_program >= 32]))
+    tail_block = draw(st.sampled_from([t for t in (1, 2, 4, 8) if tail_on_cores or t * beams_per_program >= 32]))
     config = CascadeLaunchConfig(beams_per_program, group_pad, block_n=draw(st.sampled_from([32, 64])),
                                  tail_block=tail_block, num_warps=4, num_stages=draw(st.integers(1, 2)),
                                  heads_per_program=draw(st.sampled_from([1, 2, 4])),
