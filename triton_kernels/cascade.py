@@ -65,11 +65,11 @@ MIN_BEAMS_PER_PROGRAM = 16
 # Narrow beam widths' tiles, ``{(head_dim, padded group): ((largest beam width, beams a program), ...)}``: a 16-beam tile
 # holding 3-8 beams runs 8-13 padding beams' rows through every tensor-core product, and its registers (253-255 at
 # G = 4, spills at G = 2 and 8) leave two programs a multiprocessor. On the H200 (CUDA graphs, L2 flushed, 4-token
-# tails; tune_cascade_narrow*_round56.json) against the 16-beam tile: D = 128, G = 2, 8 beams at 3-8 beams 1.15-1.46x
+# tails; tune_cascade_narrow*_round56.json) against the 16-beam tile: D = 128, G = 2, 8 beams at 3-8 beams 1.19-1.38x
 # faster; G = 3-4, 4 beams at 3-4 beams 1.03-1.55x (154 registers, three a multiprocessor; 8 beams at 5-8 beams
 # 0.95-1.03x, so they keep 16); G = 5-8, 8 beams at 3-8 beams 1.66-2.11x (with cascade_launch_config's 4 warps and
 # 64-token blocks); D = 64, 8 beams at G = 2 1.18-1.75x, 4 beams at G = 4 and 8 at 3-4 beams 1.54-2.09x and 8 beams
-# at 5-8 beams 1.36-1.66x. One beam block still holds a request's beams, so the prompt is read once a KV head.
+# at 5-8 beams 1.38-1.66x. One beam block still holds a request's beams, so the prompt is read once a KV head.
 NARROW_TILE_BEAMS = {
     (128, 2): ((8, 8),),
     (128, 4): ((4, 4),),
@@ -82,6 +82,10 @@ NARROW_TILE_BEAMS = {
 # (else the 16-beam tile's 128, four a multiprocessor).
 NARROW_TILE_FEW_PROGRAMS_REGISTERS = 168
 NARROW_TILE_FEW_PROGRAMS_PER_SM = 3
+# Resident programs a multiprocessor of G = 3-4's 4-beam tile at D = 128 (154 registers a thread, 38 KB of shared
+# memory) and of its 16-beam tile (253 registers).
+NARROW_TILE_PROGRAMS_PER_SM = 3
+WIDE_GROUP_4_TILE_PROGRAMS_PER_SM = 2
 # tl.dot needs 16 rows: a tile of fewer than 16 beams (NARROW_TILE_BEAMS, or an explicit launch_config) has at least
 # this many query rows (beams x padded group).
 MIN_BLOCK_M = 16
@@ -194,13 +198,22 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
     :func:`wide_launch_config` with fewer beams a program (at least :data:`MIN_BLOCK_M` query rows), a tail key
     block of at least :data:`MIN_TAIL_COLUMNS` columns, and 4 warps; at ``D = 128`` and G = 5-8 also 64-token prompt
     blocks, and at G = 2 a cap of :data:`NARROW_TILE_FEW_PROGRAMS_REGISTERS` registers where the launch's programs
-    fit :data:`NARROW_TILE_FEW_PROGRAMS_PER_SM` a multiprocessor. Every other shape takes
-    :func:`wide_launch_config`'s tiling, and the arguments mean the same there.
+    fit :data:`NARROW_TILE_FEW_PROGRAMS_PER_SM` a multiprocessor. G = 3-4 at ``D = 128`` keeps the 16-beam tile
+    where both would run two waves (more programs than :data:`NARROW_TILE_PROGRAMS_PER_SM` a multiprocessor hold, at
+    most twice :data:`WIDE_GROUP_4_TILE_PROGRAMS_PER_SM`). Every other shape takes :func:`wide_launch_config`'s
+    tiling, and the arguments mean the same there.
     """
     wide = wide_launch_config(beam_width, group_size, head_dim, prompt_capacity, num_requests, num_kv_heads, num_sms,
                               max_tail_len)
     beams = narrow_tile_beams(beam_width, group_size, head_dim)
     if beams is None:
+        return wide
+    if (head_dim == 128 and wide.group_pad == 4 and num_requests is not None
+            and NARROW_TILE_PROGRAMS_PER_SM * num_sms < num_requests * num_kv_heads
+            <= 2 * WIDE_GROUP_4_TILE_PROGRAMS_PER_SM * num_sms):
+        # Both tiles run two waves here (three 4-beam programs a multiprocessor, two 16-beam ones), the narrow tile's
+        # second at most a third full: 448 programs at 3,000 tokens took 218 us against the 16-beam tile's 197-198
+        # (56 x 3 at GQA 32/8, 112 x 3 at 16/4; narrow_tile_round56_g4_kv*.json against select_heldout23_*.json).
         return wide
     tail_block = wide.tail_block if wide.tail_on_cores else max(wide.tail_block, MIN_TAIL_COLUMNS // beams)
     cfg = dataclasses.replace(wide, beams_per_program=beams, tail_block=tail_block, num_warps=4)

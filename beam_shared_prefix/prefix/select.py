@@ -43,7 +43,6 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64", "CASCADE_MANY_BLOCKS_HEAD_64",
            "CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS", "CASCADE_MAX_MEAN_PROMPT_BY_WAVES", "CASCADE_BY_WAVES_MIN_BALANCE",
            "CASCADE_BY_WAVES_MIN_FILL", "CASCADE_BY_WAVES_PARTLY_FULL", "FA4_TILE_ROWS", "CASCADE_PROGRAMS_PER_SM",
-           "CASCADE_NARROW_BEAMS_MIN_BALANCE", "CASCADE_NARROW_BEAMS_MAX_WIDTH", "CASCADE_NARROW_BEAMS_MIN_PROMPT",
            "FA4_CTAS_PER_SM", "DEFAULT_MULTIPROCESSORS", "multiprocessors", "wave_efficiency", "wave_balance",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_NO_GQA", "CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_NO_GQA_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP", "CASCADE_MAX_MEAN_PROMPT_SPLIT_WIDE_GROUP_HEAD_64",
@@ -599,15 +598,6 @@ CASCADE_PROGRAMS_PER_SM = 2
 #: Read from FA4's waves on the H200 (fa4_waves_d{128,64}_round41.json: the prompt pass's time steps by 26-76% at
 #: 133 and 265 CTAs, by at most 12% between).
 FA4_CTAS_PER_SM = 1
-#: Narrow beams at GQA 4, head 128 (fifty-fifth round, ``w3_g4_backends_round55.json``: 24-48 requests of 3 beams
-#: at GQA 32/8, 600 and 2,000 tokens, one beam block a request): where the cascade's programs ran a second wave
-#: (272-384 programs, a :func:`wave_balance` of 0.75) FA4 + tail was faster at every point, by 6-13% (34 x 3 x 2,000:
-#: 113.0 against 128.0 us), while at 192 programs (balance 1.0) the cascade led by 9-10%. So up to
-#: :data:`CASCADE_NARROW_BEAMS_MAX_WIDTH` beams from :data:`CASCADE_NARROW_BEAMS_MIN_PROMPT` tokens, a balance under
-#: this (``{(GQA group, head size): least balance}``) takes FA4 + tail. Wider beams and other groups were not measured.
-CASCADE_NARROW_BEAMS_MIN_BALANCE = {(4, 128): 0.9}
-CASCADE_NARROW_BEAMS_MAX_WIDTH = 3
-CASCADE_NARROW_BEAMS_MIN_PROMPT = 600
 #: Multiprocessors assumed where no CUDA device is visible: the H200's (and H100 SXM's), where the rule was measured.
 DEFAULT_MULTIPROCESSORS = 132
 
@@ -943,14 +933,6 @@ def cascade_preferred(
                 return False, (f"the cascade's waves are {balance:.2f} as full as FA4's at {num_requests} x "
                                f"{beam_width} beams, G={group}, head 64 (< {CASCADE_GROUP_8_HEAD_64_MIN_BALANCE}: "
                                f"measured slower than FA4 + tail there at every prompt length)")
-    narrow_least = CASCADE_NARROW_BEAMS_MIN_BALANCE.get((group, head_dim))
-    if (narrow_least is not None and num_requests is not None and num_requests >= 1 and beam_width is not None
-            and beam_width <= CASCADE_NARROW_BEAMS_MAX_WIDTH and mean_prompt_len >= CASCADE_NARROW_BEAMS_MIN_PROMPT):
-        balance = wave_balance(num_requests, num_kv_heads, beam_width, group, head_dim)
-        if balance < narrow_least:
-            return False, (f"the cascade's waves are {balance:.2f} as full as FA4's at {num_requests} x {beam_width} "
-                           f"beams, G={group}, head {head_dim} (< {narrow_least} from {CASCADE_NARROW_BEAMS_MIN_PROMPT} "
-                           f"tokens at up to {CASCADE_NARROW_BEAMS_MAX_WIDTH} beams: FA4 + tail measured 6-13% faster)")
     several_few = CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS.get((group, head_dim), CASCADE_FEW_PROGRAMS)
     for table, blocks, few_programs in ((CASCADE_MAX_MEAN_PROMPT_TWO_BLOCKS_FEW_PROGRAMS, (2, 2), CASCADE_FEW_PROGRAMS),
                                         (CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS, (2, None), several_few)):

@@ -133,8 +133,12 @@ CASCADE_VARIANTS = [
     ("B-medium-D64-short-tail", 30, 16, 8, 64, "bf16", None, None, 4),
     ("G8-D64-short-tail", 30, 64, 8, 64, "bf16", None, None, 4),
     ("G8-D128-short-tail", 30, 64, 8, 128, "bf16", None, None, 4),
-    ("G8-D64-few-programs", 8, 64, 8, 64, "bf16", None, 4, None),
+    ("G8-D64-few-programs", 12, 64, 8, 64, "bf16", None, 4, None),
     ("G4-D64-wide-tile", 30, 32, 8, 64, "bf16", None, 64, None),
+    # Narrow widths' tiles (round 56): 4 beams at G = 4, 8 at G = 2 (168 registers where 160 programs run) and at G = 8.
+    ("G4-D128-narrow", 3, 32, 8, 128, "bf16", None, 34, None),
+    ("G2-D128-narrow-few-programs", 3, 16, 8, 128, "bf16", None, 20, None),
+    ("G8-D128-narrow", 3, 64, 8, 128, "bf16", None, 34, None),
 ]
 _CASCADE_DIV16_INTS = {
     "stride_q_row", "stride_q_head", "stride_new_k_row", "stride_new_k_head", "stride_new_v_row",

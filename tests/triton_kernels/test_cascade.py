@@ -549,6 +549,25 @@ def test_narrow_widths_take_tiles_of_fewer_beams(group, head_dim, beam_width, be
                                       block_n=block_n), (cfg, wide)
 
 
+@pytest.mark.parametrize("num_requests, num_kv_heads, num_sms, beams", [
+    (20, 8, 132, 4),     # 160 programs: one wave of either tile
+    (49, 8, 132, 4),     # 392: one wave of 4-beam programs (three a multiprocessor), two of 16-beam ones (two)
+    (50, 8, 132, 16),    # 400: two waves of either, the narrow tile's second nearly empty
+    (112, 4, 132, 16),   # 448 (measured: 218 against 197-198 us at 3,000 tokens)
+    (66, 8, 132, 16),    # 528: two full waves of 16-beam programs
+    (67, 8, 132, 4),     # 536: three waves of 16-beam programs
+    (56, 8, 264, 4),     # the same batch on a GPU of twice the multiprocessors: one narrow wave
+    (None, 8, 132, 4),   # batch unknown
+])
+def test_group_4_narrow_tile_keeps_16_beams_where_both_run_two_waves(num_requests, num_kv_heads, num_sms, beams):
+    """3 beams at G = 4, head 128 take the 4-beam tile save where it would run two waves as the 16-beam tile does (its
+    second at most a third full): there it was 10% slower at 3,000 tokens on the H200 (round 56)."""
+    cfg = cascade_launch_config(3, 4, 128, None, num_requests, num_kv_heads, num_sms)
+    assert cfg.beams_per_program == beams, cfg
+    want = cascade_launch_config(3, 4, 128) if beams == 4 else wide_launch_config(3, 4, 128)
+    assert cfg == want
+
+
 @pytest.mark.parametrize("num_requests, num_kv_heads, num_sms, registers", [
     (40, 8, 132, NARROW_TILE_FEW_PROGRAMS_REGISTERS),   # 320 programs: three a multiprocessor fit them
     (49, 8, 132, NARROW_TILE_FEW_PROGRAMS_REGISTERS),   # 392

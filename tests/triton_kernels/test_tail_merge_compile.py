@@ -99,8 +99,9 @@ def test_cascade_default_tilings_compile_for_sm90(usage):
 def test_cascade_batch_tilings_compile_for_sm90(usage):
     """The tilings the launcher picks by the batch (rounds 45-46) compile for sm_90 on tensor cores: without the
     shared-ancestry path where every tail is at most 16 tokens (with no more stack than the default tiling, at
-    B-medium's head-64 shape), GQA 8's 128-row tile at head 64 with 8 warps where 32 programs run, and GQA 4's
-    32-beam tile at head 64 (no path at any tail) at two programs a multiprocessor, as measured on the H200."""
+    B-medium's head-64 shape), GQA 8's 128-row tile at head 64 with 8 warps where 32 programs run, GQA 4's
+    32-beam tile at head 64 (no path at any tail) at two programs a multiprocessor, as measured on the H200, and the
+    narrow widths' tiles of 4 and 8 beams."""
     rows = {row["shape"][0]: row for row in usage if row["kernel"] == "cascade"}
     fields = [f.name for f in dataclasses.fields(CascadeLaunchConfig)]
     shared_ancestry, beams = fields.index("shared_ancestry"), fields.index("beams_per_program")
@@ -109,6 +110,12 @@ def test_cascade_batch_tilings_compile_for_sm90(usage):
         assert row["wgmma"] + row["mma_sync"] > 0, f"no tensor-core instructions: {row}"
         assert row["config"][shared_ancestry] == (max_tail_len is None and not name.startswith("G4-D64")), row
     assert rows["G8-D64-few-programs"]["num_warps"] == 8 and rows["G8-D64-short-tail"]["num_warps"] == 4
+    # The narrow tiles (round 56) hold 4 or 8 beams; G = 4's fits three programs a multiprocessor (154 registers on
+    # Triton 3.6, where the 16-beam tile's 253 fit two), G = 2's lifts its cap to 168 where few programs run.
+    assert rows["G4-D128-narrow"]["config"][beams] == 4 and _resident_programs(rows["G4-D128-narrow"]) >= 3
+    assert rows["G2-D128-narrow-few-programs"]["config"][beams] == 8
+    assert rows["G2-D128-narrow-few-programs"]["config"][fields.index("max_registers")] == 168
+    assert rows["G8-D128-narrow"]["config"][beams] == 8 and rows["G8-D128-narrow"]["num_warps"] == 4
     assert rows["B-medium-D64-short-tail"]["stack"] <= rows["B-medium-D64"]["stack"], rows["B-medium-D64-short-tail"]
     # The 128-row tiles at head 64 spill alike (Triton 3.9: 176 and 168 bytes of stack; 3.6 on the H200, where the
     # 32-beam tile measured 8-18% faster than the 16-beam one: 36-48 bytes of spill): a Triton that spills GQA 4's
