@@ -281,7 +281,7 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "MIN_BEAM_ROWS_HEAD_128_REFIT_NARROW", "FEW_ROWS_REFIT_WIDE_FROM", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT",
            "FEW_ROWS_REFIT_NARROWEST", "FEW_ROWS_REFIT_SHORT_PROMPT_FROM", "FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT",
            "MIN_BEAM_ROWS_GQA1_SHORT_PROMPT", "GQA1_SHORT_PROMPT", "MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS",
-           "FEW_ROWS_REFIT_GQA2_MIN_PROMPT",
+           "FEW_ROWS_REFIT_GQA2_MIN_PROMPT", "MIN_BEAM_ROWS_NARROW_TILE", "NARROW_TILE_FLOOR_MIN_PROMPT",
            "MIN_BEAM_ROWS_HEAD_256_REFIT", "FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT",
            "FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT", "FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
@@ -369,6 +369,16 @@ FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT = 350
 MIN_BEAM_ROWS_GQA1_SHORT_PROMPT = 128
 GQA1_SHORT_PROMPT = 200
 _FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
+#: 3-5 beams at head 128, GQA 2-4 and 2-8 KV heads, from :data:`NARROW_TILE_FLOOR_MIN_PROMPT` tokens, on the cascade's
+#: narrow tiles (fifty-sixth round, ``triton_kernels.cascade.NARROW_TILE_BEAMS``): this many rows at 8 KV heads by beam
+#: width (scaled as the others: ``R x W x Hkv >= 288`` at 3-4 beams, ``>= 320`` at 5). ``few_rows_round56_*.json``
+#: (GQA 32/8, 16/8, 24/8, 16/4 and 4/2; 4-64 requests of 3-5 beams at 150-600 tokens) with the same round's
+#: ``narrow_tile_round56_g4_kv*.json`` (300-3,000 tokens): every point from 288 row-KV-heads won, 1.21x-1.66x (5 beams
+#: from 320, 1.23x-1.53x), at 96-256 0.81x-1.26x (under the margin or slower at every point from 300 tokens). 5 beams ask
+#: 320 so that a sixth beam (384 from 160 tokens, :data:`MIN_BEAM_ROWS_HEAD_128_REFIT`) never declines a batch 5 serve.
+MIN_BEAM_ROWS_NARROW_TILE = {3: 36, 4: 36, 5: 40}
+NARROW_TILE_FLOOR_MIN_PROMPT = 160
+_NARROW_TILE_FLOOR_GROUPS = frozenset((2, 3, 4))
 _FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
 #: GQA 2 at head 128 takes the same floor (384) with 2-8 KV heads from this mean prompt, at 4 beams or more (4-5 from
 #: :data:`FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT`).
@@ -620,6 +630,8 @@ def _long_prompt_floor_applies(group: Optional[int], head_dim: Optional[int]) ->
 def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
                      num_kv_heads: Optional[int] = None, beam_width: Optional[int] = None) -> int:
     """The row floor at 8 KV heads, before :func:`_scaled_by_kv_heads`."""
+    if _narrow_tile_floor_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
+        return MIN_BEAM_ROWS_NARROW_TILE[int(beam_width)]
     if _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
         narrow_short = (beam_width is not None and int(beam_width) < FEW_ROWS_REFIT_WIDE_FROM
                         and float(prompt_len) < FEW_ROWS_REFIT_NARROW_MIN_PROMPT)
@@ -636,6 +648,17 @@ def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim
     if group == 1 and head_dim in (None, 128) and (prompt_len is None or float(prompt_len) < GQA1_SHORT_PROMPT):
         return MIN_BEAM_ROWS_GQA1_SHORT_PROMPT
     return MIN_BEAM_ROWS
+
+
+def _narrow_tile_floor_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
+                               num_kv_heads: Optional[int], beam_width: Optional[int]) -> bool:
+    """Whether the fifty-sixth round's narrow-tile floor (:data:`MIN_BEAM_ROWS_NARROW_TILE`) applies: head 128, GQA
+    2-4, 2-8 KV heads, 3-5 beams and a mean prompt of at least :data:`NARROW_TILE_FLOOR_MIN_PROMPT` tokens, where it
+    was measured (any of them ``None``: not judged)."""
+    return (head_dim == 128 and group in _NARROW_TILE_FLOOR_GROUPS and num_kv_heads is not None
+            and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS and beam_width is not None
+            and int(beam_width) in MIN_BEAM_ROWS_NARROW_TILE and prompt_len is not None
+            and float(prompt_len) >= NARROW_TILE_FLOOR_MIN_PROMPT)
 
 
 def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
@@ -696,7 +719,13 @@ def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], nu
     where = f"at head {head_dim or 128} with {per_kv_head} per KV head"
     if base == MIN_BEAM_ROWS_HEAD_256:
         scaled += f" at head {head_dim}"
-    if base == MIN_BEAM_ROWS_HEAD_128_REFIT:
+    if _narrow_tile_floor_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
+        scaled += f" {where} and {beam_width} beams from a mean prompt of {NARROW_TILE_FLOOR_MIN_PROMPT} tokens"
+    elif _narrow_tile_floor_applies(math.inf, group, head_dim, num_kv_heads, beam_width) and prompt_len is not None:
+        narrow = _row_floor(MIN_BEAM_ROWS_NARROW_TILE[beam_width], num_kv_heads, head_dim)
+        scaled += (f" ({narrow} from a mean prompt of {NARROW_TILE_FLOOR_MIN_PROMPT} tokens {where} and "
+                   f"{beam_width} beams; this one is {float(prompt_len):.0f})")
+    elif base == MIN_BEAM_ROWS_HEAD_128_REFIT:
         scaled += f" {where}"
     elif base == MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS and beam_width == 3:
         scaled += f" at 3 beams and a mean prompt of {FEW_ROWS_MIN_PROMPT} tokens or more"
