@@ -369,16 +369,21 @@ FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT = 350
 MIN_BEAM_ROWS_GQA1_SHORT_PROMPT = 128
 GQA1_SHORT_PROMPT = 200
 _FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
-#: 3-5 beams at head 128, GQA 2-4 and 2-8 KV heads, from :data:`NARROW_TILE_FLOOR_MIN_PROMPT` tokens, on the cascade's
+#: 3-5 beams at head 128, GQA 3-4 and 2-8 KV heads, from :data:`NARROW_TILE_FLOOR_MIN_PROMPT` tokens, on the cascade's
 #: narrow tiles (fifty-sixth round, ``triton_kernels.cascade.NARROW_TILE_BEAMS``): this many rows at 8 KV heads by beam
 #: width (scaled as the others: ``R x W x Hkv >= 288`` at 3-4 beams, ``>= 320`` at 5). ``few_rows_round56_*.json``
 #: (GQA 32/8, 16/8, 24/8, 16/4 and 4/2; 4-64 requests of 3-5 beams at 150-600 tokens) with the same round's
 #: ``narrow_tile_round56_g4_kv*.json`` (300-3,000 tokens): every point from 288 row-KV-heads won, 1.21x-1.66x (5 beams
-#: from 320, 1.23x-1.53x), at 96-256 0.81x-1.26x (under the margin or slower at every point from 300 tokens). 5 beams ask
-#: 320 so that a sixth beam (384 from 160 tokens, :data:`MIN_BEAM_ROWS_HEAD_128_REFIT`) never declines a batch 5 serve.
+#: from 320, 1.23x-1.53x), at 96-256 0.81x-1.26x (under the margin or slower at every point from 300 tokens). Held-out
+#: 24 (``few_rows_heldout24_*.json``, 28 points, 1,000-2,500 tokens included): every one served won (1.18x-1.55x), the
+#: declined 0.88x-1.08x but 14 x 5 at 12/4 (280, 1.29x-1.41x). 5 beams ask 320 so that a sixth beam (384 from 160
+#: tokens, :data:`MIN_BEAM_ROWS_HEAD_128_REFIT`) never declines a batch 5 serve. GQA 2 won alike on the narrow tile
+#: (GQA 16/8, 8/4 and 4/2 from 288: 1.18x-1.61x) but keeps the older floors: earlier rounds' grids timed 17-20 x 3 at
+#: 16/8, 68-80 x 3 at 4/2 and 32 x 5, 48 x 4 at 8/4 on the 16-beam tile at 0.86x-1.09x, and only 80 x 3 at 4/2 was
+#: timed again on the narrow tile (1.26x and 1.18x at 1,000 and 2,500 tokens).
 MIN_BEAM_ROWS_NARROW_TILE = {3: 36, 4: 36, 5: 40}
 NARROW_TILE_FLOOR_MIN_PROMPT = 160
-_NARROW_TILE_FLOOR_GROUPS = frozenset((2, 3, 4))
+_NARROW_TILE_FLOOR_GROUPS = frozenset((3, 4))
 _FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
 #: GQA 2 at head 128 takes the same floor (384) with 2-8 KV heads from this mean prompt, at 4 beams or more (4-5 from
 #: :data:`FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT`).
@@ -653,7 +658,7 @@ def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim
 def _narrow_tile_floor_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
                                num_kv_heads: Optional[int], beam_width: Optional[int]) -> bool:
     """Whether the fifty-sixth round's narrow-tile floor (:data:`MIN_BEAM_ROWS_NARROW_TILE`) applies: head 128, GQA
-    2-4, 2-8 KV heads, 3-5 beams and a mean prompt of at least :data:`NARROW_TILE_FLOOR_MIN_PROMPT` tokens, where it
+    3-4, 2-8 KV heads, 3-5 beams and a mean prompt of at least :data:`NARROW_TILE_FLOOR_MIN_PROMPT` tokens, where it
     was measured (any of them ``None``: not judged)."""
     return (head_dim == 128 and group in _NARROW_TILE_FLOOR_GROUPS and num_kv_heads is not None
             and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS and beam_width is not None

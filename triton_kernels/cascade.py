@@ -219,12 +219,12 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
     cfg = dataclasses.replace(wide, beams_per_program=beams, tail_block=tail_block, num_warps=4)
     if head_dim == 128 and wide.group_pad == 8:
         # The 128-row tile's 8 warps and 128-token blocks were 1.1-1.2x faster than 16 beams; 4 warps and 64-token
-        # blocks (49 KB of shared memory) took the same 8 beams 1.5-1.8x further (tune_cascade_narrow_g8_warps_round56).
+        # blocks (49 KB of shared memory) took the same 8 beams 1.5-1.7x further (tune_cascade_narrow_g8_warps_round56).
         cfg = dataclasses.replace(cfg, block_n=64)
     if head_dim == 128 and wide.group_pad == 2 and num_requests is not None and (
             num_requests * num_kv_heads <= NARROW_TILE_FEW_PROGRAMS_PER_SM * num_sms):
-        # 168 registers spill nothing (128: 4 bytes) and fit three programs a multiprocessor: 3-8% faster where the
-        # launch fits such a wave (160-384 programs), 15% slower at 512 (a second wave; 128 registers fit four).
+        # 168 registers spill nothing (128: 4 bytes) and fit three programs a multiprocessor: 3-9% faster where the
+        # launch fits such a wave (160-384 programs), 17% slower at 512 (a second wave; 128 registers fit four).
         cfg = dataclasses.replace(cfg, max_registers=NARROW_TILE_FEW_PROGRAMS_REGISTERS)
     return cfg
 

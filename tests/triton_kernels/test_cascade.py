@@ -577,7 +577,7 @@ def test_group_4_narrow_tile_keeps_16_beams_where_both_run_two_waves(num_request
 ])
 def test_group_2_narrow_tile_takes_registers_by_programs(num_requests, num_kv_heads, num_sms, registers):
     """G = 2's 8-beam tile at head 128 lifts the 128-register cap to 168 (no spills, three programs a multiprocessor)
-    where its programs fit such a wave: 3-8% faster at 160-384 programs, 15% slower at 512 (round 56)."""
+    where its programs fit such a wave: 3-9% faster at 160-384 programs, 17% slower at 512 (round 56)."""
     cfg = cascade_launch_config(5, 2, 128, None, num_requests, num_kv_heads, num_sms)
     assert cfg.beams_per_program == 8 and cfg.max_registers == registers, cfg
     assert dataclasses.replace(cfg, max_registers=128) == cascade_launch_config(5, 2, 128)
