@@ -242,9 +242,13 @@ def test_head_128_few_rows_floor_on_the_current_kernels():
 def test_few_rows_floor_of_the_narrow_tile():
     """Fifty-sixth round: 3-5 beams at head 128, GQA 3-4 and 2-8 KV heads run the cascade's 4- and 8-beam tiles and
     serve from ``R x W x Hkv >= 288`` (5 beams 320) from 160 tokens (``few_rows_round56_*.json``: every point from 288
-    won, 1.21x-1.66x; 96-256 ran 0.81x-1.26x). Held-out 24 (``few_rows_heldout24_*.json``) is quoted below. GQA 2, G = 5-8,
-    prompts under 160 tokens and 6 beams or more keep their floors."""
-    from beam_shared_prefix.decline import MIN_BEAM_ROWS_NARROW_TILE, NARROW_TILE_FLOOR_MIN_PROMPT, min_beam_rows
+    won, 1.21x-1.66x; 96-256 ran 0.81x-1.26x). Held-out 24 (``few_rows_heldout24_*.json``) is quoted below. GQA 2,
+    G = 5-8, prompts under 160 tokens and 6 beams or more keep their floors."""
+    from beam_shared_prefix.decline import (
+        MIN_BEAM_ROWS_NARROW_TILE,
+        NARROW_TILE_FLOOR_MIN_PROMPT,
+        min_beam_rows,
+    )
 
     assert [min_beam_rows(8, 300, 4, 128, w) for w in (3, 4, 5, 6)] == [36, 36, 40, 48]
     assert [min_beam_rows(h, 160, 3, 128, 3) for h in (2, 4, 8)] == [144, 72, 36]

@@ -62,8 +62,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 # The wide tilings hold at least 16 beams a program (padding beams are masked); narrow widths take fewer
 # (NARROW_TILE_BEAMS).
 MIN_BEAMS_PER_PROGRAM = 16
-# Narrow beam widths' tiles, ``{(head_dim, padded group): ((largest beam width, beams a program), ...)}``: a 16-beam tile
-# holding 3-8 beams runs 8-13 padding beams' rows through every tensor-core product, and its registers (253-255 at
+# Narrow beam widths' tiles, ``{(head_dim, padded group): ((largest beam width, beams a program), ...)}``: a 16-beam
+# tile holding 3-8 beams runs 8-13 padding beams' rows through every tensor-core product, and its registers (253-255 at
 # G = 4, spills at G = 2 and 8) leave two programs a multiprocessor. On the H200 (CUDA graphs, L2 flushed, 4-token
 # tails; tune_cascade_narrow*_round56.json) against the 16-beam tile: D = 128, G = 2, 8 beams at 3-8 beams 1.19-1.38x
 # faster; G = 3-4, 4 beams at 3-4 beams 1.03-1.55x (154 registers, three a multiprocessor; 8 beams at 5-8 beams
