@@ -523,6 +523,23 @@ def test_default_config_fits_the_tile_limits():
     assert cascade_launch_config(64, 1, 128).beams_per_program == 32
 
 
+def test_every_default_tiling_passes_the_launchers_checks():
+    """Over every beam width up to 40 (and 64, 96, 256), group 1-8, head 64 and 128, and batches from unknown to many
+    programs, the default tiling (narrow or wide) is one the launcher accepts as an explicit ``launch_config``: at
+    least 16 query rows, at most 128, 32 tail key columns where the tail is on tensor cores, one beam block a request
+    up to 16 beams."""
+    from triton_kernels.cascade import _resolve_config
+
+    for d in (64, 128):
+        for g in range(1, 9):
+            for w in [*range(1, 41), 64, 96, 256]:
+                for requests, kv_heads in ((None, 8), (4, 8), (20, 8), (56, 8), (64, 8), (300, 8), (40, 2)):
+                    cfg = cascade_launch_config(w, g, d, None, requests, kv_heads, 132)
+                    assert _resolve_config(cfg, w, g, d) is cfg
+                    assert MIN_BLOCK_M <= cfg.block_m <= 128, (w, g, d, cfg)
+                    assert w > 16 or cfg.beams_per_program >= w, (w, g, d, cfg)
+
+
 @pytest.mark.parametrize("group, head_dim, beam_width, beams", [
     (2, 128, 3, 8), (2, 128, 8, 8), (2, 128, 9, None),  # 16 rows of 8 beams up to 8 beams
     (3, 128, 3, 4), (4, 128, 4, 4), (4, 128, 5, None),  # 16 rows of 4 beams up to 4 (8 beams were not faster)
