@@ -1794,7 +1794,7 @@ def test_narrow_beams_at_group_4_take_the_cascade_on_its_narrow_tile():
     (``narrow_tile_round56_g4_kv*.json``, graph replays) the cascade was faster than FA4 + tail at every point
     ``auto`` gives it, by 8% or more; round 55's clause that sent a second wave of 16-beam programs to FA4 is gone.
     The 448-program batches (56 x 3 at 32/8, 112 x 3 at 16/4) keep the 16-beam tile, on which held-out 23
-    (``select_heldout23_g4_*.json``) measured them 6-7% faster than FA4 at 3,000 tokens where the 4-beam tile was
+    (``select_heldout23_g4_*.json``) measured them 5-7% faster than FA4 at 3,000 tokens where the 4-beam tile was
     3-5% slower. 12 requests (96 programs) above 256 tokens stay with FA4 (the few-programs clause): 8% and 43% faster
     at 800 and 3,000 tokens, 10% slower at 300."""
     from beam_shared_prefix.prefix.select import cascade_preferred
