@@ -120,9 +120,9 @@ class CascadeLaunchConfig:
     """Tiling of one cascade launch.
 
     Attributes:
-        beams_per_program: beams of one request in one program (a power of two, 16 or more in the default
-            tilings); the tile has ``beams_per_program * group_pad`` query rows (at least :data:`MIN_BLOCK_M`), and
-            each program reads the request's prompt.
+        beams_per_program: beams of one request in one program (a power of two: 16 or more in the wide tilings, 4
+            or 8 in the narrow ones, :data:`NARROW_TILE_BEAMS`); the tile has ``beams_per_program * group_pad`` query
+            rows (at least :data:`MIN_BLOCK_M`), and each program reads the request's prompt.
         group_pad: ``G`` rounded up to a power of two.
         block_n: prompt tokens per loop iteration (a power of two >= 32).
         tail_block: earlier tail positions per key block (a power of two).
@@ -238,6 +238,7 @@ def narrow_tile_beams(beam_width: int, group_size: int, head_dim: int) -> int | 
     return None
 
 
+@functools.lru_cache(maxsize=None)  # the rule (prefix/select.py) asks for it at every eager step
 def wide_launch_config(beam_width: int, group_size: int, head_dim: int,
                        prompt_capacity: Optional[int] = None, num_requests: int | None = None,
                        num_kv_heads: int = 1, num_sms: int = DEFAULT_MULTIPROCESSORS,
