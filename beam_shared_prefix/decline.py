@@ -383,7 +383,7 @@ _FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
 #: timed again on the narrow tile (1.26x and 1.18x at 1,000 and 2,500 tokens).
 MIN_BEAM_ROWS_NARROW_TILE = {3: 36, 4: 36, 5: 40}
 NARROW_TILE_FLOOR_MIN_PROMPT = 160
-_NARROW_TILE_FLOOR_GROUPS = frozenset((3, 4))
+_NARROW_TILE_FLOOR_GROUPS = frozenset((2, 3, 4))
 _FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
 #: GQA 2 at head 128 takes the same floor (384) with 2-8 KV heads from this mean prompt, at 4 beams or more (4-5 from
 #: :data:`FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT`).

@@ -28,6 +28,11 @@ SUPERSEDED = {
     # fifty-second round's few-rows bound at G = 5-8, head 64 (8,192) made its steps up to 1.60x faster.
     "tail_auto_check_round52_heldout12_g7_kv2_d64.json":
         "tail_auto_check_round52_heldout12_g7_kv2_d64_few_rows_tiling.json",
+    # The GQA 2 grids of 3-5 beams at head 128 ran the cascade's 16-beam tile; the fifty-sixth round's narrow tile (8
+    # beams a program) timed again with the same commands in the fifty-seventh (1.12x-2.85x of decode, every point).
+    **{f"few_rows_{name}.json": f"few_rows_{name}_narrow_tile_round57.json"
+       for name in ("heldout22_w3_g2_kv8", "heldout22_w3_g2_kv2", "round55_w3_g2_kv2", "heldout21_narrow_g2_kv2",
+                    "heldout20_narrow_g2_kv4", "round55_narrow_g2")},
 }
 _REPLACEMENTS = frozenset(SUPERSEDED.values())
 

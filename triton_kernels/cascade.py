@@ -48,6 +48,7 @@ __all__ = [
     "CascadeLaunchConfig",
     "cascade_launch_config",
     "narrow_tile_beams",
+    "group_2_registers",
     "wide_launch_config",
     "cascade_supported",
     "shared_ancestry_reachable",
@@ -69,23 +70,30 @@ MIN_BEAMS_PER_PROGRAM = 16
 # faster; G = 3-4, 4 beams at 3-4 beams 1.03-1.55x (154 registers, three a multiprocessor; 8 beams at 5-8 beams
 # 0.95-1.03x, so they keep 16); G = 5-8, 8 beams at 3-8 beams 1.66-2.11x (with cascade_launch_config's 4 warps and
 # 64-token blocks); D = 64, 8 beams at G = 2 1.18-1.75x, 4 beams at G = 4 and 8 at 3-4 beams 1.54-2.09x and 8 beams
-# at 5-8 beams 1.38-1.66x. One beam block still holds a request's beams, so the prompt is read once a KV head.
+# at 5-8 beams 1.38-1.66x. One beam block still holds a request's beams, so the prompt is read once a KV head. Since
+# the fifty-seventh round G = 3-4 at D = 64 and 5-8 beams keep the 16-beam tile, whose 8-position tail blocks made it
+# 4-5% faster than 8 beams a program (tune_cascade_narrow_d64_round56.json).
 NARROW_TILE_BEAMS = {
     (128, 2): ((8, 8),),
     (128, 4): ((4, 4),),
     (128, 8): ((8, 8),),
     (64, 2): ((8, 8),),
-    (64, 4): ((4, 4), (8, 8)),
+    (64, 4): ((4, 4),),
     (64, 8): ((4, 4), (8, 8)),
 }
-# G = 2's 8-beam tile at D = 128 takes this register cap where the launch's programs fit this many a multiprocessor
-# (else the 16-beam tile's 128, four a multiprocessor).
-NARROW_TILE_FEW_PROGRAMS_REGISTERS = 168
-NARROW_TILE_FEW_PROGRAMS_PER_SM = 3
+# G = 2's 8- and 16-beam tiles at D = 128 (32 rows at most) cap a thread's registers at 128 (spilling 18-34 bytes,
+# four programs a multiprocessor) or 168 (6 bytes, three): the lower where it saves the launch a wave (group_2_registers).
+GROUP_2_TIGHT_REGISTERS = 128
+GROUP_2_TIGHT_PROGRAMS_PER_SM = 4
+GROUP_2_ROOMY_REGISTERS = 168
+GROUP_2_ROOMY_PROGRAMS_PER_SM = 3
 # Resident programs a multiprocessor of G = 3-4's 4-beam tile at D = 128 (154 registers a thread, 38 KB of shared
 # memory) and of its 16-beam tile (253 registers).
 NARROW_TILE_PROGRAMS_PER_SM = 3
 WIDE_GROUP_4_TILE_PROGRAMS_PER_SM = 2
+# Resident programs a multiprocessor of G = 5-8's 8-beam tile at D = 128 (255 registers a thread at 4 warps, 48 KB of
+# shared memory; tune_cascade_narrow_g8_warps_round56.json): the wave that prefix/select.py's rule counts there.
+NARROW_TILE_GROUP_8_PROGRAMS_PER_SM = 2
 # tl.dot needs 16 rows: a tile of fewer than 16 beams (NARROW_TILE_BEAMS, or an explicit launch_config) has at least
 # this many query rows (beams x padded group).
 MIN_BLOCK_M = 16
@@ -197,8 +205,7 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
     Narrow beam widths (:func:`narrow_tile_beams`: up to 4 or 8 beams, by group and head size) take the tiling of
     :func:`wide_launch_config` with fewer beams a program (at least :data:`MIN_BLOCK_M` query rows), a tail key
     block of at least :data:`MIN_TAIL_COLUMNS` columns, and 4 warps; at ``D = 128`` and G = 5-8 also 64-token prompt
-    blocks, and at G = 2 a cap of :data:`NARROW_TILE_FEW_PROGRAMS_REGISTERS` registers where the launch's programs
-    fit :data:`NARROW_TILE_FEW_PROGRAMS_PER_SM` a multiprocessor. G = 3-4 at ``D = 128`` keeps the 16-beam tile
+    blocks, and at G = 2 :func:`group_2_registers`' cap. G = 3-4 at ``D = 128`` keeps the 16-beam tile
     where both would run two waves (more programs than :data:`NARROW_TILE_PROGRAMS_PER_SM` a multiprocessor hold, at
     most twice :data:`WIDE_GROUP_4_TILE_PROGRAMS_PER_SM`). Every other shape takes :func:`wide_launch_config`'s
     tiling, and the arguments mean the same there.
@@ -221,12 +228,30 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
         # The 128-row tile's 8 warps and 128-token blocks were 1.1-1.2x faster than 16 beams; 4 warps and 64-token
         # blocks (49 KB of shared memory) took the same 8 beams 1.5-1.7x further (tune_cascade_narrow_g8_warps_round56).
         cfg = dataclasses.replace(cfg, block_n=64)
-    if head_dim == 128 and wide.group_pad == 2 and num_requests is not None and (
-            num_requests * num_kv_heads <= NARROW_TILE_FEW_PROGRAMS_PER_SM * num_sms):
-        # 168 registers spill nothing (128: 4 bytes) and fit three programs a multiprocessor: 3-9% faster where the
-        # launch fits such a wave (160-384 programs), 17% slower at 512 (a second wave; 128 registers fit four).
-        cfg = dataclasses.replace(cfg, max_registers=NARROW_TILE_FEW_PROGRAMS_REGISTERS)
+    if head_dim == 128 and wide.group_pad == 2:
+        cfg = dataclasses.replace(cfg, max_registers=group_2_registers(num_requests, num_kv_heads, num_sms))
     return cfg
+
+
+def group_2_registers(num_requests: int | None, num_kv_heads: int, num_sms: int) -> int:
+    """Register cap a thread of G = 2's 8- and 16-beam tiles at ``D = 128`` for a launch of one beam block a request:
+    :data:`GROUP_2_ROOMY_REGISTERS` where its programs run in as many waves at :data:`GROUP_2_ROOMY_PROGRAMS_PER_SM` a
+    multiprocessor as at :data:`GROUP_2_TIGHT_PROGRAMS_PER_SM`, else :data:`GROUP_2_TIGHT_REGISTERS` (also with the
+    batch unknown, ``num_requests`` ``None``).
+
+    The roomier cap spills 6 bytes instead of 18-34, so each program runs faster, but fits one program fewer a
+    multiprocessor. On the H200 (4- and 32-token tails): 16 beams at W = 9-16, 3-16% faster at 64-768 programs in as
+    many waves (8 x 16 x 2,000 to 96 x 12 x 800 at GQA 16/8), 8-25% slower where it added a wave (512 programs at GQA
+    16/8 and 32/16, 400 at 4/2, 1,024); 8 beams at W = 3-8, 3-9% faster at 160-384 programs, 17% slower at 512
+    (``tune_cascade_g2_regs_round57.json``, ``tune_cascade_g2_wide_regs_round57.json``,
+    ``tune_cascade_narrow_g2_regs_round56.json``)."""
+    if num_requests is None:
+        return GROUP_2_TIGHT_REGISTERS
+    programs = num_requests * num_kv_heads
+    roomy_waves = cdiv(programs, GROUP_2_ROOMY_PROGRAMS_PER_SM * num_sms)
+    if roomy_waves <= cdiv(programs, GROUP_2_TIGHT_PROGRAMS_PER_SM * num_sms):
+        return GROUP_2_ROOMY_REGISTERS
+    return GROUP_2_TIGHT_REGISTERS
 
 
 def narrow_tile_beams(beam_width: int, group_size: int, head_dim: int) -> int | None:
@@ -277,7 +302,8 @@ def wide_launch_config(beam_width: int, group_size: int, head_dim: int,
       (``tune_cascade_heads.json``, ``tune_cascade_fused_current_and_maxnreg.json``).
     - 16-beam tiles at G = 2-4 and ``D = 128`` (beam widths up to 16 at G = 2; every width at G =
       3-4): the tail on CUDA cores before the prompt, the prompt in 64-token blocks with a 2-stage
-      pipeline, and at 32 rows a 128-register cap (45 KB of shared memory: 4 programs per SM).
+      pipeline, and at 32 rows a 128-register cap (45 KB of shared memory: 4 programs per SM), or 168 where the
+      launch runs as many waves at three programs a multiprocessor (:func:`group_2_registers`, fifty-seventh round).
       Against the masked tensor-core tail (``tune_cascade_round7_tail_on_cores_*.json``): B-beam14
       52.9-53.0 against 56.4-56.9 us, B-4B 104.5 against 116.1 (uncapped; capped at 4 warps it was
       slower than 177 us). In 32-beam tiles the core tail was slower: B-short 37.0 against 33.7 us.
@@ -336,10 +362,16 @@ def wide_launch_config(beam_width: int, group_size: int, head_dim: int,
             num_requests is None or num_requests * num_kv_heads * cdiv(beam_width, beams) > num_sms):
         num_warps = 4
     tail_block = max(4, MIN_TAIL_COLUMNS // beams)
+    if head_dim == 64 and group_pad == 4 and beams == 16:
+        # 8-position tail blocks: 1.02-1.48x faster than 4 at 4-token tails and 1.3-2.2x at 32, GQA 32/8, 24/8 and 16/4,
+        # 9-30 beams, 192-1,536 programs (tune_cascade_d64_tail_block_round57.json, ..._wide_tail_block_round57.json).
+        tail_block = 8
     if head_dim == 128 and beams == 16 and 2 <= group_pad <= 4:
+        registers = None
+        if block_m <= 32:
+            registers = group_2_registers(num_requests, num_kv_heads * cdiv(beam_width, beams), num_sms)
         return CascadeLaunchConfig(beams, group_pad, block_n=64, tail_block=4, num_warps=4, num_stages=1,
-                                   max_registers=128 if block_m <= 32 else None, prompt_stages=2,
-                                   tail_on_cores=True)
+                                   max_registers=registers, prompt_stages=2, tail_on_cores=True)
     if (head_dim == 128 and beams == 32 and block_m == 64 and prompt_capacity is not None
             and prompt_capacity <= ONE_BLOCK_PROMPT_TOKENS):
         return CascadeLaunchConfig(beams, group_pad, block_n=128, tail_block=tail_block, num_warps=4, num_stages=1,

@@ -54,7 +54,10 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "CASCADE_GROUP_8_HEAD_64_MIN_BALANCE", "CASCADE_MAX_GROUP",
            "CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128", "CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128",
            "CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128", "CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128",
-           "group_8_head_128_verdict", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64",
+           "group_8_head_128_verdict", "CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128",
+           "CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128",
+           "CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128", "group_8_head_128_narrow_tile_limit",
+           "CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_NARROW_TILE", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64",
            "CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64", "CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64",
@@ -304,6 +307,28 @@ CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128 = 4
 #: G = 5-8 at head 128: the least fill of the beam blocks (beams over block capacity) with which the cascade runs
 #: more programs than the GPU has multiprocessors.
 CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128 = 0.75
+# Narrow widths at G = 5-8 and head 128 (fifty-seventh round, narrow_g[68]_round57_kv*.json and
+# narrow_tile_round56_g8_kv8.json: 8-64 requests of 3-8 beams at GQA 64/8, 48/8 and 32/4, 300-1,500 tokens, tail bound
+# 4) run the 8-beam tile (triton_kernels.cascade.NARROW_TILE_BEAMS), two programs a multiprocessor
+# (NARROW_TILE_GROUP_8_PROGRAMS_PER_SM), against FA4 + tail:
+# - at most one program a multiprocessor (64-128 programs): from 2% faster to 9% slower at 300 tokens, 7-43% slower
+#   from 600;
+# - one wave (192-256 programs) or waves 0.97 full (512): 1.17-1.40x faster at 300 tokens, 1.06-1.18x at 600-800,
+#   1.02-1.09x at 1,000; 4% slower at 1,500 (192 programs);
+# - waves 0.73 full (384 programs, 1.45 waves): 1.04-1.17x faster at 300 tokens, 8-14% slower at 600, 21% at 1,500.
+# Held-out 25 (select_heldout25_g[578]_*.json, predicted with 1,024 and 320 at every group): G = 7-8 served as
+# predicted, 1.04-1.44x faster at 250-950 tokens (and 200 x 5 at GQA 16/2, waves 0.76 full, 1.12-1.25x where FA4 ran);
+# but G = 5, whose 5 query heads a KV head the 8-row tile pads by 3 (FA4 packs them), was 1.05-1.12x faster at 450
+# tokens and 1-3% slower at 900 in one wave or full ones, and 1% slower at 280 with waves 0.61 full (4 beams). Hence
+# G = 5-6 (G = 6 measured only at 300 tokens) take lower limits; held-out 26 checks them.
+#: G = 5-8 at head 128, narrow widths: ``{group: mean prompt limit}`` of the cascade whose launch runs one wave of the
+#: 8-beam tile or waves at least :data:`CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128` full.
+CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128 = {5: 640, 6: 640, 7: 1024, 8: 1024}
+#: ... and of one whose waves are less full.
+CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128 = {5: 256, 6: 320, 7: 320, 8: 320}
+#: G = 5-8 at head 128, narrow widths: the least fill of the 8-beam tile's waves (programs over waves x wave) with
+#: which a launch of more than one wave takes :data:`CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128`.
+CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128 = 0.9
 CASCADE_MAX_GROUP = 8
 
 # Few requests (tenth round, small_batches_backends*.json: GQA 16/8, head 128, page 32, tail 4, 1-16
@@ -482,6 +507,12 @@ CASCADE_FEW_PROGRAMS = 128
 #: ``{tile rows: limit}`` value where the limit depends on the tile (rows not listed: no limit).
 CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048, (4, 64): 1024, (1, 128): {16: 1024, 32: 256},
                                         (1, 64): {32: 1024}, (2, 128): {32: 256}}
+# Fifty-seventh round (few_programs_g4_round57_kv*.json: 4-32 requests of 3-4 beams at GQA 32/8 and 16/4, 32-128
+# programs, 300-3,000 tokens): the 4-beam tile (NARROW_TILE_BEAMS) was 1.11-1.14x faster than FA4 + tail at 300 tokens
+# and 4-7% slower at 600, where the 16-beam tile had lost from 300 on.
+#: :data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS`'s entries where the width runs the narrow tile
+#: (``triton_kernels.cascade.narrow_tile_beams``; group 3 takes group 4's entry).
+CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_NARROW_TILE = {(4, 128): 384}
 # Two beam blocks at GQA 2 (33-64 beams) with at most 128 programs (twelfth round, the wide files):
 # the cascade was 8-14% faster than FA4 at 500 tokens with 1-8 requests at head 128 and within 2%
 # of it at 1,000 (7% faster with 8 requests); 9% slower at 2,000. At head 64, 1-8 requests, 7-12%
@@ -919,6 +950,9 @@ def cascade_preferred(
         declined = group_8_head_128_verdict(num_requests, num_kv_heads, beam_width, group, tail_bound)
         if declined is not None:
             return False, declined
+        narrow_limit = group_8_head_128_narrow_tile_limit(num_requests, num_kv_heads, beam_width, group)
+        if narrow_limit is not None:
+            limit = narrow_limit
     if group > 4 and head_dim == 64 and num_requests is not None and beam_width is not None and num_requests >= 1:
         sms = multiprocessors()
         programs = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)[0]
@@ -951,8 +985,10 @@ def cascade_preferred(
                      f"here {by_waves[0]:.2f}")
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"measured slower than FA4 + tail there{waves})")
-    few = _few_programs_limit(CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS, (1, 1), num_requests, num_kv_heads, beam_width,
-                              group, head_dim)
+    few_table = CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS
+    if beam_width is not None and _narrow_tile(beam_width, group, head_dim):
+        few_table = {**few_table, **CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_NARROW_TILE}
+    few = _few_programs_limit(few_table, (1, 1), num_requests, num_kv_heads, beam_width, group, head_dim)
     if few is not None and mean_prompt_len > few[1]:
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {few[1]} with {few[0]} cascade programs "
                        f"(<= {CASCADE_FEW_PROGRAMS}) at G={group}, head {head_dim}: measured slower than FA4 + tail there")
@@ -1080,10 +1116,24 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
     :data:`CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128` programs and at most
     :data:`CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128` per multiprocessor (``num_sms``; ``None``:
     :func:`multiprocessors`), and blocks :data:`CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128` full where the programs
-    outnumber the multiprocessors."""
+    outnumber the multiprocessors. A known batch of a narrow width (the 8-beam tile) needs no tail bound, but more
+    programs than multiprocessors and at most :data:`CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128` a multiprocessor;
+    it takes :func:`group_8_head_128_narrow_tile_limit`'s prompt limit."""
     from triton_kernels.cascade import shared_ancestry_reachable  # deferred: triton is imported on first use
 
     where = f"at G={group}, head 128"
+    if num_requests is not None and beam_width is not None and num_requests >= 1 and _narrow_tile(beam_width, group,
+                                                                                                   128):
+        # Measured without a tail bound (the 8-beam tile with its shared-ancestry path), so none is asked for.
+        programs = _cascade_programs(num_requests, num_kv_heads, beam_width, group, 128)[0]
+        sms = multiprocessors() if num_sms is None else int(num_sms)
+        if programs <= sms:
+            return (f"{programs} cascade programs of the 8-beam tile (<= {sms} multiprocessors) at {beam_width} beams "
+                    f"{where}: from 2% faster to 9% slower than FA4 + tail at 300 tokens, 7-43% slower from 600")
+        if programs > CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128 * sms:
+            return (f"{programs} cascade programs of the 8-beam tile (> {CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128} "
+                    f"a multiprocessor, {sms} multiprocessors) at {beam_width} beams {where}: not measured there")
+        return None
     if shared_ancestry_reachable(tail_bound):
         bound = "no tail bound" if tail_bound is None else f"a tail bound of {tail_bound} (> {CASCADE_SHORT_TAIL})"
         return (f"the cascade's launch has {bound}, so it keeps the shared-ancestry path: 7-25% slower than FA4 + "
@@ -1107,6 +1157,34 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
         return (f"beam blocks {fill:.2f} full (< {CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128}) with {programs} programs "
                 f"(> {sms} multiprocessors) {where}: 3-8% slower than FA4 + tail there")
     return None
+
+
+def group_8_head_128_narrow_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: int | None,
+                                       group: int, num_sms: int | None = None) -> int | None:
+    """The cascade's mean prompt limit (tokens) at G = 5-8 and head 128 for a known batch of a narrow width (the 8-beam
+    tile, ``triton_kernels.cascade.narrow_tile_beams``), or ``None`` where the width is wider or the batch unknown:
+    :data:`CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128` of ``group`` where the launch is one wave of the tile
+    (``NARROW_TILE_GROUP_8_PROGRAMS_PER_SM`` programs a multiprocessor, ``num_sms``; ``None``: :func:`multiprocessors`)
+    or its waves are at least :data:`CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128` full, else
+    :data:`CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128`. (:func:`group_8_head_128_verdict`
+    declines the launches of at most one program a multiprocessor.)"""
+    if num_requests is None or beam_width is None or num_requests < 1 or not _narrow_tile(beam_width, group, 128):
+        return None
+    from triton_kernels.cascade import NARROW_TILE_GROUP_8_PROGRAMS_PER_SM  # deferred: triton is imported on first use
+
+    programs = _cascade_programs(num_requests, num_kv_heads, beam_width, group, 128)[0]
+    wave = NARROW_TILE_GROUP_8_PROGRAMS_PER_SM * (multiprocessors() if num_sms is None else int(num_sms))
+    waves = -(-programs // wave)
+    if waves == 1 or programs / (waves * wave) >= CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128:
+        return CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128[group]
+    return CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128[group]
+
+
+def _narrow_tile(beam_width: int, group: int, head_dim: int) -> bool:
+    """Whether ``beam_width`` beams run the cascade's narrow tile at GQA ``group`` and ``head_dim``."""
+    from triton_kernels.cascade import narrow_tile_beams  # deferred: triton is imported on first use
+
+    return narrow_tile_beams(int(beam_width), group, head_dim) is not None
 
 
 def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_width, group, head_dim,

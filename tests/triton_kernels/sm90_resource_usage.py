@@ -139,6 +139,10 @@ CASCADE_VARIANTS = [
     ("G4-D128-narrow", 3, 32, 8, 128, "bf16", None, 34, None),
     ("G2-D128-narrow-few-programs", 3, 16, 8, 128, "bf16", None, 20, None),
     ("G8-D128-narrow", 3, 64, 8, 128, "bf16", None, 34, None),
+    # Round 57: G = 2's 16-beam tile at 168 registers where 96 requests run as many waves at three programs a
+    # multiprocessor as at four; GQA 3-4's 16-beam tile at head 64 with 8-position tail blocks.
+    ("G2-D128-16-beams-roomy", 12, 16, 8, 128, "bf16", None, 96, None),
+    ("G4-D64-tail-block-8", 16, 32, 8, 64, "bf16", None, 48, None),
 ]
 _CASCADE_DIV16_INTS = {
     "stride_q_row", "stride_q_head", "stride_new_k_row", "stride_new_k_head", "stride_new_v_row",

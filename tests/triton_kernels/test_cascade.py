@@ -34,8 +34,9 @@ from triton_kernels import (
     shared_ancestry_reachable,
 )
 from triton_kernels.cascade import (
+    GROUP_2_ROOMY_REGISTERS,
+    GROUP_2_TIGHT_REGISTERS,
     MIN_BLOCK_M,
-    NARROW_TILE_FEW_PROGRAMS_REGISTERS,
     SHARED_ANCESTRY_MIN_TAIL,
     narrow_tile_beams,
     wide_group_head_64_tile_choice,
@@ -545,7 +546,8 @@ def test_every_default_tiling_passes_the_launchers_checks():
     (3, 128, 3, 4), (4, 128, 4, 4), (4, 128, 5, None),  # 16 rows of 4 beams up to 4 (8 beams were not faster)
     (5, 128, 3, 8), (8, 128, 8, 8), (8, 128, 9, None),  # 64 rows of 8 beams, 4 warps, 64-token blocks
     (1, 128, 3, None), (1, 64, 2, None),                # G = 1: 16 beams are the fewest rows a tile takes
-    (2, 64, 5, 8), (4, 64, 4, 4), (4, 64, 5, 8), (3, 64, 8, 8), (4, 64, 9, None), (8, 64, 3, 4), (6, 64, 7, 8),
+    (2, 64, 5, 8), (4, 64, 4, 4), (8, 64, 3, 4), (6, 64, 7, 8),
+    (4, 64, 5, None), (3, 64, 8, None),  # G = 3-4 at head 64: the 16-beam tile's 8-position tail blocks were faster
 ])
 def test_narrow_widths_take_tiles_of_fewer_beams(group, head_dim, beam_width, beams):
     """A width the narrow table lists takes the wide tiling with that many beams a program (one block still holds the
@@ -585,19 +587,45 @@ def test_group_4_narrow_tile_keeps_16_beams_where_both_run_two_waves(num_request
     assert cfg == want
 
 
-@pytest.mark.parametrize("num_requests, num_kv_heads, num_sms, registers", [
-    (40, 8, 132, NARROW_TILE_FEW_PROGRAMS_REGISTERS),   # 320 programs: three a multiprocessor fit them
-    (49, 8, 132, NARROW_TILE_FEW_PROGRAMS_REGISTERS),   # 392
-    (50, 8, 132, 128),                                  # 400: a second wave at three; four fit them
-    (64, 8, 132, 128),
-    (None, 8, 132, 128),                                # batch unknown: the wide tile's cap
+@pytest.mark.parametrize("beam_width, num_requests, num_kv_heads, num_sms, registers", [
+    (5, 40, 8, 132, GROUP_2_ROOMY_REGISTERS),   # 320 programs of 8 beams: one wave at three a multiprocessor
+    (5, 49, 8, 132, GROUP_2_ROOMY_REGISTERS),   # 392
+    (5, 50, 8, 132, GROUP_2_TIGHT_REGISTERS),   # 400: a second wave at three; four fit them
+    (5, 64, 8, 132, GROUP_2_TIGHT_REGISTERS),
+    (12, 96, 8, 132, GROUP_2_ROOMY_REGISTERS),  # 768 of 16 beams: two waves either way (measured 1.14-1.16x faster)
+    (16, 64, 8, 132, GROUP_2_TIGHT_REGISTERS),  # 512: two waves at three, one at four (measured 0.80x with 168)
+    (14, 128, 8, 132, GROUP_2_TIGHT_REGISTERS),  # 1,024: three waves against two
+    (9, 8, 8, 132, GROUP_2_ROOMY_REGISTERS),    # 64: one wave
+    (16, 64, 8, 264, GROUP_2_ROOMY_REGISTERS),  # 512 on a GPU of twice the multiprocessors: one wave either way
+    (5, None, 8, 132, GROUP_2_TIGHT_REGISTERS),   # batch unknown
+    (12, None, 8, 132, GROUP_2_TIGHT_REGISTERS),
 ])
-def test_group_2_narrow_tile_takes_registers_by_programs(num_requests, num_kv_heads, num_sms, registers):
-    """G = 2's 8-beam tile at head 128 lifts the 128-register cap to 168 (no spills, three programs a multiprocessor)
-    where its programs fit such a wave: 3-9% faster at 160-384 programs, 17% slower at 512 (round 56)."""
-    cfg = cascade_launch_config(5, 2, 128, None, num_requests, num_kv_heads, num_sms)
-    assert cfg.beams_per_program == 8 and cfg.max_registers == registers, cfg
-    assert dataclasses.replace(cfg, max_registers=128) == cascade_launch_config(5, 2, 128)
+def test_group_2_tiles_take_registers_by_waves(beam_width, num_requests, num_kv_heads, num_sms, registers):
+    """G = 2's 8- and 16-beam tiles at head 128 lift the 128-register cap to 168 (6 bytes of spill instead of 18-34,
+    three programs a multiprocessor instead of four) where the launch runs as many waves either way: 3-16% faster
+    there, 8-25% slower where it added a wave (rounds 56-57). Nothing else of the tiling moves."""
+    cfg = cascade_launch_config(beam_width, 2, 128, None, num_requests, num_kv_heads, num_sms)
+    assert cfg.max_registers == registers, cfg
+    assert cfg.beams_per_program == (8 if beam_width <= 8 else 16), cfg
+    assert dataclasses.replace(cfg, max_registers=GROUP_2_TIGHT_REGISTERS) == cascade_launch_config(beam_width, 2, 128)
+
+
+@pytest.mark.parametrize("group, beam_width, num_requests, tail_block", [
+    (4, 16, 48, 8),      # the 16-beam tile: 8-position tail blocks
+    (3, 12, 64, 8),
+    (4, 6, 48, 8),       # 5-8 beams take it too (no narrow tile there at head 64)
+    (4, 30, 16, 8),      # 30 beams in two 16-beam blocks (128 programs of 32 beams are too few)
+    (4, 16, None, 8),    # batch unknown
+    (4, 30, 64, 4),      # the 32-beam tile keeps 4 (as fast with 8)
+    (4, 3, 48, 8),       # the 4-beam narrow tile: 32 columns of 8 positions
+    (8, 16, 48, 4),      # G = 8's 128-row tile keeps 4
+    (2, 16, 48, 4),      # and G = 2's 32-row one
+])
+def test_group_4_head_64_tail_block_by_tile(group, beam_width, num_requests, tail_block):
+    """GQA 3-4 at head 64 run the tail in 8-position key blocks on the 16-beam tile (1.02-1.48x faster than 4 at
+    4-token tails, 1.3-2.2x at 32 on the H200, round 57); other tiles keep theirs."""
+    cfg = cascade_launch_config(beam_width, group, 64, None, num_requests, 8, 132)
+    assert cfg.tail_block == tail_block, cfg
 
 
 @pytest.mark.parametrize("group, beam_width, num_requests, num_kv_heads, num_sms, warps", [
@@ -645,7 +673,8 @@ def test_group_4_head_64_widens_its_tile_where_it_pads_no_more(group, beam_width
     if choice == "wide":
         assert (cfg.beams_per_program, cfg.block_m, cfg.num_warps, cfg.block_n, cfg.num_stages) == (32, 128, 4, 128, 1)
         assert not cfg.shared_ancestry and cfg.tail_block == 4, cfg
-        assert dataclasses.replace(cfg, beams_per_program=16) == unknown, (cfg, unknown)
+        # ... and the 16-beam tile's 8-position tail blocks (round 57) go back to 4, measured as fast on 32 beams
+        assert dataclasses.replace(cfg, beams_per_program=16, tail_block=8) == unknown, (cfg, unknown)
     else:
         assert cfg == unknown, cfg
     for g, d in ((2, 64), (8, 64), (4, 128)):  # other groups and heads keep their beams a tile

@@ -116,6 +116,11 @@ def test_cascade_batch_tilings_compile_for_sm90(usage):
     assert rows["G2-D128-narrow-few-programs"]["config"][beams] == 8
     assert rows["G2-D128-narrow-few-programs"]["config"][fields.index("max_registers")] == 168
     assert rows["G8-D128-narrow"]["config"][beams] == 8 and rows["G8-D128-narrow"]["num_warps"] == 4
+    # Round 57: the 168-register cap fits three programs a multiprocessor, the 8-position tail blocks compile.
+    roomy = rows["G2-D128-16-beams-roomy"]
+    assert roomy["config"][beams] == 16 and roomy["config"][fields.index("max_registers")] == 168
+    assert _resident_programs(roomy) >= 3, roomy
+    assert rows["G4-D64-tail-block-8"]["config"][fields.index("tail_block")] == 8
     assert rows["B-medium-D64-short-tail"]["stack"] <= rows["B-medium-D64"]["stack"], rows["B-medium-D64-short-tail"]
     # The 128-row tiles at head 64 spill alike (Triton 3.9: 176 and 168 bytes of stack; 3.6 on the H200, where the
     # 32-beam tile measured 8-18% faster than the 16-beam one: 36-48 bytes of spill): a Triton that spills GQA 4's
