@@ -320,7 +320,10 @@ CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128 = 0.75
 # predicted, 1.04-1.44x faster at 250-950 tokens (and 200 x 5 at GQA 16/2, waves 0.76 full, 1.12-1.25x where FA4 ran);
 # but G = 5, whose 5 query heads a KV head the 8-row tile pads by 3 (FA4 packs them), was 1.05-1.12x faster at 450
 # tokens and 1-3% slower at 900 in one wave or full ones, and 1% slower at 280 with waves 0.61 full (4 beams). Hence
-# G = 5-6 (G = 6 measured only at 300 tokens) take lower limits; held-out 26 checks them.
+# G = 5-6 (G = 6 measured only at 300 tokens) take lower limits. Held-out 26 (select_heldout26_g[57]_*.json): G = 5 at
+# 30 and 64 requests of 5 and 8 beams, 1.06-1.23x faster at 350-600 tokens where taken, and 1-7% faster at 750 where
+# left to FA4 + tail; G = 7 at 100 x 4 (waves 0.76 full) 1.25x at 300 tokens, 1.07x at 500 (left). Its G = 6 grids ran
+# past their time limit in FA4's compile, so G = 6's limits are G = 5's, untested at full waves.
 #: G = 5-8 at head 128, narrow widths: ``{group: mean prompt limit}`` of the cascade whose launch runs one wave of the
 #: 8-beam tile or waves at least :data:`CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128` full.
 CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128 = {5: 640, 6: 640, 7: 1024, 8: 1024}

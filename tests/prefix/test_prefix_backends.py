@@ -866,6 +866,8 @@ def test_group_8_at_head_128_wants_a_tail_bound_on_the_h200_grids(monkeypatch):
     ("narrow_tile_round56_g8_kv8.json", 6, 6, []),
     # Held-out 25 (predicted with 1,024 / 320 tokens at every group; G = 5 then took 640 / 256, held-out 26 checks them)
     ("select_heldout25_g[578]_*.json", 28, 12, [(40, 7, 280), (200, 5, 350), (200, 5, 950)]),
+    # Held-out 26 (G = 5 at the lowered limits, G = 7 with waves 0.76 full; its G = 6 grids did not finish in time)
+    ("select_heldout26_g[57]_*.json", 9, 5, [(64, 8, 750), (100, 4, 500)]),
     # G = 3-4 with at most 128 programs, 3-4 beams (the 4-beam tile's few-programs limit, 384 tokens)
     ("few_programs_g4_round57_kv*.json", 10, 26, []),
     ("select_heldout25_g[34]*_*.json", 5, 11, []),
