@@ -311,11 +311,11 @@ CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128 = 0.75
 # narrow_tile_round56_g8_kv8.json: 8-64 requests of 3-8 beams at GQA 64/8, 48/8 and 32/4, 300-1,500 tokens, tail bound
 # 4) run the 8-beam tile (triton_kernels.cascade.NARROW_TILE_BEAMS), two programs a multiprocessor
 # (NARROW_TILE_GROUP_8_PROGRAMS_PER_SM), against FA4 + tail:
-# - at most one program a multiprocessor (64-128 programs): from 2% faster to 9% slower at 300 tokens, 7-43% slower
+# - at most one program a multiprocessor (64-128 programs): from 2% faster to 7% slower at 300 tokens, 17-48% slower
 #   from 600;
-# - one wave (192-256 programs) or waves 0.97 full (512): 1.17-1.40x faster at 300 tokens, 1.06-1.18x at 600-800,
-#   1.02-1.09x at 1,000; 4% slower at 1,500 (192 programs);
-# - waves 0.73 full (384 programs, 1.45 waves): 1.04-1.17x faster at 300 tokens, 8-14% slower at 600, 21% at 1,500.
+# - one wave (192-256 programs) or waves 0.97 full (512): 1.23-1.39x faster at 300 tokens, 1.06-1.18x at 600-800,
+#   1.02-1.10x at 1,000; 3-5% slower at 1,500 (192 programs);
+# - waves 0.73 full (384 programs, 1.45 waves): 1.04-1.18x faster at 300 tokens, 9-16% slower at 600, 20-26% at 1,500.
 # Held-out 25 (select_heldout25_g[578]_*.json, predicted with 1,024 and 320 at every group): G = 7-8 served as
 # predicted, 1.04-1.44x faster at 250-950 tokens (and 200 x 5 at GQA 16/2, waves 0.76 full, 1.12-1.25x where FA4 ran);
 # but G = 5, whose 5 query heads a KV head the 8-row tile pads by 3 (FA4 packs them), was 1.05-1.12x faster at 450
@@ -1132,7 +1132,7 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
         sms = multiprocessors() if num_sms is None else int(num_sms)
         if programs <= sms:
             return (f"{programs} cascade programs of the 8-beam tile (<= {sms} multiprocessors) at {beam_width} beams "
-                    f"{where}: from 2% faster to 9% slower than FA4 + tail at 300 tokens, 7-43% slower from 600")
+                    f"{where}: from 2% faster to 7% slower than FA4 + tail at 300 tokens, 17-48% slower from 600")
         if programs > CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128 * sms:
             return (f"{programs} cascade programs of the 8-beam tile (> {CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128} "
                     f"a multiprocessor, {sms} multiprocessors) at {beam_width} beams {where}: not measured there")
