@@ -364,7 +364,7 @@ def wide_launch_config(beam_width: int, group_size: int, head_dim: int,
     tail_block = max(4, MIN_TAIL_COLUMNS // beams)
     if head_dim == 64 and group_pad == 4 and beams == 16:
         # 8-position tail blocks: 1.02-1.48x faster than 4 at 4-token tails and 1.3-2.2x at 32, GQA 32/8, 24/8 and 16/4,
-        # 9-30 beams, 192-1,536 programs (tune_cascade_d64_tail_block_round57.json, ..._wide_tail_block_round57.json).
+        # 9-30 beams, 128-768 programs (tune_cascade_d64_tail_block_round57.json, ..._wide_tail_block_round57.json).
         tail_block = 8
     if head_dim == 128 and beams == 16 and 2 <= group_pad <= 4:
         registers = None

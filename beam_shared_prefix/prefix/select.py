@@ -57,6 +57,7 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "group_8_head_128_verdict", "CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128",
            "CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128",
            "CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128", "group_8_head_128_narrow_tile_limit",
+           "CASCADE_NARROW_TILE_MIN_BEAMS",
            "CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_NARROW_TILE", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64",
            "CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64", "CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64",
@@ -332,6 +333,9 @@ CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128 = {5: 256, 6: 3
 #: G = 5-8 at head 128, narrow widths: the least fill of the 8-beam tile's waves (programs over waves x wave) with
 #: which a launch of more than one wave takes :data:`CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128`.
 CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128 = 0.9
+#: The narrowest beam width the narrow-tile clauses (G = 5-8 at head 128, and
+#: :data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_NARROW_TILE`) were measured at; narrower ones keep the wide tile's rules.
+CASCADE_NARROW_TILE_MIN_BEAMS = 3
 CASCADE_MAX_GROUP = 8
 
 # Few requests (tenth round, small_batches_backends*.json: GQA 16/8, head 128, page 32, tail 4, 1-16
@@ -1184,10 +1188,12 @@ def group_8_head_128_narrow_tile_limit(num_requests: int | None, num_kv_heads: i
 
 
 def _narrow_tile(beam_width: int, group: int, head_dim: int) -> bool:
-    """Whether ``beam_width`` beams run the cascade's narrow tile at GQA ``group`` and ``head_dim``."""
+    """Whether ``beam_width`` beams run the cascade's narrow tile at GQA ``group`` and ``head_dim`` and the narrow
+    clauses' grids measured the width (at least :data:`CASCADE_NARROW_TILE_MIN_BEAMS`)."""
     from triton_kernels.cascade import narrow_tile_beams  # deferred: triton is imported on first use
 
-    return narrow_tile_beams(int(beam_width), group, head_dim) is not None
+    return int(beam_width) >= CASCADE_NARROW_TILE_MIN_BEAMS and narrow_tile_beams(int(beam_width), group,
+                                                                                   head_dim) is not None
 
 
 def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_width, group, head_dim,

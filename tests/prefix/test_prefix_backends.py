@@ -815,6 +815,7 @@ def test_prompt_decline_names_the_launch_tile(monkeypatch, heads, requests, beam
     (17, 3, 64, 132, None),  # 136 programs
     (16, 8, 16, 132, "128 cascade programs of the 8-beam tile (<= 132 multiprocessors)"),
     (70, 5, None, 132, "560 cascade programs of the 8-beam tile (> 4 a multiprocessor, 132 multiprocessors)"),
+    (64, 2, None, 132, "no tail bound"),  # 2 beams run the 8-beam tile too, but were not measured: the wide rules
     (32, 12, 16, 132, None),
     (32, 30, 16, 132, None),  # 512 programs, two blocks 15/16 full
 ])
