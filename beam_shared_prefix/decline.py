@@ -282,6 +282,7 @@ __all__ = ["should_decline", "cascade_min_prompt", "min_beam_rows", "MIN_BEAM_WI
            "FEW_ROWS_REFIT_NARROWEST", "FEW_ROWS_REFIT_SHORT_PROMPT_FROM", "FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT",
            "MIN_BEAM_ROWS_GQA1_SHORT_PROMPT", "GQA1_SHORT_PROMPT", "MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS",
            "FEW_ROWS_REFIT_GQA2_MIN_PROMPT", "MIN_BEAM_ROWS_NARROW_TILE", "NARROW_TILE_FLOOR_MIN_PROMPT",
+           "MIN_BEAM_ROWS_NARROW_TILE_GROUP_8", "NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT",
            "MIN_BEAM_ROWS_HEAD_256_REFIT", "FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT",
            "FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT", "FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT",
            "MIN_BEAM_ROW_TOKENS_SPLIT_KV", "MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256", "CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64",
@@ -384,6 +385,16 @@ _FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
 MIN_BEAM_ROWS_NARROW_TILE = {3: 36, 4: 36, 5: 40}
 NARROW_TILE_FLOOR_MIN_PROMPT = 160
 _NARROW_TILE_FLOOR_GROUPS = frozenset((2, 3, 4))
+#: 3-5 beams at head 128, GQA 5-8 and 2-8 KV heads, from :data:`NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT` tokens, on the
+#: cascade's 8-beam tile or FA4 + tail (``prefix/select.py`` picks): at most this many rows at 8 KV heads by beam width
+#: (scaled as the others; the older floors stand where they ask fewer). Fifty-seventh round
+#: (``narrow_g[68]_round57_kv*.json``, ``narrow_tile_round56_g8_kv8.json``, ``select_heldout2[56]_g[5-8]_*.json``: GQA
+#: 64/8, 56/8, 48/8, 40/8, 32/4, 28/4 and 16/2, 8-200 requests of 3-8 beams at 250-1,500 tokens): every point from 512
+#: row-KV-heads won, 1.28x-2.77x against per-beam decode (3 beams from 576, 1.28x-1.69x); at 192 0.89x-0.96x; 17 x 3 at
+#: 56/8 (408) 1.19x at 250 tokens and 1.02x at 700. Older floors asked 960 under 350 tokens (3 beams under 500).
+MIN_BEAM_ROWS_NARROW_TILE_GROUP_8 = {3: 72, 4: 64, 5: 48}
+NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT = 250
+_NARROW_TILE_GROUP_8_FLOOR_GROUPS = frozenset(range(5, 9))
 _FEW_ROWS_REFIT_KV_HEADS = range(2, 9)
 #: GQA 2 at head 128 takes the same floor (384) with 2-8 KV heads from this mean prompt, at 4 beams or more (4-5 from
 #: :data:`FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT`).
@@ -635,6 +646,15 @@ def _long_prompt_floor_applies(group: Optional[int], head_dim: Optional[int]) ->
 def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
                      num_kv_heads: Optional[int] = None, beam_width: Optional[int] = None) -> int:
     """The row floor at 8 KV heads, before :func:`_scaled_by_kv_heads`."""
+    rows = _older_beam_rows_floor(prompt_len, group, head_dim, num_kv_heads, beam_width)
+    if _narrow_tile_group_8_floor_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
+        return min(rows, MIN_BEAM_ROWS_NARROW_TILE_GROUP_8[int(beam_width)])
+    return rows
+
+
+def _older_beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
+                           num_kv_heads: Optional[int] = None, beam_width: Optional[int] = None) -> int:
+    """The row floor at 8 KV heads before the fifty-seventh round's floor of G = 5-8 at 3-5 beams."""
     if _narrow_tile_floor_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
         return MIN_BEAM_ROWS_NARROW_TILE[int(beam_width)]
     if _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
@@ -664,6 +684,17 @@ def _narrow_tile_floor_applies(prompt_len: Optional[float], group: Optional[int]
             and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS and beam_width is not None
             and int(beam_width) in MIN_BEAM_ROWS_NARROW_TILE and prompt_len is not None
             and float(prompt_len) >= NARROW_TILE_FLOOR_MIN_PROMPT)
+
+
+def _narrow_tile_group_8_floor_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
+                                       num_kv_heads: Optional[int], beam_width: Optional[int]) -> bool:
+    """Whether the fifty-seventh round's floor of G = 5-8 (:data:`MIN_BEAM_ROWS_NARROW_TILE_GROUP_8`) applies: head 128,
+    GQA 5-8, 2-8 KV heads, 3-5 beams and a mean prompt of at least :data:`NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT` tokens
+    (any of them ``None``: not judged)."""
+    return (head_dim == 128 and group in _NARROW_TILE_GROUP_8_FLOOR_GROUPS and num_kv_heads is not None
+            and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS and beam_width is not None
+            and int(beam_width) in MIN_BEAM_ROWS_NARROW_TILE_GROUP_8 and prompt_len is not None
+            and float(prompt_len) >= NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT)
 
 
 def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
@@ -724,8 +755,16 @@ def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], nu
     where = f"at head {head_dim or 128} with {per_kv_head} per KV head"
     if base == MIN_BEAM_ROWS_HEAD_256:
         scaled += f" at head {head_dim}"
-    if _narrow_tile_floor_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
+    group_8 = _narrow_tile_group_8_floor_applies(prompt_len, group, head_dim, num_kv_heads, beam_width)
+    if group_8 and base == MIN_BEAM_ROWS_NARROW_TILE_GROUP_8[int(beam_width)]:
+        scaled += f" {where} and {beam_width} beams from a mean prompt of {NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT} tokens"
+    elif _narrow_tile_floor_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
         scaled += f" {where} and {beam_width} beams from a mean prompt of {NARROW_TILE_FLOOR_MIN_PROMPT} tokens"
+    elif (not group_8 and prompt_len is not None
+          and _narrow_tile_group_8_floor_applies(math.inf, group, head_dim, num_kv_heads, beam_width)):
+        narrow = _row_floor(MIN_BEAM_ROWS_NARROW_TILE_GROUP_8[beam_width], num_kv_heads, head_dim)
+        scaled += (f" ({narrow} from a mean prompt of {NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT} tokens {where} and "
+                   f"{beam_width} beams; this one is {float(prompt_len):.0f})")
     elif _narrow_tile_floor_applies(math.inf, group, head_dim, num_kv_heads, beam_width) and prompt_len is not None:
         narrow = _row_floor(MIN_BEAM_ROWS_NARROW_TILE[beam_width], num_kv_heads, head_dim)
         scaled += (f" ({narrow} from a mean prompt of {NARROW_TILE_FLOOR_MIN_PROMPT} tokens {where} and "
