@@ -1129,27 +1129,26 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
     from triton_kernels.cascade import shared_ancestry_reachable  # deferred: triton is imported on first use
 
     where = f"at G={group}, head 128"
-    if num_requests is not None and beam_width is not None and num_requests >= 1 and _narrow_tile(beam_width, group,
-                                                                                                   128):
+    known = num_requests is not None and beam_width is not None and num_requests >= 1
+    if known and _narrow_tile(beam_width, group, 128):
         # Measured without a tail bound (the 8-beam tile with its shared-ancestry path), so none is asked for.
-        programs = _cascade_programs(num_requests, num_kv_heads, beam_width, group, 128)[0]
-        sms = multiprocessors() if num_sms is None else int(num_sms)
+        programs, _, sms = _group_8_launch(num_requests, num_kv_heads, beam_width, group, num_sms)
+        tile = "cascade programs of the 8-beam tile"
         if programs <= sms:
-            return (f"{programs} cascade programs of the 8-beam tile (<= {sms} multiprocessors) at {beam_width} beams "
-                    f"{where}: from 2% faster to 7% slower than FA4 + tail at 300 tokens, 17-48% slower from 600")
+            return (f"{programs} {tile} (<= {sms} multiprocessors) at {beam_width} beams {where}: from 2% faster to 7% "
+                    f"slower than FA4 + tail at 300 tokens, 17-48% slower from 600")
         if programs > CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128 * sms:
-            return (f"{programs} cascade programs of the 8-beam tile (> {CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128} "
-                    f"a multiprocessor, {sms} multiprocessors) at {beam_width} beams {where}: not measured there")
+            return (f"{programs} {tile} (> {CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128} a multiprocessor, {sms} "
+                    f"multiprocessors) at {beam_width} beams {where}: not measured there")
         return None
     if shared_ancestry_reachable(tail_bound):
         bound = "no tail bound" if tail_bound is None else f"a tail bound of {tail_bound} (> {CASCADE_SHORT_TAIL})"
         return (f"the cascade's launch has {bound}, so it keeps the shared-ancestry path: 7-25% slower than FA4 + "
                 f"tail {where} at every length measured; a CUDA-graph wrapper with max_tail_len <= "
                 f"{CASCADE_SHORT_TAIL} (TLLM_BEAM_SHARED_PREFIX_MAX_TAIL) leaves it out")
-    if num_requests is None or beam_width is None or num_requests < 1:
+    if not known:
         return f"requests or beam width unknown {where}: the cascade's program count decides there"
-    programs, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, 128)
-    sms = multiprocessors() if num_sms is None else int(num_sms)
+    programs, blocks, sms = _group_8_launch(num_requests, num_kv_heads, beam_width, group, num_sms)
     if blocks > CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128:
         return (f"{blocks} beam blocks a request (> {CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128}) {where}: from 0.4% faster "
                 f"to 7% slower than FA4 + tail with six")
@@ -1166,6 +1165,14 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
     return None
 
 
+def _group_8_launch(num_requests: int, num_kv_heads: int, beam_width: int, group: int,
+                    num_sms: int | None) -> tuple[int, int, int]:
+    """``(programs, beam blocks a request, multiprocessors)`` of a G = 5-8, head-128 cascade launch (``num_sms``
+    ``None``: :func:`multiprocessors`)."""
+    programs, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, 128)
+    return programs, blocks, multiprocessors() if num_sms is None else int(num_sms)
+
+
 def group_8_head_128_narrow_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: int | None,
                                        group: int, num_sms: int | None = None) -> int | None:
     """The cascade's mean prompt limit (tokens) at G = 5-8 and head 128 for a known batch of a narrow width (the 8-beam
@@ -1179,8 +1186,8 @@ def group_8_head_128_narrow_tile_limit(num_requests: int | None, num_kv_heads: i
         return None
     from triton_kernels.cascade import NARROW_TILE_GROUP_8_PROGRAMS_PER_SM  # deferred: triton is imported on first use
 
-    programs = _cascade_programs(num_requests, num_kv_heads, beam_width, group, 128)[0]
-    wave = NARROW_TILE_GROUP_8_PROGRAMS_PER_SM * (multiprocessors() if num_sms is None else int(num_sms))
+    programs, _, sms = _group_8_launch(num_requests, num_kv_heads, beam_width, group, num_sms)
+    wave = NARROW_TILE_GROUP_8_PROGRAMS_PER_SM * sms
     waves = -(-programs // wave)
     if waves == 1 or programs / (waves * wave) >= CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128:
         return CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128[group]
