@@ -647,16 +647,13 @@ def _beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim
                      num_kv_heads: Optional[int] = None, beam_width: Optional[int] = None) -> int:
     """The row floor at 8 KV heads, before :func:`_scaled_by_kv_heads`."""
     rows = _older_beam_rows_floor(prompt_len, group, head_dim, num_kv_heads, beam_width)
-    if _narrow_tile_group_8_floor_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
-        return min(rows, MIN_BEAM_ROWS_NARROW_TILE_GROUP_8[int(beam_width)])
-    return rows
+    narrow = _narrow_floor(prompt_len, group, head_dim, num_kv_heads, beam_width)
+    return rows if narrow is None else min(rows, narrow[0][int(beam_width)])
 
 
 def _older_beam_rows_floor(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
                            num_kv_heads: Optional[int] = None, beam_width: Optional[int] = None) -> int:
-    """The row floor at 8 KV heads before the fifty-seventh round's floor of G = 5-8 at 3-5 beams."""
-    if _narrow_tile_floor_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
-        return MIN_BEAM_ROWS_NARROW_TILE[int(beam_width)]
+    """The row floor at 8 KV heads before the narrow widths' floors of rounds 56-57 (:func:`_narrow_floor`)."""
     if _few_rows_refit_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
         narrow_short = (beam_width is not None and int(beam_width) < FEW_ROWS_REFIT_WIDE_FROM
                         and float(prompt_len) < FEW_ROWS_REFIT_NARROW_MIN_PROMPT)
@@ -675,26 +672,22 @@ def _older_beam_rows_floor(prompt_len: Optional[float], group: Optional[int], he
     return MIN_BEAM_ROWS
 
 
-def _narrow_tile_floor_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
-                               num_kv_heads: Optional[int], beam_width: Optional[int]) -> bool:
-    """Whether the fifty-sixth round's narrow-tile floor (:data:`MIN_BEAM_ROWS_NARROW_TILE`) applies: head 128, GQA
-    3-4, 2-8 KV heads, 3-5 beams and a mean prompt of at least :data:`NARROW_TILE_FLOOR_MIN_PROMPT` tokens, where it
-    was measured (any of them ``None``: not judged)."""
-    return (head_dim == 128 and group in _NARROW_TILE_FLOOR_GROUPS and num_kv_heads is not None
-            and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS and beam_width is not None
-            and int(beam_width) in MIN_BEAM_ROWS_NARROW_TILE and prompt_len is not None
-            and float(prompt_len) >= NARROW_TILE_FLOOR_MIN_PROMPT)
-
-
-def _narrow_tile_group_8_floor_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
-                                       num_kv_heads: Optional[int], beam_width: Optional[int]) -> bool:
-    """Whether the fifty-seventh round's floor of G = 5-8 (:data:`MIN_BEAM_ROWS_NARROW_TILE_GROUP_8`) applies: head 128,
-    GQA 5-8, 2-8 KV heads, 3-5 beams and a mean prompt of at least :data:`NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT` tokens
-    (any of them ``None``: not judged)."""
-    return (head_dim == 128 and group in _NARROW_TILE_GROUP_8_FLOOR_GROUPS and num_kv_heads is not None
-            and int(num_kv_heads) in _FEW_ROWS_REFIT_KV_HEADS and beam_width is not None
-            and int(beam_width) in MIN_BEAM_ROWS_NARROW_TILE_GROUP_8 and prompt_len is not None
-            and float(prompt_len) >= NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT)
+def _narrow_floor(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
+                  num_kv_heads: Optional[int], beam_width: Optional[int]):
+    """``(rows at 8 KV heads by beam width, least mean prompt)`` of the narrow widths' floor that applies, or ``None``:
+    head 128, 2-8 KV heads, 3-5 beams from the floor's prompt, GQA 2-4 on the cascade's narrow tiles
+    (:data:`MIN_BEAM_ROWS_NARROW_TILE`, rounds 56-57) or GQA 5-8 (:data:`MIN_BEAM_ROWS_NARROW_TILE_GROUP_8`, where it
+    asks fewer than the older floors; round 57). Any of them ``None``: not judged."""
+    if (head_dim != 128 or num_kv_heads is None or int(num_kv_heads) not in _FEW_ROWS_REFIT_KV_HEADS
+            or beam_width is None or prompt_len is None):
+        return None
+    for groups, rows, least_prompt in ((_NARROW_TILE_FLOOR_GROUPS, MIN_BEAM_ROWS_NARROW_TILE,
+                                        NARROW_TILE_FLOOR_MIN_PROMPT),
+                                       (_NARROW_TILE_GROUP_8_FLOOR_GROUPS, MIN_BEAM_ROWS_NARROW_TILE_GROUP_8,
+                                        NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT)):
+        if group in groups and int(beam_width) in rows and float(prompt_len) >= least_prompt:
+            return rows, least_prompt
+    return None
 
 
 def _few_rows_refit_applies(prompt_len: Optional[float], group: Optional[int], head_dim: Optional[int],
@@ -755,20 +748,13 @@ def _row_floor_note(base: int, group: Optional[int], head_dim: Optional[int], nu
     where = f"at head {head_dim or 128} with {per_kv_head} per KV head"
     if base == MIN_BEAM_ROWS_HEAD_256:
         scaled += f" at head {head_dim}"
-    group_8 = _narrow_tile_group_8_floor_applies(prompt_len, group, head_dim, num_kv_heads, beam_width)
-    if group_8 and base == MIN_BEAM_ROWS_NARROW_TILE_GROUP_8[int(beam_width)]:
-        scaled += f" {where} and {beam_width} beams from a mean prompt of {NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT} tokens"
-    elif _narrow_tile_floor_applies(prompt_len, group, head_dim, num_kv_heads, beam_width):
-        scaled += f" {where} and {beam_width} beams from a mean prompt of {NARROW_TILE_FLOOR_MIN_PROMPT} tokens"
-    elif (not group_8 and prompt_len is not None
-          and _narrow_tile_group_8_floor_applies(math.inf, group, head_dim, num_kv_heads, beam_width)):
-        narrow = _row_floor(MIN_BEAM_ROWS_NARROW_TILE_GROUP_8[beam_width], num_kv_heads, head_dim)
-        scaled += (f" ({narrow} from a mean prompt of {NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT} tokens {where} and "
-                   f"{beam_width} beams; this one is {float(prompt_len):.0f})")
-    elif _narrow_tile_floor_applies(math.inf, group, head_dim, num_kv_heads, beam_width) and prompt_len is not None:
-        narrow = _row_floor(MIN_BEAM_ROWS_NARROW_TILE[beam_width], num_kv_heads, head_dim)
-        scaled += (f" ({narrow} from a mean prompt of {NARROW_TILE_FLOOR_MIN_PROMPT} tokens {where} and "
-                   f"{beam_width} beams; this one is {float(prompt_len):.0f})")
+    narrow = _narrow_floor(math.inf, group, head_dim, num_kv_heads, beam_width)  # the floor a longer prompt meets
+    narrow_short = narrow is not None and prompt_len is not None and float(prompt_len) < narrow[1]
+    if narrow is not None and not narrow_short and prompt_len is not None and base == narrow[0][beam_width]:
+        scaled += f" {where} and {beam_width} beams from a mean prompt of {narrow[1]} tokens"
+    elif narrow_short:
+        scaled += (f" ({_row_floor(narrow[0][beam_width], num_kv_heads, head_dim)} from a mean prompt of {narrow[1]} "
+                   f"tokens {where} and {beam_width} beams; this one is {float(prompt_len):.0f})")
     elif base == MIN_BEAM_ROWS_HEAD_128_REFIT:
         scaled += f" {where}"
     elif base == MIN_BEAM_ROWS_LONG_PROMPT_THREE_BEAMS and beam_width == 3:

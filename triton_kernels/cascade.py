@@ -205,7 +205,7 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
     Narrow beam widths (:func:`narrow_tile_beams`: up to 4 or 8 beams, by group and head size) take the tiling of
     :func:`wide_launch_config` with fewer beams a program (at least :data:`MIN_BLOCK_M` query rows), a tail key
     block of at least :data:`MIN_TAIL_COLUMNS` columns, and 4 warps; at ``D = 128`` and G = 5-8 also 64-token prompt
-    blocks, and at G = 2 :func:`group_2_registers`' cap. G = 3-4 at ``D = 128`` keeps the 16-beam tile
+    blocks. At G = 2 the 8-beam tile keeps the 16-beam tile's register cap (:func:`group_2_registers`). G = 3-4 at ``D = 128`` keeps the 16-beam tile
     where both would run two waves (more programs than :data:`NARROW_TILE_PROGRAMS_PER_SM` a multiprocessor hold, at
     most twice :data:`WIDE_GROUP_4_TILE_PROGRAMS_PER_SM`). Every other shape takes :func:`wide_launch_config`'s
     tiling, and the arguments mean the same there.
@@ -228,8 +228,6 @@ def cascade_launch_config(beam_width: int, group_size: int, head_dim: int,
         # The 128-row tile's 8 warps and 128-token blocks were 1.1-1.2x faster than 16 beams; 4 warps and 64-token
         # blocks (49 KB of shared memory) took the same 8 beams 1.5-1.7x further (tune_cascade_narrow_g8_warps_round56).
         cfg = dataclasses.replace(cfg, block_n=64)
-    if head_dim == 128 and wide.group_pad == 2:
-        cfg = dataclasses.replace(cfg, max_registers=group_2_registers(num_requests, num_kv_heads, num_sms))
     return cfg
 
 
@@ -367,9 +365,7 @@ def wide_launch_config(beam_width: int, group_size: int, head_dim: int,
         # 9-30 beams, 128-768 programs (tune_cascade_d64_tail_block_round57.json, ..._wide_tail_block_round57.json).
         tail_block = 8
     if head_dim == 128 and beams == 16 and 2 <= group_pad <= 4:
-        registers = None
-        if block_m <= 32:
-            registers = group_2_registers(num_requests, num_kv_heads * cdiv(beam_width, beams), num_sms)
+        registers = group_2_registers(num_requests, num_kv_heads, num_sms) if block_m <= 32 else None
         return CascadeLaunchConfig(beams, group_pad, block_n=64, tail_block=4, num_warps=4, num_stages=1,
                                    max_registers=registers, prompt_stages=2, tail_on_cores=True)
     if (head_dim == 128 and beams == 32 and block_m == 64 and prompt_capacity is not None

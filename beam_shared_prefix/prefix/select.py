@@ -520,6 +520,7 @@ CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS = {(4, 128): 256, (2, 64): 2048, (4, 64): 1
 #: :data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS`'s entries where the width runs the narrow tile
 #: (``triton_kernels.cascade.narrow_tile_beams``; group 3 takes group 4's entry).
 CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_NARROW_TILE = {(4, 128): 384}
+_FEW_PROGRAMS_NARROW_TILE_TABLE = {**CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS, **CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_NARROW_TILE}
 # Two beam blocks at GQA 2 (33-64 beams) with at most 128 programs (twelfth round, the wide files):
 # the cascade was 8-14% faster than FA4 at 500 tokens with 1-8 requests at head 128 and within 2%
 # of it at 1,000 (7% faster with 8 requests); 9% slower at 2,000. At head 64, 1-8 requests, 7-12%
@@ -992,9 +993,8 @@ def cascade_preferred(
                      f"here {by_waves[0]:.2f}")
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"measured slower than FA4 + tail there{waves})")
-    few_table = CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS
-    if beam_width is not None and _narrow_tile(beam_width, group, head_dim):
-        few_table = {**few_table, **CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_NARROW_TILE}
+    narrow = beam_width is not None and _narrow_tile(beam_width, group, head_dim)
+    few_table = _FEW_PROGRAMS_NARROW_TILE_TABLE if narrow else CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS
     few = _few_programs_limit(few_table, (1, 1), num_requests, num_kv_heads, beam_width, group, head_dim)
     if few is not None and mean_prompt_len > few[1]:
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {few[1]} with {few[0]} cascade programs "
