@@ -21,7 +21,9 @@ counts only eager layer forwards (warm-up and capture); ``steps_planned`` counts
 TensorRT-LLM trees that still have ``enable_trtllm_sampler`` (before ``sampler_type``) run beam
 search only with that sampler, which is switched on here; their documentation also asks for the
 overlap scheduler and CUDA graphs off with beam search (``--disable-overlap-scheduler
---no-cuda-graph``).
+--no-cuda-graph``). Current trees have only the Torch sampler, which wants a real ``end_id``: it is
+read from the checkpoint (``generation_config.json``, else ``config.json``; ``--end-id`` overrides),
+and ``ignore_eos`` still runs every beam for ``--max-tokens`` steps.
 
 Run: ``python -m microbenchmarks.e2e_trtllm --model /path/to/Qwen3-0.6B --requests 8 --beams 16
 --prompt 500 --max-tokens 4 --json e2e.json``. Needs ``tensorrt_llm`` (it fails with a clear
@@ -40,7 +42,8 @@ import tempfile
 import time
 from typing import Dict, Optional, Sequence
 
-__all__ = ["TrtllmMissing", "require_tensorrt_llm", "variant_env", "beam_search_llm_kwargs", "main"]
+__all__ = ["TrtllmMissing", "require_tensorrt_llm", "variant_env", "beam_search_llm_kwargs", "checkpoint_end_id",
+           "main"]
 
 LIB = "beam_shared_prefix"
 
@@ -72,11 +75,34 @@ def require_tensorrt_llm(import_it: bool = True):
     return tensorrt_llm
 
 
+def checkpoint_end_id(model_dir: str) -> int:
+    """The end-of-sequence token id of a Hugging Face checkpoint directory: ``eos_token_id`` of its
+    ``generation_config.json``, else of its ``config.json`` (the first id where it is a list).
+
+    Raises ``ValueError`` naming the files read when neither has one (pass ``--end-id``)."""
+    read = []
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        read.append(name)
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if isinstance(eos, int) and not isinstance(eos, bool) and eos >= 0:
+            return eos
+    raise ValueError(
+        f"no eos_token_id in {', '.join(read) or 'generation_config.json or config.json (neither exists)'} under "
+        f"{model_dir!r}; TensorRT-LLM's Torch sampler needs a real end_id: pass --end-id ID."
+    )
+
+
 def beam_search_llm_kwargs(llm_arg_fields, disable_overlap_scheduler: bool = False) -> Dict[str, bool]:
     """Extra ``LLM(...)`` arguments beam search needs on this TensorRT-LLM, from the names of its LLM
     arguments (``TorchLlmArgs.model_fields``): ``enable_trtllm_sampler=True`` on trees that have that
-    switch (their Torch sampler has no beam search; newer trees pick the sampler by
-    ``sampler_type="auto"``), and ``disable_overlap_scheduler`` when asked."""
+    switch (their Torch sampler had no beam search; current trees have only the Torch sampler, with
+    beam search), and ``disable_overlap_scheduler`` when asked."""
     extra = {}
     if "enable_trtllm_sampler" in llm_arg_fields:
         extra["enable_trtllm_sampler"] = True
@@ -121,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run without the overlap scheduler (older TensorRT-LLM needs it off for beam search)")
     p.add_argument("--kv-cache-fraction", type=float, default=0.5, help="free GPU memory fraction for the KV cache")
     p.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn from [10, vocab)")
+    p.add_argument("--end-id", type=int, default=None,
+                   help="end-of-sequence token id (default: the checkpoint's eos_token_id); ignore_eos stays on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--child", metavar="VARIANT", help=argparse.SUPPRESS)
@@ -184,9 +212,10 @@ def run_child(args) -> Dict:
     else:
         llm_kwargs["cuda_graph_config"] = None
     llm_kwargs.update(beam_search_llm_kwargs(_llm_arg_fields(), args.disable_overlap_scheduler))
-    # end_id=-1 with ignore_eos: no tokenizer is loaded, and every beam runs max_tokens steps.
+    # No tokenizer is loaded, so the end id is given; with ignore_eos every beam runs max_tokens steps.
+    end_id = args.end_id if args.end_id is not None else checkpoint_end_id(args.model)
     sampling = SamplingParams(max_tokens=args.max_tokens, n=args.beams, best_of=args.beams, use_beam_search=True,
-                              ignore_eos=True, end_id=-1)
+                              ignore_eos=True, end_id=end_id)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, args.vocab) for _ in range(args.prompt)] for _ in range(args.requests)]
     with LLM(**llm_kwargs) as llm:
@@ -265,6 +294,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for v in variants:
         if v not in ("on", "off"):
             print(f"error: --variants {v!r} is not on or off", file=sys.stderr)
+            return 2
+    if args.end_id is None:
+        try:  # here, before any child spends minutes building the model
+            checkpoint_end_id(args.model)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
             return 2
     results = [_run_variant(args, v, argv) for v in variants]
     by = {r["variant"]: r for r in results}

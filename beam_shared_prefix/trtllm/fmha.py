@@ -218,8 +218,10 @@ class BeamSharedPrefixFmhaMixin:
         return True
 
     def _manager_libs(self):
+        """The layer's library list: its ``FmhaManager``'s, or, in trees without a manager, the layer's own."""
         manager = getattr(self.attn, "_fmha_manager", None)
-        return list(getattr(manager, "fmha_libs", None) or [])
+        libs = getattr(manager, "fmha_libs", None) if manager is not None else getattr(self.attn, "fmha_libs", None)
+        return list(libs or [])
 
     def _earlier_context_library(self, q, k, v, metadata, forward_args):
         """A PhasedFmha listed before this library that takes the CONTEXT phase, or None."""
@@ -374,8 +376,9 @@ class BeamSharedPrefixFmhaMixin:
     def prepare_workspace(self, *args, **kwargs) -> None:
         """Let ``fallback`` size the shared workspace (it runs declined steps); this library needs none."""
         delegate = self._get_delegate()
-        if delegate is not None:
-            delegate.prepare_workspace(*args, **kwargs)
+        prepare = getattr(delegate, "prepare_workspace", None)
+        if prepare is not None:  # (fallback libraries of trees without CombinedFmha have none)
+            prepare(*args, **kwargs)
 
     def run_generation(self, params) -> None:
         """Generation phase from ``FmhaParams`` (``CombinedFmha`` path)."""

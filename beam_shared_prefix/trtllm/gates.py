@@ -98,22 +98,42 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _position_embedding_is_rope(attn) -> bool:
+def _position_embedding_in_backend(attn) -> Optional[str]:
+    """The name of the positional embedding this layer's backend would apply inside attention, or ``None``.
+
+    ``TrtllmAttention.position_embedding_type`` is ``learned_absolute`` (0 in every version of
+    ``PositionEmbeddingType``, an ``IntEnum``; a plain int on some trees) when the module applies its
+    positional embedding before the backend, as Qwen3's fused QK-norm + RoPE does. Every other type
+    is applied by the backend: RoPE variants, but also ``yarn``, ``chatglm``, ALiBi, ``relative`` and
+    ``deferred`` (K cached before an external embedder), none of which ``is_rope()`` covers; the
+    library reads the cache and Q as they are, so all of them are declined.
+    """
     pe = getattr(attn, "position_embedding_type", None)
     if pe is None:
-        return False
-    if hasattr(pe, "is_rope"):
-        return bool(pe.is_rope())
-    from tensorrt_llm.functional import PositionEmbeddingType  # an int: map it through TensorRT-LLM's enum
+        return None
+    try:
+        value = int(pe)
+    except (TypeError, ValueError):
+        return f"{pe!r}"
+    if value == 0:
+        return None
+    return getattr(pe, "name", None) or f"position_embedding_type={value}"
 
-    return bool(PositionEmbeddingType(pe).is_rope())
+
+def _quant_mode(quant_mode):
+    """``QuantMode`` from a layer's ``quant_mode``, which some trees keep as a plain int."""
+    if quant_mode is None or hasattr(quant_mode, "has_kv_cache_quant"):
+        return quant_mode
+    from tensorrt_llm.quantization.mode import QuantMode  # an int: map it through TensorRT-LLM's flags
+
+    return QuantMode(int(quant_mode))
 
 
 def _kv_cache_quantized(attn) -> Optional[str]:
     for flag in ("has_fp8_kv_cache", "has_fp4_kv_cache", "has_int8_kv_cache"):
         if getattr(attn, flag, False):
             return flag.replace("has_", "").replace("_", " ")
-    quant_mode = getattr(attn, "quant_mode", None)
+    quant_mode = _quant_mode(getattr(attn, "quant_mode", None))
     check = getattr(quant_mode, "has_kv_cache_quant", None)
     if check is not None and check():
         return "quantized KV cache"
@@ -227,10 +247,12 @@ def layer_decline_reason(attn, backend: str = "auto") -> Optional[str]:
     quant = _kv_cache_quantized(attn)
     if quant:
         return f"KV cache quantization ({quant}); the library reads bf16/fp16 K/V"
-    if _position_embedding_is_rope(attn):
+    embedding = _position_embedding_in_backend(attn)
+    if embedding is not None:
         return (
-            "RoPE is applied inside the attention backend for this layer (position_embedding_type is RoPE); "
-            "the library needs Q/K already rotated by the module (e.g. Qwen3's fused QK-norm + RoPE)"
+            f"positional embedding {embedding} is applied inside the attention backend for this layer; the library "
+            f"needs Q/K already embedded by the module (position_embedding_type learned_absolute, e.g. Qwen3's "
+            f"fused QK-norm + RoPE)"
         )
     return None
 

@@ -34,6 +34,31 @@ def test_fails_clearly_without_tensorrt_llm(monkeypatch, capsys):
     assert "needs TensorRT-LLM" in err and "beam-shared-prefix-bench --preset A" in err
 
 
+@pytest.mark.parametrize(
+    "files,end_id",
+    [
+        ({"generation_config.json": {"eos_token_id": [151645, 151643]}, "config.json": {"eos_token_id": 7}}, 151645),
+        ({"generation_config.json": {"do_sample": True}, "config.json": {"eos_token_id": 151643}}, 151643),
+        ({"config.json": {"eos_token_id": 2}}, 2),
+        ({"config.json": {"eos_token_id": None}}, "no eos_token_id in config.json"),
+        ({}, "neither exists"),
+    ],
+    ids=["generation-config-list", "config-fallback", "config-only", "none", "no-files"],
+)
+def test_checkpoint_end_id(tmp_path, files, end_id):
+    """The Torch sampler wants a real end_id: the checkpoint's, or a clear error that asks for --end-id."""
+    import json
+
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    if isinstance(end_id, int):
+        assert e2e_trtllm.checkpoint_end_id(str(tmp_path)) == end_id
+    else:
+        with pytest.raises(ValueError, match=end_id) as info:
+            e2e_trtllm.checkpoint_end_id(str(tmp_path))
+        assert "--end-id" in str(info.value)
+
+
 def test_beam_search_llm_kwargs_follow_the_tree():
     """Trees with ``enable_trtllm_sampler`` (before ``sampler_type``) need it on for beam search."""
     old = {"model", "max_beam_width", "enable_trtllm_sampler", "disable_overlap_scheduler"}

@@ -51,9 +51,14 @@ def main() -> int:
         disable_overlap_scheduler=True,
         enable_chunked_prefill=False,
     )
+    from microbenchmarks.e2e_trtllm import checkpoint_end_id
+
+    # No tokenizer is loaded: the checkpoint's end id (the Torch sampler wants a real one), and ignore_eos so
+    # that every beam runs max_tokens steps in both runs.
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens, n=BEAM_WIDTH, best_of=BEAM_WIDTH, use_beam_search=True, end_id=-1
+            max_tokens=args.max_tokens, n=BEAM_WIDTH, best_of=BEAM_WIDTH, use_beam_search=True,
+            end_id=checkpoint_end_id(args.model), ignore_eos=True,
         )
     except TypeError:  # releases without end_id
         params = SamplingParams(max_tokens=args.max_tokens, n=BEAM_WIDTH, best_of=BEAM_WIDTH, use_beam_search=True)

@@ -33,8 +33,9 @@ real package, and the library's post-import hook sees them):
 - ``TrtllmAttentionMetadata`` (3): dataclass fields, ``prepare()`` in the documented order (lengths,
   ``copy_batch_block_offsets``, runtime views), ``create_cuda_graph_metadata`` as a shallow copy
   that re-runs ``__post_init__`` (3.1);
-- ``TrtllmAttention`` (2.7): layer attributes, ``update_quant_config`` building the manager,
-  ``forward`` allocating the output and selecting a library;
+- ``TrtllmAttention`` (2.7): layer attributes, ``update_quant_config`` building the manager (or, in
+  the older manager-less tree, the layer's own ``fmha_libs``), ``forward`` allocating the output and
+  selecting a library;
 - KV cache managers V1 (4.2) and V2 (4.3) on top of
   :class:`beam_shared_prefix.testing.BeamSearchCacheSimulator`: block-offset encodings, a multi-layer
   pool whose per-layer ``get_buffers`` view is strided, context-request allocation. Simplification:
@@ -81,10 +82,17 @@ class PositionEmbeddingType(enum.IntEnum):
     rope_gpt_neox = 2
     long_rope = 3
     alibi = 4
+    alibi_with_scale = 5
     relative = 6
+    chatglm = 7
+    yarn = 8
+    mrope = 9
+    deferred = 10  # K cached before an external embedder applies it
 
     def is_rope(self) -> bool:
-        return self in (PositionEmbeddingType.rope_gptj, PositionEmbeddingType.rope_gpt_neox, PositionEmbeddingType.long_rope)
+        # Upstream's is_rope() leaves out yarn, chatglm and deferred, which the backend applies too.
+        return self in (PositionEmbeddingType.rope_gptj, PositionEmbeddingType.rope_gpt_neox,
+                        PositionEmbeddingType.long_rope, PositionEmbeddingType.mrope)
 
 
 class AttentionMaskType(enum.IntEnum):
@@ -130,6 +138,11 @@ class ModelConfig:
             ``_is_available``/``_is_supported`` hooks (new layout ``fmha/interface.py`` at 0352547d);
             ``"plain"``: no hooks, the base methods return True and every library overrides
             ``is_available``/``is_supported`` itself (new layout at b0a6e828, old layout at 077c210e).
+        manager: ``True``: the layer's libraries live in an ``FmhaManager`` (``attn._fmha_manager``,
+            ``backends/trtllm.py`` at 017aa0ca); ``False``: the older tree without a manager (``trtllm.py``
+            at a15d8890), where the layer keeps ``fmha_libs`` itself, selects the first library whose
+            phase-less ``is_supported`` accepts a call (no selection cache), and stores ``quant_mode``
+            and ``position_embedding_type`` as plain ints.
     """
 
     layout: str = "new"
@@ -137,6 +150,7 @@ class ModelConfig:
     params: Optional[str] = None
     sm100: bool = False
     hooks: str = "final"
+    manager: bool = True
 
     def __post_init__(self):
         assert self.layout in ROOTS
@@ -191,7 +205,7 @@ class TrtModel:
             "tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_manager_v2": _build_kv_cache_manager_v2,
             root: _empty,
             root + ".interface": _build_backend_interface,
-            root + ".trtllm": _build_trtllm,
+            root + ".trtllm": lambda m: _build_trtllm(m, self.config),
             root + ".fmha": _build_fmha_package,
             root + ".fmha.interface": lambda m: _build_fmha_interface(m, self.config),
             root + ".fmha.phased": lambda m: _build_phased(m, self.config),
@@ -387,7 +401,7 @@ def _build_backend_interface(m):
 # <root>.trtllm (doc 2.7, 3)
 
 
-def _build_trtllm(m):
+def _build_trtllm(m, config: ModelConfig):
     root = m.__name__.rsplit(".", 1)[0]
     interface = importlib.import_module(root + ".interface")
     manager_module = importlib.import_module(root + ".fmha.manager")
@@ -518,7 +532,10 @@ def _build_trtllm(m):
             self.quant_mode = QuantMode(quant_mode)
             self.has_fp8_kv_cache = self.quant_mode.has_fp8_kv_cache()
             self.has_fp4_kv_cache = self.quant_mode.has_fp4_kv_cache()
-            self.position_embedding_type = position_embedding_type
+            self.position_embedding_type = PositionEmbeddingType(position_embedding_type)
+            if not config.manager:  # the manager-less tree keeps both as ints
+                self.quant_mode = int(self.quant_mode)
+                self.position_embedding_type = int(self.position_embedding_type)
             self.is_mla_enable = mla
             self.sparse_params = sparse_params
             self.attention_chunk_size = attention_chunk_size
@@ -531,7 +548,11 @@ def _build_trtllm(m):
 
         def update_quant_config(self):
             # Doc 1.3: the manager (and the library list) is built here, once.
-            self._fmha_manager = manager_module.FmhaManager(self)
+            if config.manager:
+                self._fmha_manager = manager_module.FmhaManager(self)
+            else:
+                registry = importlib.import_module(root + ".fmha.registry")
+                self.fmha_libs = [cls(self) for cls in registry.get_enabled_fmha_lib_classes() if cls.is_available(self)]
 
         def get_local_layer_idx(self, metadata) -> int:
             if self.local_layer_idx is None and metadata.kv_cache_manager is not None:
@@ -568,7 +589,10 @@ def _build_trtllm(m):
                 forward_args.attention_window_size = manager.max_attention_window_vec[self.local_layer_idx]
             if forward_args.attention_window_size is None:
                 forward_args.attention_window_size = metadata.max_seq_len
-            fmha = self._fmha_manager.select(self, q, k, v, metadata, forward_args)
+            if config.manager:
+                fmha = self._fmha_manager.select(self, q, k, v, metadata, forward_args)
+            else:
+                fmha = next((lib for lib in self.fmha_libs if lib.is_supported(q, k, v, metadata, forward_args)), None)
             if fmha is None:
                 raise RuntimeError("No TRT-LLM attention FMHA library supports this request.")
             fmha.forward(q, k, v, metadata, forward_args)

@@ -24,7 +24,7 @@ import torch
 
 from beam_shared_prefix.trtllm import register, stats
 from beam_shared_prefix.trtllm.fmha import fmha_class_for
-from interface_model import build
+from interface_model import PositionEmbeddingType, QuantMode, build
 
 LIB = "beam_shared_prefix"
 TOL = 2e-2
@@ -62,6 +62,39 @@ def test_tree_without_selection_hooks(trt, monkeypatch, layout):
     assert not ours.is_supported(qkv, None, None, metadata, args, phase=phase_enum.CONTEXT)
     assert ours.is_supported(qkv, None, None, metadata, args, phase=phase_enum.GENERATION)
     out = setup.layer.forward(qkv, None, None, metadata)
+    got = out.view(-1, setup.sim.num_qo_heads, setup.sim.head_dim)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL, rtol=TOL)
+    assert stats()["generation_forwards"] == 1
+
+
+def test_tree_without_a_manager(trt, monkeypatch):
+    """manager=False (trtllm.py at a15d8890): the layer keeps ``fmha_libs`` itself and ints for
+    ``quant_mode`` and ``position_embedding_type``. The layer gates read the ints through TensorRT-LLM's
+    enums, beam decode is served, and a declined step runs on the layer's own ``fallback`` instance
+    (not a second one the library would build)."""
+    model = trt(layout="new", manager=False)
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    trtllm = model.module(".trtllm")
+
+    def ours_in(layer):
+        return [f for f in layer.fmha_libs if type(f).__name__ == "BeamSharedPrefixFmha"]
+
+    int8_kv = trtllm.TrtllmAttention(0, 4, 64, 2, quant_mode=QuantMode.INT8_KV_CACHE)
+    yarn = trtllm.TrtllmAttention(0, 4, 64, 2, position_embedding_type=PositionEmbeddingType.yarn)
+    assert isinstance(int8_kv.quant_mode, int) and isinstance(yarn.position_embedding_type, int)
+    assert not ours_in(int8_kv) and not ours_in(yarn)
+    assert not hasattr(int8_kv, "_fmha_manager")
+
+    setup = build(model, prompts=(37, 70), beam_width=3)
+    (ours,) = ours_in(setup.layer)
+    fallback = [f for f in setup.layer.fmha_libs if type(f).__name__ == "FallbackFmha"]
+    assert ours._get_delegate() is fallback[0] and not ours._owns_delegate
+    step = setup.sim.begin_step()
+    ref = setup.oracle(step)
+    qkv = setup.engine.prepare(step)
+    out = setup.layer.forward(qkv, None, None, setup.engine.metadata)
     got = out.view(-1, setup.sim.num_qo_heads, setup.sim.head_dim)
     assert not got.isnan().any()
     torch.testing.assert_close(got.float(), ref.float(), atol=TOL, rtol=TOL)

@@ -45,10 +45,16 @@ def library_of(layer):
         (dict(num_heads=128, num_kv_heads=1), "GQA group 128 (128/1 heads) exceeds 64"),
         (dict(quant_mode=QuantMode.FP8_KV_CACHE), "KV cache quantization (fp8 kv cache)"),
         (dict(kv_cache_dtype="nvfp4"), "KV cache quantization (kv_cache_dtype='nvfp4')"),
-        (dict(position_embedding_type=PositionEmbeddingType.rope_gpt_neox), "RoPE is applied inside the attention backend"),
+        (dict(position_embedding_type=PositionEmbeddingType.rope_gpt_neox),
+         "positional embedding rope_gpt_neox is applied inside the attention backend"),
+        # Applied by the backend although upstream's is_rope() leaves them out (functional.py).
+        (dict(position_embedding_type=PositionEmbeddingType.yarn), "positional embedding yarn is applied inside"),
+        (dict(position_embedding_type=PositionEmbeddingType.deferred), "positional embedding deferred is applied"),
+        (dict(position_embedding_type=PositionEmbeddingType.alibi), "positional embedding alibi is applied inside"),
         (dict(skip_correction_threshold=0.5), None),  # declined by Fmha.is_available itself (doc 2.1), no reason of ours
     ],
-    ids=["served", "mla", "sparse", "spec-dec", "chunked", "head96", "heads6-4", "group128", "fp8-kv", "nvfp4-kv", "rope", "skip-corr"],
+    ids=["served", "mla", "sparse", "spec-dec", "chunked", "head96", "heads6-4", "group128", "fp8-kv", "nvfp4-kv", "rope",
+         "yarn", "deferred", "alibi", "skip-corr"],
 )
 def test_layer_gates(enabled, attn_kwargs, reason):
     """Doc 2.1 (_is_available runs once per manager), 6.3 (layer-level gates) and 5.2 (RoPE ownership)."""
