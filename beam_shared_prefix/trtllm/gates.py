@@ -135,7 +135,8 @@ def _kv_cache_quantized(attn) -> Optional[str]:
             return flag.replace("has_", "").replace("_", " ")
     quant_mode = _quant_mode(getattr(attn, "quant_mode", None))
     check = getattr(quant_mode, "has_kv_cache_quant", None)
-    if check is not None and check():
+    # A method on the Python QuantMode, a property on the bindings' one.
+    if check is not None and (check() if callable(check) else check):
         return "quantized KV cache"
     kv_dtype = getattr(attn, "kv_cache_dtype", "auto")
     # TrtllmAttention.kv_cache_dtype: "auto", "fp8", "fp8_ds_mla", "nvfp4" or a torch dtype string.

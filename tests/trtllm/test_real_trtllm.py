@@ -132,3 +132,19 @@ def test_real_layer_gates(monkeypatch):
     assert "BeamSharedPrefixFmha" in names, names
     declined = trtllm.TrtllmAttention(1, 16, 96, 8)
     assert "BeamSharedPrefixFmha" not in [type(f).__name__ for f in declined._fmha_manager.fmha_libs]
+
+
+def test_real_position_embedding_types():
+    """Every positional embedding of the real ``PositionEmbeddingType`` but ``learned_absolute`` is one the
+    backend applies, enum or int; and an int ``quant_mode`` reads through the real ``QuantMode``."""
+    from tensorrt_llm.functional import PositionEmbeddingType
+    from tensorrt_llm.quantization.mode import QuantMode
+
+    from beam_shared_prefix.trtllm.gates import _position_embedding_in_backend, _quant_mode
+
+    for member in PositionEmbeddingType:
+        for value in (member, int(member)):
+            applied = _position_embedding_in_backend(type("Layer", (), {"position_embedding_type": value})())
+            assert (applied is None) == (member == PositionEmbeddingType.learned_absolute), (member, value)
+    assert not _quant_mode(0).has_kv_cache_quant()
+    assert _quant_mode(int(QuantMode.INT8_KV_CACHE)).has_kv_cache_quant()
