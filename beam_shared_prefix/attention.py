@@ -155,7 +155,7 @@ class BeamSharedPrefixAttention:
             raise ValueError(f"prefix_kernel={prefix_kernel!r} is not accepted; use one of {PREFIX_KERNELS}.")
         for name, value in (("max_requests", max_requests), ("max_beam_width", max_beam_width),
                             ("max_prompt_pages", max_prompt_pages)):
-            if value is not None and int(value) < 1:
+            if value is not None and _as_int(name, value, ValueError) < 1:
                 raise ValueError(f"{name}={value} must be >= 1.")
         if use_cuda_graph and None in (max_requests, max_beam_width, max_prompt_pages):
             raise ValueError(
@@ -349,6 +349,9 @@ class BeamSharedPrefixAttention:
             the batch from the cascade to a two-launch path).
         """
         ensure_not_capturing("BeamSharedPrefixAttention.plan()")
+        # A plan that fails anywhere, its argument checks included, leaves no active plan: run() then
+        # refuses instead of serving the previous batch's pages with this batch's tensors.
+        active, self._active = self._active, None
         if dtype not in DTYPES:
             raise AttentionInputError(f"dtype={dtype} is not supported; use torch.bfloat16 or torch.float16.")
         num_qo_heads, num_kv_heads, head_dim, page_size, num_cache_pages = (
@@ -361,6 +364,15 @@ class BeamSharedPrefixAttention:
             )
         if head_dim < 1:
             raise AttentionInputError(f"head_dim={head_dim} must be >= 1.")
+        if self.tail_impl == "triton":  # refused here, not at the first run() of a planned batch
+            from triton_kernels.tail_merge import MAX_GROUP_SIZE, SUPPORTED_HEAD_DIMS  # deferred: imports triton
+
+            if head_dim not in SUPPORTED_HEAD_DIMS or num_qo_heads // num_kv_heads > MAX_GROUP_SIZE:
+                raise AttentionInputError(
+                    f"head_dim={head_dim}, GQA group {num_qo_heads // num_kv_heads}: the Triton tail kernel tiles head "
+                    f"sizes {SUPPORTED_HEAD_DIMS} and groups up to {MAX_GROUP_SIZE}; build the wrapper with "
+                    f"tail_impl='torch' for this shape."
+                )
         if max_tail_len is not None:
             max_tail_len = _as_int("max_tail_len", max_tail_len, AttentionInputError)
             if max_tail_len < 0:
@@ -368,18 +380,19 @@ class BeamSharedPrefixAttention:
                     f"max_tail_len={max_tail_len} must be >= 0 (generated tokens per beam, this step's included), "
                     f"or None where the host does not know it."
                 )
+        try:
+            scale = default_sm_scale(head_dim, sm_scale)
+        except ValueError as exc:
+            raise AttentionInputError(str(exc)) from None
         planner = self._planner_for(page_size, num_cache_pages)
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
         self._set_launch_tail(max_tail_len)  # every plan, the cache hits too: the tail moves within a composition
-        problem_key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, default_sm_scale(head_dim, sm_scale))
+        problem_key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, scale)
         long_tail = self._long_tail(problem_key, max_tail_len)
-        active = self._active
         same_step = active is not None and active[0] is step_plan and active[1] == problem_key
         if same_step and active[3] == long_tail:
+            self._active = active
             return step_plan
-        # A plan that fails part-way leaves no active plan: run() refuses instead of mixing the old
-        # plan's buffers with the new shapes.
-        self._active = None
         backend = self._backend_for(problem_key, step_plan, max_tail_len)
         if not (same_step and active[2] is backend):  # else only the shared-run stage moved: the plan stands
             backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, problem_key[5])
@@ -689,5 +702,6 @@ class BeamSharedPrefixAttention:
             if tuple(out.shape) != (rows, hq, d) or out.dtype != dtype or out.device != self.device:
                 fail(f"out must be {_dtype_name(dtype)} [{rows}, {hq}, {d}] on {self.device}, got "
                      f"{_dtype_name(out.dtype)} {tuple(out.shape)} on {out.device}.")
-        if isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1:
-            fail(f"page_index_divisor={page_index_divisor!r} must be an int >= 1.")
+        if (isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1
+                or page_index_divisor > 2**31 - 1):
+            fail(f"page_index_divisor={page_index_divisor!r} must be an int in [1, {2**31 - 1}] (entries are int32).")

@@ -149,9 +149,24 @@ def check_indices(
             stage, f"kv_lens[{i}]={int(klen[i])} exceeds the cache capacity of {max_seq_len} positions "
                    f"(cache_indirection / beam_page_table); the sequence outgrew its cache."
         )
+    per_request = klen.view(step_plan.num_requests, W)
+    differ = torch.nonzero(per_request != per_request[:, :1])
+    if differ.numel():
+        r, b = (int(v) for v in differ[0])
+        raise BeamSharedPrefixCheckError(
+            stage, f"kv_lens[{r * W + b}]={int(per_request[r, b])} (request {r}, beam {b}) differs from beam 0's "
+                   f"kv_lens[{r * W}]={int(per_request[r, 0])}: the beams of a request advance together, and a beam "
+                   f"that reads another's position past that beam's length reads a slot being written in this step. "
+                   f"Pass one length per request, repeated for each of its beams."
+        )
     table = beam_page_table[:rows].long().cpu()
     cols = math.ceil(int(klen.max()) / page_size)
-    used = torch.arange(cols)[None, :] < ((klen + page_size - 1) // page_size)[:, None]
+    # The columns the step reads: beam 0's prompt columns (the plan's pages, compared below) and every
+    # row's generated columns (the tail's source beams and the write); other beams' prompt columns are
+    # never read.
+    col = torch.arange(cols)[None, :]
+    beam0 = (torch.arange(rows) % W == 0)[:, None]
+    used = (col < ((klen + page_size - 1) // page_size)[:, None]) & (beam0 | (col >= (plen // page_size)[:, None]))
     pages = table[:, :cols] // page_index_divisor
     bad = used & ((pages < 0) | (pages >= num_pages))
     if bad.any():
@@ -176,6 +191,7 @@ def check_indices(
                        f"= page {int(got[c])}, but the plan's prompt page {c} of request {r} is {int(want[c])}: the "
                        f"plan belongs to another batch (re-plan), or page_index_divisor is wrong for this table."
             )
+    _check_write_slots(step_plan, table, pages, klen, page_size, page_index_divisor)
     earlier = klen - 1 - plen
     if int(earlier.max()) > 0:
         ind = cache_indirection.cpu()
@@ -191,6 +207,45 @@ def check_indices(
                 stage, f"cache_indirection[{i // W}, {i % W}, {int(t[i, j])}]={int(src[i, j])} is not a beam in "
                        f"[0, beam_width={W}); pass the batch's cache_indirection for this beam width."
             )
+
+
+def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Tensor, klen: torch.Tensor,
+                       page_size: int, page_index_divisor: int) -> None:
+    """This step's K/V write may land neither on a prompt page (but beam 0's own partial last one, which
+    it fills) nor on a slot another row writes: either would overwrite K/V other rows read, in this
+    step and every later one, and no check of the output would see it (the oracle reads the same pool)."""
+    stage = "indices"
+    W = step_plan.beam_width
+    row = torch.arange(step_plan.num_rows)
+    pos = klen - 1
+    col = pos // page_size
+    write_page = pages[row, col]
+    prompt_pages = torch.from_numpy(step_plan.kv_page_indices.astype("int64"))
+    req = row // W
+    indptr = torch.from_numpy(step_plan.kv_page_indptr.astype("int64"))
+    own_last = prompt_pages[indptr[1:] - 1][req]
+    partial = torch.from_numpy(step_plan.kv_last_page_len.astype("int64"))[req] < page_size
+    fills_own_last = (row % W == 0) & partial & (write_page == own_last) & (col == indptr[1:][req] - indptr[:-1][req] - 1)
+    on_prompt = torch.isin(write_page, prompt_pages) & ~fills_own_last
+    if on_prompt.any():
+        i = int(torch.nonzero(on_prompt)[0])
+        owner = int(torch.searchsorted(indptr, int(torch.nonzero(prompt_pages == write_page[i])[0]), right=True)) - 1
+        raise BeamSharedPrefixCheckError(
+            stage, f"row {i} (request {i // W}, beam {i % W}) writes this step's K/V at position {int(pos[i])} into "
+                   f"beam_page_table[{i}, {int(col[i])}]={int(table[i, col[i]])} // page_index_divisor="
+                   f"{page_index_divisor} = page {int(write_page[i])}, a prompt page of request {owner}: it would "
+                   f"overwrite prompt K/V every beam of that request reads. Each beam writes into its own pages."
+        )
+    slot = write_page * page_size + pos % page_size
+    order = torch.argsort(slot, stable=True)
+    same = torch.nonzero(slot[order][1:] == slot[order][:-1]).flatten()
+    if same.numel():
+        a, b = int(order[same[0]]), int(order[same[0] + 1])
+        raise BeamSharedPrefixCheckError(
+            stage, f"rows {a} and {b} both write this step's K/V to page {int(write_page[a])}, slot "
+                   f"{int(pos[a] % page_size)} (positions {int(pos[a])} and {int(pos[b])}): one would overwrite "
+                   f"the other. Each beam writes into its own pages."
+        )
 
 
 def check_prefix_stage(

@@ -954,7 +954,14 @@ def should_decline(
 
     Returns:
         A one-line reason naming the measured threshold (logged by the caller), or ``None``.
+
+    Raises:
+        ValueError: a prompt or tail length that is negative or not finite (the rule would judge it
+            by accident).
     """
+    for name, value in (("prompt_len", prompt_len), ("tail_len", tail_len)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}={value!r} must be a finite length >= 0 in tokens, or None where unknown.")
     if beam_width is None:
         return None
     w = int(beam_width)

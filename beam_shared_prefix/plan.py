@@ -136,6 +136,8 @@ def _as_int_array(name: str, value: ArrayLike) -> np.ndarray:
 def _as_int(name: str, value, error=PlanError) -> int:
     """An integer scalar argument (ints and integer numpy/torch scalars; a float is refused, not
     truncated); ``error`` is the exception class raised otherwise."""
+    if isinstance(value, (bool, np.bool_)):  # operator.index accepts them as 0 and 1
+        raise error(f"{name}={value!r} must be an integer, not a bool.")
     try:
         return operator.index(value)
     except TypeError:
@@ -144,6 +146,44 @@ def _as_int(name: str, value, error=PlanError) -> int:
 
 # Lengths, offsets and page numbers go to the kernels as int32.
 _INT32_MAX = 2**31 - 1
+
+
+def _check_prompt_pages_distinct(used: np.ndarray, kv_page_indptr: np.ndarray, last_page_len: np.ndarray,
+                                 page_size: int) -> None:
+    """Refuse prompt pages no KV cache produces: a page twice in one request's prompt, or a request's
+    partial last page (which its beam 0 goes on filling with generated tokens) among another request's
+    prompt pages. Full prompt pages may be shared between requests (block reuse)."""
+    # One sort serves both: keyed by (page, request), equal pages end up adjacent, in request order
+    # (a plain sort of int64 keys is several times faster than a stable argsort).
+    num_requests = kv_page_indptr.shape[0] - 1
+    request_of = np.repeat(np.arange(num_requests, dtype=np.int64), np.diff(kv_page_indptr))
+    keys = np.sort(used * num_requests + request_of)
+    twice = keys[1:] == keys[:-1]
+    if twice.any():
+        key = int(keys[int(np.argmax(twice))])
+        r, page = key % num_requests, key // num_requests
+        where = np.flatnonzero(used[kv_page_indptr[r]:kv_page_indptr[r + 1]] == page)
+        raise PlanError(
+            f"request {r}: page {page} is listed twice in its prompt pages (positions {int(where[0])} and "
+            f"{int(where[1])}): one page cannot hold two stretches of one prompt. Re-derive the page table from "
+            f"the KV cache manager."
+        )
+    partial = np.flatnonzero(last_page_len < page_size)
+    if partial.size:
+        first_key = used[kv_page_indptr[partial + 1] - 1] * num_requests
+        listed = np.searchsorted(keys, first_key + num_requests) - np.searchsorted(keys, first_key)
+        shared = listed > 1
+        if shared.any():
+            r = int(partial[np.argmax(shared)])
+            page = int(used[kv_page_indptr[r + 1] - 1])
+            others = keys[(keys // num_requests == page) & (keys % num_requests != r)]
+            other = int(others[0] % num_requests)
+            raise PlanError(
+                f"request {r}: its last prompt page {page} holds {int(last_page_len[r])} of {page_size} tokens, and "
+                f"its beam 0 writes generated tokens into the rest, but request {other} lists page {page} among its "
+                f"prompt pages too: those writes would overwrite request {other}'s prompt. A partly filled page "
+                f"belongs to one request; re-derive the page table from the KV cache manager."
+            )
 
 
 def build_step_plan(
@@ -174,8 +214,9 @@ def build_step_plan(
 
     Raises:
         PlanError: for an empty batch, a beam width above ``max_beam_width``, negative or
-            inconsistent lengths, a prompt longer than its pages hold, or a page index outside
-            ``[0, num_cache_pages)``.
+            inconsistent lengths, a prompt longer than its pages hold, a page index outside
+            ``[0, num_cache_pages)``, a page listed twice in one request's prompt, or a request's
+            partly filled last prompt page among another request's prompt pages.
     """
     beam_width = _as_int("beam_width", beam_width)
     page_size = _as_int("page_size", page_size)
@@ -188,6 +229,8 @@ def build_step_plan(
             f"cache and cache_indirection were sized for: beams past it would overwrite another "
             f"sequence's slots. Build the engine with max_beam_width >= {beam_width} or lower the beam width."
         )
+    if beam_width > _INT32_MAX:
+        raise PlanError(f"beam_width={beam_width} exceeds the int32 range the kernels index with ({_INT32_MAX}).")
     if page_size < 1:
         raise PlanError(f"page_size={page_size} must be >= 1 (tokens per KV page).")
     if num_cache_pages < 1:
@@ -206,6 +249,11 @@ def build_step_plan(
                         f"({_INT32_MAX}).")
     if num_requests == 0:
         raise PlanError("empty batch: prompt_lens has 0 requests; plan only batches with >= 1 generation request.")
+    if num_requests * beam_width > _INT32_MAX:
+        raise PlanError(
+            f"{num_requests} requests x beam_width={beam_width} = {num_requests * beam_width} beam rows exceed the "
+            f"int32 range the kernels index rows with ({_INT32_MAX}); plan fewer requests or beams per step."
+        )
     if indptr.shape[0] != num_requests + 1:
         raise PlanError(
             f"prompt_page_indptr has {indptr.shape[0]} entries but prompt_lens has {num_requests} requests; "
@@ -261,6 +309,7 @@ def build_step_plan(
         )
 
     last = lens - (pages_needed - 1) * page_size
+    _check_prompt_pages_distinct(used, kv_page_indptr, last, page_size)
     max_pages = int(pages_needed.max())
     # Dense table: padding repeats each request's first page so every entry is a valid index.
     page_table = np.repeat(used[kv_page_indptr[:-1]][:, None], max_pages, axis=1)
@@ -378,8 +427,17 @@ class StepPlanner:
                 if plan is not None:
                     return plan
             key = ("inputs", self.input_key(*arrays, beam_width))
-        plan = self.lookup(key)
+        try:
+            plan = self.lookup(key)
+        except TypeError:
+            raise PlanError(f"key={key!r} is not hashable; pass a hashable composition key (e.g. a tuple of "
+                            f"request ids and the beam width) or None.") from None
         if plan is not None:
+            if plan.beam_width != beam_width:  # (an unkeyed digest covers the width; a caller's key may not)
+                raise PlanError(
+                    f"key={key!r} was planned for beam_width={plan.beam_width}, now asked for {beam_width}: equal "
+                    f"keys must mean equal inputs. Put the beam width into the key."
+                )
             if unkeyed:
                 self._last_unkeyed = (int(beam_width), tuple(a.copy() for a in arrays), key)
             return plan

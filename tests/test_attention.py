@@ -186,6 +186,23 @@ def test_plan_validation():
             plan_step(att, sim, step, max_tail_len=bad)
     with pytest.raises(AttentionInputError, match="run\\(\\) before plan"):
         att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection)
+    with pytest.raises(AttentionInputError, match="sm_scale='abc' must be a finite positive float"):
+        plan_step(att, sim, step, sm_scale="abc")
+    with pytest.raises(PlanError, match="beam_width=True must be an integer, not a bool"):
+        att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, True, 4, 2, 16, 4,
+                 sim.num_pages, torch.bfloat16)
+    with pytest.raises(PlanError, match=r"key=\[1, 2\] is not hashable"):
+        plan_step(att, sim, step, key=[1, 2])
+    plan_step(att, sim, step, key="composition")
+    with pytest.raises(PlanError, match="key='composition' was planned for beam_width=3, now asked for 2"):
+        att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, 2, 4, 2, 16, 4,
+                 sim.num_pages, torch.bfloat16, key="composition")
+    triton_tail = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="triton")
+    with pytest.raises(AttentionInputError, match="head_dim=24, GQA group 2: .* tail_impl='torch'"):
+        triton_tail.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, 3, 4, 2, 24,
+                         4, sim.num_pages, torch.bfloat16)
+    with pytest.raises(ValueError, match="max_beam_width=2.5 must be an integer"):
+        BeamSharedPrefixAttention("cpu", max_beam_width=2.5)
     with pytest.raises(ValueError, match="backend='fast'"):
         BeamSharedPrefixAttention("cpu", backend="fast")
     with pytest.raises(ValueError, match="max_prompt_pages"):
@@ -207,6 +224,27 @@ def test_a_plan_that_fails_leaves_no_active_plan():
     with pytest.raises(AttentionInputError, match="run\\(\\) before plan\\(\\)"):
         att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection,
                 new_k=step.new_k, new_v=step.new_v)
+
+
+def test_a_plan_refused_at_its_arguments_leaves_no_active_plan():
+    """The same where plan() fails at its own checks, before the planner: run() with the new batch's tensors
+    refuses instead of serving the previous batch's prompt pages."""
+    sim = make_sim()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", check=False)
+    plan_step(att, sim, step)
+    for bad in (dict(dtype=torch.float32), dict(prompt_page_indices=np.full_like(step.prompt_page_indices, -1))):
+        args = dict(prompt_page_indptr=step.prompt_page_indptr, prompt_page_indices=step.prompt_page_indices,
+                    prompt_lens=step.prompt_lens_per_request, beam_width=step.beam_width, num_qo_heads=sim.num_qo_heads,
+                    num_kv_heads=sim.num_kv_heads, head_dim=sim.head_dim, page_size=sim.page_size,
+                    num_cache_pages=sim.num_pages, dtype=sim.dtype)
+        args.update(bad)
+        with pytest.raises((AttentionInputError, PlanError)):
+            att.plan(**args)
+        with pytest.raises(AttentionInputError, match="run\\(\\) before plan\\(\\)"):
+            att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection,
+                    new_k=step.new_k, new_v=step.new_v)
+        plan_step(att, sim, step)  # and a good plan serves again
 
 
 def test_plan_refused_during_graph_capture(monkeypatch):
@@ -440,6 +478,35 @@ def test_run_validation_errors(case):
             att.run(**args)
 
 
+@pytest.mark.parametrize("case", ["out rows overlap", "pool K and V alias", "pool pages overlap", "divisor past int32"])
+def test_run_refuses_layouts_whose_writes_collide(case):
+    """Layouts no shape check sees: an ``out`` whose rows share memory, a pool whose K and V planes or
+    pages overlap (each passes every shape and dtype check; the kernels would write over their own
+    output or read K and V from one memory), a page divisor past the kernels' int32."""
+    from triton_kernels.tail_merge_args import TailMergeInputError
+
+    sim, step, att, args = _after_a_valid_run()
+    rows, hq, d = step.q.shape
+    pool = sim.kv_cache
+    if case == "out rows overlap":
+        args["out"] = torch.empty(1, hq, d, dtype=step.q.dtype).expand(rows, hq, d)
+        error, message = TailMergeInputError, r"out of shape .* overlap in memory"
+    elif case == "pool K and V alias":
+        args["kv_cache"] = pool[:, :1].expand(-1, 2, -1, -1, -1)
+        error, message = TailMergeInputError, r"kv_cache of shape .* overlap in memory"
+    elif case == "pool pages overlap":
+        flat = pool.flatten()
+        args["kv_cache"] = flat.as_strided(pool.shape, (pool.stride(0) // 2,) + pool.stride()[1:])
+        error, message = TailMergeInputError, r"kv_cache of shape .* overlap in memory"
+    else:
+        args["page_index_divisor"] = 2**31
+        error, message = AttentionInputError, r"page_index_divisor=2147483648 must be an int in \[1, 2147483647\]"
+    kv_before = sim.kv_cache.clone()
+    with pytest.raises(error, match=message):
+        att.run(**args)
+    assert torch.equal(sim.kv_cache, kv_before)  # refused before any write
+
+
 def test_run_checks_are_judged_against_the_current_plan():
     """``run()`` judges its arguments against the current plan and layout: after a valid call, a plan for fewer
     requests refuses the first batch's q, and a wrapper on the other KV layout refuses the same pool view."""
@@ -530,7 +597,7 @@ def test_check_mode_catches_a_missing_kv_write(monkeypatch):
 def test_check_mode_catches_a_page_outside_the_pool():
     sim, step, att = _check_setup()
     table = step.beam_page_table.clone()
-    table[4, 0] = sim.num_pages + 3
+    table[3, 0] = sim.num_pages + 3  # request 1, beam 0: a prompt page the prefix reads
     with pytest.raises(BeamSharedPrefixCheckError, match="stage 'indices'.*outside the pool") as info:
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
     assert info.value.stage == "indices"
@@ -553,6 +620,36 @@ def test_check_mode_catches_a_table_the_plan_does_not_match():
                        match=rf"stage 'indices'.*beam_page_table\[{W}, 0\].*prompt page 0 of request 1"):
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
     assert torch.equal(sim.kv_cache, kv_before)  # stopped before any kernel wrote
+
+
+def test_check_mode_catches_a_write_onto_shared_kv():
+    """This step's K/V written onto another request's prompt page, or two beams writing one slot, would
+    overwrite K/V that other rows read in this and every later step, and the oracle reads the same pool:
+    the index stage refuses both before any kernel runs. Beams whose lengths differ are refused too (a
+    beam reading another's position past that beam's length reads a slot written in this step)."""
+    sim, step, att = _check_setup()
+    W, pg = step.beam_width, sim.page_size
+    row = W + 1  # request 1, beam 1
+    col = int(step.kv_lens[row] - 1) // pg
+    kv_before = sim.kv_cache.clone()
+    table = step.beam_page_table.clone()
+    table[row, col] = int(step.prompt_page_indices[int(step.prompt_page_indptr[2])])  # request 2's first prompt page
+    with pytest.raises(BeamSharedPrefixCheckError, match=rf"stage 'indices'.*row {row} .*a prompt page of request 2"):
+        att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    table = step.beam_page_table.clone()
+    table[row + 1, col] = table[row, col]  # beam 2 writes where beam 1 does
+    with pytest.raises(BeamSharedPrefixCheckError, match=rf"rows {row} and {row + 1} both write"):
+        att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    kv_lens = step.kv_lens.clone()
+    kv_lens[row] -= 1
+    with pytest.raises(BeamSharedPrefixCheckError, match=rf"kv_lens\[{row}\]=.*differs from beam 0's"):
+        att.run(step.q, sim.kv_cache, step.beam_page_table, kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    assert torch.equal(sim.kv_cache, kv_before)
+    # Columns no kernel reads (a beam other than 0, inside the prompt) may hold anything.
+    table = step.beam_page_table.clone()
+    table[row, 0] = -7
+    out = att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    torch.testing.assert_close(out.float(), oracle(sim, step).float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("bad_len", [0, 10_000])
@@ -604,6 +701,21 @@ def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
     assert sorted(att.device_errors()) == sorted(first + [second]) and att.device_errors() == []
     off = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl)  # the default: no flag
     assert off.error_flags is None and off.device_errors() == [] and off.poll_device_errors() == []
+
+
+@pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("bad_len", [1, 2**31 - 1])
+def test_bad_lengths_without_check_mode_raise_the_device_flag(tail_impl, bad_len):
+    """``kv_len == 1`` on a row planned with a longer prompt is not a padding row's (those are planned with
+    a one-token prompt); ``INT32_MAX`` is past the cache. Both are masked and flagged; the torch tail sizes
+    its gather by the cache, not by the bad length (which would allocate rows x 2**31 entries)."""
+    sim, step, att = _flagged_setup(tail_impl)
+    assert int(step.prompt_lens[3]) > 1
+    kv_lens = step.kv_lens.clone()
+    kv_lens[3] = bad_len
+    out = att.run(step.q, sim.kv_cache, step.beam_page_table, kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    assert torch.isfinite(out.float()).all()
+    assert [m for m in att.device_errors() if "kv_len" in m], bad_len
 
 
 @pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])

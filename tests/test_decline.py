@@ -826,3 +826,15 @@ def test_the_random_audit_served_no_step_slower_than_per_beam_decode(pattern, le
             counts["declined"] += 1
             counts["declined, the library faster"] += decode / fastest > 1.0
     assert counts == verdicts, counts
+
+
+@pytest.mark.parametrize("prompt_len,tail_len,name", [
+    (-5, None, "prompt_len=-5"), (float("nan"), None, "prompt_len=nan"), (float("inf"), 4, "prompt_len=inf"),
+    (500, float("nan"), "tail_len=nan"), (500, -1, "tail_len=-1"),
+])
+def test_lengths_the_rule_cannot_judge_are_refused(prompt_len, tail_len, name):
+    """A negative or non-finite length would be judged by accident (a NaN prompt served, a negative one
+    given another threshold's reason): it is refused, naming the value."""
+    with pytest.raises(ValueError, match=f"{name} must be a finite length >= 0"):
+        should_decline(64, 30, prompt_len, 16, 8, 128, tail_len=tail_len)
+    assert should_decline(64, 30, None, 16, 8, 128, tail_len=None) is None  # unknown lengths: not judged

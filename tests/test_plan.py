@@ -102,11 +102,14 @@ def batches(draw):
     total = sum(listed)
     num_cache_pages = total + draw(st.integers(0, 50))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    if draw(st.booleans()):
-        indices = rng.permutation(num_cache_pages)[:total]  # distinct pages, as a cache manager gives
-    else:
-        indices = rng.integers(0, num_cache_pages, size=total)  # repeats allowed (the planner must not care)
+    indices = rng.permutation(num_cache_pages)[:total]  # distinct pages, as a cache manager gives
     indptr = np.concatenate([[0], np.cumsum(listed)])
+    if draw(st.booleans()):
+        # Block reuse: requests share request 0's leading full prompt pages (a common prefix).
+        shared = lens[0] // page_size
+        for r in range(1, num_requests):
+            n = min(shared, lens[r] // page_size)
+            indices[indptr[r]:indptr[r] + n] = indices[:n]
     conv = CONVERTERS[draw(st.sampled_from(sorted(CONVERTERS)))]
     return dict(
         indptr=indptr,
@@ -150,6 +153,26 @@ def test_planner_digest_cache_matches_loop(b):
     assert again is first and planner.num_builds == 1
     expected = loop_plan(*args, b["page_size"])
     check_plan(first, expected, len(b["lens"]), b["beam_width"], b["page_size"], b["num_cache_pages"])
+
+
+@pytest.mark.parametrize(
+    "indptr,indices,lens,message",
+    [
+        # a page twice in one request's prompt
+        ([0, 3], [4, 9, 4], [80], "request 0: page 4 is listed twice in its prompt pages"),
+        # request 0's partly filled last page (20 of 32 tokens) among request 1's prompt pages
+        ([0, 1, 2], [6, 6], [20, 32], "request 0: its last prompt page 6 holds 20 of 32 tokens"),
+        ([0, 2, 3], [1, 2, 2], [64, 10], "request 1: its last prompt page 2 holds 10 of 32 tokens"),
+    ],
+    ids=["twice-in-request", "partial-page-shared", "partial-page-is-anothers-full-page"],
+)
+def test_prompt_pages_no_cache_produces(indptr, indices, lens, message):
+    """Pages a KV cache never hands out are refused; full prompt pages shared between requests (block
+    reuse) and pages listed past the prompt are not."""
+    with pytest.raises(PlanError, match=message):
+        build_step_plan(indptr, indices, lens, 2, 32, 16)
+    build_step_plan([0, 2, 4], [3, 5, 3, 7], [64, 40], 2, 32, 16)  # request 1 reuses request 0's first page
+    build_step_plan([0, 2, 3], [3, 3, 9], [20, 5], 2, 32, 16)  # the repeat is past request 0's prompt
 
 
 def test_extra_listed_pages_are_not_used_or_checked():
@@ -220,7 +243,7 @@ def test_digest_key_distinguishes_inputs():
         _inputs(lens=(20, 8)),  # a prompt length
         _inputs(pages=((3, 5), (9,))),  # a page
         _inputs(beam_width=3),  # the beam width
-        _inputs(lens=(20, 7, 1), pages=((3, 4), (9,), (9,))),  # one more request
+        _inputs(lens=(20, 7, 1), pages=((3, 4), (9,), (10,))),  # one more request
         _inputs(lens=(7, 20), pages=((9,), (3, 4))),  # same requests, other order
         _inputs(pages=((3, 4, 1), (9,))),  # an extra listed page moves the split ...
         _inputs(pages=((3, 4), (1, 9))),  # ... and the same flat pages split differently

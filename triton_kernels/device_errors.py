@@ -67,10 +67,11 @@ def error_bits(bad, CODE: tl.constexpr):
 @triton.jit
 def kv_len_bad(cur, prompt_len, max_seq_len):
     """Whether a row's position ``cur = kv_len - 1`` is invalid (``KV_LEN``): negative, past the cache,
-    or inside the prompt. ``kv_len == 1`` is exempt from the last: TensorRT-LLM's warm-up and CUDA-graph
-    padding rows have no prompt and one token, and are planned with a one-token prompt; no real
-    generation row has ``kv_len < 2``. (Their K/V is not written either way.)"""
-    return ((cur < prompt_len) & (cur >= 1)) | (cur < 0) | (cur >= max_seq_len)
+    or inside the prompt. ``kv_len == 1`` with a one-token planned prompt is exempt from the last:
+    TensorRT-LLM's warm-up and CUDA-graph padding rows have no prompt and one token, and are planned
+    with a one-token prompt; no real generation row has ``kv_len < 2``. (Their K/V is not written
+    either way.) A row planned with a longer prompt is not a padding row, so ``kv_len == 1`` is bad there."""
+    return ((cur < prompt_len) & ((cur >= 1) | (prompt_len > 1))) | (cur < 0) | (cur >= max_seq_len)
 
 
 @triton.jit

@@ -29,6 +29,7 @@ __all__ = [
     "StepGeometry",
     "TailMergeGeometry",
     "check_step_args",
+    "overlapping_elements",
     "check_tail_merge_args",
     "check_tail_index_values",
     "check_tail_skip",
@@ -42,6 +43,7 @@ PREFIX_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_LAYOUTS = ("HND", "NHD")
 LSE_LAYOUTS = ("NH", "HN")
 LSE_BASES = ("log2", "ln")
+_INT32_MAX = 2**31 - 1  # page_index_divisor is a compile-time int32 of the kernels
 
 
 class TailMergeInputError(ValueError):
@@ -197,6 +199,27 @@ def _need_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
         _fail(f"{name} has a negative stride {tuple(x.stride())}; pass a view with non-negative strides.")
 
 
+def overlapping_elements(x: torch.Tensor) -> Optional[str]:
+    """Why two elements of ``x`` share memory, or ``None``: with its dims ordered by stride, each stride
+    must span the extent of the dims below it (a contiguous or gapped layout). A written tensor
+    (``out``, the pool) whose rows or K and V planes overlap would have its writes overwrite each
+    other, or read K and V from one memory."""
+    extent = 1
+    for stride, size in sorted((s, n) for n, s in zip(x.shape, x.stride(), strict=True) if n > 1):
+        if stride < extent:
+            return (f"shape {tuple(x.shape)} with strides {tuple(x.stride())} has elements that overlap in memory "
+                    f"(a stride of {stride} under an extent of {extent})")
+        extent = stride * size
+    return None
+
+
+def _need_distinct_elements(name: str, x: torch.Tensor) -> None:
+    why = overlapping_elements(x)
+    if why is not None:
+        _fail(f"{name} of {why}; its writes would overwrite each other. Pass a tensor whose elements are distinct "
+              f"(e.g. {name}.contiguous() or a fresh buffer).")
+
+
 def _need_unit_stride(name: str, x: torch.Tensor) -> None:
     """A 1-D per-row tensor the kernels index as ``ptr + row`` (no stride argument)."""
     if x.shape[0] > 1 and x.stride(0) != 1:
@@ -266,9 +289,10 @@ def _step_metadata(
     if kv_layout not in KV_LAYOUTS:
         _fail(f"kv_layout={kv_layout!r} is not supported; use 'HND' ([pages, 2, Hkv, Pg, D]) or "
               f"'NHD' ([pages, 2, Pg, Hkv, D]).")
-    if isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1:
-        _fail(f"page_index_divisor={page_index_divisor!r} must be an int >= 1 (1 for page numbers, "
-              f"layers*kv_factor for block offsets).")
+    if (isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1
+            or page_index_divisor > _INT32_MAX):
+        _fail(f"page_index_divisor={page_index_divisor!r} must be an int in [1, {_INT32_MAX}] (1 for page numbers, "
+              f"layers*kv_factor for block offsets, which are int32).")
     if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
         _fail(f"beam_width={beam_width!r} must be an int >= 1.")
 
@@ -325,6 +349,7 @@ def _step_metadata(
     for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)):
         if x is not None:
             _need_last_dim_contiguous(name, x)
+    _need_distinct_elements("kv_cache", kv_cache)
 
     # Index tensors.
     if num_rows % beam_width:
@@ -372,6 +397,7 @@ def _step_metadata(
         if tuple(out.shape) != (num_rows, num_qo_heads, head_dim):
             _fail(f"out must be [rows={num_rows}, Hq={num_qo_heads}, D={head_dim}], got {tuple(out.shape)}.")
         _need_last_dim_contiguous("out", out)
+        _need_distinct_elements("out", out)
 
     sm_scale = resolve_sm_scale(sm_scale, head_dim)
 

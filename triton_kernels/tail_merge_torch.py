@@ -79,7 +79,9 @@ def beam_tail_attention_merge_torch(
     klen = kv_lens.long()
 
     # Earlier generated positions [P, L-1), each from the pages of its source beam.
-    num_earlier = (klen - 1 - plen).clamp(min=0)
+    # Positions at or past max_seq_len are masked below, so a bad kv_len (up to INT32_MAX) must not
+    # size the gather: it would allocate rows x kv_len entries.
+    num_earlier = (klen.clamp(max=geom.max_seq_len) - 1 - plen).clamp(min=0)
     max_earlier = int(num_earlier.max())  # host sync: the reason this path is not graph-capturable
     # Every index is masked where the kernel masks it (a position past the indirection or the page
     # table, a source beam outside [0, W), a page outside the pool): invalid input reads nothing
@@ -102,8 +104,8 @@ def beam_tail_attention_merge_torch(
     if error_flags is not None:
         # The kernels' bits, as device tensors (no sync): a masked link of a valid position.
         # (The kernels report a source beam only at positions inside the table and the cache.)
-        # (kv_len 1 is exempt from "inside the prompt": device_errors.kv_len_bad says why)
-        len_bad = ((wpos < plen) & (wpos >= 1)) | (wpos < 0) | (wpos >= geom.max_seq_len)
+        # (kv_len 1 with a one-token prompt is exempt from "inside the prompt": device_errors.kv_len_bad says why)
+        len_bad = ((wpos < plen) & ((wpos >= 1) | (plen > 1))) | (wpos < 0) | (wpos >= geom.max_seq_len)
         for bad, bit in ((len_bad, device_errors.KV_LEN), (t_ok & ~src_ok, device_errors.SOURCE_BEAM),
                          (src_ok & ~earlier_valid, device_errors.TAIL_PAGE),
                          (w_ok & ~entry_ok if write_kv else None, device_errors.WRITE_PAGE)):

@@ -120,9 +120,12 @@ class PrefixProblem:
 
 def default_sm_scale(head_dim: int, sm_scale: Optional[float]) -> float:
     """``1 / sqrt(head_dim)`` unless given; refuses non-finite or non-positive scales."""
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    try:
+        scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    except (TypeError, ValueError):
+        scale = math.nan
     if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"sm_scale={sm_scale} must be a finite positive float (default 1/sqrt(head_dim)).")
+        raise ValueError(f"sm_scale={sm_scale!r} must be a finite positive float (default 1/sqrt(head_dim)).")
     return scale
 
 

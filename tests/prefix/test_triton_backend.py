@@ -142,7 +142,7 @@ def test_check_mode_names_a_bad_page(device):
     step = sim.begin_step()
     att = BeamSharedPrefixAttention(device, backend="triton", check=True)
     plan(att, sim, step)
-    step.beam_page_table[4, 0] = sim.num_pages + 5
+    step.beam_page_table[3, 0] = sim.num_pages + 5  # request 1, beam 0: a prompt page the prefix reads
     with pytest.raises(BeamSharedPrefixCheckError, match="outside"):
         run(att, sim, step)
 

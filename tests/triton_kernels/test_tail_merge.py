@@ -460,8 +460,13 @@ BAD_INPUTS = [
     ("rows_not_multiple_of_beam", lambda a: dict(beam_width=3), "not a multiple of beam_width=3"),
     ("layout_string", lambda a: dict(kv_layout="HDN"), "kv_layout='HDN' is not supported"),
     ("lse_base_string", lambda a: dict(prefix_lse_base="e"), "prefix_lse_base='e' is not supported"),
-    ("divisor", lambda a: dict(page_index_divisor=0), "page_index_divisor=0 must be an int >= 1"),
+    ("divisor", lambda a: dict(page_index_divisor=0), "page_index_divisor=0 must be an int in [1, 2147483647]"),
+    ("divisor_past_int32", lambda a: dict(page_index_divisor=2**31), "page_index_divisor=2147483648 must be an int in"),
     ("out_aliases_q", lambda a: dict(out=a["q"]), "out overlaps q"),
+    # Rows of out that share memory: each passes every shape check, and the kernel writes over its own output.
+    ("out_rows_overlap", lambda a: dict(out=a["out"][:1].expand_as(a["out"])), "overlap in memory (a stride of 0"),
+    ("pool_k_is_v", lambda a: dict(kv_cache=a["kv_cache"][:, :1].expand_as(a["kv_cache"])),
+     "overlap in memory (a stride of 0"),
 ]
 
 
