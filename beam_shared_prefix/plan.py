@@ -31,6 +31,7 @@ ArrayLike = Union[np.ndarray, Sequence[int], "torch.Tensor"]  # noqa: F821
 __all__ = ["StepPlan", "StepPlanner", "PlanError", "build_step_plan", "cdiv"]
 
 
+# Lengths, offsets and page numbers go to the kernels as int32.
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 
@@ -142,10 +143,6 @@ def _as_int(name: str, value, error=PlanError) -> int:
         return operator.index(value)
     except TypeError:
         raise error(f"{name}={value!r} must be an integer.") from None
-
-
-# Lengths, offsets and page numbers go to the kernels as int32.
-_INT32_MAX = 2**31 - 1
 
 
 def _check_prompt_pages_distinct(used: np.ndarray, kv_page_indptr: np.ndarray, last_page_len: np.ndarray,
