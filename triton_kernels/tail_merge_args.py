@@ -213,11 +213,10 @@ def overlapping_elements(x: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _need_distinct_elements(name: str, x: torch.Tensor) -> None:
+def _need_distinct_elements(name: str, x: torch.Tensor, fix: str) -> None:
     why = overlapping_elements(x)
     if why is not None:
-        _fail(f"{name} of {why}; its writes would overwrite each other. Pass a tensor whose elements are distinct "
-              f"(e.g. {name}.contiguous() or a fresh buffer).")
+        _fail(f"{name} of {why}; its writes would overwrite each other. {fix}")
 
 
 def _need_unit_stride(name: str, x: torch.Tensor) -> None:
@@ -349,7 +348,8 @@ def _step_metadata(
     for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)):
         if x is not None:
             _need_last_dim_contiguous(name, x)
-    _need_distinct_elements("kv_cache", kv_cache)
+    _need_distinct_elements("kv_cache", kv_cache, "Pass the pool's own layer view, whose pages, K and V planes, "
+                            "slots and heads lie apart (a copy would take the step's K/V write away from the cache).")
 
     # Index tensors.
     if num_rows % beam_width:
@@ -397,7 +397,7 @@ def _step_metadata(
         if tuple(out.shape) != (num_rows, num_qo_heads, head_dim):
             _fail(f"out must be [rows={num_rows}, Hq={num_qo_heads}, D={head_dim}], got {tuple(out.shape)}.")
         _need_last_dim_contiguous("out", out)
-        _need_distinct_elements("out", out)
+        _need_distinct_elements("out", out, "Pass an output whose elements are distinct (a fresh buffer).")
 
     sm_scale = resolve_sm_scale(sm_scale, head_dim)
 
