@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .plan import StepPlan
+from .plan import StepPlan, first_copies
 from .prefix.base import LseDescriptor
 from .reference import reference_beam_attention, reference_prefix_attention
 
@@ -237,7 +237,11 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
                    f"overwrite prompt K/V every beam of that request reads. Each beam writes into its own pages."
         )
     slot = write_page * page_size + pos % page_size
-    order = torch.argsort(slot, stable=True)
+    # Copies of one request (a padded CUDA-graph batch repeats its dummy request) write the same slots: the
+    # first copy's rows stand for all of them.
+    first = torch.from_numpy(first_copies(step_plan.kv_page_indices, step_plan.kv_page_indptr, step_plan.prompt_lens))
+    rows = torch.nonzero(first[req] == req).flatten()
+    order = rows[torch.argsort(slot[rows], stable=True)]
     same = torch.nonzero(slot[order][1:] == slot[order][:-1]).flatten()
     if same.numel():
         a, b = int(order[same[0]]), int(order[same[0] + 1])

@@ -145,11 +145,24 @@ def _as_int(name: str, value, error=PlanError) -> int:
         raise error(f"{name}={value!r} must be an integer.") from None
 
 
-def _check_prompt_pages_distinct(used: np.ndarray, kv_page_indptr: np.ndarray, last_page_len: np.ndarray,
-                                 page_size: int) -> None:
-    """Refuse prompt pages no KV cache produces: a page twice in one request's prompt, or a request's
-    partial last page (which its beam 0 goes on filling with generated tokens) among another request's
-    prompt pages. Full prompt pages may be shared between requests (block reuse)."""
+def first_copies(used: np.ndarray, kv_page_indptr: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """``[R]``: for each request, the first request with the same prompt length and prompt pages (itself if
+    none before it). TensorRT-LLM pads a CUDA-graph batch by repeating one dummy request, whose copies share
+    every page and write the same slots: one request, listed several times."""
+    seen: dict = {}
+    first = np.arange(lens.shape[0])
+    for r in range(lens.shape[0]):
+        key = (int(lens[r]), used[kv_page_indptr[r]:kv_page_indptr[r + 1]].tobytes())
+        first[r] = seen.setdefault(key, r)
+    return first
+
+
+def _prompt_page_conflict(used: np.ndarray, kv_page_indptr: np.ndarray, last_page_len: np.ndarray,
+                          page_size: int) -> Optional[Tuple[int, int, int]]:
+    """The first prompt page no KV cache produces, as ``(request, page, other request)`` (``other ==
+    request`` for a page twice in one prompt), or ``None``. Full prompt pages may be shared between
+    requests (block reuse); a request's partly filled last page, which its beam 0 goes on filling with
+    generated tokens, may not."""
     # One sort serves both: keyed by (page, request), equal pages end up adjacent, in request order
     # (a plain sort of int64 keys is several times faster than a stable argsort).
     num_requests = kv_page_indptr.shape[0] - 1
@@ -158,13 +171,7 @@ def _check_prompt_pages_distinct(used: np.ndarray, kv_page_indptr: np.ndarray, l
     twice = keys[1:] == keys[:-1]
     if twice.any():
         key = int(keys[int(np.argmax(twice))])
-        r, page = key % num_requests, key // num_requests
-        where = np.flatnonzero(used[kv_page_indptr[r]:kv_page_indptr[r + 1]] == page)
-        raise PlanError(
-            f"request {r}: page {page} is listed twice in its prompt pages (positions {int(where[0])} and "
-            f"{int(where[1])}): one page cannot hold two stretches of one prompt. Re-derive the page table from "
-            f"the KV cache manager."
-        )
+        return key % num_requests, key // num_requests, key % num_requests
     partial = np.flatnonzero(last_page_len < page_size)
     if partial.size:
         first_key = used[kv_page_indptr[partial + 1] - 1] * num_requests
@@ -174,13 +181,42 @@ def _check_prompt_pages_distinct(used: np.ndarray, kv_page_indptr: np.ndarray, l
             r = int(partial[np.argmax(shared)])
             page = int(used[kv_page_indptr[r + 1] - 1])
             others = keys[(keys // num_requests == page) & (keys % num_requests != r)]
-            other = int(others[0] % num_requests)
-            raise PlanError(
-                f"request {r}: its last prompt page {page} holds {int(last_page_len[r])} of {page_size} tokens, and "
-                f"its beam 0 writes generated tokens into the rest, but request {other} lists page {page} among its "
-                f"prompt pages too: those writes would overwrite request {other}'s prompt. A partly filled page "
-                f"belongs to one request; re-derive the page table from the KV cache manager."
-            )
+            return r, page, int(others[0] % num_requests)
+    return None
+
+
+def _check_prompt_pages(used: np.ndarray, kv_page_indptr: np.ndarray, lens: np.ndarray, last_page_len: np.ndarray,
+                        page_size: int) -> None:
+    conflict = _prompt_page_conflict(used, kv_page_indptr, last_page_len, page_size)
+    if conflict is not None:
+        # Only on a conflict (rare): look again with each repeated request once (the copies of a padded
+        # CUDA-graph batch's dummy request share all their pages).
+        first = first_copies(used, kv_page_indptr, lens)
+        kept = np.flatnonzero(first == np.arange(lens.shape[0]))
+        if kept.size < lens.shape[0]:
+            pages_of = np.diff(kv_page_indptr)[kept]
+            sub_indptr = np.concatenate([[0], np.cumsum(pages_of)])
+            sub_used = np.concatenate([used[kv_page_indptr[r]:kv_page_indptr[r + 1]] for r in kept])
+            conflict = _prompt_page_conflict(sub_used, sub_indptr, last_page_len[kept], page_size)
+            if conflict is not None:
+                conflict = (int(kept[conflict[0]]), conflict[1], int(kept[conflict[2]]))
+    if conflict is None:
+        return
+    r, page, other = conflict
+    if other == r:
+        where = np.flatnonzero(used[kv_page_indptr[r]:kv_page_indptr[r + 1]] == page)
+        raise PlanError(
+            f"request {r}: page {page} is listed twice in its prompt pages (positions {int(where[0])} and "
+            f"{int(where[1])}): one page cannot hold two stretches of one prompt. Re-derive the page table from "
+            f"the KV cache manager."
+        )
+    raise PlanError(
+        f"request {r}: its last prompt page {page} holds {int(last_page_len[r])} of {page_size} tokens, and its "
+        f"beam 0 writes generated tokens into the rest, but request {other} lists page {page} among its prompt "
+        f"pages too: those writes would overwrite request {other}'s prompt. A partly filled page belongs to one "
+        f"request (or to copies of one, with the same prompt and pages); re-derive the page table from the KV "
+        f"cache manager."
+    )
 
 
 def build_step_plan(
@@ -213,7 +249,8 @@ def build_step_plan(
         PlanError: for an empty batch, a beam width above ``max_beam_width``, negative or
             inconsistent lengths, a prompt longer than its pages hold, a page index outside
             ``[0, num_cache_pages)``, a page listed twice in one request's prompt, or a request's
-            partly filled last prompt page among another request's prompt pages.
+            partly filled last prompt page among another request's prompt pages (but a copy of the
+            request's: same prompt length and pages).
     """
     beam_width = _as_int("beam_width", beam_width)
     page_size = _as_int("page_size", page_size)
@@ -306,7 +343,7 @@ def build_step_plan(
         )
 
     last = lens - (pages_needed - 1) * page_size
-    _check_prompt_pages_distinct(used, kv_page_indptr, last, page_size)
+    _check_prompt_pages(used, kv_page_indptr, lens, last, page_size)
     max_pages = int(pages_needed.max())
     # Dense table: padding repeats each request's first page so every entry is a valid index.
     page_table = np.repeat(used[kv_page_indptr[:-1]][:, None], max_pages, axis=1)

@@ -316,12 +316,18 @@ class BeamSharedPrefixFmhaMixin:
         # TensorRT-LLM's own block-offset encoding, K field, rows from this phase's first sequence.
         beam_page_table = metadata.kv_cache_block_offsets[layer.pool_index, seq0:, 0, :]
         kv_lens = runtime_view(metadata, "kv_lens_cuda_runtime", "kv_lens_cuda")[seq0 : seq0 + rows]
+        # Some trees size cache_indirection one position past max_seq_len (for the overlap scheduler); no
+        # position past the page table can be cached, so the view stops there (no copy).
+        cache_indirection = metadata.cache_indirection
+        positions = beam_page_table.shape[1] * layer.page_size
+        if cache_indirection.shape[2] > positions:
+            cache_indirection = cache_indirection[:, :, :positions]
         wrapper.run(
             q,
             layer.pool,
             beam_page_table,
             kv_lens,
-            metadata.cache_indirection,
+            cache_indirection,
             new_k=new_k,
             new_v=new_v,
             out=out,
@@ -370,6 +376,12 @@ class BeamSharedPrefixFmhaMixin:
                 context.forward(q, k, v, metadata, _with_input_type(forward_args, _CONTEXT_ONLY))
                 stats["mixed_batches"] += 1
         rows = step.num_rows
+        if q.shape[0] != token0 + rows:  # (too few rows are refused by _run_rows; more would go unwritten)
+            raise RuntimeError(
+                f"beam_shared_prefix: the layer got {q.shape[0]} query rows but the step holds {token0} context tokens "
+                f"and {step.num_requests} requests x {step.beam_width} beams = {rows} generation rows; every row must "
+                f"be written, and this metadata does not say how."
+            )
         self._run_rows(q[token0 : token0 + rows], output[token0 : token0 + rows], metadata, state, step, family)
 
     # -- the generation half of TensorRT-LLM's CombinedFmha -------------------------------------

@@ -284,6 +284,11 @@ def batch_decline_reason(metadata) -> Optional[str]:
             f"cache_indirection of shape {tuple(indirection.shape)} was sized for fewer beams than "
             f"beam_width={beam_width}"
         )
+    if _dtype_name(indirection.dtype) != "int32":
+        return f"cache_indirection of dtype {_dtype_name(indirection.dtype)} (the kernels read int32)"
+    if indirection.shape[0] < num_generations // max(beam_width, 1):
+        return (f"cache_indirection holds {indirection.shape[0]} requests but the batch has "
+                f"{num_generations // max(beam_width, 1)}")
     if getattr(metadata, "kv_cache_block_offsets", None) is None:
         return "no kv_cache_block_offsets (paged KV cache required)"
     params = getattr(metadata, "kv_cache_params", None)

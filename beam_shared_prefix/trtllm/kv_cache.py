@@ -120,6 +120,15 @@ class PageAdapter:
             raise RuntimeError("beam_shared_prefix: the KV cache manager of this adapter was released")
         return manager
 
+    @staticmethod
+    def _pool_reason(manager, layer_idx: int, pool_index: int) -> Optional[str]:
+        """Why the layer's pool cannot index the block-offset tables (dim 0: one per pool), or ``None``."""
+        num_pools = getattr(manager, "num_pools", None)
+        if num_pools is not None and not 0 <= pool_index < int(num_pools):
+            return (f"kv_cache_pool_mapping gives layer {layer_idx} pool {pool_index}, outside the manager's "
+                    f"{int(num_pools)} pools")
+        return None
+
     def _pool_mapping(self, manager):
         mapping = getattr(manager, "kv_cache_pool_mapping", None)
         if mapping is None:
@@ -189,6 +198,7 @@ class V1PageAdapter(PageAdapter):
             page_index_divisor=layers_in_pool * kv_factor,
             num_pages=int(pool.shape[0]),
             page_size=int(manager.tokens_per_block),
+            decline_reason=self._pool_reason(manager, layer_idx, pool_index),
         )
 
     def prompt_pages(self, metadata, layer, layer_idx, request_ids, pages_per_request):
@@ -219,10 +229,10 @@ class V2PageAdapter(PageAdapter):
         pool_index = int(mapping[local, 0])
         kv_factor = int(manager.kv_factor)
         pool = manager.get_buffers(layer_idx, kv_layout="HND")
-        reason = None
+        reason = self._pool_reason(manager, layer_idx, pool_index)
         layer_scale = getattr(manager, "get_layer_page_index_scale", None)
         pool_scales = getattr(manager, "index_scales", None)
-        if layer_scale is not None and pool_scales is not None:
+        if reason is None and layer_scale is not None and pool_scales is not None:
             ls, ps = int(layer_scale(layer_idx)), int(pool_scales[pool_index])
             if ls != ps:
                 reason = (

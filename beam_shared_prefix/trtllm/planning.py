@@ -295,7 +295,16 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
         )
     beam0 = slice(num_contexts, num_contexts + num_rows, beam_width)
     prompt = np.asarray(runtime_view(metadata, "prompt_lens_cpu_runtime", "prompt_lens_cpu")[beam0].numpy(), dtype=np.int64)
-    kv = np.asarray(runtime_view(metadata, "kv_lens_runtime", "kv_lens")[beam0].numpy(), dtype=np.int64)
+    kv_rows = runtime_view(metadata, "kv_lens_runtime", "kv_lens")[num_contexts : num_contexts + num_rows].numpy()
+    reason = _kv_lens_reason(kv_rows, beam_width, metadata, adapter)
+    if reason is not None:
+        if state.is_cuda_graph:  # a replay runs the captured kernels whatever prepare() decides
+            raise RuntimeError(f"beam_shared_prefix: a CUDA-graph step with inconsistent lengths: {reason}. A graph "
+                               f"cannot hand the step to the default kernel.")
+        decline_log(logging.WARNING, f"step handed to the default kernel: {reason}")
+        state.step, state.step_reason = DeclinedStep(reason), None
+        return state.step
+    kv = np.asarray(kv_rows[::beam_width], dtype=np.int64)
     # Warm-up and CUDA-graph dummy rows can carry no generated token (prompt_len == kv_len); the
     # prefix never extends past the current token, and never below one token.
     prompt = np.maximum(np.minimum(prompt, kv - 1), 1)
@@ -333,6 +342,33 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
     return step
 
 
+def _kv_lens_reason(kv_rows: np.ndarray, beam_width: int, metadata, adapter: PageAdapter) -> Optional[str]:
+    """Why this step's KV lengths (host copies, one per generation row) are not a beam-search step's, or
+    ``None``: the beams of a request advance together (a beam that reads another's position past that
+    beam's length reads a slot written in this step), every row holds this step's token, and no row
+    passes the positions its page table and ``cache_indirection`` cover (the kernels mask those, and
+    this step's K/V would not be stored)."""
+    if kv_rows.size == 0:
+        return None
+    per_request = kv_rows.reshape(-1, beam_width)
+    capacity = int(metadata.kv_cache_block_offsets.shape[-1]) * int(adapter.manager.tokens_per_block)
+    capacity = min(capacity, int(metadata.cache_indirection.shape[2]))
+    # Every step: three vector passes over the rows; the reasons are worked out only on a failure.
+    if (per_request == per_request[:, :1]).all() and kv_rows.min() >= 1 and kv_rows.max() <= capacity:
+        return None
+    differ = np.flatnonzero((per_request != per_request[:, :1]).any(axis=1))
+    if differ.size:
+        r = int(differ[0])
+        return (f"the beams of generation request {r} have KV lengths {per_request[r].tolist()}; the beams of a "
+                f"request advance together")
+    bad = np.flatnonzero((kv_rows < 1) | (kv_rows > capacity))
+    if bad.size:
+        i = int(bad[0])
+        return (f"generation row {i} has KV length {int(kv_rows[i])}, outside [1, {capacity}] (the positions its "
+                f"block table and cache_indirection cover)")
+    return None
+
+
 def poll_device_errors(state: _MetadataState) -> None:
     """Log (ERROR, each kind once per process) what this metadata's wrappers' kernels masked in
     earlier steps: their device error flags, read without waiting on the GPU, every
@@ -358,9 +394,10 @@ def _planning_errors() -> tuple:
     from triton_kernels.tail_merge_args import TailMergeInputError
 
     from ..attention import AttentionInputError
+    from ..plan import PlanError
     from ..prefix.base import PrefixBackendError
 
-    return PrefixBackendError, AttentionInputError, TailMergeInputError, ImportError
+    return PrefixBackendError, AttentionInputError, TailMergeInputError, PlanError, ImportError
 
 
 _instances: "weakref.WeakSet" = weakref.WeakSet()
@@ -392,11 +429,11 @@ def step_for_forward(metadata) -> Tuple[_MetadataState, StepInfo]:
                     f"beam_shared_prefix: no step plan: {_PREPARE_IN_CAPTURE}. Call prepare() before "
                     "capturing (TensorRT-LLM's runner does)."
                 )
-            raise RuntimeError(
-                "beam_shared_prefix: selected for a batch that prepare() found ineligible "
-                f"({state.step_reason}); this is a bug in the library's gates, please report it. "
-                "Remove beam_shared_prefix from TLLM_FMHA_LIBS to work around it."
-            )
+            # The batch gates hold within a selection key for a consistent engine; this step's metadata
+            # changed under its key (e.g. a cache_indirection sized for fewer beams): hand it over.
+            reason = f"selected for a batch that prepare() found ineligible ({state.step_reason})"
+            decline_log(logging.WARNING, f"{reason}; handed to the default kernel")
+            return state, DeclinedStep(reason)
         return state, state.step
     if _capturing():
         raise RuntimeError(
@@ -459,21 +496,36 @@ def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family)
     if wrapper is None:
         wrapper = _new_wrapper(metadata, state, step)
         state.wrappers[family.key] = wrapper
-    wrapper.plan(
-        indptr,
-        indices,
-        step.prompt_lens,
-        step.beam_width,
-        family.num_qo_heads,
-        family.num_kv_heads,
-        family.head_dim,
-        layer.page_size,
-        layer.num_pages,
-        family.dtype,
-        sm_scale=family.sm_scale,
-        key=key,
-        max_tail_len=tail,
-    )
+    # A plan that fails leaves the wrapper with no active plan: forget the old composition's key too, or
+    # the next step of that composition would find the key and run an unplanned wrapper.
+    had_plan = state.planned_key.pop(family.key, None) is not None
+    try:
+        wrapper.plan(
+            indptr,
+            indices,
+            step.prompt_lens,
+            step.beam_width,
+            family.num_qo_heads,
+            family.num_kv_heads,
+            family.head_dim,
+            layer.page_size,
+            layer.num_pages,
+            family.dtype,
+            sm_scale=family.sm_scale,
+            key=key,
+            max_tail_len=tail,
+        )
+    except Exception as exc:
+        if state.is_cuda_graph and had_plan and isinstance(exc, _planning_errors()):
+            # The graph was captured with this library's kernels, which a replay runs whatever prepare()
+            # decides: handing the step over would replay them on the previous plan's buffers.
+            raise RuntimeError(
+                f"beam_shared_prefix: this CUDA-graph step cannot be planned ({type(exc).__name__}: {exc}), and a "
+                f"graph captured with the library's kernels cannot hand a step to the default kernel: it stops "
+                f"here instead of replaying the previous batch's plan. Run without CUDA graphs, or without "
+                f"beam_shared_prefix in TLLM_FMHA_LIBS, to serve this batch."
+            ) from exc
+        raise
     state.planned_key[family.key] = planned
     stats["plans"] += 1
     return wrapper

@@ -1449,11 +1449,13 @@ class Engine:
         return self.metadata.create_cuda_graph_metadata(batch_size)
 
     def prepare(self, step, context_prompt_lens: Sequence[int] = (), metadata=None, seed: int = 0,
-                beam_width: Optional[int] = None):
+                beam_width: Optional[int] = None, before=None):
         """Fill ``metadata`` for ``step`` (+ context requests) and call ``prepare()``; returns the fused QKV.
 
         Row order (doc 3.2): context requests' tokens, then generation rows request-major.
         ``beam_width`` overrides ``metadata.beam_width`` (the eager warm-up's width 1 on beam rows).
+        ``before(metadata)``, if given, edits the filled fields just before ``prepare()`` (engine states
+        the simulator does not produce).
         """
         m = metadata if metadata is not None else self.metadata
         m.kv_cache_manager = self.manager
@@ -1476,6 +1478,8 @@ class Engine:
         )
         self.cache_indirection[:num_requests] = step.cache_indirection[:num_requests]
         m.cache_indirection = self.cache_indirection
+        if before is not None:
+            before(m)
         m.prepare()
         hq, hkv, d = sim.num_qo_heads, sim.num_kv_heads, sim.head_dim
         gen = torch.Generator().manual_seed(seed)
@@ -1510,9 +1514,9 @@ class Setup:
             step.beam_width, new_k=step.new_k, new_v=step.new_v,
         )
 
-    def run(self, step, context_prompt_lens=(), metadata=None, **forward_kwargs):
-        """Prepare ``step`` and run the layer; returns ``(out [tokens, H*D], qkv)``."""
-        qkv = self.engine.prepare(step, context_prompt_lens, metadata=metadata)
+    def run(self, step, context_prompt_lens=(), metadata=None, before=None, **forward_kwargs):
+        """Prepare ``step`` (``before``: see :meth:`Engine.prepare`) and run the layer; returns ``(out [tokens, H*D], qkv)``."""
+        qkv = self.engine.prepare(step, context_prompt_lens, metadata=metadata, before=before)
         m = metadata if metadata is not None else self.engine.metadata
         return self.layer.forward(qkv, None, None, m, **forward_kwargs), qkv
 

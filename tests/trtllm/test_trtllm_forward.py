@@ -225,6 +225,23 @@ def test_per_step_decline_hands_the_step_to_fallback(trt, monkeypatch):
     assert [type(f).__name__ for f in selected(short)] == ["BeamSharedPrefixFmha"]
 
 
+def test_query_rows_the_step_does_not_hold_fail_clearly(trt, monkeypatch):
+    """A call with one query row more than the step's generation rows, under a selection cached for the key
+    (the call gate runs on a cache miss only), stops with the counts rather than leave a row unwritten."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    setup = build(model, prompts=(37, 70), beam_width=3)
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step)
+    assert_close(gen_rows(out, 0, setup.sim), setup.oracle(step), "a valid step")
+    setup.sim.end_step(write_kv=False)
+    qkv = setup.engine.prepare(setup.sim.begin_step())
+    with pytest.raises(RuntimeError, match=r"got 7 query rows but the step holds 0 context tokens and 2 requests x "
+                                           r"3 beams = 6 generation rows"):
+        setup.layer.forward(torch.cat([qkv, qkv[:1]]), None, None, setup.engine.metadata)
+
+
 @pytest.mark.parametrize("head_dim,served", [(64, True), (256, False)])
 def test_per_step_decline_follows_the_serving_path(trt, monkeypatch, head_dim, served):
     """8 beams over a mean prompt of 45 tokens under ``auto``: at head 64 the one-launch cascade

@@ -139,3 +139,17 @@ def test_v2_page_lists_from_the_older_layer_id_signature(model):
         type(manager).get_batch_cache_indices = current
     assert calls and set(calls) == {manager.served_layer_idx}
     torch.testing.assert_close(out.view(-1, 4, 64).float(), setup.oracle(step), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+def test_a_layer_mapped_past_the_pools_declines(model, kind):
+    """A ``kv_cache_pool_mapping`` that names a pool the block-offset tables do not have is declined at the
+    layer (logged, fallback serves it) instead of indexing past the table inside prepare()."""
+    setup = build(model, kind=kind)
+    manager = setup.manager
+    mapping = manager.kv_cache_pool_mapping.clone()
+    mapping[:, 0] = int(manager.num_pools)
+    manager.kv_cache_pool_mapping = mapping
+    layer = kv_cache.adapter_for(manager).layer(manager.served_layer_idx)
+    assert layer.decline_reason == (f"kv_cache_pool_mapping gives layer {manager.served_layer_idx} pool "
+                                    f"{int(manager.num_pools)}, outside the manager's {int(manager.num_pools)} pools")

@@ -301,3 +301,153 @@ def test_a_collection_inside_the_registry_lock_does_not_deadlock(registry, monke
     thread.join(20)
     assert not errors, errors
     assert done, f"registering a new entry deadlocked while the {registry} registry's lock was held"
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine states the simulator does not produce: each is served exactly, handed over with a reason, or
+# stopped with an error that names it (found by an adversarial audit, fifty-eighth round).
+
+
+def _padded_with_one_dummy(copies):
+    """CUDA-graph padding (TensorRT-LLM's runner extends the batch with ``[padding_dummy_request] *
+    padding_size``): the last ``copies`` requests become one dummy id, with a one-token KV and no prompt."""
+
+    def before(m):
+        W = m.beam_width
+        real = len(m.request_ids) - copies
+        m.request_ids = list(m.request_ids[:real]) + [m.request_ids[real]] * copies
+        cached = list(m.kv_cache_params.num_cached_tokens_per_seq)
+        m.kv_cache_params.num_cached_tokens_per_seq = cached[: real * W] + [0] * (W * copies)
+        m.prompt_lens = list(m.prompt_lens[: real * W]) + [0] * (W * copies)
+
+    return before
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
+def test_a_batch_padded_with_one_repeated_dummy_request_is_served(trt, monkeypatch, graph):
+    """The dummy's copies share every page, so their one-token "prompt page" is listed by several requests:
+    the planner takes them as copies of one request (same prompt, same pages), and the real rows stay exact."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    setup = build(model, prompts=(37, 1, 1), beam_width=3)
+    metadata = setup.engine.graph_metadata(3) if graph else None
+    for _ in range(3):
+        step = setup.sim.begin_step()
+        out, _ = setup.run(step, metadata=metadata, before=_padded_with_one_dummy(2))
+        got = out.view(-1, setup.sim.num_qo_heads, setup.sim.head_dim)[:3]  # request 0's beams
+        torch.testing.assert_close(got.float(), setup.oracle(step)[:3].float(), atol=TOL, rtol=TOL)
+        setup.sim.end_step(write_kv=False)
+    assert stats()["generation_forwards"] == 3 and stats()["delegated_steps"] == 0
+
+
+def _failing_plans(monkeypatch):
+    """``BeamSharedPrefixAttention.plan`` refusing its arguments (a bad ``sm_scale``) while ``fail[0]`` is set,
+    as a real refusal does: after dropping the wrapper's active plan."""
+    from beam_shared_prefix.attention import BeamSharedPrefixAttention
+
+    fail = [False]
+    original = BeamSharedPrefixAttention.plan
+
+    def plan(self, *args, **kwargs):
+        if fail[0]:
+            kwargs["sm_scale"] = "refused by the test"
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(BeamSharedPrefixAttention, "plan", plan)
+    return fail
+
+
+def _longer_prompts(m):
+    m.prompt_lens = [p + 1 for p in m.prompt_lens]  # a new composition key: the step is planned again
+
+
+def test_a_composition_is_planned_again_after_another_failed(setup, monkeypatch, caplog):
+    """A -> B (its plan refused: handed to the default kernel, logged) -> A: A is planned again, not run on the
+    wrapper the failed plan left without a plan."""
+    fail = _failing_plans(monkeypatch)
+    for s, (failing, before) in enumerate([(False, None), (True, _longer_prompts), (False, None)]):
+        fail[0] = failing
+        step = setup.sim.begin_step()
+        out, _ = setup.run(step, before=before)
+        if not failing:
+            check(setup, step, out)
+        setup.sim.end_step(write_kv=False)
+    assert stats()["delegated_steps"] == 1 and stats()["generation_forwards"] == 2
+    assert "planning failed: sm_scale='refused by the test' must be" in caplog.text
+
+
+def test_a_cuda_graph_step_that_cannot_be_planned_stops(setup, monkeypatch):
+    """A graph captured with the library's kernels replays them whatever prepare() decides: a step it cannot
+    plan stops with an error instead of replaying the previous batch's plan."""
+    fail = _failing_plans(monkeypatch)
+    graph = setup.engine.graph_metadata(2)
+    step = setup.sim.begin_step()
+    check(setup, step, setup.run(step, metadata=graph)[0])
+    setup.sim.end_step(write_kv=False)
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="this CUDA-graph step cannot be planned \\(AttentionInputError: sm_scale='refused by the test'"):
+        setup.engine.prepare(setup.sim.begin_step(), metadata=graph, before=_longer_prompts)
+
+
+def _kv_lens(edit):
+    def before(m):
+        cached = list(m.kv_cache_params.num_cached_tokens_per_seq)
+        edit(cached)
+        m.kv_cache_params.num_cached_tokens_per_seq = cached
+
+    return before
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (lambda c: c.__setitem__(4, c[4] - 1), r"the beams of generation request 1 have KV lengths \[\d+, \d+, \d+\]"),
+    (lambda c: c.__setitem__(slice(0, 3), [500] * 3), r"generation row 0 has KV length 501, outside \[1, 128\]"),
+], ids=["beams-differ", "past-the-cache"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
+def test_inconsistent_kv_lengths_are_not_served(setup, caplog, edit, reason, graph):
+    """KV lengths no beam search produces (beams of one request apart, a row past its cache) would have the
+    kernels read slots being written or mask this step's K/V write: an eager step goes to the default kernel
+    with the reason logged; a CUDA-graph step, which cannot be handed over, stops."""
+    step = setup.sim.begin_step()
+    if graph:
+        with pytest.raises(RuntimeError, match=f"a CUDA-graph step with inconsistent lengths: {reason}"):
+            setup.engine.prepare(step, metadata=setup.engine.graph_metadata(2), before=_kv_lens(edit))
+        return
+    planning.plan_metadata(setup.engine.metadata)  # (a first, valid selection of the key)
+    qkv = setup.engine.prepare(step, before=_kv_lens(edit))
+    assert isinstance(planning.metadata_state(setup.engine.metadata).step, planning.DeclinedStep)
+    assert "step handed to the default kernel" in caplog.text and caplog.text.count("KV length") >= 1
+    assert caplog.records[-1].levelname == "WARNING"
+    if "beams" in reason:  # (the model's default kernel indexes past its table on the other state, as a real one would)
+        setup.layer.forward(qkv, None, None, setup.engine.metadata)
+        assert stats()["delegated_steps"] == 1 and stats()["generation_forwards"] == 0
+
+
+def test_an_overlap_scheduler_cache_indirection_is_served(setup):
+    """Trees that run the overlap scheduler size cache_indirection one position past max_seq_len; no
+    position past the page table is ever cached, so the library reads a view up to the table's end."""
+    def one_more_position(m):
+        ci = m.cache_indirection
+        m.cache_indirection = torch.cat([ci, torch.zeros_like(ci[:, :, :1])], dim=2)
+
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step, before=one_more_position)
+    check(setup, step, out)
+    assert stats()["generation_forwards"] == 1
+
+
+def test_a_step_its_key_selected_but_the_batch_gates_refuse_is_handed_over(setup, caplog):
+    """The batch gates hold within a selection key for a consistent engine; where a step's metadata changes
+    under its key (here cache_indirection turns int64, which the kernels do not read), the cached selection
+    still picks the library, and the step goes to the default kernel with the reason logged."""
+    step = setup.sim.begin_step()
+    check(setup, step, setup.run(step)[0])
+    setup.sim.end_step(write_kv=False)
+
+    def int64_indirection(m):
+        m.cache_indirection = m.cache_indirection.long()
+
+    step = setup.sim.begin_step()
+    check(setup, step, setup.run(step, before=int64_indirection)[0])
+    assert stats()["delegated_steps"] == 1 and stats()["generation_forwards"] == 1
+    assert "prepare() found ineligible (cache_indirection of dtype int64" in caplog.text
