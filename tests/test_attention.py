@@ -652,6 +652,23 @@ def test_check_mode_catches_a_write_onto_shared_kv():
     torch.testing.assert_close(out.float(), oracle(sim, step).float(), atol=2e-2, rtol=2e-2)
 
 
+def test_check_mode_takes_copies_of_one_request_as_one():
+    """A padded CUDA-graph batch repeats one dummy request: its copies list the same pages and write the
+    same slots, which is one request's write, not a collision (nor a write onto another's prompt page)."""
+    from beam_shared_prefix.check import check_indices
+    from beam_shared_prefix.plan import build_step_plan
+
+    # request 0: a 5-token prompt on pages 0-1; requests 1 and 2: copies of a one-token dummy on page 2.
+    plan = build_step_plan([0, 2, 3, 4], [0, 1, 2, 2], [5, 1, 1], 2, 4, 16)
+    table = torch.tensor([[0, 1], [0, 3], [2, 5], [4, 6], [2, 5], [4, 6]], dtype=torch.int32)
+    kv_lens = torch.tensor([7, 7, 2, 2, 2, 2], dtype=torch.int32)
+    pool = torch.zeros(16, 2, 1, 4, 8, dtype=torch.bfloat16)
+    check_indices(plan, pool, 4, table, kv_lens, torch.zeros(3, 2, 8, dtype=torch.int32))
+    table[1, 1] = 1  # request 0's beam 1 onto beam 0's partly filled prompt page: refused
+    with pytest.raises(BeamSharedPrefixCheckError, match="row 1 .* a prompt page of request 0"):
+        check_indices(plan, pool, 4, table, kv_lens, torch.zeros(3, 2, 8, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("bad_len", [0, 10_000])
 def test_engine_written_kv_with_an_invalid_length_fails_clearly(bad_len):
     """``new_k=None`` reads this step's K/V back from the cache at ``kv_len - 1``: an invalid length is
