@@ -601,17 +601,25 @@ def default_cpu_arms() -> List[Arm]:
     return [LibraryArm("reference", tail_impl="torch"), PrefixStageArm("reference"), TailStageArm("torch")]
 
 
-def parse_arm_list(text: str, prefix_kernels=("auto",)) -> List[Arm]:
+def parse_arm_list(text: str, prefix_kernels=("auto",), cpu: bool = False) -> List[Arm]:
     """Arms from a comma list of names: ``auto`` (the library's default choice), ``library`` (FlashInfer,
     each prefix kernel), ``fa4``, ``triton`` (the one-launch cascade), ``prefix`` (FlashInfer, FA4
     and Triton prefix stages), ``tail`` (the Triton kernel), ``tail-torch`` (the
     unfused torch path, eager), ``decode`` (both variants),
     ``decode-tc``, ``decode-cc``, ``cascade``, ``reference`` (CPU path arms), ``fa4-shared`` and
-    ``flashinfer-shared`` (those two-launch paths with the shared-run stage)."""
+    ``flashinfer-shared`` (those two-launch paths with the shared-run stage). On the CPU (``cpu``) ``auto`` runs
+    the torch tail, as the library's own default does there. Raises ``ValueError`` for an unknown, repeated or
+    missing name."""
     arms: List[Arm] = []
-    for name in [t.strip().lower() for t in text.split(",") if t.strip()]:
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"--arms {text!r} names no arm; give a comma list such as auto,decode.")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"--arms names {repeated} more than once; name each arm once.")
+    for name in names:
         if name == "auto":
-            arms.append(LibraryArm("auto"))
+            arms.append(LibraryArm("auto", tail_impl="torch") if cpu else LibraryArm("auto"))
         elif name == "library":
             arms += [LibraryArm("flashinfer", prefix_kernel=k) for k in prefix_kernels]
         elif name in ("fa4", "triton"):

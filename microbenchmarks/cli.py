@@ -222,6 +222,41 @@ def _progress(total: int, enabled: bool):
                     transient=False)
 
 
+#: The largest count of timed calls, sets, warm-up calls, re-plans or checked requests a flag takes (a typo past it
+#: would allocate events for hours of calls); also the FlashInfer workspace's MiB.
+MAX_REPEATS = 100_000
+
+
+def _check_outputs(args, parser) -> None:
+    """``--json`` and ``--plot`` checked before anything is measured, so that a bad path costs no run."""
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is None:
+            continue
+        if not path.strip():
+            parser.error(f"{flag} '': give a file path")
+        if os.path.isdir(os.path.realpath(path)):
+            parser.error(f"{flag} {path} is a directory; give a file path")
+    if args.plot is not None:
+        try:
+            from matplotlib.backend_bases import FigureCanvasBase
+        except ImportError as exc:
+            parser.error(f"--plot needs matplotlib ({exc}); pip install 'beam-shared-prefix[bench]'")
+        kind = os.path.splitext(args.plot)[1].lstrip(".").lower()
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if kind not in kinds:
+            parser.error(f"--plot {args.plot}: {kind or 'no extension'} is not an image type matplotlib writes; end "
+                         f"the name with one of {sorted(kinds)}")
+
+
+def _arms(parser, args, kernels, cpu: bool):
+    from .arms import parse_arm_list
+
+    try:
+        return parse_arm_list(args.arms, kernels, cpu=cpu)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def _emit(doc: Dict, args, log) -> int:
     from .report import audit_summary, decline_table, plot_speedups, print_point, print_summary, write_json
 
@@ -243,33 +278,48 @@ def _emit(doc: Dict, args, log) -> int:
                 + ("" if r["rule_now"] == r["rule_says"] else f" (when measured: {r['rule_says'] or 'serve'})")
                 + auto)
         log(audit_summary(rows))
+    status = 0
     if args.json:
-        write_json(doc, args.json)
-        log(f"wrote {args.json}")
+        try:
+            write_json(doc, args.json)
+            log(f"wrote {args.json}")
+        except OSError as exc:
+            log(f"--json {args.json}: could not write it ({exc})")
+            status = 2
     if args.plot:
         try:
             titles = plot_speedups(doc, args.plot)
             log(f"wrote {args.plot} ({'; '.join(titles)})")
         except ImportError as exc:
             log(f"--plot needs matplotlib ({exc}); pip install 'beam-shared-prefix[bench]'")
-            return 2
-    failed = [(p["label"], a["name"]) for p in doc["results"] for a in p["arms"] if a["status"] == "check_failed"]
+            status = 2
+        except (OSError, ValueError, TypeError) as exc:
+            log(f"--plot {args.plot}: could not plot ({type(exc).__name__}: {exc})")
+            status = 2
+    # After the outputs, whatever became of them: a wrong result outranks a usage error.
+    failed = [(p["label"], a["name"]) for p in doc["results"] for a in p["arms"] if a.get("status") == "check_failed"]
     crashed = [(p["label"], a["name"]) for p in doc["results"] for a in p["arms"]
-               if a["status"] == "failed" and a["kind"] == "library"]
+               if a.get("status") == "failed" and a.get("kind") == "library"]
     if failed:
         log("ORACLE CHECK FAILED: " + "; ".join(f"{name} at {label}" for label, name in failed))
     if crashed:
         log("LIBRARY ARM FAILED: " + "; ".join(f"{name} at {label}" for label, name in crashed))
-    return 1 if failed or crashed else 0
+    return 1 if failed or crashed else status
 
 
 def _print_rule(shapes: Sequence[BenchShape], log, declare_tail: bool = False) -> int:
     """``--rule``: the library's verdict on each shape, from the decline rule alone (``declare_tail``: CUDA-graph
     wrappers bounded by each shape's tail)."""
+    from beam_shared_prefix.config import ConfigError
+
     from .runner import rule_verdict
 
     for s in shapes:
-        v = rule_verdict(s, declare_tail)
+        try:
+            v = rule_verdict(s, declare_tail)
+        except ConfigError as exc:
+            log(f"error: {exc}")
+            return 2
         verdict = "serve" if v["decline_reason"] is None else f"decline: {v['decline_reason']}"
         path = v["path"]
         if v["graph_path"] != path:
@@ -291,10 +341,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for s in PRESETS.values():
             log(s.label())
         return 0
+    _check_outputs(args, parser)
     if args.from_json:
         from .report import load_json, make_document
 
-        docs = [load_json(p) for p in args.from_json]
+        try:
+            docs = [load_json(p) for p in args.from_json]
+        except (OSError, ValueError) as exc:
+            parser.error(f"--from-json: {exc}")
         merged = make_document([r for d in docs for r in d["results"]], docs[0]["environment"], docs[0]["rates"],
                                docs[0].get("options", {}), docs[0].get("argv", []), docs[0].get("note"))
         return _emit(merged, args, log)
@@ -303,9 +357,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from . import e2e_trtllm
 
         try:
-            (base,) = resolve_shapes(args)
-        except ValueError:
-            parser.error("--e2e-model takes one shape: drop --sweep")
+            shapes = resolve_shapes(args)
+        except ShapeError as exc:
+            parser.error(str(exc))
+        if len(shapes) != 1:
+            parser.error(f"--e2e-model takes one shape, not {len(shapes)}: drop --sweep / --sample")
+        (base,) = shapes
         e2e_argv = ["--model", args.e2e_model, "--requests", str(base.requests), "--beams", str(base.beams),
                     "--prompt", str(base.prompt), "--max-tokens", str(base.tail)]
         return e2e_trtllm.main(e2e_argv + (["--json", args.json] if args.json else []))
@@ -316,9 +373,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for k in prefix_kernels:
             if k not in ("auto", "fa2", "fa3"):
                 raise ShapeError(f"--prefix-kernels: {k!r} is not one of auto, fa2, fa3.")
-        for name, value in (("--sets", args.sets), ("--iters", args.iters)):
-            if value < 1:
-                raise ShapeError(f"{name}={value} must be >= 1.")
+        for name, value, low in (("--sets", args.sets, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
+                                 ("--plan-repeats", args.plan_repeats, 0), ("--check-requests", args.check_requests, 1),
+                                 ("--fi-workspace-mb", args.fi_workspace_mb, 1)):
+            if not low <= value <= MAX_REPEATS:
+                raise ShapeError(f"{name}={value} must be in [{low}, {MAX_REPEATS}].")
+        if not 0 <= args.seed < 2**63:
+            raise ShapeError(f"--seed={args.seed} must be in [0, 2**63).")
     except ShapeError as exc:
         parser.error(str(exc))
         return 2  # unreachable: parser.error exits
@@ -327,7 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import torch
 
-    from .arms import default_cpu_arms, default_gpu_arms, parse_arm_list
+    from .arms import default_cpu_arms, default_gpu_arms
     from .report import make_document
     from .runner import Rates, RunOptions, run_point
 
@@ -337,7 +398,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         device = torch.device("cuda")
         device_name = torch.cuda.get_device_name(device)
         kernels = [None if k == "auto" else k for k in prefix_kernels]
-        arms = parse_arm_list(args.arms, kernels) if args.arms else default_gpu_arms(kernels)
+        arms = _arms(parser, args, kernels, cpu=False) if args.arms is not None else default_gpu_arms(kernels)
     else:
         device = torch.device("cpu")
         device_name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
@@ -348,7 +409,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"time.perf_counter) on reduced shapes {[s.label() for s in shapes]} instead of "
                 f"{[s.label() for s in full]}; these timings say nothing about GPU speed.")
         log(f"No GPU: {note}")
-        arms = parse_arm_list(args.arms) if args.arms else default_cpu_arms()
+        arms = _arms(parser, args, ("auto",), cpu=True) if args.arms is not None else default_cpu_arms()
     opts = RunOptions(
         sets=args.sets, iters=args.iters, warmup=args.warmup, l2_flush="none" if args.no_flush_l2 else args.l2_flush,
         use_graphs=not args.no_graphs, check=not args.no_check, check_requests=args.check_requests,

@@ -81,8 +81,17 @@ def _clean(obj):
 
 def _replace_json(doc, path: str, **dump_kwargs) -> None:
     """Write ``doc`` to ``path`` (creating parent folders) aside, then rename it over ``path``, so that a kill
-    mid-write leaves the previous version."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    mid-write leaves the previous version. A symlink is followed (its target is written); an existing path that is
+    not a regular file (``/dev/stdout``, a pipe) is written in place, never replaced."""
+    path = os.path.realpath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory; give a file path")
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1, **dump_kwargs)
+            f.write("\n")
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     partial = f"{path}.partial"
     with open(partial, "w") as f:
         json.dump(doc, f, indent=1, **dump_kwargs)
@@ -106,8 +115,15 @@ def load_json(path: str) -> Dict:
     """Read a results document written by :func:`write_json`; refuses another schema."""
     with open(path) as f:
         doc = json.load(f)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: holds a JSON {type(doc).__name__}, not a results document; write it with this "
+                         f"CLI's --json.")
     if doc.get("schema") != SCHEMA:
         raise ValueError(f"{path}: schema {doc.get('schema')!r} is not {SCHEMA!r}; write it with this CLI's --json.")
+    missing = [k for k in ("results", "environment", "rates") if k not in doc]
+    if missing or not isinstance(doc["results"], list):
+        raise ValueError(f"{path}: a results document without {missing or ['a results list']}; write it with this "
+                         f"CLI's --json.")
     return doc
 
 

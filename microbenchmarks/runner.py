@@ -142,6 +142,14 @@ def rule_verdict(shape: BenchShape, declare_tail: bool = False) -> Dict:
             path += " + shared-run stage"
         return path
 
+    # The layer gates come first: a shape the library never serves has no speed to judge.
+    from beam_shared_prefix.trtllm.gates import MAX_GROUP_SIZE, SUPPORTED_HEAD_DIMS
+
+    if shape.head_dim not in SUPPORTED_HEAD_DIMS:
+        reason = f"head_dim={shape.head_dim} is not one of {SUPPORTED_HEAD_DIMS}: the library does not serve it"
+    elif shape.heads // shape.kv_heads > MAX_GROUP_SIZE:
+        reason = (f"GQA group {shape.heads // shape.kv_heads} exceeds {MAX_GROUP_SIZE}, the widest the tail kernel "
+                  f"tiles: the library does not serve it")
     return {"path": path_of(one_launch, split_kv), "graph_path": path_of(graph_one_launch, graph_split_kv),
             "decline_reason": reason,
             "max_tail": int(max_tail_len(shape.beams, shape.prompt, shape.kv_heads, shape.requests, shape.heads))}

@@ -303,19 +303,25 @@ def tuning_shapes(known: Sequence[BenchShape], names: str, custom: Optional[str]
     return shapes
 
 
-def reduced_cpu_shape(shape: BenchShape) -> BenchShape:
-    """A shape small enough for the float32 CPU reference path, keeping heads, head size, page size, dtype.
+#: The CPU path's largest page (tokens): a larger page would make its 2.5-page prompts long.
+CPU_MAX_PAGE_SIZE = 32
 
-    At most 2 requests, 8 beams, prompts of 2.5 pages (so shared full pages and a partial private
-    page both appear) and tails of 5 tokens.
+
+def reduced_cpu_shape(shape: BenchShape) -> BenchShape:
+    """A shape small enough for the float32 CPU reference path, keeping heads, head size and dtype.
+
+    At most 2 requests, 8 beams, pages of 32 tokens, prompts of 2.5 pages (so shared full pages and a partial
+    private page both appear; at most 81 tokens) and tails of 5 tokens.
     """
-    prompt = min(shape.prompt, 2 * shape.page_size + shape.page_size // 2 + 1)
+    page_size = min(shape.page_size, CPU_MAX_PAGE_SIZE)
+    prompt = min(shape.prompt, 2 * page_size + page_size // 2 + 1)
     return replace(
         shape,
         requests=min(shape.requests, 2),
         beams=min(shape.beams, 8),
         prompt=max(1, prompt),
         tail=min(shape.tail, 5),
+        page_size=page_size,
         name=f"{shape.name}-cpu",
     )
 
@@ -346,6 +352,10 @@ def _log_uniform_int(rng: random.Random, low: int, high: int) -> int:
     return min(high, max(low, round(math.exp(rng.uniform(math.log(low), math.log(high + 1) - 1e-9)))))
 
 
+#: The most shapes ``--sample`` draws: every one is measured (and a count past this is a typo).
+MAX_SAMPLE = 10_000
+
+
 def sample_shapes(count: int, seed: int = 0, max_decode_bytes: float = 16e9, head_dim: Optional[int] = None,
                   **fixed) -> List[BenchShape]:
     """``count`` shapes drawn at random (``random.Random(seed)``: the same list for the same arguments).
@@ -361,8 +371,8 @@ def sample_shapes(count: int, seed: int = 0, max_decode_bytes: float = 16e9, hea
         ShapeError: ``count < 1``, ``max_decode_bytes`` too small for the smallest shape of the ranges, a
             ``head_dim`` no model of :data:`SAMPLE_HEADS` has, or a drawn field in ``fixed``.
     """
-    if count < 1:
-        raise ShapeError(f"--sample {count} must be >= 1.")
+    if count < 1 or count > MAX_SAMPLE:
+        raise ShapeError(f"--sample {count} must be in [1, {MAX_SAMPLE}] (each shape is a measured point).")
     models = [m for m in SAMPLE_HEADS if head_dim is None or m[2] == head_dim]
     if not models:
         raise ShapeError(f"--sample with --head-dim {head_dim}: no sampled model has it; use one of "

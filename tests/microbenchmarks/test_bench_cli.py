@@ -177,6 +177,57 @@ def test_oracle_mismatch_gives_exit_status_1(tmp_path, capsys):
     assert "ORACLE CHECK FAILED" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--preset", "B-short", "--arms", "foo"], "--arms: unknown arm 'foo'"),
+    (["--preset", "B-short", "--arms", ",,"], "names no arm"),
+    (["--preset", "B-short", "--arms", "auto,decode,auto"], "names ['auto'] more than once"),
+    (["--preset", "B-short", "--seed", "-1"], "--seed=-1 must be in [0, 2**63)"),
+    (["--preset", "B-short", "--warmup", "-5"], "--warmup=-5 must be in [0, 100000]"),
+    (["--preset", "B-short", "--plan-repeats", "-1"], "--plan-repeats=-1 must be in [0, 100000]"),
+    (["--preset", "B-short", "--iters", "1000000000"], "--iters=1000000000 must be in [1, 100000]"),
+    (["--preset", "B-short", "--json", "{tmp}"], "is a directory; give a file path"),
+    (["--preset", "B-short", "--json", ""], "--json '': give a file path"),
+    (["--preset", "B-short", "--plot", "{tmp}/speed.xyz"], "xyz is not an image type matplotlib writes"),
+    (["--from-json", "{tmp}/missing.json"], "--from-json: [Errno 2] No such file or directory"),
+    (["--sample", "1000000000", "--rule"], "--sample 1000000000 must be in [1, 10000]"),
+    (["--e2e-model", "{tmp}", "--requests", "0"], "requests=0 must be an int >= 1"),
+], ids=["unknown-arm", "no-arm", "arm-twice", "seed", "warmup", "plan-repeats", "iters", "json-dir", "json-empty",
+        "plot-type", "from-json-missing", "sample-huge", "e2e-shape"])
+def test_usage_errors_exit_2_before_measuring(no_gpu, tmp_path, capsys, args, message):
+    """A bad flag is a usage error (exit 2, one line naming the value and the fix), found before the run: not a
+    traceback (whose exit 1 would claim an oracle mismatch) nor a failure after the measuring."""
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit) as info:
+        cli.main([a.format(tmp=tmp_path) for a in args])
+    assert info.value.code == 2
+    err = capsys.readouterr()
+    assert message in err.err and "plan (" not in err.out  # (no arm was timed)
+
+
+def test_json_follows_a_symlink_and_never_replaces_a_special_file(no_gpu, tmp_path, capsys):
+    """The JSON is written atomically to a regular file (a rename over it); a symlink's target is written, and
+    a path that exists but is not a regular file (a device, a pipe) is written in place, never replaced."""
+    from microbenchmarks.report import write_json
+
+    target = tmp_path / "target.json"
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    doc = synthetic_doc()
+    write_json(doc, str(link))
+    assert link.is_symlink() and json.loads(target.read_text())["schema"] == SCHEMA
+    write_json(doc, "/dev/null")
+    import stat
+    import os
+
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_auto_arm_runs_on_the_cpu_path(no_gpu, capsys):
+    """``--arms auto`` on the CPU path takes the torch tail, as the library's default does there."""
+    assert cli.main(["--preset", "B-short", "--arms", "auto", "--sets", "1", "--iters", "1", "--plan-repeats", "0"]) == 0
+    assert "library/auto" in capsys.readouterr().out
+
+
 def test_load_json_refuses_other_files(tmp_path):
     p = tmp_path / "x.json"
     p.write_text('{"schema": "something-else"}')

@@ -1,5 +1,7 @@
 """Presets, free arguments and sweeps of the benchmark CLI (CPU, no measurement)."""
 
+from dataclasses import replace
+
 import pytest
 
 from microbenchmarks.cli import build_parser, resolve_shapes
@@ -154,6 +156,9 @@ def test_reduced_cpu_shape_keeps_the_attention_shape():
         assert r.requests <= 2 and r.beams <= 8 and r.tail <= 5
         # Shared full pages and a private partial page both appear when the preset's prompt allows.
         assert r.prompt // r.page_size >= 1 and (r.prompt % r.page_size or r.prompt == s.prompt)
+    # A large page would make the 2.5-page prompt long (a 65,536-token page: a prompt of 163,841 tokens).
+    r = reduced_cpu_shape(replace(PRESETS["A"], page_size=65536, prompt=200_000))
+    assert (r.page_size, r.prompt) == (32, 81)
 
 
 def test_each_point_records_the_rule_with_its_tail():
@@ -188,7 +193,7 @@ def test_sample_shapes_are_seeded_and_inside_their_ranges(seed):
 
 
 def test_sample_shapes_reject_a_bad_count_cap_head_size_or_fixed_field():
-    with pytest.raises(ShapeError, match="--sample 0 must be >= 1"):
+    with pytest.raises(ShapeError, match=r"--sample 0 must be in \[1, 10000\]"):
         sample_shapes(0)
     with pytest.raises(ShapeError, match="is below the smallest sampled shape's"):
         sample_shapes(3, max_decode_bytes=1e3)
