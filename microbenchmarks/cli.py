@@ -345,10 +345,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.from_json:
         from .report import load_json, make_document
 
+        paths = list(dict.fromkeys(os.path.realpath(p) for p in args.from_json))  # a file named twice counts once
         try:
-            docs = [load_json(p) for p in args.from_json]
+            docs = [load_json(p) for p in paths]
         except (OSError, ValueError) as exc:
             parser.error(f"--from-json: {exc}")
+        machines = {(d["environment"].get("device"), d["environment"].get("gpu")) for d in docs}
+        if len(machines) > 1:
+            parser.error(f"--from-json: the files come from different machines {sorted(map(str, machines))}; their "
+                         f"floors and timings do not compare, so merge only one machine's files")
         merged = make_document([r for d in docs for r in d["results"]], docs[0]["environment"], docs[0]["rates"],
                                docs[0].get("options", {}), docs[0].get("argv", []), docs[0].get("note"))
         return _emit(merged, args, log)
@@ -384,6 +389,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(exc))
         return 2  # unreachable: parser.error exits
     if args.rule:
+        if args.json is not None or args.plot is not None:
+            parser.error("--rule prints each shape's verdict and measures nothing: drop --json/--plot, or drop --rule")
         return _print_rule(shapes, log, args.declare_tail)
 
     import torch
@@ -422,9 +429,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"TLLM_BEAM_SHARED_PREFIX_MAX_TAIL={os.environ['TLLM_BEAM_SHARED_PREFIX_MAX_TAIL'].strip()} bounds the "
             f"library arms' tails (as in serving); --declare-tail sets each shape's own.")
     if not gpu:
+        capped = {name: (value, cap) for name, value, cap in (("--sets", opts.sets, 2), ("--iters", opts.iters, 3),
+                                                               ("--plan-repeats", opts.plan_repeats, 20))
+                  if value > cap}
         opts.sets = min(opts.sets, 2)
         opts.iters = min(opts.iters, 3)
         opts.plan_repeats = min(opts.plan_repeats, 20)
+        if capped:
+            log("CPU path: " + ", ".join(f"{n} {v} capped at {c}" for n, (v, c) in capped.items()))
+        if opts.kernel_times:
+            log("CPU path: --kernel-times needs a GPU (CUPTI); ignored")
+            opts.kernel_times = False
 
     rates = Rates()
     if gpu:
@@ -443,6 +458,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             + f"; an empty kernel measures {rates.event_overhead_us:.1f} us with these events")
 
     results = []
+    skipped: List[str] = []
     progress = _progress(len(shapes) * len(arms), enabled=sys.stdout.isatty() or len(shapes) > 1)
     if progress is not None:
         progress.start()
@@ -457,14 +473,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 _started[0] += 1
                 progress.update(task, description=f"{_shape.name}: {name}")
 
-            point = run_point(shape, arms, opts, rates, device, on_arm=None if progress is None else on_arm,
-                              log=log)
+            try:
+                point = run_point(shape, arms, opts, rates, device, on_arm=None if progress is None else on_arm,
+                                  log=log)
+            except MemoryError as exc:  # one point too large: the others are still measured and written
+                log(f"{shape.label()}: skipped: {exc}")
+                skipped.append(shape.label())
+                if progress is not None:
+                    progress.advance(task, len(arms) - max(started[0] - 1, 0))
+                continue
             if progress is not None:
                 progress.advance(task, len(arms) - max(started[0] - 1, 0))
             results.append(point)
     finally:
         if progress is not None:
             progress.stop()
+    if skipped:
+        note = (f"{note} " if note else "") + f"Skipped (one input set does not fit in memory): {skipped}."
     doc = make_document(results, environment(device_name, gpu, not gpu), rates.to_dict(), asdict(opts),
                         ["beam-shared-prefix-bench"] + argv, note)
     return _emit(doc, args, log)

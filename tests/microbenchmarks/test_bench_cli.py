@@ -157,9 +157,10 @@ def test_from_json_renders_and_plots(no_gpu, tmp_path, capsys):
     from microbenchmarks.report import write_json
 
     write_json(synthetic_doc(), str(src))
+    write_json(synthetic_doc(), str(tmp_path / "s2.json"))  # another run of the same machine
     out_json, out_png = tmp_path / "m.json", tmp_path / "m.png"
-    rc = cli.main(["--from-json", str(src), "--from-json", str(src), "--json", str(out_json), "--plot", str(out_png),
-                   "--decline-report"])
+    rc = cli.main(["--from-json", str(src), "--from-json", str(tmp_path / "s2.json"), "--json", str(out_json),
+                   "--plot", str(out_png), "--decline-report"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "DECLINE" in text and "serve" in text
@@ -191,8 +192,9 @@ def test_oracle_mismatch_gives_exit_status_1(tmp_path, capsys):
     (["--from-json", "{tmp}/missing.json"], "--from-json: [Errno 2] No such file or directory"),
     (["--sample", "1000000000", "--rule"], "--sample 1000000000 must be in [1, 10000]"),
     (["--e2e-model", "{tmp}", "--requests", "0"], "requests=0 must be an int >= 1"),
+    (["--preset", "B-short", "--rule", "--json", "{tmp}/rule.json"], "--rule prints each shape's verdict and measures"),
 ], ids=["unknown-arm", "no-arm", "arm-twice", "seed", "warmup", "plan-repeats", "iters", "json-dir", "json-empty",
-        "plot-type", "from-json-missing", "sample-huge", "e2e-shape"])
+        "plot-type", "from-json-missing", "sample-huge", "e2e-shape", "rule-json"])
 def test_usage_errors_exit_2_before_measuring(no_gpu, tmp_path, capsys, args, message):
     """A bad flag is a usage error (exit 2, one line naming the value and the fix), found before the run: not a
     traceback (whose exit 1 would claim an oracle mismatch) nor a failure after the measuring."""
@@ -220,6 +222,23 @@ def test_json_follows_a_symlink_and_never_replaces_a_special_file(no_gpu, tmp_pa
     import os
 
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_from_json_merges_one_machines_files_once(tmp_path, capsys):
+    """A file named twice counts once; files of different machines are refused (their floors differ)."""
+    from microbenchmarks.report import write_json
+
+    doc = synthetic_doc()
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    write_json(doc, str(a))
+    out = tmp_path / "merged.json"
+    assert cli.main(["--from-json", str(a), "--from-json", str(a), "--json", str(out)]) == 0
+    assert len(load_json(str(out))["results"]) == len(doc["results"])
+    doc["environment"]["device"] = "another GPU"
+    write_json(doc, str(b))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--from-json", str(a), "--from-json", str(b)])
+    assert info.value.code == 2 and "different machines" in capsys.readouterr().err
 
 
 def test_auto_arm_runs_on_the_cpu_path(no_gpu, capsys):
