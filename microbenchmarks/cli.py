@@ -156,6 +156,10 @@ def resolve_shapes(args) -> List[BenchShape]:
         changed = {k: v for k, v in overrides.items() if getattr(base, k) != v}
         base = replace(base, name="custom" if changed else base.name, **overrides)
     sweeps = [parse_sweep(s) for s in args.sweep]
+    both = [key for key, _ in sweeps if key in overrides]
+    if both:
+        raise ShapeError(f"{', '.join('--' + k.replace('_', '-') for k in both)} given both as a flag and in --sweep; "
+                         f"the sweep would replace the flag: give it once.")
     return expand_sweeps(base, sweeps)
 
 

@@ -193,8 +193,9 @@ def test_oracle_mismatch_gives_exit_status_1(tmp_path, capsys):
     (["--sample", "1000000000", "--rule"], "--sample 1000000000 must be in [1, 10000]"),
     (["--e2e-model", "{tmp}", "--requests", "0"], "requests=0 must be an int >= 1"),
     (["--preset", "B-short", "--rule", "--json", "{tmp}/rule.json"], "--rule prints each shape's verdict and measures"),
+    (["--beams", "8", "--sweep", "beams=16,32", "--rule"], "--beams given both as a flag and in --sweep"),
 ], ids=["unknown-arm", "no-arm", "arm-twice", "seed", "warmup", "plan-repeats", "iters", "json-dir", "json-empty",
-        "plot-type", "from-json-missing", "sample-huge", "e2e-shape", "rule-json"])
+        "plot-type", "from-json-missing", "sample-huge", "e2e-shape", "rule-json", "flag-and-sweep"])
 def test_usage_errors_exit_2_before_measuring(no_gpu, tmp_path, capsys, args, message):
     """A bad flag is a usage error (exit 2, one line naming the value and the fix), found before the run: not a
     traceback (whose exit 1 would claim an oracle mismatch) nor a failure after the measuring."""
