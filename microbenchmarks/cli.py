@@ -277,7 +277,8 @@ def _emit(doc: Dict, args, log) -> int:
             auto = ("" if r["auto_over_best"] is None
                     else f"; auto ({r['auto_backend']}) {r['auto_over_best']:.2f}x the best arm's time")
             log(f"  R={r['requests']} W={r['beams']} P={r['prompt']} T={tail} {r['heads']}/{r['kv_heads']} "
-                f"D={r['head_dim']}: {sp} ({r['best_arm']}) -> {'DECLINE' if r['decline'] else 'serve'}"
+                f"D={r['head_dim']}: {sp} ({r['best_arm']}) -> "
+                f"{'unmeasured' if r['decline'] is None else 'DECLINE' if r['decline'] else 'serve'}"
                 f"; rule now: {r['rule_now'] or 'serve'}"
                 + ("" if r["rule_now"] == r["rule_says"] else f" (when measured: {r['rule_says'] or 'serve'})")
                 + auto)
@@ -346,7 +347,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             log(s.label())
         return 0
     _check_outputs(args, parser)
+    if args.no_flush_l2 and args.l2_flush != "read":
+        parser.error(f"--no-flush-l2 with --l2-flush {args.l2_flush}: give one of them")
     if args.from_json:
+        given = [f"--{name.replace('_', '-')}" for name, _, _ in _FREE if getattr(args, name) is not None]
+        given += [flag for flag, on in (("--preset", args.preset), ("--sweep", args.sweep), ("--sample", args.sample),
+                                        ("--rule", args.rule), ("--arms", args.arms is not None)) if on]
+        if given:
+            parser.error(f"--from-json replays measured files; {', '.join(given)} would change nothing there: drop "
+                         f"{'it' if len(given) == 1 else 'them'}")
         from .report import load_json, make_document
 
         paths = list(dict.fromkeys(os.path.realpath(p) for p in args.from_json))  # a file named twice counts once

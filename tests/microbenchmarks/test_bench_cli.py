@@ -194,8 +194,12 @@ def test_oracle_mismatch_gives_exit_status_1(tmp_path, capsys):
     (["--e2e-model", "{tmp}", "--requests", "0"], "requests=0 must be an int >= 1"),
     (["--preset", "B-short", "--rule", "--json", "{tmp}/rule.json"], "--rule prints each shape's verdict and measures"),
     (["--beams", "8", "--sweep", "beams=16,32", "--rule"], "--beams given both as a flag and in --sweep"),
+    (["--from-json", "{tmp}/x.json", "--preset", "B-long", "--arms", "decode"],
+     "--from-json replays measured files; --preset, --arms would change nothing there"),
+    (["--preset", "B-short", "--no-flush-l2", "--l2-flush", "write"], "--no-flush-l2 with --l2-flush write"),
 ], ids=["unknown-arm", "no-arm", "arm-twice", "seed", "warmup", "plan-repeats", "iters", "json-dir", "json-empty",
-        "plot-type", "from-json-missing", "sample-huge", "e2e-shape", "rule-json", "flag-and-sweep"])
+        "plot-type", "from-json-missing", "sample-huge", "e2e-shape", "rule-json", "flag-and-sweep", "from-json-flags",
+        "flush-twice"])
 def test_usage_errors_exit_2_before_measuring(no_gpu, tmp_path, capsys, args, message):
     """A bad flag is a usage error (exit 2, one line naming the value and the fix), found before the run: not a
     traceback (whose exit 1 would claim an oracle mismatch) nor a failure after the measuring."""
