@@ -52,7 +52,7 @@ from typing import Dict, Hashable, List, Optional, Tuple, Union
 import torch
 
 from .config import BACKENDS, load_settings, shared_run_mode
-from .plan import StepPlan, StepPlanner, _as_int
+from .plan import _INT32_MAX, StepPlan, StepPlanner, _as_int
 from .prefix.base import (
     PrefixBackend,
     default_sm_scale,
@@ -364,15 +364,6 @@ class BeamSharedPrefixAttention:
             )
         if head_dim < 1:
             raise AttentionInputError(f"head_dim={head_dim} must be >= 1.")
-        if self.tail_impl == "triton":  # refused here, not at the first run() of a planned batch
-            from triton_kernels.tail_merge import MAX_GROUP_SIZE, SUPPORTED_HEAD_DIMS  # deferred: imports triton
-
-            if head_dim not in SUPPORTED_HEAD_DIMS or num_qo_heads // num_kv_heads > MAX_GROUP_SIZE:
-                raise AttentionInputError(
-                    f"head_dim={head_dim}, GQA group {num_qo_heads // num_kv_heads}: the Triton tail kernel tiles head "
-                    f"sizes {SUPPORTED_HEAD_DIMS} and groups up to {MAX_GROUP_SIZE}; build the wrapper with "
-                    f"tail_impl='torch' for this shape."
-                )
         if max_tail_len is not None:
             max_tail_len = _as_int("max_tail_len", max_tail_len, AttentionInputError)
             if max_tail_len < 0:
@@ -393,6 +384,16 @@ class BeamSharedPrefixAttention:
         if same_step and active[3] == long_tail:
             self._active = active
             return step_plan
+        # Checked where a plan is built, not on the cache hits above (every step): a shape passes once.
+        if self.tail_impl == "triton":  # refused here, not at the first run() of a planned batch
+            from triton_kernels.tail_merge import MAX_GROUP_SIZE, SUPPORTED_HEAD_DIMS  # deferred: imports triton
+
+            if head_dim not in SUPPORTED_HEAD_DIMS or num_qo_heads // num_kv_heads > MAX_GROUP_SIZE:
+                raise AttentionInputError(
+                    f"head_dim={head_dim}, GQA group {num_qo_heads // num_kv_heads}: the Triton tail kernel tiles head "
+                    f"sizes {SUPPORTED_HEAD_DIMS} and groups up to {MAX_GROUP_SIZE}; build the wrapper with "
+                    f"tail_impl='torch' for this shape."
+                )
         backend = self._backend_for(problem_key, step_plan, max_tail_len)
         if not (same_step and active[2] is backend):  # else only the shared-run stage moved: the plan stands
             backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, problem_key[5])
@@ -703,5 +704,5 @@ class BeamSharedPrefixAttention:
                 fail(f"out must be {_dtype_name(dtype)} [{rows}, {hq}, {d}] on {self.device}, got "
                      f"{_dtype_name(out.dtype)} {tuple(out.shape)} on {out.device}.")
         if (isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1
-                or page_index_divisor > 2**31 - 1):
-            fail(f"page_index_divisor={page_index_divisor!r} must be an int in [1, {2**31 - 1}] (entries are int32).")
+                or page_index_divisor > _INT32_MAX):
+            fail(f"page_index_divisor={page_index_divisor!r} must be an int in [1, {_INT32_MAX}] (entries are int32).")
