@@ -219,6 +219,10 @@ class _MetadataState:
         self.step_reason: Optional[str] = None
         self.wrappers: Dict[tuple, object] = {}
         self.planned_key: Dict[tuple, tuple] = {}
+        # ``metadata.request_ids`` as the last planning saw it (the list object and its values): the engine
+        # assigns a new list every step before prepare(), so a forward that finds another list knows the step
+        # was not planned (prepare() bypassed the hook, or was not called) and must not run the previous plan.
+        self.planned_ids: Optional[Tuple[object, tuple]] = None
         self.steps_since_poll = DEVICE_ERROR_POLL_STEPS - 1  # the first step polls
 
 
@@ -273,6 +277,7 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
     if from_hook:
         state.hooked = True
         stats["prepare_calls"] += 1
+    state.planned_ids = _request_ids_stamp(metadata)
     poll_device_errors(state)
     reason = batch_decline_reason(metadata)
     if reason is not None:
@@ -419,9 +424,37 @@ def _learn_families(adapter: PageAdapter) -> None:
     adapter._instances_seen = count
 
 
+def _request_ids_stamp(metadata) -> Optional[Tuple[object, tuple]]:
+    ids = getattr(metadata, "request_ids", None)
+    return None if ids is None else (ids, tuple(ids))
+
+
+def _planned_for_this_step(state: _MetadataState, metadata) -> bool:
+    """Whether ``metadata.request_ids`` is still what the last planning read (one identity test per
+    forward; the values are compared only where the object changed)."""
+    stamp, ids = state.planned_ids, getattr(metadata, "request_ids", None)
+    if stamp is None or ids is None or ids is stamp[0]:
+        return True
+    if len(ids) == len(stamp[1]) and tuple(ids) == stamp[1]:
+        state.planned_ids = (ids, stamp[1])  # a new list with the same requests: the plan stands
+        return True
+    return False
+
+
 def step_for_forward(metadata) -> Tuple[_MetadataState, StepInfo]:
     """The state and step plan a forward on ``metadata`` runs with (planned now if ``prepare()`` was not hooked)."""
     state = metadata_state(metadata)
+    if state.hooked and not _planned_for_this_step(state, metadata):
+        if _capturing():
+            raise RuntimeError(
+                "beam_shared_prefix: metadata.request_ids changed after the last prepare() (another batch), and "
+                "the step cannot be planned during CUDA graph capture. Call prepare() after setting the batch."
+            )
+        # prepare() ran outside the hook (or not at all) for a new batch: the stored plan is another
+        # batch's pages. Plan this one now (once: the later layers find the new stamp) instead.
+        decline_log(logging.WARNING, f"{type(metadata).__name__}.request_ids changed since the last hooked "
+                                     f"prepare(); planning the step inside the forward")
+        plan_metadata(metadata)
     if state.hooked:
         if state.step is None:
             if state.step_reason == _PREPARE_IN_CAPTURE:
@@ -556,6 +589,7 @@ def _wrap_prepare(original):
                 state = metadata_state(self)
                 state.hooked, state.step = True, None
                 state.step_reason = _PREPARE_IN_CAPTURE
+                state.planned_ids = _request_ids_stamp(self)
             else:
                 plan_metadata(self, from_hook=True)
         return result

@@ -225,6 +225,51 @@ def test_forward_without_the_hook(setup, monkeypatch):
         setup.layer.forward(qkv, None, None, graph)
 
 
+@pytest.mark.parametrize("engine_call", ["unhooked prepare", "no prepare"])
+def test_a_new_batch_planned_outside_the_hook_is_not_served_with_the_old_plan(setup, engine_call):
+    """A step whose prepare() bypassed the hook (or was never called) after the batch changed: the forward
+    finds other request ids than the last planning read, plans the step itself (with a warning) instead of
+    serving the previous batch's pages, and matches the oracle."""
+    from beam_shared_prefix.trtllm.gates import decline_log
+
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step)
+    check(setup, step, out)
+    setup.sim.end_step()
+    setup.sim.finish([setup.sim.requests[0].rid])  # same row count, another request
+    setup.sim.add_requests([20])
+    original = setup.model.module(".trtllm").TrtllmAttentionMetadata.prepare.__wrapped_original__
+
+    def bypass(m):
+        m.prepare = (lambda: original(m)) if engine_call == "unhooked prepare" else (lambda: None)
+
+    step = setup.sim.begin_step()
+    qkv = setup.engine.prepare(step, before=bypass)
+    metadata = setup.engine.metadata
+    if engine_call == "no prepare":
+        original(metadata)  # the engine's own buffers are filled elsewhere; only the hook is missing
+    plans = stats()["steps_planned"]
+    out = setup.layer.forward(qkv, None, None, metadata)
+    check(setup, step, out)
+    assert decline_log.seen("request_ids changed since the last hooked prepare()")
+    assert stats()["steps_planned"] == plans + 1
+    setup.layer.forward(qkv, None, None, metadata)  # a later layer of the step: planned already
+    assert stats()["steps_planned"] == plans + 1
+    del metadata.prepare
+
+
+def test_a_new_batch_unplanned_under_capture_stops(setup, monkeypatch):
+    """Under CUDA-graph capture the forward cannot plan: request ids changed since prepare() stop the
+    capture with the cause rather than capturing the previous batch's plan."""
+    graph = setup.engine.graph_metadata(2)
+    step = setup.sim.begin_step()
+    qkv = setup.engine.prepare(step, metadata=graph)
+    graph.request_ids = list(graph.request_ids[:-1]) + [graph.request_ids[-1] + 1000]
+    monkeypatch.setattr(planning, "_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="request_ids changed after the last prepare"):
+        setup.layer.forward(qkv, None, None, graph)
+
+
 def test_warmup_rows_without_generated_tokens(setup):
     """Doc 3.4: warm-up / CUDA-graph dummy rows have prompt_len = kv_len - 1 (nothing generated yet)
     and a zero-length prompt may appear (kv_len 1); planning clamps the prefix to [1, kv_len - 1]
