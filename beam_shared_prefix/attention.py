@@ -333,7 +333,8 @@ class BeamSharedPrefixAttention:
             dtype: ``torch.bfloat16`` or ``torch.float16`` (Q, KV, output).
             sm_scale: softmax scale (default ``1 / sqrt(head_dim)``).
             key: a hashable composition key (e.g. ``(tuple(request_ids), W)``); equal keys promise equal
-                inputs and skip all array work. Default: a digest of the inputs.
+                inputs and skip all array work (check mode verifies it: stage ``"plan"``). Default: a digest
+                of the inputs.
             max_tail_len: the step's longest tail, generated tokens per beam with this step's own
                 (``max(kv_len) - prompt_len`` over the batch), as the host knows it; ``None``: unknown. Only
                 whether it reaches :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` is used
@@ -376,7 +377,12 @@ class BeamSharedPrefixAttention:
         except ValueError as exc:
             raise AttentionInputError(str(exc)) from None
         planner = self._planner_for(page_size, num_cache_pages)
+        builds = planner.num_builds
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
+        if self.check and key is not None and planner.num_builds == builds:
+            from . import check as chk  # a key is taken on trust; check mode holds it to its promise
+
+            chk.check_plan_inputs(step_plan, prompt_page_indptr, prompt_page_indices, prompt_lens)
         self._set_launch_tail(max_tail_len)  # every plan, the cache hits too: the tail moves within a composition
         problem_key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, scale)
         long_tail = self._long_tail(problem_key, max_tail_len)

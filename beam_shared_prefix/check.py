@@ -5,6 +5,8 @@ turns the silent failure modes of paged beam attention (a page index past the po
 entry naming a beam that does not exist, a kernel that wrote the wrong rows, a NaN) into a
 :class:`BeamSharedPrefixCheckError` naming the stage:
 
+- ``"plan"``: a plan found under a caller's composition key was planned from the same prompt pages and
+  lengths as this call's (the promise a key makes, which the planner takes on trust);
 - ``"indices"``: the plan's prompt pages and the used entries of ``beam_page_table`` lie in the
   pool, and beam 0's prompt columns of the table are the plan's prompt pages; ``kv_lens`` follow
   the prompts and fit the cache; ``cache_indirection`` entries of the earlier generated positions
@@ -24,9 +26,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
-from .plan import StepPlan, first_copies
+from .plan import StepPlan, build_step_plan, first_copies
 from .prefix.base import LseDescriptor
 from .reference import reference_beam_attention, reference_prefix_attention
 
@@ -34,6 +37,7 @@ __all__ = [
     "BeamSharedPrefixCheckError",
     "CheckTolerance",
     "default_tolerance",
+    "check_plan_inputs",
     "check_indices",
     "check_prefix_stage",
     "expected_output",
@@ -41,7 +45,7 @@ __all__ = [
     "check_kv_write",
 ]
 
-STAGES = ("indices", "prefix", "tail")
+STAGES = ("plan", "indices", "prefix", "tail")
 
 
 class BeamSharedPrefixCheckError(RuntimeError):
@@ -100,6 +104,37 @@ def _compare(stage: str, what: str, got: torch.Tensor, want: torch.Tensor, atol:
                    f"{idx}: got {float(got[idx]):.6g}, expected {float(want[idx]):.6g} (tolerance {atol:g} + "
                    f"{rtol:g} * |expected|); {int((excess > 0).sum())} of {err.numel()} elements out of tolerance."
         )
+
+
+def check_plan_inputs(step_plan: StepPlan, prompt_page_indptr, prompt_page_indices, prompt_lens) -> None:
+    """Stage ``"plan"``: ``step_plan``, found under a caller's key, holds the prompt pages and lengths these
+    inputs give (host only; builds the plan again without caching it).
+
+    Args:
+        step_plan: the plan the key found.
+        prompt_page_indptr, prompt_page_indices, prompt_lens: this call's ``plan()`` arguments.
+    """
+    fresh = build_step_plan(prompt_page_indptr, prompt_page_indices, prompt_lens, step_plan.beam_width,
+                            step_plan.page_size, step_plan.num_cache_pages)
+    why = f"equal keys must mean equal inputs: put what changed into the key, or pass key=None (key={step_plan.key!r})"
+    if fresh.num_requests != step_plan.num_requests:
+        raise BeamSharedPrefixCheckError(
+            "plan", f"the key's plan has {step_plan.num_requests} requests, this call {fresh.num_requests}; {why}.")
+    if not (step_plan.kv_page_indptr == fresh.kv_page_indptr).all():
+        r = int(np.argmax(step_plan.kv_pages_per_request != fresh.kv_pages_per_request))
+        raise BeamSharedPrefixCheckError(
+            "plan", f"request {r} has {int(step_plan.kv_pages_per_request[r])} prompt pages in the key's plan, "
+                    f"{int(fresh.kv_pages_per_request[r])} in this call; {why}.")
+    for name, what in (("prompt_lens", "prompt length"), ("kv_page_indices", "prompt page")):
+        planned, given = getattr(step_plan, name), getattr(fresh, name)
+        differ = np.flatnonzero(planned != given)
+        if differ.size:
+            i = int(differ[0])
+            where = f"request {i}" if name == "prompt_lens" else \
+                f"request {int(np.searchsorted(fresh.kv_page_indptr, i, side='right')) - 1}, flat index {i}"
+            raise BeamSharedPrefixCheckError(
+                "plan", f"{what} of {where}: {int(planned[i])} in the key's plan, {int(given[i])} in this call "
+                        f"({differ.size} differ); {why}.")
 
 
 def check_indices(

@@ -608,6 +608,35 @@ def test_check_mode_catches_a_page_outside_the_pool():
         att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, bad_ind, step.new_k, step.new_v)
 
 
+@pytest.mark.parametrize("change", ["prompt length", "prompt page", "page count"])
+def test_check_mode_holds_a_key_to_its_inputs(change):
+    """A caller's key is taken on trust (a hit does no array work); a key reused after the prompt changed
+    would read the old plan's positions. Check mode compares the hit's plan with the inputs and names the
+    difference, while the unchanged inputs pass."""
+    sim, step, att = _check_setup()
+    plan_step(att, sim, step)  # a hit with the same inputs
+    indptr, indices = step.prompt_page_indptr.clone(), step.prompt_page_indices.clone()
+    lens = step.prompt_lens_per_request.clone()
+    if change == "prompt length":
+        r = int(torch.nonzero(lens % sim.page_size != 0)[0])  # one token longer, on as many pages
+        lens[r] += 1
+        match = rf"prompt length of request {r}: \d+ in the key's plan"
+    elif change == "prompt page":
+        indices[int(indptr[1])] = (indices[int(indptr[1])] + 1) % sim.num_pages
+        match = r"prompt page of request 1, flat index"
+    else:
+        lens[1] += sim.page_size
+        free = min(set(range(sim.num_pages)) - set(step.beam_page_table.flatten().tolist()))
+        indices = torch.cat([indices[: int(indptr[2])], indices.new_tensor([free]), indices[int(indptr[2]):]])
+        indptr[2:] += 1
+        match = r"request 1 has \d+ prompt pages in the key's plan"
+    key = (tuple(step.request_ids), step.beam_width)
+    with pytest.raises(BeamSharedPrefixCheckError, match=rf"stage 'plan'.*{match}.*equal keys must mean equal"):
+        att.plan(indptr, indices, lens, step.beam_width, sim.num_qo_heads, sim.num_kv_heads, sim.head_dim,
+                 sim.page_size, sim.num_pages, sim.dtype, key=key)
+    assert att.active_plan is None
+
+
 def test_check_mode_catches_a_table_the_plan_does_not_match():
     """A prompt page inside the pool but not the plan's (a plan from another batch, a table in another
     encoding): the prefix would read the plan's pages, the tail and the KV write the table's."""
