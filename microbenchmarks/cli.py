@@ -17,6 +17,7 @@ still writes ``--json``. Exit status: 0, or 1 when an arm's output did not match
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -286,8 +287,8 @@ def _emit(doc: Dict, args, log) -> int:
     status = 0
     if args.json:
         try:
-            write_json(doc, args.json)
-            log(f"wrote {args.json}")
+            write_json(doc, args.json, stdout=args.json_stdout)
+            log(f"wrote {'the JSON document to stdout' if args.json == '-' else args.json}")
         except OSError as exc:
             log(f"--json {args.json}: could not write it ({exc})")
             status = 2
@@ -338,6 +339,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    json_stdout = sys.stdout
+    with contextlib.ExitStack() as stack:
+        if args.json == "-":  # the document alone on stdout: the table, the log and the progress go to stderr
+            stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+        return _main(parser, args, argv, json_stdout)
+
+
+def _main(parser: argparse.ArgumentParser, args, argv: List[str], json_stdout) -> int:
+    args.json_stdout = json_stdout
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -380,10 +390,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(str(exc))
         if len(shapes) != 1:
             parser.error(f"--e2e-model takes one shape, not {len(shapes)}: drop --sweep / --sample")
+        # The model fixes its heads, head size, page size and dtype; the layer benchmark's own flags do nothing there.
+        ignored = [f"--{name.replace('_', '-')}" for name, _, _ in _FREE
+                   if name not in ("requests", "beams", "prompt", "tail") and getattr(args, name) is not None]
+        ignored += [flag for flag, on in (("--plot", args.plot), ("--arms", args.arms is not None),
+                                          ("--rule", args.rule), ("--decline-report", args.decline_report)) if on]
+        if ignored:
+            parser.error(f"--e2e-model runs the model's own attention shape; {', '.join(ignored)} would change "
+                         f"nothing there: drop {'it' if len(ignored) == 1 else 'them'} (see python -m "
+                         f"microbenchmarks.e2e_trtllm --help for the end-to-end arm's own options)")
         (base,) = shapes
+        log(f"end to end on {args.e2e_model}: {base.requests} requests x {base.beams} beams, prompt {base.prompt}, "
+            f"{base.tail} new tokens per beam (heads, head size and page size are the model's)")
         e2e_argv = ["--model", args.e2e_model, "--requests", str(base.requests), "--beams", str(base.beams),
-                    "--prompt", str(base.prompt), "--max-tokens", str(base.tail)]
-        return e2e_trtllm.main(e2e_argv + (["--json", args.json] if args.json else []))
+                    "--prompt", str(base.prompt), "--max-tokens", str(base.tail), "--seed", str(args.seed)]
+        return e2e_trtllm.main(e2e_argv + (["--json", args.json] if args.json else []), json_stdout=args.json_stdout)
 
     try:
         shapes = resolve_shapes(args)

@@ -33,6 +33,7 @@ message otherwise) and a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 __all__ = ["TrtllmMissing", "require_tensorrt_llm", "variant_env", "beam_search_llm_kwargs", "checkpoint_end_id",
            "main"]
@@ -277,9 +278,19 @@ def _run_variant(args, variant: str, argv: Sequence[str]) -> Dict:
             return json.load(f)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, json_stdout=None) -> int:
+    """Entry point; ``--json -`` writes the document to ``json_stdout`` (default ``sys.stdout``) and the report
+    to stderr."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    json_stdout = json_stdout or sys.stdout
+    with contextlib.ExitStack() as stack:
+        if args.json == "-":
+            stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+        return _main(args, argv, json_stdout)
+
+
+def _main(args, argv: List[str], json_stdout) -> int:
     try:
         require_tensorrt_llm(import_it=bool(args.child))
     except TrtllmMissing as exc:
@@ -325,9 +336,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if summary:
         print(f"speedup on/off: {summary['speedup']:.2f}x; top beams identical: {summary['top_beams_equal']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"schema": "beam-shared-prefix-e2e/1", "args": vars(args), "results": results,
-                       "summary": summary}, f, indent=1)
+        doc = {"schema": "beam-shared-prefix-e2e/1", "args": vars(args), "results": results, "summary": summary}
+        if args.json == "-":
+            json.dump(doc, json_stdout, indent=1)
+            json_stdout.write("\n")
+        else:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import sys
 import os
 from typing import Dict, List, Optional, Sequence
 
@@ -99,8 +100,15 @@ def _replace_json(doc, path: str, **dump_kwargs) -> None:
     os.replace(partial, path)
 
 
-def write_json(doc: Dict, path: str) -> None:
-    """Write the document (creating parent folders), strictly valid JSON (no NaN/Infinity)."""
+def write_json(doc: Dict, path: str, stdout=None) -> None:
+    """Write the document (creating parent folders), strictly valid JSON (no NaN/Infinity); ``path`` ``"-"``
+    writes it to ``stdout`` (default ``sys.stdout``)."""
+    if path == "-":
+        stream = stdout or sys.stdout
+        json.dump(_clean(doc), stream, indent=1, allow_nan=False)
+        stream.write("\n")
+        stream.flush()
+        return
     _replace_json(_clean(doc), path, allow_nan=False)
 
 

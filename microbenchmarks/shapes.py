@@ -315,15 +315,23 @@ def reduced_cpu_shape(shape: BenchShape) -> BenchShape:
     """
     page_size = min(shape.page_size, CPU_MAX_PAGE_SIZE)
     prompt = min(shape.prompt, 2 * page_size + page_size // 2 + 1)
-    return replace(
+    reduced = replace(
         shape,
         requests=min(shape.requests, 2),
         beams=min(shape.beams, 8),
         prompt=max(1, prompt),
         tail=min(shape.tail, 5),
         page_size=page_size,
-        name=f"{shape.name}-cpu",
     )
+    # A sweep point's tag (``B-medium[beams=96]``) keeps only the values the reduction left as swept.
+    name, bracket, tag = shape.name.partition("[")
+    if bracket and tag.endswith("]"):
+        kept = [item for item in tag[:-1].split(",")
+                if str(getattr(reduced, item.partition("=")[0], None)) == item.partition("=")[2]]
+        name += f"[{','.join(kept)}]" if kept else ""
+    else:
+        name = shape.name
+    return replace(reduced, name=f"{name}-cpu")
 
 
 #: ``(Hq, Hkv, D)`` of decoder models that beam-search serving runs, one of which each sampled shape takes:

@@ -197,9 +197,11 @@ def test_oracle_mismatch_gives_exit_status_1(tmp_path, capsys):
     (["--from-json", "{tmp}/x.json", "--preset", "B-long", "--arms", "decode"],
      "--from-json replays measured files; --preset, --arms would change nothing there"),
     (["--preset", "B-short", "--no-flush-l2", "--l2-flush", "write"], "--no-flush-l2 with --l2-flush write"),
+    (["--e2e-model", "{tmp}", "--heads", "32", "--plot", "{tmp}/e.png"],
+     "--e2e-model runs the model's own attention shape; --heads, --plot would change nothing there"),
 ], ids=["unknown-arm", "no-arm", "arm-twice", "seed", "warmup", "plan-repeats", "iters", "json-dir", "json-empty",
         "plot-type", "from-json-missing", "sample-huge", "e2e-shape", "rule-json", "flag-and-sweep", "from-json-flags",
-        "flush-twice"])
+        "flush-twice", "e2e-flags"])
 def test_usage_errors_exit_2_before_measuring(no_gpu, tmp_path, capsys, args, message):
     """A bad flag is a usage error (exit 2, one line naming the value and the fix), found before the run: not a
     traceback (whose exit 1 would claim an oracle mismatch) nor a failure after the measuring."""
@@ -227,6 +229,18 @@ def test_json_follows_a_symlink_and_never_replaces_a_special_file(no_gpu, tmp_pa
     import os
 
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_json_dash_writes_the_document_alone_to_stdout(no_gpu, tmp_path, capsys, monkeypatch):
+    """``--json -``: stdout holds the JSON document and nothing else (a pipe into jq); the table and the log go
+    to stderr, and no file named ``-`` appears."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--preset", "B-short", "--sets", "1", "--iters", "2", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["schema"] == SCHEMA and doc["results"][0]["shape"]["name"] == "B-short-cpu"
+    assert "No GPU" in captured.err and "wrote the JSON document to stdout" in captured.err
+    assert not (tmp_path / "-").exists()
 
 
 def test_from_json_merges_one_machines_files_once(tmp_path, capsys):

@@ -159,6 +159,10 @@ def test_reduced_cpu_shape_keeps_the_attention_shape():
     # A large page would make the 2.5-page prompt long (a 65,536-token page: a prompt of 163,841 tokens).
     r = reduced_cpu_shape(replace(PRESETS["A"], page_size=65536, prompt=200_000))
     assert (r.page_size, r.prompt) == (32, 81)
+    # A sweep point's name keeps only the swept values the reduction did not change.
+    names = [reduced_cpu_shape(p).name for p in expand_sweeps(PRESETS["B-medium"], [("beams", [4, 30]),
+                                                                                       ("heads", [32])])]
+    assert names == ["B-medium[beams=4,heads=32]-cpu", "B-medium[heads=32]-cpu"]
 
 
 def test_each_point_records_the_rule_with_its_tail():
