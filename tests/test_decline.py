@@ -804,7 +804,7 @@ def test_the_random_audit_served_no_step_slower_than_per_beam_decode(pattern, le
     requests over long prompts serve 1 x 47 x 6,000 at 40/8 (3.99x); the fifty-third round's few-rows floor at head 128
     and groups 4-7 serves 3 x 19 x 437 at 32/8 (1.43x) and 5 x 22 x 1,506 at 28/4 (1.71x); the declined winners are the
     few-rows floors' and the long-tail clause's price at this ancestry, the clause being fitted to independent ancestry
-    (docs/benchmarks.md, "A random audit", "The tail clause on the current kernels")."""
+    (docs/benchmarks-evidence.md, "A random audit", "The tail clause on the current kernels")."""
     from microbenchmarks.runner import rule_verdict
     from microbenchmarks.shapes import BenchShape
 

@@ -68,7 +68,7 @@ Two variants of that order:
 Why the generated positions come first in the other tiles: their index chain (source beam, then page, then K/V) is
 three dependent loads; walked first, its latency is paid before the prompt loop's instead of after
 it. Measured on the H200 against the prompt-first order with two tail positions per block: 37.9 us
-against 58.6 us at B-short (``docs/benchmarks.md``, "The one-launch cascade"). Folding this step's
+against 58.6 us at B-short (``docs/benchmarks-evidence.md``, "The one-launch cascade"). Folding this step's
 token into the tail's key block (one key block and one softmax update fewer) and moving the KV
 store after the tail gave another 3-5% at B-short and B-medium.
 

@@ -73,7 +73,7 @@ __all__ = ["BACKEND_CLASSES", "cascade_preferred", "cascade_serves", "split_kv_p
            "EAGER_CASCADE_OVER_SPLIT_KV_MAX_PROMPT"]
 
 # Where the one-launch cascade beat FA4 + the tail kernel on the H200 (64 requests, head 128, page
-# 32, tail 4; docs/benchmarks.md, "Where auto picks the cascade"). What decides it is how often each
+# 32, tail 4; docs/benchmarks-evidence.md, "Where auto picks the cascade"). What decides it is how often each
 # request's prompt is read: once per block of beams a program holds (up to 64 query rows, so 32
 # beams at G = 2, 16 at G = 4).
 # - One beam block per request, G <= 2 (W = 14 and 30; the round-4 kernel with its pipelined prompt,
