@@ -37,7 +37,7 @@ from ..plan import StepPlan
 from .base import LseDescriptor, PrefixBackend, PrefixBackendError, PrefixProblem
 from .buffers import DeviceBuffer
 
-__all__ = ["FA4PrefixBackend", "FA4_TMA_PAGE_SIZE"]
+__all__ = ["FA4PrefixBackend", "FA4_TMA_PAGE_SIZE", "whole_page_reason"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16,)
@@ -46,8 +46,11 @@ SUPPORTED_MAJOR_CAPABILITIES = (9, 10)
 FA4_TMA_PAGE_SIZE = 128
 
 _FA4_STATE: Dict[str, object] = {}
-# Arguments the backend cannot do without (others, like max_seqlen_k, are passed when accepted).
-_REQUIRED_FA4_ARGS = frozenset({"cu_seqlens_q", "seqused_k", "page_table", "max_seqlen_q", "return_lse", "out", "lse"})
+# Arguments the backend cannot do without (others, like max_seqlen_k, are passed when accepted): the scale and
+# `causal` among them, which a version without them would replace by its defaults without an error.
+_REQUIRED_FA4_ARGS = frozenset({"cu_seqlens_q", "seqused_k", "page_table", "max_seqlen_q", "return_lse", "out", "lse",
+                                "softmax_scale", "causal"})
+_INSTALL_HINT = "pip install 'flash-attn-4>=4.0.0b36'"
 
 
 def _import_fa4_forward():
@@ -60,14 +63,14 @@ def _import_fa4_forward():
     except (ImportError, ValueError):
         spec = None
     if spec is None:
-        _FA4_STATE["reason"] = "flash_attn.cute is not installed (pip install flash-attn-4==4.0.0b36)"
+        _FA4_STATE["reason"] = f"flash_attn.cute is not installed ({_INSTALL_HINT})"
     else:
         try:
             interface = importlib.import_module("flash_attn.cute.interface")
             fn = getattr(interface, "_flash_attn_fwd", None)
             if fn is None:
                 _FA4_STATE["reason"] = ("flash_attn.cute.interface has no _flash_attn_fwd (out=/lse= preallocation "
-                                        "is needed); install flash-attn-4==4.0.0b36")
+                                        f"is needed); {_INSTALL_HINT}")
         except Exception as exc:  # a broken CuTe-DSL install must decline, not crash the caller
             _FA4_STATE["reason"] = f"import flash_attn.cute failed: {type(exc).__name__}: {exc}"
     params = None
@@ -78,12 +81,33 @@ def _import_fa4_forward():
             params = None
         missing = sorted(_REQUIRED_FA4_ARGS - params) if params is not None else []
         if missing:
-            _FA4_STATE["reason"] = (f"this flash_attn.cute's _flash_attn_fwd lacks {missing}; install "
-                                    f"flash-attn-4==4.0.0b36")
+            _FA4_STATE["reason"] = f"this flash_attn.cute's _flash_attn_fwd lacks {missing}; {_INSTALL_HINT}"
             fn = None
     _FA4_STATE["fn"] = fn
     _FA4_STATE["params"] = params
     return fn
+
+
+def whole_page_reason(device, page_size, beam_width=None) -> Optional[str]:
+    """Why FA4 would take a kernel that loads whole pages for this shape (``None``: it does not).
+
+    Such a kernel reads the slots past a request's prompt in its last page, which hold unwritten memory
+    (or this step's tokens): NaN bits there poison V even at zero weight. FA4's TMA paged path does so where
+    the page size equals its key tile (128 for head sizes up to 128 on SM90/SM100); on SM100, flash-attn-4
+    4.0.0b40's decode kernel (one query row per request) loads 128-token page units of any page size that is a
+    multiple of 128.
+    """
+    if page_size is None:
+        return None
+    page_size = int(page_size)
+    if page_size == FA4_TMA_PAGE_SIZE:
+        return (f"page_size={page_size} selects FA4's TMA paged path, which reads whole pages: an unwritten slot "
+                f"past the prompt could poison V with NaN")
+    if (beam_width == 1 and page_size % FA4_TMA_PAGE_SIZE == 0
+            and torch.cuda.get_device_capability(torch.device(device))[0] == 10):
+        return (f"page_size={page_size} with one beam selects FA4's SM100 decode kernel, which loads whole "
+                f"{FA4_TMA_PAGE_SIZE}-token page units: an unwritten slot past the prompt could poison V with NaN")
+    return None
 
 
 class FA4PrefixBackend(PrefixBackend):
@@ -127,9 +151,9 @@ class FA4PrefixBackend(PrefixBackend):
             return False, f"dtype {dtype} is not served by the FA4 prefix (bf16 only)"
         if head_dim not in SUPPORTED_HEAD_DIMS:
             return False, f"head_dim={head_dim} is not served by the FA4 prefix (supported: {SUPPORTED_HEAD_DIMS})"
-        if page_size is not None and int(page_size) == FA4_TMA_PAGE_SIZE:
-            return False, (f"page_size={page_size} selects FA4's TMA paged path, which reads whole pages: an "
-                           f"unwritten slot past the prompt could poison V with NaN")
+        reason = whole_page_reason(device, page_size)
+        if reason is not None:
+            return False, reason
         if kv_layout not in ("HND", "NHD"):
             return False, f"kv_layout {kv_layout!r} is not supported"
         if _import_fa4_forward() is None:
@@ -139,7 +163,9 @@ class FA4PrefixBackend(PrefixBackend):
     def _plan(self, step_plan: StepPlan, problem: PrefixProblem) -> None:
         ok, reason = self.is_available(self.device, problem.dtype, problem.head_dim, problem.num_qo_heads,
                                        problem.num_kv_heads, problem.page_size, self.kv_layout)
-        if not ok:
+        if ok:
+            reason = whole_page_reason(self.device, problem.page_size, step_plan.beam_width)
+        if not ok or reason is not None:
             raise PrefixBackendError(f"FA4 prefix backend cannot serve this plan: {reason}")
         if self.tile_mn is not None and self.tile_mn[1] == problem.page_size:
             # The same hazard as page size 128 with FA4's own tile: tile_n == page size takes the TMA path.

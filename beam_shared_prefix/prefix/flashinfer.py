@@ -140,7 +140,7 @@ def _import_flashinfer():
         return _FLASHINFER_STATE["module"]
     module = None
     if importlib.util.find_spec("flashinfer") is None:
-        _FLASHINFER_STATE["reason"] = "flashinfer is not installed (pip install flashinfer-python==0.7.4)"
+        _FLASHINFER_STATE["reason"] = "flashinfer is not installed (pip install 'flashinfer-python>=0.7.4')"
     else:
         try:
             module = importlib.import_module("flashinfer")
@@ -153,15 +153,40 @@ def _import_flashinfer():
     return module
 
 
-def _accepted_kwargs(fn, kwargs: dict) -> dict:
-    """The subset of ``kwargs`` that ``fn`` accepts (FlashInfer versions add optional arguments)."""
+#: ``plan()`` arguments whose loss would change results without an error (a rename in another FlashInfer would
+#: run with its defaults: the scale ``1/sqrt(D)``, say): their absence declines the backend instead.
+_REQUIRED_PLAN_ARGS = ("causal", "sm_scale", "q_data_type", "kv_data_type")
+#: The LSE convention the backend reports (:attr:`FlashInferPrefixBackend.lse_base`/``lse_layout``), passed to
+#: ``run()`` wherever it takes them rather than relied on as its defaults.
+_RUN_LSE_ARGS = {"lse_base": "log2", "lse_layout": "NH"}
+
+
+def _accepted_kwargs(fn, kwargs: dict, required=()) -> dict:
+    """The subset of ``kwargs`` that ``fn`` accepts (FlashInfer versions add optional arguments); raises
+    :class:`PrefixBackendError` where one of ``required`` is not accepted."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return kwargs
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):
         return kwargs
+    missing = [k for k in required if k in kwargs and k not in params]
+    if missing:
+        raise PrefixBackendError(
+            f"this FlashInfer's {getattr(fn, '__qualname__', fn)} takes no {missing}: it would run with its own "
+            f"defaults for them. Install flashinfer-python>=0.7.4 of a version that takes them, or use "
+            f"backend='fa4'/'triton'."
+        )
     return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _run_lse_kwargs(run) -> dict:
+    """:data:`_RUN_LSE_ARGS` that ``run`` takes by name (0.7.4 and later take both)."""
+    try:
+        params = inspect.signature(run).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {k: v for k, v in _RUN_LSE_ARGS.items() if k in params}
 
 
 def _is_workspace_error(exc: BaseException) -> bool:
@@ -203,6 +228,7 @@ class FlashInferPrefixBackend(PrefixBackend):
         self._wrappers: Dict[tuple, object] = {}
         self._graph_kernel: Dict[int, str] = {}  # batch size -> family frozen at its first plan
         self._active = None
+        self._run_kwargs: dict = {}  # the LSE convention, where run() takes it by name
 
     @property
     def workspace_bytes(self) -> int:
@@ -337,8 +363,9 @@ class FlashInferPrefixBackend(PrefixBackend):
             self._ensure_workspace(int(exact * _WORKSPACE_MARGIN) + _WORKSPACE_SLACK_BYTES)
         for attempt in range(4):
             wrapper = self._wrapper(kernel, step_plan.num_requests)
+            plan_kwargs = _accepted_kwargs(wrapper.plan, kwargs, _REQUIRED_PLAN_ARGS)
             try:
-                wrapper.plan(*args, **_accepted_kwargs(wrapper.plan, kwargs))
+                wrapper.plan(*args, **plan_kwargs)
                 break
             except RuntimeError as exc:
                 # FlashInfer's scheduler reports an undersized workspace at plan time (its AlignedAllocator
@@ -352,11 +379,12 @@ class FlashInferPrefixBackend(PrefixBackend):
                     ) from exc
                 self._ensure_workspace(self.workspace_bytes * 2)
         self._active = wrapper
+        self._run_kwargs = _run_lse_kwargs(wrapper.run)
         self.kernel = kernel
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
         """See :meth:`PrefixBackend.run`; LSE is float32 base 2 ``[rows, Hq]``."""
         if self._active is None:
             self._require_planned()
-        self._active.run(q, kv_cache, out=out, lse=lse, return_lse=True)
+        self._active.run(q, kv_cache, out=out, lse=lse, return_lse=True, **self._run_kwargs)
         return out, LseDescriptor(lse, self.lse_layout, self.lse_base)

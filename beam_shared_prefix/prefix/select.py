@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple, Type
 import torch
 
 from .base import PrefixBackend, PrefixBackendError, logger
-from .fa4 import FA4PrefixBackend
+from .fa4 import FA4PrefixBackend, whole_page_reason
 from .flashinfer import FlashInferPrefixBackend
 from .reference import ReferencePrefixBackend
 from .triton import TritonPrefixBackend
@@ -1520,6 +1520,9 @@ def choose_prefix_backend(
         ok, reason = BACKEND_CLASSES[name].is_available(
             device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size, kv_layout
         )
+        if ok and name == "fa4":  # its kernel choice also depends on the beam width (one beam: a decode kernel)
+            reason = whole_page_reason(device, page_size, beam_width)
+            ok = reason is None
         if ok:
             return name, declined
         declined.append(f"{name}: {reason}")

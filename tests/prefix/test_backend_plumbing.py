@@ -75,9 +75,10 @@ class FakePrefillWrapper:
                                last=paged_kv_last_page_len.clone(), page_size=page_size, sm_scale=sm_scale,
                                q_dtype=q_data_type, o_dtype=o_data_type, uniform_q_len=uniform_q_len))
 
-    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse=False):
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse=False, lse_base=None, lse_layout=None):
         p = self.plans[-1]
         assert return_lse and out is not None and lse is not None and q.dtype == p["q_dtype"]
+        assert (lse_base, lse_layout) == ("log2", "NH"), "the LSE convention is passed, not left to the defaults"
         assert lse.shape == (q.shape[0], q.shape[1]) and lse.dtype == torch.float32
         k_cache, v_cache = paged_kv_cache.unbind(dim=1)
         pg = p["page_size"]
@@ -228,6 +229,76 @@ def test_fa4_backend_plumbing(fake_gpu_libs, monkeypatch, layout):
     sim2, step2, plan2 = make_case(prompts=(3, 30), layout=layout, seed=1)
     check_prefix(graph, sim2, step2, plan2)
     assert graph._views["page_table"].data_ptr() == table.data_ptr()
+
+
+def test_flashinfer_without_a_semantic_argument_declines(fake_gpu_libs):
+    """A FlashInfer whose plan() lost ``sm_scale`` (a rename) would run with its default scale: refused by
+    name instead of the argument being dropped like the optional ones."""
+
+    class RenamedScale(FakePrefillWrapper):
+        def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                 num_kv_heads, head_dim_qk, page_size, causal=False, pos_encoding_mode="NONE", softmax_scale=None,
+                 q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True, uniform_q_len=None):
+            raise AssertionError("planned without sm_scale")
+
+    fake_gpu_libs.BatchPrefillWithPagedKVCacheWrapper = RenamedScale
+    sim, step, plan = make_case()
+    with pytest.raises(PrefixBackendError, match=r"takes no \['sm_scale'\]: it would run with its own defaults"):
+        FlashInferPrefixBackend("cpu").plan(plan, 4, 2, 16, 4, torch.bfloat16, 0.25)
+
+
+def test_fa4_without_scale_or_causal_declines(monkeypatch):
+    """An FA4 whose forward lost ``softmax_scale`` or ``causal`` would run with its defaults: declined."""
+    import importlib.machinery
+    import sys
+    import types
+
+    def forward(q, k, v, cu_seqlens_q=None, seqused_k=None, max_seqlen_q=None, page_table=None, causal=False,
+                return_lse=False, out=None, lse=None):
+        raise AssertionError("called without softmax_scale")
+
+    modules = {}
+    for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=name != "flash_attn.cute.interface")
+        modules[name] = module
+    modules["flash_attn.cute.interface"]._flash_attn_fwd = forward
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(fa4_module, "_FA4_STATE", {})
+    assert fa4_module._import_fa4_forward() is None
+    assert "lacks ['softmax_scale']" in fa4_module._FA4_STATE["reason"]
+
+
+@pytest.mark.parametrize("capability,page_size,beams,declined", [
+    ((9, 0), 128, 3, True),  # the TMA paged path (page size = key tile)
+    ((9, 0), 256, 1, False),  # SM90 masks pages larger than its tile
+    ((10, 0), 256, 1, True),  # SM100's one-row decode kernel loads 128-token units
+    ((10, 0), 256, 2, False),
+    ((10, 0), 96, 1, False),
+])
+def test_fa4_declines_the_kernels_that_load_whole_pages(fake_gpu_libs, monkeypatch, capability, page_size, beams,
+                                                         declined):
+    """The slots past a prompt in its last page hold unwritten memory: NaN bits there poison V even at zero
+    weight, so FA4's kernels that load whole pages are declined, at plan() and in ``auto``'s choice."""
+    from beam_shared_prefix.prefix import choose_prefix_backend
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(FA4PrefixBackend, "is_available", classmethod(
+        lambda cls, device, dtype, head_dim, hq=None, hkv=None, page_size=None, layout="HND":
+        (fa4_module.whole_page_reason(device, page_size) is None, fa4_module.whole_page_reason(device, page_size))))
+    reason = fa4_module.whole_page_reason("cuda", page_size, beams)
+    assert (reason is not None) == declined
+    sim, step, plan = make_case(prompts=(page_size + 5, 3), beams=beams, pg=page_size)
+    backend = FA4PrefixBackend("cpu")
+    if declined:
+        with pytest.raises(PrefixBackendError, match="loads whole|reads whole pages"):
+            backend.plan(plan, 4, 2, 16, page_size, torch.bfloat16, 0.25)
+    else:
+        check_prefix(backend, sim, step, plan)
+    name, why = choose_prefix_backend("cuda", torch.bfloat16, 128, 64, 8, page_size, mean_prompt_len=4000,
+                                      beam_width=beams, num_requests=128)
+    assert (name != "fa4") == declined and (not declined or any(reason in w for w in why))
 
 
 @pytest.mark.interpreter
