@@ -16,6 +16,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from beam_shared_prefix import decline
 from beam_shared_prefix.trtllm import register, stats
@@ -421,3 +423,53 @@ def test_a_masked_index_is_logged_at_the_next_prepare(trt, monkeypatch, caplog):
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "cache_indirection entry outside [0, beam_width)" in errors[0].getMessage()
     assert stats()["device_errors"] == 1 and stats()["generation_forwards"] == 8
+
+
+def _live_pages(sim):
+    return sorted({page for req in sim.requests for beam in req.pages for page in beam})
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_serving_sequences_match_the_oracle_and_write_only_their_slots(trt, monkeypatch, data):
+    """A serving loop as in-flight batching drives it: requests finish and join between steps (freed pages come
+    back under other requests), beams are reselected, eager steps carry context requests, and CUDA-graph
+    metadata of each batch size alternates with the eager one. Every step matches the float32 oracle, and
+    the pool's pages of the live requests differ from before the step only at each row's write slot, which
+    holds this step's K/V (a stale plan, a wrong page or a write into shared K/V fails here)."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    beam_width = data.draw(st.integers(2, 4), label="beam_width")
+    prompts = data.draw(st.lists(st.integers(1, 60), min_size=1, max_size=3), label="prompts")
+    setup = build(model, prompts=tuple(prompts), beam_width=beam_width, seed=data.draw(st.integers(0, 2**16)),
+                  max_batch_size=6)
+    sim, graphs = setup.sim, {}
+    served = stats()["generation_forwards"]
+    num_steps = data.draw(st.integers(3, 6), label="steps")
+    for s in range(num_steps):
+        if len(sim.requests) > 1 and data.draw(st.booleans(), label=f"finish at {s}"):
+            sim.finish([sim.requests[data.draw(st.integers(0, len(sim.requests) - 1))].rid])
+        if len(sim.requests) < 4 and data.draw(st.booleans(), label=f"join at {s}"):
+            sim.add_requests([data.draw(st.integers(1, 60), label=f"joining prompt at {s}")])
+        graph = data.draw(st.booleans(), label=f"graph at {s}")
+        contexts = () if graph else tuple(data.draw(st.lists(st.integers(1, 20), max_size=1), label=f"contexts {s}"))
+        step = sim.begin_step()
+        ref = setup.oracle(step)
+        live = torch.tensor(_live_pages(sim))
+        before = sim.kv_cache.clone()
+        metadata = None
+        if graph:
+            metadata = graphs.setdefault(len(sim.requests), setup.engine.graph_metadata(len(sim.requests)))
+        out, _ = setup.run(step, context_prompt_lens=contexts, metadata=metadata)
+        assert_close(gen_rows(out, sum(contexts), sim), ref, f"step {s} ({'graph' if graph else 'eager'})")
+        expected = before.clone()
+        for i in range(step.num_rows):  # this step's K/V at each row's own slot, nothing else
+            page, slot = int(step.write_page[i]), int(step.write_slot[i])
+            expected[page, 0, :, slot], expected[page, 1, :, slot] = step.new_k[i], step.new_v[i]
+        differ = (sim.kv_cache[live] != expected[live]).flatten(1).any(1)
+        assert not differ.any(), (f"step {s}: pages {live[differ].tolist()} differ from the pool before the step with "
+                                  f"this step's K/V at each row's write slot")
+        sim.end_step(write_kv=False)  # later steps read what the library wrote
+    assert stats()["generation_forwards"] == served + num_steps
