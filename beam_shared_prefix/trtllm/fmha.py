@@ -42,8 +42,8 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from .gates import (batch_decline_reason, call_decline_reason, decline_log, layer_decline_reason,
-                    prefix_shape_decline_reason)
+from .gates import (batch_decline_reason, call_decline_reason, decline_log, device_decline_reason,
+                    layer_decline_reason, prefix_shape_decline_reason)
 from .kv_cache import adapter_for
 from .planning import Family, ensure_prepare_hook, register_instance, runtime_view, step_for_forward, wrapper_for
 from .registration import FALLBACK_NAME, LIB_NAME, OUT_OF_TREE_MARK, current_settings
@@ -171,11 +171,11 @@ class BeamSharedPrefixFmhaMixin:
         return self._prefix_shape_reason(layer)
 
     def _prefix_shape_reason(self, layer) -> Optional[str]:
-        """:func:`gates.prefix_shape_decline_reason` for this layer's pool."""
-        pool, attn = layer.pool, self.attn
-        return prefix_shape_decline_reason(current_settings().backend, str(pool.device),
-                                           str(pool.dtype).replace("torch.", ""), attn.head_dim, attn.num_heads,
-                                           attn.num_kv_heads, layer.page_size)
+        """:func:`gates.device_decline_reason` and :func:`gates.prefix_shape_decline_reason` for this layer's pool."""
+        pool, attn, settings = layer.pool, self.attn, current_settings()
+        return device_decline_reason(str(pool.device), settings.decline) or prefix_shape_decline_reason(
+            settings.backend, str(pool.device), str(pool.dtype).replace("torch.", ""), attn.head_dim, attn.num_heads,
+            attn.num_kv_heads, layer.page_size)
 
     def _takes_context(self, lib, q, k, v, metadata, forward_args) -> Optional[bool]:
         """Whether ``lib`` takes the CONTEXT phase of this batch (``None``: this tree cannot ask).

@@ -33,6 +33,8 @@ from .kv_cache import manager_decline_reason
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "MAX_GROUP_SIZE",
+    "MEASURED_MAJOR_CAPABILITIES",
+    "device_decline_reason",
     "prefix_shape_decline_reason",
     "layer_decline_reason",
     "batch_decline_reason",
@@ -205,6 +207,32 @@ def prefix_shape_decline_reason(backend: str, device: str, dtype_name: str, head
     return (f"TLLM_BEAM_SHARED_PREFIX_BACKEND={backend}: no prefix backend serves {dtype_name} K/V, head_dim="
             f"{head_dim}, {num_heads}/{num_kv_heads} heads, page size {page_size} ({'; '.join(why)}); install "
             f"flashinfer-python ('beam-shared-prefix[flashinfer]') for this shape")
+
+
+#: Compute-capability majors the decline rule, ``auto``'s backend rule and the kernels' tiles were measured on:
+#: Hopper (SM90: the H200, and the H100 in the fortieth round).
+MEASURED_MAJOR_CAPABILITIES = (9,)
+
+
+@functools.lru_cache(maxsize=None)
+def device_decline_reason(device: str, decline: str) -> Optional[str]:
+    """Why, under ``TLLM_BEAM_SHARED_PREFIX_DECLINE=decline``, the library declines every layer whose KV pool
+    lives on ``device`` (``"cuda:0"``), or ``None``.
+
+    With ``auto`` a GPU outside :data:`MEASURED_MAJOR_CAPABILITIES` is declined: the library cannot say it is
+    faster there (its rules are H200 measurements, and its tiles were sized for Hopper's 228 KB of shared
+    memory per multiprocessor). ``never`` serves it.
+    """
+    if decline != "auto" or not device.startswith("cuda"):
+        return None
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    if major in MEASURED_MAJOR_CAPABILITIES:
+        return None
+    return (f"this GPU is SM{major}{minor}, and the library's speed rules and kernel tiles were measured on Hopper "
+            f"(SM90) only; TLLM_BEAM_SHARED_PREFIX_DECLINE=never serves it anyway (measure it first: "
+            f"beam-shared-prefix-bench --preset B-medium --sweep beams=14,30,96)")
 
 
 def _cuda_available() -> bool:

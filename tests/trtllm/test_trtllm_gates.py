@@ -336,6 +336,41 @@ def test_a_layer_the_prefix_gate_declines_is_neither_selected_nor_planned(enable
     assert decline_log.seen("flashinfer: import failed (simulated)")
 
 
+@pytest.mark.parametrize("capability,decline,reason", [
+    ((9, 0), "auto", None),
+    ((8, 0), "auto", "this GPU is SM80, and the library's speed rules and kernel tiles were measured on Hopper"),
+    ((10, 0), "auto", "this GPU is SM100"),
+    ((12, 0), "never", None),
+])
+def test_gpus_the_rules_were_not_measured_on_are_declined_unless_asked(enabled, monkeypatch, capability, decline,
+                                                                        reason):
+    """The decline rule and ``auto``'s choices are H200 measurements and the tiles were sized for Hopper's shared
+    memory: with ``TLLM_BEAM_SHARED_PREFIX_DECLINE=auto`` another architecture is declined (whole layers, before
+    selection and planning), with ``never`` it is served. (The pool is on the CPU here; its device is made to
+    look like a GPU of ``capability``.)"""
+    from beam_shared_prefix.trtllm import fmha, gates, registration
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    got = gates.device_decline_reason.__wrapped__("cuda:0", decline)
+    assert (got is None) == (reason is None) and (reason is None or reason in got)
+    assert gates.device_decline_reason.__wrapped__("cpu", decline) is None
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", decline)
+    registration.reload_settings()  # (read at registration, which the fixture did)
+    monkeypatch.setattr(fmha, "device_decline_reason", lambda device, mode: gates.device_decline_reason.__wrapped__(
+        "cuda:0", mode))
+    setup = build(enabled)
+    before = dict(stats())
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step)
+    torch.testing.assert_close(out.view(-1, setup.sim.num_qo_heads, setup.sim.head_dim).float(), setup.oracle(step),
+                               atol=2e-2, rtol=2e-2)
+    chosen = {type(f).__name__ for f in setup.layer._fmha_manager._cache.values()}
+    assert ("BeamSharedPrefixFmha" in chosen) == (reason is None), chosen  # (the step rule may still hand it over)
+    if reason is not None:
+        assert stats()["wrappers"] == before["wrappers"]  # a declined layer is not planned either
+        assert decline_log.seen(reason)
+
+
 def test_a_family_that_fails_to_plan_is_handed_over(enabled, monkeypatch):
     """A refusal while planning inside ``prepare()`` hands the step to ``fallback`` (logged) instead of
     failing TensorRT-LLM's step."""
