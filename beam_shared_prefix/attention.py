@@ -46,12 +46,11 @@ tail limit of the cascade is judged at that plan's ``max_tail_len`` too (none: n
 
 from __future__ import annotations
 
-import os
 from typing import Dict, Hashable, List, Optional, Tuple, Union
 
 import torch
 
-from .config import BACKENDS, load_settings, shared_run_mode
+from .config import BACKENDS, load_settings, shared_run_mode, triton_interpret_env
 from .plan import _INT32_MAX, StepPlan, StepPlanner, _as_int
 from .prefix.base import (
     PrefixBackend,
@@ -174,8 +173,7 @@ class BeamSharedPrefixAttention:
         self.check = bool(settings.check if check is None else check)
         if tail_impl == "auto":
             # A Triton kernel needs CUDA tensors unless the interpreter is on (CPU tests).
-            interpret = os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
-            tail_impl = "triton" if (self.device.type == "cuda" or interpret) else "torch"
+            tail_impl = "triton" if (self.device.type == "cuda" or triton_interpret_env()) else "torch"
         self.tail_impl = tail_impl
         self.prefix_kernel = prefix_kernel
         self.check_tolerance = None  # a CheckTolerance overrides the per-dtype defaults of check mode

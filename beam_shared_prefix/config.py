@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 __all__ = ["ConfigError", "Settings", "load_settings", "BACKENDS", "DECLINE_MODES", "SHARED_RUN_MODES",
-           "shared_run_mode"]
+           "shared_run_mode", "triton_interpret_env"]
 
 BACKENDS = ("auto", "triton", "flashinfer", "fa4", "reference")
 DECLINE_MODES = ("auto", "never")
@@ -113,6 +113,13 @@ def _max_tail(env: Mapping[str, str]) -> int | None:
         raise ConfigError(f"{ENV_MAX_TAIL}={raw!r} is not accepted; use an integer >= 1 (the longest tail in generated "
                           f"tokens per beam), or leave it unset where the tail is unknown.")
     return int(text)
+
+
+def triton_interpret_env(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``TRITON_INTERPRET`` asks Triton for its interpreter, read as Triton reads it (``1``, ``true``,
+    ``on``, ``yes``, any case), without importing Triton."""
+    env = os.environ if env is None else env
+    return env.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def load_settings(env: Optional[Mapping[str, str]] = None) -> Settings:

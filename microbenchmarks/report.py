@@ -273,7 +273,9 @@ def print_summary(doc: Dict, console=None) -> None:
         (console.print(line) if console is not None else print(line))
 
 
-_SHAPE_FIELDS = ("requests", "beams", "prompt", "tail", "heads", "kv_heads", "head_dim", "page_size", "dtype")
+# Every field a sweep can vary (a line per combination of the others), so that no two series share a line.
+_SHAPE_FIELDS = ("requests", "beams", "prompt", "tail", "heads", "kv_heads", "head_dim", "page_size", "dtype",
+                 "prompt_jitter", "tail_jitter", "ancestry")
 
 
 def _series(doc: Dict, field: str):

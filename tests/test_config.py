@@ -16,6 +16,7 @@ from beam_shared_prefix.config import (
     Settings,
     load_settings,
     shared_run_mode,
+    triton_interpret_env,
 )
 
 
@@ -125,3 +126,26 @@ def test_max_tail(value, expected):
 def test_invalid_max_tail(value):
     with pytest.raises(ConfigError, match=rf"{ENV_MAX_TAIL}='{value}' is not accepted; use an integer >= 1"):
         load_settings({ENV_MAX_TAIL: value})
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), (" ON ", True), ("Yes", True), ("0", False),
+                                            ("false", False), ("2", False), ("", False)])
+def test_triton_interpret_is_read_as_triton_reads_it(value, expected):
+    """The library's choice of the fused tail on CPU tensors follows Triton's own reading of the variable (an
+    ``=true`` the library took for on and the kernels' launchers for off made run() fail)."""
+    assert triton_interpret_env({"TRITON_INTERPRET": value}) is expected
+
+
+def test_the_kernels_agree_with_the_variable():
+    """The launchers ask the kernel object whether ``triton.jit`` made it an interpreted function; under this suite
+    (``TRITON_INTERPRET=1`` on a machine without CUDA) the two readings agree."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter is off on a CUDA machine")
+    from triton_kernels.cascade_kernel import beam_cascade_kernel
+    from triton_kernels.tail_merge_args import runs_interpreted
+    from triton_kernels.tail_merge_kernel import beam_tail_merge_kernel
+
+    assert runs_interpreted(beam_tail_merge_kernel) and runs_interpreted(beam_cascade_kernel)
+    assert triton_interpret_env()

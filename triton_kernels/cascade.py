@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -42,6 +41,7 @@ from .tail_merge_args import (
     check_tail_index_values,
     pool_layout,
     resolve_sm_scale,
+    runs_interpreted,
 )
 
 __all__ = [
@@ -490,7 +490,7 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int,
 
 
 def _check_device(q: torch.Tensor, kernel: str = "the cascade kernel") -> None:
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not q.is_cuda and not runs_interpreted(beam_cascade_kernel):
         raise TailMergeInputError(
             f"{kernel} is a Triton kernel and needs CUDA tensors, got {q.device}; on CPU use the "
             f"reference prefix + beam_tail_attention_merge_torch (or set TRITON_INTERPRET=1 before importing triton)."

@@ -10,7 +10,6 @@ length is read from ``kv_lens``/``prompt_lens`` on the device at every replay).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +24,7 @@ from .tail_merge_args import (
     check_tail_index_values,
     check_tail_merge_args,
     check_tail_skip,
+    runs_interpreted,
 )
 from .tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel
 from .tail_merge_kernel import beam_tail_merge_kernel
@@ -276,7 +276,7 @@ def _check_launchable(q: torch.Tensor, head_dim: int, group_size: int) -> None:
             f"GQA group size Hq/Hkv={group_size} exceeds {MAX_GROUP_SIZE}, the largest group the kernel tiles; "
             f"use beam_tail_attention_merge_torch for this shape."
         )
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not q.is_cuda and not runs_interpreted(beam_tail_merge_kernel):
         raise TailMergeInputError(
             f"beam_tail_attention_merge runs a Triton kernel and needs CUDA tensors, got {q.device}; "
             f"use beam_tail_attention_merge_torch on CPU (or set TRITON_INTERPRET=1 before importing triton)."

@@ -46,6 +46,12 @@ LSE_BASES = ("log2", "ln")
 _INT32_MAX = 2**31 - 1  # page_index_divisor is a compile-time int32 of the kernels
 
 
+def runs_interpreted(kernel) -> bool:
+    """Whether ``kernel`` (a ``@triton.jit`` function) runs in Triton's interpreter, on CPU tensors: decided by
+    ``TRITON_INTERPRET`` when ``triton.jit`` decorated it (at import), in Triton's own spelling (1, true, on, yes)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
 class TailMergeInputError(ValueError):
     """An argument of the tail merge the launcher refuses; the message names the value, the limit and the fix."""
 

@@ -16,11 +16,11 @@ size other than 64/128, or a GQA group too wide for the tile (:func:`triton_kern
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
 
+from ..config import triton_interpret_env
 from ..plan import StepPlan
 from .base import LseDescriptor, PrefixBackend, PrefixBackendError, PrefixProblem
 from .buffers import DeviceBuffer
@@ -31,7 +31,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
+    return triton_interpret_env()
 
 
 class TritonPrefixBackend(PrefixBackend):

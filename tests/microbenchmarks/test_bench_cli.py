@@ -98,6 +98,18 @@ def test_plot_has_a_panel_per_swept_field(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_series_split_by_every_swept_field():
+    """A sweep of beams x ancestry (or x a jitter) draws one line per ancestry, not one zig-zag line."""
+    from microbenchmarks.report import _series
+
+    doc = synthetic_doc()
+    doc["results"] = [dict(p, shape=dict(p["shape"], ancestry=a)) for p in doc["results"][:3]
+                      for a in ("beam-search", "independent")]
+    series = _series(doc, "beams")
+    assert sorted(series) == ["library/flashinfer [ancestry=beam-search]", "library/flashinfer [ancestry=independent]"]
+    assert all([x for x, _ in pts] == [14, 30, 96] for pts in series.values())
+
+
 def test_decline_report_flags_points_slower_than_decode():
     rows = decline_table(synthetic_doc())
     # W14 P500: decode 80*14/30 = 37.3 us < 120 us -> decline; W30 P100: 16 us < 40 us -> decline.
