@@ -201,7 +201,8 @@ class BeamSharedPrefixAttention:
         self._builds_before = 0
         self._backends: Dict[str, PrefixBackend] = {}
         self._backend_for_problem: Dict[tuple, str] = {}
-        self._active: Optional[Tuple[StepPlan, tuple, PrefixBackend]] = None
+        # (plan, problem key, backend, long tail): what run() serves; None before plan() and after a failed one.
+        self._active: Optional[Tuple[StepPlan, tuple, PrefixBackend, bool]] = None
         self._views: Dict[str, torch.Tensor] = {}
         frozen = self.use_cuda_graph
         self._out_buffers: Dict[torch.dtype, DeviceBuffer] = {}
@@ -334,12 +335,13 @@ class BeamSharedPrefixAttention:
                 inputs and skip all array work (check mode verifies it: stage ``"plan"``). Default: a digest
                 of the inputs.
             max_tail_len: the step's longest tail, generated tokens per beam with this step's own
-                (``max(kv_len) - prompt_len`` over the batch), as the host knows it; ``None``: unknown. Only
-                whether it reaches :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` is used
-                (``shared_run="auto"``), and with ``backend="auto"`` and ``use_cuda_graph`` whether the first
-                plan's passes :data:`~beam_shared_prefix.prefix.select.CASCADE_MAX_TAIL`; on an eager step the
-                cascade's launch is also given it as a bound (the constructor's ``max_tail_len``). run() reads the
-                true lengths from ``kv_lens``.
+                (``max(kv_len) - prompt_len`` over the batch), as the host knows it; ``None``: unknown. It
+                decides whether the shared-run stage runs (reaching
+                :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL`, ``shared_run="auto"``) and, with
+                ``backend="auto"``, whether the cascade is preferred (every eager plan; under ``use_cuda_graph`` the
+                first plan's, against :data:`~beam_shared_prefix.prefix.select.CASCADE_MAX_TAIL`); an eager step's
+                cascade launch is given it as a bound (a captured one, the constructor's ``max_tail_len``, which a
+                larger value here warns about once). run() reads the true lengths from ``kv_lens``.
 
         Returns:
             The :class:`StepPlan` (the same object while the composition is unchanged; then the backend

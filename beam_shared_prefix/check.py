@@ -45,8 +45,6 @@ __all__ = [
     "check_kv_write",
 ]
 
-STAGES = ("plan", "indices", "prefix", "tail")
-
 
 class BeamSharedPrefixCheckError(RuntimeError):
     """Check mode found a bad index, a non-finite value or a mismatch; :attr:`stage` names the stage."""

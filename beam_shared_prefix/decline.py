@@ -379,9 +379,9 @@ _FEW_ROWS_REFIT_GROUPS = frozenset(range(3, 9))
 #: 24 (``few_rows_heldout24_*.json``, 28 points, 1,000-2,500 tokens included): every one served won (1.18x-1.55x), the
 #: declined 0.88x-1.08x but 14 x 5 at 12/4 (280, 1.29x-1.41x). 5 beams ask 320 so that a sixth beam (384 from 160
 #: tokens, :data:`MIN_BEAM_ROWS_HEAD_128_REFIT`) never declines a batch 5 serve. GQA 2 won alike on the narrow tile
-#: (GQA 16/8, 8/4 and 4/2 from 288: 1.18x-1.61x) but keeps the older floors: earlier rounds' grids timed 17-20 x 3 at
-#: 16/8, 68-80 x 3 at 4/2 and 32 x 5, 48 x 4 at 8/4 on the 16-beam tile at 0.86x-1.09x, and only 80 x 3 at 4/2 was
-#: timed again on the narrow tile (1.26x and 1.18x at 1,000 and 2,500 tokens).
+#: (GQA 16/8, 8/4 and 4/2 from 288: 1.18x-1.61x) and takes this floor since the fifty-seventh round, when the six older
+#: grids whose GQA 2 shapes of 3-5 beams had run the 16-beam tile at 0.86x-1.09x were timed again on the narrow tile
+#: (``few_rows_*_narrow_tile_round57.json``: all 72 points won, 1.12x-2.85x).
 MIN_BEAM_ROWS_NARROW_TILE = {3: 36, 4: 36, 5: 40}
 NARROW_TILE_FLOOR_MIN_PROMPT = 160
 _NARROW_TILE_FLOOR_GROUPS = frozenset((2, 3, 4))
@@ -887,8 +887,9 @@ def tail_decline_reason(beam_width: Optional[int], prompt_len: Optional[float], 
     generated ``tail_len`` tokens (the longest request's, this step's included) over a mean prompt of ``prompt_len``
     tokens to per-beam decode, or ``None``. ``beam_width``, ``prompt_len`` or ``tail_len`` ``None``
     (unknown): ``None``; ``num_kv_heads`` ``None``: judged as one KV head; ``num_requests`` ``None``: as
-    one request; ``num_qo_heads`` ``None``: as a group of 8 (of 64 with one KV head)."""
-    if beam_width is None or prompt_len is None or tail_len is None:
+    one request; ``num_qo_heads`` ``None``: as a group of 8 (of 64 with one KV head). Fewer than
+    :data:`MIN_BEAM_WIDTH` beams: ``None`` (:func:`should_decline` declines them whatever the tail)."""
+    if beam_width is None or prompt_len is None or tail_len is None or int(beam_width) < MIN_BEAM_WIDTH:
         return None
     per_token = _tail_prompt_per_token(beam_width, num_kv_heads, num_requests, num_qo_heads)
     limit = _tail_limit(prompt_len, per_token)
@@ -937,12 +938,14 @@ def should_decline(
     """The reason to leave this shape to the default per-beam decode, or ``None`` to serve it.
 
     Args:
-        num_requests: ``R``, generation requests in the batch (``None``: unknown; not judged).
-        beam_width: ``W``, beams per request (``None``: unknown; not judged).
+        num_requests: ``R``, generation requests in the batch (``None``: unknown; the row floors are not judged,
+            and the tail clause judges the batch as one request).
+        beam_width: ``W``, beams per request (``None``: unknown; nothing is judged).
         prompt_len: prompt length in tokens; for a batch, its mean (``None``: unknown, e.g. a
             CUDA graph that serves any prompt).
-        num_qo_heads, num_kv_heads, head_dim: the layer's attention shape; the head size picks the
-            cascade's table (head 64 or head 128; ``None``: head 128's), the rest is not judged.
+        num_qo_heads, num_kv_heads, head_dim: the layer's attention shape: the GQA group and the KV head count
+            pick and scale the row floors and prompt bands, the head size the cascade's table (head 64 or head 128;
+            ``None``: head 128's).
         one_launch: whether the one-launch cascade serves the batch (its own, lower thresholds);
             ``False``: a prefix backend + the tail kernel (two launches).
         split_kv: whether FlashInfer's prefix backend serves it (its prefill splits each prompt over

@@ -11,7 +11,9 @@ Examples::
 
 Without a CUDA device the CLI says so and runs the CPU reference path (the library with the torch
 reference prefix and the torch tail, timed with ``time.perf_counter``) on a reduced shape, and
-still writes ``--json``. Exit status: 0, or 1 when an arm's output did not match the oracle.
+still writes ``--json``. Exit status: 0; 1 when an arm's output did not match the oracle or a library arm failed
+(whatever became of ``--json``/``--plot``); 2 for a usage error (found before anything is measured), a ``--rule``
+error, or an output that could not be written.
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     a = p.add_argument_group("arms")
     a.add_argument("--arms", default=None,
-                   help="comma list: auto, library, fa4, triton, prefix, tail, tail-torch, decode, decode-tc, decode-cc, cascade, reference "
-                        "(default: all on a GPU, reference on CPU)")
+                   help="comma list: auto, library, fa4, triton, fa4-shared, flashinfer-shared, prefix, tail, "
+                        "tail-torch, decode, decode-tc, decode-cc, cascade, reference (default: all on a GPU, "
+                        "reference on CPU)")
     a.add_argument("--prefix-kernels", default="auto",
                    help="FlashInfer prefix kernel families for the library and prefix arms, comma list of "
                         "auto, fa2, fa3 (default auto: the wrapper's choice, shown in the table)")

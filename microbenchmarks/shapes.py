@@ -155,11 +155,6 @@ class BenchShape:
         """The shortest tail a request may draw: ``max(1, round(T(1-j)))`` with ``j = tail_jitter``."""
         return max(1, int(round(self.tail * (1.0 - float(self.tail_jitter)))))
 
-    @property
-    def kv_len(self) -> int:
-        """KV length ``P + T`` in tokens (this step's token included), before prompt jitter."""
-        return self.prompt + self.tail
-
     def label(self) -> str:
         """Short human-readable description, e.g. ``A: 128x96 P3000 T3 16/8 D128 Pg32 bf16``."""
         dt = {"bfloat16": "bf16", "float16": "fp16"}[self.dtype]

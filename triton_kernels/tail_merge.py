@@ -116,11 +116,6 @@ class TailLaunchConfig:
     index_block: int = 0
     grouped: bool = False
 
-    @property
-    def query_slots(self) -> int:
-        """``QH = group_pad * kv_heads_per_prog``: query-head slots of one program's ``[QH, D]`` tile."""
-        return self.group_pad * self.kv_heads_per_prog
-
 
 # The grouped kernel's tiling at G = 2 (the only group where it was fastest): 8 KV heads per
 # program (a whole row at Hkv = 8) and 32 query elements per thread (its 2 query heads x 8 head-dim

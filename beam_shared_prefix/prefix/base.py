@@ -112,11 +112,6 @@ class PrefixProblem:
     dtype: torch.dtype
     sm_scale: float
 
-    @property
-    def group_size(self) -> int:
-        """GQA group ``G = Hq // Hkv``."""
-        return self.num_qo_heads // self.num_kv_heads
-
 
 def default_sm_scale(head_dim: int, sm_scale: Optional[float]) -> float:
     """``1 / sqrt(head_dim)`` unless given; refuses non-finite or non-positive scales."""
@@ -175,7 +170,6 @@ class PrefixBackend(abc.ABC):
             )
         self.step_plan: Optional[StepPlan] = None
         self.problem: Optional[PrefixProblem] = None
-        self.num_plans = 0  # backend plans done (host work), for tests and benchmarks
 
     # ------------------------------------------------------------------------------------------
     @classmethod
@@ -253,7 +247,6 @@ class PrefixBackend(abc.ABC):
         self._plan(step_plan, problem)
         self.step_plan = step_plan
         self.problem = problem
-        self.num_plans += 1
 
     @abc.abstractmethod
     def _plan(self, step_plan: StepPlan, problem: PrefixProblem) -> None:

@@ -5,7 +5,8 @@ Rule of ``"auto"`` (:func:`choose_prefix_backend`), in order:
 1. not a CUDA device: ``reference`` (the torch path, the library's CPU path);
 2. ``flashinfer`` when the batch has so few requests that the cascade would run few programs for
    its prompt length, where FlashInfer's prefill, which splits each prompt over many CTAs, measured
-   faster than the cascade and FA4 (:func:`split_kv_preferred`; GQA 1-4 at head 128 and head 64);
+   faster than the cascade and FA4 (:func:`split_kv_preferred`; GQA 1-4 at head 128 and head 64, GQA 5-8 at
+   head 128);
 3. ``triton`` (the one-launch cascade kernel) when the batch's prompts are short enough for its
    beam width, GQA group and (with few requests) program count that it measured faster than the
    two-launch paths on the H200, and its tail is shorter than :data:`SHARED_RUN_MIN_TAIL` where the
@@ -1301,7 +1302,7 @@ def split_kv_preferred(
 ) -> Tuple[bool, str]:
     """Whether ``auto`` picks FlashInfer (its prefill splits a prompt over many CTAs) ahead of the
     cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 1-4 at head 128 and head
-    64 (:data:`SPLIT_KV_PROMPT`, up to :data:`SPLIT_KV_MAX_BEAM_BLOCKS` beam blocks,
+    64 and at GQA 5-8 at head 128 (:data:`SPLIT_KV_PROMPT`, up to :data:`SPLIT_KV_MAX_BEAM_BLOCKS` beam blocks,
     :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs and :data:`SPLIT_KV_MAX_QUERY_TILES` query tiles); elsewhere
     never. ``num_requests`` and ``mean_prompt_len`` (tokens) are the batch's; ``None`` (unknown) never prefers it. An
     ``eager`` step (no CUDA graph) where :func:`eager_cascade_over_split_kv` holds takes the cascade instead."""
@@ -1478,6 +1479,18 @@ def step_path(
     return split_kv, one_launch
 
 
+def _backend_serves(name: str, device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size, kv_layout,
+                    beam_width: Optional[int]) -> Tuple[bool, str]:
+    """``BACKEND_CLASSES[name].is_available``, and for FA4 also the beam width's part (one beam picks a decode
+    kernel that loads whole pages on SM100: :func:`~.fa4.whole_page_reason`)."""
+    ok, reason = BACKEND_CLASSES[name].is_available(device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size,
+                                                    kv_layout)
+    if ok and name == "fa4":
+        reason = whole_page_reason(device, page_size, beam_width) or ""
+        ok = not reason
+    return ok, reason
+
+
 def choose_prefix_backend(
     device,
     dtype: torch.dtype,
@@ -1517,12 +1530,8 @@ def choose_prefix_backend(
     elif not preferred:
         declined.append(f"triton: {why}")
     for name in candidates:
-        ok, reason = BACKEND_CLASSES[name].is_available(
-            device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size, kv_layout
-        )
-        if ok and name == "fa4":  # its kernel choice also depends on the beam width (one beam: a decode kernel)
-            reason = whole_page_reason(device, page_size, beam_width)
-            ok = reason is None
+        ok, reason = _backend_serves(name, device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size, kv_layout,
+                                     beam_width)
         if ok:
             return name, declined
         declined.append(f"{name}: {reason}")
@@ -1566,7 +1575,7 @@ def resolve_prefix_backend(
             logger.info("beam_shared_prefix: backend=auto declined %s", reason)
         if name == "reference" and torch.device(device).type == "cuda":
             logger.warning("beam_shared_prefix: no fast prefix backend is available on %s; the torch reference "
-                           "backend runs (correct, slow). Install flashinfer-python==0.7.4.", device)
+                           "backend runs (correct, slow). Install flashinfer-python>=0.7.4.", device)
         return name
     if requested not in BACKEND_CLASSES:
         raise PrefixBackendError(f"backend={requested!r} is not one of auto, {', '.join(BACKEND_CLASSES)}.")
@@ -1579,8 +1588,8 @@ def resolve_prefix_backend(
     chain = [requested, "flashinfer"] if requested in ("fa4", "triton") else ["flashinfer"]
     reasons = []
     for name in chain:
-        ok, reason = BACKEND_CLASSES[name].is_available(device, dtype, head_dim, num_qo_heads, num_kv_heads,
-                                                         page_size, kv_layout)
+        ok, reason = _backend_serves(name, device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size, kv_layout,
+                                     beam_width)
         if ok:
             if name != requested:
                 logger.warning("beam_shared_prefix: backend=%r declined (%s); the %s backend runs instead.",

@@ -299,6 +299,12 @@ def test_fa4_declines_the_kernels_that_load_whole_pages(fake_gpu_libs, monkeypat
     name, why = choose_prefix_backend("cuda", torch.bfloat16, 128, 64, 8, page_size, mean_prompt_len=4000,
                                       beam_width=beams, num_requests=128)
     assert (name != "fa4") == declined and (not declined or any(reason in w for w in why))
+    # An explicit backend="fa4" falls back to FlashInfer there, as for any shape FA4 does not serve.
+    from beam_shared_prefix.prefix import resolve_prefix_backend
+
+    monkeypatch.setattr(FlashInferPrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))
+    assert resolve_prefix_backend("fa4", "cuda", torch.bfloat16, 128, 64, 8, page_size,
+                                  beam_width=beams) == ("flashinfer" if declined else "fa4")
 
 
 @pytest.mark.interpreter
