@@ -17,7 +17,8 @@ import torch
 from .cascade import (
     _check_device,
     cascade_supported,
-    cuda_sm_count,
+    cuda_sm_count,  # noqa: F401  (prefix.select reads the device's count through this module)
+    launch_multiprocessors,
     wide_launch_config,
 )
 from .cascade_kernel import SHARED_BLOCK
@@ -97,12 +98,6 @@ def shared_run_kv_heads_per_program(tiles: int, num_kv_heads: int, sm_count: int
             break
         per_prog *= 2
     return per_prog
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 1
-    return cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def beam_shared_run_attention(
@@ -201,7 +196,7 @@ def beam_shared_run_attention(
     num_beam_blocks = cdiv(geom.beam_width, beams)
     tiles = geom.num_requests * num_beam_blocks
     if kv_heads_per_program is None:
-        kv_heads_per_program = shared_run_kv_heads_per_program(tiles, geom.num_kv_heads, _sm_count(q.device),
+        kv_heads_per_program = shared_run_kv_heads_per_program(tiles, geom.num_kv_heads, launch_multiprocessors(q.device),
                                                                num_warps, geom.head_dim)
     grid = (tiles, geom.num_kv_heads // kv_heads_per_program)
     s_page, s_kv, s_head, s_slot = geom.kv_strides
