@@ -12,4 +12,5 @@ else
   "$PY" -c 'import torch' 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
   "$PY" -m pip install -q -e ".[bench]"
 fi
-exec beam-shared-prefix-bench "$@"
+# The interpreter that installed the package runs it (a venv need not be activated for its console script).
+exec "$PY" -m microbenchmarks "$@"
