@@ -175,6 +175,48 @@ def test_prompt_pages_no_cache_produces(indptr, indices, lens, message):
     build_step_plan([0, 2, 3], [3, 3, 9], [20, 5], 2, 32, 16)  # the repeat is past request 0's prompt
 
 
+def _naive_conflict(indptr, indices, lens, page_size) -> bool:
+    """Whether a batch holds prompt pages no KV cache produces, request by request in Python: a page twice in one
+    prompt, or a partly filled last prompt page that another request lists, copies of a request counting once."""
+    used = [tuple(indices[indptr[r]:indptr[r] + cdiv(lens[r], page_size)]) for r in range(len(lens))]
+    kept, seen = [], set()
+    for r in range(len(lens)):
+        if (lens[r], used[r]) not in seen:
+            seen.add((lens[r], used[r]))
+            kept.append(r)
+    if any(len(set(used[r])) < len(used[r]) for r in kept):
+        return True
+    return any(lens[r] % page_size and any(used[r][-1] in used[o] for o in kept if o != r) for r in kept)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_prompt_page_refusals_match_a_request_by_request_check(data):
+    """The planner's vectorised page checks (one sort) refuse exactly the batches a plain per-request check
+    refuses, on small pools where pages collide often and with padding copies of a request."""
+    page_size = data.draw(st.sampled_from([1, 2, 4, 8]))
+    num_pages = data.draw(st.integers(2, 16))
+    lens, lists = [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        if lens and data.draw(st.booleans()):  # a copy of an earlier request (a padded CUDA-graph batch's dummy)
+            r = data.draw(st.integers(0, len(lens) - 1))
+            lens.append(lens[r])
+            lists.append(list(lists[r]))
+            continue
+        n = data.draw(st.integers(1, 4 * page_size))
+        lens.append(n)
+        lists.append(data.draw(st.lists(st.integers(0, num_pages - 1), min_size=cdiv(n, page_size),
+                                        max_size=cdiv(n, page_size) + 2)))
+    indptr = np.concatenate([[0], np.cumsum([len(x) for x in lists])])
+    indices = np.array([p for x in lists for p in x], dtype=np.int64)
+    refused = _naive_conflict(indptr, indices, lens, page_size)
+    if refused:
+        with pytest.raises(PlanError, match="listed twice in its prompt pages|its last prompt page"):
+            build_step_plan(indptr, indices, lens, 2, page_size, num_pages)
+    else:
+        build_step_plan(indptr, indices, lens, 2, page_size, num_pages)
+
+
 def test_extra_listed_pages_are_not_used_or_checked():
     # Beam 0's whole block list may be passed: pages past the prompt (generated pages, stale
     # columns of a block-offset table) are neither copied into the plan nor range-checked.
