@@ -140,7 +140,10 @@ class BeamSharedPrefixAttention:
         shared_run: Union[None, bool, str] = None,
         max_tail_len: int | None = None,
     ):
-        settings = load_settings() if None in (backend, check, report_errors, shared_run, max_tail_len) else None
+        # Only the settings left to the environment are read (the wrapper has no use for the decline mode).
+        given = dict(backend=backend, check=check, report_errors=report_errors, shared_run=shared_run,
+                     max_tail_len=max_tail_len)
+        settings = load_settings(fields=[name for name, value in given.items() if value is None])
         backend = settings.backend if backend is None else backend
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not accepted; use one of {', '.join(BACKENDS)}.")

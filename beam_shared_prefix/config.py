@@ -122,14 +122,18 @@ def triton_interpret_env(env: Optional[Mapping[str, str]] = None) -> bool:
     return env.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
-def load_settings(env: Optional[Mapping[str, str]] = None) -> Settings:
-    """Parse the library's environment variables (``os.environ`` by default)."""
+_PARSERS = {
+    "backend": lambda env: _choice(env, ENV_BACKEND, BACKENDS, "auto"),
+    "check": lambda env: _flag(env, ENV_CHECK),
+    "decline": lambda env: _choice(env, ENV_DECLINE, DECLINE_MODES, "auto"),
+    "report_errors": lambda env: _flag(env, ENV_REPORT_ERRORS),
+    "shared_run": _shared_run,
+    "max_tail_len": _max_tail,
+}
+
+
+def load_settings(env: Optional[Mapping[str, str]] = None, fields=None) -> Settings:
+    """Parse the library's environment variables (``os.environ`` by default): every one, or only the
+    :class:`Settings` ``fields`` named (the others keep their defaults, and an invalid value there is not read)."""
     env = os.environ if env is None else env
-    return Settings(
-        backend=_choice(env, ENV_BACKEND, BACKENDS, "auto"),
-        check=_flag(env, ENV_CHECK),
-        decline=_choice(env, ENV_DECLINE, DECLINE_MODES, "auto"),
-        report_errors=_flag(env, ENV_REPORT_ERRORS),
-        shared_run=_shared_run(env),
-        max_tail_len=_max_tail(env),
-    )
+    return Settings(**{name: parse(env) for name, parse in _PARSERS.items() if fields is None or name in fields})

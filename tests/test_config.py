@@ -149,3 +149,22 @@ def test_the_kernels_agree_with_the_variable():
 
     assert runs_interpreted(beam_tail_merge_kernel) and runs_interpreted(beam_cascade_kernel)
     assert triton_interpret_env()
+
+
+def test_only_the_named_fields_are_read():
+    """The plan/run wrapper reads only the settings it was not given (it has no use for the decline mode), so
+    an invalid value elsewhere does not stop a direct caller; a named invalid one still raises."""
+    env = {ENV_DECLINE: "bogus", ENV_BACKEND: "triton"}
+    assert load_settings(env, fields=["backend"]) == Settings(backend="triton")
+    with pytest.raises(ConfigError, match=ENV_DECLINE):
+        load_settings(env)
+
+
+def test_the_wrapper_reads_only_what_it_was_not_given(monkeypatch):
+    from beam_shared_prefix import BeamSharedPrefixAttention
+
+    monkeypatch.setenv(ENV_DECLINE, "bogus")
+    monkeypatch.setenv(ENV_SHARED_RUN, "bogus")
+    assert BeamSharedPrefixAttention("cpu", shared_run="off").requested_backend in BACKENDS
+    with pytest.raises(ConfigError, match=ENV_SHARED_RUN):
+        BeamSharedPrefixAttention("cpu")
