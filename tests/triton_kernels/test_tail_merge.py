@@ -498,7 +498,10 @@ def test_triton_launcher_names_its_limits(monkeypatch, device):
         beam_tail_attention_merge(**good, launch_config=TailLaunchConfig(2, 1, 2, 4))
     with pytest.raises(TailMergeInputError, match=r"launch_config.index_block=2 must be 0 \(no index blocks\) or a power"):
         beam_tail_attention_merge(**good, launch_config=TailLaunchConfig(4, 1, 4, 4, index_block=2))
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # A compiled (not interpreted) kernel cannot take CPU tensors: as where TRITON_INTERPRET was off at import.
+    import triton_kernels.tail_merge as tail_merge_module
+
+    monkeypatch.setattr(tail_merge_module, "runs_interpreted", lambda kernel: False)
     with pytest.raises(TailMergeInputError, match="needs CUDA tensors, got cpu; use beam_tail_attention_merge_torch"):
         beam_tail_attention_merge(**_args("cpu"))
 
