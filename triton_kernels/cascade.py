@@ -39,6 +39,7 @@ from .tail_merge_args import (
     _spans_overlap,
     check_step_args,
     check_tail_index_values,
+    is_pow2,
     pool_layout,
     resolve_sm_scale,
     runs_interpreted,
@@ -423,10 +424,6 @@ def shared_ancestry_reachable(max_tail_len: int | None, shared_min_tail: int = S
     return max_tail_len is None or max_tail_len - 1 >= shared_min_tail
 
 
-def _is_pow2(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and (x & (x - 1)) == 0
-
-
 @functools.cache
 def cuda_sm_count(index: int) -> int:
     """Multiprocessors of CUDA device ``index`` (read once per device)."""
@@ -455,7 +452,7 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int,
     if not isinstance(cfg, CascadeLaunchConfig):
         raise TailMergeInputError(f"launch_config must be a CascadeLaunchConfig or None, got {type(cfg).__name__}.")
     for name in ("beams_per_program", "group_pad", "block_n", "tail_block", "num_warps", "heads_per_program"):
-        if not _is_pow2(getattr(cfg, name)):
+        if not is_pow2(getattr(cfg, name)):
             raise TailMergeInputError(f"launch_config.{name}={getattr(cfg, name)!r} must be a power of two >= 1.")
     if cfg.block_m < MIN_BLOCK_M or cfg.block_n < MIN_BLOCK_N:
         raise TailMergeInputError(

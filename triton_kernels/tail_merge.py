@@ -24,6 +24,7 @@ from .tail_merge_args import (
     check_tail_index_values,
     check_tail_merge_args,
     check_tail_skip,
+    is_pow2,
     runs_interpreted,
 )
 from .tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel
@@ -278,19 +279,15 @@ def _check_launchable(q: torch.Tensor, head_dim: int, group_size: int) -> None:
         )
 
 
-def _is_pow2(x) -> bool:
-    return isinstance(x, int) and x >= 1 and (x & (x - 1)) == 0
-
-
 def _check_config(cfg: TailLaunchConfig, group_size: int) -> None:
     if not isinstance(cfg, TailLaunchConfig):
         raise TailMergeInputError(f"launch_config must be a TailLaunchConfig or None, got {type(cfg).__name__}.")
     for name in ("group_pad", "kv_heads_per_prog", "block_t", "num_warps"):
         value = getattr(cfg, name)
-        if not _is_pow2(value):
+        if not is_pow2(value):
             raise TailMergeInputError(f"launch_config.{name}={value!r} must be a power of two >= 1.")
     ib = cfg.index_block
-    if not (isinstance(ib, int) and (ib == 0 or (_is_pow2(ib) and ib >= cfg.block_t))):
+    if not (isinstance(ib, int) and (ib == 0 or (is_pow2(ib) and ib >= cfg.block_t))):
         raise TailMergeInputError(
             f"launch_config.index_block={ib!r} must be 0 (no index blocks) or a power of two >= "
             f"block_t={cfg.block_t}."

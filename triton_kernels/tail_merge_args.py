@@ -46,6 +46,11 @@ LSE_BASES = ("log2", "ln")
 _INT32_MAX = 2**31 - 1  # page_index_divisor is a compile-time int32 of the kernels
 
 
+def is_pow2(x) -> bool:
+    """Whether ``x`` is a power of two as a launch configuration takes it: an ``int``, not a ``bool``."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and (x & (x - 1)) == 0
+
+
 def runs_interpreted(kernel) -> bool:
     """Whether ``kernel`` (a ``@triton.jit`` function) runs in Triton's interpreter, on CPU tensors: decided by
     ``TRITON_INTERPRET`` when ``triton.jit`` decorated it (at import), in Triton's own spelling (1, true, on, yes)."""
