@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Installs what the tests need and runs them. CPU machines: torch 2.13.0 (CPU build) first, so that
-# the project's unpinned `torch` requirement never pulls a multi-GB CUDA build; Triton kernels run
-# under TRITON_INTERPRET=1 and GPU tests skip with a reason. GPU machines keep their own torch.
+# Installs what the tests need and runs them. CPU machines: torch 2.13.0 first, so that the project's
+# unpinned `torch` requirement never pulls another build (the project's CI machines resolve this pin to a
+# CPU wheel from local disk; elsewhere PIP_INDEX_URL=https://download.pytorch.org/whl/cpu gives the CPU
+# build); Triton kernels run under TRITON_INTERPRET=1 and GPU tests skip with a reason. GPU machines keep
+# their own torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
