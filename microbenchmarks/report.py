@@ -31,8 +31,8 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import sys
 import os
+import sys
 from typing import Dict, List, Optional, Sequence
 
 __all__ = [

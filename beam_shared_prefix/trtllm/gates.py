@@ -13,7 +13,8 @@ Every condition here is invariant within TensorRT-LLM's FMHA selection-cache key
 the key holds the bucketed context/generation batch sizes, the query length per generation row,
 the mask type, speculative decoding, block sparsity and the output dtypes; everything else checked
 here is fixed per layer or per engine (beam width is ``max_beam_width`` on beam-search steps with
-generation rows, section 3.3; the warm-up's width-1 steps are handed over per step, :func:`step_decline_reason`). Quantities that vary inside a key (prompt and KV lengths, the exact
+generation rows, section 3.3; the warm-up's width-1 steps are handed over per step,
+:func:`step_decline_reason`). Quantities that vary inside a key (prompt and KV lengths, the exact
 request count) are never gated on here; the per-step planner handles those (``planning.py``).
 
 :class:`DeclineLog` logs each distinct reason once, not once per call.

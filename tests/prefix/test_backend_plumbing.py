@@ -242,7 +242,7 @@ def test_flashinfer_without_a_semantic_argument_declines(fake_gpu_libs):
             raise AssertionError("planned without sm_scale")
 
     fake_gpu_libs.BatchPrefillWithPagedKVCacheWrapper = RenamedScale
-    sim, step, plan = make_case()
+    _, _, plan = make_case()
     with pytest.raises(PrefixBackendError, match=r"takes no \['sm_scale'\]: it would run with its own defaults"):
         FlashInferPrefixBackend("cpu").plan(plan, 4, 2, 16, 4, torch.bfloat16, 0.25)
 
