@@ -429,21 +429,24 @@ def _live_pages(sim):
     return sorted({page for req in sim.requests for beam in req.pages for page in beam})
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)],
-                         ids=["prefix+tail", "cascade"])
+@pytest.mark.parametrize("backend,check", [
+    ("reference", "0"), pytest.param("triton", "0", marks=pytest.mark.interpreter), ("reference", "1"),
+], ids=["prefix+tail", "cascade", "check-mode"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(data=st.data())
-def test_random_serving_sequences_match_the_oracle_and_write_only_their_slots(trt, monkeypatch, backend, data):
+def test_random_serving_sequences_match_the_oracle_and_write_only_their_slots(trt, monkeypatch, backend, check,
+                                                                              data):
     """A serving loop as in-flight batching drives it: requests finish and join between steps (freed pages come
     back under other requests), beams are reselected, eager steps carry context requests, and CUDA-graph
     metadata of each batch size alternates with the eager one. Every step matches the float32 oracle, and
     the pool's pages of the live requests differ from before the step only at each row's write slot, which
     holds this step's K/V (a stale plan, a wrong page or a write into shared K/V fails here). On the reference
-    prefix + the Triton tail, and on the one-launch cascade."""
+    prefix + the Triton tail, on the one-launch cascade, and in check mode (which must pass every such step)."""
     model = trt(layout="new")
     monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_CHECK", check)
     register()
     beam_width = data.draw(st.integers(2, 4), label="beam_width")
     prompts = data.draw(st.lists(st.integers(1, 60), min_size=1, max_size=3), label="prompts")
@@ -480,4 +483,5 @@ def test_random_serving_sequences_match_the_oracle_and_write_only_their_slots(tr
     from beam_shared_prefix.trtllm import planning
 
     metadata = [setup.engine.metadata, *graphs.values()]
-    assert {w.backend_name for m in metadata for w in planning.metadata_state(m).wrappers.values()} == {backend}
+    wrappers = [w for m in metadata for w in planning.metadata_state(m).wrappers.values()]
+    assert {w.backend_name for w in wrappers} == {backend} and {w.check for w in wrappers} == {check == "1"}
