@@ -838,3 +838,13 @@ def test_lengths_the_rule_cannot_judge_are_refused(prompt_len, tail_len, name):
     with pytest.raises(ValueError, match=f"{name} must be a finite length >= 0"):
         should_decline(64, 30, prompt_len, 16, 8, 128, tail_len=tail_len)
     assert should_decline(64, 30, None, 16, 8, 128, tail_len=None) is None  # unknown lengths: not judged
+
+
+def test_the_tail_clause_leaves_single_beams_to_the_width_clause():
+    """Under two beams nothing is shared and should_decline says so; the tail clause alone returns None there (it
+    read a missing table and said "needs None prompt tokens")."""
+    from beam_shared_prefix.decline import tail_decline_reason
+
+    assert tail_decline_reason(1, 100, 500, 8, 4, 16) is None
+    assert "beam width 1 < 2" in should_decline(4, 1, 100, 16, 8, 128, tail_len=500)
+    assert "needs" in tail_decline_reason(2, 100, 500, 8, 4, 16)

@@ -185,3 +185,9 @@ def test_memoized_tail_check_agrees_with_the_check_itself(picks):
     _forget_kept_checks()
     for (name, args), want in zip(sequence, expected, strict=True):
         assert _outcome(args) == want, name
+
+
+def test_launch_configurations_take_ints_not_bools():
+    """``True`` is an int equal to 1 in Python; a launch configuration takes it for no power of two."""
+    assert [tail_merge_args.is_pow2(x) for x in (1, 2, 64, True, 0, 3, 2.0)] == [True, True, True, False, False, False,
+                                                                                False]
