@@ -395,14 +395,12 @@ class BeamSharedPrefixAttention:
             return step_plan
         # Checked where a plan is built, not on the cache hits above (every step): a shape passes once.
         if self.tail_impl == "triton":  # refused here, not at the first run() of a planned batch
-            from triton_kernels.tail_merge import MAX_GROUP_SIZE, SUPPORTED_HEAD_DIMS  # deferred: imports triton
+            from triton_kernels.tail_merge import tail_supported  # deferred: imports triton
 
-            if head_dim not in SUPPORTED_HEAD_DIMS or num_qo_heads // num_kv_heads > MAX_GROUP_SIZE:
-                raise AttentionInputError(
-                    f"head_dim={head_dim}, GQA group {num_qo_heads // num_kv_heads}: the Triton tail kernel tiles head "
-                    f"sizes {SUPPORTED_HEAD_DIMS} and groups up to {MAX_GROUP_SIZE}; build the wrapper with "
-                    f"tail_impl='torch' for this shape."
-                )
+            ok, reason = tail_supported(num_qo_heads // num_kv_heads, head_dim)
+            if not ok:
+                raise AttentionInputError(f"head_dim={head_dim}, GQA group {num_qo_heads // num_kv_heads}: {reason}; "
+                                          f"build the wrapper with tail_impl='torch' for this shape.")
         backend = self._backend_for(problem_key, step_plan, max_tail_len)
         if not (same_step and active[2] is backend):  # else only the shared-run stage moved: the plan stands
             backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, problem_key[5])

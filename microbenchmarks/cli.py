@@ -342,16 +342,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    json_stdout = sys.stdout
+    args.json_stdout = sys.stdout  # where `--json -` goes, captured before the redirect below
     with contextlib.ExitStack() as stack:
         if args.json == "-":  # the document alone on stdout: the table, the log and the progress go to stderr
             stack.enter_context(contextlib.redirect_stdout(sys.stderr))
-        return _main(parser, args, argv, json_stdout)
+        return _main(parser, args, argv)
 
 
-def _main(parser: argparse.ArgumentParser, args, argv: List[str], json_stdout) -> int:
-    args.json_stdout = json_stdout
-
+def _main(parser: argparse.ArgumentParser, args, argv: List[str]) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 

@@ -30,7 +30,7 @@ from .tail_merge_args import (
 from .tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel
 from .tail_merge_kernel import beam_tail_merge_kernel
 
-__all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config"]
+__all__ = ["beam_tail_attention_merge", "TailLaunchConfig", "tail_launch_config", "tail_supported"]
 
 # Registers per thread held on [QH, D] tail launches of one or two warps whose [QH, BLOCK_T, D] tile is at
 # most 16 elements a thread (G = 3-4 at one warp, G = 5-8 at two, heads up to 128, one token per step).
@@ -261,17 +261,20 @@ def tail_launch_config(group_size: int, num_kv_heads: int, head_dim: int,
     return TailLaunchConfig(group_pad, kv_heads_per_prog, block_t, num_warps, _TOKENS_OUTER, DEFAULT_INDEX_BLOCK)
 
 
-def _check_launchable(q: torch.Tensor, head_dim: int, group_size: int) -> None:
+def tail_supported(group_size: int, head_dim: int) -> tuple[bool, str]:
+    """Whether the Triton tail kernel tiles this shape: ``(True, "")`` or ``(False, reason)``."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise TailMergeInputError(
-            f"head_dim={head_dim} is not supported by the Triton tail kernel (supported: {SUPPORTED_HEAD_DIMS}); "
-            f"use beam_tail_attention_merge_torch for other head sizes."
-        )
+        return False, (f"head_dim={head_dim} is not supported by the Triton tail kernel "
+                       f"(supported: {SUPPORTED_HEAD_DIMS})")
     if group_size > MAX_GROUP_SIZE:
-        raise TailMergeInputError(
-            f"GQA group size Hq/Hkv={group_size} exceeds {MAX_GROUP_SIZE}, the largest group the kernel tiles; "
-            f"use beam_tail_attention_merge_torch for this shape."
-        )
+        return False, f"GQA group size Hq/Hkv={group_size} exceeds {MAX_GROUP_SIZE}, the largest group the kernel tiles"
+    return True, ""
+
+
+def _check_launchable(q: torch.Tensor, head_dim: int, group_size: int) -> None:
+    ok, reason = tail_supported(group_size, head_dim)
+    if not ok:
+        raise TailMergeInputError(f"{reason}; use beam_tail_attention_merge_torch for this shape.")
     if not q.is_cuda and not runs_interpreted(beam_tail_merge_kernel):
         raise TailMergeInputError(
             f"beam_tail_attention_merge runs a Triton kernel and needs CUDA tensors, got {q.device}; "

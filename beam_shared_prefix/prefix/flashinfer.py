@@ -156,9 +156,6 @@ def _import_flashinfer():
 #: ``plan()`` arguments whose loss would change results without an error (a rename in another FlashInfer would
 #: run with its defaults: the scale ``1/sqrt(D)``, say): their absence declines the backend instead.
 _REQUIRED_PLAN_ARGS = ("causal", "sm_scale", "q_data_type", "kv_data_type")
-#: The LSE convention the backend reports (:attr:`FlashInferPrefixBackend.lse_base`/``lse_layout``), passed to
-#: ``run()`` wherever it takes them rather than relied on as its defaults.
-_RUN_LSE_ARGS = {"lse_base": "log2", "lse_layout": "NH"}
 
 
 def _accepted_kwargs(fn, kwargs: dict, required=()) -> dict:
@@ -180,13 +177,14 @@ def _accepted_kwargs(fn, kwargs: dict, required=()) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def _run_lse_kwargs(run) -> dict:
-    """:data:`_RUN_LSE_ARGS` that ``run`` takes by name (0.7.4 and later take both)."""
+def _run_lse_kwargs(run, lse_base: str, lse_layout: str) -> dict:
+    """The LSE convention the backend reports, as the ``run()`` keywords it takes by name (0.7.4 and later take
+    both), so that it is passed rather than relied on as FlashInfer's defaults."""
     try:
         params = inspect.signature(run).parameters
     except (TypeError, ValueError):
         return {}
-    return {k: v for k, v in _RUN_LSE_ARGS.items() if k in params}
+    return {k: v for k, v in (("lse_base", lse_base), ("lse_layout", lse_layout)) if k in params}
 
 
 def _is_workspace_error(exc: BaseException) -> bool:
@@ -379,7 +377,7 @@ class FlashInferPrefixBackend(PrefixBackend):
                     ) from exc
                 self._ensure_workspace(self.workspace_bytes * 2)
         self._active = wrapper
-        self._run_kwargs = _run_lse_kwargs(wrapper.run)
+        self._run_kwargs = _run_lse_kwargs(wrapper.run, self.lse_base, self.lse_layout)
         self.kernel = kernel
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
