@@ -17,10 +17,10 @@ On the two-launch paths a third launch may sit between the two, the **shared-run
 reads from one ancestor (beam search's histories coalesce a few steps back) are attended once per block and
 merged into the prefix state, and the tail skips them. ``shared_run="auto"`` (the default) runs it for
 steps whose longest tail, given to :meth:`BeamSharedPrefixAttention.plan` as ``max_tail_len``, is at least
-:data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` generated tokens, where it measured faster,
+:data:`~beam_shared_prefix.prefix.cascade_rule.SHARED_RUN_MIN_TAIL` generated tokens, where it measured faster,
 and there ``backend="auto"`` prefers the two-launch paths to the cascade. At MHA (head 128) ``auto``
 also leaves the cascade for FA4 + tail past
-:data:`~beam_shared_prefix.prefix.select.CASCADE_MAX_TAIL` generated tokens, but only with
+:data:`~beam_shared_prefix.prefix.cascade_rule.CASCADE_MAX_TAIL` generated tokens, but only with
 ``use_cuda_graph=True``: an eager call pays FA4's host time (about twice the cascade's) every time, which
 outweighed its device gain on the H200.
 
@@ -38,7 +38,7 @@ valid while the number of requests, the beam width and the attention shape stay 
 mode ``backend="auto"`` picks the backend once per shape, at its first plan, and keeps it (a captured
 launch cannot switch kernels); it judges the shape at the longest prompt the capture can serve
 (``max_prompt_pages`` pages), not at the first batch's prompts
-(:func:`~beam_shared_prefix.prefix.select.graph_rule_prompt`), and at ``max_requests`` requests. The
+(:func:`~beam_shared_prefix.prefix.cascade_rule.graph_rule_prompt`), and at ``max_requests`` requests. The
 shared-run stage is decided at the same first plan and kept: with ``shared_run="auto"`` it is captured
 only if that plan's ``max_tail_len`` was long enough (an engine capturing at warm-up passes none); the
 tail limit of the cascade is judged at that plan's ``max_tail_len`` too (none: not judged), and kept.
@@ -105,7 +105,7 @@ class BeamSharedPrefixAttention:
             generated positions that every beam of a block reads from one ancestor once per block between
             the two (:func:`triton_kernels.beam_shared_run_attention`), and let the tail skip them.
             ``"auto"``: for plans whose ``max_tail_len`` is at least
-            :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` (there ``backend="auto"`` also
+            :data:`~beam_shared_prefix.prefix.cascade_rule.SHARED_RUN_MIN_TAIL` (there ``backend="auto"`` also
             prefers the two-launch paths to the cascade); ``True``/``"on"``: every step; ``False``/``"off"``:
             never. ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_SHARED_RUN`` (default ``"auto"``).
         max_tail_len: the longest tail any step will have, in generated tokens per beam (this step's
@@ -340,16 +340,16 @@ class BeamSharedPrefixAttention:
             max_tail_len: the step's longest tail, generated tokens per beam with this step's own
                 (``max(kv_len) - prompt_len`` over the batch), as the host knows it; ``None``: unknown. It
                 decides whether the shared-run stage runs (reaching
-                :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL`, ``shared_run="auto"``) and, with
+                :data:`~beam_shared_prefix.prefix.cascade_rule.SHARED_RUN_MIN_TAIL`, ``shared_run="auto"``) and, with
                 ``backend="auto"``, whether the cascade is preferred (every eager plan; under ``use_cuda_graph`` the
-                first plan's, against :data:`~beam_shared_prefix.prefix.select.CASCADE_MAX_TAIL`); an eager step's
+                first plan's, against :data:`~beam_shared_prefix.prefix.cascade_rule.CASCADE_MAX_TAIL`); an eager step's
                 cascade launch is given it as a bound (a captured one, the constructor's ``max_tail_len``, which a
                 larger value here warns about once). run() reads the true lengths from ``kv_lens``.
 
         Returns:
             The :class:`StepPlan` (the same object while the composition is unchanged; then the backend
             is not planned again either: :attr:`num_backend_plans` does not move, except once where the
-            tail reaches :data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` and ``auto`` moves
+            tail reaches :data:`~beam_shared_prefix.prefix.cascade_rule.SHARED_RUN_MIN_TAIL` and ``auto`` moves
             the batch from the cascade to a two-launch path).
         """
         ensure_not_capturing("BeamSharedPrefixAttention.plan()")

@@ -145,7 +145,7 @@ heads and its scaled equivalents 1.20x-1.64x at 1, 2, 4 and 16, against 0.71x-1.
 the nineteenth round's rule, at 1.18x-3.24x.
 
 One exception (tenth round, ``small_batches_backends*.json``): FlashInfer's prefill splits each
-prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.select.split_kv_preferred` picks it) the cost
+prompt over many CTAs, so where it serves (``backend="flashinfer"``, or ``auto`` where :func:`beam_shared_prefix.prefix.split_kv_rule.split_kv_preferred` picks it) the cost
 follows the prompt KV that the ``W`` beams no longer re-read, ``R x W x P``:
 
 | R x W x P (R = 1-8, W = 8-30, P = 500-4,000) | FlashInfer + tail over per-beam decode |
@@ -235,7 +235,7 @@ cascade folds the run of tail positions that every beam of a tile reads from one
 the clause is unchanged, since that run is data on the device and the per-beam reads it was fitted on bound
 the kernel whatever the ancestry (where histories coalesce, 64 x 30 x 500 at 256 tokens ran 3.97x faster
 than per-beam decode and is still declined). Since the twenty-ninth round ``auto`` serves tails from
-:data:`~beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL` on a two-launch path with the shared-run stage;
+:data:`~beam_shared_prefix.prefix.cascade_rule.SHARED_RUN_MIN_TAIL` on a two-launch path with the shared-run stage;
 over 48 points at 96 and 256 tokens under both ancestries (``tail_auto_check_round29_shared*.json``) the
 clause served 11, the slowest 2.30x, and one table entry rose (MQA, 2-11 beams from 512 rows: 50 to 55).
 
@@ -386,8 +386,8 @@ MIN_BEAM_ROWS_NARROW_TILE = {3: 36, 4: 36, 5: 40}
 NARROW_TILE_FLOOR_MIN_PROMPT = 160
 _NARROW_TILE_FLOOR_GROUPS = frozenset((2, 3, 4))
 #: 3-5 beams at head 128, GQA 5-8 and 2-8 KV heads, from :data:`NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT` tokens, on the
-#: cascade's 8-beam tile or FA4 + tail (``prefix/select.py`` picks): at most this many rows at 8 KV heads by beam width
-#: (scaled as the others; the older floors stand where they ask fewer). Fifty-seventh round
+#: cascade's 8-beam tile or FA4 + tail (``prefix/cascade_rule.py`` picks): at most this many rows at 8 KV heads by beam
+#: width (scaled as the others; the older floors stand where they ask fewer). Fifty-seventh round
 #: (``narrow_g[68]_round57_kv*.json``, ``narrow_tile_round56_g8_kv8.json``, ``select_heldout2[56]_g[5-8]_*.json``: GQA
 #: 64/8, 56/8, 48/8, 40/8, 32/4, 28/4 and 16/2, 8-200 requests of 3-8 beams at 250-1,500 tokens): every point from 512
 #: row-KV-heads won, 1.28x-2.77x against per-beam decode (3 beams from 576, 1.28x-1.69x); at 192 0.89x-0.96x; 17 x 3 at
@@ -450,7 +450,7 @@ MIN_BEAM_ROW_TOKENS_SPLIT_KV = 60_000
 MIN_BEAM_ROW_TOKENS_SPLIT_KV_HEAD_256 = 30_000
 # The narrowest beam width at which that exception was measured (8-30 beams).
 _SPLIT_KV_MEASURED_FROM_WIDTH = 8
-# ``(GQA group, head size)`` where it was measured: those of ``prefix.select.SPLIT_KV_PROMPT``
+# ``(GQA group, head size)`` where it was measured: those of ``prefix.split_kv_rule.SPLIT_KV_PROMPT``
 # (a test keeps the two equal; this module imports nothing of the library), with the ``R x W x P``
 # served from there. GQA 4 at head 64 needs more: at 64,000 it measured 1.02x (4 x 8 x 2,000) to
 # 1.41x, at 120,000-128,000 1.38x-1.63x (per-beam decode there reads half head 128's bytes).

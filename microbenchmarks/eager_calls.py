@@ -16,7 +16,7 @@ library arm, over ``--batches`` batches of ``--calls`` back-to-back ``run()`` ca
 
 The ``--json`` document (rewritten after every shape; ``complete`` false until the end) holds one row per
 shape and arm under ``results``, as the committed ``docs/results/h200/eager_*.json`` files do. It informs
-``auto``'s eager limits (``beam_shared_prefix/prefix/select.py``); it is not a test.
+``auto``'s eager limits (``beam_shared_prefix/prefix/cascade_rule.py``); it is not a test.
 """
 
 from __future__ import annotations

@@ -332,7 +332,7 @@ def test_only_cuda_graphs_judge_the_cascade_tail_limit(monkeypatch, graph, share
 def test_the_rule_hears_the_launch_tail_bound(monkeypatch, graph, wrapper_bound, step_tail, rule_bound):
     """``auto`` judges the cascade with the tail bound its launch will get (GQA 5-8 at head 128 take it only where
     that bound leaves the shared-ancestry path out): the wrapper's ``max_tail_len`` under CUDA graphs, the step's
-    own tail on eager calls (:func:`beam_shared_prefix.prefix.select.cascade_tail_bound`)."""
+    own tail on eager calls (:func:`beam_shared_prefix.prefix.cascade_rule.cascade_tail_bound`)."""
     import beam_shared_prefix.attention as attention_module
 
     calls = []
@@ -385,9 +385,9 @@ def test_shared_run_follows_the_tail(monkeypatch, mode, graph):
     stage switches on without a backend re-plan, and every step matches the oracle. ``"on"`` runs it on every
     step, ``"off"`` on none; under CUDA graphs the first plan's verdict is kept (here: a short tail, so
     never)."""
-    from beam_shared_prefix.prefix import select
+    from beam_shared_prefix.prefix import cascade_rule
 
-    monkeypatch.setattr(select, "SHARED_RUN_MIN_TAIL", 5)
+    monkeypatch.setattr(cascade_rule, "SHARED_RUN_MIN_TAIL", 5)
     monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_CACHED_TAIL", 4)
     sim = make_sim(prompts=(9, 30), beams=5, hq=4, hkv=2, d=64, pg=8, max_seq_len=48, seed=7)
     caps = dict(max_requests=2, max_beam_width=5, max_prompt_pages=4) if graph else {}

@@ -5,7 +5,7 @@ launch: each request's prompt attended once per block of beams on tensor cores, 
 generated tail gathered through ``cache_indirection``, this step's K/V written, no prefix state
 through memory. It serves short and medium prompts, where a separate prefix kernel's launch and
 the prefix-state round trip are a large share of the step (the measured rule that picks it is in
-:mod:`beam_shared_prefix.prefix.select`). No host sync: safe to capture in a CUDA graph, and the
+:mod:`beam_shared_prefix.prefix.cascade_rule`). No host sync: safe to capture in a CUDA graph, and the
 prompt and tail lengths are read on the device at every replay.
 
 :func:`beam_prefix_attention` runs only the prompt part and writes the prefix state (normalised
@@ -93,7 +93,7 @@ GROUP_2_ROOMY_PROGRAMS_PER_SM = 3
 NARROW_TILE_PROGRAMS_PER_SM = 3
 WIDE_GROUP_4_TILE_PROGRAMS_PER_SM = 2
 # Resident programs a multiprocessor of G = 5-8's 8-beam tile at D = 128 (255 registers a thread at 4 warps, 48 KB of
-# shared memory; tune_cascade_narrow_g8_warps_round56.json): the wave that prefix/select.py's rule counts there.
+# shared memory; tune_cascade_narrow_g8_warps_round56.json): the wave that prefix/cascade_rule.py's rule counts there.
 NARROW_TILE_GROUP_8_PROGRAMS_PER_SM = 2
 # tl.dot needs 16 rows: a tile of fewer than 16 beams (NARROW_TILE_BEAMS, or an explicit launch_config) has at least
 # this many query rows (beams x padded group).
@@ -262,7 +262,7 @@ def narrow_tile_beams(beam_width: int, group_size: int, head_dim: int) -> int | 
     return None
 
 
-@functools.lru_cache(maxsize=None)  # the rule (prefix/select.py) asks for it at every eager step
+@functools.lru_cache(maxsize=None)  # the rule (prefix/cascade_rule.py, waves.py) asks for it at every eager step
 def wide_launch_config(beam_width: int, group_size: int, head_dim: int,
                        prompt_capacity: Optional[int] = None, num_requests: int | None = None,
                        num_kv_heads: int = 1, num_sms: int = DEFAULT_MULTIPROCESSORS,
@@ -328,7 +328,7 @@ def wide_launch_config(beam_width: int, group_size: int, head_dim: int,
       96 x 256: 76.0 against 64.5), and was 4-6% slower at 24 x 48 (16 padding beams a request, the 16-beam tile none)
       and 53-69% at 64 x 14 (``tune_cascade``'s ``g4_d64_tile32_round45.json``, ``g4_d64_tile32_round46.json``). With
       the batch unknown (``num_requests`` ``None``) the 16-beam tile stays: fewer programs than multiprocessors were
-      not measured, and the ``auto`` rule (``prefix/select.py``) counts that tile's beam blocks. Where the 32-beam
+      not measured, and the ``auto`` rule (``prefix/cascade_rule.py``) counts that tile's beam blocks. Where the 32-beam
       launch would run two waves, the second at most half full (two programs a multiprocessor make a wave), the
       16-beam launch runs three waves of programs that finish in about half the time, and it stays
       (:func:`wide_group_head_64_tile_choice`): 4-11% faster at 272-384 programs (34 x 32 x 384 at GQA 32/8: 44.0

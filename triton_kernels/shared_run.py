@@ -3,7 +3,7 @@ the tail kernel, the generated positions every beam of a tile reads from one anc
 tile and merged into the prefix state; the tail kernel then skips them (``tail_skip``).
 
 The wrapper launches it on the two-launch paths for steps whose longest tail reaches
-``beam_shared_prefix.prefix.select.SHARED_RUN_MIN_TAIL`` (``shared_run="auto"``), where it measured faster on the
+``beam_shared_prefix.prefix.cascade_rule.SHARED_RUN_MIN_TAIL`` (``shared_run="auto"``), where it measured faster on the
 H200: up to 2.8x at 256 generated tokens with beam search's coalescing histories, 1-2% slower without shared
 ancestry (``docs/rounds.md``, "The twenty-ninth round").
 """
@@ -17,7 +17,7 @@ import torch
 from .cascade import (
     _check_device,
     cascade_supported,
-    cuda_sm_count,  # noqa: F401  (prefix.select reads the device's count through this module)
+    cuda_sm_count,  # noqa: F401  (prefix.waves reads the device's count through this module)
     launch_multiprocessors,
     wide_launch_config,
 )

@@ -700,9 +700,9 @@ def test_groups_3_and_4_at_head_64_on_the_h200_grids(monkeypatch):
     faster with the cascade.
     :func:`group_3_head_64_verdict` leaves 34-35 x 64 at G = 3 (0.69-0.71 full), 2% faster at 64 tokens, even to 1%
     slower at 128 and 15-18% slower at 256."""
-    from beam_shared_prefix.prefix import select
+    from beam_shared_prefix.prefix import select, waves
 
-    monkeypatch.setattr(select, "multiprocessors", lambda: 132)  # the H200's, on any machine
+    monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H200's, on any machine
     counts = {"taken": 0, "even": 0, "left": 0, "by_waves": 0, "retiled": 0}
     for pattern in ("g[34]_d64_*_round4[78].json", "g[34]_d64_*_half_wave_round49.json",
                     "g[34]_d64_*_tile_heldout_round49.json", "g[34]_d64_*_round5[01].json"):
@@ -775,10 +775,10 @@ def test_group_3_head_64_verdict_names_its_limit(requests, beams, sms, why):
 def test_wide_tile_limit_follows_the_waves(monkeypatch, group, requests, beams, limit):
     """The prompt limit at GQA 3-4 and head 64 where the width fills 32-beam tiles, by block count and wave fill
     (H200: 264 programs a wave), in place of the 16-beam tile's."""
-    from beam_shared_prefix.prefix import select
+    from beam_shared_prefix.prefix import cascade_rule, waves
 
-    monkeypatch.setattr(select, "multiprocessors", lambda: 132)
-    assert select._wide_tile_limit(requests, 8, beams, group, 64) == limit
+    monkeypatch.setattr(waves, "multiprocessors", lambda: 132)
+    assert cascade_rule._wide_tile_limit(requests, 8, beams, group, 64) == limit
 
 
 @pytest.mark.parametrize("heads,requests,beams,prompt,blocks", [
@@ -791,9 +791,9 @@ def test_wide_tile_limit_follows_the_waves(monkeypatch, group, requests, beams, 
 def test_prompt_decline_names_the_launch_tile(monkeypatch, heads, requests, beams, prompt, blocks):
     """A prompt-limit decline at GQA 3-4 and head 64 describes the tile the batch's launch takes, not the batch-blind
     16-beam one, with the prompt and the limit."""
-    from beam_shared_prefix.prefix import select
+    from beam_shared_prefix.prefix import select, waves
 
-    monkeypatch.setattr(select, "multiprocessors", lambda: 132)
+    monkeypatch.setattr(waves, "multiprocessors", lambda: 132)
     ok, why = select.cascade_preferred(prompt, heads, 8, beams, 64, requests, tail_len=4)
     assert not ok and f"mean prompt {prompt} tokens > " in why and blocks in why, why
 
@@ -836,11 +836,11 @@ def test_group_8_at_head_128_wants_a_tail_bound_on_the_h200_grids(monkeypatch):
     slower (40 x 16 at 128 tokens, 320 programs), and none it leaves was more than 5% faster. Widths of up to 8 beams
     ran the 16-beam tile then; they run the 8-beam tile since round 56, judged on its own grids
     (``test_group_8_narrow_widths_follow_the_waves_on_the_h200_grids``)."""
-    from beam_shared_prefix.prefix import select
+    from beam_shared_prefix.prefix import waves
     from beam_shared_prefix.prefix.select import CASCADE_SHORT_TAIL, cascade_preferred
     from triton_kernels.cascade import narrow_tile_beams
 
-    monkeypatch.setattr(select, "multiprocessors", lambda: 132)  # the H200's, on any machine
+    monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H200's, on any machine
     taken = left = 0
     for name, s, prompt, arms in _h200_grid_points("g[568]_d128_*_round4[78].json"):
         if narrow_tile_beams(s["beams"], s["heads"] // s["kv_heads"], 128) is not None:
@@ -878,10 +878,10 @@ def test_narrow_widths_follow_the_h200_grids(monkeypatch, pattern, taken, left, 
     the cascade (G = 5-8 on the 8-beam tile with more programs than multiprocessors, G = 3-4 on the 4-beam tile below
     the few-programs limit) was faster than FA4 + tail; the points it leaves to FA4 + tail where the cascade was more
     than 5% faster are pinned (waves 0.61-0.76 full under the partly-full limits)."""
-    from beam_shared_prefix.prefix import select
+    from beam_shared_prefix.prefix import select, waves
     from triton_kernels.cascade import narrow_tile_beams
 
-    monkeypatch.setattr(select, "multiprocessors", lambda: 132)  # the H200's, on any machine
+    monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H200's, on any machine
     picked_count, faster_left, points = 0, [], 0
     for name, s, prompt, arms in grid_points(pattern):
         assert s["head_dim"] == 128 and narrow_tile_beams(s["beams"], s["heads"] // s["kv_heads"], 128), name
@@ -1119,13 +1119,13 @@ def test_eager_steps_take_the_cascade_while_host_bound(monkeypatch):
     at MHA with 64 generated tokens, steps of 1-2 GB that the byte limit leaves to the earlier rules."""
     import json
 
-    import beam_shared_prefix.prefix.select as select
+    import beam_shared_prefix.prefix.cascade_rule as cascade_rule
     from beam_shared_prefix.prefix.select import (EAGER_CASCADE_MAX_BYTES, cascade_preferred, cascade_step_bytes,
                                                   eager_cascade_preferred, split_kv_preferred)
 
     def before_the_rule(*args):  # the eager choice without this rule (the byte limit below every step)
         with monkeypatch.context() as m:
-            m.setattr(select, "EAGER_CASCADE_MAX_BYTES", -1)
+            m.setattr(cascade_rule, "EAGER_CASCADE_MAX_BYTES", -1)
             return cascade_preferred(*args, eager=True)[0]
 
     moved, lost = [], []
@@ -1351,7 +1351,8 @@ def test_gqa2_odd_blocks_raise_on_the_round38_grids(pattern, taken_points, slowe
     round 38's left and which was 12% faster with the cascade; it leaves 24 x 80 (576 programs, 0.75 as full), 9%
     slower. Every point it takes past 320 tokens was faster with the cascade, by 2-18%; where it declines, FA4 + tail
     was faster or within 1%, but at 64 x 96 x 512 (past the raise, 9% slower)."""
-    from beam_shared_prefix.prefix.select import _waves_limit, cascade_preferred
+    from beam_shared_prefix.prefix.cascade_rule import _waves_limit
+    from beam_shared_prefix.prefix.select import cascade_preferred
 
     taken, slower = 0, []
     for name, s, prompt, arms in grid_points(pattern):
@@ -1405,9 +1406,10 @@ def test_odd_blocks_raise_follows_the_waves_on_the_h200_grids(pattern, points, t
     + tail there, 5-8% slower; the rule now takes it. Round 41 held the same grid out on the H200, ``auto`` on the
     final rule: every point taken was faster with the cascade, by 3-26%; those left were 0.6-2.6% faster (27 requests,
     a balance of 1.0) or slower, by 1-17%."""
+    from beam_shared_prefix.prefix.cascade_rule import _waves_limit
     from beam_shared_prefix.prefix.select import (CASCADE_BY_WAVES_MIN_BALANCE, CASCADE_BY_WAVES_MIN_FILL,
-                                                  CASCADE_BY_WAVES_PARTLY_FULL, _cascade_programs, _waves_limit,
-                                                  cascade_preferred, wave_balance)
+                                                  CASCADE_BY_WAVES_PARTLY_FULL, cascade_preferred, wave_balance)
+    from beam_shared_prefix.prefix.waves import _cascade_programs
 
     seen, taken, left = 0, 0, []
     card, _, pattern = pattern.rpartition("/")
@@ -1445,7 +1447,8 @@ def test_odd_blocks_raise_follows_the_waves_on_the_h200_grids(pattern, points, t
 def _raise_by_waves_points(pattern, head_dim, beam_range, auto_ran):
     """``(shape, prompt, picked, why, cascade time over FA4 + tail's, _waves_limit)`` of each point of a GQA 16/8
     grid whose width lies in ``beam_range``; where ``auto_ran``, ``auto``'s recorded backend must be the rule's."""
-    from beam_shared_prefix.prefix.select import _waves_limit, cascade_preferred
+    from beam_shared_prefix.prefix.cascade_rule import _waves_limit
+    from beam_shared_prefix.prefix.select import cascade_preferred
 
     for _, s, prompt, arms in grid_points(pattern):
         r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
@@ -1467,13 +1470,13 @@ def test_wide_groups_at_head_64_take_several_blocks_to_the_h200_grids():
     with the higher limits of round 47, these 16-beam timings no longer apply and are left out.) With at most 256
     programs round 48 raised the limit to 640 at GQA 4: here 9 x 48 was 4-22% faster at 256-640 tokens and 8 x 32 6%
     at 640."""
+    from beam_shared_prefix.prefix.cascade_rule import _wide_tile_limit
     from beam_shared_prefix.prefix.select import (
         CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS,
         CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS,
-        _cascade_programs,
-        _wide_tile_limit,
         cascade_preferred,
     )
+    from beam_shared_prefix.prefix.waves import _cascade_programs
 
     taken, left, old_taken = [], [], []
     for _, s, prompt, arms in grid_points("g[34]_d64_w*_nosa_round44.json"):
@@ -1500,7 +1503,8 @@ def test_wide_groups_at_head_64_take_several_blocks_to_the_h200_grids():
 def _group_8_head_64_points(pattern, many_programs):
     """``(shape, prompt, programs, picked, why, cascade / FA4 + tail)`` of round 45's GQA 5-8 head-64 grids, keeping
     the points above one cascade program a multiprocessor (``many_programs``: the 4-warp tile) or at most one (8)."""
-    from beam_shared_prefix.prefix.select import DEFAULT_MULTIPROCESSORS, _cascade_programs, cascade_preferred
+    from beam_shared_prefix.prefix.select import DEFAULT_MULTIPROCESSORS, cascade_preferred
+    from beam_shared_prefix.prefix.waves import _cascade_programs
 
     for _, s, prompt, arms in grid_points(pattern):
         r, w, hq, hkv, d = s["requests"], s["beams"], s["heads"], s["kv_heads"], s["head_dim"]
@@ -1588,7 +1592,7 @@ def test_wave_balance_counts_both_kernels_waves(monkeypatch):
     """The wave efficiency is the mean fill of a grid's waves; the balance divides the cascade's (two programs a
     multiprocessor, one per request, KV head and beam block) by FA4's (one CTA of 128 rows a multiprocessor);
     the multiprocessors come from the current CUDA device, else the H200's 132."""
-    from beam_shared_prefix.prefix import select
+    from beam_shared_prefix.prefix import cascade_rule, select
 
     assert select.wave_efficiency(264, 264) == 1.0 and select.wave_efficiency(265, 264) == 265 / 528
     assert select.wave_efficiency(1, 132) == 1 / 132
@@ -1612,10 +1616,10 @@ def test_wave_balance_counts_both_kernels_waves(monkeypatch):
     monkeypatch.setattr(shared_run, "cuda_sm_count", lambda index: 114 if index == 7 else 0)
     assert select.multiprocessors() == 114
     assert select.wave_balance(11, 8, 48, 4, 128) == pytest.approx((264 / 456) / (176 / 228))
-    assert select._waves_limit(11, 8, 48, 4, 128) == (pytest.approx(0.75), 0.95, 448)  # short of 0.95: declined
+    assert cascade_rule._waves_limit(11, 8, 48, 4, 128) == (pytest.approx(0.75), 0.95, 448)  # short of 0.95: declined
     assert not select.cascade_preferred(416, 32, 8, 48, 128, 11, 4)[0]
     # 456 programs: one whole cascade wave (228 slots x 2); 304 FA4 CTAs: 2.67 waves.
-    assert select._waves_limit(19, 8, 48, 4, 128) == (pytest.approx(1.125), 0.95, 448)
+    assert cascade_rule._waves_limit(19, 8, 48, 4, 128) == (pytest.approx(1.125), 0.95, 448)
     assert select.cascade_preferred(416, 32, 8, 48, 128, 19, 4)[0]
 
 
@@ -1649,17 +1653,17 @@ def test_partly_full_blocks_ask_a_fuller_wave_balance():
     """GQA 4's three blocks under 0.9 full (40-43 beams) take the raise from a balance of 1.05, fuller ones from 0.95;
     under 0.83 full (39 beams and fewer) none. A balance of exactly 1.05 (52 requests: (1248/1320) / (832/924), a
     float just under) counts as 1.05."""
-    from beam_shared_prefix.prefix import select
+    from beam_shared_prefix.prefix import cascade_rule, select
 
     assert select.wave_balance(52, 8, 41, 4, 128, num_sms=132) == 1.05
-    assert select._waves_limit(52, 8, 41, 4, 128) == (1.05, 1.05, 448)
+    assert cascade_rule._waves_limit(52, 8, 41, 4, 128) == (1.05, 1.05, 448)
     assert select.cascade_preferred(416, 32, 8, 41, 128, 52, 4)[0]
-    assert select._waves_limit(27, 8, 43, 4, 128) == (1.0, 1.05, 448)  # 0.9 full: partly, short of 1.05
+    assert cascade_rule._waves_limit(27, 8, 43, 4, 128) == (1.0, 1.05, 448)  # 0.9 full: partly, short of 1.05
     ok, why = select.cascade_preferred(416, 32, 8, 43, 128, 27, 4)
     assert not ok and "at least 1.05 as full as FA4's, here 1.00" in why, why
-    assert select._waves_limit(27, 8, 44, 4, 128) == (1.0, 0.95, 448)  # 0.92 full: the count's own 0.95
+    assert cascade_rule._waves_limit(27, 8, 44, 4, 128) == (1.0, 0.95, 448)  # 0.92 full: the count's own 0.95
     assert select.cascade_preferred(416, 32, 8, 44, 128, 27, 4)[0]
-    assert select._waves_limit(10, 8, 39, 4, 128) is None  # 0.81 full
+    assert cascade_rule._waves_limit(10, 8, 39, 4, 128) is None  # 0.81 full
     assert not select.cascade_preferred(416, 32, 8, 39, 128, 10, 4)[0]
 
 
@@ -1752,7 +1756,8 @@ def test_gqa2_head_64_several_blocks_rule_on_held_out_widths():
     limit, judged on the same points, misses 8 of them, up to 19% (8 x 96 at 384: FA4 + tail 24.3 against 20.4
     us), 19.4 us summed (the straight-line limits miss the cascade's waves: 8 x 160 runs 320 programs, 1.2 waves
     of two a multiprocessor, and is slower than FA4 + tail at every length)."""
-    from beam_shared_prefix.prefix.select import _waves_limit, cascade_preferred
+    from beam_shared_prefix.prefix.cascade_rule import _waves_limit
+    from beam_shared_prefix.prefix.select import cascade_preferred
 
     faster, worst, lost_us, old_lost_us, old_missed, moved = 0, 1.0, 0.0, 0.0, 0, []
     for name, s, prompt, arms in grid_points("auto_check_round37_d64.json"):

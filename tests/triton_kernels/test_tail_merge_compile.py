@@ -156,7 +156,7 @@ def _resident_programs(row):
 
 
 def test_wave_rule_occupancy_matches_the_compiled_cascade(usage):
-    """The several-block rule by waves (``prefix/select.py``) counts :data:`CASCADE_PROGRAMS_PER_SM` cascade
+    """The several-block rule by waves (``prefix/cascade_rule.py``) counts :data:`CASCADE_PROGRAMS_PER_SM` cascade
     programs a multiprocessor at heads 128 and 64, a constant read off the H200 (253-255 registers at head 128, Triton
     3.6) and the H100 (230 at head 64). Here it is read from the tilings the rule judges, compiled with this Triton:
     G = 2's 32-beam tile (B-medium's, the tiling of every width from 17 beams, at head 128 and at head 64) and G = 4's

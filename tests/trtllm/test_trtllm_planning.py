@@ -82,15 +82,15 @@ def test_the_wrapper_hears_the_steps_tail(setup, monkeypatch, rule):
     tail); not when it passes ``CASCADE_MAX_TAIL`` (lowered instead), a rule for CUDA-graph replays, whose
     metadata serves any tail and hands none."""
     from beam_shared_prefix.attention import BeamSharedPrefixAttention
-    from beam_shared_prefix.prefix import select
+    from beam_shared_prefix.prefix import cascade_rule
 
     if rule == "shared-run stage":
-        monkeypatch.setattr(select, "SHARED_RUN_MIN_TAIL", 3)
+        monkeypatch.setattr(cascade_rule, "SHARED_RUN_MIN_TAIL", 3)
     elif rule == "cascade tail bound":
-        monkeypatch.setattr(select, "CASCADE_SHORT_TAIL", 2)
+        monkeypatch.setattr(cascade_rule, "CASCADE_SHORT_TAIL", 2)
     else:
         sim = setup.sim
-        monkeypatch.setattr(select, "CASCADE_MAX_TAIL", {(sim.num_qo_heads // sim.num_kv_heads, sim.head_dim): 2})
+        monkeypatch.setattr(cascade_rule, "CASCADE_MAX_TAIL", {(sim.num_qo_heads // sim.num_kv_heads, sim.head_dim): 2})
     heard = []
     plan = BeamSharedPrefixAttention.plan
 
