@@ -30,6 +30,16 @@ HAS_CUDA = _cuda_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Triton makes a kernel interpreted or compiled when it is decorated, at import. Some tests set
+# TRITON_INTERPRET for a moment (to ask what a CPU would be offered); had one of them been the first to
+# import the kernels on a CUDA machine, every later launch in the session would go to the interpreter with
+# the variable unset again, and fail inside Triton (seen on the H200 running tests/prefix/test_triton_backend.py
+# alone). Import them here, under the session's own setting.
+try:
+    import triton_kernels  # noqa: E402, F401
+except ImportError:  # pragma: no cover  (Triton missing: the kernel tests say so themselves)
+    pass
+
 import pytest  # noqa: E402
 
 
