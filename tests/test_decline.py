@@ -1,4 +1,4 @@
-"""The decline rule (beam_shared_prefix/decline.py): its thresholds, and its agreement with the H200 grids."""
+"""The decline rule (beam_shared_prefix/decline/): its thresholds, and its agreement with the H200 grids."""
 
 import collections
 

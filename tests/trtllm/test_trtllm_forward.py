@@ -200,7 +200,7 @@ def register_with_decline(trt, monkeypatch, backend=None, any_rows=True):
     if backend is not None:
         monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
     if any_rows:
-        monkeypatch.setattr(decline, "MIN_BEAM_ROWS", 1)
+        monkeypatch.setattr(decline.rows, "MIN_BEAM_ROWS", 1)  # where min_beam_rows reads it
     register()
     return model
 

@@ -425,7 +425,7 @@ def test_selection_is_invariant_within_the_cache_key(enabled, monkeypatch, beam_
     monkeypatch.setenv("TRTLLM_FMHA_CACHE_SANITY_CHECK", "1")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
-    monkeypatch.setattr(decline, "MIN_BEAM_ROWS", 1)  # 2 requests: judge the prompt part of the rule
+    monkeypatch.setattr(decline.rows, "MIN_BEAM_ROWS", 1)  # 2 requests: judge the prompt part of the rule
     register()
     setup = build(enabled, prompts=(20, 90), beam_width=beam_width, max_seq_len=160, head_dim=128)
     sim = setup.sim
