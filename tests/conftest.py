@@ -36,7 +36,7 @@ if not HAS_CUDA:
 # the variable unset again, and fail inside Triton (seen on the H200 running tests/prefix/test_triton_backend.py
 # alone). Import them here, under the session's own setting.
 try:
-    import triton_kernels  # noqa: E402, F401
+    import triton_kernels  # noqa: F401
 except ImportError:  # pragma: no cover  (Triton missing: the kernel tests say so themselves)
     pass
 
