@@ -674,7 +674,7 @@ class BeamSharedPrefixAttention:
         if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
             fail(f"kv_cache must be [pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD), got "
                  f"{tuple(kv_cache.shape)}.")
-        from triton_kernels.tail_merge_args import pool_layout  # imported here, as in _tail_function
+        from triton_kernels.step_args import pool_layout  # imported here, as in _tail_function
 
         (pages, pool_heads, pool_pg, pool_d), _ = pool_layout(kv_cache, self.kv_layout)
         if (pool_heads, pool_pg, pool_d) != (hkv, pg, d):

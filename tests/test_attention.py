@@ -483,21 +483,21 @@ def test_run_refuses_layouts_whose_writes_collide(case):
     """Layouts no shape check sees: an ``out`` whose rows share memory, a pool whose K and V planes or
     pages overlap (each passes every shape and dtype check; the kernels would write over their own
     output or read K and V from one memory), a page divisor past the kernels' int32."""
-    from triton_kernels.tail_merge_args import TailMergeInputError
+    from triton_kernels.step_args import KernelInputError
 
     sim, step, att, args = _after_a_valid_run()
     rows, hq, d = step.q.shape
     pool = sim.kv_cache
     if case == "out rows overlap":
         args["out"] = torch.empty(1, hq, d, dtype=step.q.dtype).expand(rows, hq, d)
-        error, message = TailMergeInputError, r"out of shape .* overlap in memory"
+        error, message = KernelInputError, r"out of shape .* overlap in memory"
     elif case == "pool K and V alias":
         args["kv_cache"] = pool[:, :1].expand(-1, 2, -1, -1, -1)
-        error, message = TailMergeInputError, r"kv_cache of shape .* overlap in memory"
+        error, message = KernelInputError, r"kv_cache of shape .* overlap in memory"
     elif case == "pool pages overlap":
         flat = pool.flatten()
         args["kv_cache"] = flat.as_strided(pool.shape, (pool.stride(0) // 2,) + pool.stride()[1:])
-        error, message = TailMergeInputError, r"kv_cache of shape .* overlap in memory"
+        error, message = KernelInputError, r"kv_cache of shape .* overlap in memory"
     else:
         args["page_index_divisor"] = 2**31
         error, message = AttentionInputError, r"page_index_divisor=2147483648 must be an int in \[1, 2147483647\]"

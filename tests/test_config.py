@@ -144,7 +144,7 @@ def test_the_kernels_agree_with_the_variable():
     if torch.cuda.is_available():
         pytest.skip("the interpreter is off on a CUDA machine")
     from triton_kernels.cascade_kernel import beam_cascade_kernel
-    from triton_kernels.tail_merge_args import runs_interpreted
+    from triton_kernels.step_args import runs_interpreted
     from triton_kernels.tail_merge_kernel import beam_tail_merge_kernel
 
     assert runs_interpreted(beam_tail_merge_kernel) and runs_interpreted(beam_cascade_kernel)

@@ -24,7 +24,8 @@ from .cascade import (
 )
 from .shared_run import beam_shared_run_attention, shared_run_supported
 from .tail_merge import TailLaunchConfig, beam_tail_attention_merge, tail_launch_config
-from .tail_merge_args import TailMergeGeometry, TailMergeInputError, check_tail_merge_args
+from .step_args import KernelInputError, TailMergeInputError
+from .tail_merge_args import TailMergeGeometry, check_tail_merge_args
 from .tail_merge_torch import beam_tail_attention_merge_torch
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "shared_run_supported",
     "beam_tail_attention_merge",
     "beam_tail_attention_merge_torch",
+    "KernelInputError",
     "TailMergeInputError",
     "TailMergeGeometry",
     "check_tail_merge_args",

@@ -25,24 +25,24 @@ import torch
 from .cascade_kernel import beam_cascade_kernel
 from .device_errors import check_error_flags
 from .host_ints import cdiv, next_power_of_2
-from .tail_merge_args import (
+from .step_args import (
     KV_DTYPES,
     KV_LAYOUTS,
     LOG2E,
-    TailMergeInputError,
-    _byte_span,
-    _fail,
-    _need_dim,
-    _need_dtype,
-    _need_last_dim_contiguous,
-    _need_tensor,
-    _spans_overlap,
+    KernelInputError,
+    byte_span,
+    check_device,
     check_step_args,
     check_tail_index_values,
+    fail,
     is_pow2,
+    need_dim,
+    need_dtype,
+    need_last_dim_contiguous,
+    need_tensor,
     pool_layout,
     resolve_sm_scale,
-    runs_interpreted,
+    spans_overlap,
 )
 
 __all__ = [
@@ -443,66 +443,58 @@ def _resolve_config(cfg, beam_width: int, group_size: int, head_dim: int,
                     max_tail_len: int | None = None) -> CascadeLaunchConfig:
     ok, reason = cascade_supported(group_size, head_dim)
     if not ok:
-        raise TailMergeInputError(f"{reason}; use the prefix backend + tail kernel path (backend='fa4' or "
-                                  f"'flashinfer').")
+        raise KernelInputError(f"{reason}; use the prefix backend + tail kernel path (backend='fa4' or "
+                               f"'flashinfer').")
     if cfg is None:
         sms = DEFAULT_MULTIPROCESSORS if device is None else launch_multiprocessors(device)
         return cascade_launch_config(beam_width, group_size, head_dim, prompt_capacity, num_requests, num_kv_heads,
                                      sms, max_tail_len)
     if not isinstance(cfg, CascadeLaunchConfig):
-        raise TailMergeInputError(f"launch_config must be a CascadeLaunchConfig or None, got {type(cfg).__name__}.")
+        raise KernelInputError(f"launch_config must be a CascadeLaunchConfig or None, got {type(cfg).__name__}.")
     for name in ("beams_per_program", "group_pad", "block_n", "tail_block", "num_warps", "heads_per_program"):
         if not is_pow2(getattr(cfg, name)):
-            raise TailMergeInputError(f"launch_config.{name}={getattr(cfg, name)!r} must be a power of two >= 1.")
+            raise KernelInputError(f"launch_config.{name}={getattr(cfg, name)!r} must be a power of two >= 1.")
     if cfg.block_m < MIN_BLOCK_M or cfg.block_n < MIN_BLOCK_N:
-        raise TailMergeInputError(
+        raise KernelInputError(
             f"launch_config has beams_per_program={cfg.beams_per_program} x group_pad={cfg.group_pad} = {cfg.block_m} "
             f"query rows and block_n={cfg.block_n}; they must be >= {MIN_BLOCK_M} and >= {MIN_BLOCK_N} (tensor-core "
             f"tiles): use more beams a program.")
     if not cfg.tail_on_cores and cfg.tail_block * cfg.beams_per_program < MIN_TAIL_COLUMNS:
-        raise TailMergeInputError(
+        raise KernelInputError(
             f"launch_config has tail_block={cfg.tail_block} x beams_per_program={cfg.beams_per_program} = "
             f"{cfg.tail_block * cfg.beams_per_program} tail key columns; use at least {MIN_TAIL_COLUMNS}.")
     if cfg.group_pad < group_size:
-        raise TailMergeInputError(f"launch_config.group_pad={cfg.group_pad} is smaller than the GQA group size "
-                                  f"{group_size}; use a power of two >= {group_size}.")
+        raise KernelInputError(f"launch_config.group_pad={cfg.group_pad} is smaller than the GQA group size "
+                               f"{group_size}; use a power of two >= {group_size}.")
     if not (isinstance(cfg.num_stages, int) and 1 <= cfg.num_stages <= 4):
-        raise TailMergeInputError(f"launch_config.num_stages={cfg.num_stages!r} must be an int in [1, 4].")
+        raise KernelInputError(f"launch_config.num_stages={cfg.num_stages!r} must be an int in [1, 4].")
     for name in ("prompt_stages", "tail_stages"):
         stages = getattr(cfg, name)
         if stages is not None and not (isinstance(stages, int) and 1 <= stages <= 4):
-            raise TailMergeInputError(f"launch_config.{name}={stages!r} must be None or an int in [1, 4].")
+            raise KernelInputError(f"launch_config.{name}={stages!r} must be None or an int in [1, 4].")
     if cfg.tail_on_cores and cfg.prompt_first:
-        raise TailMergeInputError("launch_config has tail_on_cores=True and prompt_first=True; the core tail runs "
-                                  "before the prompt (its state seeds the prompt loop): set prompt_first=False.")
+        raise KernelInputError("launch_config has tail_on_cores=True and prompt_first=True; the core tail runs "
+                               "before the prompt (its state seeds the prompt loop): set prompt_first=False.")
     if not isinstance(cfg.shared_ancestry, bool):
-        raise TailMergeInputError(f"launch_config.shared_ancestry={cfg.shared_ancestry!r} must be a bool.")
+        raise KernelInputError(f"launch_config.shared_ancestry={cfg.shared_ancestry!r} must be a bool.")
     if isinstance(cfg.shared_min_tail, bool) or not (isinstance(cfg.shared_min_tail, int) and cfg.shared_min_tail >= 1):
-        raise TailMergeInputError(f"launch_config.shared_min_tail={cfg.shared_min_tail!r} must be an int >= 1 "
-                                  f"(cached tail positions).")
+        raise KernelInputError(f"launch_config.shared_min_tail={cfg.shared_min_tail!r} must be an int >= 1 "
+                               f"(cached tail positions).")
     if cfg.max_registers is not None and not (isinstance(cfg.max_registers, int) and 64 <= cfg.max_registers <= 255):
-        raise TailMergeInputError(f"launch_config.max_registers={cfg.max_registers!r} must be None or an int in "
-                                  f"[64, 255].")
+        raise KernelInputError(f"launch_config.max_registers={cfg.max_registers!r} must be None or an int in "
+                               f"[64, 255].")
     return cfg
 
 
-def _check_device(q: torch.Tensor, kernel: str = "the cascade kernel") -> None:
-    if not q.is_cuda and not runs_interpreted(beam_cascade_kernel):
-        raise TailMergeInputError(
-            f"{kernel} is a Triton kernel and needs CUDA tensors, got {q.device}; on CPU use the "
-            f"reference prefix + beam_tail_attention_merge_torch (or set TRITON_INTERPRET=1 before importing triton)."
-        )
-
-
 def _check_prompt_table(prompt_page_table, num_requests: int, device) -> None:
-    _need_dim("prompt_page_table", prompt_page_table, 2, "[>= R, max_prompt_pages] int32")
-    _need_dtype("prompt_page_table", prompt_page_table, (torch.int32,))
+    need_dim("prompt_page_table", prompt_page_table, 2, "[>= R, max_prompt_pages] int32")
+    need_dtype("prompt_page_table", prompt_page_table, (torch.int32,))
     if prompt_page_table.device != device:
-        _fail(f"prompt_page_table is on {prompt_page_table.device} but q is on {device}; put every tensor on one "
-              f"device.")
+        fail(f"prompt_page_table is on {prompt_page_table.device} but q is on {device}; put every tensor on one "
+             f"device.")
     if prompt_page_table.shape[0] < num_requests or prompt_page_table.shape[1] < 1:
-        _fail(f"prompt_page_table has shape {tuple(prompt_page_table.shape)} but the batch has R={num_requests} "
-              f"requests; pass one row of prompt pages (page numbers, beam 0's) per request.")
+        fail(f"prompt_page_table has shape {tuple(prompt_page_table.shape)} but the batch has R={num_requests} "
+             f"requests; pass one row of prompt pages (page numbers, beam 0's) per request.")
 
 
 def _check_prompt_values(prompt_page_table, prompt_lens_per_request, page_size: int, num_pages: int) -> None:
@@ -512,15 +504,15 @@ def _check_prompt_values(prompt_page_table, prompt_lens_per_request, page_size: 
     bad = torch.nonzero((lens < 0) | (lens > cols * page_size)).flatten()
     if bad.numel():
         r = int(bad[0])
-        _fail(f"prompt length {int(lens[r])} of request {r} is outside [0, {cols * page_size}] (the prompt page table "
-              f"has {cols} columns of {page_size} tokens); pass the plan's prompt lengths and page table together.")
+        fail(f"prompt length {int(lens[r])} of request {r} is outside [0, {cols * page_size}] (the prompt page table "
+             f"has {cols} columns of {page_size} tokens); pass the plan's prompt lengths and page table together.")
     table = prompt_page_table[: lens.numel()].long().cpu()
     used = torch.arange(cols)[None, :] < ((lens + page_size - 1) // page_size)[:, None]
     bad = torch.nonzero(used & ((table < 0) | (table >= num_pages)))
     if bad.numel():
         r, c = (int(v) for v in bad[0])
-        _fail(f"prompt_page_table[{r}, {c}]={int(table[r, c])} is outside the pool [0, {num_pages}); the plan is stale "
-              f"or belongs to another pool.")
+        fail(f"prompt_page_table[{r}, {c}]={int(table[r, c])} is outside the pool [0, {num_pages}); the plan is stale "
+             f"or belongs to another pool.")
 
 
 def _rows_aligned(*views) -> bool:
@@ -631,7 +623,7 @@ def beam_cascade_attention(
         ``out``.
 
     Raises:
-        TailMergeInputError: an argument the kernel cannot take (names the value, the limit and the fix),
+        KernelInputError: an argument the kernel cannot take (names the value, the limit and the fix),
             including shapes :func:`cascade_supported` refuses.
     """
     geom = check_step_args(
@@ -639,13 +631,13 @@ def beam_cascade_attention(
         sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
         extra_tensors=(("prompt_page_table", prompt_page_table),),
     )
-    _check_device(q)
+    check_device(q, beam_cascade_kernel, "the cascade kernel")
     _check_prompt_table(prompt_page_table, geom.num_requests, q.device)
     check_error_flags(error_flags, q.device)
     if max_tail_len is not None and (isinstance(max_tail_len, bool) or not isinstance(max_tail_len, int)
                                      or max_tail_len < 1):
-        _fail(f"max_tail_len={max_tail_len!r} must be None or an int >= 1 (generated tokens per beam, this step's "
-              f"included).")
+        fail(f"max_tail_len={max_tail_len!r} must be None or an int >= 1 (generated tokens per beam, this step's "
+             f"included).")
     cfg = _resolve_config(launch_config, geom.beam_width, geom.group_size, geom.head_dim,
                           prompt_page_table.shape[1] * geom.page_size, geom.num_requests, geom.num_kv_heads, q.device,
                           max_tail_len)
@@ -655,11 +647,11 @@ def beam_cascade_attention(
             tails = (kv_lens[: geom.num_rows].long() - prompt_lens[: geom.num_rows].long()).cpu()
             row = int(tails.argmax())
             if int(tails[row]) > max_tail_len:
-                _fail(f"row {row} has a tail of {int(tails[row])} generated tokens (kv_len - prompt_len) but "
-                      f"max_tail_len={max_tail_len}; pass the step's longest tail, or None where it is unknown.")
+                fail(f"row {row} has a tail of {int(tails[row])} generated tokens (kv_len - prompt_len) but "
+                     f"max_tail_len={max_tail_len}; pass the step's longest tail, or None where it is unknown.")
         per_request = prompt_lens[:: geom.beam_width]
         if bool((prompt_lens.reshape(-1, geom.beam_width) != per_request[:, None]).any()):
-            _fail("prompt_lens differ between the beams of one request; every beam shares its request's prompt.")
+            fail("prompt_lens differ between the beams of one request; every beam shares its request's prompt.")
         _check_prompt_values(prompt_page_table, per_request, geom.page_size, geom.num_pages)
     if geom.num_rows == 0:
         return out
@@ -722,45 +714,45 @@ def beam_prefix_attention(
     """
     for name, x in (("q", q), ("kv_cache", kv_cache), ("prompt_page_table", prompt_page_table),
                     ("prompt_lens", prompt_lens), ("out", out), ("lse", lse)):
-        _need_tensor(name, x)
+        need_tensor(name, x)
         if x.device != q.device:
-            _fail(f"{name} is on {x.device} but q is on {q.device}; put every tensor on one device.")
+            fail(f"{name} is on {x.device} but q is on {q.device}; put every tensor on one device.")
     if kv_layout not in KV_LAYOUTS:
-        _fail(f"kv_layout={kv_layout!r} is not supported; use 'HND' or 'NHD'.")
+        fail(f"kv_layout={kv_layout!r} is not supported; use 'HND' or 'NHD'.")
     if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
-        _fail(f"beam_width={beam_width!r} must be an int >= 1.")
-    _need_dim("q", q, 3, "[rows, Hq, D]")
-    _need_dtype("q", q, KV_DTYPES)
+        fail(f"beam_width={beam_width!r} must be an int >= 1.")
+    need_dim("q", q, 3, "[rows, Hq, D]")
+    need_dtype("q", q, KV_DTYPES)
     num_rows, num_qo_heads, head_dim = q.shape
     if num_rows % beam_width:
-        _fail(f"q has {num_rows} rows, not a multiple of beam_width={beam_width}; rows must be R * W, request-major.")
+        fail(f"q has {num_rows} rows, not a multiple of beam_width={beam_width}; rows must be R * W, request-major.")
     num_requests = num_rows // beam_width
-    _need_dim("kv_cache", kv_cache, 5, "[pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD)")
+    need_dim("kv_cache", kv_cache, 5, "[pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD)")
     if kv_cache.dtype != q.dtype or kv_cache.shape[1] != 2:
-        _fail(f"kv_cache must be {q.dtype} [pages, 2, ...] like q, got {kv_cache.dtype} {tuple(kv_cache.shape)}.")
+        fail(f"kv_cache must be {q.dtype} [pages, 2, ...] like q, got {kv_cache.dtype} {tuple(kv_cache.shape)}.")
     (num_pages, num_kv_heads, page_size, pool_dim), kv_strides = pool_layout(kv_cache, kv_layout)
     if pool_dim != head_dim or num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-        _fail(f"kv_cache ({kv_layout}) holds Hkv={num_kv_heads}, D={pool_dim}, which does not serve q's Hq="
-              f"{num_qo_heads}, D={head_dim}; check kv_layout and the layer's pool view.")
+        fail(f"kv_cache ({kv_layout}) holds Hkv={num_kv_heads}, D={pool_dim}, which does not serve q's Hq="
+             f"{num_qo_heads}, D={head_dim}; check kv_layout and the layer's pool view.")
     for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out)):
-        _need_last_dim_contiguous(name, x)
+        need_last_dim_contiguous(name, x)
     _check_prompt_table(prompt_page_table, num_requests, q.device)
-    _need_dim("prompt_lens", prompt_lens, 1, f"[R={num_requests}] int32")
-    _need_dtype("prompt_lens", prompt_lens, (torch.int32,))
+    need_dim("prompt_lens", prompt_lens, 1, f"[R={num_requests}] int32")
+    need_dtype("prompt_lens", prompt_lens, (torch.int32,))
     if prompt_lens.shape[0] != num_requests:
-        _fail(f"prompt_lens has {prompt_lens.shape[0]} entries but the batch has R={num_requests} requests.")
+        fail(f"prompt_lens has {prompt_lens.shape[0]} entries but the batch has R={num_requests} requests.")
     if tuple(out.shape) != (num_rows, num_qo_heads, head_dim) or out.dtype != q.dtype:
-        _fail(f"out must be {q.dtype} [{num_rows}, {num_qo_heads}, {head_dim}], got {out.dtype} {tuple(out.shape)}.")
+        fail(f"out must be {q.dtype} [{num_rows}, {num_qo_heads}, {head_dim}], got {out.dtype} {tuple(out.shape)}.")
     if tuple(lse.shape) != (num_rows, num_qo_heads) or lse.dtype != torch.float32:
-        _fail(f"lse must be float32 [{num_rows}, {num_qo_heads}] (rows, heads), got {lse.dtype} {tuple(lse.shape)}.")
+        fail(f"lse must be float32 [{num_rows}, {num_qo_heads}] (rows, heads), got {lse.dtype} {tuple(lse.shape)}.")
     # Each span once (this runs per layer and step in eager mode).
-    spans = {name: _byte_span(x) for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse))}
+    spans = {name: byte_span(x) for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse))}
     for name in ("q", "kv_cache", "lse"):
-        if _spans_overlap(spans["out"], spans[name]):
-            _fail(f"out overlaps {name} in memory; pass a separate output buffer.")
-    if _spans_overlap(spans["lse"], spans["q"]) or _spans_overlap(spans["lse"], spans["kv_cache"]):
-        _fail("lse overlaps q or kv_cache in memory; pass a separate LSE buffer.")
-    _check_device(q)
+        if spans_overlap(spans["out"], spans[name]):
+            fail(f"out overlaps {name} in memory; pass a separate output buffer.")
+    if spans_overlap(spans["lse"], spans["q"]) or spans_overlap(spans["lse"], spans["kv_cache"]):
+        fail("lse overlaps q or kv_cache in memory; pass a separate LSE buffer.")
+    check_device(q, beam_cascade_kernel, "the cascade kernel")
     group_size = num_qo_heads // num_kv_heads
     cfg = _resolve_config(launch_config, beam_width, group_size, head_dim, prompt_page_table.shape[1] * page_size,
                           num_requests, num_kv_heads, q.device)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tail_merge_args import TailMergeInputError
+from .step_args import KernelInputError
 
 __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "WRITE_PAGE", "ERROR_BITS",
            "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits", "kv_len_bad", "page_error_bits", "or_reduce",
@@ -123,7 +123,7 @@ def new_error_flags(device) -> torch.Tensor:
 
 
 def check_error_flags(error_flags, device) -> None:
-    """Raise :class:`TailMergeInputError` unless ``error_flags`` is ``None`` or an ``int32 [1]`` tensor on
+    """Raise :class:`KernelInputError` unless ``error_flags`` is ``None`` or an ``int32 [1]`` tensor on
     ``device``."""
     if error_flags is None:
         return
@@ -131,5 +131,5 @@ def check_error_flags(error_flags, device) -> None:
             or error_flags.numel() != 1 or error_flags.device != torch.device(device)):
         got = (f"{error_flags.dtype} {tuple(error_flags.shape)} on {error_flags.device}"
                if isinstance(error_flags, torch.Tensor) else type(error_flags).__name__)
-        raise TailMergeInputError(f"error_flags must be an int32 tensor of one element on {device}, got {got}; "
-                                  f"make one with triton_kernels.device_errors.new_error_flags(device).")
+        raise KernelInputError(f"error_flags must be an int32 tensor of one element on {device}, got {got}; "
+                               f"make one with triton_kernels.device_errors.new_error_flags(device).")

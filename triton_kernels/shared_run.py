@@ -15,7 +15,6 @@ from typing import Tuple
 import torch
 
 from .cascade import (
-    _check_device,
     cascade_supported,
     cuda_sm_count,  # noqa: F401  (prefix.waves reads the device's count through this module)
     launch_multiprocessors,
@@ -25,14 +24,8 @@ from .cascade_kernel import SHARED_BLOCK
 from .device_errors import check_error_flags
 from .host_ints import cdiv
 from .shared_run_kernel import beam_shared_run_kernel
-from .tail_merge_args import (
-    LOG2E,
-    TailMergeInputError,
-    _byte_span,
-    _spans_overlap,
-    check_tail_merge_args,
-    check_tail_skip,
-)
+from .step_args import LOG2E, KernelInputError, byte_span, check_device, spans_overlap
+from .tail_merge_args import check_tail_merge_args, check_tail_skip
 
 __all__ = ["shared_run_supported", "shared_run_tile", "shared_run_kv_heads_per_program", "beam_shared_run_attention"]
 
@@ -154,7 +147,7 @@ def beam_shared_run_attention(
         ``tail_skip``.
 
     Raises:
-        TailMergeInputError: an argument the stage cannot take (names the value, the limit and the fix),
+        KernelInputError: an argument the stage cannot take (names the value, the limit and the fix),
             including shapes :func:`shared_run_supported` refuses.
     """
     geom = check_tail_merge_args(
@@ -164,32 +157,32 @@ def beam_shared_run_attention(
     )
     ok, reason = shared_run_supported(geom.group_size, geom.head_dim)
     if not ok:
-        raise TailMergeInputError(f"{reason}; leave the tail kernel to walk every position (no tail_skip).")
+        raise KernelInputError(f"{reason}; leave the tail kernel to walk every position (no tail_skip).")
     check_tail_skip(tail_skip, geom.num_rows, q.device)
     # Each span once (this runs per layer and step in eager mode), then every written tensor against the rest.
-    spans = {name: _byte_span(x) for name, x in (
+    spans = {name: byte_span(x) for name, x in (
         ("q", q), ("kv_cache", kv_cache), ("beam_page_table", beam_page_table), ("kv_lens", kv_lens),
         ("prompt_lens", prompt_lens), ("cache_indirection", cache_indirection), ("prefix_out", prefix_out),
         ("prefix_lse", prefix_lse), ("tail_skip", tail_skip))}
     for name in ("prefix_out", "prefix_lse", "tail_skip"):
         for other_name, other_span in spans.items():
-            if other_name != name and _spans_overlap(spans[name], other_span):
-                raise TailMergeInputError(f"{name} overlaps {other_name} in memory; the stage writes {name}, so "
-                                          f"pass it a buffer of its own.")
+            if other_name != name and spans_overlap(spans[name], other_span):
+                raise KernelInputError(f"{name} overlaps {other_name} in memory; the stage writes {name}, so "
+                                       f"pass it a buffer of its own.")
     check_error_flags(error_flags, q.device)
     if kv_heads_per_program is not None and (
             not isinstance(kv_heads_per_program, int) or isinstance(kv_heads_per_program, bool)
             or kv_heads_per_program < 1 or geom.num_kv_heads % kv_heads_per_program):
-        raise TailMergeInputError(f"kv_heads_per_program={kv_heads_per_program!r} must be a positive int dividing "
-                                  f"the {geom.num_kv_heads} KV heads; pass None for the default.")
+        raise KernelInputError(f"kv_heads_per_program={kv_heads_per_program!r} must be a positive int dividing "
+                               f"the {geom.num_kv_heads} KV heads; pass None for the default.")
     if min_cached_tail is None:
         min_cached_tail = SHARED_RUN_MIN_CACHED_TAIL
     if (not isinstance(min_cached_tail, int) or isinstance(min_cached_tail, bool)
             or not 1 <= min_cached_tail < 2**31):
-        raise TailMergeInputError(f"min_cached_tail={min_cached_tail!r} must be an int in [1, 2**31); pass 1 to fold "
-                                  f"every shared run, or None for SHARED_RUN_MIN_CACHED_TAIL "
-                                  f"({SHARED_RUN_MIN_CACHED_TAIL}).")
-    _check_device(q, "the shared-run stage")
+        raise KernelInputError(f"min_cached_tail={min_cached_tail!r} must be an int in [1, 2**31); pass 1 to fold "
+                               f"every shared run, or None for SHARED_RUN_MIN_CACHED_TAIL "
+                               f"({SHARED_RUN_MIN_CACHED_TAIL}).")
+    check_device(q, beam_shared_run_kernel, "the shared-run stage")
     if geom.num_rows == 0:
         return tail_skip
     beams, group_pad, num_warps = shared_run_tile(geom.beam_width, geom.group_size, geom.head_dim)

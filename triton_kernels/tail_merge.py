@@ -18,15 +18,14 @@ import triton
 
 from .device_errors import check_error_flags
 from .host_ints import cdiv, next_power_of_2
-from .tail_merge_args import (
+from .step_args import (
     LOG2E,
-    TailMergeInputError,
+    KernelInputError,
     check_tail_index_values,
-    check_tail_merge_args,
-    check_tail_skip,
     is_pow2,
     runs_interpreted,
 )
+from .tail_merge_args import check_tail_merge_args, check_tail_skip
 from .tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel
 from .tail_merge_kernel import beam_tail_merge_kernel
 
@@ -274,9 +273,9 @@ def tail_supported(group_size: int, head_dim: int) -> tuple[bool, str]:
 def _check_launchable(q: torch.Tensor, head_dim: int, group_size: int) -> None:
     ok, reason = tail_supported(group_size, head_dim)
     if not ok:
-        raise TailMergeInputError(f"{reason}; use beam_tail_attention_merge_torch for this shape.")
+        raise KernelInputError(f"{reason}; use beam_tail_attention_merge_torch for this shape.")
     if not q.is_cuda and not runs_interpreted(beam_tail_merge_kernel):
-        raise TailMergeInputError(
+        raise KernelInputError(
             f"beam_tail_attention_merge runs a Triton kernel and needs CUDA tensors, got {q.device}; "
             f"use beam_tail_attention_merge_torch on CPU (or set TRITON_INTERPRET=1 before importing triton)."
         )
@@ -284,24 +283,24 @@ def _check_launchable(q: torch.Tensor, head_dim: int, group_size: int) -> None:
 
 def _check_config(cfg: TailLaunchConfig, group_size: int) -> None:
     if not isinstance(cfg, TailLaunchConfig):
-        raise TailMergeInputError(f"launch_config must be a TailLaunchConfig or None, got {type(cfg).__name__}.")
+        raise KernelInputError(f"launch_config must be a TailLaunchConfig or None, got {type(cfg).__name__}.")
     for name in ("group_pad", "kv_heads_per_prog", "block_t", "num_warps"):
         value = getattr(cfg, name)
         if not is_pow2(value):
-            raise TailMergeInputError(f"launch_config.{name}={value!r} must be a power of two >= 1.")
+            raise KernelInputError(f"launch_config.{name}={value!r} must be a power of two >= 1.")
     ib = cfg.index_block
     if not (isinstance(ib, int) and (ib == 0 or (is_pow2(ib) and ib >= cfg.block_t))):
-        raise TailMergeInputError(
+        raise KernelInputError(
             f"launch_config.index_block={ib!r} must be 0 (no index blocks) or a power of two >= "
             f"block_t={cfg.block_t}."
         )
     if cfg.grouped and (cfg.block_t != 1 or cfg.index_block):
-        raise TailMergeInputError(
+        raise KernelInputError(
             f"launch_config.grouped=True takes block_t=1 and index_block=0, got block_t={cfg.block_t}, "
             f"index_block={cfg.index_block}."
         )
     if cfg.group_pad < group_size:
-        raise TailMergeInputError(
+        raise KernelInputError(
             f"launch_config.group_pad={cfg.group_pad} is smaller than the GQA group size {group_size}; "
             f"use a power of two >= {group_size}."
         )

@@ -15,7 +15,8 @@ import torch
 
 from . import device_errors
 from .device_errors import check_error_flags
-from .tail_merge_args import LOG2E, check_tail_index_values, check_tail_merge_args
+from .step_args import LOG2E, check_tail_index_values
+from .tail_merge_args import check_tail_merge_args
 
 __all__ = ["beam_tail_attention_merge_torch"]
 

@@ -396,13 +396,13 @@ def poll_device_errors(state: _MetadataState) -> None:
 def _planning_errors() -> tuple:
     """The library's own refusals (imported here: the adapter imports neither Triton nor the wrapper
     until a step is planned)."""
-    from triton_kernels.tail_merge_args import TailMergeInputError
+    from triton_kernels.step_args import KernelInputError
 
     from ..attention import AttentionInputError
     from ..plan import PlanError
     from ..prefix.base import PrefixBackendError
 
-    return PrefixBackendError, AttentionInputError, TailMergeInputError, PlanError, ImportError
+    return PrefixBackendError, AttentionInputError, KernelInputError, PlanError, ImportError
 
 
 _instances: "weakref.WeakSet" = weakref.WeakSet()

@@ -26,7 +26,7 @@ from beam_shared_prefix.reference import reference_prefix_attention
 from triton_kernels import device_errors
 from triton_kernels import (
     CascadeLaunchConfig,
-    TailMergeInputError,
+    KernelInputError,
     beam_cascade_attention,
     beam_prefix_attention,
     cascade_launch_config,
@@ -449,7 +449,7 @@ def test_refuses_shapes_it_does_not_tile(device):
     assert not ok and "head_dim=96" in reason
     sim, step = _one_step(device)
     q = step.q[:, :, :32].contiguous()
-    with pytest.raises(TailMergeInputError, match="head_dim=32"):
+    with pytest.raises(KernelInputError, match="head_dim=32"):
         beam_cascade_attention(
             q, step.new_k[:, :, :32].contiguous(), step.new_v[:, :, :32].contiguous(),
             sim.kv_cache[..., :32], prompt_table(sim, step), step.beam_page_table, step.kv_lens, step.prompt_lens,
@@ -475,14 +475,14 @@ def test_refuses_bad_arguments(mutate, match, device):
                 kv_lens=step.kv_lens, prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection,
                 beam_width=step.beam_width, out=torch.empty_like(step.q), kv_layout=sim.kv_layout)
     mutate(args)
-    with pytest.raises(TailMergeInputError, match=match):
+    with pytest.raises(KernelInputError, match=match):
         beam_cascade_attention(**args)
 
 
 def test_prefix_stage_refuses_a_non_positive_scale(device):
     sim, step = _one_step(device)
     lse = torch.empty(step.num_rows, step.q.shape[1], device=step.q.device)
-    with pytest.raises(TailMergeInputError, match=r"sm_scale=0.0 must be a finite positive"):
+    with pytest.raises(KernelInputError, match=r"sm_scale=0.0 must be a finite positive"):
         beam_prefix_attention(step.q, sim.kv_cache, prompt_table(sim, step), step.prompt_lens_per_request,
                               step.beam_width, torch.empty_like(step.q), lse, sm_scale=0.0, kv_layout=sim.kv_layout)
 
@@ -491,7 +491,7 @@ def test_check_mode_names_a_prompt_page_outside_the_pool(device):
     sim, step = _one_step(device)
     table = prompt_table(sim, step)
     table[1, 0] = step.num_pages + 3
-    with pytest.raises(TailMergeInputError, match=r"prompt_page_table\[1, 0\]=.* outside the pool"):
+    with pytest.raises(KernelInputError, match=r"prompt_page_table\[1, 0\]=.* outside the pool"):
         beam_cascade_attention(
             step.q, step.new_k, step.new_v, sim.kv_cache, table, step.beam_page_table, step.kv_lens,
             step.prompt_lens, step.cache_indirection, step.beam_width, torch.empty_like(step.q),
@@ -747,10 +747,10 @@ def test_a_tail_bound_is_used_and_checked(monkeypatch, device):
 
     assert_matches(call(4, validate=True), expected, "bound 4")
     assert [cfg.shared_ancestry for cfg in configs] == [True, False], configs
-    with pytest.raises(TailMergeInputError, match=r"row \d+ has a tail of 4 generated tokens .* max_tail_len=3"):
+    with pytest.raises(KernelInputError, match=r"row \d+ has a tail of 4 generated tokens .* max_tail_len=3"):
         call(3, validate=True)
     for bad in (0, True, 2.5):
-        with pytest.raises(TailMergeInputError, match=r"max_tail_len=.* must be None or an int >= 1"):
+        with pytest.raises(KernelInputError, match=r"max_tail_len=.* must be None or an int >= 1"):
             call(bad)
 
 

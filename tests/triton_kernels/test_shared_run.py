@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from triton_kernels import (
+    KernelInputError,
     TailLaunchConfig,
-    TailMergeInputError,
     beam_shared_run_attention,
     beam_tail_attention_merge,
     device_errors,
@@ -208,7 +208,7 @@ def _stage_args(device):
 def test_stage_refuses_bad_arguments(change, match, device):
     args = _stage_args(device)
     change(args)
-    with pytest.raises(TailMergeInputError, match=match):
+    with pytest.raises(KernelInputError, match=match):
         beam_shared_run_attention(**args)
 
 
@@ -233,7 +233,7 @@ def test_kv_heads_per_program_keeps_a_full_wave(tiles, hkv, sms, warps, d, want)
 def test_stage_refuses_an_output_that_overlaps_its_inputs(device):
     args = _stage_args(device)
     args["tail_skip"] = args["kv_lens"].view(torch.int32)
-    with pytest.raises(TailMergeInputError, match="tail_skip overlaps kv_lens"):
+    with pytest.raises(KernelInputError, match="tail_skip overlaps kv_lens"):
         beam_shared_run_attention(**args)
 
 
@@ -241,7 +241,7 @@ def test_tail_refuses_a_bad_tail_skip(device):
     args = _stage_args(device)
     sim_q = args["q"]
     new_kv = torch.zeros(sim_q.shape[0], 2, sim_q.shape[2], dtype=sim_q.dtype, device=device)
-    with pytest.raises(TailMergeInputError, match=r"tail_skip must be a contiguous int32 \[rows=8\]"):
+    with pytest.raises(KernelInputError, match=r"tail_skip must be a contiguous int32 \[rows=8\]"):
         beam_tail_attention_merge(sim_q, new_kv, new_kv.clone(), args["kv_cache"], args["beam_page_table"],
                                   args["kv_lens"], args["prompt_lens"], args["cache_indirection"], 4,
                                   args["prefix_out"], args["prefix_lse"], torch.empty_like(sim_q),

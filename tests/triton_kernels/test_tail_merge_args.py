@@ -1,6 +1,8 @@
-"""The launchers' byte spans (``_byte_span``), which the overlap checks compare: against every element's
+"""The launchers' byte spans (``step_args.byte_span``), which the overlap checks compare: against every element's
 address, for contiguous tensors (the fast path) and strided views (the general one). The memoized checks
-(``memoize_metadata_check``): a verdict is reused for equal metadata only, and agrees with the check."""
+(``memo.memoize_metadata_check``): a verdict is reused for equal metadata only, and agrees with the check.
+The names ``tail_merge_args`` held before the split into ``step_args`` and ``memo`` still import from it, and
+the conventions the kernels' package and the core package each define agree."""
 
 from __future__ import annotations
 
@@ -9,15 +11,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triton_kernels import tail_merge_args
-from triton_kernels.tail_merge_args import (
-    TailMergeInputError,
-    _byte_span,
-    _spans_overlap,
+from triton_kernels import memo, step_args, tail_merge_args
+from triton_kernels.memo import memoize_metadata_check
+from triton_kernels.step_args import (
+    KernelInputError,
+    byte_span,
     check_step_args,
-    check_tail_merge_args,
-    memoize_metadata_check,
+    spans_overlap,
 )
+from triton_kernels.tail_merge_args import check_tail_merge_args
 
 
 def addresses(x: torch.Tensor) -> torch.Tensor:
@@ -44,7 +46,7 @@ def test_byte_span_is_the_elements_address_range(shape, strides, offset, dtype, 
         x = base[offset:offset + int(torch.tensor(shape).prod())].view(shape)
     else:
         x = base.as_strided(shape, strides[:len(shape)], offset)
-    span = _byte_span(x)
+    span = byte_span(x)
     if x.numel() == 0:
         assert span is None
         return
@@ -55,10 +57,10 @@ def test_byte_span_is_the_elements_address_range(shape, strides, offset, dtype, 
 def test_spans_overlap_is_byte_exact():
     base = torch.empty(64, dtype=torch.float32)
     left, right = base[:16], base[16:32]
-    assert not _spans_overlap(_byte_span(left), _byte_span(right))
-    assert _spans_overlap(_byte_span(base[:17]), _byte_span(right))
-    assert _spans_overlap(_byte_span(base[::4]), _byte_span(base[1:2]))  # strided: the range, not the elements
-    assert not _spans_overlap(_byte_span(base[:0]), _byte_span(base))
+    assert not spans_overlap(byte_span(left), byte_span(right))
+    assert spans_overlap(byte_span(base[:17]), byte_span(right))
+    assert spans_overlap(byte_span(base[::4]), byte_span(base[1:2]))  # strided: the range, not the elements
+    assert not spans_overlap(byte_span(base[:0]), byte_span(base))
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,7 +103,7 @@ def test_memoized_check_keeps_a_verdict_for_equal_metadata_only(monkeypatch):
     check(base, names=[base])
     check(base, names=[base])  # a list: no key, checked each time
     assert len(calls) == n + 4
-    monkeypatch.setattr(tail_merge_args, "METADATA_CHECKS_KEPT", len(check.kept))
+    monkeypatch.setattr(memo, "METADATA_CHECKS_KEPT", len(check.kept))
     check(base[:2])  # full: the store starts over with this one
     assert len(check.kept) == 1
 
@@ -149,8 +151,9 @@ _CHANGES = [
 
 
 def _forget_kept_checks():
-    for kept in tail_merge_args._KEPT_STORES:
+    for kept in memo._KEPT_STORES:
         kept.clear()
+    assert not check_tail_merge_args.kept and not check_step_args.kept
 
 
 def _step_check(prefix_out, prefix_lse, prefix_lse_layout="NH", prefix_lse_base="log2", **args):
@@ -168,7 +171,7 @@ def _outcome(args, fresh=False):
             _forget_kept_checks()
         try:
             outcomes.append(("ok", check(**args)))
-        except TailMergeInputError as exc:
+        except KernelInputError as exc:
             outcomes.append(("error", str(exc)))
     return outcomes
 
@@ -189,5 +192,45 @@ def test_memoized_tail_check_agrees_with_the_check_itself(picks):
 
 def test_launch_configurations_take_ints_not_bools():
     """``True`` is an int equal to 1 in Python; a launch configuration takes it for no power of two."""
-    assert [tail_merge_args.is_pow2(x) for x in (1, 2, 64, True, 0, 3, 2.0)] == [True, True, True, False, False, False,
-                                                                                False]
+    assert [step_args.is_pow2(x) for x in (1, 2, 64, True, 0, 3, 2.0)] == [True, True, True, False, False, False,
+                                                                           False]
+
+
+# The old private names (importers' and tests' before the split) and their owners in step_args and memo.
+_MOVED = {
+    "_fail": (step_args, "fail"), "_need_tensor": (step_args, "need_tensor"), "_need_dim": (step_args, "need_dim"),
+    "_need_dtype": (step_args, "need_dtype"), "_need_last_dim_contiguous": (step_args, "need_last_dim_contiguous"),
+    "_byte_span": (step_args, "byte_span"), "_spans_overlap": (step_args, "spans_overlap"),
+    "_KEPT_STORES": (memo, "_KEPT_STORES"),
+}
+
+
+def test_tail_merge_args_keeps_the_names_it_exported():
+    """Every name ``tail_merge_args`` exported or importers took from it before the split still imports from it,
+    as the owner module's object (``TailMergeInputError`` is ``KernelInputError``, here and in the package)."""
+    import triton_kernels
+
+    for name in tail_merge_args.__all__:
+        kept = getattr(tail_merge_args, name)
+        for owner in (step_args, memo):
+            if hasattr(owner, name):
+                assert kept is getattr(owner, name), name
+    for name in ("KV_DTYPES", "KV_LAYOUTS", "is_pow2", "pool_layout", "resolve_sm_scale", "runs_interpreted"):
+        assert getattr(tail_merge_args, name) is getattr(step_args, name), name
+    for name, (owner, owner_name) in _MOVED.items():
+        assert getattr(tail_merge_args, name) is getattr(owner, owner_name), name
+    assert tail_merge_args.TailMergeInputError is step_args.KernelInputError is triton_kernels.TailMergeInputError
+    assert triton_kernels.KernelInputError is step_args.KernelInputError
+    assert not hasattr(tail_merge_args, "METADATA_CHECKS_KEPT")  # patch memo's: a copy here would patch nothing
+
+
+def test_conventions_agree_with_the_core_package():
+    """The conventions defined both here and in the core package (which cannot import this package: its
+    ``__init__`` imports Triton) agree: ``LOG2E``, the KV layouts, the LSE layouts and bases."""
+    from beam_shared_prefix import reference
+    from beam_shared_prefix.prefix import base
+
+    assert step_args.LOG2E == reference.LOG2E == base.LOG2E
+    assert step_args.KV_LAYOUTS == base.KV_LAYOUTS
+    assert tail_merge_args.LSE_LAYOUTS == base.LSE_LAYOUTS
+    assert tail_merge_args.LSE_BASES == base.LSE_BASES

@@ -1,0 +1,504 @@
+"""Argument checks shared by the Triton launchers (the fused tail merge's, the one-launch cascade's and the
+shared-run stage's) and the tail merge's unfused torch twin: the decode step's per-beam arguments
+(:func:`check_step_args`), the index values of check mode, the device, and the helpers the launchers' own
+checks are written with (:func:`fail`, :func:`need_tensor`, :func:`need_dim`, :func:`need_dtype`,
+:func:`need_last_dim_contiguous`, :func:`byte_span`, :func:`spans_overlap`, ...). The tail merge's own
+checks (the prefix state, ``tail_skip``) are in :mod:`triton_kernels.tail_merge_args`; the verdict cache
+of the metadata-only checks is :mod:`triton_kernels.memo`.
+
+Everything here is host-only and needs no device sync (shapes, dtypes, strides, devices, layout
+strings and the bounds that follow from shapes alone), except :func:`check_tail_index_values`,
+which reads lengths, page indices and ``cache_indirection`` back from the device and is meant for
+check mode (``validate_indices=True``).
+
+Every error is a :class:`KernelInputError` (``TailMergeInputError`` is the same class, under the name it
+had when these checks were the tail merge's alone) whose message names the argument, the value found,
+the limit and the fix.
+
+The checks run per layer and step in eager mode. All but the overlap checks read metadata only
+(shapes, strides, dtypes, devices and the Python scalars passed), so :func:`memoize_metadata_check`
+keeps their verdicts on metadata seen before (a failing check is never kept); the overlap checks,
+which read addresses, run on every call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .memo import memoize_metadata_check
+
+__all__ = [
+    "KV_DTYPES",
+    "KV_LAYOUTS",
+    "LOG2E",
+    "KernelInputError",
+    "StepGeometry",
+    "TailMergeInputError",
+    "byte_span",
+    "check_device",
+    "check_out_overlaps",
+    "check_step_args",
+    "check_step_metadata",
+    "check_tail_index_values",
+    "fail",
+    "is_pow2",
+    "need_dim",
+    "need_dtype",
+    "need_last_dim_contiguous",
+    "need_tensor",
+    "overlapping_elements",
+    "pool_layout",
+    "resolve_sm_scale",
+    "runs_interpreted",
+    "spans_overlap",
+]
+
+# LOG2E and KV_LAYOUTS have twins in the core package (beam_shared_prefix.reference.LOG2E,
+# beam_shared_prefix.prefix.base.KV_LAYOUTS): those light modules cannot import this package (whose __init__
+# imports Triton), and this package imports nothing of beam_shared_prefix.
+# tests/triton_kernels/test_tail_merge_args.py holds each pair equal.
+LOG2E = 1.4426950408889634
+
+KV_DTYPES = (torch.bfloat16, torch.float16)
+KV_LAYOUTS = ("HND", "NHD")
+_INT32_MAX = 2**31 - 1  # page_index_divisor is a compile-time int32 of the kernels
+
+
+def is_pow2(x) -> bool:
+    """Whether ``x`` is a power of two as a launch configuration takes it: an ``int``, not a ``bool``."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and (x & (x - 1)) == 0
+
+
+def runs_interpreted(kernel) -> bool:
+    """Whether ``kernel`` (a ``@triton.jit`` function) runs in Triton's interpreter, on CPU tensors: decided by
+    ``TRITON_INTERPRET`` when ``triton.jit`` decorated it (at import), in Triton's own spelling (1, true, on, yes)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+class KernelInputError(ValueError):
+    """An argument a launcher (the tail merge's, the cascade's, the shared-run stage's) or the tail merge's torch
+    twin refuses; the message names the value, the limit and the fix."""
+
+
+# The name of KernelInputError when the checks were the tail merge's alone; callers catch it (public API).
+TailMergeInputError = KernelInputError
+
+
+@dataclass(frozen=True)
+class StepGeometry:
+    """Sizes and element strides of one decode step's launch, derived from validated arguments.
+
+    Attributes:
+        num_rows: beam rows ``R*W``.
+        beam_width: ``W``.
+        num_qo_heads, num_kv_heads, group_size: ``Hq``, ``Hkv``, ``G = Hq // Hkv``.
+        head_dim: ``D``.
+        page_size: ``Pg`` tokens per page.
+        num_pages: pages in the pool (page numbers must lie in ``[0, num_pages)``).
+        max_seq_len: positions ``cache_indirection`` covers per sequence (``kv_len`` upper bound).
+        sm_scale: softmax scale applied to ``q . k``.
+        kv_strides: element strides ``(page, k_or_v, head, slot)`` of the pool, whatever the layout.
+    """
+
+    num_rows: int
+    beam_width: int
+    num_qo_heads: int
+    num_kv_heads: int
+    group_size: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    max_seq_len: int
+    sm_scale: float
+    kv_strides: Tuple[int, int, int, int]
+
+    @property
+    def num_requests(self) -> int:
+        """``R = rows / W``."""
+        return self.num_rows // self.beam_width
+
+
+def pool_layout(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[Tuple[int, int, int, int], Tuple[int, int, int, int]]:
+    """``((pages, Hkv, Pg, D), (page, k_or_v, head, slot) element strides)`` of a 5-D ``[pages, 2, ...]`` pool."""
+    s = kv_cache.stride()
+    if kv_layout == "HND":  # [pages, 2, Hkv, Pg, D]
+        num_pages, _, heads, page_size, dim = kv_cache.shape
+        return (num_pages, heads, page_size, dim), (s[0], s[1], s[2], s[3])
+    num_pages, _, page_size, heads, dim = kv_cache.shape  # NHD: [pages, 2, Pg, Hkv, D]
+    return (num_pages, heads, page_size, dim), (s[0], s[1], s[3], s[2])
+
+
+def fail(msg: str) -> None:
+    raise KernelInputError(msg)
+
+
+def need_tensor(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        fail(f"{name} must be a torch.Tensor, got {type(x).__name__}.")
+
+
+def need_dim(name: str, x: torch.Tensor, ndim: int, what: str) -> None:
+    if x.dim() != ndim:
+        fail(f"{name} must be {what} ({ndim}-D), got shape {tuple(x.shape)}.")
+
+
+def need_dtype(name: str, x: torch.Tensor, allowed) -> None:
+    if x.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        fail(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; supported: {names}. Cast it before the call.")
+
+
+def need_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        fail(
+            f"{name} has last-dim stride {x.stride(-1)}; the head dim must be contiguous (stride 1). "
+            f"Pass {name}.contiguous() or a view whose last dim is contiguous."
+        )
+    if any(s < 0 for s in x.stride()):
+        fail(f"{name} has a negative stride {tuple(x.stride())}; pass a view with non-negative strides.")
+
+
+def overlapping_elements(x: torch.Tensor) -> Optional[str]:
+    """Why two elements of ``x`` share memory, or ``None``: with its dims ordered by stride, each stride
+    must span the extent of the dims below it (a contiguous or gapped layout). A written tensor
+    (``out``, the pool) whose rows or K and V planes overlap would have its writes overwrite each
+    other, or read K and V from one memory."""
+    extent = 1
+    for stride, size in sorted((s, n) for n, s in zip(x.shape, x.stride(), strict=True) if n > 1):
+        if stride < extent:
+            return (f"shape {tuple(x.shape)} with strides {tuple(x.stride())} has elements that overlap in memory "
+                    f"(a stride of {stride} under an extent of {extent})")
+        extent = stride * size
+    return None
+
+
+def _need_distinct_elements(name: str, x: torch.Tensor, fix: str) -> None:
+    why = overlapping_elements(x)
+    if why is not None:
+        fail(f"{name} of {why}; its writes would overwrite each other. {fix}")
+
+
+def _need_unit_stride(name: str, x: torch.Tensor) -> None:
+    """A 1-D per-row tensor the kernels index as ``ptr + row`` (no stride argument)."""
+    if x.shape[0] > 1 and x.stride(0) != 1:
+        fail(f"{name} has stride {x.stride(0)}; the kernels read one int32 per row at unit stride. "
+             f"Pass {name}.contiguous().")
+
+
+def byte_span(x: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """``[first, last + 1)`` byte addresses of a tensor's elements (non-negative strides), ``None`` when empty."""
+    numel = x.numel()
+    if numel == 0:
+        return None
+    start = x.data_ptr()
+    # Per layer and step in eager mode: a contiguous tensor's span is its numel (one C call, not ~4 us of
+    # Python over its shape and strides).
+    if x.is_contiguous():
+        return start, start + numel * x.element_size()
+    extent = 1
+    for n, s in zip(x.shape, x.stride(), strict=True):
+        extent += (n - 1) * s
+    return start, start + extent * x.element_size()
+
+
+def spans_overlap(sa, sb) -> bool:
+    """Whether two :func:`byte_span` results share a byte (an empty tensor's ``None`` shares none)."""
+    if sa is None or sb is None:
+        return False
+    return sa[0] < sb[1] and sb[0] < sa[1]
+
+
+def check_step_metadata(
+    q,
+    new_k,
+    new_v,
+    kv_cache,
+    beam_page_table,
+    kv_lens,
+    prompt_lens,
+    cache_indirection,
+    beam_width,
+    out,
+    *,
+    sm_scale=None,
+    kv_layout="HND",
+    page_index_divisor=1,
+    extra_tensors=(),
+    reads_step_kv=True,
+) -> StepGeometry:
+    """Validate the per-beam arguments of one decode step's launch, without a device sync.
+
+    Shared by the tail kernel's launcher (which adds the prefix state) and the one-launch cascade
+    kernel's (which adds the prompt page table). ``extra_tensors`` are ``(name, tensor)`` pairs that
+    must be on q's device and must not overlap ``out``. A launch that neither reads this step's K/V
+    nor writes an output (the shared-run stage) passes ``reads_step_kv=False`` and ``new_k``, ``new_v``
+    and ``out`` as ``None``; the KV head count then comes from the pool. Not memoized: :func:`check_step_args`
+    is this check with its verdicts kept (and the overlap check run on every call); a memoized check that
+    builds on it (``tail_merge_args.check_tail_merge_args``) calls it directly.
+
+    Returns the :class:`StepGeometry`; raises :class:`KernelInputError` naming the offending
+    value, its limit and the fix.
+    """
+    step_kv = bool(reads_step_kv)
+    names = (("q", q),) + ((("new_k", new_k), ("new_v", new_v)) if step_kv else ()) + (
+        ("kv_cache", kv_cache), ("beam_page_table", beam_page_table), ("kv_lens", kv_lens),
+        ("prompt_lens", prompt_lens), ("cache_indirection", cache_indirection),
+    ) + ((("out", out),) if step_kv else ()) + tuple(extra_tensors)
+    for name, x in names:
+        need_tensor(name, x)
+    if kv_layout not in KV_LAYOUTS:
+        fail(f"kv_layout={kv_layout!r} is not supported; use 'HND' ([pages, 2, Hkv, Pg, D]) or "
+             f"'NHD' ([pages, 2, Pg, Hkv, D]).")
+    if (isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1
+            or page_index_divisor > _INT32_MAX):
+        fail(f"page_index_divisor={page_index_divisor!r} must be an int in [1, {_INT32_MAX}] (1 for page numbers, "
+             f"layers*kv_factor for block offsets, which are int32).")
+    if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
+        fail(f"beam_width={beam_width!r} must be an int >= 1.")
+
+    device = q.device
+    for name, x in names:
+        if x.device != device:
+            fail(f"{name} is on {x.device} but q is on {device}; put every tensor on one device.")
+
+    # Queries and this step's K/V.
+    need_dim("q", q, 3, "[rows, Hq, D]")
+    need_dtype("q", q, KV_DTYPES)
+    num_rows, num_qo_heads, head_dim = q.shape
+    if step_kv:
+        for name, x in (("new_k", new_k), ("new_v", new_v)):
+            need_dim(name, x, 3, "[rows, Hkv, D]")
+            if x.dtype != q.dtype:
+                fail(f"{name} has dtype {x.dtype} but q has {q.dtype}; pass K/V in q's dtype.")
+        if new_k.shape != new_v.shape:
+            fail(f"new_k {tuple(new_k.shape)} and new_v {tuple(new_v.shape)} must have the same shape [rows, Hkv, D].")
+        if new_k.shape[0] != num_rows or new_k.shape[2] != head_dim:
+            fail(f"new_k must be [rows={num_rows}, Hkv, D={head_dim}] like q, got {tuple(new_k.shape)}.")
+        num_kv_heads = new_k.shape[1]
+    else:
+        need_dim("kv_cache", kv_cache, 5, "[pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD)")
+        num_kv_heads = pool_layout(kv_cache, kv_layout)[0][1]
+    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+        fail(
+            f"q's head count Hq={num_qo_heads} is not a multiple of the KV head count Hkv={num_kv_heads}; "
+            f"GQA needs Hq % Hkv == 0."
+        )
+
+    # The paged pool.
+    need_dim("kv_cache", kv_cache, 5, "[pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD)")
+    if kv_cache.dtype != q.dtype:
+        fail(f"kv_cache has dtype {kv_cache.dtype} but q has {q.dtype}; the pool and q must share a dtype.")
+    if kv_cache.shape[1] != 2:
+        fail(f"kv_cache dim 1 must be 2 (K, V), got shape {tuple(kv_cache.shape)}.")
+    (num_pages, pool_heads, page_size, pool_dim), kv_strides = pool_layout(kv_cache, kv_layout)
+    if pool_heads != num_kv_heads or pool_dim != head_dim:
+        fail(
+            f"kv_cache ({kv_layout}) holds Hkv={pool_heads}, D={pool_dim} but "
+            f"{'new_k' if step_kv else 'q'} has Hkv={num_kv_heads}, D={head_dim}; check kv_layout (got "
+            f"{kv_layout!r}) and the layer's pool view."
+        )
+    if num_pages < 1 or page_size < 1:
+        fail(f"kv_cache has {num_pages} pages of {page_size} tokens; both must be >= 1.")
+    # The tail kernels add a KV head's offset in int32 (the page term is int64); a view with the
+    # heads outside the pages could overflow it.
+    head_span = (pool_heads - 1) * kv_strides[2] + (page_size - 1) * kv_strides[3] + pool_dim
+    if head_span >= 2**31:
+        fail(f"kv_cache's heads and slots span {head_span} elements within a page (strides "
+             f"{tuple(kv_cache.stride())}), past int32; pass a pool view whose pages hold their heads "
+              f"([pages, 2, Hkv, Pg, D] or [pages, 2, Pg, Hkv, D]).")
+    for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)):
+        if x is not None:
+            need_last_dim_contiguous(name, x)
+    _need_distinct_elements("kv_cache", kv_cache, "Pass the pool's own layer view, whose pages, K and V planes, "
+                            "slots and heads lie apart (a copy would take the step's K/V write away from the cache).")
+
+    # Index tensors.
+    if num_rows % beam_width:
+        fail(f"q has {num_rows} rows, not a multiple of beam_width={beam_width}; rows must be R * W, request-major.")
+    num_requests = num_rows // beam_width
+    for name, x in (("kv_lens", kv_lens), ("prompt_lens", prompt_lens)):
+        need_dim(name, x, 1, f"[rows={num_rows}] int32")
+        need_dtype(name, x, (torch.int32,))
+        if x.shape[0] != num_rows:
+            fail(f"{name} has {x.shape[0]} entries but q has {num_rows} rows; pass one entry per beam row.")
+        _need_unit_stride(name, x)
+    need_dim("beam_page_table", beam_page_table, 2, "[>= rows, max_pages] int32")
+    need_dtype("beam_page_table", beam_page_table, (torch.int32,))
+    if beam_page_table.shape[0] < num_rows:
+        fail(
+            f"beam_page_table has {beam_page_table.shape[0]} rows but q has {num_rows}; "
+            f"pass one page-table row per beam row (row i = r*W + b)."
+        )
+    need_dim("cache_indirection", cache_indirection, 3, "[>= R, W_max, max_seq_len] int32")
+    need_dtype("cache_indirection", cache_indirection, (torch.int32,))
+    ind_requests, max_beam_width, max_seq_len = cache_indirection.shape
+    if ind_requests < num_requests:
+        fail(
+            f"cache_indirection has {ind_requests} request rows but the batch has R={num_requests} "
+            f"(rows {num_rows} / beam_width {beam_width}); pass the batch's [R, W_max, max_seq_len] view."
+        )
+    if beam_width > max_beam_width:
+        fail(
+            f"beam_width={beam_width} exceeds the width cache_indirection was sized for (W_max={max_beam_width}); "
+            f"beams would overwrite each other's slots. Size the KV cache for max_beam_width >= {beam_width}."
+        )
+    max_pages = beam_page_table.shape[1]
+    if max_pages * page_size < max_seq_len:
+        need = -(-max_seq_len // page_size)
+        fail(
+            f"beam_page_table has {max_pages} columns of {page_size} tokens ({max_pages * page_size} positions) "
+            f"but cache_indirection covers max_seq_len={max_seq_len}; pass a page table with at least "
+            f"{need} columns, or a cache_indirection view limited to {max_pages * page_size} positions."
+        )
+
+    if step_kv:
+        need_dim("out", out, 3, "[rows, Hq, D]")
+        if out.dtype != q.dtype:
+            fail(f"out has dtype {out.dtype} but q has {q.dtype}; the output is written in q's dtype.")
+        if tuple(out.shape) != (num_rows, num_qo_heads, head_dim):
+            fail(f"out must be [rows={num_rows}, Hq={num_qo_heads}, D={head_dim}], got {tuple(out.shape)}.")
+        need_last_dim_contiguous("out", out)
+        _need_distinct_elements("out", out, "Pass an output whose elements are distinct (a fresh buffer).")
+
+    sm_scale = resolve_sm_scale(sm_scale, head_dim)
+
+    return StepGeometry(
+        num_rows=num_rows,
+        beam_width=beam_width,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        group_size=num_qo_heads // num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        num_pages=num_pages,
+        max_seq_len=max_seq_len,
+        sm_scale=sm_scale,
+        kv_strides=kv_strides,
+    )
+
+
+def check_out_overlaps(out, others) -> None:
+    """``out`` shares no byte with any of ``others`` (``(name, tensor or None)`` pairs): run on every call,
+    since it reads addresses, which the memoized checks leave out."""
+    out_span = byte_span(out)
+    for name, x in others:
+        if x is not None and spans_overlap(out_span, byte_span(x)):
+            fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
+
+
+def _step_overlaps(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
+                   out, *, extra_tensors=(), reads_step_kv=True, **_) -> None:
+    if reads_step_kv:
+        check_out_overlaps(out, (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache))
+                           + tuple(extra_tensors))
+
+
+check_step_args = memoize_metadata_check(check_step_metadata, every_call=_step_overlaps)
+
+
+def resolve_sm_scale(sm_scale, head_dim: int) -> float:
+    """The softmax scale as a float: ``1/sqrt(D)`` for None; anything but a finite positive number
+    fails (the kernels take the running max on unscaled scores, which needs a positive scale)."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        value = float(sm_scale)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        fail(f"sm_scale={sm_scale!r} must be a finite positive float (default 1/sqrt(D)).")
+    return value
+
+
+def check_device(q: torch.Tensor, kernel, what: str) -> None:
+    """``q`` is on CUDA, or ``kernel`` (the launch's ``@triton.jit`` function) runs in Triton's interpreter
+    (:func:`runs_interpreted`); ``what`` names the launch in the message."""
+    if not q.is_cuda and not runs_interpreted(kernel):
+        raise KernelInputError(
+            f"{what} is a Triton kernel and needs CUDA tensors, got {q.device}; on CPU use the "
+            f"reference prefix + beam_tail_attention_merge_torch (or set TRITON_INTERPRET=1 before importing triton)."
+        )
+
+
+def check_tail_index_values(
+    geom: StepGeometry,
+    beam_page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    cache_indirection: torch.Tensor,
+    page_index_divisor: int,
+) -> None:
+    """Synchronous value checks for check mode: reads the index tensors back from the device.
+
+    Checks ``0 <= prompt_len < kv_len <= max_seq_len``, that the earlier generated positions'
+    ``cache_indirection`` entries are beams in ``[0, W)``, and that every page the launch touches
+    (each row's write page and the pages of its gathered tail) is in ``[0, num_pages)``.
+    """
+    rows, W, pg = geom.num_rows, geom.beam_width, geom.page_size
+    if rows == 0:
+        return
+    plen = prompt_lens.long().cpu()
+    klen = kv_lens.long().cpu()
+    bad = torch.nonzero(plen < 0).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        fail(f"prompt_lens[{i}]={int(plen[i])} is negative; prompt lengths must be >= 0.")
+    bad = torch.nonzero(klen < plen + 1).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        fail(
+            f"kv_lens[{i}]={int(klen[i])} must be >= prompt_lens[{i}] + 1 = {int(plen[i]) + 1}: kv_len counts "
+            f"this step's token, which follows the prompt. Pass kv_lens after appending the current token."
+        )
+    bad = torch.nonzero(klen > geom.max_seq_len).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        fail(
+            f"kv_lens[{i}]={int(klen[i])} exceeds the cache capacity max_seq_len={geom.max_seq_len} "
+            f"(cache_indirection's last dim); size the cache for longer sequences or stop the request earlier."
+        )
+    table = beam_page_table[:rows].long().cpu()
+    ind = cache_indirection.cpu()
+    row = torch.arange(rows)
+    req, beam = row // W, row % W
+    num_pages = geom.num_pages
+
+    def check_pages(pages: torch.Tensor, where: str, rows_of: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor):
+        bad_mask = mask & ((pages < 0) | (pages >= num_pages))
+        if bad_mask.any():
+            k = torch.nonzero(bad_mask)[0]
+            idx = tuple(int(v) for v in k)
+            tr, tc = int(rows_of[idx]), int(cols[idx])
+            fail(
+                f"{where}: beam_page_table[{tr}, {tc}]={int(table[tr, tc])} // page_index_divisor={page_index_divisor} "
+                f"= page {int(pages[idx])} is outside the pool [0, {num_pages}); the page table is stale or the pool "
+                f"too small (check page_index_divisor and that the table belongs to this pool)."
+            )
+
+    wcol = (klen - 1) // pg
+    wpage = table[row, wcol] // page_index_divisor
+    check_pages(wpage, "the write position kv_len - 1", row, wcol, torch.ones(rows, dtype=torch.bool))
+    earlier = (klen - 1 - plen).clamp(min=0)
+    max_earlier = int(earlier.max())
+    if max_earlier == 0:
+        return
+    t = plen[:, None] + torch.arange(max_earlier)[None, :]
+    valid = t < (klen - 1)[:, None]
+    tc = torch.where(valid, t, torch.zeros_like(t))
+    src = ind[req[:, None], beam[:, None], tc].long()
+    bad_mask = valid & ((src < 0) | (src >= W))
+    if bad_mask.any():
+        i, j = (int(v) for v in torch.nonzero(bad_mask)[0])
+        fail(
+            f"cache_indirection[{int(req[i])}, {int(beam[i])}, {int(tc[i, j])}]={int(src[i, j])} is not a beam in "
+            f"[0, beam_width={W}); pass the batch's cache_indirection (row r = r-th request) for this beam width."
+        )
+    src = torch.where(valid, src, beam[:, None])
+    src_row = req[:, None] * W + src
+    col = tc // pg
+    pages = table[src_row, col] // page_index_divisor
+    check_pages(pages, "a gathered tail position", src_row, col, valid)
