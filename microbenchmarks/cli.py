@@ -409,10 +409,12 @@ def _main(parser: argparse.ArgumentParser, args, argv: List[str]) -> int:
 
     try:
         shapes = resolve_shapes(args)
+        from beam_shared_prefix.prefix.flashinfer import PREFIX_KERNELS
+
         prefix_kernels = [k.strip().lower() for k in args.prefix_kernels.split(",") if k.strip()]
         for k in prefix_kernels:
-            if k not in ("auto", "fa2", "fa3"):
-                raise ShapeError(f"--prefix-kernels: {k!r} is not one of auto, fa2, fa3.")
+            if k not in PREFIX_KERNELS:
+                raise ShapeError(f"--prefix-kernels: {k!r} is not one of {', '.join(PREFIX_KERNELS)}.")
         for name, value, low in (("--sets", args.sets, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
                                  ("--plan-repeats", args.plan_repeats, 0), ("--check-requests", args.check_requests, 1),
                                  ("--fi-workspace-mb", args.fi_workspace_mb, 1)):

@@ -36,18 +36,18 @@ WRITE_PAGE = tl.constexpr(32)
 
 #: ``{bit: message}``; each message names the value, what the kernel did and the likely cause.
 ERROR_BITS = {
-    1: "a prompt page-table entry outside the pool [0, num_pages): that prompt token's K/V read as zeros "
-       "(a stale plan, or a table of another pool)",
-    2: "a prompt length outside [0, prompt page table width x page size]: the prompt cut to the table "
-       "(plan with the step's prompt lengths)",
-    4: "a kv_len not past its prompt length, or past max_seq_len: this step's K/V not written and the tail "
-       "cut (pass kv_lens that include this step's token, within the cache)",
-    8: "a cache_indirection entry outside [0, beam_width): that generated position left out (the indirection "
-       "buffer belongs to another beam width or step)",
-    16: "a beam page-table entry of a generated position negative or outside the pool: that position left out "
-        "(block offsets stale, or page_index_divisor wrong)",
-    32: "the page-table entry of a row's write slot negative or outside the pool: this step's K/V not written "
-        "(no page allocated for the new token, or page_index_divisor wrong)",
+    PROMPT_PAGE.value: "a prompt page-table entry outside the pool [0, num_pages): that prompt token's K/V read as "
+                       "zeros (a stale plan, or a table of another pool)",
+    PROMPT_LEN.value: "a prompt length outside [0, prompt page table width x page size]: the prompt cut to the table "
+                      "(plan with the step's prompt lengths)",
+    KV_LEN.value: "a kv_len not past its prompt length, or past max_seq_len: this step's K/V not written and the tail "
+                  "cut (pass kv_lens that include this step's token, within the cache)",
+    SOURCE_BEAM.value: "a cache_indirection entry outside [0, beam_width): that generated position left out (the "
+                       "indirection buffer belongs to another beam width or step)",
+    TAIL_PAGE.value: "a beam page-table entry of a generated position negative or outside the pool: that position left "
+                     "out (block offsets stale, or page_index_divisor wrong)",
+    WRITE_PAGE.value: "the page-table entry of a row's write slot negative or outside the pool: this step's K/V not "
+                      "written (no page allocated for the new token, or page_index_divisor wrong)",
 }
 
 
