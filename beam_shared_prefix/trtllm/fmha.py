@@ -42,8 +42,8 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from .gates import (batch_decline_reason, call_decline_reason, decline_log, device_decline_reason,
-                    layer_decline_reason, prefix_shape_decline_reason)
+from .gates import (CONTEXT_ONLY, GENERATION_ONLY, _enum_value, batch_decline_reason, call_decline_reason,
+                    decline_log, device_decline_reason, layer_decline_reason, prefix_shape_decline_reason)
 from .kv_cache import adapter_for
 from .planning import Family, ensure_prepare_hook, register_instance, runtime_view, step_for_forward, wrapper_for
 from .registration import FALLBACK_NAME, LIB_NAME, OUT_OF_TREE_MARK, current_settings
@@ -60,12 +60,6 @@ stats: Dict[str, int] = {
 }
 
 _BENIGN = ("no generation rows", "beam width 1", "context-only attention call")
-_CONTEXT_ONLY = 1
-_GENERATION_ONLY = 2
-
-
-def _enum_value(value):
-    return getattr(value, "value", value)
 
 
 def _phase_name(phase) -> Optional[str]:
@@ -149,7 +143,7 @@ class BeamSharedPrefixFmhaMixin:
             _log_decline(reason)
             return False
         input_type = int(_enum_value(forward_args.attention_input_type))
-        mixed = input_type != _GENERATION_ONLY and int(metadata.num_contexts) > 0
+        mixed = input_type != GENERATION_ONLY and int(metadata.num_contexts) > 0
         if not mixed or phase_name == "generation":
             return True
         return self._serves_mixed_batch_itself(q, k, v, metadata, forward_args)
@@ -188,7 +182,7 @@ class BeamSharedPrefixFmhaMixin:
             return bool(lib.is_supported(q, k, v, metadata, forward_args, phase=phase_enum.CONTEXT))
         ask = getattr(lib, "is_context_supported", None)
         if ask is not None:
-            return bool(ask(q, k, v, metadata, _with_input_type(forward_args, _CONTEXT_ONLY)))
+            return bool(ask(q, k, v, metadata, _with_input_type(forward_args, CONTEXT_ONLY)))
         return None
 
     def _serves_mixed_batch_itself(self, q, k, v, metadata, forward_args) -> bool:
@@ -367,13 +361,13 @@ class BeamSharedPrefixFmhaMixin:
             delegate.forward(q, k, v, metadata, forward_args)
             return
         token0 = 0
-        if input_type != _GENERATION_ONLY:
+        if input_type != GENERATION_ONLY:
             token0 = int(metadata.num_ctx_tokens)
             if int(metadata.num_contexts) > 0:
                 context = self._get_delegate()
                 if context is None:
                     raise RuntimeError(f"beam_shared_prefix: mixed batch without a {FALLBACK_NAME!r} library")
-                context.forward(q, k, v, metadata, _with_input_type(forward_args, _CONTEXT_ONLY))
+                context.forward(q, k, v, metadata, _with_input_type(forward_args, CONTEXT_ONLY))
                 stats["mixed_batches"] += 1
         rows = step.num_rows
         if q.shape[0] != token0 + rows:  # (too few rows are refused by _run_rows; more would go unwritten)

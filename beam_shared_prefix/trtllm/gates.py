@@ -33,6 +33,8 @@ from .kv_cache import manager_decline_reason
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
+    "CONTEXT_ONLY",
+    "GENERATION_ONLY",
     "MAX_GROUP_SIZE",
     "MEASURED_MAJOR_CAPABILITIES",
     "device_decline_reason",
@@ -91,6 +93,11 @@ class DeclineLog:
 decline_log = DeclineLog()
 #: Steps the library serves although the rule would decline them (a CUDA graph cannot hand a step over).
 slow_step_log = DeclineLog("beam_shared_prefix: ")
+
+
+#: TensorRT-LLM's ``AttentionInputType`` values the adapter tells apart (read as ints: its enum or a plain int).
+CONTEXT_ONLY = 1
+GENERATION_ONLY = 2
 
 
 def _enum_value(value):
@@ -379,7 +386,7 @@ def _sparse_inputs_present(forward_args) -> bool:
 def call_decline_reason(attn, q, k, v, metadata, forward_args) -> Optional[str]:
     """Why the library cannot serve this call's generation rows, or ``None``."""
     input_type = int(_enum_value(getattr(forward_args, "attention_input_type", 0)))
-    if input_type == 1:  # AttentionInputType.context_only
+    if input_type == CONTEXT_ONLY:
         return "context-only attention call"
     if not getattr(forward_args, "is_fused_qkv", False) or k is not None or v is not None:
         return "separate K/V inputs (the library reads the fused QKV projection)"
@@ -414,7 +421,7 @@ def call_decline_reason(attn, q, k, v, metadata, forward_args) -> Optional[str]:
     max_seq_len = getattr(metadata, "max_seq_len", None)
     if window is not None and max_seq_len is not None and int(window) < int(max_seq_len):
         return f"sliding-window attention (window {window} < max_seq_len {max_seq_len})"
-    num_ctx_tokens = int(getattr(metadata, "num_ctx_tokens", 0) or 0) if input_type != 2 else 0
+    num_ctx_tokens = int(getattr(metadata, "num_ctx_tokens", 0) or 0) if input_type != GENERATION_ONLY else 0
     if q.shape[0] - num_ctx_tokens != int(metadata.num_generations):
         return "more than one query token per generation row"
     return None
