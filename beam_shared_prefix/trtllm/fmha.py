@@ -159,10 +159,15 @@ class BeamSharedPrefixFmhaMixin:
         attn = self.attn
         if pool.dtype != q.dtype:
             return f"KV pool dtype {pool.dtype} differs from the query dtype {q.dtype}"
-        expected = (2, attn.num_kv_heads, layer.page_size, attn.head_dim)
-        if pool.dim() != 5 or tuple(pool.shape[1:]) != expected:
+        if not self._pool_fits_layer(layer):
+            expected = (2, attn.num_kv_heads, layer.page_size, attn.head_dim)
             return f"KV pool view of shape {tuple(pool.shape)} is not [pages, 2, Hkv, page_size, D] = [*, {expected}]"
         return self._prefix_shape_reason(layer)
+
+    def _pool_fits_layer(self, layer) -> bool:
+        """Whether the layer's pool view is ``[pages, 2, Hkv, page_size, D]`` for this layer's heads."""
+        attn, pool = self.attn, layer.pool
+        return pool.dim() == 5 and tuple(pool.shape[1:]) == (2, attn.num_kv_heads, layer.page_size, attn.head_dim)
 
     def _prefix_shape_reason(self, layer) -> Optional[str]:
         """:func:`gates.device_decline_reason` and :func:`gates.prefix_shape_decline_reason` for this layer's pool."""
@@ -281,7 +286,7 @@ class BeamSharedPrefixFmhaMixin:
         pool = layer.pool
         if layer.decline_reason is not None or str(pool.dtype) not in ("torch.bfloat16", "torch.float16"):
             return None
-        if pool.dim() != 5 or tuple(pool.shape[1:]) != (2, attn.num_kv_heads, layer.page_size, attn.head_dim):
+        if not self._pool_fits_layer(layer):
             return None
         # A layer whose pool no configured prefix backend serves is never selected: not planned either.
         if self._prefix_shape_reason(layer) is not None:
