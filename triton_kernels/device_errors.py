@@ -17,8 +17,8 @@ import triton.language as tl
 from .step_args import KernelInputError
 
 __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "WRITE_PAGE", "ERROR_BITS",
-           "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits", "kv_len_bad", "page_error_bits", "or_reduce",
-           "flush_errors", "flag_where", "decode_error_flags", "new_error_flags", "check_error_flags"]
+           "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits", "kv_len_bad", "kv_len_bad_torch", "page_error_bits",
+           "or_reduce", "flush_errors", "flag_where", "decode_error_flags", "new_error_flags", "check_error_flags"]
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
 PROMPT_PAGE = tl.constexpr(1)
@@ -71,6 +71,13 @@ def kv_len_bad(cur, prompt_len, max_seq_len):
     TensorRT-LLM's warm-up and CUDA-graph padding rows have no prompt and one token, and are planned
     with a one-token prompt; no real generation row has ``kv_len < 2``. (Their K/V is not written
     either way.) A row planned with a longer prompt is not a padding row, so ``kv_len == 1`` is bad there."""
+    return ((cur < prompt_len) & ((cur >= 1) | (prompt_len > 1))) | (cur < 0) | (cur >= max_seq_len)
+
+
+def kv_len_bad_torch(cur: torch.Tensor, prompt_len: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """:func:`kv_len_bad` on torch tensors (int, broadcast together; returns bool), for the kernels' torch
+    twins: the same rule, written twice because a ``@triton.jit`` function runs only inside a kernel
+    (``tests/triton_kernels/test_device_errors.py`` holds the two equal)."""
     return ((cur < prompt_len) & ((cur >= 1) | (prompt_len > 1))) | (cur < 0) | (cur >= max_seq_len)
 
 

@@ -105,8 +105,7 @@ def beam_tail_attention_merge_torch(
     if error_flags is not None:
         # The kernels' bits, as device tensors (no sync): a masked link of a valid position.
         # (The kernels report a source beam only at positions inside the table and the cache.)
-        # (kv_len 1 with a one-token prompt is exempt from "inside the prompt": device_errors.kv_len_bad says why)
-        len_bad = ((wpos < plen) & ((wpos >= 1) | (plen > 1))) | (wpos < 0) | (wpos >= geom.max_seq_len)
+        len_bad = device_errors.kv_len_bad_torch(wpos, plen, geom.max_seq_len)
         for bad, bit in ((len_bad, device_errors.KV_LEN), (t_ok & ~src_ok, device_errors.SOURCE_BEAM),
                          (src_ok & ~earlier_valid, device_errors.TAIL_PAGE),
                          (w_ok & ~entry_ok if write_kv else None, device_errors.WRITE_PAGE)):
