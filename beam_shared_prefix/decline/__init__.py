@@ -22,8 +22,9 @@ returns a one-line reason naming the measured threshold, or ``None`` to serve th
    short block at a time, so the library's step grows by a fixed time per generated token, per-beam decode's only
    with the bytes;
 7. too little shared prompt: on the one-launch cascade a mean prompt under :func:`cascade_min_prompt` (by beam width
-   and head size; at head 128 what the two-launch clause serves is served too), on the two-launch paths
-   ``(W - 1) x P`` under :data:`MIN_SHARED_PROMPT_TOKENS`, the prompt KV that ``W - 1`` beams no longer re-read.
+   and head size, lower for GQA 5-8 at 8 KV heads; at head 128 what the two-launch clause serves is served too), on
+   the two-launch paths ``(W - 1) x P`` under :data:`MIN_SHARED_PROMPT_TOKENS`, the prompt KV that ``W - 1`` beams no
+   longer re-read.
 
 Every threshold was measured on the H200, not guessed, with a 10% margin against run-to-run noise: the grids, rounds
 and speedups behind each clause, and where the rule extrapolates, are in ``docs/benchmarks-evidence.md`` ("The
@@ -169,7 +170,7 @@ def should_decline(
         return long_tail
     saved = (w - 1) * float(prompt_len)
     if one_launch:
-        least = cascade_min_prompt(w, head_dim)
+        least = cascade_min_prompt(w, head_dim, group, num_kv_heads)
         if least is None:
             return (
                 f"beam width {w} at head {head_dim} with the one-launch cascade: per-beam decode was faster or "

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-__all__ = ["CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64", "FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT",
+__all__ = ["CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64", "CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8",
+           "CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_KV_HEADS", "FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT",
            "FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT", "FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT", "FEW_ROWS_MIN_PROMPT",
            "FEW_ROWS_REFIT_GQA2_MIN_PROMPT", "FEW_ROWS_REFIT_MIN_PROMPT", "FEW_ROWS_REFIT_NARROWEST",
            "FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT",
@@ -227,6 +228,15 @@ WIDE_GROUP_MIN_PROMPT = ((WIDE_GROUP + 1, 500), (33, 2000))
 CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
 #: The same at head 64 (and below); narrower widths than the first are never served.
 CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
+#: The same at head 128 for GQA 5-8 with 8 KV heads (:data:`CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_KV_HEADS`), where
+#: ``auto`` runs 3-5 beams on the cascade's 8-beam tile once the launch has more programs than multiprocessors.
+#: Sixty-first round (H200, graph replays, 4-token tails; ``rule_flip_g[58]_kv8_round61.json``: 64-128 requests of 3
+#: beams at 100-200 tokens, ``w3_floor_g[58]_kv8_round61.json``: 16, 32 and 128 requests of 3 beams at 50-150; GQA
+#: 40/8 and 64/8): at 3 beams the cascade ran 1.49x-2.16x faster than per-beam decode at every point of 32 requests or
+#: more (96-384 beam rows) from 50 tokens, where :data:`CASCADE_MIN_PROMPT` asked 150 tokens (set from GQA 1-4). (16
+#: requests, 128 programs, are FA4 + tail's in ``auto``; the row floors decline them.) Under 50 tokens not measured.
+CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8 = ((2, 500), (3, 50), (6, 32))
+CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_KV_HEADS = frozenset((8,))
 #: Above :data:`NARROW_BEAMS_MEASURED_KV_HEADS` KV heads, beams narrower than 8 need this mean prompt on
 #: every path, ``(beam width from, tokens)``; beam width 2 is never served there, 8 and more as with fewer
 #: KV heads (twentieth round).
@@ -470,10 +480,19 @@ def _narrow_head(head_dim: Optional[int]) -> bool:
     return head_dim is not None and head_dim <= 64
 
 
-def cascade_min_prompt(beam_width: int, head_dim: Optional[int] = None) -> Optional[int]:
+def cascade_min_prompt(beam_width: int, head_dim: Optional[int] = None, group: Optional[int] = None,
+                       num_kv_heads: Optional[int] = None) -> Optional[int]:
     """The smallest mean prompt (tokens) served at ``beam_width`` (>= 2) when the cascade serves, at
-    ``head_dim`` (``None``: head 128's table); ``None`` where no prompt measured was served."""
-    return _table_value(CASCADE_MIN_PROMPT_HEAD_64 if _narrow_head(head_dim) else CASCADE_MIN_PROMPT, beam_width)
+    ``head_dim`` (``None``: head 128's table), GQA ``group`` and ``num_kv_heads`` (``None``: unknown, the general
+    tables; :data:`CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8` where they were measured); ``None`` where no prompt measured
+    was served."""
+    if _narrow_head(head_dim):
+        return _table_value(CASCADE_MIN_PROMPT_HEAD_64, beam_width)
+    kv_heads_measured = (num_kv_heads is not None
+                         and int(num_kv_heads) in CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_KV_HEADS)
+    if head_dim in (None, 128) and group in _NARROW_TILE_GROUP_8_FLOOR_GROUPS and kv_heads_measured:
+        return _table_value(CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8, beam_width)
+    return _table_value(CASCADE_MIN_PROMPT, beam_width)
 
 
 def _table_value(table, *keys) -> Optional[int]:

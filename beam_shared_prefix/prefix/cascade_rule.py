@@ -35,7 +35,8 @@ __all__ = ["CASCADE_BY_WAVES_MIN_BALANCE", "CASCADE_BY_WAVES_MIN_FILL", "CASCADE
            "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64", "CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128",
-           "CASCADE_MAX_TAIL", "CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128", "CASCADE_NARROW_TILE_MIN_BEAMS",
+           "CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128", "CASCADE_MAX_TAIL",
+           "CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128", "CASCADE_NARROW_TILE_MIN_BEAMS",
            "CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128", "CASCADE_SHORT_TAIL",
            "CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64", "CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_128",
            "CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64", "CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64",
@@ -307,6 +308,16 @@ CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128 = {5: 256, 6: 3
 #: G = 5-8 at head 128, narrow widths: the least fill of the 8-beam tile's waves (programs over waves x wave) with
 #: which a launch of more than one wave takes :data:`CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128`.
 CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128 = 0.9
+# The 8-beam tile's launches past 4 programs a multiprocessor (sixty-first round, H200, graph replays, 4-token tails,
+# 8 KV heads: rule_flip_g[58]_kv8_round61.json, 64-128 requests of 3 and 5 beams at 100-200 tokens;
+# narrow_cap_g[58]_kv8_round61.json, 96 and 192 requests of 3 and 5 beams at 300-1,000 tokens; GQA 40/8 and 64/8),
+# which the wide tile's cap (CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128) had left to FA4 + tail unmeasured: at 768,
+# 1,024 and 1,536 programs (2.9-5.8 waves of the tile, 0.97 full) the cascade was 1.30-1.65x faster than FA4 + tail at
+# 100-200 tokens, 1.22-1.44x at 300, 1.03-1.17x at 600 and at 1,000 1.02-1.06x at G = 8 and 0.96-1.01x at G = 5 (past
+# its 640-token limit), as the full-wave limits of the fifty-seventh round predict.
+#: G = 5-8 at head 128, narrow widths: never the cascade with more programs than this many per multiprocessor (measured
+#: to 1,536 programs, 11.6 a multiprocessor on the H200's 132).
+CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128 = 12
 #: The narrowest beam width the narrow-tile clauses (G = 5-8 at head 128, and
 #: :data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_NARROW_TILE`) were measured at; narrower ones keep the wide tile's rules.
 CASCADE_NARROW_TILE_MIN_BEAMS = 3
@@ -920,8 +931,8 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
     :data:`CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128` per multiprocessor (``num_sms``; ``None``:
     :func:`multiprocessors`), and blocks :data:`CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128` full where the programs
     outnumber the multiprocessors. A known batch of a narrow width (the 8-beam tile) needs no tail bound, but more
-    programs than multiprocessors and at most :data:`CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128` a multiprocessor;
-    it takes :func:`group_8_head_128_narrow_tile_limit`'s prompt limit."""
+    programs than multiprocessors and at most :data:`CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128` a
+    multiprocessor; it takes :func:`group_8_head_128_narrow_tile_limit`'s prompt limit."""
     from triton_kernels.cascade import shared_ancestry_reachable  # deferred: triton is imported on first use
 
     where = f"at G={group}, head 128"
@@ -933,9 +944,10 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
         if programs <= sms:
             return (f"{programs} {tile} (<= {sms} multiprocessors) at {beam_width} beams {where}: from 2% faster to 7% "
                     f"slower than FA4 + tail at 300 tokens, 17-48% slower from 600")
-        if programs > CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128 * sms:
-            return (f"{programs} {tile} (> {CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128} a multiprocessor, {sms} "
-                    f"multiprocessors) at {beam_width} beams {where}: not measured there")
+        if programs > CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128 * sms:
+            cap = CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128
+            return (f"{programs} {tile} (> {cap} a multiprocessor, {sms} multiprocessors) at {beam_width} beams "
+                    f"{where}: not measured there")
         return None
     if shared_ancestry_reachable(tail_bound):
         bound = "no tail bound" if tail_bound is None else f"a tail bound of {tail_bound} (> {CASCADE_SHORT_TAIL})"

@@ -814,7 +814,9 @@ def test_prompt_decline_names_the_launch_tile(monkeypatch, heads, requests, beam
     (64, 8, None, 132, None),
     (17, 3, 64, 132, None),  # 136 programs
     (16, 8, 16, 132, "128 cascade programs of the 8-beam tile (<= 132 multiprocessors)"),
-    (70, 5, None, 132, "560 cascade programs of the 8-beam tile (> 4 a multiprocessor, 132 multiprocessors)"),
+    (70, 5, None, 132, None),  # 560 programs: the 8-beam tile's cap is its own (round 61)
+    (192, 5, None, 132, None),  # 1,536 programs, the most measured
+    (199, 5, None, 132, "1592 cascade programs of the 8-beam tile (> 12 a multiprocessor, 132 multiprocessors)"),
     (64, 2, None, 132, "no tail bound"),  # 2 beams run the 8-beam tile too, but were not measured: the wide rules
     (32, 12, 16, 132, None),
     (32, 30, 16, 132, None),  # 512 programs, two blocks 15/16 full
@@ -869,6 +871,9 @@ def test_group_8_at_head_128_wants_a_tail_bound_on_the_h200_grids(monkeypatch):
     ("select_heldout25_g[578]_*.json", 28, 12, [(40, 7, 280), (200, 5, 350), (200, 5, 950)]),
     # Held-out 26 (G = 5 at the lowered limits, G = 7 with waves 0.76 full; its G = 6 grids did not finish in time)
     ("select_heldout26_g[57]_*.json", 9, 5, [(64, 8, 750), (100, 4, 500)]),
+    # Round 61: 512-1,536 programs (past the wide tile's cap of 4 a multiprocessor), 3 and 5 beams, 100-1,000 tokens
+    ("rule_flip_g[58]_kv8_round61.json", 36, 0, []),
+    ("narrow_cap_g[58]_kv8_round61.json", 20, 4, []),
     # G = 3-4 with at most 128 programs, 3-4 beams (the 4-beam tile's few-programs limit, 384 tokens)
     ("few_programs_g4_round57_kv*.json", 10, 26, []),
     ("select_heldout25_g[34]*_*.json", 5, 11, []),
