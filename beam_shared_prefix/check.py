@@ -29,6 +29,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .kv_lens import kv_capacity, kv_lens_problem
 from .plan import StepPlan, build_step_plan, first_copies
 from .prefix.base import LseDescriptor
 from .reference import reference_beam_attention, reference_prefix_attention
@@ -166,31 +167,27 @@ def check_indices(
         )
     plen = torch.from_numpy(step_plan.prompt_lens_per_row.astype("int64"))
     klen = kv_lens[:rows].long().cpu()
-    bad = torch.nonzero(klen < plen + 1).flatten()
-    if bad.numel():
-        i = int(bad[0])
+    max_seq_len = kv_capacity(beam_page_table.shape[1], page_size, cache_indirection.shape[2])
+    problem = kv_lens_problem(klen.numpy(), W, max_seq_len, least=plen.numpy() + 1)
+    if problem is not None:
+        i, value = problem.row, problem.value
+        if problem.kind == "too_short":
+            raise BeamSharedPrefixCheckError(
+                stage, f"kv_lens[{i}]={value} but the plan's prompt length of row {i} is {problem.limit - 1}: "
+                       f"kv_len must count the prompt and this step's token (>= {problem.limit}). Re-plan when "
+                       f"the batch changes."
+            )
+        if problem.kind == "too_long":
+            raise BeamSharedPrefixCheckError(
+                stage, f"kv_lens[{i}]={value} exceeds the cache capacity of {max_seq_len} positions "
+                       f"(cache_indirection / beam_page_table); the sequence outgrew its cache."
+            )
+        r, b = divmod(i, W)
         raise BeamSharedPrefixCheckError(
-            stage, f"kv_lens[{i}]={int(klen[i])} but the plan's prompt length of row {i} is {int(plen[i])}: "
-                   f"kv_len must count the prompt and this step's token (>= {int(plen[i]) + 1}). Re-plan when "
-                   f"the batch changes."
-        )
-    max_seq_len = min(cache_indirection.shape[2], beam_page_table.shape[1] * page_size)
-    bad = torch.nonzero(klen > max_seq_len).flatten()
-    if bad.numel():
-        i = int(bad[0])
-        raise BeamSharedPrefixCheckError(
-            stage, f"kv_lens[{i}]={int(klen[i])} exceeds the cache capacity of {max_seq_len} positions "
-                   f"(cache_indirection / beam_page_table); the sequence outgrew its cache."
-        )
-    per_request = klen.view(step_plan.num_requests, W)
-    differ = torch.nonzero(per_request != per_request[:, :1])
-    if differ.numel():
-        r, b = (int(v) for v in differ[0])
-        raise BeamSharedPrefixCheckError(
-            stage, f"kv_lens[{r * W + b}]={int(per_request[r, b])} (request {r}, beam {b}) differs from beam 0's "
-                   f"kv_lens[{r * W}]={int(per_request[r, 0])}: the beams of a request advance together, and a beam "
-                   f"that reads another's position past that beam's length reads a slot being written in this step. "
-                   f"Pass one length per request, repeated for each of its beams."
+            stage, f"kv_lens[{i}]={value} (request {r}, beam {b}) differs from beam 0's kv_lens[{r * W}]="
+                   f"{problem.limit}: the beams of a request advance together, and a beam that reads another's "
+                   f"position past that beam's length reads a slot being written in this step. Pass one length per "
+                   f"request, repeated for each of its beams."
         )
     table = beam_page_table[:rows].long().cpu()
     cols = math.ceil(int(klen.max()) / page_size)

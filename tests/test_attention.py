@@ -681,6 +681,23 @@ def test_check_mode_catches_a_write_onto_shared_kv():
     torch.testing.assert_close(out.float(), oracle(sim, step).float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda kv, plen, cap: kv.__setitem__(4, int(plen[4])), r"kv_lens\[4\]=\d+ but the plan's prompt length of row 4"),
+    (lambda kv, plen, cap: kv[3:6].fill_(cap + 1), r"kv_lens\[3\]=\d+ exceeds the cache capacity of \d+ positions"),
+    (lambda kv, plen, cap: kv.__setitem__(5, int(kv[5]) - 1),
+     r"kv_lens\[5\]=\d+ \(request 1, beam 2\) differs from beam 0"),
+], ids=["under-the-prompt", "past-the-cache", "beams-apart"])
+def test_check_mode_names_a_kv_length_no_beam_search_produces(edit, message):
+    """Check mode's ``"indices"`` stage holds ``kv_lens`` to the rules of :mod:`beam_shared_prefix.kv_lens`: each row
+    counts its prompt and this step's token, fits its cache, and moves with its request's beam 0."""
+    sim, step, att = _check_setup()
+    kv_lens = step.kv_lens.clone()
+    capacity = min(step.cache_indirection.shape[2], step.beam_page_table.shape[1] * sim.page_size)
+    edit(kv_lens, step.prompt_lens, capacity)
+    with pytest.raises(BeamSharedPrefixCheckError, match=f"stage 'indices'.*{message}"):
+        att.run(step.q, sim.kv_cache, step.beam_page_table, kv_lens, step.cache_indirection, step.new_k, step.new_v)
+
+
 def test_check_mode_takes_copies_of_one_request_as_one():
     """A padded CUDA-graph batch repeats one dummy request: its copies list the same pages and write the
     same slots, which is one request's write, not a collision (nor a write onto another's prompt page)."""

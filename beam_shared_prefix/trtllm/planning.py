@@ -40,6 +40,7 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 
 from ..decline import should_decline, tail_decline_reason
+from ..kv_lens import kv_capacity, kv_lens_problem
 from ..prefix.select import cascade_tail_bound, long_tail_for_shared_run, step_path
 from .gates import batch_decline_reason, decline_log, slow_step_log, step_decline_reason
 from .kv_cache import LayerKV, PageAdapter, adapter_for
@@ -349,29 +350,19 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
 
 def _kv_lens_reason(kv_rows: np.ndarray, beam_width: int, metadata, adapter: PageAdapter) -> Optional[str]:
     """Why this step's KV lengths (host copies, one per generation row) are not a beam-search step's, or
-    ``None``: the beams of a request advance together (a beam that reads another's position past that
-    beam's length reads a slot written in this step), every row holds this step's token, and no row
-    passes the positions its page table and ``cache_indirection`` cover (the kernels mask those, and
-    this step's K/V would not be stored)."""
-    if kv_rows.size == 0:
+    ``None`` (:func:`~beam_shared_prefix.kv_lens.kv_lens_problem`: every row holds this step's token and fits the
+    positions its page table and ``cache_indirection`` cover, and the beams of a request advance together)."""
+    capacity = kv_capacity(metadata.kv_cache_block_offsets.shape[-1], adapter.manager.tokens_per_block,
+                           metadata.cache_indirection.shape[2])
+    problem = kv_lens_problem(kv_rows, beam_width, capacity)
+    if problem is None:
         return None
-    per_request = kv_rows.reshape(-1, beam_width)
-    capacity = int(metadata.kv_cache_block_offsets.shape[-1]) * int(adapter.manager.tokens_per_block)
-    capacity = min(capacity, int(metadata.cache_indirection.shape[2]))
-    # Every step: three vector passes over the rows; the reasons are worked out only on a failure.
-    if (per_request == per_request[:, :1]).all() and kv_rows.min() >= 1 and kv_rows.max() <= capacity:
-        return None
-    differ = np.flatnonzero((per_request != per_request[:, :1]).any(axis=1))
-    if differ.size:
-        r = int(differ[0])
-        return (f"the beams of generation request {r} have KV lengths {per_request[r].tolist()}; the beams of a "
-                f"request advance together")
-    bad = np.flatnonzero((kv_rows < 1) | (kv_rows > capacity))
-    if bad.size:
-        i = int(bad[0])
-        return (f"generation row {i} has KV length {int(kv_rows[i])}, outside [1, {capacity}] (the positions its "
-                f"block table and cache_indirection cover)")
-    return None
+    if problem.kind == "beams_differ":
+        r = problem.row // beam_width
+        lengths = np.asarray(kv_rows).reshape(-1, beam_width)[r].tolist()
+        return f"the beams of generation request {r} have KV lengths {lengths}; the beams of a request advance together"
+    return (f"generation row {problem.row} has KV length {problem.value}, outside [1, {capacity}] (the positions its "
+            f"block table and cache_indirection cover)")
 
 
 def poll_device_errors(state: _MetadataState) -> None:
