@@ -51,7 +51,7 @@ from typing import Dict, Hashable, List, Optional, Tuple, Union
 import torch
 
 from .config import BACKENDS, load_settings, shared_run_mode, triton_interpret_env
-from .plan import _INT32_MAX, StepPlan, StepPlanner, _as_int
+from .plan import StepPlan, StepPlanner, _as_int
 from .prefix.base import (
     PrefixBackend,
     default_sm_scale,
@@ -674,7 +674,8 @@ class BeamSharedPrefixAttention:
         if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
             fail(f"kv_cache must be [pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD), got "
                  f"{tuple(kv_cache.shape)}.")
-        from triton_kernels.step_args import pool_layout  # imported here, as in _tail_function
+        # The launchers' own checks where the rule is theirs (imported here, as in _tail_function).
+        from triton_kernels.step_args import KernelInputError, need_page_index_divisor, need_unit_stride, pool_layout
 
         (pages, pool_heads, pool_pg, pool_d), _ = pool_layout(kv_cache, self.kv_layout)
         if (pool_heads, pool_pg, pool_d) != (hkv, pg, d):
@@ -692,9 +693,10 @@ class BeamSharedPrefixAttention:
                  f"{tuple(beam_page_table.shape)}.")
         if kv_lens.dim() != 1 or kv_lens.dtype != torch.int32 or kv_lens.shape[0] != rows:
             fail(f"kv_lens must be int32 [{rows}] (one per beam row), got {kv_lens.dtype} {tuple(kv_lens.shape)}.")
-        if rows > 1 and kv_lens.stride(0) != 1:
-            fail(f"kv_lens has stride {kv_lens.stride(0)}; the kernels read one int32 per beam row at unit stride. "
-                 f"Pass kv_lens.contiguous().")
+        try:
+            need_unit_stride("kv_lens", kv_lens)
+        except KernelInputError as exc:
+            fail(str(exc))
         if (cache_indirection.dim() != 3 or cache_indirection.dtype != torch.int32
                 or cache_indirection.shape[0] < R or cache_indirection.shape[1] < W):
             fail(f"cache_indirection must be int32 [>= R={R}, >= W={W}, max_seq_len], got {cache_indirection.dtype} "
@@ -710,6 +712,7 @@ class BeamSharedPrefixAttention:
             if tuple(out.shape) != (rows, hq, d) or out.dtype != dtype or out.device != self.device:
                 fail(f"out must be {_dtype_name(dtype)} [{rows}, {hq}, {d}] on {self.device}, got "
                      f"{_dtype_name(out.dtype)} {tuple(out.shape)} on {out.device}.")
-        if (isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1
-                or page_index_divisor > _INT32_MAX):
-            fail(f"page_index_divisor={page_index_divisor!r} must be an int in [1, {_INT32_MAX}] (entries are int32).")
+        try:
+            need_page_index_divisor(page_index_divisor)
+        except KernelInputError as exc:
+            fail(str(exc))

@@ -49,7 +49,9 @@ __all__ = [
     "need_dim",
     "need_dtype",
     "need_last_dim_contiguous",
+    "need_page_index_divisor",
     "need_tensor",
+    "need_unit_stride",
     "overlapping_elements",
     "pool_layout",
     "resolve_sm_scale",
@@ -182,11 +184,20 @@ def _need_distinct_elements(name: str, x: torch.Tensor, fix: str) -> None:
         fail(f"{name} of {why}; its writes would overwrite each other. {fix}")
 
 
-def _need_unit_stride(name: str, x: torch.Tensor) -> None:
+def need_unit_stride(name: str, x: torch.Tensor) -> None:
     """A 1-D per-row tensor the kernels index as ``ptr + row`` (no stride argument)."""
     if x.shape[0] > 1 and x.stride(0) != 1:
         fail(f"{name} has stride {x.stride(0)}; the kernels read one int32 per row at unit stride. "
              f"Pass {name}.contiguous().")
+
+
+def need_page_index_divisor(page_index_divisor) -> None:
+    """``page_index_divisor`` (what a page-table entry is divided by to give a page) is an int the int32 entries
+    can hold: 1 for page numbers, ``layers * kv_factor`` for TensorRT-LLM's block offsets."""
+    if (isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1
+            or page_index_divisor > _INT32_MAX):
+        fail(f"page_index_divisor={page_index_divisor!r} must be an int in [1, {_INT32_MAX}] (1 for page numbers, "
+             f"layers*kv_factor for block offsets, which are int32).")
 
 
 def byte_span(x: torch.Tensor) -> Optional[Tuple[int, int]]:
@@ -253,10 +264,7 @@ def check_step_metadata(
     if kv_layout not in KV_LAYOUTS:
         fail(f"kv_layout={kv_layout!r} is not supported; use 'HND' ([pages, 2, Hkv, Pg, D]) or "
              f"'NHD' ([pages, 2, Pg, Hkv, D]).")
-    if (isinstance(page_index_divisor, bool) or not isinstance(page_index_divisor, int) or page_index_divisor < 1
-            or page_index_divisor > _INT32_MAX):
-        fail(f"page_index_divisor={page_index_divisor!r} must be an int in [1, {_INT32_MAX}] (1 for page numbers, "
-             f"layers*kv_factor for block offsets, which are int32).")
+    need_page_index_divisor(page_index_divisor)
     if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
         fail(f"beam_width={beam_width!r} must be an int >= 1.")
 
@@ -325,7 +333,7 @@ def check_step_metadata(
         need_dtype(name, x, (torch.int32,))
         if x.shape[0] != num_rows:
             fail(f"{name} has {x.shape[0]} entries but q has {num_rows} rows; pass one entry per beam row.")
-        _need_unit_stride(name, x)
+        need_unit_stride(name, x)
     need_dim("beam_page_table", beam_page_table, 2, "[>= rows, max_pages] int32")
     need_dtype("beam_page_table", beam_page_table, (torch.int32,))
     if beam_page_table.shape[0] < num_rows:

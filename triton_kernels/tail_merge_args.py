@@ -5,8 +5,8 @@ arguments: the fused tail kernel's, its unfused torch twin, and the shared-run s
 without this step's K/V (``reads_step_kv=False``) and writes the tail kernel's ``tail_skip``.
 
 The checks every launcher shares (the step's arguments, index values, device, the helpers, ``KernelInputError``)
-are in :mod:`triton_kernels.step_args`, the verdict cache in :mod:`triton_kernels.memo`; the names this module
-held before that split are re-exported here (``TailMergeInputError`` is ``KernelInputError``).
+are in :mod:`triton_kernels.step_args`, the verdict cache in :mod:`triton_kernels.memo`; the public names this
+module held before that split are re-exported here (``TailMergeInputError`` is ``KernelInputError``).
 
 Everything here is host-only and needs no device sync (shapes, dtypes, strides, devices and layout strings).
 Every error is a :class:`~triton_kernels.step_args.KernelInputError` whose message names the argument, the
@@ -21,14 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .memo import _KEPT_STORES, memoize_metadata_check  # noqa: F401  (_KEPT_STORES: re-exported, see below)
-from .step_args import (  # noqa: F401  (the names not used here are re-exported, see below)
+from .memo import memoize_metadata_check
+from .step_args import (  # noqa: F401  (the names not used here are this module's exports before the split)
     KV_DTYPES,
     KV_LAYOUTS,
     LOG2E,
     StepGeometry,
     TailMergeInputError,
-    byte_span,
     check_out_overlaps,
     check_step_args,
     check_step_metadata,
@@ -43,7 +42,6 @@ from .step_args import (  # noqa: F401  (the names not used here are re-exported
     pool_layout,
     resolve_sm_scale,
     runs_interpreted,
-    spans_overlap,
 )
 
 __all__ = [
@@ -58,17 +56,6 @@ __all__ = [
     "check_tail_skip",
     "memoize_metadata_check",
 ]
-
-# The names importers took from this module before the split, under their old (private) names; the owner is
-# triton_kernels.step_args (or triton_kernels.memo for _KEPT_STORES, one list: emptying it here empties it
-# there). METADATA_CHECKS_KEPT is not re-exported: a test patching it here would patch nothing.
-_fail = fail
-_need_tensor = need_tensor
-_need_dim = need_dim
-_need_dtype = need_dtype
-_need_last_dim_contiguous = need_last_dim_contiguous
-_byte_span = byte_span
-_spans_overlap = spans_overlap
 
 # LSE_LAYOUTS and LSE_BASES have twins in beam_shared_prefix.prefix.base, a light module that cannot import this
 # package (whose __init__ imports Triton), and this package imports nothing of beam_shared_prefix;

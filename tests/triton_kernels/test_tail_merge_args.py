@@ -1,7 +1,7 @@
 """The launchers' byte spans (``step_args.byte_span``), which the overlap checks compare: against every element's
 address, for contiguous tensors (the fast path) and strided views (the general one). The memoized checks
 (``memo.memoize_metadata_check``): a verdict is reused for equal metadata only, and agrees with the check.
-The names ``tail_merge_args`` held before the split into ``step_args`` and ``memo`` still import from it, and
+The public names ``tail_merge_args`` held before the split into ``step_args`` and ``memo`` still import from it, and
 the conventions the kernels' package and the core package each define agree."""
 
 from __future__ import annotations
@@ -196,18 +196,9 @@ def test_launch_configurations_take_ints_not_bools():
                                                                            False]
 
 
-# The old private names (importers' and tests' before the split) and their owners in step_args and memo.
-_MOVED = {
-    "_fail": (step_args, "fail"), "_need_tensor": (step_args, "need_tensor"), "_need_dim": (step_args, "need_dim"),
-    "_need_dtype": (step_args, "need_dtype"), "_need_last_dim_contiguous": (step_args, "need_last_dim_contiguous"),
-    "_byte_span": (step_args, "byte_span"), "_spans_overlap": (step_args, "spans_overlap"),
-    "_KEPT_STORES": (memo, "_KEPT_STORES"),
-}
-
-
 def test_tail_merge_args_keeps_the_names_it_exported():
-    """Every name ``tail_merge_args`` exported or importers took from it before the split still imports from it,
-    as the owner module's object (``TailMergeInputError`` is ``KernelInputError``, here and in the package)."""
+    """Every public name ``tail_merge_args`` exported before the split still imports from it, as the owner module's
+    object (``TailMergeInputError`` is ``KernelInputError``, here and in the package)."""
     import triton_kernels
 
     for name in tail_merge_args.__all__:
@@ -217,8 +208,6 @@ def test_tail_merge_args_keeps_the_names_it_exported():
                 assert kept is getattr(owner, name), name
     for name in ("KV_DTYPES", "KV_LAYOUTS", "is_pow2", "pool_layout", "resolve_sm_scale", "runs_interpreted"):
         assert getattr(tail_merge_args, name) is getattr(step_args, name), name
-    for name, (owner, owner_name) in _MOVED.items():
-        assert getattr(tail_merge_args, name) is getattr(owner, owner_name), name
     assert tail_merge_args.TailMergeInputError is step_args.KernelInputError is triton_kernels.TailMergeInputError
     assert triton_kernels.KernelInputError is step_args.KernelInputError
     assert not hasattr(tail_merge_args, "METADATA_CHECKS_KEPT")  # patch memo's: a copy here would patch nothing
