@@ -56,6 +56,7 @@ from .prefix.base import (
     PrefixBackend,
     default_sm_scale,
     ensure_not_capturing,
+    kv_planes,
     logger,
 )
 from .prefix.buffers import DeviceBuffer
@@ -645,9 +646,8 @@ class BeamSharedPrefixAttention:
             device_errors.flag_where(self.error_flags, len_bad, device_errors.KV_LEN)
             device_errors.flag_where(self.error_flags, entry_bad, device_errors.WRITE_PAGE)
         slot = pos % page_size
-        if self.kv_layout == "HND":
-            return kv_cache[page, 0, :, slot, :], kv_cache[page, 1, :, slot, :]
-        return kv_cache[page, 0, slot, :, :], kv_cache[page, 1, slot, :, :]
+        k, v = kv_planes(kv_cache, self.kv_layout)
+        return k[page, slot], v[page, slot]
 
     def _validate_run(self, q, kv_cache, beam_page_table, kv_lens, cache_indirection, new_k, new_v, out,
                       page_index_divisor, step_plan: StepPlan, problem_key: tuple) -> None:

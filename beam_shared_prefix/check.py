@@ -31,7 +31,7 @@ import torch
 
 from .kv_lens import kv_capacity, kv_lens_problem
 from .plan import StepPlan, build_step_plan, first_copies
-from .prefix.base import LseDescriptor
+from .prefix.base import LseDescriptor, kv_planes
 from .reference import reference_beam_attention, reference_prefix_attention
 
 __all__ = [
@@ -351,8 +351,8 @@ def check_kv_write(
     pos = kv_lens[:rows].long() - 1
     page = beam_page_table[:rows].long().gather(1, (pos // page_size)[:, None]).squeeze(1) // page_index_divisor
     slot = pos % page_size
-    for which, (name, want) in enumerate((("K", new_k), ("V", new_v))):
-        got = kv_cache[page, which, :, slot, :] if kv_layout == "HND" else kv_cache[page, which, slot, :, :]
+    for plane, (name, want) in zip(kv_planes(kv_cache, kv_layout), (("K", new_k), ("V", new_v))):
+        got = plane[page, slot]
         if not torch.equal(got, want):
             row = int(torch.nonzero((got != want).flatten(1).any(1))[0])
             raise BeamSharedPrefixCheckError(

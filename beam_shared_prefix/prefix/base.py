@@ -40,6 +40,7 @@ __all__ = [
     "PrefixBackend",
     "PrefixBackendError",
     "ensure_not_capturing",
+    "kv_planes",
     "logger",
 ]
 
@@ -48,6 +49,17 @@ logger = logging.getLogger("beam_shared_prefix")
 LSE_LAYOUTS = ("NH", "HN")
 LSE_BASES = ("log2", "ln")
 KV_LAYOUTS = ("HND", "NHD")
+
+
+def kv_planes(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The K and V planes of a ``[pages, 2, ...]`` pool, each a ``[pages, Pg, Hkv, D]`` view (an HND pool's is
+    permuted, not copied), so that ``k[page, slot]`` is one slot's ``[Hkv, D]`` in either layout. The library's one
+    reading of the layouts; the oracle (:mod:`beam_shared_prefix.reference`), the simulator and the kernels' torch
+    twin (``triton_kernels.tail_merge_torch``) keep their own, so that a mistake here cannot hide in their answers."""
+    k, v = kv_cache.select(1, 0), kv_cache.select(1, 1)
+    if kv_layout == "HND":  # [pages, Hkv, Pg, D] -> [pages, Pg, Hkv, D]
+        return k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+    return k, v
 
 
 class PrefixBackendError(RuntimeError):

@@ -34,7 +34,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..plan import StepPlan
-from .base import LseDescriptor, PrefixBackend, PrefixBackendError, PrefixProblem
+from .base import LseDescriptor, PrefixBackend, PrefixBackendError, PrefixProblem, kv_planes
 from .buffers import DeviceBuffer
 
 __all__ = ["FA4PrefixBackend", "FA4_TMA_PAGE_SIZE", "whole_page_reason"]
@@ -185,19 +185,13 @@ class FA4PrefixBackend(PrefixBackend):
             max_seqlen_k=page_table.shape[1] * problem.page_size,
         )
 
-    def _kv_views(self, kv_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        k, v = kv_cache.select(1, 0), kv_cache.select(1, 1)
-        if self.kv_layout == "HND":  # [pages, Hkv, Pg, D] -> [pages, Pg, Hkv, D], a strided view
-            k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
-        return k, v
-
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
         """See :meth:`PrefixBackend.run`; LSE is float32 natural log ``[Hq, rows]``."""
         _, problem = self._require_planned()
         fwd = _import_fa4_forward()
         if fwd is None:
             raise PrefixBackendError(f"FA4 prefix backend unavailable: {_FA4_STATE.get('reason')}")
-        k, v = self._kv_views(kv_cache)
+        k, v = kv_planes(kv_cache, self.kv_layout)  # FA4's paged K/V: [pages, Pg, Hkv, D], strided views
         views = self._views
         kwargs = dict(
             cu_seqlens_q=views["cu_seqlens_q"],

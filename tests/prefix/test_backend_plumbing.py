@@ -329,3 +329,31 @@ def test_wrapper_steps_through_each_lse_convention(fake_gpu_libs, monkeypatch, b
         torch.testing.assert_close(out.float(), ref, atol=TOL, rtol=TOL)
         sim.end_step(write_kv=False)
     assert att.backend_name == backend and att.num_backend_plans == 1
+
+
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
+@pytest.mark.parametrize("strided", [False, True], ids=["pool", "layer-view"])
+def test_kv_planes_read_each_slot_as_the_layout_places_it(kv_layout, strided):
+    """``kv_planes``' ``k[page, slot]`` is the slot's ``[Hkv, D]``, element by element as the layout places it, on a
+    pool and on a strided layer view of a bigger one (TensorRT-LLM's); the planes are views (a write lands in the
+    pool), and the kernels' torch twin reads the same elements."""
+    from beam_shared_prefix.prefix.base import kv_planes
+    from triton_kernels.tail_merge_torch import _pool_kv
+
+    pages, heads, page_size, dim = 5, 3, 4, 8
+    shape = (pages, 2, heads, page_size, dim) if kv_layout == "HND" else (pages, 2, page_size, heads, dim)
+    pool = torch.randn(shape, dtype=torch.float32)
+    if strided:  # the layer's slice of a [pages, layers, 2, ...] buffer
+        pool = torch.randn(pages, 3, *shape[1:], dtype=torch.float32)[:, 1]
+    k, v = kv_planes(pool, kv_layout)
+    assert k.shape == v.shape == (pages, page_size, heads, dim)
+    for page in range(pages):
+        for slot in range(page_size):
+            for h in range(heads):
+                index = (h, slot) if kv_layout == "HND" else (slot, h)
+                assert torch.equal(k[page, slot, h], pool[(page, 0, *index)])
+                assert torch.equal(v[page, slot, h], pool[(page, 1, *index)])
+    for which, plane in enumerate((k, v)):
+        assert torch.equal(_pool_kv(pool, kv_layout, which), plane)
+    k[2, 3, 1] = 7.0
+    assert torch.all(pool[(2, 0, 1, 3) if kv_layout == "HND" else (2, 0, 3, 1)] == 7.0)
