@@ -273,9 +273,12 @@ class BeamSharedPrefixAttention:
         num_requests = step_plan.num_requests
         side = None
         if not self.use_cuda_graph and self.requested_backend == "auto":
-            side = (split_kv_preferred(num_requests, mean_prompt, hq, hkv, step_plan.beam_width, d, eager=True)[0],
-                    cascade_preferred(mean_prompt, hq, hkv, step_plan.beam_width, d, num_requests, tail_len,
-                                      self.shared_run != "off", eager=True, tail_bound=self._launch_tail)[0])
+            side = (split_kv_preferred(num_requests=num_requests, mean_prompt_len=mean_prompt, num_qo_heads=hq,
+                                       num_kv_heads=hkv, beam_width=step_plan.beam_width, head_dim=d, eager=True)[0],
+                    cascade_preferred(mean_prompt_len=mean_prompt, num_qo_heads=hq, num_kv_heads=hkv,
+                                      beam_width=step_plan.beam_width, head_dim=d, num_requests=num_requests,
+                                      tail_len=tail_len, shared_run=self.shared_run != "off", eager=True,
+                                      tail_bound=self._launch_tail)[0])
         cache_key = (problem_key, side)
         name = self._backend_for_problem.get(cache_key)
         if name is None:

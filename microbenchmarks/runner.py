@@ -87,11 +87,13 @@ def _auto_path(shape: BenchShape, eager: bool, tail_bound: Optional[int] = None)
     ``tail_bound``: the cascade launch's tail bound (``None``: an eager step's own tail, else none)."""
     from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 
-    split_kv = flashinfer_serves("auto", shape.requests, shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                 shape.head_dim, eager=eager)
-    one_launch = not split_kv and cascade_serves("auto", shape.prompt, shape.heads, shape.kv_heads, shape.beams,
-                                                 shape.head_dim, shape.requests, shape.tail, eager=eager,
-                                                 tail_bound=tail_bound)
+    split_kv = flashinfer_serves("auto", num_requests=shape.requests, mean_prompt_len=shape.prompt,
+                                 num_qo_heads=shape.heads, num_kv_heads=shape.kv_heads, beam_width=shape.beams,
+                                 head_dim=shape.head_dim, eager=eager)
+    one_launch = not split_kv and cascade_serves("auto", mean_prompt_len=shape.prompt, num_qo_heads=shape.heads,
+                                                 num_kv_heads=shape.kv_heads, beam_width=shape.beams,
+                                                 head_dim=shape.head_dim, num_requests=shape.requests,
+                                                 tail_len=shape.tail, eager=eager, tail_bound=tail_bound)
     return one_launch, split_kv
 
 

@@ -10,7 +10,7 @@ measurements each was set from. Split out of :mod:`beam_shared_prefix.prefix.sel
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 # The module, not its function: _waves.multiprocessors() is looked up at each call, so one patch of it reaches every
 # rule here.
@@ -553,8 +553,8 @@ def cascade_step_bytes(num_requests: int, beam_width: int, mean_prompt_len: floa
     """Bytes the one-launch cascade moves for a step (an estimate for the eager rule): each beam block's
     program reads its request's prompt K/V, every beam its ``tail_len`` generated K/V rows, and the queries
     and output once; ``element_size`` bytes a value (2: bf16/fp16)."""
-    _, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, num_qo_heads // max(num_kv_heads, 1),
-                                     head_dim)
+    blocks = _cascade_programs(num_requests, num_kv_heads, beam_width, num_qo_heads // max(num_kv_heads, 1),
+                               head_dim).blocks
     kv_row = 2 * num_kv_heads * head_dim  # K and V of one token, values
     values = (num_requests * blocks * mean_prompt_len * kv_row + num_requests * beam_width * tail_len * kv_row
               + 2 * num_requests * beam_width * num_qo_heads * head_dim)
@@ -578,8 +578,9 @@ def eager_cascade_preferred(mean_prompt_len: Optional[float], num_qo_heads: int,
         return False, f"eager: GQA {group}, head {head_dim} not measured on eager steps"
     if mean_prompt_len > longest:
         return False, f"eager: mean prompt {mean_prompt_len:.0f} > {longest} tokens at G={group} (not measured)"
-    nbytes = cascade_step_bytes(num_requests, beam_width, mean_prompt_len, tail_len, num_qo_heads, num_kv_heads,
-                                head_dim)
+    nbytes = cascade_step_bytes(num_requests=num_requests, beam_width=beam_width, mean_prompt_len=mean_prompt_len,
+                                tail_len=tail_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                                head_dim=head_dim)
     if nbytes > EAGER_CASCADE_MAX_BYTES:
         return False, (f"eager: the cascade moves {nbytes >> 20} MiB > {EAGER_CASCADE_MAX_BYTES >> 20} MiB "
                        f"(device-bound)")
@@ -626,8 +627,8 @@ def eager_cascade_over_split_kv(num_requests: int, mean_prompt_len: float, num_q
         return False, f"eager: {blocks} beam block(s) of {rows} rows (measured: one of {tile_rows})"
     if mean_prompt_len > EAGER_CASCADE_OVER_SPLIT_KV_MAX_PROMPT:
         return False, f"eager: mean prompt {mean_prompt_len:.0f} > {EAGER_CASCADE_OVER_SPLIT_KV_MAX_PROMPT} tokens"
-    declined = should_decline(num_requests, beam_width, mean_prompt_len, num_qo_heads, num_kv_heads, head_dim,
-                              one_launch=True)
+    declined = should_decline(num_requests=num_requests, beam_width=beam_width, prompt_len=mean_prompt_len,
+                              num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, one_launch=True)
     if declined is not None:
         return False, f"eager: the decline rule would leave the cascade's step to per-beam decode ({declined})"
     return True, (f"eager: one block of {rows} rows, mean prompt {mean_prompt_len:.0f} <= "
@@ -765,8 +766,9 @@ def cascade_preferred(
     if cascade_tail_too_long(group, head_dim, tail_len, eager):
         return False, (f"tail {float(tail_len):.0f} > {CASCADE_MAX_TAIL[(group, head_dim)]} generated tokens per "
                        f"beam at G={group}, head {head_dim} under a CUDA graph: FA4 + tail measured faster there")
-    if eager and eager_cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                                         num_requests, tail_len)[0]:
+    if eager and eager_cascade_preferred(mean_prompt_len=mean_prompt_len, num_qo_heads=num_qo_heads,
+                                         num_kv_heads=num_kv_heads, beam_width=beam_width, head_dim=head_dim,
+                                         num_requests=num_requests, tail_len=tail_len)[0]:
         return True, ""
     limit = cascade_prompt_limit(beam_width, group, head_dim)
     wide_tile = _wide_tile_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
@@ -787,7 +789,7 @@ def cascade_preferred(
             limit = narrow_limit
     if group > 4 and head_dim == 64 and num_requests is not None and beam_width is not None and num_requests >= 1:
         sms = _waves.multiprocessors()
-        programs = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)[0]
+        programs = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim).programs
         if programs <= CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64:
             return False, (f"{programs} cascade programs (<= {CASCADE_TOO_FEW_PROGRAMS_GROUP_8_HEAD_64}) at G={group}, "
                            f"head 64: from 3% faster to 8% slower than FA4 + tail at 128 tokens, slower beyond")
@@ -805,23 +807,23 @@ def cascade_preferred(
         few_blocks = _few_programs_limit(table, blocks, num_requests, num_kv_heads, beam_width, group, head_dim,
                                          few_programs)
         if few_blocks is not None:
-            limit = max(limit, few_blocks[1])
+            limit = max(limit, few_blocks.limit)
     by_waves = _waves_limit(num_requests, num_kv_heads, beam_width, group, head_dim)
-    if by_waves is not None and by_waves[0] >= by_waves[1]:
-        limit = max(limit, by_waves[2])
+    if by_waves is not None and by_waves.balance >= by_waves.least:
+        limit = max(limit, by_waves.limit)
     if mean_prompt_len > limit:
         blocks = _beam_blocks_phrase(num_requests, num_kv_heads, beam_width, group, head_dim)
         waves = ""
-        if by_waves is not None and mean_prompt_len <= by_waves[2]:
-            waves = (f"; {by_waves[2]} where the cascade's waves are at least {by_waves[1]:g} as full as FA4's, "
-                     f"here {by_waves[0]:.2f}")
+        if by_waves is not None and mean_prompt_len <= by_waves.limit:
+            waves = (f"; {by_waves.limit} where the cascade's waves are at least {by_waves.least:g} as full as FA4's, "
+                     f"here {by_waves.balance:.2f}")
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"measured slower than FA4 + tail there{waves})")
     narrow = beam_width is not None and _narrow_tile(beam_width, group, head_dim)
     few_table = _FEW_PROGRAMS_NARROW_TILE_TABLE if narrow else CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS
     few = _few_programs_limit(few_table, (1, 1), num_requests, num_kv_heads, beam_width, group, head_dim)
-    if few is not None and mean_prompt_len > few[1]:
-        return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {few[1]} with {few[0]} cascade programs "
+    if few is not None and mean_prompt_len > few.limit:
+        return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {few.limit} with {few.programs} cascade programs "
                        f"(<= {CASCADE_FEW_PROGRAMS}) at G={group}, head {head_dim}: measured slower than FA4 + tail there")
     return True, ""
 
@@ -831,16 +833,28 @@ def _beam_blocks_phrase(num_requests: int | None, num_kv_heads: int, beam_width:
     """How a decline names the batch's beam tiling: the launch's own, so a batch that takes the 32-beam tile of
     G = 3-4 at head 64 (:func:`wide_tile_launch`) is not described by the batch-blind 16-beam tile."""
     wide = wide_tile_launch(num_requests, num_kv_heads, beam_width, group, head_dim)
-    if wide is not None and wide[0] == "wide":
-        return "one 32-beam block" if wide[1] == 1 else f"{wide[1]} 32-beam blocks per request"
+    if wide is not None and wide.choice == "wide":
+        return "one 32-beam block" if wide.blocks == 1 else f"{wide.blocks} 32-beam blocks per request"
     return "one beam block" if one_beam_block(beam_width, group, head_dim) else "several beam blocks per request"
 
 
+class WideTileLaunch(NamedTuple):
+    """A G = 3-4, head-64 batch's launch on 32-beam tiles (:func:`wide_tile_launch`): ``choice`` (``"wide"`` or
+    ``"half_wave"``), ``blocks`` (32-beam blocks a request), ``programs`` (the launch's), ``waves`` (of
+    ``WIDE_TILE_PROGRAMS_PER_SM`` programs a multiprocessor) and ``fill`` (their mean fill, in (0, 1])."""
+
+    choice: str
+    blocks: int
+    programs: int
+    waves: int
+    fill: float
+
+
 def wide_tile_launch(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int, head_dim: int,
-                     num_sms: int | None = None) -> tuple[str, int, int, int, float] | None:
-    """``(tile choice, 32-beam blocks a request, programs, waves, wave fill)`` of a G = 3-4, head-64 batch whose width
-    fills 32-beam blocks as well as 16-beam ones and whose 32-beam launch has more programs than multiprocessors
-    (``num_sms``; ``None``: :func:`multiprocessors`), else ``None``. The choice is
+                     num_sms: int | None = None) -> WideTileLaunch | None:
+    """:class:`WideTileLaunch` (tile choice, 32-beam blocks a request, programs, waves, wave fill) of a G = 3-4,
+    head-64 batch whose width fills 32-beam blocks as well as 16-beam ones and whose 32-beam launch has more programs
+    than multiprocessors (``num_sms``; ``None``: :func:`multiprocessors`), else ``None``. The choice is
     :func:`triton_kernels.cascade.wide_group_head_64_tile_choice`'s: ``"wide"`` where the launch takes the 32-beam
     tile, ``"half_wave"`` where it keeps 16 beams because the 32-beam launch would run a second wave at most half full.
     The programs, waves and fill are the 32-beam launch's, ``WIDE_TILE_PROGRAMS_PER_SM`` programs a multiprocessor
@@ -853,7 +867,7 @@ def wide_tile_launch(num_requests: int | None, num_kv_heads: int, beam_width: in
 
 @functools.lru_cache(maxsize=4096)  # eager steps ask the rule at every step; a serving batch repeats its shape
 def _wide_tile_launch(num_requests: int, num_kv_heads: int, beam_width: int, group: int,
-                      sms: int) -> tuple[str, int, int, int, float] | None:
+                      sms: int) -> WideTileLaunch | None:
     from triton_kernels.cascade import (  # deferred: triton is imported on first use
         WIDE_GROUP_HEAD_64_TILE_BEAMS,
         WIDE_TILE_PROGRAMS_PER_SM,
@@ -866,7 +880,7 @@ def _wide_tile_launch(num_requests: int, num_kv_heads: int, beam_width: int, gro
     blocks = -(-beam_width // WIDE_GROUP_HEAD_64_TILE_BEAMS)
     programs = num_requests * num_kv_heads * blocks
     slots = WIDE_TILE_PROGRAMS_PER_SM * sms  # the wave the tile choice counts, so the two cannot disagree
-    return choice, blocks, programs, -(-programs // slots), wave_efficiency(programs, slots)
+    return WideTileLaunch(choice, blocks, programs, -(-programs // slots), wave_efficiency(programs, slots))
 
 
 def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: int | None, group: int,
@@ -883,19 +897,19 @@ def _wide_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: in
     launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, group, head_dim)
     if launch is None:
         return None
-    choice, blocks, _, waves, fill = launch
-    if choice == "half_wave":
-        return CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64.get((group, blocks))
-    if waves > 1:
-        fuller = CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64.get((group, blocks))
-        if fuller is not None and fill >= CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64[(group, blocks)]:
+    key = (group, launch.blocks)
+    if launch.choice == "half_wave":
+        return CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64.get(key)
+    if launch.waves > 1:
+        fuller = CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULLER_WAVES_HEAD_64.get(key)
+        if fuller is not None and launch.fill >= CASCADE_WIDE_TILE_FULLER_WAVE_FILL_HEAD_64[key]:
             return fuller
-        partly_full = fill < CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64
+        partly_full = launch.fill < CASCADE_WIDE_TILE_MIN_WAVE_FILL_HEAD_64
         by_fill = (CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_PARTLY_FULL_HEAD_64 if partly_full
-                   else CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64).get((group, blocks))
+                   else CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_FULL_WAVES_HEAD_64).get(key)
         if by_fill is not None:
             return by_fill
-    return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64.get(blocks) if group == 4 else None
+    return CASCADE_MAX_MEAN_PROMPT_WIDE_TILE_GROUP_4_HEAD_64.get(launch.blocks) if group == 4 else None
 
 
 def group_3_head_64_verdict(num_requests: int | None, num_kv_heads: int, beam_width: int | None,
@@ -906,16 +920,15 @@ def group_3_head_64_verdict(num_requests: int | None, num_kv_heads: int, beam_wi
     fill its waves at least :data:`CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64`."""
     sms = _waves.multiprocessors() if num_sms is None else int(num_sms)
     launch = wide_tile_launch(num_requests, num_kv_heads, beam_width, 3, 64, sms)
-    if launch is None or launch[0] != "wide":
+    if launch is None or launch.choice != "wide":
         return None
-    _, blocks, programs, waves, fill = launch
-    if blocks < 2 or waves == 1 or fill >= CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64:
+    if launch.blocks < 2 or launch.waves == 1 or launch.fill >= CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64:
         return None
     from triton_kernels.cascade import WIDE_TILE_PROGRAMS_PER_SM  # deferred: triton is imported on first use
 
     slots = WIDE_TILE_PROGRAMS_PER_SM * sms
-    return (f"{programs} cascade programs on 32-beam tiles ({blocks} a request) fill their "
-            f"{waves} waves {fill:.2f} full (< {CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64}; "
+    return (f"{launch.programs} cascade programs on 32-beam tiles ({launch.blocks} a request) fill their "
+            f"{launch.waves} waves {launch.fill:.2f} full (< {CASCADE_WIDE_TILE_MIN_WAVE_FILL_GROUP_3_HEAD_64}; "
             f"{slots} a wave on {sms} multiprocessors) at G=3, head 64: from 1% faster to 7% slower than FA4 + tail "
             f"with two waves 0.52-0.64 full at 64-128 tokens; with three 0.69-0.71 full 2% faster at 64 tokens, even to "
             f"1% slower at 128 and 15-18% slower at 256")
@@ -973,12 +986,20 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
     return None
 
 
+class Group8Launch(NamedTuple):
+    """A G = 5-8, head-128 cascade launch (:func:`_group_8_launch`), counts: ``programs``, ``blocks`` (beam blocks a
+    request) and ``sms`` (the GPU's multiprocessors it is judged on)."""
+
+    programs: int
+    blocks: int
+    sms: int
+
+
 def _group_8_launch(num_requests: int, num_kv_heads: int, beam_width: int, group: int,
-                    num_sms: int | None) -> tuple[int, int, int]:
-    """``(programs, beam blocks a request, multiprocessors)`` of a G = 5-8, head-128 cascade launch (``num_sms``
-    ``None``: :func:`multiprocessors`)."""
+                    num_sms: int | None) -> Group8Launch:
+    """:class:`Group8Launch` of a G = 5-8, head-128 cascade launch (``num_sms`` ``None``: :func:`multiprocessors`)."""
     programs, blocks, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, 128)
-    return programs, blocks, _waves.multiprocessors() if num_sms is None else int(num_sms)
+    return Group8Launch(programs, blocks, _waves.multiprocessors() if num_sms is None else int(num_sms))
 
 
 def group_8_head_128_narrow_tile_limit(num_requests: int | None, num_kv_heads: int, beam_width: int | None,
@@ -1011,6 +1032,14 @@ def _narrow_tile(beam_width: int, group: int, head_dim: int) -> bool:
                                                                                    head_dim) is not None
 
 
+class FewProgramsLimit(NamedTuple):
+    """A few-programs prompt limit that applies to a batch (:func:`_few_programs_limit`): ``programs`` (the cascade
+    launch's) and ``limit`` (mean prompt, tokens)."""
+
+    programs: int
+    limit: int
+
+
 def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_width, group, head_dim,
                         few_programs=CASCADE_FEW_PROGRAMS):
     """``(programs, limit)`` of ``table`` (``{(group, head size): limit or {tile rows: limit}}``; group 3
@@ -1028,7 +1057,16 @@ def _few_programs_limit(table, beam_blocks, num_requests, num_kv_heads, beam_wid
         limit = limit.get(rows)
         if limit is None:
             return None
-    return programs, limit
+    return FewProgramsLimit(programs, limit)
+
+
+class WavesLimit(NamedTuple):
+    """The by-waves prompt limit of a batch (:func:`_waves_limit`): ``balance`` (its :func:`wave_balance`, a ratio),
+    ``least`` (the balance the limit needs) and ``limit`` (mean prompt, tokens)."""
+
+    balance: float
+    least: float
+    limit: int
 
 
 def _waves_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
@@ -1054,7 +1092,7 @@ def _waves_limit(num_requests, num_kv_heads, beam_width, group, head_dim):
         least = max(least, partly[1])
     balance = _wave_balance(programs, num_requests, num_kv_heads, beam_width, group, head_dim,
                             _waves.multiprocessors())
-    return balance, least, limit
+    return WavesLimit(balance, least, limit)
 
 
 def graph_rule_prompt(prompt_capacity: int, num_qo_heads: int, num_kv_heads: int, beam_width: Optional[int],

@@ -87,11 +87,12 @@ def cascade_serves(
             return False
         return cascade_supported(num_qo_heads // max(num_kv_heads, 1), head_dim)[0]
     if requested == "auto":
-        if split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                              eager)[0]:
+        if split_kv_preferred(num_requests=num_requests, mean_prompt_len=mean_prompt_len, num_qo_heads=num_qo_heads,
+                              num_kv_heads=num_kv_heads, beam_width=beam_width, head_dim=head_dim, eager=eager)[0]:
             return False
-        return cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim, num_requests,
-                                 tail_len, shared_run, eager, tail_bound)[0]
+        return cascade_preferred(mean_prompt_len=mean_prompt_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                                 beam_width=beam_width, head_dim=head_dim, num_requests=num_requests,
+                                 tail_len=tail_len, shared_run=shared_run, eager=eager, tail_bound=tail_bound)[0]
     return False
 
 
@@ -130,13 +131,18 @@ def step_path(
     if requested == "fa4" and not _installed("fa4"):
         requested = "flashinfer"
     if requested == "auto" and not _installed("flashinfer"):
-        preferred = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                                      num_requests, tail_len, shared_run, eager, tail_bound)[0]
+        preferred = cascade_preferred(mean_prompt_len=mean_prompt_len, num_qo_heads=num_qo_heads,
+                                      num_kv_heads=num_kv_heads, beam_width=beam_width, head_dim=head_dim,
+                                      num_requests=num_requests, tail_len=tail_len, shared_run=shared_run,
+                                      eager=eager, tail_bound=tail_bound)[0]
         return False, preferred
-    split_kv = flashinfer_serves(requested, num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                 head_dim, eager)
-    one_launch = not split_kv and cascade_serves(requested, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                                 head_dim, num_requests, tail_len, shared_run, eager, tail_bound)
+    split_kv = flashinfer_serves(requested, num_requests=num_requests, mean_prompt_len=mean_prompt_len,
+                                 num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, beam_width=beam_width,
+                                 head_dim=head_dim, eager=eager)
+    one_launch = not split_kv and cascade_serves(requested, mean_prompt_len=mean_prompt_len, num_qo_heads=num_qo_heads,
+                                                 num_kv_heads=num_kv_heads, beam_width=beam_width, head_dim=head_dim,
+                                                 num_requests=num_requests, tail_len=tail_len, shared_run=shared_run,
+                                                 eager=eager, tail_bound=tail_bound)
     return split_kv, one_launch
 
 
@@ -180,10 +186,13 @@ def choose_prefix_backend(
     if device.type != "cuda":
         return "reference", [f"device {device} is not CUDA: the torch reference path serves it"]
     declined = []
-    split, split_why = split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                          head_dim, eager)
-    preferred, why = cascade_preferred(mean_prompt_len, num_qo_heads, num_kv_heads, beam_width, head_dim,
-                                       num_requests, tail_len, shared_run, eager, tail_bound)
+    split, split_why = split_kv_preferred(num_requests=num_requests, mean_prompt_len=mean_prompt_len,
+                                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, beam_width=beam_width,
+                                          head_dim=head_dim, eager=eager)
+    preferred, why = cascade_preferred(mean_prompt_len=mean_prompt_len, num_qo_heads=num_qo_heads,
+                                       num_kv_heads=num_kv_heads, beam_width=beam_width, head_dim=head_dim,
+                                       num_requests=num_requests, tail_len=tail_len, shared_run=shared_run,
+                                       eager=eager, tail_bound=tail_bound)
     candidates = ("triton", "fa4", "flashinfer") if preferred else ("fa4", "flashinfer")
     if split:
         candidates = ("flashinfer",) + candidates[:-1]
@@ -230,8 +239,9 @@ def resolve_prefix_backend(
     """
     if requested == "auto":
         name, declined = choose_prefix_backend(device, dtype, head_dim, num_qo_heads, num_kv_heads, page_size,
-                                               kv_layout, mean_prompt_len, beam_width, num_requests, tail_len,
-                                               shared_run, eager, tail_bound)
+                                               kv_layout, mean_prompt_len=mean_prompt_len, beam_width=beam_width,
+                                               num_requests=num_requests, tail_len=tail_len, shared_run=shared_run,
+                                               eager=eager, tail_bound=tail_bound)
         for reason in declined:
             logger.info("beam_shared_prefix: backend=auto declined %s", reason)
         if name == "reference" and torch.device(device).type == "cuda":

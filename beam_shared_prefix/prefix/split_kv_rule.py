@@ -206,8 +206,9 @@ def split_kv_preferred(
         return False, (f"mean prompt {mean_prompt_len:.0f} < {least} tokens for {programs} cascade programs "
                        f"of {rows} rows: the cascade or FA4 measured as fast there")
     if eager:
-        over, why = eager_cascade_over_split_kv(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                                head_dim)
+        over, why = eager_cascade_over_split_kv(num_requests=num_requests, mean_prompt_len=mean_prompt_len,
+                                                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                                                beam_width=beam_width, head_dim=head_dim)
         if over:
             return False, why
     return True, (f"{num_requests} request(s) run {programs} cascade programs of {rows} rows for a mean prompt of "
@@ -243,6 +244,6 @@ def flashinfer_serves(
     if requested == "flashinfer" or (requested in ("auto", "fa4", "triton") and only_flashinfer_tiles(head_dim)):
         return True
     if requested == "auto":
-        return split_kv_preferred(num_requests, mean_prompt_len, num_qo_heads, num_kv_heads, beam_width,
-                                  head_dim, eager)[0]
+        return split_kv_preferred(num_requests=num_requests, mean_prompt_len=mean_prompt_len, num_qo_heads=num_qo_heads,
+                                  num_kv_heads=num_kv_heads, beam_width=beam_width, head_dim=head_dim, eager=eager)[0]
     return False

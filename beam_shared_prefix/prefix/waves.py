@@ -7,7 +7,7 @@ of it here reaches them all.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -28,15 +28,26 @@ FA4_CTAS_PER_SM = 1
 DEFAULT_MULTIPROCESSORS = 132
 
 
-def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, group: int, head_dim: int):
-    """``(programs, beam blocks, tile rows)`` of the cascade's wide tiling for a batch: the geometry the rule's tables
+class CascadePrograms(NamedTuple):
+    """The cascade's launch for a batch (:func:`_cascade_programs`), counts: ``programs`` (the grid: one program a
+    request, set of KV heads and beam block), ``blocks`` (beam blocks a request) and ``rows`` (query rows a tile,
+    its ``block_m``)."""
+
+    programs: int
+    blocks: int
+    rows: int
+
+
+def _cascade_programs(num_requests: int, num_kv_heads: int, beam_width: int, group: int,
+                      head_dim: int) -> CascadePrograms:
+    """:class:`CascadePrograms` of the cascade's wide tiling for a batch: the geometry the rule's tables
     were measured and keyed on. Narrow widths' tiles (:func:`triton_kernels.cascade.narrow_tile_beams`, fifty-sixth
     round) hold a request's beams in one block as the wide tile does, so the programs and blocks are theirs too; their
     rows are fewer, and the tables keep the wide tile's (the narrow tile was 1.0-2.1x faster wherever it runs)."""
     from triton_kernels.cascade import wide_launch_config  # deferred: triton is imported on first use
 
     cfg = wide_launch_config(int(beam_width), group, head_dim)
-    return (*_launch_programs(cfg, num_requests, num_kv_heads, beam_width), cfg.block_m)
+    return CascadePrograms(*_launch_programs(cfg, num_requests, num_kv_heads, beam_width), cfg.block_m)
 
 
 def _launch_programs(cfg, num_requests: int, num_kv_heads: int, beam_width: int) -> tuple[int, int]:
@@ -74,7 +85,7 @@ def wave_balance(num_requests: int, num_kv_heads: int, beam_width: int, group: i
         ValueError: a head size whose FA4 tile :data:`FA4_TILE_ROWS` does not list."""
     if head_dim not in FA4_TILE_ROWS:
         raise ValueError(f"head_dim={head_dim}: FA4's tile is known at head sizes {sorted(FA4_TILE_ROWS)} only")
-    programs, _, _ = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim)
+    programs = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim).programs
     return _wave_balance(programs, num_requests, num_kv_heads, beam_width, group, head_dim,
                          multiprocessors() if num_sms is None else int(num_sms))
 

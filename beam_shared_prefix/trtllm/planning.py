@@ -155,13 +155,14 @@ class StepInfo:
             if settings.decline == "auto":
                 # A CUDA graph (mean_prompt_len None) serves any prompt and tail: neither is judged.
                 tail = self.judged_tail
-                shape = (self.mean_prompt_len, family.num_qo_heads, family.num_kv_heads, self.beam_width,
-                         family.head_dim)
                 # The path that serves a long tail depends on whether the shared-run stage may run.
                 # A judged tail is an eager step's (CUDA-graph metadata hands none): eager keeps the cascade.
                 # A captured launch is bounded by the wrapper's max_tail_len, an eager one by its own tail.
                 bound = cascade_tail_bound(settings.max_tail_len) if tail is None else None
-                split_kv, one_launch = step_path(settings.backend, self.num_requests, *shape, tail_len=tail,
+                split_kv, one_launch = step_path(settings.backend, num_requests=self.num_requests,
+                                                 mean_prompt_len=self.mean_prompt_len,
+                                                 num_qo_heads=family.num_qo_heads, num_kv_heads=family.num_kv_heads,
+                                                 beam_width=self.beam_width, head_dim=family.head_dim, tail_len=tail,
                                                  shared_run=settings.shared_run != "off", eager=True, tail_bound=bound)
                 reason = should_decline(
                     self.num_requests,
