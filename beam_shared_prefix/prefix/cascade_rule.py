@@ -957,8 +957,8 @@ def group_8_head_128_verdict(num_requests: int | None, num_kv_heads: int, beam_w
         if programs <= sms:
             return (f"{programs} {tile} (<= {sms} multiprocessors) at {beam_width} beams {where}: from 2% faster to 7% "
                     f"slower than FA4 + tail at 300 tokens, 17-48% slower from 600")
-        if programs > CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128 * sms:
-            cap = CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128
+        cap = CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128
+        if programs > cap * sms:
             return (f"{programs} {tile} (> {cap} a multiprocessor, {sms} multiprocessors) at {beam_width} beams "
                     f"{where}: not measured there")
         return None
