@@ -699,7 +699,7 @@ class BeamSharedPrefixAttention:
         try:
             need_unit_stride("kv_lens", kv_lens)
         except KernelInputError as exc:
-            fail(str(exc))
+            raise AttentionInputError(str(exc)) from None
         if (cache_indirection.dim() != 3 or cache_indirection.dtype != torch.int32
                 or cache_indirection.shape[0] < R or cache_indirection.shape[1] < W):
             fail(f"cache_indirection must be int32 [>= R={R}, >= W={W}, max_seq_len], got {cache_indirection.dtype} "
@@ -718,4 +718,4 @@ class BeamSharedPrefixAttention:
         try:
             need_page_index_divisor(page_index_divisor)
         except KernelInputError as exc:
-            fail(str(exc))
+            raise AttentionInputError(str(exc)) from None

@@ -232,9 +232,10 @@ CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
 #: ``auto`` runs 3-5 beams on the cascade's 8-beam tile once the launch has more programs than multiprocessors.
 #: Sixty-first round (H200, graph replays, 4-token tails; ``rule_flip_g[58]_kv8_round61.json``: 64-128 requests of 3
 #: beams at 100-200 tokens, ``w3_floor_g[58]_kv8_round61.json``: 16, 32 and 128 requests of 3 beams at 50-150; GQA
-#: 40/8 and 64/8): at 3 beams the cascade ran 1.49x-2.16x faster than per-beam decode at every point of 32 requests or
-#: more (96-384 beam rows) from 50 tokens, where :data:`CASCADE_MIN_PROMPT` asked 150 tokens (set from GQA 1-4). (16
-#: requests, 128 programs, are FA4 + tail's in ``auto``; the row floors decline them.) Under 50 tokens not measured.
+#: 40/8 and 64/8): at 3 beams and 50-150 tokens the cascade ran 1.49x-1.89x faster than per-beam decode at 32 requests
+#: (96 beam rows) and 1.64x-2.16x at 64-128, where :data:`CASCADE_MIN_PROMPT` asked 150 tokens (set from GQA 1-4). The
+#: row floor (120 rows under 250 tokens) still declines fewer than 40 requests of 3 beams (16 requests, 128 programs,
+#: are FA4 + tail's in ``auto``), so 40-63 requests are between measured points. Under 50 tokens not measured.
 CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8 = ((2, 500), (3, 50), (6, 32))
 CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_KV_HEADS = frozenset((8,))
 #: Above :data:`NARROW_BEAMS_MEASURED_KV_HEADS` KV heads, beams narrower than 8 need this mean prompt on

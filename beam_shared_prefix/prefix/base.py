@@ -56,6 +56,8 @@ def kv_planes(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[torch.Tensor, tor
     permuted, not copied), so that ``k[page, slot]`` is one slot's ``[Hkv, D]`` in either layout. The library's one
     reading of the layouts; the oracle (:mod:`beam_shared_prefix.reference`), the simulator and the kernels' torch
     twin (``triton_kernels.tail_merge_torch``) keep their own, so that a mistake here cannot hide in their answers."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout={kv_layout!r} is not supported; use 'HND' or 'NHD'.")
     k, v = kv_cache.select(1, 0), kv_cache.select(1, 1)
     if kv_layout == "HND":  # [pages, Hkv, Pg, D] -> [pages, Pg, Hkv, D]
         return k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)

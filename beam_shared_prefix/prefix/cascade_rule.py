@@ -311,10 +311,11 @@ CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128 = 0.9
 # The 8-beam tile's launches past 4 programs a multiprocessor (sixty-first round, H200, graph replays, 4-token tails,
 # 8 KV heads: rule_flip_g[58]_kv8_round61.json, 64-128 requests of 3 and 5 beams at 100-200 tokens;
 # narrow_cap_g[58]_kv8_round61.json, 96 and 192 requests of 3 and 5 beams at 300-1,000 tokens; GQA 40/8 and 64/8),
-# which the wide tile's cap (CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128) had left to FA4 + tail unmeasured: at 768,
-# 1,024 and 1,536 programs (2.9-5.8 waves of the tile, 0.97 full) the cascade was 1.30-1.65x faster than FA4 + tail at
-# 100-200 tokens, 1.22-1.44x at 300, 1.03-1.17x at 600 and at 1,000 1.02-1.06x at G = 8 and 0.96-1.01x at G = 5 (past
-# its 640-token limit), as the full-wave limits of the fifty-seventh round predict.
+# which the wide tile's cap (CASCADE_MAX_PROGRAMS_PER_SM_GROUP_8_HEAD_128) had left to FA4 + tail unmeasured: the
+# cascade was 1.27-1.73x faster than FA4 + tail at 100-200 tokens (768 and 1,024 programs), and at 768 and 1,536
+# programs 1.23-1.44x at 300 tokens, 1.03-1.17x at 600, and at 1,000 1.02-1.06x at G = 8 and 0.96-1.01x at G = 5 (past
+# its 640-token limit), as the full-wave limits of the fifty-seventh round predict (2.9-5.8 waves of the tile, 0.97
+# full).
 #: G = 5-8 at head 128, narrow widths: never the cascade with more programs than this many per multiprocessor (measured
 #: to 1,536 programs, 11.6 a multiprocessor on the H200's 132).
 CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128 = 12
