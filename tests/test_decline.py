@@ -1,6 +1,7 @@
 """The decline rule (beam_shared_prefix/decline/): its thresholds, and its agreement with the H200 grids."""
 
 import collections
+import itertools
 
 import pytest
 from h200_grids import RESULTS, SUPERSEDED, grid_points, with_auto_backend
@@ -625,6 +626,55 @@ def test_round_61_grids_hold_the_margin_on_the_path_auto_now_takes(monkeypatch, 
             speedup = decode / arms["library/triton" if one_launch else "library/fa4"]["time_us"]
             assert speedup >= 1.10, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} at {speedup:.2f}x"
     assert (points, served) == (points_measured, points_served)
+
+
+# Shapes whose verdict on the path ``auto`` takes is served at some request count and declined at a larger one:
+# ``(group, KV heads, head, beams, prompt, served at, declined at)`` by mode (eager steps, CUDA-graph wrappers). Each
+# is the edge of one rule meeting another's, not measured on both sides yet (round 61's audit; to be timed):
+_KNOWN_REQUEST_FLIPS = {
+    # FlashInfer's split prompt serves a few requests under the row floor; a few more move auto to the cascade or FA4 +
+    # tail (measured faster than the split prompt there), where the floor declines.
+    True: {(1, 2, 64, 16, 1200, 16, 24), (3, 2, 128, 8, 4000, 8, 12), (5, 2, 128, 8, 4000, 8, 12),
+           (5, 2, 128, 16, 4000, 4, 8), (5, 2, 128, 30, 4000, 2, 4), (8, 2, 128, 8, 4000, 8, 20)},
+    False: {(1, 2, 64, 16, 1200, 16, 24), (3, 2, 128, 8, 4000, 8, 12), (5, 2, 128, 8, 4000, 8, 12),
+            (5, 2, 128, 16, 4000, 4, 8), (5, 2, 128, 30, 4000, 2, 4), (8, 2, 128, 8, 4000, 8, 20),
+            # Past the 8-beam tile's cap (1,584 programs) FA4 + tail runs, and (W - 1) x P < 600 declines it.
+            (5, 8, 128, 3, 100, 40, 199), (5, 8, 128, 5, 100, 24, 199), (8, 8, 128, 3, 100, 40, 199),
+            (8, 8, 128, 5, 100, 24, 199),
+            # G = 8 at head 64: FA4 + tail where the cascade's waves are under 0.9 as full, served by (W - 1) x P;
+            # the cascade elsewhere, whose head-64 table asks 500 tokens of 3 beams.
+            (8, 8, 64, 3, 300, 40, 64), (8, 2, 64, 3, 300, 160, 199)},
+}
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graph"])
+def test_more_requests_are_declined_on_autos_path_only_at_the_known_flips(monkeypatch, eager):
+    """On the path ``auto`` takes (every backend installed, a 4-token tail), a shape served at some request count is
+    served at every larger one, over 480 shapes and 18 request counts, but for :data:`_KNOWN_REQUEST_FLIPS`: a rule
+    change that adds a flip, or removes one, shows here."""
+    from beam_shared_prefix.prefix import waves
+    from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
+
+    monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H200's, on any machine
+    requests = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128, 160, 198, 199, 256)
+
+    def served(r, w, p, heads, kv_heads, head_dim):
+        batch = dict(num_requests=r, mean_prompt_len=p, num_qo_heads=heads, num_kv_heads=kv_heads, beam_width=w,
+                     head_dim=head_dim)
+        split_kv = flashinfer_serves("auto", eager=eager, **batch)
+        one_launch = not split_kv and cascade_serves("auto", tail_len=4, eager=eager, **batch)
+        return should_decline(r, w, p, heads, kv_heads, head_dim, one_launch=one_launch, split_kv=split_kv,
+                              tail_len=4) is None
+
+    flips = set()
+    for group, kv_heads, head_dim, w, p in itertools.product((1, 2, 3, 4, 5, 8), (2, 8), (64, 128), (3, 5, 8, 16, 30),
+                                                             (100, 300, 1200, 4000)):
+        verdicts = [served(r, w, p, group * kv_heads, kv_heads, head_dim) for r in requests]
+        first = next((i for i, v in enumerate(verdicts) if v), None)
+        if first is not None and not all(verdicts[first:]):
+            declined = next(i for i in range(first, len(requests)) if not verdicts[i])
+            flips.add((group, kv_heads, head_dim, w, p, requests[first], requests[declined]))
+    assert flips == _KNOWN_REQUEST_FLIPS[eager]
 
 
 # Served points under the margin across every H200 grid (tail <= 4), each with why it stays: five from the small-batch
