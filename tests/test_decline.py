@@ -598,6 +598,17 @@ def test_rule_agrees_with_the_h200_grids(pattern, arm, margin, points_measured, 
     assert MIN_SHARED_PROMPT_TOKENS == 600
 
 
+def _autos_path(requests, beams, prompt, heads, kv_heads, head_dim, tail, eager):
+    """``(split_kv, one_launch)``: the path ``auto`` takes for a batch with every backend installed (the rule's
+    ``step_path`` follows the packages installed here)."""
+    from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
+
+    batch = dict(num_requests=requests, mean_prompt_len=prompt, num_qo_heads=heads, num_kv_heads=kv_heads,
+                 beam_width=beams, head_dim=head_dim)
+    split_kv = flashinfer_serves("auto", eager=eager, **batch)
+    return split_kv, not split_kv and cascade_serves("auto", tail_len=tail, eager=eager, **batch)
+
+
 @pytest.mark.parametrize("pattern,points_measured,points_served", [
     ("rule_flip_g[58]_kv8_round61.json", 36, 36),
     ("w3_floor_g[58]_kv8_round61.json", 18, 6),
@@ -609,15 +620,12 @@ def test_round_61_grids_hold_the_margin_on_the_path_auto_now_takes(monkeypatch, 
     replays, as measured; the cascade is ``library/triton``, FA4 + tail ``library/fa4``), every point the rule serves
     was at least 1.10x faster than per-beam decode."""
     from beam_shared_prefix.prefix import waves
-    from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 
     monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H200's, on any machine
     points = served = 0
     for name, s, arms, decode in _grid_points(pattern):
-        batch = dict(num_requests=s["requests"], mean_prompt_len=s["prompt"], num_qo_heads=s["heads"],
-                     num_kv_heads=s["kv_heads"], beam_width=s["beams"], head_dim=s["head_dim"])
-        split_kv = flashinfer_serves("auto", eager=False, **batch)
-        one_launch = not split_kv and cascade_serves("auto", tail_len=s["tail"], eager=False, **batch)
+        split_kv, one_launch = _autos_path(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"],
+                                           s["head_dim"], s["tail"], eager=False)
         assert not split_kv, name  # (FlashInfer's split prompt was not timed in these grids)
         points += 1
         if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
@@ -653,16 +661,12 @@ def test_more_requests_are_declined_on_autos_path_only_at_the_known_flips(monkey
     served at every larger one, over 480 shapes and 18 request counts, but for :data:`_KNOWN_REQUEST_FLIPS`: a rule
     change that adds a flip, or removes one, shows here."""
     from beam_shared_prefix.prefix import waves
-    from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
 
     monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H200's, on any machine
     requests = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128, 160, 198, 199, 256)
 
     def served(r, w, p, heads, kv_heads, head_dim):
-        batch = dict(num_requests=r, mean_prompt_len=p, num_qo_heads=heads, num_kv_heads=kv_heads, beam_width=w,
-                     head_dim=head_dim)
-        split_kv = flashinfer_serves("auto", eager=eager, **batch)
-        one_launch = not split_kv and cascade_serves("auto", tail_len=4, eager=eager, **batch)
+        split_kv, one_launch = _autos_path(r, w, p, heads, kv_heads, head_dim, 4, eager)
         return should_decline(r, w, p, heads, kv_heads, head_dim, one_launch=one_launch, split_kv=split_kv,
                               tail_len=4) is None
 
