@@ -783,6 +783,26 @@ def test_bad_lengths_without_check_mode_raise_the_device_flag(tail_impl, bad_len
 
 
 @pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("engine_wrote_kv", [False, True])
+def test_a_beam_writing_onto_beam0s_prompt_page_raises_the_flag(tail_impl, engine_wrote_kv):
+    """Beam 1 of request 0 given beam 0's copy of the prompt's partly filled last page (a table that shares
+    it among beams, as block reuse must not): every index is inside the pool, so only the beams' agreement
+    sees it. Without check mode the flag names it; check mode refuses the step."""
+    sim, step, att = _flagged_setup(tail_impl)
+    col = int(step.kv_lens[1] - 1) // sim.page_size
+    assert int(step.prompt_lens[0]) // sim.page_size == col and int(step.prompt_lens[0]) % sim.page_size
+    table = step.beam_page_table.clone()
+    table[1, col] = table[0, col]
+    new_kv = () if engine_wrote_kv else (step.new_k, step.new_v)
+    att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, *new_kv)
+    (message,) = att.device_errors()
+    assert "beam 0's page of the same page-table column" in message, message
+    att.check = True
+    with pytest.raises(BeamSharedPrefixCheckError, match=r"row 1 \(request 0, beam 1\) writes .* a prompt page"):
+        att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, *new_kv)
+
+
+@pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_engine_written_kv_without_a_page_raises_the_flag(tail_impl):
     """``new_k=None`` (the engine wrote this step's K/V): a row whose write slot has no page entry
     is read back from a clamped slot, and reported (WRITE_PAGE), not read silently."""

@@ -93,8 +93,8 @@ import triton
 import triton.language as tl
 
 from .beam_index import pages_of_source_beams, shared_ancestry_len, source_beam_pages
-from .device_errors import (KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, error_bits, flush_errors, kv_len_bad,
-                            or_reduce, page_error_bits)
+from .device_errors import (KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, beam_agreement_bits, error_bits, flush_errors,
+                            kv_len_bad, or_reduce, page_error_bits)
 from .tail_merge_grouped_kernel import attend_grouped_row
 
 __all__ = ["beam_cascade_kernel"]
@@ -690,6 +690,14 @@ def beam_cascade_kernel(
     # 5. The error bits gathered on the way, after every load and store (REPORT_ERRORS).
     if REPORT_ERRORS:
         flush_errors(err_ptr, prompt_err)
+        if not PREFIX_ONLY:
+            # Whether the tile's beams agree with their beam 0 (lengths, write pages): the first head block.
+            agree_slot = tl.arange(0, BEAMS)
+            agree_beam = first_beam + agree_slot
+            flush_errors(err_ptr, beam_agreement_bits(
+                kv_lens_ptr, beam_pt_ptr, req64 * beam_width + agree_beam.to(tl.int64),
+                (agree_beam < beam_width) & (agree_slot * 0 + tl.program_id(1) == 0), req64 * beam_width, prompt_len,
+                stride_bpt_row, stride_bpt_col, page_size, page_index_divisor, num_pages, max_seq_len))
         if TAIL_CORES and not PREFIX_ONLY:
             flush_errors(err_ptr, core_beam_err)
             flush_errors(err_ptr, core_pos_err)

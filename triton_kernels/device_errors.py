@@ -16,9 +16,10 @@ import triton.language as tl
 
 from .step_args import KernelInputError
 
-__all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "WRITE_PAGE", "ERROR_BITS",
-           "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits", "kv_len_bad", "kv_len_bad_torch", "page_error_bits",
-           "or_reduce", "flush_errors", "flag_where", "decode_error_flags", "new_error_flags", "check_error_flags"]
+__all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "WRITE_PAGE", "BEAM_KV_LEN",
+           "SHARED_WRITE_PAGE", "ERROR_BITS", "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits", "kv_len_bad",
+           "kv_len_bad_torch", "page_error_bits", "beam_agreement_bits", "beam_agreement_bad_torch", "or_reduce",
+           "flush_errors", "flag_where", "decode_error_flags", "new_error_flags", "check_error_flags"]
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
 PROMPT_PAGE = tl.constexpr(1)
@@ -33,6 +34,11 @@ SOURCE_BEAM = tl.constexpr(8)
 TAIL_PAGE = tl.constexpr(16)
 #: The page-table entry of a row's write slot negative or outside the pool: this step's K/V not written.
 WRITE_PAGE = tl.constexpr(32)
+#: A beam's ``kv_len`` unlike beam 0's of its request: each row attended (and wrote) at its own length.
+BEAM_KV_LEN = tl.constexpr(64)
+#: A beam's write slot on beam 0's page of the same page-table column (the prompt's partly filled last
+#: page, or a generated page shared between beams): the two rows write one slot. Reported only.
+SHARED_WRITE_PAGE = tl.constexpr(128)
 
 #: ``{bit: message}``; each message names the value, what the kernel did and the likely cause.
 ERROR_BITS = {
@@ -48,6 +54,13 @@ ERROR_BITS = {
                      "out (block offsets stale, or page_index_divisor wrong)",
     WRITE_PAGE.value: "the page-table entry of a row's write slot negative or outside the pool: this step's K/V not "
                       "written (no page allocated for the new token, or page_index_divisor wrong)",
+    BEAM_KV_LEN.value: "a beam's kv_len unlike beam 0's of its request: each row attended and wrote at its own "
+                       "length, so a beam that reads another's position past that beam's length reads a slot written "
+                       "in this step (pass one kv_len per request, repeated for each of its beams)",
+    SHARED_WRITE_PAGE.value: "a beam's write slot (position kv_len - 1) on beam 0's page of the same page-table "
+                             "column: both rows wrote one slot, so K/V that other beams read there is overwritten "
+                             "(each beam needs its own copy of the prompt's partly filled last page and its own "
+                             "generated pages; a table that shares them among beams is wrong)",
 }
 
 
@@ -79,6 +92,54 @@ def kv_len_bad_torch(cur: torch.Tensor, prompt_len: torch.Tensor, max_seq_len: i
     twins: the same rule, written twice because a ``@triton.jit`` function runs only inside a kernel
     (``tests/triton_kernels/test_device_errors.py`` holds the two equal)."""
     return ((cur < prompt_len) & ((cur >= 1) | (prompt_len > 1))) | (cur < 0) | (cur >= max_seq_len)
+
+
+@triton.jit
+def beam_agreement_bits(kv_lens_ptr, page_table_ptr, row64, row_ok, first_row64, prompt_len, stride_pt_row,
+                        stride_pt_col, page_size, page_index_divisor, num_pages, max_seq_len):
+    """``BEAM_KV_LEN`` and ``SHARED_WRITE_PAGE`` of the rows ``row64`` (int64 vector, lanes ``row_ok``) of
+    one request whose beam 0 is row ``first_row64``: int32 bits, ``row64``'s shape.
+
+    Whether the beams of a request agree with beam 0, which the kernels cannot see one row at a time:
+    the same ``kv_len``, and a write slot on a page of the row's own (beam 0 writes the prompt's partly
+    filled last page, which is why comparing with beam 0's column catches a write onto a prompt page).
+    Only a slot the kernels would write is judged (not a padding row's, a position inside the prompt or
+    past the cache), so ``kv_len_bad`` rows add nothing here. It reloads what it needs, L1/L2 hits by
+    then: call it after the program's last store, under ``REPORT_ERRORS``, so that the kernels without
+    the flag keep their code. Beams other than beam 0 that share a page with each other are not seen."""
+    zero = row64 * 0
+    cur = tl.load(kv_lens_ptr + row64, mask=row_ok, other=0) - 1
+    first_cur = tl.load(kv_lens_ptr + first_row64 + zero, mask=row_ok, other=0) - 1
+    other_beam = row_ok & (row64 != first_row64 + zero)
+    w_ok = other_beam & (cur == first_cur) & (cur >= prompt_len) & (cur >= 0) & (cur < max_seq_len)
+    col = (cur // page_size).to(tl.int64) * stride_pt_col
+    own = tl.load(page_table_ptr + row64 * stride_pt_row + col, mask=w_ok, other=-1)
+    first = tl.load(page_table_ptr + (first_row64 + zero) * stride_pt_row + col, mask=w_ok, other=-1)
+    own_page = own // page_index_divisor
+    shared = w_ok & (own >= 0) & (own_page < num_pages) & (first >= 0) & (first // page_index_divisor == own_page)
+    return error_bits(other_beam & (cur != first_cur), BEAM_KV_LEN) | error_bits(shared, SHARED_WRITE_PAGE)
+
+
+def beam_agreement_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
+                             beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
+                             max_seq_len: int):
+    """:func:`beam_agreement_bits` on torch tensors for ``rows = kv_lens.numel()`` rows (``prompt_lens``
+    per row): ``(len_differs, shares_write_page)``, bool ``[rows]`` each, device ops (no sync).
+    (``tests/triton_kernels/test_device_errors.py`` holds the two equal.)"""
+    rows = kv_lens.shape[0]
+    row = torch.arange(rows, device=kv_lens.device)
+    first = row - row % beam_width
+    cur = kv_lens.long() - 1
+    first_cur = cur[first]
+    other_beam = row != first
+    w_ok = other_beam & (cur == first_cur) & (cur >= prompt_lens.long()) & (cur >= 0) & (cur < max_seq_len)
+    col = torch.where(w_ok, cur // page_size, torch.zeros_like(cur))
+    own = beam_page_table[row, col].long()
+    first_entry = beam_page_table[first, col].long()
+    own_page = own // page_index_divisor
+    shared = (w_ok & (own >= 0) & (own_page < num_pages) & (first_entry >= 0)
+              & (first_entry // page_index_divisor == own_page))
+    return other_beam & (cur != first_cur), shared
 
 
 @triton.jit

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
-from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, page_error_bits
+from .device_errors import (KV_LEN, WRITE_PAGE, beam_agreement_bits, error_bits, flush_errors, kv_len_bad,
+                            page_error_bits)
 
 __all__ = ["beam_tail_merge_grouped_kernel", "attend_grouped_row"]
 
@@ -185,5 +186,10 @@ def beam_tail_merge_grouped_kernel(
     out_offs = row64 * stride_out_row + q_head[:, :, None] * stride_out_head + d[None, None, :]
     tl.store(out_ptr + out_offs, (acc * inv_l[:, :, None]).to(out_ptr.dtype.element_ty), mask=q_ok[:, :, None])
     if REPORT_ERRORS:
+        # Whether the row agrees with its beam 0 (length, write page): the row's first program, one lane.
+        lane = tl.arange(0, KV_HEADS_PER_PROG)
+        err |= beam_agreement_bits(kv_lens_ptr, page_table_ptr, row64 + lane * 0, lane + tl.program_id(1) == 0,
+                                   first_src_row, prompt_len, stride_pt_row, stride_pt_col, page_size,
+                                   page_index_divisor, num_pages, max_seq_len)
         flush_errors(err_ptr, err)
         flush_errors(err_ptr, tail_err)

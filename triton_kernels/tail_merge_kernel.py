@@ -54,7 +54,8 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
-from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, or_reduce, page_error_bits
+from .device_errors import (KV_LEN, WRITE_PAGE, beam_agreement_bits, error_bits, flush_errors, kv_len_bad, or_reduce,
+                            page_error_bits)
 
 __all__ = ["beam_tail_merge_kernel"]
 
@@ -371,6 +372,11 @@ def beam_tail_merge_kernel(
     inv_l = 1.0 / l_i  # one division per row, a multiply per element
     tl.store(out_ptr + out_offs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=q_head_ok[:, None])
     if REPORT_ERRORS:
+        # Whether the row agrees with its beam 0 (length, write page), judged once a row: the first
+        # program of the row, one lane (slot + head_block == 0).
+        err |= beam_agreement_bits(kv_lens_ptr, page_table_ptr, row64 + slot * 0, slot + head_block == 0,
+                                   first_src_row, prompt_len, stride_pt_row, stride_pt_col, page_size,
+                                   page_index_divisor, num_pages, max_seq_len)
         flush_errors(err_ptr, err)
         if INDEX_BLOCK > 0:
             flush_errors(err_ptr, lane_err)

@@ -106,9 +106,12 @@ def beam_tail_attention_merge_torch(
         # The kernels' bits, as device tensors (no sync): a masked link of a valid position.
         # (The kernels report a source beam only at positions inside the table and the cache.)
         len_bad = device_errors.kv_len_bad_torch(wpos, plen, geom.max_seq_len)
+        len_differs, shares_page = device_errors.beam_agreement_bad_torch(
+            klen, plen, beam_page_table, W, pg, page_index_divisor, num_pages, geom.max_seq_len)
         for bad, bit in ((len_bad, device_errors.KV_LEN), (t_ok & ~src_ok, device_errors.SOURCE_BEAM),
                          (src_ok & ~earlier_valid, device_errors.TAIL_PAGE),
-                         (w_ok & ~entry_ok if write_kv else None, device_errors.WRITE_PAGE)):
+                         (w_ok & ~entry_ok if write_kv else None, device_errors.WRITE_PAGE),
+                         (len_differs, device_errors.BEAM_KV_LEN), (shares_page, device_errors.SHARED_WRITE_PAGE)):
             if bad is not None:
                 device_errors.flag_where(error_flags, bad, bit)
     slot = t_safe % pg

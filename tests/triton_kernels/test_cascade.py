@@ -353,6 +353,39 @@ def test_cascade_reports_what_it_masks(name, change, bits, config, device):
 
 @pytest.mark.parametrize("config", [None, TILINGS[0][1], dict(TILINGS)["tail_on_cores"]],
                          ids=["default_one_block", "beam_blocks_tail2", "tail_on_cores"])
+@pytest.mark.parametrize("name,bits", [("len_differs", device_errors.BEAM_KV_LEN.value),
+                                       ("on_beam0_write_page", device_errors.SHARED_WRITE_PAGE.value)])
+def test_cascade_reports_beams_that_disagree_with_beam0(name, bits, config, device):
+    """Request 1's last beam (17 of 18: the second beam block of a 16-beam tile) one position behind beam 0, or
+    writing into beam 0's copy of the prompt's partly filled page: served as given, reported (exactly its bit),
+    and the flag changes nothing computed or written."""
+    results = []
+    for flags in (None, device_errors.new_error_flags(device)):
+        sim = make_sim(device, prompts=[20, 7], beams=18, hq=6, hkv=2, d=64, seed=3)
+        for _ in range(3):
+            sim.begin_step()
+            sim.end_step()
+        step = sim.begin_step()
+        W, i = step.beam_width, 2 * step.beam_width - 1
+        kv_lens, table = step.kv_lens.clone(), step.beam_page_table.clone()
+        if name == "len_differs":
+            kv_lens[i] -= 1
+        else:
+            col = int(kv_lens[W] - 1) // sim.page_size
+            assert col == 0 and int(step.prompt_lens[W]) < sim.page_size  # (7 prompt tokens of 16, 3 generated)
+            table[i, col] = table[W, col]
+        out = torch.full_like(step.q, float("nan"))
+        beam_cascade_attention(step.q, step.new_k, step.new_v, sim.kv_cache, prompt_table(sim, step), table, kv_lens,
+                               step.prompt_lens, step.cache_indirection, W, out, kv_layout=sim.kv_layout,
+                               launch_config=config, error_flags=flags)
+        results.append((out, sim.kv_cache))
+    assert not torch.isnan(results[0][0]).any()
+    assert int(flags) == bits, (name, device_errors.decode_error_flags(int(flags)))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("config", [None, TILINGS[0][1], dict(TILINGS)["tail_on_cores"]],
+                         ids=["default_one_block", "beam_blocks_tail2", "tail_on_cores"])
 def test_cascade_dummy_rows_raise_no_error_bit(config, device):
     """A request of TensorRT-LLM's padding rows (kv_len 1, planned with a one-token prompt) next to
     real ones: no bit (``device_errors.kv_len_bad``)."""

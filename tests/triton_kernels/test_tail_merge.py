@@ -593,6 +593,49 @@ def test_dummy_rows_raise_no_error_bit(config, device):
     assert int(flags) == 0, device_errors.decode_error_flags(int(flags))
 
 
+def _beam_len_differs(a):  # request 0's beam 1 one position behind beam 0
+    kv_lens = a["kv_lens"].clone()
+    kv_lens[1] -= 1
+    return dict(kv_lens=kv_lens)
+
+
+def _beam_on_beam0_write_page(a):  # request 0's beam 1 writes into beam 0's copy of the partly filled prompt page
+    table = a["beam_page_table"].clone()
+    col = int(a["kv_lens"][0] - 1) // 16
+    assert col == 0 and int(a["prompt_lens"][0]) < 16  # (the prompt's one page is partly filled: 5 of 16 tokens)
+    table[1, col] = table[0, col]
+    return dict(beam_page_table=table)
+
+
+BEAM_DISAGREEMENTS = [
+    ("len_differs", _beam_len_differs, device_errors.BEAM_KV_LEN.value),
+    ("on_beam0_write_page", _beam_on_beam0_write_page, device_errors.SHARED_WRITE_PAGE.value),
+]
+
+
+@pytest.mark.parametrize("config", [None, TailLaunchConfig(2, 2, 1, 4, index_block=0),
+                                    TailLaunchConfig(2, 2, 1, 1, grouped=True), "torch"],
+                         ids=["default", "chain", "grouped", "torch"])
+@pytest.mark.parametrize("name,change,bits", BEAM_DISAGREEMENTS, ids=[c[0] for c in BEAM_DISAGREEMENTS])
+@pytest.mark.parametrize("write_kv", [True, False], ids=["write_kv", "engine_wrote_kv"])
+def test_beams_that_disagree_with_beam0_are_reported_not_changed(name, change, bits, write_kv, config, device):
+    """A beam whose kv_len differs from beam 0's, or whose write slot is on beam 0's page (here the prompt's
+    partly filled last page), is valid row by row, so the kernels serve it as it is; with the flag they
+    report it (exactly its bit, whether or not they write the step's K/V), and the flag changes nothing
+    they compute or write."""
+    results = []
+    for flags in (None, device_errors.new_error_flags(device)):
+        sim, _, args = _bad_value_case(device, change)
+        if config == "torch":
+            IMPLS["torch"](**args, write_kv=write_kv, error_flags=flags)
+        else:
+            beam_tail_attention_merge(**args, write_kv=write_kv, launch_config=config, error_flags=flags)
+        results.append((args["out"], sim.kv_cache))
+    assert not torch.isnan(results[0][0]).any()
+    assert int(flags) == bits, (name, device_errors.decode_error_flags(int(flags)))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: bigger shapes, bf16/fp16, head 256, page sizes to 128, int64 offsets, CUDA graphs
 
