@@ -212,6 +212,7 @@ class BeamSharedPrefixAttention:
         self._out_buffers: Dict[torch.dtype, DeviceBuffer] = {}
         self._lse_buffer = DeviceBuffer("prefix LSE", torch.float32, self.device, frozen)
         self._row_prompt_lens = DeviceBuffer("per-row prompt lengths", torch.int32, self.device, frozen)
+        self._prompt_last_pages = DeviceBuffer("prompt last pages", torch.int32, self.device, frozen)
         self._tail_skip = DeviceBuffer("tail skip", torch.int32, self.device, frozen)
         self.num_backend_plans = 0
         self._warned_capture_check = False
@@ -440,6 +441,9 @@ class BeamSharedPrefixAttention:
             prefix_lse=self._lse_buffer.view(backend.lse_shape(rows, hq), capacity=cap_rows * hq),
             prompt_lens=self._row_prompt_lens.write(step_plan.prompt_lens_per_row, capacity=cap_rows),
         )
+        if self.error_flags is not None:  # what the flag compares beam 0's page table with (PLAN_PAGE)
+            self._views["prompt_last_pages"] = self._prompt_last_pages.write(step_plan.prompt_last_pages,
+                                                                              capacity=self.max_requests or 0)
         if self._runs_shared_stage(backend, problem_key, long_tail):
             self._views["tail_skip"] = self._tail_skip.view((rows,), capacity=cap_rows)
 
@@ -548,7 +552,7 @@ class BeamSharedPrefixAttention:
                 step_plan.beam_width, prefix_out, lse.tensor, out,
                 sm_scale=sm_scale, kv_layout=self.kv_layout, page_index_divisor=page_index_divisor,
                 prefix_lse_layout=lse.layout, prefix_lse_base=lse.base, write_kv=write_kv, validate_indices=check,
-                error_flags=self.error_flags, **extra,
+                error_flags=self.error_flags, prompt_last_pages=self._views.get("prompt_last_pages"), **extra,
             )
         if check:
             chk.check_output_stage(out, expected, tol)

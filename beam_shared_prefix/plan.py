@@ -91,6 +91,17 @@ class StepPlan:
         return self.num_requests * self.beam_width
 
     @property
+    def prompt_last_pages(self) -> np.ndarray:
+        """``[R]`` int32: the page of each request's last prompt token (``-1`` for an empty prompt), which the
+        device error flag compares with beam 0's page table (``triton_kernels.device_errors.PLAN_PAGE``)."""
+        plen = self.prompt_lens.astype(np.int64)
+        has = plen >= 1
+        if not has.any():
+            return np.full(self.num_requests, -1, dtype=np.int32)
+        col = np.where(has, (plen - 1) // self.page_size, 0)
+        return np.where(has, self.page_table[np.arange(self.num_requests), col], -1).astype(np.int32)
+
+    @property
     def total_prompt_pages(self) -> int:
         """Prompt pages of the whole batch, ``kv_page_indptr[-1]``."""
         return int(self.kv_page_indptr[-1])

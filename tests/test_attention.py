@@ -802,6 +802,36 @@ def test_a_beam_writing_onto_beam0s_prompt_page_raises_the_flag(tail_impl, engin
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, *new_kv)
 
 
+@pytest.mark.parametrize("backend,tail_impl", [("reference", "torch"),
+                                               pytest.param("reference", "triton", marks=pytest.mark.interpreter),
+                                               pytest.param("triton", "triton", marks=pytest.mark.interpreter)])
+def test_a_table_unlike_the_plan_raises_the_flag(backend, tail_impl):
+    """Beam 0 of request 1 given another page where its prompt ends (inside the pool, as a table of another
+    batch or pool would be): the prefix reads the plan's pages, the tail the table's. Without check mode
+    the flag names it, on the two-launch path (the tail kernel gets the plan's last prompt pages) and on
+    the cascade (which compares with its prompt table); check mode refuses the step."""
+    sim = make_sim(d=64)  # (a head size the cascade tiles)
+    for _ in range(2):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl=tail_impl, check=False, report_errors=True)
+    plan_step(att, sim, step)
+    assert att.backend_name == backend
+    att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k,
+            step.new_v)
+    assert att.device_errors() == []  # the plan's own table
+    W, last = step.beam_width, (int(step.prompt_lens[step.beam_width]) - 1) // sim.page_size
+    table = step.beam_page_table.clone()
+    table[W, last] = table[0, 0]  # request 0's first page
+    att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    (message,) = att.device_errors()
+    assert "is not the page the prefix read there" in message, message
+    att.check = True
+    with pytest.raises(BeamSharedPrefixCheckError, match=r"but the plan's prompt page .* of request 1"):
+        att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+
+
 @pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_engine_written_kv_without_a_page_raises_the_flag(tail_impl):
     """``new_k=None`` (the engine wrote this step's K/V): a row whose write slot has no page entry

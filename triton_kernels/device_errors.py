@@ -17,8 +17,9 @@ import triton.language as tl
 from .step_args import KernelInputError
 
 __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "WRITE_PAGE", "BEAM_KV_LEN",
-           "SHARED_WRITE_PAGE", "ERROR_BITS", "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits", "kv_len_bad",
-           "kv_len_bad_torch", "page_error_bits", "beam_agreement_bits", "beam_agreement_bad_torch", "or_reduce",
+           "SHARED_WRITE_PAGE", "PLAN_PAGE", "ERROR_BITS", "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits",
+           "kv_len_bad", "kv_len_bad_torch", "page_error_bits", "beam_agreement_bits", "beam_agreement_bad_torch",
+           "plan_agreement_bits", "plan_agreement_bad_torch", "or_reduce",
            "flush_errors", "flag_where", "decode_error_flags", "new_error_flags", "check_error_flags"]
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
@@ -39,6 +40,9 @@ BEAM_KV_LEN = tl.constexpr(64)
 #: A beam's write slot on beam 0's page of the same page-table column (the prompt's partly filled last
 #: page, or a generated page shared between beams): the two rows write one slot. Reported only.
 SHARED_WRITE_PAGE = tl.constexpr(128)
+#: Beam 0's page-table entry at its prompt's last token unlike the page the prefix read there (the plan's):
+#: the prefix attended one set of pages, the tail and the write another. Reported only.
+PLAN_PAGE = tl.constexpr(256)
 
 #: ``{bit: message}``; each message names the value, what the kernel did and the likely cause.
 ERROR_BITS = {
@@ -61,6 +65,10 @@ ERROR_BITS = {
                              "column: both rows wrote one slot, so K/V that other beams read there is overwritten "
                              "(each beam needs its own copy of the prompt's partly filled last page and its own "
                              "generated pages; a table that shares them among beams is wrong)",
+    PLAN_PAGE.value: "beam 0's page-table entry at its prompt's last token (entry // page_index_divisor) is not the "
+                     "page the prefix read there: the prefix attended the plan's prompt pages and the tail the "
+                     "table's (a plan of another batch: plan() when the batch changes; or a page_index_divisor "
+                     "wrong for this table, or a table of another pool)",
 }
 
 
@@ -140,6 +148,40 @@ def beam_agreement_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, b
     shared = (w_ok & (own >= 0) & (own_page < num_pages) & (first_entry >= 0)
               & (first_entry // page_index_divisor == own_page))
     return other_beam & (cur != first_cur), shared
+
+
+@triton.jit
+def plan_agreement_bits(page_table_ptr, row64, row_ok, prompt_len, plan_page, stride_pt_row, stride_pt_col, page_size,
+                        page_index_divisor, table_tokens):
+    """``PLAN_PAGE`` of beam-0 rows ``row64`` (int64 vector, lanes ``row_ok``) whose prompt of ``prompt_len``
+    tokens ends on page ``plan_page`` in the plan (the prompt pages the prefix reads): int32 bits.
+
+    The plan's pages come from the host at ``plan()``, the beam page table from the device at every step;
+    comparing the page of the prompt's last token catches a plan of another batch, a wrong
+    ``page_index_divisor`` and another pool's table, which keep every index inside the pool. Prompts
+    longer than the table (``table_tokens``) are the length checks' (not judged here). Call it after the
+    program's last store, under ``REPORT_ERRORS``."""
+    plen = row64 * 0 + prompt_len  # (a vector: the interpreter cannot `&` a scalar into a mask)
+    judged = row_ok & (plen >= 1) & (plen <= table_tokens)
+    col = (plen - 1) // page_size
+    entry = tl.load(page_table_ptr + row64 * stride_pt_row + col * stride_pt_col, mask=judged, other=-1)
+    # (entry < 0 judged by itself: a negative entry divided can round to page 0)
+    return error_bits(judged & ((entry < 0) | (entry // page_index_divisor != plan_page)), PLAN_PAGE)
+
+
+def plan_agreement_bad_torch(beam_page_table: torch.Tensor, prompt_lens: torch.Tensor,
+                             prompt_last_pages: torch.Tensor, beam_width: int, page_size: int,
+                             page_index_divisor: int, table_tokens: int) -> torch.Tensor:
+    """:func:`plan_agreement_bits` on torch tensors: bool ``[rows]`` (``rows = prompt_lens.numel()``, ``prompt_lens``
+    per row, ``prompt_last_pages`` per request), device ops (no sync)."""
+    rows = prompt_lens.shape[0]
+    row = torch.arange(rows, device=prompt_lens.device)
+    plen = prompt_lens.long()
+    judged = (row % beam_width == 0) & (plen >= 1) & (plen <= table_tokens)
+    col = torch.where(judged, (plen - 1) // page_size, torch.zeros_like(plen))
+    entry = beam_page_table[row, col].long()
+    plan_page = prompt_last_pages[row // beam_width].long()
+    return judged & ((entry < 0) | (entry // page_index_divisor != plan_page))
 
 
 @triton.jit

@@ -54,6 +54,7 @@ __all__ = [
     "check_tail_merge_args",
     "check_tail_index_values",
     "check_tail_skip",
+    "check_prompt_last_pages",
     "memoize_metadata_check",
 ]
 
@@ -159,3 +160,17 @@ def check_tail_skip(tail_skip, num_rows: int, device) -> None:
                if isinstance(tail_skip, torch.Tensor) else type(tail_skip).__name__)
         fail(f"tail_skip must be a contiguous int32 [rows={num_rows}] tensor on {device}, got {got}; allocate "
              f"torch.empty(rows, dtype=torch.int32, device=q.device) and fill it with beam_shared_run_attention.")
+
+
+def check_prompt_last_pages(prompt_last_pages, num_requests: int, device) -> None:
+    """``prompt_last_pages`` (the plan's page of each request's last prompt token, which the error flag compares
+    beam 0's page table with) is a contiguous int32 ``[R]`` tensor on ``device``; raises :class:`KernelInputError`
+    naming what it got."""
+    if (not isinstance(prompt_last_pages, torch.Tensor) or prompt_last_pages.dtype != torch.int32
+            or prompt_last_pages.dim() != 1 or prompt_last_pages.shape[0] != num_requests
+            or (num_requests and prompt_last_pages.stride(0) != 1) or prompt_last_pages.device != torch.device(device)):
+        got = (f"{prompt_last_pages.dtype} {tuple(prompt_last_pages.shape)} strides {tuple(prompt_last_pages.stride())} "
+               f"on {prompt_last_pages.device}" if isinstance(prompt_last_pages, torch.Tensor)
+               else type(prompt_last_pages).__name__)
+        fail(f"prompt_last_pages must be a contiguous int32 [R={num_requests}] tensor on {device}, got {got}; pass "
+             f"torch.from_numpy(step_plan.prompt_last_pages) on q's device, or None.")

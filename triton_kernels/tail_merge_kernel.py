@@ -55,7 +55,7 @@ import triton.language as tl
 
 from .beam_index import source_beam_pages
 from .device_errors import (KV_LEN, WRITE_PAGE, beam_agreement_bits, error_bits, flush_errors, kv_len_bad, or_reduce,
-                            page_error_bits)
+                            page_error_bits, plan_agreement_bits)
 
 __all__ = ["beam_tail_merge_kernel"]
 
@@ -190,6 +190,8 @@ def beam_tail_merge_kernel(
     REPORT_ERRORS: tl.constexpr = False,
     tail_skip_ptr=None,
     SKIP_SHARED: tl.constexpr = False,
+    prompt_last_page_ptr=None,
+    CHECK_PLAN: tl.constexpr = False,
 ):
     """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments and strides (in elements) as the launcher
     :func:`triton_kernels.beam_tail_attention_merge` passes them; the module docstring gives the steps."""
@@ -377,6 +379,10 @@ def beam_tail_merge_kernel(
         err |= beam_agreement_bits(kv_lens_ptr, page_table_ptr, row64 + slot * 0, slot + head_block == 0,
                                    first_src_row, prompt_len, stride_pt_row, stride_pt_col, page_size,
                                    page_index_divisor, num_pages, max_seq_len)
+        if CHECK_PLAN:  # beam 0's table against the plan's pages: once a request
+            err |= plan_agreement_bits(page_table_ptr, row64 + slot * 0, slot + head_block + beam == 0, prompt_len,
+                                       tl.load(prompt_last_page_ptr + req), stride_pt_row, stride_pt_col, page_size,
+                                       page_index_divisor, max_seq_len)
         flush_errors(err_ptr, err)
         if INDEX_BLOCK > 0:
             flush_errors(err_ptr, lane_err)

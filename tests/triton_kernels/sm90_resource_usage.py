@@ -247,10 +247,16 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
         prompt_lens_ptr="i32", cache_indirection_ptr="i32", prefix_out_ptr=prefix_dtype, prefix_lse_ptr="fp32",
         out_ptr=dtype, err_ptr="i32", tail_skip_ptr="i32",
     )
+    # With the flag, the plan's pages too (CHECK_PLAN), as the wrapper launches it; without, no such argument.
     constexprs = dict(
         GROUP=g, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog, HEAD_DIM=d, WRITE_KV=True,
         page_size=PAGE_SIZE, page_index_divisor=1, REPORT_ERRORS=report_errors, SKIP_SHARED=skip_shared,
+        CHECK_PLAN=report_errors,
     )
+    if report_errors:
+        pointers["prompt_last_page_ptr"] = "i32"
+    else:
+        constexprs["prompt_last_page_ptr"] = None
     kernel = beam_tail_merge_grouped_kernel
     if not cfg.grouped:
         kernel = beam_tail_merge_kernel

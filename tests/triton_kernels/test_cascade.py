@@ -307,8 +307,9 @@ def test_cascade_never_reads_an_unwritten_slot(config, device):
 
 CASCADE_BAD_VALUES = [
     # (name, change to the call's arguments, error bits it must raise)
+    # (and beam 0's table is no longer the prompt table's: PLAN_PAGE)
     ("prompt_page_outside_pool", lambda a: dict(prompt_page_table=a["prompt_page_table"] + 10_000),
-     device_errors.PROMPT_PAGE.value),
+     device_errors.PROMPT_PAGE.value | device_errors.PLAN_PAGE.value),
     # (the prompt then also runs past every kv_len)
     ("prompt_past_its_table", lambda a: dict(prompt_lens=a["prompt_lens"] + 200),
      device_errors.PROMPT_LEN.value | device_errors.KV_LEN.value),
@@ -354,11 +355,13 @@ def test_cascade_reports_what_it_masks(name, change, bits, config, device):
 @pytest.mark.parametrize("config", [None, TILINGS[0][1], dict(TILINGS)["tail_on_cores"]],
                          ids=["default_one_block", "beam_blocks_tail2", "tail_on_cores"])
 @pytest.mark.parametrize("name,bits", [("len_differs", device_errors.BEAM_KV_LEN.value),
-                                       ("on_beam0_write_page", device_errors.SHARED_WRITE_PAGE.value)])
-def test_cascade_reports_beams_that_disagree_with_beam0(name, bits, config, device):
+                                       ("on_beam0_write_page", device_errors.SHARED_WRITE_PAGE.value),
+                                       ("prompt_table_of_another_batch", device_errors.PLAN_PAGE.value)])
+def test_cascade_reports_rows_that_disagree(name, bits, config, device):
     """Request 1's last beam (17 of 18: the second beam block of a 16-beam tile) one position behind beam 0, or
-    writing into beam 0's copy of the prompt's partly filled page: served as given, reported (exactly its bit),
-    and the flag changes nothing computed or written."""
+    writing into beam 0's copy of the prompt's partly filled page; or a prompt table whose last page of request
+    0 is not beam 0's: served as given, reported (exactly its bit), and the flag changes nothing computed or
+    written."""
     results = []
     for flags in (None, device_errors.new_error_flags(device)):
         sim = make_sim(device, prompts=[20, 7], beams=18, hq=6, hkv=2, d=64, seed=3)
@@ -367,15 +370,18 @@ def test_cascade_reports_beams_that_disagree_with_beam0(name, bits, config, devi
             sim.end_step()
         step = sim.begin_step()
         W, i = step.beam_width, 2 * step.beam_width - 1
-        kv_lens, table = step.kv_lens.clone(), step.beam_page_table.clone()
+        kv_lens, table, prompts = step.kv_lens.clone(), step.beam_page_table.clone(), prompt_table(sim, step)
         if name == "len_differs":
             kv_lens[i] -= 1
+        elif name == "prompt_table_of_another_batch":
+            last = (int(step.prompt_lens[0]) - 1) // sim.page_size
+            prompts[0, last] = prompts[1, 0]  # another request's page, inside the pool
         else:
             col = int(kv_lens[W] - 1) // sim.page_size
             assert col == 0 and int(step.prompt_lens[W]) < sim.page_size  # (7 prompt tokens of 16, 3 generated)
             table[i, col] = table[W, col]
         out = torch.full_like(step.q, float("nan"))
-        beam_cascade_attention(step.q, step.new_k, step.new_v, sim.kv_cache, prompt_table(sim, step), table, kv_lens,
+        beam_cascade_attention(step.q, step.new_k, step.new_v, sim.kv_cache, prompts, table, kv_lens,
                                step.prompt_lens, step.cache_indirection, W, out, kv_layout=sim.kv_layout,
                                launch_config=config, error_flags=flags)
         results.append((out, sim.kv_cache))

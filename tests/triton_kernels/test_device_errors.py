@@ -20,6 +20,8 @@ from triton_kernels.device_errors import (
     beam_agreement_bits,
     kv_len_bad,
     kv_len_bad_torch,
+    plan_agreement_bad_torch,
+    plan_agreement_bits,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (CPU: conftest set TRITON_INTERPRET=1)
@@ -129,10 +131,46 @@ def test_beam_agreement_rule_is_the_same_in_the_kernels_and_their_torch_twins(se
     assert torch.equal(twin.int(), want)
 
 
+@triton.jit
+def _plan_agreement_kernel(table_ptr, prompt_lens_ptr, plan_pages_ptr, out_ptr, beam_width, stride_table_row,
+                           page_size, page_index_divisor, table_tokens, BLOCK_W: tl.constexpr):
+    req = tl.program_id(0)
+    slot = tl.arange(0, BLOCK_W)
+    ok = slot < beam_width
+    row64 = req.to(tl.int64) * beam_width + slot
+    prompt_len = tl.load(prompt_lens_ptr + row64, mask=ok, other=0)
+    bits = plan_agreement_bits(table_ptr, row64, ok & (slot == 0), prompt_len, tl.load(plan_pages_ptr + req),
+                               stride_table_row, 1, page_size, page_index_divisor, table_tokens)
+    tl.store(out_ptr + row64, bits, mask=ok)
+
+
+def test_plan_agreement_rule_is_the_same_in_the_kernels_and_their_torch_twins():
+    """Beam 0's entry at the prompt's last token against the plan's page there (divisor 2): equal in either
+    encoding passes; another page, a negative entry (-1 // 2 must not pass as page 0), fails; an empty prompt,
+    a prompt past the table and the other beams are not judged."""
+    W, pg, cols, div = 2, 4, 3, 2
+    prompt = torch.tensor([5, 5, 5, 5, 5, 5, 0, 0, 13, 13, 4, 4], dtype=torch.int32)
+    R = prompt.numel() // W
+    table = (torch.arange(R * W * cols, dtype=torch.int32).view(R * W, cols) + 100) * div
+    plan = (table[::W, 1] // div).clone()  # the page of token 4 (column 1) for prompts of 5
+    table[2, 1] += 1  # request 1: the same page in the divisor's other code
+    table[4, 1] = (plan[2] + 7) * div  # request 2: another page
+    table[10, 0] = -1  # request 5 (prompt 4: column 0): no page
+    plan[5] = 0
+    want = torch.zeros(R * W, dtype=torch.int32)
+    want[4] = want[10] = device_errors.PLAN_PAGE.value  # (request 3: empty prompt; request 4: past the table)
+    out = torch.full((R * W,), -1, dtype=torch.int32, device=DEVICE)
+    _plan_agreement_kernel[(R,)](table.to(DEVICE), prompt.to(DEVICE), plan.to(DEVICE), out, W, table.stride(0), pg,
+                                 div, cols * pg, BLOCK_W=W)
+    assert torch.equal(out.cpu(), want), (out, want)
+    twin = plan_agreement_bad_torch(table, prompt, plan, W, pg, div, cols * pg)
+    assert torch.equal(twin.int() * device_errors.PLAN_PAGE.value, want)
+
+
 def test_error_bits_name_every_bit_once():
     bits = [device_errors.PROMPT_PAGE, device_errors.PROMPT_LEN, device_errors.KV_LEN, device_errors.SOURCE_BEAM,
             device_errors.TAIL_PAGE, device_errors.WRITE_PAGE, device_errors.BEAM_KV_LEN,
-            device_errors.SHARED_WRITE_PAGE]
+            device_errors.SHARED_WRITE_PAGE, device_errors.PLAN_PAGE]
     values = [b.value for b in bits]
     assert sorted(device_errors.ERROR_BITS) == sorted(values) == [1 << i for i in range(len(bits))]
     messages = device_errors.decode_error_flags(sum(values))

@@ -24,6 +24,7 @@ import re
 import pytest
 import torch
 
+from beam_shared_prefix.plan import build_step_plan
 from beam_shared_prefix.reference import (
     reference_beam_attention,
     reference_prefix_attention,
@@ -73,6 +74,14 @@ def prefix_state(sim, step, lse_layout="NH", lse_base="log2", prefix_dtype=torch
     return o.to(prefix_dtype), lse
 
 
+def prompt_last_pages(step):
+    """The plan's page of each request's last prompt token (what the error flag compares beam 0's table with,
+    ``PLAN_PAGE``), int32 ``[R]`` on the step's device."""
+    plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
+                           step.beam_width, step.page_size, step.num_pages)
+    return torch.from_numpy(plan.prompt_last_pages.copy()).to(step.q.device)
+
+
 def expected_pool_after_write(sim, step, before):
     expected = before.clone()
     for i in range(step.num_rows):
@@ -116,7 +125,7 @@ def run_step(impl, sim, step, *, lse_layout="NH", lse_base="log2", divisor=1, em
         q, new_k, new_v, kv_cache, table, step.kv_lens, step.prompt_lens, step.cache_indirection,
         step.beam_width, prefix_out, prefix_lse, out, kv_layout=sim.kv_layout, page_index_divisor=divisor,
         prefix_lse_layout=lse_layout, prefix_lse_base=lse_base, write_kv=write_kv,
-        validate_indices=(impl == "torch"), error_flags=flags,
+        validate_indices=(impl == "torch"), error_flags=flags, prompt_last_pages=prompt_last_pages(step),
         **({"launch_config": launch_config} if launch_config is not None else {}),
     )
     assert result is out
@@ -517,7 +526,8 @@ BAD_VALUE_BITS = {
     "kv_len_not_past_prompt": device_errors.KV_LEN.value,
     # (the tail then runs to max_seq_len, through page-table columns no page was allocated for: -1)
     "kv_len_past_capacity": device_errors.KV_LEN.value | device_errors.TAIL_PAGE.value,
-    "page_outside_pool": device_errors.TAIL_PAGE.value | device_errors.WRITE_PAGE.value,
+    # (beam 0's prompt page too: the table is no longer the plan's)
+    "page_outside_pool": device_errors.TAIL_PAGE.value | device_errors.WRITE_PAGE.value | device_errors.PLAN_PAGE.value,
     "indirection_not_a_beam": device_errors.SOURCE_BEAM.value,
 }
 
@@ -535,6 +545,7 @@ def _bad_value_case(device, change):
         q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table,
         kv_lens=step.kv_lens, prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection,
         beam_width=step.beam_width, prefix_out=po, prefix_lse=pl, out=torch.full_like(step.q, float("nan")),
+        prompt_last_pages=prompt_last_pages(step),
     )
     args.update(change(args))
     return sim, step, args
@@ -607,22 +618,28 @@ def _beam_on_beam0_write_page(a):  # request 0's beam 1 writes into beam 0's cop
     return dict(beam_page_table=table)
 
 
-BEAM_DISAGREEMENTS = [
+def _plan_of_another_batch(a):  # the prefix state of a plan whose requests came in the other order
+    assert a["prompt_last_pages"].numel() == 2 and int(a["prompt_last_pages"][0]) != int(a["prompt_last_pages"][1])
+    return dict(prompt_last_pages=a["prompt_last_pages"].flip(0).contiguous())
+
+
+REPORTED_ONLY = [
     ("len_differs", _beam_len_differs, device_errors.BEAM_KV_LEN.value),
     ("on_beam0_write_page", _beam_on_beam0_write_page, device_errors.SHARED_WRITE_PAGE.value),
+    ("plan_of_another_batch", _plan_of_another_batch, device_errors.PLAN_PAGE.value),
 ]
 
 
 @pytest.mark.parametrize("config", [None, TailLaunchConfig(2, 2, 1, 4, index_block=0),
                                     TailLaunchConfig(2, 2, 1, 1, grouped=True), "torch"],
                          ids=["default", "chain", "grouped", "torch"])
-@pytest.mark.parametrize("name,change,bits", BEAM_DISAGREEMENTS, ids=[c[0] for c in BEAM_DISAGREEMENTS])
+@pytest.mark.parametrize("name,change,bits", REPORTED_ONLY, ids=[c[0] for c in REPORTED_ONLY])
 @pytest.mark.parametrize("write_kv", [True, False], ids=["write_kv", "engine_wrote_kv"])
-def test_beams_that_disagree_with_beam0_are_reported_not_changed(name, change, bits, write_kv, config, device):
-    """A beam whose kv_len differs from beam 0's, or whose write slot is on beam 0's page (here the prompt's
-    partly filled last page), is valid row by row, so the kernels serve it as it is; with the flag they
-    report it (exactly its bit, whether or not they write the step's K/V), and the flag changes nothing
-    they compute or write."""
+def test_rows_that_disagree_are_reported_not_changed(name, change, bits, write_kv, config, device):
+    """A beam whose kv_len differs from beam 0's, a beam whose write slot is on beam 0's page (here the prompt's
+    partly filled last page), or a beam page table unlike the plan the prefix came from: each index is valid
+    alone, so the kernels serve the step as given; with the flag they report it (exactly its bit, whether or
+    not they write the step's K/V), and the flag changes nothing they compute or write."""
     results = []
     for flags in (None, device_errors.new_error_flags(device)):
         sim, _, args = _bad_value_case(device, change)
