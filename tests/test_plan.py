@@ -140,6 +140,9 @@ def test_plan_matches_per_request_loop(b):
     expected = loop_plan(b["indptr"], b["indices"], b["lens"], b["beam_width"], b["page_size"])
     check_plan(plan, expected, len(b["lens"]), b["beam_width"], b["page_size"], b["num_cache_pages"])
     assert plan.key == "k"
+    # The page of each prompt's last token, read straight from the caller's lists.
+    last = [int(b["indices"][b["indptr"][r] + (n - 1) // b["page_size"]]) for r, n in enumerate(b["lens"])]
+    assert plan.prompt_last_pages.dtype == np.int32 and plan.prompt_last_pages.tolist() == last
 
 
 @settings(max_examples=100, deadline=None)
@@ -225,6 +228,7 @@ def test_extra_listed_pages_are_not_used_or_checked():
     np.testing.assert_array_equal(plan.kv_page_indptr, [0, 2, 3])
     np.testing.assert_array_equal(plan.page_table, [[7, 3], [5, 5]])
     np.testing.assert_array_equal(plan.kv_last_page_len, [4, 3])
+    np.testing.assert_array_equal(plan.prompt_last_pages, [3, 5])
 
 
 def test_plan_from_simulator_inputs():

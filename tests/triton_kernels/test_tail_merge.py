@@ -476,6 +476,11 @@ BAD_INPUTS = [
     ("out_rows_overlap", lambda a: dict(out=a["out"][:1].expand_as(a["out"])), "overlap in memory (a stride of 0"),
     ("pool_k_is_v", lambda a: dict(kv_cache=a["kv_cache"][:, :1].expand_as(a["kv_cache"])),
      "overlap in memory (a stride of 0"),
+    # The plan's last prompt pages: one per request (2), int32.
+    ("prompt_last_pages_per_row", lambda a: dict(prompt_last_pages=a["prompt_lens"]),
+     "prompt_last_pages must be a contiguous int32 [R=2] tensor"),
+    ("prompt_last_pages_dtype", lambda a: dict(prompt_last_pages=torch.zeros(2, dtype=torch.int64, device=a["q"].device)),
+     "prompt_last_pages must be a contiguous int32 [R=2] tensor"),
 ]
 
 
