@@ -152,24 +152,28 @@ class LibraryArm(Arm):
         shared_run: the shared-run stage between the prefix and the tail (the wrapper's ``shared_run``:
             ``"auto"``, ``"on"``/``True``, ``"off"``/``False``); ``None``: ``"auto"`` for ``backend="auto"``
             (what serving runs), ``"off"`` for a named backend (its plain two launches).
+        report_errors: the wrapper's device error flag on for this arm (``--report-errors`` turns it on for every
+            library arm): ``auto-flag`` times the flag's cost against ``auto`` in the same run.
     """
 
     kind = "library"
     writes_kv = True
 
     def __init__(self, backend: str, prefix_kernel: Optional[str] = None, tail_impl: str = "triton",
-                 shared_run=None):
+                 shared_run=None, report_errors: bool = False):
         from beam_shared_prefix.config import shared_run_mode
 
         self.backend = backend
         self.prefix_kernel = prefix_kernel
         self.tail_impl = tail_impl
+        self.report_errors = bool(report_errors)
         self.shared_run = shared_run_mode(("auto" if backend == "auto" else "off") if shared_run is None
                                           else shared_run)
         suffix = f"-{prefix_kernel}" if prefix_kernel else ""
         tail = "" if tail_impl == "triton" else f"+{tail_impl}-tail"
         stage = "+shared-run" if self.shared_run == "on" else ""
-        self.name = f"library/{backend}{suffix}{stage}{tail}"
+        flag = "+flag" if self.report_errors else ""
+        self.name = f"library/{backend}{suffix}{stage}{tail}{flag}"
         self.description = "BeamSharedPrefixAttention: prefix once per request + fused tail/merge" + (
             " (shared runs once per beam block)" if self.shared_run == "on" else "")
 
@@ -185,7 +189,10 @@ class LibraryArm(Arm):
             max_prompt_pages=int(-(-wl.prompt_lens_host.max() // wl.shape.page_size)),
         )
         if _accepts(cls, "report_errors"):
-            kwargs["report_errors"] = ctx.report_errors  # explicit: the environment does not change a timing
+            # explicit: the environment does not change a timing
+            kwargs["report_errors"] = ctx.report_errors or self.report_errors
+        elif self.report_errors:
+            raise ArmSkipped("the wrapper takes no report_errors argument")
         if _accepts(cls, "shared_run"):
             kwargs["shared_run"] = self.shared_run  # explicit, as report_errors
         elif self.shared_run == "on":
@@ -602,7 +609,8 @@ def default_cpu_arms() -> List[Arm]:
 
 
 def parse_arm_list(text: str, prefix_kernels=("auto",), cpu: bool = False) -> List[Arm]:
-    """Arms from a comma list of names: ``auto`` (the library's default choice), ``library`` (FlashInfer,
+    """Arms from a comma list of names: ``auto`` (the library's default choice), ``auto-flag`` (the same with the
+    device error flag on), ``library`` (FlashInfer,
     each prefix kernel), ``fa4``, ``triton`` (the one-launch cascade), ``prefix`` (FlashInfer, FA4
     and Triton prefix stages), ``tail`` (the Triton kernel), ``tail-torch`` (the
     unfused torch path, eager), ``decode`` (both variants),
@@ -618,8 +626,8 @@ def parse_arm_list(text: str, prefix_kernels=("auto",), cpu: bool = False) -> Li
     if repeated:
         raise ValueError(f"--arms names {repeated} more than once; name each arm once.")
     for name in names:
-        if name == "auto":
-            arms.append(LibraryArm("auto", tail_impl="torch") if cpu else LibraryArm("auto"))
+        if name in ("auto", "auto-flag"):
+            arms.append(LibraryArm("auto", tail_impl="torch" if cpu else "triton", report_errors=name == "auto-flag"))
         elif name == "library":
             arms += [LibraryArm("flashinfer", prefix_kernel=k) for k in prefix_kernels]
         elif name in ("fa4", "triton"):
@@ -645,7 +653,7 @@ def parse_arm_list(text: str, prefix_kernels=("auto",), cpu: bool = False) -> Li
             arms += default_cpu_arms()
         else:
             raise ValueError(
-                f"--arms: unknown arm {name!r}; use a comma list of auto, library, fa4, triton, fa4-shared, "
+                f"--arms: unknown arm {name!r}; use a comma list of auto, auto-flag, library, fa4, triton, fa4-shared, "
                 f"flashinfer-shared, prefix, tail, tail-torch, decode, decode-tc, decode-cc, cascade, reference."
             )
     return arms

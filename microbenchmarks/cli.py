@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     a = p.add_argument_group("arms")
     a.add_argument("--arms", default=None,
-                   help="comma list: auto, library, fa4, triton, fa4-shared, flashinfer-shared, prefix, tail, "
+                   help="comma list: auto, auto-flag, library, fa4, triton, fa4-shared, flashinfer-shared, prefix, tail, "
                         "tail-torch, decode, decode-tc, decode-cc, cascade, reference (default: all on a GPU, "
                         "reference on CPU)")
     a.add_argument("--prefix-kernels", default="auto",

@@ -42,6 +42,7 @@ __all__ = [
     "load_json",
     "print_point",
     "print_summary",
+    "flag_cost_line",
     "plot_speedups",
     "decline_table",
     "audit_summary",
@@ -249,6 +250,9 @@ def print_point(point: Dict, console=None) -> None:
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
         for r in [header] + rows:
             print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
+    line = flag_cost_line(point)
+    if line:
+        (console.print(line) if console is not None else print(line))
     plan = point.get("plan") or {}
     for name, p in plan.items():
         line = (f"plan ({name}): first {_fmt(p.get('first_plan_us'), '.0f')} us, cached re-plan "
@@ -256,6 +260,22 @@ def print_point(point: Dict, console=None) -> None:
                 f"(composition key); StepPlan build {_fmt(p.get('build_step_plan_us'), '.0f')} us  [host]; "
                 f"backend re-plans in cached calls: {p.get('backend_plans_in_cached_replans', '-')}")
         (console.print(line) if console is not None else print(line))
+
+
+def flag_cost_line(point: Dict) -> Optional[str]:
+    """The device error flag's cost at a point where an arm ran with and without it (``auto-flag`` next to
+    ``auto``): ``None`` elsewhere."""
+    arms = {a["name"]: a for a in point["arms"] if a["status"] == "ok"}
+    pairs = [(arms[name[:-len("+flag")]], a) for name, a in arms.items()
+             if name.endswith("+flag") and name[:-len("+flag")] in arms]
+    if not pairs:
+        return None
+    off, on = pairs[0]
+    line = (f"device error flag ({off['name']}): {_us(on['time_us'])} with, {_us(off['time_us'])} without "
+            f"({on['time_us'] / off['time_us']:.3f}x)")
+    if off.get("kernel_us") and on.get("kernel_us"):
+        line += f"; kernels {on['kernel_us'] / off['kernel_us']:.3f}x"
+    return line
 
 
 def print_summary(doc: Dict, console=None) -> None:
@@ -363,7 +383,9 @@ def decline_table(doc: Dict, margin: float = 1.0) -> List[Dict]:
     """
     rows = []
     for p in doc["results"]:
-        libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok" and a.get("speedup_vs_decode")]
+        # (auto with the error flag is auto, timed for the flag's cost: not another library arm)
+        libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok" and a.get("speedup_vs_decode")
+                and not a["name"].endswith("+flag")]
         best = max(libs, key=lambda a: a["speedup_vs_decode"]) if libs else None
         auto = next((a for a in libs if a["name"] == "library/auto"), None)
         others = [a for a in libs if a["name"] != "library/auto"]

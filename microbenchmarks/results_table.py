@@ -118,7 +118,7 @@ def decline_markdown(doc: Dict) -> str:
     for p in doc["results"]:
         s = p["shape"]
         mean_prompt = (p.get("prompt_lens") or {}).get("mean", s["prompt"])
-        libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok"]
+        libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok" and not a["name"].endswith("+flag")]
         # What the library serves: its auto arm where the grid has one, else its fastest arm.
         auto = [a for a in libs if a["name"] == "library/auto"]
         lib = auto[0] if auto else (min(libs, key=lambda a: a["time_us"]) if libs else None)

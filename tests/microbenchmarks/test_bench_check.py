@@ -118,6 +118,34 @@ def test_report_errors_times_the_library_with_its_flag_and_checks_it(monkeypatch
     assert made and all(w.error_flags is not None for w in made)
 
 
+def test_the_flag_arm_times_auto_with_its_flag_next_to_auto(monkeypatch, capsys):
+    """``auto-flag``: only that arm's wrapper gets the device error flag (``--report-errors`` off), valid input
+    raises none, and the point prints the flag's cost as a ratio of the two arms measured in the same run."""
+    from beam_shared_prefix import attention
+    from microbenchmarks.arms import parse_arm_list
+    from microbenchmarks.report import flag_cost_line, print_point
+
+    made = []
+    real_init = attention.BeamSharedPrefixAttention.__init__
+
+    def spy(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(attention.BeamSharedPrefixAttention, "__init__", spy)
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS", "1")  # (ignored: each arm says what it runs)
+    point = run_point(SHAPE, parse_arm_list("auto,auto-flag", cpu=True),
+                      RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0), Rates(), "cpu")
+    assert [(a["name"], a["status"]) for a in point["arms"]] == [("library/auto+torch-tail", "ok"),
+                                                                 ("library/auto+torch-tail+flag", "ok")]
+    assert sorted(w.error_flags is not None for w in made) == [False, True]
+    line = flag_cost_line(point)
+    times = [a["time_us"] for a in point["arms"]]
+    assert line is not None and f"({times[1] / times[0]:.3f}x)" in line
+    print_point(point, console=None)
+    assert line in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("declare", [False, True])
 def test_declare_tail_bounds_the_library_wrappers(monkeypatch, declare):
     """``--declare-tail``: the library arms' wrappers are built with ``max_tail_len`` set to the shape's longest tail
