@@ -97,9 +97,9 @@ def test_a_crashed_library_arm_gives_exit_status_1(tmp_path, capsys):
     assert "LIBRARY ARM FAILED" in capsys.readouterr().out
 
 
-def test_report_errors_times_the_library_with_its_flag_and_checks_it(monkeypatch):
-    """``--report-errors``: the library arms' wrappers get the device error flag (whatever the
-    environment says), valid input raises none, and the check reads it."""
+@pytest.fixture
+def wrappers_made(monkeypatch):
+    """Every :class:`BeamSharedPrefixAttention` the test builds, in order (a spy on its constructor)."""
     from beam_shared_prefix import attention
 
     made = []
@@ -110,35 +110,32 @@ def test_report_errors_times_the_library_with_its_flag_and_checks_it(monkeypatch
         made.append(self)
 
     monkeypatch.setattr(attention.BeamSharedPrefixAttention, "__init__", spy)
+    return made
+
+
+def test_report_errors_times_the_library_with_its_flag_and_checks_it(monkeypatch, wrappers_made):
+    """``--report-errors``: the library arms' wrappers get the device error flag (whatever the
+    environment says), valid input raises none, and the check reads it."""
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS", "0")
     point = run_point(SHAPE, [LibraryArm("reference", tail_impl="torch")],
                       RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0, report_errors=True), Rates(), "cpu")
     (arm,) = point["arms"]
     assert arm["status"] == "ok", arm.get("reason")
-    assert made and all(w.error_flags is not None for w in made)
+    assert wrappers_made and all(w.error_flags is not None for w in wrappers_made)
 
 
-def test_the_flag_arm_times_auto_with_its_flag_next_to_auto(monkeypatch, capsys):
+def test_the_flag_arm_times_auto_with_its_flag_next_to_auto(monkeypatch, capsys, wrappers_made):
     """``auto-flag``: only that arm's wrapper gets the device error flag (``--report-errors`` off), valid input
     raises none, and the point prints the flag's cost as a ratio of the two arms measured in the same run."""
-    from beam_shared_prefix import attention
     from microbenchmarks.arms import parse_arm_list
     from microbenchmarks.report import flag_cost_line, print_point
 
-    made = []
-    real_init = attention.BeamSharedPrefixAttention.__init__
-
-    def spy(self, *a, **kw):
-        real_init(self, *a, **kw)
-        made.append(self)
-
-    monkeypatch.setattr(attention.BeamSharedPrefixAttention, "__init__", spy)
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS", "1")  # (ignored: each arm says what it runs)
     point = run_point(SHAPE, parse_arm_list("auto,auto-flag", cpu=True),
                       RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0), Rates(), "cpu")
     assert [(a["name"], a["status"]) for a in point["arms"]] == [("library/auto+torch-tail", "ok"),
                                                                  ("library/auto+torch-tail+flag", "ok")]
-    assert sorted(w.error_flags is not None for w in made) == [False, True]
+    assert sorted(w.error_flags is not None for w in wrappers_made) == [False, True]
     line = flag_cost_line(point)
     times = [a["time_us"] for a in point["arms"]]
     assert line is not None and f"({times[1] / times[0]:.3f}x)" in line
@@ -147,22 +144,13 @@ def test_the_flag_arm_times_auto_with_its_flag_next_to_auto(monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("declare", [False, True])
-def test_declare_tail_bounds_the_library_wrappers(monkeypatch, declare):
+def test_declare_tail_bounds_the_library_wrappers(monkeypatch, wrappers_made, declare):
     """``--declare-tail``: the library arms' wrappers are built with ``max_tail_len`` set to the shape's longest tail
     (what ``TLLM_BEAM_SHARED_PREFIX_MAX_TAIL`` gives TensorRT-LLM's); without it, unknown (the variable unset)."""
-    from beam_shared_prefix import attention
-
-    made = []
-    real_init = attention.BeamSharedPrefixAttention.__init__
-
-    def spy(self, *a, **kw):
-        real_init(self, *a, **kw)
-        made.append(self)
-
-    monkeypatch.setattr(attention.BeamSharedPrefixAttention, "__init__", spy)
     monkeypatch.delenv("TLLM_BEAM_SHARED_PREFIX_MAX_TAIL", raising=False)
     point = run_point(SHAPE, [LibraryArm("reference", tail_impl="torch")],
                       RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0, declare_tail=declare), Rates(), "cpu")
     (arm,) = point["arms"]
     assert arm["status"] == "ok", arm.get("reason")
-    assert made and {w.max_tail_len for w in made} == {SHAPE.tail if declare else None}, [w.max_tail_len for w in made]
+    assert wrappers_made and {w.max_tail_len for w in wrappers_made} == {SHAPE.tail if declare else None}, [
+        w.max_tail_len for w in wrappers_made]
