@@ -226,6 +226,27 @@ def test_a_plan_that_fails_leaves_no_active_plan():
                 new_k=step.new_k, new_v=step.new_v)
 
 
+def test_graph_mode_flag_holds_each_plans_last_prompt_pages_in_one_buffer():
+    """A CUDA-graph wrapper with the flag keeps the plan's last prompt pages (``PLAN_PAGE``'s reference) in a
+    buffer sized by ``max_requests`` at the first plan, at one address (a captured graph reads it in place):
+    a larger batch later fits, gets its own pages, and a valid step raises no bit."""
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=False, use_cuda_graph=True,
+                                    max_requests=3, max_beam_width=3, max_prompt_pages=8, report_errors=True)
+    small = make_sim(prompts=(5, 17))
+    step = small.begin_step()
+    plan_step(att, small, step)
+    address = att._views["prompt_last_pages"].data_ptr()
+    att.run(step.q, small.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k,
+            step.new_v)
+    big = make_sim(prompts=(9, 2, 30), seed=1)
+    step = big.begin_step()
+    plan = plan_step(att, big, step)
+    assert att._views["prompt_last_pages"].data_ptr() == address
+    assert att._views["prompt_last_pages"].tolist() == plan.prompt_last_pages.tolist()
+    att.run(step.q, big.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    assert att.device_errors() == []
+
+
 def test_a_plan_refused_at_its_arguments_leaves_no_active_plan():
     """The same where plan() fails at its own checks, before the planner: run() with the new batch's tensors
     refuses instead of serving the previous batch's prompt pages."""
@@ -897,12 +918,14 @@ def test_check_mode_on_gpu_passes_and_catches_a_wrong_prefix(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,shared_run", [("flashinfer", False), ("fa4", False), ("reference", False),
-                                                ("fa4", True), ("flashinfer", True)])
-def test_cuda_graph_replay_matches_oracle(backend, shared_run, monkeypatch):
+@pytest.mark.parametrize("backend,shared_run,report_errors", [
+    ("flashinfer", False, False), ("fa4", False, False), ("reference", False, False), ("fa4", True, False),
+    ("flashinfer", True, False), ("flashinfer", False, True), ("fa4", True, True)])
+def test_cuda_graph_replay_matches_oracle(backend, shared_run, report_errors, monkeypatch):
     """Plan, capture run() once, replay 20 steps with growing tails and beam reselection (with
     ``shared_run``, the first 8 steps give every beam one parent, so the stage takes runs under the graph; it
-    looks for them from 4 cached positions, not 32, a value the graph captures)."""
+    looks for them from 4 cached positions, not 32, a value the graph captures). With ``report_errors`` the
+    captured kernels carry the device error flag and the plan's last prompt pages: valid steps raise no bit."""
     monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_CACHED_TAIL", 4)
     dtype, d, hq, hkv, pg, W = torch.bfloat16, 128, 16, 8, 32, 4
     _skip_unless_backend(backend, dtype, d, hq, hkv, pg)
@@ -910,7 +933,8 @@ def test_cuda_graph_replay_matches_oracle(backend, shared_run, monkeypatch):
                    device="cuda", seed=3)
     R, rows = len(sim.requests), len(sim.requests) * W
     att = BeamSharedPrefixAttention("cuda", backend=backend, use_cuda_graph=True, max_requests=R, max_beam_width=W,
-                                    max_prompt_pages=sim.max_pages_per_seq, check=False, shared_run=shared_run)
+                                    max_prompt_pages=sim.max_pages_per_seq, check=False, shared_run=shared_run,
+                                    report_errors=report_errors)
     # Captured inputs: the step's tensors are copied in before every replay.
     step = sim.begin_step()
     static = dict(q=step.q.clone(), new_k=step.new_k.clone(), new_v=step.new_v.clone(),
@@ -962,6 +986,7 @@ def test_cuda_graph_replay_matches_oracle(backend, shared_run, monkeypatch):
     assert att.num_backend_plans == plans, "the composition did not change, yet the backend was re-planned"
     assert not shared_run or longest_skip >= 8, longest_skip
     assert rows == out.shape[0]
+    assert att.device_errors() == []
 
 
 @pytest.mark.parametrize("interpret, expected", [("0", "torch"), ("1", "triton")])
