@@ -92,8 +92,9 @@ class StepPlan:
 
     @property
     def prompt_last_pages(self) -> np.ndarray:
-        """``[R]`` int32: the page of each request's last prompt token (``-1`` for an empty prompt), which the
-        device error flag compares with beam 0's page table (``triton_kernels.device_errors.PLAN_PAGE``)."""
+        """``[R]`` int32: the page of each request's last prompt token, which the device error flag compares with
+        beam 0's page table (``triton_kernels.device_errors.PLAN_PAGE``); ``-1`` would mark an empty prompt, which
+        the planner refuses."""
         plen = self.prompt_lens.astype(np.int64)
         has = plen >= 1
         if not has.any():

@@ -260,9 +260,13 @@ def _arms(parser, args, kernels, cpu: bool):
     from .arms import parse_arm_list
 
     try:
-        return parse_arm_list(args.arms, kernels, cpu=cpu)
+        arms = parse_arm_list(args.arms, kernels, cpu=cpu)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.report_errors and any(getattr(a, "report_errors", False) for a in arms):
+        parser.error("--report-errors puts the device error flag on every library arm, so auto-flag would time the "
+                     "same wrapper as auto: drop --report-errors to time the flag's cost, or auto-flag")
+    return arms
 
 
 def _emit(doc: Dict, args, log) -> int:

@@ -826,6 +826,34 @@ def test_a_beam_writing_onto_beam0s_prompt_page_raises_the_flag(tail_impl, engin
 @pytest.mark.parametrize("backend,tail_impl", [("reference", "torch"),
                                                pytest.param("reference", "triton", marks=pytest.mark.interpreter),
                                                pytest.param("triton", "triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("divisor", [1, 2])
+def test_trtllm_warmup_requests_raise_no_bit(backend, tail_impl, divisor):
+    """TensorRT-LLM's CUDA-graph warm-up: a dummy request of ``n`` tokens, all of them context to the KV cache,
+    served as a generation row with ``prompt_len = n - 1`` and ``kv_len = n``. With ``n`` a multiple of the
+    page size the beams share every page, the write slot's too (the KV manager shares a full last context
+    block), which is valid there; next to it a padding request (``kv_len`` 1). No bit, in any encoding."""
+    W, pg, hq, hkv, d, num_pages, n = 2, 4, 4, 2, 64, 32, 8
+    shared, padding = [3, 11], [20, 21]  # the dummy's two full pages (both beams); the padding beams' one page each
+    table = torch.tensor([shared + [0, 0], shared + [0, 0], [padding[0], 0, 0, 0], [padding[1], 0, 0, 0]],
+                         dtype=torch.int32) * divisor
+    kv_lens = torch.tensor([n, n, 1, 1], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(num_pages, 2, hkv, pg, d, generator=g).bfloat16()
+    q = torch.randn(2 * W, hq, d, generator=g).bfloat16()
+    new_k, new_v = (torch.randn(2 * W, hkv, d, generator=g).bfloat16() for _ in range(2))
+    att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl=tail_impl, check=False, report_errors=True)
+    # (the adapter's plan: prompts of min(prompt_len, kv_len - 1) and at least 1 token, beam 0's pages)
+    att.plan(np.array([0, 2, 3]), np.array(shared + padding[:1]), np.array([n - 1, 1]), W, hq, hkv, d, pg, num_pages,
+             torch.bfloat16)
+    assert att.backend_name == backend
+    att.run(q, kv_cache, table, kv_lens, torch.zeros(2, W, 16, dtype=torch.int32), new_k, new_v,
+            page_index_divisor=divisor)
+    assert att.device_errors() == []
+
+
+@pytest.mark.parametrize("backend,tail_impl", [("reference", "torch"),
+                                               pytest.param("reference", "triton", marks=pytest.mark.interpreter),
+                                               pytest.param("triton", "triton", marks=pytest.mark.interpreter)])
 def test_a_table_unlike_the_plan_raises_the_flag(backend, tail_impl):
     """Beam 0 of request 1 given another page where its prompt ends (inside the pool, as a table of another
     batch or pool would be): the prefix reads the plan's pages, the tail the table's. Without check mode

@@ -38,7 +38,8 @@ WRITE_PAGE = tl.constexpr(32)
 #: A beam's ``kv_len`` unlike beam 0's of its request: each row attended (and wrote) at its own length.
 BEAM_KV_LEN = tl.constexpr(64)
 #: A beam's write slot on beam 0's page of the same page-table column (the prompt's partly filled last
-#: page, or a generated page shared between beams): the two rows write one slot. Reported only.
+#: page, or a generated page shared between beams), from the second generated token: the two rows write
+#: one slot. Reported only.
 SHARED_WRITE_PAGE = tl.constexpr(128)
 #: Beam 0's page-table entry at its prompt's last token unlike the page the prefix read there (the plan's):
 #: the prefix attended one set of pages, the tail and the write another. Reported only.
@@ -62,7 +63,7 @@ ERROR_BITS = {
                        "length, so a beam that reads another's position past that beam's length reads a slot written "
                        "in this step (pass one kv_len per request, repeated for each of its beams)",
     SHARED_WRITE_PAGE.value: "a beam's write slot (position kv_len - 1) on beam 0's page of the same page-table "
-                             "column: both rows wrote one slot, so K/V that other beams read there is overwritten "
+                             "column: both rows write one slot, so K/V that other beams read there is overwritten "
                              "(each beam needs its own copy of the prompt's partly filled last page and its own "
                              "generated pages; a table that shares them among beams is wrong)",
     PLAN_PAGE.value: "beam 0's page-table entry at its prompt's last token (entry // page_index_divisor) is not the "
@@ -112,14 +113,19 @@ def beam_agreement_bits(kv_lens_ptr, page_table_ptr, row64, row_ok, first_row64,
     the same ``kv_len``, and a write slot on a page of the row's own (beam 0 writes the prompt's partly
     filled last page, which is why comparing with beam 0's column catches a write onto a prompt page).
     Only a slot the kernels would write is judged (not a padding row's, a position inside the prompt or
-    past the cache), so ``kv_len_bad`` rows add nothing here. It reloads what it needs, L1/L2 hits by
-    then: call it after the program's last store, under ``REPORT_ERRORS``, so that the kernels without
-    the flag keep their code. Beams other than beam 0 that share a page with each other are not seen."""
+    past the cache), so ``kv_len_bad`` rows add nothing here; and only a row with an earlier generated
+    token (``kv_len >= prompt_len + 2``): TensorRT-LLM's warm-up requests are all context to its KV cache
+    (``kv_len = prompt_len + 1``), whose last block the beams share when it is full, so a write page shared
+    at the first generated token is valid there. A table that shares the prompt's partly filled page is
+    seen from the second generated token on, while that token still falls in the page. It reloads what it
+    needs, L1/L2 hits by then: call it after the program's last store, under ``REPORT_ERRORS``, so that
+    the kernels without the flag keep their code. Beams other than beam 0 that share a page with each
+    other, and a write page that beam 0 holds at another column, are not seen (check mode sees them)."""
     zero = row64 * 0
     cur = tl.load(kv_lens_ptr + row64, mask=row_ok, other=0) - 1
     first_cur = tl.load(kv_lens_ptr + first_row64 + zero, mask=row_ok, other=0) - 1
     other_beam = row_ok & (row64 != first_row64 + zero)
-    w_ok = other_beam & (cur == first_cur) & (cur >= prompt_len) & (cur >= 0) & (cur < max_seq_len)
+    w_ok = other_beam & (cur == first_cur) & (cur > prompt_len) & (cur >= 0) & (cur < max_seq_len)
     col = (cur // page_size).to(tl.int64) * stride_pt_col
     own = tl.load(page_table_ptr + row64 * stride_pt_row + col, mask=w_ok, other=-1)
     first = tl.load(page_table_ptr + (first_row64 + zero) * stride_pt_row + col, mask=w_ok, other=-1)
@@ -140,7 +146,7 @@ def beam_agreement_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, b
     cur = kv_lens.long() - 1
     first_cur = cur[first]
     other_beam = row != first
-    w_ok = other_beam & (cur == first_cur) & (cur >= prompt_lens.long()) & (cur >= 0) & (cur < max_seq_len)
+    w_ok = other_beam & (cur == first_cur) & (cur > prompt_lens.long()) & (cur >= 0) & (cur < max_seq_len)
     col = torch.where(w_ok, cur // page_size, torch.zeros_like(cur))
     own = beam_page_table[row, col].long()
     first_entry = beam_page_table[first, col].long()

@@ -194,8 +194,10 @@ def beam_tail_merge_grouped_kernel(
                                    first_src_row, prompt_len, stride_pt_row, stride_pt_col, page_size,
                                    page_index_divisor, num_pages, max_seq_len)
         if CHECK_PLAN:  # beam 0's table against the plan's pages: once a request
+            judges = (beam == 0) & (tl.program_id(1) == 0)
+            plan_page = tl.load(prompt_last_page_ptr + req, mask=judges, other=-1)
             err |= plan_agreement_bits(page_table_ptr, row64 + lane * 0, lane + tl.program_id(1) + beam == 0,
-                                       prompt_len, tl.load(prompt_last_page_ptr + req), stride_pt_row, stride_pt_col,
-                                       page_size, page_index_divisor, max_seq_len)
+                                       prompt_len, plan_page, stride_pt_row, stride_pt_col, page_size,
+                                       page_index_divisor, max_seq_len)
         flush_errors(err_ptr, err)
         flush_errors(err_ptr, tail_err)

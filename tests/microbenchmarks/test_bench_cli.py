@@ -339,6 +339,13 @@ def test_arm_list_names():
         parse_arm_list("fa5")
 
 
+def test_report_errors_refuses_the_flag_arm(capsys):
+    """``--report-errors`` puts the flag on every library arm: ``auto-flag`` would then time what ``auto`` does."""
+    with pytest.raises(SystemExit):
+        cli.main(["--preset", "B-short", "--arms", "auto,auto-flag", "--report-errors"])
+    assert "auto-flag would time the same wrapper as auto" in capsys.readouterr().err
+
+
 def test_rule_prints_the_library_verdict_without_measuring(capsys, monkeypatch):
     """``--rule`` answers "is my workload served, and to how many generated tokens?" from the decline rule
     alone: no workload is built and no arm runs."""

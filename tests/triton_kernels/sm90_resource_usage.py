@@ -233,10 +233,12 @@ def compile_shared_run_sm90(name: str, beam_width: int, hq: int, hkv: int, d: in
 
 
 def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index_block=None,
-                 report_errors: bool = REPORT_ERRORS, num_rows=None, skip_shared: bool = False):
+                 report_errors: bool = REPORT_ERRORS, num_rows=None, skip_shared: bool = False, check_plan=None):
     """Compile the default tiling of a shape at ``num_rows`` beam rows (``None``: many); ``index_block``
     selects the ``[QH, D]`` kernel with that ``index_block`` instead (its previous default tiling:
-    ``QH * D = 1024``, 4 warps); ``skip_shared``: the tail after the shared-run stage (``tail_skip``)."""
+    ``QH * D = 1024``, 4 warps); ``skip_shared``: the tail after the shared-run stage (``tail_skip``);
+    ``check_plan``: the flag's plan check (``None``: with the flag, as the wrapper launches it)."""
+    check_plan = report_errors if check_plan is None else check_plan
     g = hq // hkv
     cfg = tail_launch_config(g, hkv, d, num_rows)
     if index_block is not None:
@@ -247,13 +249,13 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
         prompt_lens_ptr="i32", cache_indirection_ptr="i32", prefix_out_ptr=prefix_dtype, prefix_lse_ptr="fp32",
         out_ptr=dtype, err_ptr="i32", tail_skip_ptr="i32",
     )
-    # With the flag, the plan's pages too (CHECK_PLAN), as the wrapper launches it; without, no such argument.
+    # The plan's pages (CHECK_PLAN) are an argument only where they are checked.
     constexprs = dict(
         GROUP=g, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog, HEAD_DIM=d, WRITE_KV=True,
         page_size=PAGE_SIZE, page_index_divisor=1, REPORT_ERRORS=report_errors, SKIP_SHARED=skip_shared,
-        CHECK_PLAN=report_errors,
+        CHECK_PLAN=check_plan,
     )
-    if report_errors:
+    if check_plan:
         pointers["prompt_last_page_ptr"] = "i32"
     else:
         constexprs["prompt_last_page_ptr"] = None
@@ -271,6 +273,7 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
         num_rows=num_rows,
         skip_shared=skip_shared,
         report_errors=report_errors,
+        check_plan=check_plan,
         config=[cfg.group_pad, cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.tokens_outer, cfg.index_block,
                 cfg.grouped],
         triton=triton.__version__,
@@ -313,6 +316,8 @@ def main() -> None:
     for shape in (SHAPES[0], SHAPES[2]):  # the tail after the shared-run stage: many rows and few
         for num_rows in (None, 1):
             print(json.dumps(compile_sm90(*shape, num_rows=num_rows, skip_shared=True)), flush=True)
+    for shape in (SHAPES[0], SHAPES[2]):  # the flag without the plan check (a direct launch without prompt_last_pages)
+        print(json.dumps(compile_sm90(*shape, report_errors=True, check_plan=False)), flush=True)
     for shape in SHARED_RUN_SHAPES:  # one KV head a program; two where wide launches can take them
         _, w, hq, hkv, d, _, _ = shape
         two = shared_run_kv_heads_per_program(10**6, 2, 1, shared_run_tile(w, hq // hkv, d)[2], d) == 2

@@ -358,7 +358,7 @@ def test_cascade_reports_what_it_masks(name, change, bits, config, device):
                                        ("on_beam0_write_page", device_errors.SHARED_WRITE_PAGE.value),
                                        ("prompt_table_of_another_batch", device_errors.PLAN_PAGE.value)])
 def test_cascade_reports_rows_that_disagree(name, bits, config, device):
-    """Request 1's last beam (17 of 18: the second beam block of a 16-beam tile) one position behind beam 0, or
+    """Request 1's last beam (17 of 18: in the 16-beam tiling, the second beam block) one position behind beam 0, or
     writing into beam 0's copy of the prompt's partly filled page; or a prompt table whose last page of request
     0 is not beam 0's: served as given, reported (exactly its bit), and the flag changes nothing computed or
     written."""

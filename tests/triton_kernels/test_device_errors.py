@@ -75,7 +75,7 @@ def _beam_agreement_case(seed: int):
     W, pg, cols, div = 4, 4, 6, 2
     g = torch.Generator().manual_seed(seed)
     cases = ["valid", "len_differs", "shares_prompt_last_page", "shares_generated_page", "shared_entry_outside_pool",
-             "padding", "inside_prompt", "differs_and_shares"]
+             "padding", "inside_prompt", "differs_and_shares", "warmup_request", "write_entry_missing"]
     R = len(cases)
     num_pages = R * W * cols
     prompt = torch.randint(1, 10, (R,), generator=g).repeat_interleave(W)
@@ -92,8 +92,8 @@ def _beam_agreement_case(seed: int):
             kv[i] += 1
             want[i] = device_errors.BEAM_KV_LEN.value
         elif case == "shares_prompt_last_page":
-            prompt[r * W:r * W + W] = 6  # a partly filled last page at column 1; the write at 6
-            kv[r * W:r * W + W] = 7
+            prompt[r * W:r * W + W] = 6  # a partly filled last page at column 1; the write at 7, a token later
+            kv[r * W:r * W + W] = 8
             e = int(table[r * W, 1])
             table[i, 1] = e // div * div + (e + 1) % div  # the same page, its entry in the divisor's other code
             want[i] = device_errors.SHARED_WRITE_PAGE.value
@@ -112,6 +112,11 @@ def _beam_agreement_case(seed: int):
             kv[i] += 1
             table[i, (kv[i] - 1) // pg] = table[r * W, (kv[i] - 1) // pg]
             want[i] = device_errors.BEAM_KV_LEN.value
+        elif case == "warmup_request":  # TensorRT-LLM's: 8 tokens of context, all pages shared, kv_len = prompt + 1
+            prompt[r * W:r * W + W], kv[r * W:r * W + W] = 7, 8
+            table[r * W:r * W + W] = table[r * W]
+        elif case == "write_entry_missing":  # every beam's write entry -1: WRITE_PAGE's (-1 // 2 must not be page 0)
+            table[r * W:r * W + W, col[r * W]] = -1
     return kv.int(), prompt.int(), table.int(), want, {"W": W, "pg": pg, "cols": cols, "num_pages": num_pages, "div": div}
 
 
