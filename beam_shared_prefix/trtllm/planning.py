@@ -370,8 +370,8 @@ def poll_device_errors(state: _MetadataState) -> None:
     """Log (ERROR, each kind once per process) what this metadata's wrappers' kernels masked in
     earlier steps: their device error flags, read without waiting on the GPU, every
     :data:`DEVICE_ERROR_POLL_STEPS` steps (a kind shows up one poll after the step that raised it).
-    The step's output was wrong there, or its K/V not stored; the message names the value and its
-    likely cause. ``TLLM_BEAM_SHARED_PREFIX_CHECK=1`` stops at the call instead."""
+    The step's output was wrong there, or its K/V not stored or stored over another row's; the message
+    names the value and its likely cause. ``TLLM_BEAM_SHARED_PREFIX_CHECK=1`` stops at the call instead."""
     state.steps_since_poll += 1
     if state.steps_since_poll < DEVICE_ERROR_POLL_STEPS:
         return
