@@ -425,6 +425,32 @@ def test_a_masked_index_is_logged_at_the_next_prepare(trt, monkeypatch, caplog):
     assert stats()["device_errors"] == 1 and stats()["generation_forwards"] == 8
 
 
+def test_warmup_requests_that_share_their_blocks_log_no_error(trt, monkeypatch, caplog):
+    """TensorRT-LLM's CUDA-graph warm-up serves dummy requests whose ``n`` tokens are all context to its KV cache
+    (``prompt_len = n - 1``, ``kv_len = n``); with ``n`` a multiple of the block size the manager shares every
+    block among the beams, the write slot's too. Valid there: with the flag on, the adapter serves such steps and
+    logs no ERROR at the later ``prepare()`` calls that read the flag."""
+    from beam_shared_prefix.trtllm import planning
+
+    monkeypatch.setattr(planning, "DEVICE_ERROR_POLL_STEPS", 1)
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS", "1")
+    register()
+    setup = build(model, prompts=(31, 15), beam_width=3)  # blocks of 16: n = 32 and 16
+    sim = setup.sim
+    for req in sim.requests:  # the warm-up's blocks: every beam on beam 0's
+        for b in range(1, sim.beam_width):
+            req.pages[b] = list(req.pages[0])
+    step = sim.begin_step()
+    assert (step.kv_lens % sim.page_size == 0).all() and torch.equal(step.kv_lens, step.prompt_lens + 1)
+    with caplog.at_level("ERROR", logger="beam_shared_prefix.trtllm"):
+        for _ in range(3):  # (each prepare() reads the flag the previous forward left)
+            setup.run(step)
+    assert stats()["generation_forwards"] == 3 and stats()["device_errors"] == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 def _live_pages(sim):
     return sorted({page for req in sim.requests for beam in req.pages for page in beam})
 
