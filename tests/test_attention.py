@@ -851,24 +851,28 @@ def test_trtllm_warmup_requests_raise_no_bit(backend, tail_impl, divisor):
     assert att.device_errors() == []
 
 
-@pytest.mark.parametrize("backend,tail_impl", [("reference", "torch"),
-                                               pytest.param("reference", "triton", marks=pytest.mark.interpreter),
-                                               pytest.param("triton", "triton", marks=pytest.mark.interpreter)])
-def test_a_table_unlike_the_plan_raises_the_flag(backend, tail_impl):
+@pytest.mark.parametrize("backend,tail_impl,shared_run", [
+    ("reference", "torch", "off"), pytest.param("reference", "triton", "off", marks=pytest.mark.interpreter),
+    pytest.param("reference", "triton", "on", marks=pytest.mark.interpreter),
+    pytest.param("triton", "triton", "off", marks=pytest.mark.interpreter)])
+def test_a_table_unlike_the_plan_raises_the_flag(backend, tail_impl, shared_run):
     """Beam 0 of request 1 given another page where its prompt ends (inside the pool, as a table of another
     batch or pool would be): the prefix reads the plan's pages, the tail the table's. Without check mode
-    the flag names it, on the two-launch path (the tail kernel gets the plan's last prompt pages) and on
-    the cascade (which compares with its prompt table); check mode refuses the step."""
+    the flag names it, on the two-launch path (the tail kernel gets the plan's last prompt pages; also after
+    the shared-run stage) and on the cascade (which compares with its prompt table); check mode refuses the
+    step."""
     sim = make_sim(d=64)  # (a head size the cascade tiles)
     for _ in range(2):
         sim.begin_step()
         sim.end_step()
     step = sim.begin_step()
-    att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl=tail_impl, check=False, report_errors=True)
+    att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl=tail_impl, check=False, report_errors=True,
+                                    shared_run=shared_run)
     plan_step(att, sim, step)
     assert att.backend_name == backend
     att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k,
             step.new_v)
+    assert ("tail_skip" in att._views) == (shared_run == "on")
     assert att.device_errors() == []  # the plan's own table
     W, last = step.beam_width, (int(step.prompt_lens[step.beam_width]) - 1) // sim.page_size
     table = step.beam_page_table.clone()
