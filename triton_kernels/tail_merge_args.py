@@ -150,27 +150,26 @@ def _tail_merge_overlaps(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, pr
 check_tail_merge_args = memoize_metadata_check(_tail_merge_metadata, every_call=_tail_merge_overlaps)
 
 
+def _need_int32_vector(name: str, x, length: str, n: int, device, fix: str) -> None:
+    """``x`` is a contiguous int32 ``[n]`` tensor on ``device`` (``length`` names ``n`` in the message)."""
+    if (not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.dim() != 1 or x.shape[0] != n
+            or (n and x.stride(0) != 1) or x.device != torch.device(device)):
+        got = (f"{x.dtype} {tuple(x.shape)} strides {tuple(x.stride())} on {x.device}" if isinstance(x, torch.Tensor)
+               else type(x).__name__)
+        fail(f"{name} must be a contiguous int32 [{length}={n}] tensor on {device}, got {got}; {fix}")
+
+
 def check_tail_skip(tail_skip, num_rows: int, device) -> None:
     """``tail_skip`` (the shared-run stage's output, the tail kernel's input) is a contiguous int32
     ``[rows]`` tensor on ``device``; raises :class:`KernelInputError` naming what it got."""
-    if (not isinstance(tail_skip, torch.Tensor) or tail_skip.dtype != torch.int32 or tail_skip.dim() != 1
-            or tail_skip.shape[0] != num_rows or (num_rows and tail_skip.stride(0) != 1)
-            or tail_skip.device != torch.device(device)):
-        got = (f"{tail_skip.dtype} {tuple(tail_skip.shape)} strides {tuple(tail_skip.stride())} on {tail_skip.device}"
-               if isinstance(tail_skip, torch.Tensor) else type(tail_skip).__name__)
-        fail(f"tail_skip must be a contiguous int32 [rows={num_rows}] tensor on {device}, got {got}; allocate "
-             f"torch.empty(rows, dtype=torch.int32, device=q.device) and fill it with beam_shared_run_attention.")
+    _need_int32_vector("tail_skip", tail_skip, "rows", num_rows, device,
+                       "allocate torch.empty(rows, dtype=torch.int32, device=q.device) and fill it with "
+                       "beam_shared_run_attention.")
 
 
 def check_prompt_last_pages(prompt_last_pages, num_requests: int, device) -> None:
     """``prompt_last_pages`` (the plan's page of each request's last prompt token, which the error flag compares
     beam 0's page table with) is a contiguous int32 ``[R]`` tensor on ``device``; raises :class:`KernelInputError`
     naming what it got."""
-    if (not isinstance(prompt_last_pages, torch.Tensor) or prompt_last_pages.dtype != torch.int32
-            or prompt_last_pages.dim() != 1 or prompt_last_pages.shape[0] != num_requests
-            or (num_requests and prompt_last_pages.stride(0) != 1) or prompt_last_pages.device != torch.device(device)):
-        got = (f"{prompt_last_pages.dtype} {tuple(prompt_last_pages.shape)} strides {tuple(prompt_last_pages.stride())} "
-               f"on {prompt_last_pages.device}" if isinstance(prompt_last_pages, torch.Tensor)
-               else type(prompt_last_pages).__name__)
-        fail(f"prompt_last_pages must be a contiguous int32 [R={num_requests}] tensor on {device}, got {got}; pass "
-             f"torch.from_numpy(step_plan.prompt_last_pages) on q's device, or None.")
+    _need_int32_vector("prompt_last_pages", prompt_last_pages, "R", num_requests, device,
+                       "pass torch.from_numpy(step_plan.prompt_last_pages) on q's device, or None.")
