@@ -510,7 +510,8 @@ class BeamSharedPrefixAttention:
             from . import check as chk
 
             tol = self.check_tolerance or chk.default_tolerance(dtype)
-            chk.check_indices(step_plan, kv_cache, pg, beam_page_table, kv_lens, cache_indirection, page_index_divisor)
+            warm = chk.check_indices(step_plan, kv_cache, pg, beam_page_table, kv_lens, cache_indirection,
+                                     page_index_divisor)
 
         write_kv = new_k is not None
         if not write_kv:
@@ -521,7 +522,8 @@ class BeamSharedPrefixAttention:
         if check or not fused:
             prefix_out, lse = backend.run(q, kv_cache, self._views["prefix_out"], self._views["prefix_lse"])
         if check:
-            chk.check_prefix_stage(step_plan, q, kv_cache, self.kv_layout, prefix_out, lse, sm_scale, tol)
+            chk.check_prefix_stage(step_plan, q, kv_cache, self.kv_layout, prefix_out, lse, sm_scale, tol,
+                                   skip_rows=warm.padding)
             expected = chk.expected_output(
                 q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
                 step_plan.beam_width, new_k, new_v, sm_scale, self.kv_layout, page_index_divisor,
@@ -555,10 +557,10 @@ class BeamSharedPrefixAttention:
                 error_flags=self.error_flags, prompt_last_pages=self._views.get("prompt_last_pages"), **extra,
             )
         if check:
-            chk.check_output_stage(out, expected, tol)
+            chk.check_output_stage(out, expected, tol, skip_rows=warm.padding)
             if write_kv:
                 chk.check_kv_write(kv_cache, self.kv_layout, pg, beam_page_table, kv_lens, new_k, new_v,
-                                   page_index_divisor)
+                                   page_index_divisor, warm)
         return out
 
     __call__ = run

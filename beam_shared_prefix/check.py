@@ -17,6 +17,9 @@ entry naming a beam that does not exist, a kernel that wrote the wrong rows, a N
   :func:`~beam_shared_prefix.reference.reference_beam_attention` computed before the tail kernel ran,
   and the tail kernel stored this step's K/V at ``kv_len - 1`` of each row's own page.
 
+TensorRT-LLM's warm-up layouts (:class:`WarmupRows`) pass, as the kernels' device rules let them: padding
+rows are not judged, and a warm-up request whose beams share their write slot is judged as one write.
+
 Every check synchronises the device and copies to the host: debugging only, never on by default.
 """
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -44,6 +47,8 @@ __all__ = [
     "expected_output",
     "check_output_stage",
     "check_kv_write",
+    "WarmupRows",
+    "warmup_rows",
 ]
 
 
@@ -105,6 +110,48 @@ def _compare(stage: str, what: str, got: torch.Tensor, want: torch.Tensor, atol:
         )
 
 
+class WarmupRows(NamedTuple):
+    """Rows of TensorRT-LLM's warm-up and CUDA-graph padding layouts, bool ``[rows]`` each (host tensors).
+
+    ``padding``: no prompt and one token (``kv_len`` 1), planned with a one-token prompt; the kernels
+    write and report nothing for them (:func:`triton_kernels.device_errors.kv_len_bad`), and their output
+    is never read. ``shared_block``: every beam of a request at its first generated token, in the last
+    slot of a page all its beams share: the warm-up's dummy requests are all context to the KV cache
+    (``n`` tokens, ``prompt_len = n - 1``), and with block reuse off the manager shares a full last
+    context block among the beams, so each beam writes this step's K/V into one slot (which of them
+    lands is a race; the step is a dummy). No real request has either layout: a real row has a prompt
+    and its token, and its first generated token lands on a page of its own (the prompt's partly
+    filled last block, which each beam gets a copy of, or a new block)."""
+
+    padding: torch.Tensor
+    shared_block: torch.Tensor
+    beam_width: int
+
+
+def warmup_rows(step_plan: StepPlan, pages: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> WarmupRows:
+    """:class:`WarmupRows` of a step: ``pages`` int64 ``[rows, >= cols]`` (the page table over
+    ``page_index_divisor``, host), ``kv_lens`` int64 ``[rows]`` (host)."""
+    W, rows = step_plan.beam_width, step_plan.num_rows
+    plen = torch.from_numpy(step_plan.prompt_lens_per_row.astype("int64"))
+    klen = kv_lens[:rows]
+    padding = (klen == 1) & (plen == 1)
+    pos = (klen - 1).clamp(min=0)
+    write_page = pages[torch.arange(rows), pos // page_size]
+    first_token_last_slot = ((klen == plen + 1) & (pos % page_size == page_size - 1)).view(-1, W)
+    write_page = write_page.view(-1, W)
+    shared = first_token_last_slot.all(1) & (write_page == write_page[:, :1]).all(1)
+    shared_block = (shared & (W > 1))[:, None].expand(-1, W).reshape(-1)
+    return WarmupRows(padding, shared_block, W)
+
+
+def _zero_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x`` (float, rows first) with ``rows`` (bool ``[rows]``) zeroed: rows a stage does not judge."""
+    if rows is None or not bool(rows.any()):
+        return x
+    keep = ~rows.to(x.device).view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(keep, x.float(), 0.0)
+
+
 def check_plan_inputs(step_plan: StepPlan, prompt_page_indptr, prompt_page_indices, prompt_lens) -> None:
     """Stage ``"plan"``: ``step_plan``, found under a caller's key, holds the prompt pages and lengths these
     inputs give (host only; builds the plan again without caching it).
@@ -144,7 +191,7 @@ def check_indices(
     kv_lens: torch.Tensor,
     cache_indirection: torch.Tensor,
     page_index_divisor: int = 1,
-) -> None:
+) -> WarmupRows:
     """Stage ``"indices"``: every page and beam index the step will use is valid (host copies, one sync).
 
     Args:
@@ -152,6 +199,9 @@ def check_indices(
         kv_cache: the pool (its dim 0 is the page count).
         page_size: tokens per page.
         beam_page_table, kv_lens, cache_indirection, page_index_divisor: ``run()``'s arguments.
+
+    Returns:
+        The step's :class:`WarmupRows`, which the later stages do not judge as real rows.
     """
     stage = "indices"
     _sync(kv_cache.device)
@@ -168,7 +218,9 @@ def check_indices(
     plen = torch.from_numpy(step_plan.prompt_lens_per_row.astype("int64"))
     klen = kv_lens[:rows].long().cpu()
     max_seq_len = kv_capacity(beam_page_table.shape[1], page_size, cache_indirection.shape[2])
-    problem = kv_lens_problem(klen.numpy(), W, max_seq_len, least=plen.numpy() + 1)
+    # A padding row's one token is its planned one-token prompt (WarmupRows).
+    least = torch.where((klen == 1) & (plen == 1), 1, plen + 1)
+    problem = kv_lens_problem(klen.numpy(), W, max_seq_len, least=least.numpy())
     if problem is not None:
         i, value = problem.row, problem.value
         if problem.kind == "too_short":
@@ -221,7 +273,8 @@ def check_indices(
                        f"= page {int(got[c])}, but the plan's prompt page {c} of request {r} is {int(want[c])}: the "
                        f"plan belongs to another batch (re-plan), or page_index_divisor is wrong for this table."
             )
-    _check_write_slots(step_plan, table, pages, klen, page_size, page_index_divisor)
+    warm = warmup_rows(step_plan, pages, klen, page_size)
+    _check_write_slots(step_plan, table, pages, klen, page_size, page_index_divisor, warm)
     earlier = klen - 1 - plen
     if int(earlier.max()) > 0:
         ind = cache_indirection.cpu()
@@ -237,13 +290,16 @@ def check_indices(
                 stage, f"cache_indirection[{i // W}, {i % W}, {int(t[i, j])}]={int(src[i, j])} is not a beam in "
                        f"[0, beam_width={W}); pass the batch's cache_indirection for this beam width."
             )
+    return warm
 
 
 def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Tensor, klen: torch.Tensor,
-                       page_size: int, page_index_divisor: int) -> None:
+                       page_size: int, page_index_divisor: int, warm: WarmupRows) -> None:
     """This step's K/V write may land neither on a prompt page (but beam 0's own partial last one, which
     it fills) nor on a slot another row writes: either would overwrite K/V other rows read, in this
-    step and every later one, and no check of the output would see it (the oracle reads the same pool)."""
+    step and every later one, and no check of the output would see it (the oracle reads the same pool).
+    Padding rows write nothing; a warm-up request's beams that share their block write one slot, judged
+    as beam 0's write alone (``warm``)."""
     stage = "indices"
     W = step_plan.beam_width
     row = torch.arange(step_plan.num_rows)
@@ -256,7 +312,8 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
     own_last = prompt_pages[indptr[1:] - 1][req]
     partial = torch.from_numpy(step_plan.kv_last_page_len.astype("int64"))[req] < page_size
     fills_own_last = (row % W == 0) & partial & (write_page == own_last) & (col == indptr[1:][req] - indptr[:-1][req] - 1)
-    on_prompt = torch.isin(write_page, prompt_pages) & ~fills_own_last
+    not_judged = warm.padding | (warm.shared_block & (row % W != 0))
+    on_prompt = torch.isin(write_page, prompt_pages) & ~fills_own_last & ~not_judged
     if on_prompt.any():
         i = int(torch.nonzero(on_prompt)[0])
         owner = int(torch.searchsorted(indptr, int(torch.nonzero(prompt_pages == write_page[i])[0]), right=True)) - 1
@@ -270,7 +327,7 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
     # Copies of one request (a padded CUDA-graph batch repeats its dummy request) write the same slots: the
     # first copy's rows stand for all of them.
     first = torch.from_numpy(first_copies(step_plan.kv_page_indices, step_plan.kv_page_indptr, step_plan.prompt_lens))
-    rows = torch.nonzero(first[req] == req).flatten()
+    rows = torch.nonzero((first[req] == req) & ~not_judged).flatten()
     order = rows[torch.argsort(slot[rows], stable=True)]
     same = torch.nonzero(slot[order][1:] == slot[order][:-1]).flatten()
     if same.numel():
@@ -291,17 +348,20 @@ def check_prefix_stage(
     lse: LseDescriptor,
     sm_scale: float,
     tol: CheckTolerance,
+    skip_rows: Optional[torch.Tensor] = None,
 ) -> None:
-    """Stage ``"prefix"``: finite output and LSE, equal to the oracle's prefix attention."""
+    """Stage ``"prefix"``: finite output and LSE, equal to the oracle's prefix attention; rows
+    ``skip_rows`` (bool ``[rows]``, :attr:`WarmupRows.padding`: a slot the engine never wrote) not judged."""
     stage = "prefix"
     _sync(q.device)
-    lse_base2 = lse.base2_rows_heads()
+    prefix_out, lse_base2 = _zero_rows(prefix_out, skip_rows), _zero_rows(lse.base2_rows_heads(), skip_rows)
     _require_finite(stage, "the prefix output", prefix_out)
     _require_finite(stage, "the prefix LSE", lse_base2)
     ref_out, ref_lse = reference_prefix_attention(
         q, kv_cache, step_plan.kv_page_indptr, step_plan.kv_page_indices, step_plan.prompt_lens,
         step_plan.beam_width, sm_scale=sm_scale, kv_layout=kv_layout,
     )
+    ref_out, ref_lse = _zero_rows(ref_out, skip_rows), _zero_rows(ref_lse, skip_rows)
     _compare(stage, "the prefix output", prefix_out, ref_out, tol.atol, tol.rtol)
     _compare(stage, "the prefix LSE (base 2, [rows, heads])", lse_base2, ref_lse, tol.lse_atol, tol.lse_rtol)
 
@@ -328,9 +388,12 @@ def expected_output(
     )
 
 
-def check_output_stage(out: torch.Tensor, expected: torch.Tensor, tol: CheckTolerance) -> None:
-    """Stage ``"tail"``: the merged output is finite and equals the oracle's."""
+def check_output_stage(out: torch.Tensor, expected: torch.Tensor, tol: CheckTolerance,
+                       skip_rows: Optional[torch.Tensor] = None) -> None:
+    """Stage ``"tail"``: the merged output is finite and equals the oracle's; rows ``skip_rows`` (bool
+    ``[rows]``, :attr:`WarmupRows.padding`, whose output the engine never reads) not judged."""
     _sync(out.device)
+    out, expected = _zero_rows(out, skip_rows), _zero_rows(expected, skip_rows)
     _require_finite("tail", "the attention output", out)
     _compare("tail", "the attention output", out, expected, tol.atol, tol.rtol)
 
@@ -344,8 +407,11 @@ def check_kv_write(
     new_k: torch.Tensor,
     new_v: torch.Tensor,
     page_index_divisor: int,
+    warm: Optional[WarmupRows] = None,
 ) -> None:
-    """Stage ``"tail"``: ``new_k``/``new_v`` sit at ``kv_len - 1`` of each row's own page."""
+    """Stage ``"tail"``: ``new_k``/``new_v`` sit at ``kv_len - 1`` of each row's own page. With ``warm``
+    (:func:`check_indices`' result), padding rows are not judged (nothing is written for them), and the
+    slot a warm-up request's beams share must hold one of those beams' K/V."""
     _sync(kv_cache.device)
     rows = new_k.shape[0]
     pos = kv_lens[:rows].long() - 1
@@ -353,8 +419,15 @@ def check_kv_write(
     slot = pos % page_size
     for plane, (name, want) in zip(kv_planes(kv_cache, kv_layout), (("K", new_k), ("V", new_v))):
         got = plane[page, slot]
-        if not torch.equal(got, want):
-            row = int(torch.nonzero((got != want).flatten(1).any(1))[0])
+        wrong = (got != want).flatten(1).any(1).cpu()
+        if warm is not None and bool(wrong.any()):
+            wrong &= ~warm.padding
+            for i in torch.nonzero(wrong & warm.shared_block).flatten().tolist():  # one of its beams wrote last
+                first = i - i % warm.beam_width
+                beams = want[first:first + warm.beam_width]
+                wrong[i] = not bool((beams == got[i]).flatten(1).all(1).any())
+        if bool(wrong.any()):
+            row = int(torch.nonzero(wrong)[0])
             raise BeamSharedPrefixCheckError(
                 "tail", f"this step's {name} of row {row} was not stored at position kv_len - 1 = {int(pos[row])} "
                         f"(page {int(page[row])}, slot {int(slot[row])}) of the row's own page."

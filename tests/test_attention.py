@@ -823,6 +823,26 @@ def test_a_beam_writing_onto_beam0s_prompt_page_raises_the_flag(tail_impl, engin
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, *new_kv)
 
 
+def _trtllm_warmup_step(n, divisor, seed=0):
+    """TensorRT-LLM's CUDA-graph warm-up, as in :func:`test_trtllm_warmup_requests_raise_no_bit`: 2 beams, pages
+    of 4; a dummy request of ``n`` tokens on pages 3 and 11 for both beams, then a padding request (pages 20, 21).
+    Returns ``(plan_args, run_args)`` for ``plan()`` and ``run()``."""
+    W, pg, hq, hkv, d, num_pages = 2, 4, 4, 2, 64, 32
+    shared, padding = [3, 11], [20, 21]  # the dummy's pages (both beams); the padding beams' one page each
+    table = torch.tensor([shared + [0, 0], shared + [0, 0], [padding[0], 0, 0, 0], [padding[1], 0, 0, 0]],
+                         dtype=torch.int32) * divisor
+    kv_lens = torch.tensor([n, n, 1, 1], dtype=torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    kv_cache = torch.randn(num_pages, 2, hkv, pg, d, generator=g).bfloat16()
+    q = torch.randn(2 * W, hq, d, generator=g).bfloat16()
+    new_k, new_v = (torch.randn(2 * W, hkv, d, generator=g).bfloat16() for _ in range(2))
+    # (the adapter's plan: prompts of min(prompt_len, kv_len - 1) and at least 1 token, beam 0's pages)
+    plan_args = (np.array([0, 2, 3]), np.array(shared + padding[:1]), np.array([n - 1, 1]), W, hq, hkv, d, pg,
+                 num_pages, torch.bfloat16)
+    run_args = (q, kv_cache, table, kv_lens, torch.zeros(2, W, 16, dtype=torch.int32), new_k, new_v)
+    return plan_args, run_args
+
+
 @pytest.mark.parametrize("backend,tail_impl", [("reference", "torch"),
                                                pytest.param("reference", "triton", marks=pytest.mark.interpreter),
                                                pytest.param("triton", "triton", marks=pytest.mark.interpreter)])
@@ -831,24 +851,55 @@ def test_trtllm_warmup_requests_raise_no_bit(backend, tail_impl, divisor):
     """TensorRT-LLM's CUDA-graph warm-up: a dummy request of ``n`` tokens, all of them context to the KV cache,
     served as a generation row with ``prompt_len = n - 1`` and ``kv_len = n``. With ``n`` a multiple of the
     page size the beams share every page, the write slot's too (the KV manager shares a full last context
-    block), which is valid there; next to it a padding request (``kv_len`` 1). No bit, in any encoding."""
-    W, pg, hq, hkv, d, num_pages, n = 2, 4, 4, 2, 64, 32, 8
-    shared, padding = [3, 11], [20, 21]  # the dummy's two full pages (both beams); the padding beams' one page each
-    table = torch.tensor([shared + [0, 0], shared + [0, 0], [padding[0], 0, 0, 0], [padding[1], 0, 0, 0]],
-                         dtype=torch.int32) * divisor
-    kv_lens = torch.tensor([n, n, 1, 1], dtype=torch.int32)
-    g = torch.Generator().manual_seed(0)
-    kv_cache = torch.randn(num_pages, 2, hkv, pg, d, generator=g).bfloat16()
-    q = torch.randn(2 * W, hq, d, generator=g).bfloat16()
-    new_k, new_v = (torch.randn(2 * W, hkv, d, generator=g).bfloat16() for _ in range(2))
+    block), which is valid there; next to it a padding request (``kv_len`` 1). No bit, in any encoding; and
+    check mode passes the step (the real rows' output matches the oracle, the shared slot holds one beam's K/V)."""
+    plan_args, run_args = _trtllm_warmup_step(8, divisor)
     att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl=tail_impl, check=False, report_errors=True)
-    # (the adapter's plan: prompts of min(prompt_len, kv_len - 1) and at least 1 token, beam 0's pages)
-    att.plan(np.array([0, 2, 3]), np.array(shared + padding[:1]), np.array([n - 1, 1]), W, hq, hkv, d, pg, num_pages,
-             torch.bfloat16)
+    att.plan(*plan_args)
     assert att.backend_name == backend
-    att.run(q, kv_cache, table, kv_lens, torch.zeros(2, W, 16, dtype=torch.int32), new_k, new_v,
-            page_index_divisor=divisor)
+    att.run(*run_args, page_index_divisor=divisor)
     assert att.device_errors() == []
+    att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl=tail_impl, check=True)
+    att.plan(*plan_args)
+    att.run(*run_args, page_index_divisor=divisor)
+
+
+def test_check_mode_holds_the_warmups_shared_slot_to_one_of_its_beams(monkeypatch):
+    """The slot a warm-up request's beams share may hold any one of their K/V, but not what was there before:
+    a tail that wrote nothing is still caught."""
+    plan_args, run_args = _trtllm_warmup_step(8, 1)
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=True)
+    att.plan(*plan_args)
+    real_tail = att._tail_function()
+    monkeypatch.setattr(att, "_tail_function",
+                        lambda: (lambda *a, **kw: real_tail(*a, **{**kw, "write_kv": False})))
+    with pytest.raises(BeamSharedPrefixCheckError, match=r"stage 'tail'.*K of row 0 was not stored at position kv_len - 1 = 7"):
+        att.run(*run_args)
+
+
+@pytest.mark.parametrize("layout", ["write_mid_page", "second_token", "padding_with_a_prompt"])
+def test_check_mode_takes_no_other_layout_for_the_warmup(layout):
+    """Check mode's warm-up exemptions are exactly TensorRT-LLM's layouts: beams sharing the write slot only at
+    the first generated token and in the last slot of a page (a full context block), ``kv_len`` 1 only with a
+    one-token planned prompt. The same sharing in the middle of a page (a partly filled block, which each beam
+    gets a copy of), or at a later token, and a one-token ``kv_len`` under a longer prompt are refused."""
+    n = {"write_mid_page": 7, "second_token": 8, "padding_with_a_prompt": 8}[layout]
+    plan_args, run_args = _trtllm_warmup_step(n, 1)
+    plan_args, run_args = list(plan_args), list(run_args)
+    if layout == "second_token":  # the 8 tokens as a 6-token prompt and two generated: beam 0's table
+        plan_args[2] = np.array([6, 1])
+        run_args[4] = torch.zeros(2, 2, 16, dtype=torch.int32)
+        match = r"row 1 \(request 0, beam 1\) writes .* a prompt page"
+    elif layout == "padding_with_a_prompt":
+        plan_args[1], plan_args[2] = np.array([3, 11, 20, 21]), np.array([7, 5])
+        plan_args[0] = np.array([0, 2, 4])
+        match = r"kv_lens\[2\]=1 but the plan's prompt length of row 2 is 5"
+    else:
+        match = r"row 1 \(request 0, beam 1\) writes .* a prompt page"
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=True)
+    att.plan(*plan_args)
+    with pytest.raises(BeamSharedPrefixCheckError, match=f"stage 'indices'.*{match}"):
+        att.run(*run_args)
 
 
 @pytest.mark.parametrize("backend,tail_impl,shared_run", [

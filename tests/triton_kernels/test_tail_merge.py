@@ -18,6 +18,8 @@ On CPU the kernel runs under ``TRITON_INTERPRET=1`` (tests/conftest.py), so shap
 
 from __future__ import annotations
 
+import functools
+
 import math
 import re
 
@@ -610,7 +612,9 @@ def test_kernel_masks_bad_indices_without_validation(name, change, config, devic
                          ids=["default", "chain", "grouped", "torch"])
 def test_dummy_rows_raise_no_error_bit(config, device):
     """TensorRT-LLM's warm-up and CUDA-graph padding rows have no prompt and kv_len 1; the adapter
-    plans them with a one-token prompt. Not an error (``device_errors.kv_len_bad``): no bit."""
+    plans them with a one-token prompt. Not an error (``device_errors.kv_len_bad``): no bit, and check
+    mode's value checks (``validate_indices``) pass them too; a one-token kv_len under a longer prompt
+    is still refused there."""
     def dummies(a):  # request 1's rows (2 and 3)
         kv_lens, prompt_lens = a["kv_lens"].clone(), a["prompt_lens"].clone()
         kv_lens[2:4], prompt_lens[2:4] = 1, 1
@@ -618,11 +622,14 @@ def test_dummy_rows_raise_no_error_bit(config, device):
 
     _, _, args = _bad_value_case(device, dummies)
     flags = device_errors.new_error_flags(device)
-    if config == "torch":
-        IMPLS["torch"](**args, error_flags=flags)
-    else:
-        beam_tail_attention_merge(**args, launch_config=config, error_flags=flags)
+    call = IMPLS["torch"] if config == "torch" else functools.partial(beam_tail_attention_merge, launch_config=config)
+    call(**args, error_flags=flags)
     assert int(flags) == 0, device_errors.decode_error_flags(int(flags))
+    call(**args, validate_indices=True)
+    args["prompt_lens"] = args["prompt_lens"].clone()
+    args["prompt_lens"][2:4] = 2
+    with pytest.raises(TailMergeInputError, match=r"kv_lens\[2\]=1 must be >= prompt_lens\[2\] \+ 1 = 3"):
+        call(**args, validate_indices=True)
 
 
 def _beam_len_differs(a):  # request 0's beam 1 one position behind beam 0

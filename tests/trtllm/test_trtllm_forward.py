@@ -451,6 +451,72 @@ def test_warmup_requests_that_share_their_blocks_log_no_error(trt, monkeypatch, 
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
+def _trtllm_graph_warmup_batch(sim, long_len, reuse):
+    """The dummy batch TensorRT-LLM's engine captures a generation CUDA graph with
+    (``_create_cuda_graph_warmup_request``, the V1 manager's ``add_dummy_requests``): generation requests
+    with no context pass, a long one first (``n = long_len`` tokens: ``prompt_len = n - 1``, ``kv_len = n``),
+    then one-token ones (``prompt_len 0``, ``kv_len 1``, a block per beam). The beams share every context
+    block but the last, which is per beam with block reuse on, and shared too with reuse off when it is full.
+    Built on requests of ``n - 1`` and 1 prompt tokens (the simulator's first step is ``kv_len = n``); returns
+    the ``before`` hook that gives the one-token requests their lengths and leaves the engine's
+    ``cache_indirection`` as TensorRT-LLM does for dummies, unfilled (here: no beam at all)."""
+    long_req = sim.requests[0]
+    if not reuse and long_len % sim.page_size == 0:
+        for b in range(1, sim.beam_width):
+            long_req.pages[b] = list(long_req.pages[0])
+
+    def before(m):
+        W = m.beam_width
+        cached = list(m.kv_cache_params.num_cached_tokens_per_seq)
+        m.kv_cache_params.num_cached_tokens_per_seq = cached[:W] + [0] * (len(cached) - W)
+        m.prompt_lens = list(m.prompt_lens[:W]) + [0] * (len(m.prompt_lens) - W)
+        m.cache_indirection.fill_(W + 5)
+
+    return before
+
+
+@pytest.mark.parametrize("backend,check,flag", [
+    ("reference", "0", "1"), pytest.param("triton", "0", "1", marks=pytest.mark.interpreter), ("reference", "1", "0"),
+    pytest.param("triton", "1", "0", marks=pytest.mark.interpreter),
+], ids=["prefix+tail-flag", "cascade-flag", "check-mode", "cascade-check-mode"])
+@pytest.mark.parametrize("long_len,reuse", [(32, False), (32, True), (27, False)],
+                         ids=["full-block-reuse-off", "full-block-reuse-on", "partial-block"])
+def test_trtllm_graph_warmup_then_real_requests(trt, monkeypatch, caplog, backend, check, flag, long_len, reuse):
+    """TensorRT-LLM's own CUDA-graph warm-up sequence, then serving: the dummy batch (see
+    ``_trtllm_graph_warmup_batch``) forwarded on the graph's metadata raises nothing, logs no ERROR with the
+    flag, passes check mode, and its long request matches the oracle; then the dummies are freed, real
+    requests take their place and the same metadata serves them exactly."""
+    from beam_shared_prefix.trtllm import planning
+
+    monkeypatch.setattr(planning, "DEVICE_ERROR_POLL_STEPS", 1)
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_CHECK", check)
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS", flag)
+    register()
+    setup = build(model, prompts=(long_len - 1, 1, 1), beam_width=3, max_seq_len=96)
+    sim, W = setup.sim, 3
+    metadata = setup.engine.graph_metadata(3)
+    before = _trtllm_graph_warmup_batch(sim, long_len, reuse)
+    with caplog.at_level("ERROR", logger="beam_shared_prefix.trtllm"):
+        for _ in range(2):  # TensorRT-LLM runs the warm-up forward before it captures
+            step = sim.begin_step()
+            out, _ = setup.run(step, metadata=metadata, before=before)
+            rows = gen_rows(out, 0, sim)
+            assert torch.isfinite(rows.float()).all()
+            assert_close(rows[:W], setup.oracle(step)[:W], "the warm-up's long request")
+        sim.finish([req.rid for req in sim.requests])
+        sim.add_requests([40, 23, 9])
+        for s in range(3):
+            step = sim.begin_step()
+            out, _ = setup.run(step, metadata=metadata)
+            assert_close(gen_rows(out, 0, sim), setup.oracle(step), f"real step {s}")
+            sim.end_step(write_kv=False)
+    assert stats()["generation_forwards"] == 5 and stats()["device_errors"] == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 def _live_pages(sim):
     return sorted({page for req in sim.requests for beam in req.pages for page in beam})
 
