@@ -510,8 +510,9 @@ class BeamSharedPrefixAttention:
             from . import check as chk
 
             tol = self.check_tolerance or chk.default_tolerance(dtype)
+            # A checked call on a CUDA-graph wrapper is a warm-up (later calls replay the graph).
             warm = chk.check_indices(step_plan, kv_cache, pg, beam_page_table, kv_lens, cache_indirection,
-                                     page_index_divisor)
+                                     page_index_divisor, warmup_shared_blocks=self.use_cuda_graph)
 
         write_kv = new_k is not None
         if not write_kv:

@@ -18,7 +18,8 @@ entry naming a beam that does not exist, a kernel that wrote the wrong rows, a N
   and the tail kernel stored this step's K/V at ``kv_len - 1`` of each row's own page.
 
 TensorRT-LLM's warm-up layouts (:class:`WarmupRows`) pass, as the kernels' device rules let them: padding
-rows are not judged, and a warm-up request whose beams share their write slot is judged as one write.
+rows are not judged, and on a CUDA-graph wrapper a warm-up request whose beams share their write slot is
+judged as one write.
 
 Every check synchronises the device and copies to the host: debugging only, never on by default.
 """
@@ -115,22 +116,28 @@ class WarmupRows(NamedTuple):
 
     ``padding``: no prompt and one token (``kv_len`` 1), planned with a one-token prompt; the kernels
     write and report nothing for them (:func:`triton_kernels.device_errors.kv_len_bad`), and their output
-    is never read. ``shared_block``: every beam of a request at its first generated token, in the last
-    slot of a page all its beams share: the warm-up's dummy requests are all context to the KV cache
-    (``n`` tokens, ``prompt_len = n - 1``), and with block reuse off the manager shares a full last
-    context block among the beams, so each beam writes this step's K/V into one slot (which of them
-    lands is a race; the step is a dummy). No real request has either layout: a real row has a prompt
-    and its token, and its first generated token lands on a page of its own (the prompt's partly
-    filled last block, which each beam gets a copy of, or a new block)."""
+    is never read. A real row has a prompt and its token (``kv_len >= 2``); one of a one-token prompt
+    whose ``kv_len`` is 1 by mistake looks the same, and is not judged either (as on the device).
+
+    ``shared_block``: every beam of a request at its first generated token, in the last slot of a page
+    all its beams share: the CUDA-graph warm-up's dummy requests are all context to the KV cache (``n``
+    tokens, ``prompt_len = n - 1``), and with block reuse off the manager shares a full last context
+    block among the beams, so each beam writes this step's K/V into one slot (which of them lands is a
+    race, per element; the step is a dummy). A real request whose table shares the prompt's partly
+    filled last page among its beams (each beam must own a copy) looks the same at that one step, when
+    its prompt is one token short of a whole page; so this layout is taken as the warm-up only on a
+    CUDA-graph wrapper, whose calls past the warm-up replay a graph and are never checked."""
 
     padding: torch.Tensor
     shared_block: torch.Tensor
     beam_width: int
 
 
-def warmup_rows(step_plan: StepPlan, pages: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> WarmupRows:
+def warmup_rows(step_plan: StepPlan, pages: torch.Tensor, kv_lens: torch.Tensor, page_size: int,
+                shared_blocks: bool) -> WarmupRows:
     """:class:`WarmupRows` of a step: ``pages`` int64 ``[rows, >= cols]`` (the page table over
-    ``page_index_divisor``, host), ``kv_lens`` int64 ``[rows]`` (host)."""
+    ``page_index_divisor``, host), ``kv_lens`` int64 ``[rows]`` (host); ``shared_blocks``: whether the
+    warm-up's shared blocks can occur (a CUDA-graph wrapper); ``shared_block`` is all false otherwise."""
     W, rows = step_plan.beam_width, step_plan.num_rows
     plen = torch.from_numpy(step_plan.prompt_lens_per_row.astype("int64"))
     klen = kv_lens[:rows]
@@ -140,7 +147,7 @@ def warmup_rows(step_plan: StepPlan, pages: torch.Tensor, kv_lens: torch.Tensor,
     first_token_last_slot = ((klen == plen + 1) & (pos % page_size == page_size - 1)).view(-1, W)
     write_page = write_page.view(-1, W)
     shared = first_token_last_slot.all(1) & (write_page == write_page[:, :1]).all(1)
-    shared_block = (shared & (W > 1))[:, None].expand(-1, W).reshape(-1)
+    shared_block = (shared & (W > 1) & shared_blocks)[:, None].expand(-1, W).reshape(-1)
     return WarmupRows(padding, shared_block, W)
 
 
@@ -191,6 +198,7 @@ def check_indices(
     kv_lens: torch.Tensor,
     cache_indirection: torch.Tensor,
     page_index_divisor: int = 1,
+    warmup_shared_blocks: bool = False,
 ) -> WarmupRows:
     """Stage ``"indices"``: every page and beam index the step will use is valid (host copies, one sync).
 
@@ -199,6 +207,8 @@ def check_indices(
         kv_cache: the pool (its dim 0 is the page count).
         page_size: tokens per page.
         beam_page_table, kv_lens, cache_indirection, page_index_divisor: ``run()``'s arguments.
+        warmup_shared_blocks: take beams that share a full block's last slot at their first generated
+            token as the CUDA-graph warm-up (:class:`WarmupRows`); only a CUDA-graph wrapper sets it.
 
     Returns:
         The step's :class:`WarmupRows`, which the later stages do not judge as real rows.
@@ -273,7 +283,7 @@ def check_indices(
                        f"= page {int(got[c])}, but the plan's prompt page {c} of request {r} is {int(want[c])}: the "
                        f"plan belongs to another batch (re-plan), or page_index_divisor is wrong for this table."
             )
-    warm = warmup_rows(step_plan, pages, klen, page_size)
+    warm = warmup_rows(step_plan, pages, klen, page_size, warmup_shared_blocks)
     _check_write_slots(step_plan, table, pages, klen, page_size, page_index_divisor, warm)
     earlier = klen - 1 - plen
     if int(earlier.max()) > 0:
@@ -410,8 +420,8 @@ def check_kv_write(
     warm: Optional[WarmupRows] = None,
 ) -> None:
     """Stage ``"tail"``: ``new_k``/``new_v`` sit at ``kv_len - 1`` of each row's own page. With ``warm``
-    (:func:`check_indices`' result), padding rows are not judged (nothing is written for them), and the
-    slot a warm-up request's beams share must hold one of those beams' K/V."""
+    (:func:`check_indices`' result), padding rows are not judged (nothing is written for them), and each
+    element of the slot a warm-up request's beams share must be one of those beams'."""
     _sync(kv_cache.device)
     rows = new_k.shape[0]
     pos = kv_lens[:rows].long() - 1
@@ -422,13 +432,18 @@ def check_kv_write(
         wrong = (got != want).flatten(1).any(1).cpu()
         if warm is not None and bool(wrong.any()):
             wrong &= ~warm.padding
-            for i in torch.nonzero(wrong & warm.shared_block).flatten().tolist():  # one of its beams wrote last
+            # The beams' stores race per element (programs per head, lanes within one store): each
+            # element must be one of the beams'.
+            for i in torch.nonzero(wrong & warm.shared_block).flatten().tolist():
                 first = i - i % warm.beam_width
                 beams = want[first:first + warm.beam_width]
-                wrong[i] = not bool((beams == got[i]).flatten(1).all(1).any())
+                wrong[i] = not bool((beams == got[i][None]).any(0).all())
         if bool(wrong.any()):
             row = int(torch.nonzero(wrong)[0])
+            shared = warm is not None and bool(warm.shared_block[row])
             raise BeamSharedPrefixCheckError(
                 "tail", f"this step's {name} of row {row} was not stored at position kv_len - 1 = {int(pos[row])} "
-                        f"(page {int(page[row])}, slot {int(slot[row])}) of the row's own page."
+                        f"(page {int(page[row])}, slot {int(slot[row])}) of "
+                        + ("the page its request's beams share, by any of its beams." if shared
+                           else "the row's own page.")
             )

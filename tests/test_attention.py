@@ -843,6 +843,12 @@ def _trtllm_warmup_step(n, divisor, seed=0):
     return plan_args, run_args
 
 
+def _graph_wrapper(**kwargs):
+    """A CUDA-graph wrapper for :func:`_trtllm_warmup_step` (the warm-up runs on the graph's metadata)."""
+    return BeamSharedPrefixAttention("cpu", use_cuda_graph=True, max_requests=2, max_beam_width=2, max_prompt_pages=4,
+                                     **kwargs)
+
+
 @pytest.mark.parametrize("backend,tail_impl", [("reference", "torch"),
                                                pytest.param("reference", "triton", marks=pytest.mark.interpreter),
                                                pytest.param("triton", "triton", marks=pytest.mark.interpreter)])
@@ -852,14 +858,15 @@ def test_trtllm_warmup_requests_raise_no_bit(backend, tail_impl, divisor):
     served as a generation row with ``prompt_len = n - 1`` and ``kv_len = n``. With ``n`` a multiple of the
     page size the beams share every page, the write slot's too (the KV manager shares a full last context
     block), which is valid there; next to it a padding request (``kv_len`` 1). No bit, in any encoding; and
-    check mode passes the step (the real rows' output matches the oracle, the shared slot holds one beam's K/V)."""
+    check mode on the CUDA-graph wrapper it runs on passes the step (the real rows' output matches the oracle,
+    the shared slot holds its beams' K/V)."""
     plan_args, run_args = _trtllm_warmup_step(8, divisor)
     att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl=tail_impl, check=False, report_errors=True)
     att.plan(*plan_args)
     assert att.backend_name == backend
     att.run(*run_args, page_index_divisor=divisor)
     assert att.device_errors() == []
-    att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl=tail_impl, check=True)
+    att = _graph_wrapper(backend=backend, tail_impl=tail_impl, check=True)
     att.plan(*plan_args)
     att.run(*run_args, page_index_divisor=divisor)
 
@@ -868,22 +875,45 @@ def test_check_mode_holds_the_warmups_shared_slot_to_one_of_its_beams(monkeypatc
     """The slot a warm-up request's beams share may hold any one of their K/V, but not what was there before:
     a tail that wrote nothing is still caught."""
     plan_args, run_args = _trtllm_warmup_step(8, 1)
-    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=True)
+    att = _graph_wrapper(backend="reference", tail_impl="torch", check=True)
     att.plan(*plan_args)
     real_tail = att._tail_function()
     monkeypatch.setattr(att, "_tail_function",
                         lambda: (lambda *a, **kw: real_tail(*a, **{**kw, "write_kv": False})))
-    with pytest.raises(BeamSharedPrefixCheckError, match=r"stage 'tail'.*K of row 0 was not stored at position kv_len - 1 = 7"):
+    with pytest.raises(BeamSharedPrefixCheckError,
+                       match=r"stage 'tail'.*K of row 0 was not stored at .* share, by any of its beams"):
         att.run(*run_args)
 
 
-@pytest.mark.parametrize("layout", ["write_mid_page", "second_token", "padding_with_a_prompt"])
+def test_check_mode_takes_the_warmups_shared_slot_element_by_element():
+    """The beams' stores to the slot they share race per element (a program per KV head, lanes within one
+    store): a slot holding head 0 of beam 0 and head 1 of beam 1 is a result of that race; an element of
+    neither beam is not."""
+    from beam_shared_prefix.check import WarmupRows, check_kv_write
+
+    W, pg, hkv, d = 2, 4, 2, 8
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randn(4, 2, hkv, pg, d, generator=g)
+    new_k, new_v = torch.randn(W, hkv, d, generator=g), torch.randn(W, hkv, d, generator=g)
+    table, kv_lens = torch.tensor([[0, 2], [0, 2]]), torch.tensor([8, 8])
+    warm = WarmupRows(torch.zeros(W, dtype=torch.bool), torch.ones(W, dtype=torch.bool), W)
+    for plane, new in ((0, new_k), (1, new_v)):  # page 2, slot 3: head 0 from beam 0, head 1 from beam 1
+        pool[2, plane, 0, 3], pool[2, plane, 1, 3] = new[0, 0], new[1, 1]
+    check_kv_write(pool, "HND", pg, table, kv_lens, new_k, new_v, 1, warm)
+    pool[2, 1, 1, 3, 5] += 1.0
+    with pytest.raises(BeamSharedPrefixCheckError, match=r"V of row 0 was not stored .* by any of its beams"):
+        check_kv_write(pool, "HND", pg, table, kv_lens, new_k, new_v, 1, warm)
+
+
+@pytest.mark.parametrize("layout", ["write_mid_page", "second_token", "padding_with_a_prompt", "eager_wrapper"])
 def test_check_mode_takes_no_other_layout_for_the_warmup(layout):
     """Check mode's warm-up exemptions are exactly TensorRT-LLM's layouts: beams sharing the write slot only at
-    the first generated token and in the last slot of a page (a full context block), ``kv_len`` 1 only with a
-    one-token planned prompt. The same sharing in the middle of a page (a partly filled block, which each beam
-    gets a copy of), or at a later token, and a one-token ``kv_len`` under a longer prompt are refused."""
-    n = {"write_mid_page": 7, "second_token": 8, "padding_with_a_prompt": 8}[layout]
+    the first generated token, in the last slot of a page (a full context block) and on a CUDA-graph wrapper
+    (where TensorRT-LLM runs its warm-up); ``kv_len`` 1 only with a one-token planned prompt. The same sharing
+    in the middle of a page (a partly filled block, which each beam gets a copy of), at a later token, or on an
+    eager wrapper (where it is a real request's table sharing its prompt's partly filled last page), and a
+    one-token ``kv_len`` under a longer prompt are refused."""
+    n = {"write_mid_page": 7, "second_token": 8, "padding_with_a_prompt": 8, "eager_wrapper": 8}[layout]
     plan_args, run_args = _trtllm_warmup_step(n, 1)
     plan_args, run_args = list(plan_args), list(run_args)
     if layout == "second_token":  # the 8 tokens as a 6-token prompt and two generated: beam 0's table
@@ -896,7 +926,10 @@ def test_check_mode_takes_no_other_layout_for_the_warmup(layout):
         match = r"kv_lens\[2\]=1 but the plan's prompt length of row 2 is 5"
     else:
         match = r"row 1 \(request 0, beam 1\) writes .* a prompt page"
-    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=True)
+    if layout == "eager_wrapper":
+        att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=True)
+    else:
+        att = _graph_wrapper(backend="reference", tail_impl="torch", check=True)
     att.plan(*plan_args)
     with pytest.raises(BeamSharedPrefixCheckError, match=f"stage 'indices'.*{match}"):
         att.run(*run_args)
