@@ -364,7 +364,7 @@ def test_cascade_reports_rows_that_disagree(name, bits, config, device):
     """Request 1's last beam (17 of 18: in the 16-beam tiling, the second beam block) one position behind beam 0, or
     writing into beam 0's copy of the prompt's partly filled page; or a prompt table whose last page of request
     0 is not beam 0's: served as given, reported (exactly its bit), and the flag changes nothing computed or
-    written (but which of two writes to one slot lands last: a race on a GPU, with or without the flag)."""
+    written (but the slot two rows write, whose writes race element by element on a GPU, flag or not)."""
     results = []
     for flags in (None, device_errors.new_error_flags(device)):
         sim = make_sim(device, prompts=[20, 7], beams=18, hq=6, hkv=2, d=64, seed=3)

@@ -668,8 +668,8 @@ def test_rows_that_disagree_are_reported_not_changed(name, change, bits, write_k
     """A beam whose kv_len differs from beam 0's, a beam whose write slot is on beam 0's page (here the prompt's
     partly filled last page), or a beam page table unlike the plan the prefix came from: each index is valid
     alone, so the kernels serve the step as given; with the flag they report it (exactly its bit, whether or
-    not they write the step's K/V), and the flag changes nothing they compute or write (but which of two writes
-    to one slot lands last: a race on a GPU, with or without the flag)."""
+    not they write the step's K/V), and the flag changes nothing they compute or write (but the slot two rows
+    write, whose writes race element by element on a GPU, flag or not)."""
     results = []
     for flags in (None, device_errors.new_error_flags(device)):
         sim, _, args = _bad_value_case(device, change)
