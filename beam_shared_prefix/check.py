@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-from .kv_lens import kv_capacity, kv_lens_problem
+from .kv_lens import kv_capacity, kv_lens_problem, padding_rows
 from .plan import StepPlan, build_step_plan, first_copies
 from .prefix.base import LseDescriptor, kv_planes
 from .reference import reference_beam_attention, reference_prefix_attention
@@ -141,7 +141,7 @@ def warmup_rows(step_plan: StepPlan, pages: torch.Tensor, kv_lens: torch.Tensor,
     W, rows = step_plan.beam_width, step_plan.num_rows
     plen = torch.from_numpy(step_plan.prompt_lens_per_row.astype("int64"))
     klen = kv_lens[:rows]
-    padding = (klen == 1) & (plen == 1)
+    padding = padding_rows(klen, plen)
     pos = (klen - 1).clamp(min=0)
     write_page = pages[torch.arange(rows), pos // page_size]
     first_token_last_slot = ((klen == plen + 1) & (pos % page_size == page_size - 1)).view(-1, W)
@@ -228,8 +228,7 @@ def check_indices(
     plen = torch.from_numpy(step_plan.prompt_lens_per_row.astype("int64"))
     klen = kv_lens[:rows].long().cpu()
     max_seq_len = kv_capacity(beam_page_table.shape[1], page_size, cache_indirection.shape[2])
-    # A padding row's one token is its planned one-token prompt (WarmupRows).
-    least = torch.where((klen == 1) & (plen == 1), 1, plen + 1)
+    least = torch.where(padding_rows(klen, plen), 1, plen + 1)  # (WarmupRows)
     problem = kv_lens_problem(klen.numpy(), W, max_seq_len, least=least.numpy())
     if problem is not None:
         i, value = problem.row, problem.value

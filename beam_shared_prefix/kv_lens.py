@@ -1,7 +1,7 @@
 """The rules a beam-search decode step's KV lengths obey, written once.
 
 Each beam row's ``kv_len`` counts its prompt, its generated tokens and this step's token. So it is at least the
-row's least length (1; the prompt length + 1 where the plan is known) and at most the positions its cache covers
+row's least length (1; the prompt length + 1 where the plan is known, but for :func:`padding_rows`) and at most the positions its cache covers
 (:func:`kv_capacity`: past them the kernels mask the row, and this step's K/V would not be stored). The beams of one
 request advance together: a beam that reads another beam's position past its own length reads a slot being written
 in this step.
@@ -9,7 +9,8 @@ in this step.
 The TensorRT-LLM adapter's planning (which hands a step that breaks a rule to the default kernel) and check mode
 (which stops at it) both ask :func:`kv_lens_problem` and word its answer for their own reader. The launchers' check
 of the index values (``triton_kernels.step_args.check_tail_index_values``) has its own copy, since
-``triton_kernels`` imports nothing of this package.
+``triton_kernels`` imports nothing of this package; so do the kernels' device rule
+(``triton_kernels.device_errors.kv_len_bad``) and its torch twin.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["KvLensProblem", "kv_capacity", "kv_lens_problem"]
+__all__ = ["KvLensProblem", "kv_capacity", "kv_lens_problem", "padding_rows"]
 
 
 class KvLensProblem(NamedTuple):
@@ -33,6 +34,13 @@ class KvLensProblem(NamedTuple):
     row: int
     value: int
     limit: int
+
+
+def padding_rows(kv_rows, prompt_rows):
+    """Whether each row is TensorRT-LLM's warm-up or CUDA-graph padding row: no prompt and one token
+    (``kv_len`` 1), planned with a one-token prompt, whose least length is 1, not 2. ``kv_rows`` and
+    ``prompt_rows`` (per row) are int arrays or tensors of one kind; returns bool of that kind."""
+    return (kv_rows == 1) & (prompt_rows == 1)
 
 
 def kv_capacity(table_columns: int, page_size: int, max_seq_len: int) -> int:

@@ -57,3 +57,18 @@ def test_each_rule_names_the_row_its_value_and_the_limit(kv_rows, beam_width, le
 def test_capacity_is_the_page_table_or_cache_indirection_whichever_is_shorter():
     assert kv_capacity(4, 32, 200) == 128
     assert kv_capacity(8, 32, 200) == 200
+
+
+def test_padding_rows_are_the_short_rows_the_device_rule_spares():
+    """``padding_rows`` is the kernels' exemption read back: of the rows under ``prompt + 1``, exactly those
+    ``triton_kernels.device_errors.kv_len_bad`` (its torch twin) does not flag."""
+    import torch
+
+    from beam_shared_prefix.kv_lens import padding_rows
+    from triton_kernels.device_errors import kv_len_bad_torch
+
+    kv, prompt = torch.meshgrid(torch.arange(0, 5), torch.arange(0, 5), indexing="ij")
+    short = kv < prompt + 1
+    spared = short & ~kv_len_bad_torch(kv - 1, prompt, 1 << 20)
+    assert torch.equal(padding_rows(kv, prompt), spared)
+    assert padding_rows(np.array([1, 1, 2]), np.array([1, 2, 1])).tolist() == [True, False, False]
