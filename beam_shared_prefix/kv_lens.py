@@ -1,10 +1,10 @@
 """The rules a beam-search decode step's KV lengths obey, written once.
 
 Each beam row's ``kv_len`` counts its prompt, its generated tokens and this step's token. So it is at least the
-row's least length (1; the prompt length + 1 where the plan is known, but for :func:`padding_rows`) and at most the positions its cache covers
-(:func:`kv_capacity`: past them the kernels mask the row, and this step's K/V would not be stored). The beams of one
-request advance together: a beam that reads another beam's position past its own length reads a slot being written
-in this step.
+row's least length (1; the prompt length + 1 where the plan is known, but for :func:`padding_rows`) and at most the
+positions its cache covers (:func:`kv_capacity`: past them the kernels mask the row, and this step's K/V would not be
+stored). The beams of one request advance together: a beam that reads another beam's position past its own length
+reads a slot being written in this step.
 
 The TensorRT-LLM adapter's planning (which hands a step that breaks a rule to the default kernel) and check mode
 (which stops at it) both ask :func:`kv_lens_problem` and word its answer for their own reader. The launchers' check
