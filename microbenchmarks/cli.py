@@ -226,8 +226,9 @@ def _progress(total: int, enabled: bool):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     except ImportError:
         return None
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    transient=False)
+    # No markup: a swept shape's name ("custom[requests=8,...]") would read as a style tag and vanish.
+    return Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), transient=False)
 
 
 #: The largest count of timed calls, sets, warm-up calls, re-plans or checked requests a flag takes (a typo past it

@@ -13,7 +13,8 @@ JSON document (``schema = "beam-shared-prefix-bench/1"``)::
         {"shape": {...}, "label", "sets", "prompt_lens", "tail_lens", "traffic_bytes": {...}, "flops",
          "floors": {"memory_us", "assembled_memory_us", "compute_us", "floor_us", "assembled_floor_us"},
          "work": {"full"|"prefix"|"tail": {"bytes", "flops", "floor_us"}},
-         "decline_reason": str or null,
+         "decline_reason": str or null,    # the rule's verdict on the eager path
+         "rule_paths": {"eager", "graph"} or null,   # auto's path on eager steps and on a CUDA-graph wrapper
          "plan": {arm: {"first_plan_us", "replan_us", "replan_keyed_us", "build_step_plan_us"}},
          "arms": [{"name", "kind", "work", "description", "status" (ok|skipped|failed|check_failed),
                    "reason", "graphed", "graph_error", "info", "check": {...},
@@ -153,8 +154,10 @@ def _console():
         return None
     import sys
 
-    # Logs and pipes get a wide table instead of rich's default 80 columns.
-    return Console() if sys.stdout.isatty() else Console(width=220)
+    # Logs and pipes get a wide table instead of rich's default 80 columns. No markup: the tables and lines carry
+    # bracketed text of their own ("[declined by the rule: ...]", "[host]"), which rich would take for style tags.
+    options = dict(markup=False, emoji=False)
+    return Console(**options) if sys.stdout.isatty() else Console(width=220, **options)
 
 
 def _num(x, unit: str) -> str:
@@ -224,6 +227,17 @@ def point_rows(point: Dict) -> List[List[str]]:
     return rows
 
 
+def graph_path_note(point: Dict) -> Optional[str]:
+    """Where a graphed ``library/auto`` arm ran another path than the eager one the rule's verdict judges (its
+    time is then not the eager step's): a note naming both, else ``None``."""
+    paths = point.get("rule_paths") or {}
+    auto = next((a for a in point.get("arms", []) if a.get("name") == "library/auto"), None)
+    if auto is None or not auto.get("graphed") or paths.get("eager") == paths.get("graph"):
+        return None
+    return (f"the rule judges the eager path ({paths['eager']}); library/auto ran a CUDA graph, whose path is "
+            f"{paths['graph']}")
+
+
 HEADER = ["arm", "mode", "time (median)", "vs decode", "vs cascade", "x floor", "achieved", "TFLOP/s", "check / notes"]
 
 
@@ -233,6 +247,9 @@ def print_point(point: Dict, console=None) -> None:
     title = point["label"]
     if point.get("decline_reason"):
         title += f"  [declined by the rule: {point['decline_reason']}]"
+    note = graph_path_note(point)
+    if note:
+        title += f"  [{note}]"
     rows = point_rows(point)
     header = point_header(point)
     if console is not None:
@@ -288,7 +305,9 @@ def print_summary(doc: Dict, console=None) -> None:
                  f"{_fmt(a.get('floor_multiple'), '.2f')}x floor"
                  + (f"; kernels {_us(a['kernel_us'])}, {_fmt(a.get('kernel_floor_multiple'), '.2f')}x"
                     if a.get("kernel_us") else "") + ")" for a in libs]
-        lines.append(f"{p['label']}: " + ("; ".join(parts) if parts else "no library arm ran"))
+        note = graph_path_note(p)
+        lines.append(f"{p['label']}: " + ("; ".join(parts) if parts else "no library arm ran")
+                     + (f"  [{note}]" if note else ""))
     for line in lines:
         (console.print(line) if console is not None else print(line))
 

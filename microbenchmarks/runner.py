@@ -23,7 +23,8 @@ from .shapes import BenchShape
 from .timing import GraphedCall, capture_graph, time_cpu, time_cuda, time_kernels
 from .workload import BenchWorkload, build_workload
 
-__all__ = ["RunOptions", "Rates", "run_point", "estimate_workload_bytes", "decline_reason", "rule_verdict"]
+__all__ = ["RunOptions", "Rates", "run_point", "estimate_workload_bytes", "decline_reason", "rule_paths",
+           "rule_verdict"]
 
 
 @dataclass
@@ -117,6 +118,20 @@ def decline_reason(shape: BenchShape) -> Optional[str]:
         return _auto_verdict(shape)[2]
     except ImportError:
         return None
+
+
+def rule_paths(shape: BenchShape, declare_tail: bool = False) -> Optional[Dict[str, str]]:
+    """``{"eager": path, "graph": path}``: the path ``auto`` takes for ``shape`` on eager steps, which
+    ``decline_reason`` judges, and on a CUDA-graph wrapper, which the graphed library arms run (as
+    :func:`rule_verdict` names them); ``None`` where the library's rules cannot be read (no triton, or a settings
+    error in the environment)."""
+    from beam_shared_prefix.config import ConfigError
+
+    try:
+        v = rule_verdict(shape, declare_tail)
+    except (ImportError, ConfigError):
+        return None
+    return {"eager": v["path"], "graph": v["graph_path"]}
 
 
 def rule_verdict(shape: BenchShape, declare_tail: bool = False) -> Dict:
@@ -352,6 +367,7 @@ def run_point(
         "floors": floors,
         "work": works,
         "decline_reason": decline_reason(shape),
+        "rule_paths": rule_paths(shape, opts.declare_tail),
         "arms": arm_results,
         "plan": plan_times,
     }

@@ -31,7 +31,9 @@ def test_preset_a_without_gpu_writes_json(no_gpu, tmp_path, capsys):
     (point,) = doc["results"]
     assert point["shape"]["name"] == "A-cpu" and point["shape"]["heads"] == 16 and point["shape"]["kv_heads"] == 8
     assert point["shape"]["requests"] == 2 and point["shape"]["beams"] == 8
-    assert set(point) >= {"traffic_bytes", "flops", "floors", "work", "arms", "plan", "decline_reason", "label"}
+    assert set(point) >= {"traffic_bytes", "flops", "floors", "work", "arms", "plan", "decline_reason", "rule_paths",
+                          "label"}
+    assert point["rule_paths"] == {"eager": "cascade", "graph": "cascade"}
     names = [a["name"] for a in point["arms"]]
     assert names == ["library/reference+torch-tail", "prefix/reference", "tail/torch"]
     for arm in point["arms"]:
@@ -387,3 +389,48 @@ def test_rule_prints_the_library_verdict_without_measuring(capsys, monkeypatch):
         assert cli.main(argv + extra) == 0
         line = capsys.readouterr().out.strip()
         assert f"64/8 D128 Pg32 bf16: cascade{graph_path}, tails served" in line, line
+
+
+@pytest.mark.parametrize("graphed", [True, False])
+def test_a_graphed_auto_arm_on_another_path_than_the_verdicts_is_named(capsys, graphed):
+    """At 256 requests x 3 beams x 100 tokens, GQA 64/8, ``auto`` takes the cascade on eager steps (which the rule's
+    verdict judges) but FA4 + tail on a CUDA-graph wrapper (past the 8-beam tile's cap): a graphed ``library/auto``
+    arm timed the latter, and the table's title and the summary line say so; an eager one, or one whose paths agree,
+    gets no note."""
+    from microbenchmarks.report import graph_path_note, print_point, print_summary
+    from microbenchmarks.runner import rule_paths
+    from microbenchmarks.shapes import BenchShape
+
+    shape = BenchShape(name="edge", requests=256, beams=3, prompt=100, tail=4, heads=64, kv_heads=8)
+    paths = rule_paths(shape)
+    assert paths == {"eager": "cascade", "graph": "prefix + tail kernel"}
+    arms = [{"name": "library/auto", "kind": "library", "status": "ok", "graphed": graphed, "time_us": 168.0,
+             "speedup_vs_decode": 0.9},
+            {"name": "fi-decode-tc", "kind": "baseline", "status": "ok", "time_us": 151.0, "speedup_vs_decode": 1.0}]
+    point = {"shape": shape.to_dict(), "label": "edge", "arms": arms, "floors": {}, "decline_reason": None,
+             "rule_paths": paths}
+    note = graph_path_note(point)
+    assert (note is not None) is graphed
+    print_point(point, console=None)
+    print_summary(make_document([point], {"device": "test"}, {}, {}, ["x"]), console=None)
+    out = " ".join(capsys.readouterr().out.split())  # (the table's title wraps)
+    if graphed:
+        assert "the rule judges the eager path (cascade)" in note and "prefix + tail kernel" in note
+        assert out.count(note) == 2, out
+    assert graph_path_note({**point, "rule_paths": {"eager": "cascade", "graph": "cascade"}}) is None
+    assert graph_path_note({**point, "rule_paths": None}) is None
+
+
+def test_bracketed_text_reaches_the_terminal(capsys):
+    """The terminal's console takes no markup: a table title's ``[declined by the rule: ...]`` and a plan line's
+    ``[host]`` read as rich style tags otherwise, and vanished from every run's output until round 65."""
+    from microbenchmarks.report import print_point
+
+    arms = [{"name": "fi-decode-tc", "kind": "baseline", "status": "ok", "time_us": 151.0, "speedup_vs_decode": 1.0}]
+    plan = {"library/auto": {"first_plan_us": 900.0, "replan_us": 9.0, "replan_keyed_us": 4.0,
+                             "build_step_plan_us": 200.0}}
+    print_point({"shape": {}, "label": "edge", "arms": arms, "floors": {}, "plan": plan,
+                 "decline_reason": "64 beam rows < 120: too few programs"}, console=None)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[declined by the rule: 64 beam rows < 120: too few programs]" in out, out
+    assert "StepPlan build 200 us [host]" in out, out
