@@ -228,14 +228,15 @@ def point_rows(point: Dict) -> List[List[str]]:
 
 
 def graph_path_note(point: Dict) -> Optional[str]:
-    """Where a graphed ``library/auto`` arm ran another path than the eager one the rule's verdict judges (its
-    time is then not the eager step's): a note naming both, else ``None``."""
+    """Where a graphed ``library/auto`` arm (or ``auto-flag``'s ``library/auto+flag``) ran another path than the
+    eager one the rule's verdict judges (its time is then not the eager step's): a note naming both, else ``None``."""
     paths = point.get("rule_paths") or {}
-    auto = next((a for a in point.get("arms", []) if a.get("name") == "library/auto"), None)
-    if auto is None or not auto.get("graphed") or paths.get("eager") == paths.get("graph"):
+    auto = [a["name"] for a in point.get("arms", [])
+            if a.get("name", "").split("+")[0] == "library/auto" and a.get("graphed")]
+    if not auto or paths.get("eager") == paths.get("graph"):
         return None
-    return (f"the rule judges the eager path ({paths['eager']}); library/auto ran a CUDA graph, whose path is "
-            f"{paths['graph']}")
+    return (f"the rule judges the eager path ({paths['eager']}); {' and '.join(auto)} ran a CUDA graph, whose path "
+            f"is {paths['graph']}")
 
 
 HEADER = ["arm", "mode", "time (median)", "vs decode", "vs cascade", "x floor", "achieved", "TFLOP/s", "check / notes"]

@@ -420,6 +420,9 @@ def test_a_graphed_auto_arm_on_another_path_than_the_verdicts_is_named(capsys, m
     if graphed:
         assert "the rule judges the eager path (cascade)" in note and "prefix + tail kernel" in note
         assert out.count(note) == 2, out
+    flag_arm = {**arms[0], "name": "library/auto+flag"}
+    assert (graph_path_note({**point, "arms": [flag_arm]}) or "").endswith(
+        "library/auto+flag ran a CUDA graph, whose path is prefix + tail kernel") is graphed
     assert graph_path_note({**point, "rule_paths": {"eager": "cascade", "graph": "cascade"}}) is None
     assert graph_path_note({**point, "rule_paths": None}) is None
 
