@@ -610,6 +610,17 @@ def _autos_path(requests, beams, prompt, heads, kv_heads, head_dim, tail, eager)
     return split_kv, not split_kv and cascade_serves("auto", tail_len=tail, eager=eager, **batch)
 
 
+def _on_autos_path(s, eager, **kwargs):
+    """``(decline reason, arm)`` of grid shape ``s`` on the path ``auto`` takes (``eager`` steps or a CUDA-graph
+    wrapper): the rule's verdict there, and the arm that times that path (the cascade ``library/triton``,
+    FlashInfer's split prompt ``library/flashinfer``, FA4 + tail ``library/fa4``)."""
+    split_kv, one_launch = _autos_path(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"],
+                                       s["head_dim"], s["tail"], eager=eager)
+    reason = should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
+                            one_launch=one_launch, split_kv=split_kv, **kwargs)
+    return reason, "library/triton" if one_launch else "library/flashinfer" if split_kv else "library/fa4"
+
+
 @pytest.mark.parametrize("pattern,points_measured,points_served", [
     ("rule_flip_g[58]_kv8_round61.json", 36, 36),
     ("w3_floor_g[58]_kv8_round61.json", 18, 6),
@@ -625,14 +636,12 @@ def test_round_61_grids_hold_the_margin_on_the_path_auto_now_takes(monkeypatch, 
     monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H200's, on any machine
     points = served = 0
     for name, s, arms, decode in _grid_points(pattern):
-        split_kv, one_launch = _autos_path(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"],
-                                           s["head_dim"], s["tail"], eager=False)
-        assert not split_kv, name  # (FlashInfer's split prompt was not timed in these grids)
+        reason, arm = _on_autos_path(s, eager=False)
+        assert arm != "library/flashinfer", name  # (FlashInfer's split prompt was not timed in these grids)
         points += 1
-        if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
-                          one_launch=one_launch, split_kv=split_kv) is None:
+        if reason is None:
             served += 1
-            speedup = decode / arms["library/triton" if one_launch else "library/fa4"]["time_us"]
+            speedup = decode / arms[arm]["time_us"]
             assert speedup >= 1.10, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} at {speedup:.2f}x"
     assert (points, served) == (points_measured, points_served)
 
@@ -657,13 +666,10 @@ def test_round_65_h100_grids_serve_no_step_slower_than_decode_on_the_eager_path(
     for pattern in ("heldout28_*_round65.json", "flip_*_round65.json", "cap_edge_g8_kv8_round65.json"):
         points = served = 0
         for name, s, arms, decode in _grid_points(pattern, card="h100"):
-            split_kv, one_launch = _autos_path(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"],
-                                               s["head_dim"], s["tail"], eager=True)
+            reason, arm = _on_autos_path(s, eager=True, tail_len=s["tail"])
             points += 1
-            if should_decline(s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"],
-                              one_launch=one_launch, split_kv=split_kv, tail_len=s["tail"]) is None:
+            if reason is None:
                 served += 1
-                arm = "library/triton" if one_launch else "library/flashinfer" if split_kv else "library/fa4"
                 speedup = decode / arms[arm]["time_us"]
                 key = (s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"], s["head_dim"])
                 assert speedup > 1.0, f"{name}: {key} served on {arm} at {speedup:.2f}x"
