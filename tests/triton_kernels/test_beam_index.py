@@ -18,7 +18,10 @@ from hypothesis import strategies as st
 from triton_kernels.beam_index import shared_ancestry_len
 
 
-@triton.jit
+# pos_begin and pos_end are loaded per request in the cascade and shared-run kernels, never launch scalars that
+# Triton specializes: here, both equal to 1 (a specialization those kernels never see) crashed Triton 3.6's
+# TritonGPUCoalesce pass for sm_90 ("PassManager::run failed", H100, round 66; Triton 3.9 compiles it).
+@triton.jit(do_not_specialize=["pos_begin", "pos_end"])
 def _shared_len_kernel(ci_ptr, out_ptr, stride_req, stride_beam, stride_pos, beam_width, pos_begin, pos_end,
                        BEAMS: tl.constexpr, SCAN: tl.constexpr):
     req = tl.program_id(0)
