@@ -651,8 +651,9 @@ def test_round_61_grids_hold_the_margin_on_the_path_auto_now_takes(monkeypatch, 
 _ROUND_65_H100_SERVED_UNDER_MARGIN = {(40, 3, 50, 48, 8, 128), (8, 8, 2000, 4, 4, 64), (8, 16, 1200, 4, 4, 64)}
 
 
-def test_round_65_h100_grids_serve_no_step_slower_than_decode_on_the_eager_path(monkeypatch):
-    """The held-out 28 and the request-count flips, timed on an H100 (``docs/results/h100``). The bench's
+def test_h100_grids_serve_no_step_slower_than_decode_on_the_eager_path(monkeypatch):
+    """The held-out 28, the request-count flips and the 8-beam tile past its H200 cap (round 65), and 3 beams at 4 KV
+    heads and the cap's edge again (round 66), timed on an H100 (``docs/results/h100``). The bench's
     ``library/auto`` ran a CUDA-graph wrapper, whose path differs from the eager one at some points, so each point is
     judged on the path ``auto`` takes on an eager step (as TensorRT-LLM's adapter judges a step whose prompt it knows)
     and timed by that path's arm (the cascade ``library/triton``, FlashInfer's split prompt ``library/flashinfer``,
@@ -663,7 +664,8 @@ def test_round_65_h100_grids_serve_no_step_slower_than_decode_on_the_eager_path(
     monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H100 SXM's and the H200's
     counts = {}
     under = set()
-    for pattern in ("heldout28_*_round65.json", "flip_*_round65.json", "cap_edge_g8_kv8_round65.json"):
+    for pattern in ("heldout28_*_round65.json", "flip_*_round65.json", "cap_edge_g8_kv8_round65.json",
+                    "kv4_w3_g*_round66.json", "cap_edge_224_round66.json"):
         points = served = 0
         for name, s, arms, decode in _grid_points(pattern, card="h100"):
             reason, arm = _on_autos_path(s, eager=True, tail_len=s["tail"])
@@ -677,14 +679,34 @@ def test_round_65_h100_grids_serve_no_step_slower_than_decode_on_the_eager_path(
                     under.add(key)
         counts[pattern] = (points, served)
     assert counts == {"heldout28_*_round65.json": (48, 40), "flip_*_round65.json": (32, 18),
-                      "cap_edge_g8_kv8_round65.json": (4, 4)}
+                      "cap_edge_g8_kv8_round65.json": (4, 4), "kv4_w3_g*_round66.json": (16, 4),
+                      "cap_edge_224_round66.json": (4, 4)}
     assert under == _ROUND_65_H100_SERVED_UNDER_MARGIN
+
+
+def test_past_the_h200_cap_the_8_beam_tile_serves_the_h100_grids_on_the_graph_path(monkeypatch):
+    """The 8-beam tile at 13.6 and 15.5 programs a multiprocessor (224 and 256 requests x 3 and 5 beams x 8 KV heads,
+    GQA 64/8, 100-300 tokens; an H100, rounds 65 and 66), past the H200 grids' 11.6: a CUDA-graph wrapper takes the
+    cascade there (``CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128``), which ran every point at least 1.10x
+    faster than per-beam decode (FA4 + tail, the path before, 0.90x-1.69x), and its 198-request points stay on it."""
+    from beam_shared_prefix.prefix import waves
+
+    monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H100 SXM's and the H200's
+    points = []
+    for name, s, arms, decode in _grid_points("cap_edge_*_round6[56].json", card="h100"):
+        reason, arm = _on_autos_path(s, eager=False)
+        assert (reason, arm) == (None, "library/triton"), (name, s["requests"], s["beams"], s["prompt"], reason)
+        speedup = decode / arms[arm]["time_us"]
+        assert speedup >= 1.10, f"{name}: R={s['requests']} W={s['beams']} P={s['prompt']} at {speedup:.2f}x"
+        points.append((s["requests"], s["beams"], s["prompt"]))
+    assert sorted(points) == [(198, 3, 100), (198, 3, 150), (224, 3, 100), (224, 3, 300), (224, 5, 100),
+                              (224, 5, 300), (256, 3, 100), (256, 3, 150)]
 
 
 # Shapes whose verdict on the path ``auto`` takes is served at some request count and declined at a larger one:
 # ``(group, KV heads, head, beams, prompt, served at, declined at)`` by mode (eager steps, CUDA-graph wrappers). Each
 # is the edge of one rule meeting another's (round 61's audit), timed on both sides on an H100 in round 65 and not yet on
-# the H200 (test_round_65_h100_grids_serve_no_step_slower_than_decode_on_the_eager_path):
+# the H200 (test_h100_grids_serve_no_step_slower_than_decode_on_the_eager_path):
 _KNOWN_REQUEST_FLIPS = {
     # FlashInfer's split prompt serves a few requests under the row floor; a few more move auto to the cascade or FA4 +
     # tail, where the floor declines. (On the H100 the declined side was mostly faster than per-beam decode, and the
@@ -694,9 +716,10 @@ _KNOWN_REQUEST_FLIPS = {
            (5, 2, 128, 16, 4000, 4, 8), (5, 2, 128, 30, 4000, 2, 4), (8, 2, 128, 8, 4000, 8, 20)},
     False: {(1, 2, 64, 16, 1200, 16, 24), (3, 2, 128, 8, 4000, 8, 12), (5, 2, 128, 8, 4000, 8, 12),
             (5, 2, 128, 16, 4000, 4, 8), (5, 2, 128, 30, 4000, 2, 4), (8, 2, 128, 8, 4000, 8, 20),
-            # Past the 8-beam tile's cap (1,584 programs) FA4 + tail runs, and (W - 1) x P < 600 declines it.
-            (5, 8, 128, 3, 100, 40, 199), (5, 8, 128, 5, 100, 24, 199), (8, 8, 128, 3, 100, 40, 199),
-            (8, 8, 128, 5, 100, 24, 199),
+            # Past the 8-beam tile's cap (2,112 programs; 1,584 until round 66) FA4 + tail runs, and (W - 1) x P < 600
+            # declines it.
+            (5, 8, 128, 3, 100, 40, 288), (5, 8, 128, 5, 100, 24, 288), (8, 8, 128, 3, 100, 40, 288),
+            (8, 8, 128, 5, 100, 24, 288),
             # G = 8 at head 64: FA4 + tail where the cascade's waves are under 0.9 as full, served by (W - 1) x P;
             # the cascade elsewhere, whose head-64 table asks 500 tokens of 3 beams.
             (8, 8, 64, 3, 300, 40, 64), (8, 2, 64, 3, 300, 160, 199)},
@@ -706,12 +729,12 @@ _KNOWN_REQUEST_FLIPS = {
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graph"])
 def test_more_requests_are_declined_on_autos_path_only_at_the_known_flips(monkeypatch, eager):
     """On the path ``auto`` takes (every backend installed, a 4-token tail), a shape served at some request count is
-    served at every larger one, over 480 shapes and 18 request counts, but for :data:`_KNOWN_REQUEST_FLIPS`: a rule
+    served at every larger one, over 480 shapes and 19 request counts, but for :data:`_KNOWN_REQUEST_FLIPS`: a rule
     change that adds a flip, or removes one, shows here."""
     from beam_shared_prefix.prefix import waves
 
     monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H200's, on any machine
-    requests = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128, 160, 198, 199, 256)
+    requests = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128, 160, 198, 199, 256, 288)
 
     def served(r, w, p, heads, kv_heads, head_dim):
         split_kv, one_launch = _autos_path(r, w, p, heads, kv_heads, head_dim, 4, eager)

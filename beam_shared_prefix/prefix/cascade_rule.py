@@ -19,13 +19,15 @@ from .waves import _cascade_programs, _wave_balance, wave_efficiency
 
 __all__ = ["CASCADE_BY_WAVES_MIN_BALANCE", "CASCADE_BY_WAVES_MIN_FILL", "CASCADE_BY_WAVES_PARTLY_FULL",
            "CASCADE_FEW_PROGRAMS", "CASCADE_FEW_PROGRAMS_SEVERAL_BLOCKS", "CASCADE_GROUP_8_HEAD_64_MIN_BALANCE",
-           "CASCADE_MANY_BLOCKS_HEAD_64", "CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128", "CASCADE_MAX_GROUP",
+           "CASCADE_MANY_BLOCKS_HEAD_64", "CASCADE_MANY_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128",
+           "CASCADE_MAX_BLOCKS_GROUP_8_HEAD_128", "CASCADE_MAX_GROUP",
            "CASCADE_MAX_MEAN_PROMPT", "CASCADE_MAX_MEAN_PROMPT_BY_WAVES", "CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS",
            "CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_GROUP_8_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_NARROW_TILE",
            "CASCADE_MAX_MEAN_PROMPT_GROUP_8", "CASCADE_MAX_MEAN_PROMPT_GROUP_8_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_HALF_WAVE_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_GROUP_8_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_MANY_BLOCKS_WIDE_GROUP_HEAD_64",
            "CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128",
+           "CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_MANY_PROGRAMS_GROUP_8_HEAD_128",
            "CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128",
            "CASCADE_MAX_MEAN_PROMPT_PADDED_GROUP_8_HEAD_64", "CASCADE_MAX_MEAN_PROMPT_SEVERAL_BLOCKS_FEW_PROGRAMS",
            "CASCADE_MAX_MEAN_PROMPT_SPLIT", "CASCADE_MAX_MEAN_PROMPT_SPLIT_HEAD_64",
@@ -316,9 +318,18 @@ CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128 = 0.9
 # programs 1.23-1.44x at 300 tokens, 1.03-1.17x at 600, and at 1,000 1.02-1.06x at G = 8 and 0.96-1.01x at G = 5 (past
 # its 640-token limit), as the full-wave limits of the fifty-seventh round predict (2.9-5.8 waves of the tile, 0.97
 # full).
-#: G = 5-8 at head 128, narrow widths: never the cascade with more programs than this many per multiprocessor (measured
-#: to 1,536 programs, 11.6 a multiprocessor on the H200's 132).
-CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128 = 12
+# Past that edge (sixty-fifth and sixty-sixth rounds, an H100, whose 132 multiprocessors are the H200's; graph replays,
+# 4-token tails, GQA 64/8: cap_edge_g8_kv8_round65.json, 256 x 3 at 100 and 150 tokens; cap_edge_224_round66.json,
+# 224 x 3 and 5 at 100 and 300), 1,792 and 2,048 programs (13.6 and 15.5 a multiprocessor): the cascade 1.49-2.53x
+# faster than per-beam decode, FA4 + tail 0.90-1.69x (0.90-0.94x at 100 tokens of 3 beams, where (W - 1) x P declined
+# it). Longer prompts were not timed past the edge, where the H200's margin over FA4 + tail narrowed (1.02-1.06x at
+# 1,000 tokens, G = 8): they keep the edge.
+#: G = 5-8 at head 128, narrow widths: never the cascade with more programs than this many per multiprocessor.
+CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128 = 16
+#: ... and past this many (the H200 grids' edge: 1,536 programs, 11.6 a multiprocessor on its 132), only up to a mean
+#: prompt of :data:`CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_MANY_PROGRAMS_GROUP_8_HEAD_128` tokens (the H100 grids').
+CASCADE_MANY_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128 = 12
+CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_MANY_PROGRAMS_GROUP_8_HEAD_128 = 300
 #: The narrowest beam width the narrow-tile clauses (G = 5-8 at head 128, and
 #: :data:`CASCADE_MAX_MEAN_PROMPT_FEW_PROGRAMS_NARROW_TILE`) were measured at; narrower ones keep the wide tile's rules.
 CASCADE_NARROW_TILE_MIN_BEAMS = 3
@@ -1010,8 +1021,11 @@ def group_8_head_128_narrow_tile_limit(num_requests: int | None, num_kv_heads: i
     :data:`CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128` of ``group`` where the launch is one wave of the tile
     (``NARROW_TILE_GROUP_8_PROGRAMS_PER_SM`` programs a multiprocessor, ``num_sms``; ``None``: :func:`multiprocessors`)
     or its waves are at least :data:`CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128` full, else
-    :data:`CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128`. (:func:`group_8_head_128_verdict`
-    declines the launches of at most one program a multiprocessor.)"""
+    :data:`CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128`; at most
+    :data:`CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_MANY_PROGRAMS_GROUP_8_HEAD_128` past
+    :data:`CASCADE_MANY_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128` programs a multiprocessor.
+    (:func:`group_8_head_128_verdict` declines the launches of at most one program a multiprocessor, and of more than
+    :data:`CASCADE_MAX_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128`.)"""
     if num_requests is None or beam_width is None or num_requests < 1 or not _narrow_tile(beam_width, group, 128):
         return None
     from triton_kernels.cascade import NARROW_TILE_GROUP_8_PROGRAMS_PER_SM  # deferred: triton is imported on first use
@@ -1020,8 +1034,12 @@ def group_8_head_128_narrow_tile_limit(num_requests: int | None, num_kv_heads: i
     wave = NARROW_TILE_GROUP_8_PROGRAMS_PER_SM * sms
     waves = -(-programs // wave)
     if waves == 1 or programs / (waves * wave) >= CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128:
-        return CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128[group]
-    return CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128[group]
+        limit = CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128[group]
+    else:
+        limit = CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_PARTLY_FULL_GROUP_8_HEAD_128[group]
+    if programs > CASCADE_MANY_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128 * sms:
+        limit = min(limit, CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_MANY_PROGRAMS_GROUP_8_HEAD_128)
+    return limit
 
 
 def _narrow_tile(beam_width: int, group: int, head_dim: int) -> bool:

@@ -393,7 +393,7 @@ def test_rule_prints_the_library_verdict_without_measuring(capsys, monkeypatch):
 
 @pytest.mark.parametrize("graphed", [True, False])
 def test_a_graphed_auto_arm_on_another_path_than_the_verdicts_is_named(capsys, monkeypatch, graphed):
-    """At 256 requests x 3 beams x 100 tokens, GQA 64/8, ``auto`` takes the cascade on eager steps (which the rule's
+    """At 288 requests x 3 beams x 100 tokens, GQA 64/8, ``auto`` takes the cascade on eager steps (which the rule's
     verdict judges) but FA4 + tail on a CUDA-graph wrapper (past the 8-beam tile's cap): a graphed ``library/auto``
     arm timed the latter, and the table's title and the summary line say so; an eager one, or one whose paths agree,
     gets no note."""
@@ -402,9 +402,9 @@ def test_a_graphed_auto_arm_on_another_path_than_the_verdicts_is_named(capsys, m
     from microbenchmarks.runner import rule_paths
     from microbenchmarks.shapes import BenchShape
 
-    monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # (the cap is 12 programs a multiprocessor)
+    monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # (the cap is 16 programs a multiprocessor)
     monkeypatch.delenv("TLLM_BEAM_SHARED_PREFIX_MAX_TAIL", raising=False)
-    shape = BenchShape(name="edge", requests=256, beams=3, prompt=100, tail=4, heads=64, kv_heads=8)
+    shape = BenchShape(name="edge", requests=288, beams=3, prompt=100, tail=4, heads=64, kv_heads=8)
     paths = rule_paths(shape)
     assert paths == {"eager": "cascade", "graph": "prefix + tail kernel"}
     arms = [{"name": "library/auto", "kind": "library", "status": "ok", "graphed": graphed, "time_us": 168.0,

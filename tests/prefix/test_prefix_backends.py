@@ -815,8 +815,9 @@ def test_prompt_decline_names_the_launch_tile(monkeypatch, heads, requests, beam
     (17, 3, 64, 132, None),  # 136 programs
     (16, 8, 16, 132, "128 cascade programs of the 8-beam tile (<= 132 multiprocessors)"),
     (70, 5, None, 132, None),  # 560 programs: the 8-beam tile's cap is its own (round 61)
-    (192, 5, None, 132, None),  # 1,536 programs, the most measured
-    (199, 5, None, 132, "1592 cascade programs of the 8-beam tile (> 12 a multiprocessor, 132 multiprocessors)"),
+    (192, 5, None, 132, None),  # 1,536 programs, the most measured on the H200
+    (256, 5, None, 132, None),  # 2,048 programs, measured on an H100 (round 66), under a narrower prompt limit
+    (265, 5, None, 132, "2120 cascade programs of the 8-beam tile (> 16 a multiprocessor, 132 multiprocessors)"),
     (64, 2, None, 132, "no tail bound"),  # 2 beams run the 8-beam tile too, but were not measured: the wide rules
     (32, 12, 16, 132, None),
     (32, 30, 16, 132, None),  # 512 programs, two blocks 15/16 full
@@ -827,6 +828,22 @@ def test_group_8_head_128_verdict_names_its_limit(requests, beams, bound, sms, w
 
     verdict = group_8_head_128_verdict(requests, 8, beams, 8, bound, num_sms=sms)
     assert verdict is None if why is None else why in verdict, verdict
+
+
+@pytest.mark.parametrize("requests,beams,group,limit", [
+    (64, 5, 8, 1024),  # 512 programs: two full waves of the 8-beam tile (2 a multiprocessor)
+    (70, 5, 5, 256),  # 560: three waves 0.71 full
+    (198, 3, 8, 1024),  # 1,584: 12 a multiprocessor, the H200 grids' edge
+    (199, 3, 8, 300),  # 1,592: past it, the H100 grids' prompts only
+    (256, 5, 5, 300),
+    (64, 30, 8, None),  # 30 beams take the wide tile
+])
+def test_group_8_head_128_narrow_tile_limit_follows_the_waves(requests, beams, group, limit):
+    """The 8-beam tile's prompt limit at 8 KV heads on 132 multiprocessors: the full-wave limit by group, the partly
+    full waves' lower one, and past 12 programs a multiprocessor (up to the cap of 16) at most 300 tokens."""
+    from beam_shared_prefix.prefix.cascade_rule import group_8_head_128_narrow_tile_limit
+
+    assert group_8_head_128_narrow_tile_limit(requests, 8, beams, group, num_sms=132) == limit
 
 
 def test_group_8_at_head_128_wants_a_tail_bound_on_the_h200_grids(monkeypatch):
