@@ -841,9 +841,26 @@ def test_group_8_head_128_verdict_names_its_limit(requests, beams, bound, sms, w
 def test_group_8_head_128_narrow_tile_limit_follows_the_waves(requests, beams, group, limit):
     """The 8-beam tile's prompt limit at 8 KV heads on 132 multiprocessors: the full-wave limit by group, the partly
     full waves' lower one, and past 12 programs a multiprocessor (up to the cap of 16) at most 300 tokens."""
-    from beam_shared_prefix.prefix.cascade_rule import group_8_head_128_narrow_tile_limit
+    from beam_shared_prefix.prefix import cascade_rule
 
-    assert group_8_head_128_narrow_tile_limit(requests, 8, beams, group, num_sms=132) == limit
+    assert cascade_rule.group_8_head_128_narrow_tile_limit(requests, 8, beams, group, num_sms=132) == limit
+
+
+@pytest.mark.parametrize("requests,prompt,why", [
+    (224, 300, ""),
+    (224, 400, ("mean prompt 400 tokens > 300 at W=3, G=8 (one beam block; the longest timed past 12 programs a "
+                "multiprocessor of the 8-beam tile)")),
+    (128, 1100, "mean prompt 1100 tokens > 1024 at W=3, G=8 (one beam block; measured slower than FA4 + tail there)"),
+])
+def test_the_8_beam_tiles_prompt_limits_say_whether_they_were_timed(monkeypatch, requests, prompt, why):
+    """Past 12 programs a multiprocessor the 8-beam tile's prompt limit is the longest prompt timed there, not a
+    crossover, and the reason says which (3 beams at GQA 64/8, a CUDA-graph wrapper)."""
+    from beam_shared_prefix.prefix import waves
+    from beam_shared_prefix.prefix.cascade_rule import cascade_preferred
+
+    monkeypatch.setattr(waves, "multiprocessors", lambda: 132)
+    assert cascade_preferred(mean_prompt_len=prompt, num_qo_heads=64, num_kv_heads=8, beam_width=3, head_dim=128,
+                             num_requests=requests, tail_len=4) == (why == "", why)
 
 
 def test_group_8_at_head_128_wants_a_tail_bound_on_the_h200_grids(monkeypatch):
