@@ -6,10 +6,16 @@
   CUDA machine, where the interpreter is off.
 - CPU runs of Triton kernels use the interpreter: ``TRITON_INTERPRET=1`` is set here, before any
   test module imports Triton, unless CUDA is present (then kernels run for real).
+- Tests that read the committed measurements (``docs/results``, through :mod:`h200_grids` or by path) are marked
+  ``results`` here, and skipped with the reason where the folder is absent: a GPU machine's copy of the checkout
+  leaves it behind (a device call carries at most 64 MiB), and those tests judge the rules, not the GPU. In CI
+  (``CI`` set) they are never skipped: a missing folder fails them.
 """
 
 import importlib.util
+import inspect
 import os
+import re
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,9 +60,38 @@ def _trtllm_importable() -> bool:
         return False
 
 
+_RESULTS_DIR = os.path.join(_ROOT, "docs", "results")
+# What a test's own source names when it reads docs/results: h200_grids' folder, its grid reader (and
+# test_decline's wrapper of it), or the path itself.
+_READS_RESULTS = ("RESULTS", "grid_points(", '"docs" / "results"', "docs/results")
+
+
+_HELPER_CALL = re.compile(r"\b(_[A-Za-z0-9_]+)\(")
+
+
+def _reads_results(function, namespace, depth=2) -> bool:
+    """Whether ``function``'s source, or that of a module helper it calls (``_name(``, ``depth`` calls down), names
+    one of :data:`_READS_RESULTS`."""
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):  # pragma: no cover  (no Python source behind it)
+        return False
+    if any(token in source for token in _READS_RESULTS):
+        return True
+    helpers = {namespace.get(name) for name in _HELPER_CALL.findall(source)} - {None, function}
+    return depth > 0 and any(inspect.isfunction(h) and _reads_results(h, namespace, depth - 1) for h in helpers)
+
+
 def pytest_collection_modifyitems(config, items):
     has_trtllm = None
+    skip_results = not os.path.isdir(_RESULTS_DIR) and not os.environ.get("CI")
     for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and _reads_results(function, vars(item.module)):
+            item.add_marker(pytest.mark.results)
+            if skip_results:
+                item.add_marker(pytest.mark.skip(reason=f"reads the committed measurements, and {_RESULTS_DIR} is "
+                                                        f"absent (a device call's copy of the checkout leaves it)"))
         if item.get_closest_marker("interpreter") is not None and HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="runs Triton on CPU tensors, which needs TRITON_INTERPRET=1; "
                                                     "it is off on a CUDA machine (the GPU tests cover the kernel)"))
