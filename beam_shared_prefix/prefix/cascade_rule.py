@@ -790,7 +790,7 @@ def cascade_preferred(
         declined = group_3_head_64_verdict(num_requests, num_kv_heads, beam_width)
         if declined is not None:
             return False, declined
-    untimed = narrow_limit = None
+    narrow_limit = None
     if group > 4 and head_dim == 128:
         if tail_bound is None and eager:
             tail_bound = cascade_tail_bound(tail_len)
@@ -800,9 +800,6 @@ def cascade_preferred(
         narrow_limit = group_8_head_128_narrow_tile_limit(num_requests, num_kv_heads, beam_width, group)
         if narrow_limit is not None:
             limit = narrow_limit
-            if limit == CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_MANY_PROGRAMS_GROUP_8_HEAD_128:
-                untimed = (f"the longest timed past {CASCADE_MANY_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128} "
-                           f"programs a multiprocessor of the 8-beam tile")
     if group > 4 and head_dim == 64 and num_requests is not None and beam_width is not None and num_requests >= 1:
         sms = _waves.multiprocessors()
         programs = _cascade_programs(num_requests, num_kv_heads, beam_width, group, head_dim).programs
@@ -833,7 +830,10 @@ def cascade_preferred(
         if by_waves is not None and mean_prompt_len <= by_waves.limit:
             waves = (f"; {by_waves.limit} where the cascade's waves are at least {by_waves.least:g} as full as FA4's, "
                      f"here {by_waves.balance:.2f}")
-        measured = untimed if untimed and limit == narrow_limit else "measured slower than FA4 + tail there"
+        measured = "measured slower than FA4 + tail there"
+        if limit == narrow_limit == CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_MANY_PROGRAMS_GROUP_8_HEAD_128:
+            measured = (f"the longest timed past {CASCADE_MANY_PROGRAMS_PER_SM_NARROW_TILE_GROUP_8_HEAD_128} programs "
+                        f"a multiprocessor of the 8-beam tile")
         return False, (f"mean prompt {mean_prompt_len:.0f} tokens > {limit} at W={beam_width}, G={group} ({blocks}; "
                        f"{measured}{waves})")
     narrow = beam_width is not None and _narrow_tile(beam_width, group, head_dim)
