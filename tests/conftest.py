@@ -7,11 +7,12 @@
 - CPU runs of Triton kernels use the interpreter: ``TRITON_INTERPRET=1`` is set here, before any
   test module imports Triton, unless CUDA is present (then kernels run for real).
 - Tests that read the committed measurements (``docs/results``, through :mod:`h200_grids` or by path) are marked
-  ``results`` here, and skipped with the reason where the folder is absent: a GPU machine's copy of the checkout
-  leaves it behind (a device call carries at most 64 MiB), and those tests judge the rules, not the GPU. In CI
-  (``CI`` set) they are never skipped: a missing folder fails them.
+  ``results`` here, and skipped with the reason where the folder holds no grids: a GPU machine's copy of the
+  checkout leaves them behind (a device call carries at most 64 MiB), and those tests judge the rules, not the GPU.
+  In CI (``CI`` set) they are never skipped: missing grids fail them.
 """
 
+import glob
 import importlib.util
 import inspect
 import os
@@ -66,6 +67,11 @@ _RESULTS_DIR = os.path.join(_ROOT, "docs", "results")
 _READS_RESULTS = ("RESULTS", "grid_points(", '"docs" / "results"', "docs/results")
 
 
+def _holds_results() -> bool:
+    """Whether :data:`_RESULTS_DIR` holds committed grids (``*/*.json``); a device copy may keep the folder empty."""
+    return bool(glob.glob(os.path.join(_RESULTS_DIR, "*", "*.json")))
+
+
 _HELPER_CALL = re.compile(r"\b(_[A-Za-z0-9_]+)\(")
 
 
@@ -84,14 +90,14 @@ def _reads_results(function, namespace, depth=2) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     has_trtllm = None
-    skip_results = not os.path.isdir(_RESULTS_DIR) and not os.environ.get("CI")
+    skip_results = not _holds_results() and not os.environ.get("CI")
     for item in items:
         function = getattr(item, "function", None)
         if function is not None and _reads_results(function, vars(item.module)):
             item.add_marker(pytest.mark.results)
             if skip_results:
-                item.add_marker(pytest.mark.skip(reason=f"reads the committed measurements, and {_RESULTS_DIR} is "
-                                                        f"absent (a device call's copy of the checkout leaves it)"))
+                item.add_marker(pytest.mark.skip(reason=f"reads the committed measurements, and {_RESULTS_DIR} holds no "
+                                                        f"grids (a device call's copy of the checkout leaves them)"))
         if item.get_closest_marker("interpreter") is not None and HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="runs Triton on CPU tensors, which needs TRITON_INTERPRET=1; "
                                                     "it is off on a CUDA machine (the GPU tests cover the kernel)"))
