@@ -12,6 +12,7 @@ from beam_shared_prefix.decline import (
     CASCADE_MIN_PROMPT,
     CASCADE_MIN_PROMPT_HEAD_64,
     CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8,
+    CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_4_KV_HEADS,
     MIN_BEAM_WIDTH_ANY_PROMPT,
     MIN_SHARED_PROMPT_TOKENS,
     TAIL_FEW_ROW_KV_HEADS,
@@ -60,12 +61,14 @@ def test_head_64_serves_from_its_own_threshold(w, served_from):
 
 @pytest.mark.parametrize("heads,kv_heads,served_from", [
     (64, 8, 50), (40, 8, 50), (48, 8, 50),  # GQA 5-8 at 8 KV heads: the 8-beam tile's own floor (round 61)
-    (32, 4, 150), (16, 2, 150),  # other KV head counts were not measured there: the general table
-    (32, 8, 150),  # GQA 4 (its measurements set the general table)
+    (32, 4, 80), (20, 4, 80), (28, 4, 80),  # GQA 5-8 at 4 KV heads: 80 (rounds 66-67, H100; 50 ran 1.05x there)
+    (16, 2, 150), (48, 6, 150),  # other KV head counts were not measured there: the general table
+    (32, 8, 150), (16, 4, 150),  # GQA 4 (its measurements set the general table)
 ])
 def test_three_beams_on_the_narrow_tile_of_groups_5_to_8(heads, kv_heads, served_from):
     """3 beams at head 128 on the one-launch cascade: GQA 5-8 with 8 KV heads is served from 50 tokens, where the
-    cascade's 8-beam tile measured 1.49x-2.16x faster than per-beam decode; elsewhere the general 150 stands."""
+    cascade's 8-beam tile measured 1.49x-2.16x faster than per-beam decode, and with 4 KV heads from 80 (1.32x-1.95x at
+    80-140 tokens on an H100); elsewhere the general 150 stands."""
     requests = 64 * 8 // kv_heads  # 192-384 beam rows: past every row floor
     assert should_decline(requests, 3, served_from, heads, kv_heads, 128, one_launch=True) is None
     reason = should_decline(requests, 3, served_from - 1, heads, kv_heads, 128, one_launch=True)
@@ -432,7 +435,7 @@ def test_prompt_unknown_serves_from_eight_beams(one_launch):
 
 @pytest.mark.parametrize("table,head_dim,group,kv_heads", [
     (CASCADE_MIN_PROMPT, 128, None, None), (CASCADE_MIN_PROMPT_HEAD_64, 64, None, None),
-    (CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8, 128, 8, 8),
+    (CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8, 128, 8, 8), (CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_4_KV_HEADS, 128, 6, 4),
 ])
 def test_cascade_thresholds_only_fall_with_the_beam_width(table, head_dim, group, kv_heads):
     widths = [w for w, _ in table]
@@ -678,10 +681,40 @@ def test_h100_grids_serve_no_step_slower_than_decode_on_the_eager_path(monkeypat
                 if speedup < 1.10:
                     under.add(key)
         counts[pattern] = (points, served)
-    assert counts == {"heldout28_*_round65.json": (48, 40), "flip_*_round65.json": (32, 18),
-                      "cap_edge_g8_kv8_round65.json": (4, 4), "kv4_w3_g*_round66.json": (16, 4),
+    assert counts == {"heldout28_*_round65.json": (48, 44), "flip_*_round65.json": (32, 22),
+                      "cap_edge_g8_kv8_round65.json": (4, 4), "kv4_w3_g*_round66.json": (16, 10),
                       "cap_edge_224_round66.json": (4, 4)}
     assert under == _ROUND_65_H100_SERVED_UNDER_MARGIN
+
+
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("pattern,points_measured,points_served,points_on_flashinfer", [
+    ("kv4_g[5678]_round67.json", 12, 12, 0),  # 3 beams at 4 KV heads, 80-140 tokens: the floor of 80
+    ("split_g[35]_kv[24]_round67.json", 22, 22, 15),  # GQA 3 and 5 at 2-4 KV heads: the split prompt's tile cap
+    ("split_short_g*_round67.json", 14, 10, 8),  # the same at 1,300 and 2,000 tokens: its prompt floor
+])
+def test_round_67_h100_grids_hold_the_margin_on_both_paths(monkeypatch, eager, pattern, points_measured,
+                                                          points_served, points_on_flashinfer):
+    """The sixty-seventh round's held-out H100 grids (no H200 came), timed for its two rule changes: every point the
+    rule serves, on eager steps and under a CUDA-graph wrapper alike, is at least 1.10x faster than per-beam decode on
+    the path ``auto`` takes; where that is FlashInfer's split prompt, no slower than 1.05x the faster of FA4 + tail and
+    the cascade (``SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS``: the 64-tile-head points, at 0.91x-1.04x, stay off it)."""
+    from beam_shared_prefix.prefix import waves
+
+    monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H100 SXM's and the H200's
+    points = served = on_flashinfer = 0
+    for name, s, arms, decode in _grid_points(pattern, card="h100"):
+        reason, arm = _on_autos_path(s, eager=eager, tail_len=s["tail"])
+        points += 1
+        if reason is None:
+            served += 1
+            key = (s["requests"], s["beams"], s["prompt"], s["heads"], s["kv_heads"])
+            assert decode / arms[arm]["time_us"] >= 1.10, f"{name}: {key} on {arm}"
+            if arm == "library/flashinfer":
+                on_flashinfer += 1
+                peer = min(arms["library/fa4"]["time_us"], arms["library/triton"]["time_us"])
+                assert arms[arm]["time_us"] <= 1.05 * peer, f"{name}: {key}"
+    assert (points, served, on_flashinfer) == (points_measured, points_served, points_on_flashinfer)
 
 
 def test_past_the_h200_cap_the_8_beam_tile_serves_the_h100_grids_on_the_graph_path(monkeypatch):
@@ -709,13 +742,11 @@ def test_past_the_h200_cap_the_8_beam_tile_serves_the_h100_grids_on_the_graph_pa
 # the H200 (test_h100_grids_serve_no_step_slower_than_decode_on_the_eager_path):
 _KNOWN_REQUEST_FLIPS = {
     # FlashInfer's split prompt serves a few requests under the row floor; a few more move auto to the cascade or FA4 +
-    # tail, where the floor declines. (On the H100 the declined side was mostly faster than per-beam decode, and the
-    # split prompt faster still: at G = 3 with 2 KV heads, 12 x 8 x 4,000 tokens, 37.3 us against the cascade's 95.7,
-    # auto's path there, and FA4 + tail's 63.2.)
-    True: {(1, 2, 64, 16, 1200, 16, 24), (3, 2, 128, 8, 4000, 8, 12), (5, 2, 128, 8, 4000, 8, 12),
-           (5, 2, 128, 16, 4000, 4, 8), (5, 2, 128, 30, 4000, 2, 4), (8, 2, 128, 8, 4000, 8, 20)},
-    False: {(1, 2, 64, 16, 1200, 16, 24), (3, 2, 128, 8, 4000, 8, 12), (5, 2, 128, 8, 4000, 8, 12),
-            (5, 2, 128, 16, 4000, 4, 8), (5, 2, 128, 30, 4000, 2, 4), (8, 2, 128, 8, 4000, 8, 20),
+    # tail, where the floor declines. (GQA 3 and 5 with 2 KV heads flipped so at 4,000 tokens until round 67, whose
+    # split-prompt tile cap for 2-4 KV heads keeps them on FlashInfer: on the H100 at G = 3, 12 x 8 x 4,000 tokens,
+    # 37.2 us against the cascade's 95.4, auto's path there before, and FA4 + tail's 62.8.)
+    True: {(1, 2, 64, 16, 1200, 16, 24), (8, 2, 128, 8, 4000, 8, 20)},
+    False: {(1, 2, 64, 16, 1200, 16, 24), (8, 2, 128, 8, 4000, 8, 20),
             # Past the 8-beam tile's cap (2,112 programs; 1,584 until round 66) FA4 + tail runs, and (W - 1) x P < 600
             # declines it.
             (5, 8, 128, 3, 100, 40, 288), (5, 8, 128, 5, 100, 24, 288), (8, 8, 128, 3, 100, 40, 288),

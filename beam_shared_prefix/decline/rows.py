@@ -17,7 +17,8 @@ import math
 from typing import Optional
 
 __all__ = ["CASCADE_MIN_PROMPT", "CASCADE_MIN_PROMPT_HEAD_64", "CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8",
-           "CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_KV_HEADS", "FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT",
+           "CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_4_KV_HEADS", "CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_BY_KV_HEADS",
+           "FEW_ROWS_HEAD_256_REFIT_GQA2_MIN_PROMPT",
            "FEW_ROWS_HEAD_256_REFIT_LONG_PROMPT", "FEW_ROWS_HEAD_256_REFIT_MIN_PROMPT", "FEW_ROWS_MIN_PROMPT",
            "FEW_ROWS_REFIT_GQA2_MIN_PROMPT", "FEW_ROWS_REFIT_MIN_PROMPT", "FEW_ROWS_REFIT_NARROWEST",
            "FEW_ROWS_REFIT_NARROWEST_MIN_PROMPT", "FEW_ROWS_REFIT_NARROW_MIN_PROMPT",
@@ -228,7 +229,7 @@ WIDE_GROUP_MIN_PROMPT = ((WIDE_GROUP + 1, 500), (33, 2000))
 CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
 #: The same at head 64 (and below); narrower widths than the first are never served.
 CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
-#: The same at head 128 for GQA 5-8 with 8 KV heads (:data:`CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_KV_HEADS`), where
+#: The same at head 128 for GQA 5-8 with 8 KV heads (:data:`CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_BY_KV_HEADS`), where
 #: ``auto`` runs 3-5 beams on the cascade's 8-beam tile once the launch has more programs than multiprocessors.
 #: Sixty-first round (H200, graph replays, 4-token tails; ``rule_flip_g[58]_kv8_round61.json``: 64-128 requests of 3
 #: beams at 100-200 tokens, ``w3_floor_g[58]_kv8_round61.json``: 16, 32 and 128 requests of 3 beams at 50-150; GQA
@@ -237,7 +238,17 @@ CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
 #: row floor (120 rows under 250 tokens) still declines fewer than 40 requests of 3 beams (16 requests, 128 programs,
 #: are FA4 + tail's in ``auto``), so 40-63 requests are between measured points. Under 50 tokens not measured.
 CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8 = ((2, 500), (3, 50), (6, 32))
-CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_KV_HEADS = frozenset((8,))
+#: The same with 4 KV heads: 3 beams from 80 tokens, wider ones as :data:`CASCADE_MIN_PROMPT`. Sixty-sixth and
+#: sixty-seventh rounds, on an H100 (no H200 came; graph replays, 4-token tails, GQA 20/4, 24/4, 28/4 and 32/4, 80-512
+#: requests of 3 beams): at 80-140 tokens the cascade ran 1.32x-1.95x faster than per-beam decode at every point
+#: (``h100/kv4_w3_g[568]_round66.json``, and the held-out ``h100/kv4_g[5678]_round67.json``: 1.33x-1.95x); at 50
+#: tokens 1.05x-1.92x, the 1.05x at 84 x 3 at GQA 24/4, so 50 is not served there. The H200's prediction for it is
+#: ``h200/kv4_w3_predictions_round66.txt``.
+CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_4_KV_HEADS = ((2, 500), (3, 80), (4, 50), (6, 32))
+#: The KV heads at which the 8-beam tile's tables were measured, and each one's table; other KV heads take
+#: :data:`CASCADE_MIN_PROMPT`.
+CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_BY_KV_HEADS = {8: CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8,
+                                                      4: CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_4_KV_HEADS}
 #: Above :data:`NARROW_BEAMS_MEASURED_KV_HEADS` KV heads, beams narrower than 8 need this mean prompt on
 #: every path, ``(beam width from, tokens)``; beam width 2 is never served there, 8 and more as with fewer
 #: KV heads (twentieth round).
@@ -485,14 +496,14 @@ def cascade_min_prompt(beam_width: int, head_dim: Optional[int] = None, group: O
                        num_kv_heads: Optional[int] = None) -> Optional[int]:
     """The smallest mean prompt (tokens) served at ``beam_width`` (>= 2) when the cascade serves, at
     ``head_dim`` (``None``: head 128's table), GQA ``group`` and ``num_kv_heads`` (``None``: unknown, the general
-    tables; :data:`CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8` where they were measured); ``None`` where no prompt measured
+    tables; :data:`CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_BY_KV_HEADS` where they were measured); ``None`` where no prompt measured
     was served."""
     if _narrow_head(head_dim):
         return _table_value(CASCADE_MIN_PROMPT_HEAD_64, beam_width)
-    kv_heads_measured = (num_kv_heads is not None
-                         and int(num_kv_heads) in CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_KV_HEADS)
-    if head_dim in (None, 128) and group in _NARROW_TILE_GROUP_8_FLOOR_GROUPS and kv_heads_measured:
-        return _table_value(CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8, beam_width)
+    narrow_tile_table = (CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_BY_KV_HEADS.get(int(num_kv_heads))
+                         if num_kv_heads is not None else None)
+    if head_dim in (None, 128) and group in _NARROW_TILE_GROUP_8_FLOOR_GROUPS and narrow_tile_table is not None:
+        return _table_value(narrow_tile_table, beam_width)
     return _table_value(CASCADE_MIN_PROMPT, beam_width)
 
 

@@ -12,9 +12,9 @@ from typing import Optional, Tuple
 from .cascade_rule import eager_cascade_over_split_kv
 from .waves import _cascade_programs
 
-__all__ = ["SPLIT_KV_MAX_BEAM_BLOCKS", "SPLIT_KV_MAX_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE",
-           "SPLIT_KV_MAX_QUERY_TILES", "SPLIT_KV_PROMPT", "SPLIT_KV_QUERY_TILE_ROWS", "flashinfer_serves",
-           "only_flashinfer_tiles", "split_kv_preferred"]
+__all__ = ["SPLIT_KV_FEW_KV_HEADS", "SPLIT_KV_FEW_KV_HEADS_MIN_PROMPT", "SPLIT_KV_MAX_BEAM_BLOCKS",
+           "SPLIT_KV_MAX_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "SPLIT_KV_MAX_QUERY_TILES", "SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS", "SPLIT_KV_PROMPT",
+           "SPLIT_KV_QUERY_TILE_ROWS", "flashinfer_serves", "only_flashinfer_tiles", "split_kv_preferred"]
 
 # Few requests (tenth round, small_batches_backends*.json: GQA 16/8, head 128, page 32, tail 4, 1-16
 # requests of 8, 16 and 30 beams, 500-4,000 tokens). The cascade runs one program per request, KV
@@ -156,6 +156,24 @@ SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 96, (3, 
 #: SPLIT_KV_QUERY_TILE_ROWS)``: ``((from mean prompt, most tiles), ...)``, the entry of the longest prompt reached.
 SPLIT_KV_MAX_QUERY_TILES = {(group, 128): ((0, 8), (6000, 10)) for group in (3, 5)}
 SPLIT_KV_QUERY_TILE_ROWS = 64
+#
+# Sixty-seventh round (H100; no H200 came: split_g{3,5}_kv{2,4}_r67.json, 12-32 requests of 8 and 12 beams at
+# 2,500-4,000 tokens, GQA 6/2, 12/4, 10/2 and 20/4). The tile caps above were measured at 8 KV heads; with fewer, FA4
+# runs fewer programs (R x Hkv a 128-row tile) while FlashInfer's work follows its query tiles times the KV heads.
+# Up to 48 tiles x KV heads FlashInfer + tail ran 1.02x-1.69x faster than the faster of FA4 + tail and the cascade
+# (1.22x-1.69x at 24-32, 1.02x-1.14x at 48) and 1.27x-3.04x faster than per-beam decode; at 64 from 0.91x to 1.04x
+# (GQA 3 at 32 x 8-12 with 2 KV heads, 16 x 8-12 with 4; GQA 5 at 16 x 8 with 4). A second grid at 1,300 and 2,000
+# tokens (split_short_g{3,5}_kv{2,4}_round67.json: 7-16 requests of 8-27 beams at GQA 6/2, 10/2 and 12/4): wherever this
+# cap moved a point onto FlashInfer it ran 0.99x-1.37x the faster other's speed and 1.33x-2.90x per-beam decode's.
+# Hence, at 2-4 KV heads (where measured) and from 1,300 tokens (the shortest timed), up to
+# SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS // Hkv tiles where that is more than the cap above.
+#: ``R x ceil(W x G / 64) x Hkv`` at which FlashInfer's split prompt still leads at GQA 3 and 5 with
+#: :data:`SPLIT_KV_FEW_KV_HEADS` KV heads.
+SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS = 48
+#: The KV heads (fewest, most) at which :data:`SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS` was measured.
+SPLIT_KV_FEW_KV_HEADS = (2, 4)
+#: The shortest mean prompt (tokens) at which it was measured.
+SPLIT_KV_FEW_KV_HEADS_MIN_PROMPT = 1300
 
 
 def split_kv_preferred(
@@ -170,8 +188,8 @@ def split_kv_preferred(
     """Whether ``auto`` picks FlashInfer (its prefill splits a prompt over many CTAs) ahead of the
     cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 1-4 at head 128 and head
     64 and at GQA 5-8 at head 128 (:data:`SPLIT_KV_PROMPT`, up to :data:`SPLIT_KV_MAX_BEAM_BLOCKS` beam blocks,
-    :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs and :data:`SPLIT_KV_MAX_QUERY_TILES` query tiles); elsewhere
-    never. ``num_requests`` and ``mean_prompt_len`` (tokens) are the batch's; ``None`` (unknown) never prefers it. An
+    :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs and :data:`SPLIT_KV_MAX_QUERY_TILES` query tiles, more with 2-4 KV
+    heads: :data:`SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS`); elsewhere never. ``num_requests`` and ``mean_prompt_len`` (tokens) are the batch's; ``None`` (unknown) never prefers it. An
     ``eager`` step (no CUDA graph) where :func:`eager_cascade_over_split_kv` holds takes the cascade instead."""
     if num_requests is None or mean_prompt_len is None or beam_width is None:
         return False, "request count, beam width or prompt length unknown"
@@ -196,10 +214,15 @@ def split_kv_preferred(
     if tile_limits is not None:
         tiles = num_requests * -(-beam_width * group // SPLIT_KV_QUERY_TILE_ROWS)
         most_tiles = max(t for p, t in tile_limits if mean_prompt_len >= p)
+        kv_heads_note = ""
+        if (SPLIT_KV_FEW_KV_HEADS[0] <= num_kv_heads <= SPLIT_KV_FEW_KV_HEADS[1]
+                and mean_prompt_len >= SPLIT_KV_FEW_KV_HEADS_MIN_PROMPT):
+            most_tiles = max(most_tiles, SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS // num_kv_heads)
+            kv_heads_note = f" with {num_kv_heads} KV heads"
         if tiles > most_tiles:
             return False, (f"{num_requests} x {beam_width} beams take {tiles} query tiles of "
-                           f"{SPLIT_KV_QUERY_TILE_ROWS} rows > {most_tiles} at GQA {group}, head {head_dim} and a mean "
-                           f"prompt of {mean_prompt_len:.0f}: FA4 measured faster there")
+                           f"{SPLIT_KV_QUERY_TILE_ROWS} rows > {most_tiles} at GQA {group}, head {head_dim}"
+                           f"{kv_heads_note} and a mean prompt of {mean_prompt_len:.0f}: FA4 measured faster there")
     floor, per_program = by_rows[64 if rows >= 64 else 32]
     least = max(floor, per_program * programs)
     if mean_prompt_len < least:

@@ -353,6 +353,19 @@ def test_auto_puts_flashinfer_first_for_few_requests_with_long_prompts(fake_sm, 
     assert split_kv_preferred(3, 6000, 24, 8, 47, 128)[0]  # 9 tiles from 6,000 tokens (1.03x faster)
     assert "120 cascade programs > 96 at GQA 3" in split_kv_preferred(5, 6000, 24, 8, 47, 128)[1]  # FA4 1.5x faster
     assert "12 query tiles of 64 rows > 10 at GQA 3" in split_kv_preferred(12, 6000, 24, 8, 16, 128)[1]
+    # with 2-4 KV heads from 1,300 tokens, 48 tiles x KV heads (round 67, H100: FlashInfer 1.02x-1.69x the faster other
+    # up to 48, 0.91x-1.04x at 64)
+    assert split_kv_preferred(12, 4000, 6, 2, 8, 128)[0]  # 12 tiles x 2 (1.69x)
+    assert split_kv_preferred(24, 4000, 10, 2, 12, 128)[0]  # 24 tiles x 2 (1.02x)
+    assert split_kv_preferred(12, 4000, 12, 4, 12, 128)[0]  # 12 tiles x 4 (1.11x)
+    assert "32 query tiles of 64 rows > 24 at GQA 3, head 128 with 2 KV heads" in split_kv_preferred(
+        32, 2500, 6, 2, 12, 128)[1]  # 0.91x
+    assert "16 query tiles of 64 rows > 12 at GQA 3, head 128 with 4 KV heads" in split_kv_preferred(
+        16, 4000, 12, 4, 12, 128)[1]  # 1.00x
+    assert split_kv_preferred(7, 1300, 6, 2, 27, 128)[0]  # 14 tiles x 2 at the floor (1.11x)
+    assert "> 8 at GQA 3, head 128 and a mean prompt of 1299" in split_kv_preferred(7, 1299, 6, 2, 27, 128)[1]
+    assert "> 8 at GQA 3, head 128 and" in split_kv_preferred(12, 4000, 3, 1, 8, 128)[1]  # 1 KV head: not measured
+    assert "> 8 at GQA 3, head 128 and" in split_kv_preferred(12, 4000, 18, 6, 8, 128)[1]  # 6: not measured
     assert "takes 3 beam blocks" in split_kv_preferred(1, 4000, 28, 4, 48, 128)[1]
     assert "measured only at" in split_kv_preferred(2, 4000, 64, 8, 30, 64)[1]  # G = 8, head 64: not measured
     assert "measured only at" in split_kv_preferred(2, 4000, 16, 1, 30, 128)[1]  # G = 16: not measured
