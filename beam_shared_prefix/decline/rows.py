@@ -240,8 +240,9 @@ CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
 CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8 = ((2, 500), (3, 50), (6, 32))
 #: The same with 4 KV heads: 3 beams from 80 tokens, wider ones as :data:`CASCADE_MIN_PROMPT`. Sixty-sixth and
 #: sixty-seventh rounds, on an H100 (no H200 came; graph replays, 4-token tails, GQA 20/4, 24/4, 28/4 and 32/4, 80-512
-#: requests of 3 beams): at 80-140 tokens the cascade ran 1.32x-1.95x faster than per-beam decode at every point
-#: (``h100/kv4_w3_g[568]_round66.json``, and the held-out ``h100/kv4_g[5678]_round67.json``: 1.33x-1.95x); at 50
+#: requests of 3 beams): at 80-140 tokens the cascade ran 1.20x-1.95x faster than per-beam decode at every point
+#: (``h100/kv4_w3_g[568]_round66.json``, the held-out ``h100/kv4_g[5678]_round67.json``: 1.33x-1.95x, and after the
+#: change ``h100/auto_kv4_g6_round67.json``: 84 x 3 x 80 at GQA 24/4, the fewest rows and tokens served, 1.20x); at 50
 #: tokens 1.05x-1.92x, the 1.05x at 84 x 3 at GQA 24/4, so 50 is not served there. The H200's prediction for it is
 #: ``h200/kv4_w3_predictions_round66.txt``.
 CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_4_KV_HEADS = ((2, 500), (3, 80), (4, 50), (6, 32))
