@@ -25,6 +25,9 @@ from interface_model import build
 
 LIB = "beam_shared_prefix"
 TOL = 2e-2
+# Where the tests of the Triton backend run its kernels: on a GPU where there is one (for real), else on the CPU under
+# the interpreter (tests/conftest.py turns it on there).
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def assert_close(out, ref, what=""):
@@ -88,7 +91,6 @@ def test_forward_matches_oracle(trt, monkeypatch, layout, kind, heads):
     assert stats()["plans"] == 2  # first composition, then after the request finished
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["v1", "v2"])
 def test_forward_through_the_one_launch_cascade(trt, monkeypatch, kind):
     """The ``triton`` backend through the adapter: the cascade kernel reads the plan's prompt pages and
@@ -100,7 +102,8 @@ def test_forward_through_the_one_launch_cascade(trt, monkeypatch, kind):
     monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "triton")
     register()
-    setup = build(model, prompts=(37, 70, 16), beam_width=3, kind=kind, num_qo_heads=4, num_kv_heads=2)
+    setup = build(model, prompts=(37, 70, 16), beam_width=3, kind=kind, num_qo_heads=4, num_kv_heads=2,
+                  device=KERNEL_DEVICE)
     sim = setup.sim
     for s in range(3):
         step = sim.begin_step()
@@ -478,8 +481,7 @@ def _trtllm_graph_warmup_batch(sim, long_len, reuse):
 
 
 @pytest.mark.parametrize("backend,check,flag", [
-    ("reference", "0", "1"), pytest.param("triton", "0", "1", marks=pytest.mark.interpreter), ("reference", "1", "0"),
-    pytest.param("triton", "1", "0", marks=pytest.mark.interpreter),
+    ("reference", "0", "1"), ("triton", "0", "1"), ("reference", "1", "0"), ("triton", "1", "0"),
 ], ids=["prefix+tail-flag", "cascade-flag", "check-mode", "cascade-check-mode"])
 @pytest.mark.parametrize("long_len,reuse", [(32, False), (32, True), (27, False), (1, False)],
                          ids=["full-block-reuse-off", "full-block-reuse-on", "partial-block", "one-token-only"])
@@ -497,7 +499,8 @@ def test_trtllm_graph_warmup_then_real_requests(trt, monkeypatch, caplog, backen
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_CHECK", check)
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS", flag)
     register()
-    setup = build(model, prompts=(max(long_len - 1, 1), 1, 1), beam_width=3, max_seq_len=96)
+    setup = build(model, prompts=(max(long_len - 1, 1), 1, 1), beam_width=3, max_seq_len=96,
+                  device=KERNEL_DEVICE if backend == "triton" else "cpu")
     sim, W = setup.sim, 3
     metadata = setup.engine.graph_metadata(3)
     before = _trtllm_graph_warmup_batch(sim, long_len, reuse)
@@ -524,9 +527,8 @@ def _live_pages(sim):
     return sorted({page for req in sim.requests for beam in req.pages for page in beam})
 
 
-@pytest.mark.parametrize("backend,check", [
-    ("reference", "0"), pytest.param("triton", "0", marks=pytest.mark.interpreter), ("reference", "1"),
-], ids=["prefix+tail", "cascade", "check-mode"])
+@pytest.mark.parametrize("backend,check", [("reference", "0"), ("triton", "0"), ("reference", "1")],
+                         ids=["prefix+tail", "cascade", "check-mode"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(data=st.data())
@@ -546,7 +548,7 @@ def test_random_serving_sequences_match_the_oracle_and_write_only_their_slots(tr
     beam_width = data.draw(st.integers(2, 4), label="beam_width")
     prompts = data.draw(st.lists(st.integers(1, 60), min_size=1, max_size=3), label="prompts")
     setup = build(model, prompts=tuple(prompts), beam_width=beam_width, seed=data.draw(st.integers(0, 2**16)),
-                  max_batch_size=6)
+                  max_batch_size=6, device=KERNEL_DEVICE if backend == "triton" else "cpu")
     sim, graphs = setup.sim, {}
     served = stats()["generation_forwards"]
     num_steps = data.draw(st.integers(3, 6), label="steps")
