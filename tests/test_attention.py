@@ -32,6 +32,13 @@ from beam_shared_prefix.testing import BeamSearchCacheSimulator
 from triton_kernels import shared_run as shared_run_module
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+# Where the device-flag tests run the Triton tail and cascade: on a GPU where there is one (for real), else on the CPU
+# under the interpreter (tests/conftest.py turns it on there); the torch tail stays on the CPU.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _kernel_device(tail_impl):
+    return KERNEL_DEVICE if tail_impl == "triton" else "cpu"
 
 
 def make_sim(prompts=(5, 17, 1), beams=3, hq=4, hkv=2, d=16, pg=4, layout="HND", dtype=torch.bfloat16,
@@ -754,17 +761,18 @@ def test_engine_written_kv_with_an_invalid_length_fails_clearly(bad_len):
 def _flagged_setup(tail_impl):
     """A third step (earlier generated tokens to gather) planned on a wrapper with the device error
     flag and without check mode: ``(sim, step, att)``."""
-    sim = make_sim()
+    device = _kernel_device(tail_impl)
+    sim = make_sim(device=device)
     for _ in range(2):
         sim.begin_step()
         sim.end_step()
     step = sim.begin_step()
-    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl, check=False, report_errors=True)
+    att = BeamSharedPrefixAttention(device, backend="reference", tail_impl=tail_impl, check=False, report_errors=True)
     plan_step(att, sim, step)
     return sim, step, att
 
 
-@pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("tail_impl", ["torch", "triton"])
 def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
     """Without check mode nothing syncs: a row whose write slot has no page, or an indirection entry
     that is not a beam, is masked by the kernel and reported through the device error flag, each kind
@@ -784,11 +792,11 @@ def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
     att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
     assert att.poll_device_errors() == []  # kinds already reported
     assert sorted(att.device_errors()) == sorted(first + [second]) and att.device_errors() == []
-    off = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl)  # the default: no flag
+    off = BeamSharedPrefixAttention(step.q.device, backend="reference", tail_impl=tail_impl)  # the default: no flag
     assert off.error_flags is None and off.device_errors() == [] and off.poll_device_errors() == []
 
 
-@pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("tail_impl", ["torch", "triton"])
 @pytest.mark.parametrize("bad_len", [1, 2**31 - 1])
 def test_bad_lengths_without_check_mode_raise_the_device_flag(tail_impl, bad_len):
     """``kv_len == 1`` on a row planned with a longer prompt is not a padding row's (those are planned with
@@ -803,7 +811,7 @@ def test_bad_lengths_without_check_mode_raise_the_device_flag(tail_impl, bad_len
     assert [m for m in att.device_errors() if "kv_len" in m], bad_len
 
 
-@pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("tail_impl", ["torch", "triton"])
 @pytest.mark.parametrize("engine_wrote_kv", [False, True])
 def test_a_beam_writing_onto_beam0s_prompt_page_raises_the_flag(tail_impl, engine_wrote_kv):
     """Beam 1 of request 0 given beam 0's copy of the prompt's partly filled last page (a table that shares
@@ -823,10 +831,10 @@ def test_a_beam_writing_onto_beam0s_prompt_page_raises_the_flag(tail_impl, engin
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, *new_kv)
 
 
-def _trtllm_warmup_step(n, divisor, seed=0):
+def _trtllm_warmup_step(n, divisor, seed=0, device="cpu"):
     """TensorRT-LLM's CUDA-graph warm-up, as in :func:`test_trtllm_warmup_requests_raise_no_bit`: 2 beams, pages
     of 4; a dummy request of ``n`` tokens on pages 3 and 11 for both beams, then a padding request (pages 20, 21).
-    Returns ``(plan_args, run_args)`` for ``plan()`` and ``run()``."""
+    Returns ``(plan_args, run_args)`` for ``plan()`` and ``run()``, the tensors on ``device``."""
     W, pg, hq, hkv, d, num_pages = 2, 4, 4, 2, 64, 32
     shared, padding = [3, 11], [20, 21]  # the dummy's pages (both beams); the padding beams' one page each
     table = torch.tensor([shared + [0, 0], shared + [0, 0], [padding[0], 0, 0, 0], [padding[1], 0, 0, 0]],
@@ -840,18 +848,16 @@ def _trtllm_warmup_step(n, divisor, seed=0):
     plan_args = (np.array([0, 2, 3]), np.array(shared + padding[:1]), np.array([n - 1, 1]), W, hq, hkv, d, pg,
                  num_pages, torch.bfloat16)
     run_args = (q, kv_cache, table, kv_lens, torch.zeros(2, W, 16, dtype=torch.int32), new_k, new_v)
-    return plan_args, run_args
+    return plan_args, tuple(t.to(device) for t in run_args)
 
 
-def _graph_wrapper(**kwargs):
+def _graph_wrapper(device="cpu", **kwargs):
     """A CUDA-graph wrapper for :func:`_trtllm_warmup_step` (the warm-up runs on the graph's metadata)."""
-    return BeamSharedPrefixAttention("cpu", use_cuda_graph=True, max_requests=2, max_beam_width=2, max_prompt_pages=4,
+    return BeamSharedPrefixAttention(device, use_cuda_graph=True, max_requests=2, max_beam_width=2, max_prompt_pages=4,
                                      **kwargs)
 
 
-@pytest.mark.parametrize("backend,tail_impl", [("reference", "torch"),
-                                               pytest.param("reference", "triton", marks=pytest.mark.interpreter),
-                                               pytest.param("triton", "triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("backend,tail_impl", [("reference", "torch"), ("reference", "triton"), ("triton", "triton")])
 @pytest.mark.parametrize("divisor", [1, 2])
 def test_trtllm_warmup_requests_raise_no_bit(backend, tail_impl, divisor):
     """TensorRT-LLM's CUDA-graph warm-up: a dummy request of ``n`` tokens, all of them context to the KV cache,
@@ -860,13 +866,14 @@ def test_trtllm_warmup_requests_raise_no_bit(backend, tail_impl, divisor):
     block), which is valid there; next to it a padding request (``kv_len`` 1). No bit, in any encoding; and
     check mode on the CUDA-graph wrapper it runs on passes the step (the real rows' output matches the oracle,
     the shared slot holds its beams' K/V)."""
-    plan_args, run_args = _trtllm_warmup_step(8, divisor)
-    att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl=tail_impl, check=False, report_errors=True)
+    device = _kernel_device(tail_impl)
+    plan_args, run_args = _trtllm_warmup_step(8, divisor, device=device)
+    att = BeamSharedPrefixAttention(device, backend=backend, tail_impl=tail_impl, check=False, report_errors=True)
     att.plan(*plan_args)
     assert att.backend_name == backend
     att.run(*run_args, page_index_divisor=divisor)
     assert att.device_errors() == []
-    att = _graph_wrapper(backend=backend, tail_impl=tail_impl, check=True)
+    att = _graph_wrapper(device, backend=backend, tail_impl=tail_impl, check=True)
     att.plan(*plan_args)
     att.run(*run_args, page_index_divisor=divisor)
 
@@ -936,21 +943,21 @@ def test_check_mode_takes_no_other_layout_for_the_warmup(layout):
 
 
 @pytest.mark.parametrize("backend,tail_impl,shared_run", [
-    ("reference", "torch", "off"), pytest.param("reference", "triton", "off", marks=pytest.mark.interpreter),
-    pytest.param("reference", "triton", "on", marks=pytest.mark.interpreter),
-    pytest.param("triton", "triton", "off", marks=pytest.mark.interpreter)])
+    ("reference", "torch", "off"), ("reference", "triton", "off"), ("reference", "triton", "on"),
+    ("triton", "triton", "off")])
 def test_a_table_unlike_the_plan_raises_the_flag(backend, tail_impl, shared_run):
     """Beam 0 of request 1 given another page where its prompt ends (inside the pool, as a table of another
     batch or pool would be): the prefix reads the plan's pages, the tail the table's. Without check mode
     the flag names it, on the two-launch path (the tail kernel gets the plan's last prompt pages; also after
     the shared-run stage) and on the cascade (which compares with its prompt table); check mode refuses the
     step."""
-    sim = make_sim(d=64)  # (a head size the cascade tiles)
+    device = _kernel_device(tail_impl)
+    sim = make_sim(d=64, device=device)  # (a head size the cascade tiles)
     for _ in range(2):
         sim.begin_step()
         sim.end_step()
     step = sim.begin_step()
-    att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl=tail_impl, check=False, report_errors=True,
+    att = BeamSharedPrefixAttention(device, backend=backend, tail_impl=tail_impl, check=False, report_errors=True,
                                     shared_run=shared_run)
     plan_step(att, sim, step)
     assert att.backend_name == backend
@@ -969,7 +976,7 @@ def test_a_table_unlike_the_plan_raises_the_flag(backend, tail_impl, shared_run)
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
 
 
-@pytest.mark.parametrize("tail_impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("tail_impl", ["torch", "triton"])
 def test_engine_written_kv_without_a_page_raises_the_flag(tail_impl):
     """``new_k=None`` (the engine wrote this step's K/V): a row whose write slot has no page entry
     is read back from a clamped slot, and reported (WRITE_PAGE), not read silently."""
