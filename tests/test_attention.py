@@ -89,15 +89,15 @@ def assert_matches(out, ref, dtype, what=""):
 
 
 # --------------------------------------------------------------------------------------------
-# whole steps on CPU
+# whole steps (the torch tail on the CPU, the Triton tail on CUDA where present)
 
 
 @pytest.mark.parametrize(
     "tail_impl, layout, dtype, engine_writes_kv, divisor, check",
     [
         ("torch", "HND", torch.bfloat16, False, 1, True),
-        pytest.param("triton", "HND", torch.float16, False, 1, False, marks=pytest.mark.interpreter),
-        pytest.param("triton", "NHD", torch.bfloat16, True, 1, False, marks=pytest.mark.interpreter),
+        ("triton", "HND", torch.float16, False, 1, False),
+        ("triton", "NHD", torch.bfloat16, True, 1, False),
         ("torch", "HND", torch.float16, True, 6, False),
     ],
     ids=["torch-HND-bf16-checkmode", "triton-HND-fp16", "triton-NHD-bf16-engine-writes-kv",
@@ -106,8 +106,9 @@ def assert_matches(out, ref, dtype, what=""):
 def test_steps_match_oracle(tail_impl, layout, dtype, engine_writes_kv, divisor, check):
     """Several steps with beam reselection; a request finishes mid-run (re-plan); GQA group 2 and 3."""
     hq, hkv = (4, 2) if layout == "HND" else (6, 2)
-    sim = make_sim(prompts=(5, 17, 1, 8), beams=3, hq=hq, hkv=hkv, layout=layout, dtype=dtype)
-    att = BeamSharedPrefixAttention("cpu", kv_layout=layout, backend="reference", tail_impl=tail_impl, check=check,
+    device = _kernel_device(tail_impl)
+    sim = make_sim(prompts=(5, 17, 1, 8), beams=3, hq=hq, hkv=hkv, layout=layout, dtype=dtype, device=device)
+    att = BeamSharedPrefixAttention(device, kv_layout=layout, backend="reference", tail_impl=tail_impl, check=check,
                                     report_errors=True)
     plans = []
     for s in range(6):
@@ -380,7 +381,6 @@ def test_the_rule_hears_the_launch_tail_bound(monkeypatch, graph, wrapper_bound,
     assert calls == [rule_bound], calls
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("check", [False, True])
 def test_shared_run_stage_serves_coalesced_steps(check, monkeypatch):
     """With ``shared_run`` the two-launch path puts the shared-run stage between the prefix and the tail:
@@ -388,9 +388,9 @@ def test_shared_run_stage_serves_coalesced_steps(check, monkeypatch):
     the oracle, and the stage did take runs (the tail skipped positions); in check mode too. (The stage looks
     for runs from 4 cached positions here, not 32, to keep the steps short.)"""
     monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_CACHED_TAIL", 4)
-    sim = make_sim(prompts=(9, 30), beams=5, hq=4, hkv=2, d=64, pg=8, max_seq_len=48, seed=5)
-    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="triton", check=check, report_errors=True,
-                                    shared_run=True)
+    sim = make_sim(prompts=(9, 30), beams=5, hq=4, hkv=2, d=64, pg=8, max_seq_len=48, seed=5, device=KERNEL_DEVICE)
+    att = BeamSharedPrefixAttention(KERNEL_DEVICE, backend="reference", tail_impl="triton", check=check,
+                                    report_errors=True, shared_run=True)
     longest_skip = 0
     for s in range(12):
         step = sim.begin_step()
@@ -405,7 +405,6 @@ def test_shared_run_stage_serves_coalesced_steps(check, monkeypatch):
     assert att.device_errors() == []
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("mode,graph", [("auto", False), ("auto", True), ("on", False), ("off", False)])
 def test_shared_run_follows_the_tail(monkeypatch, mode, graph):
     """``shared_run="auto"`` launches the shared-run stage from the plan whose ``max_tail_len`` reaches
@@ -417,10 +416,10 @@ def test_shared_run_follows_the_tail(monkeypatch, mode, graph):
 
     monkeypatch.setattr(cascade_rule, "SHARED_RUN_MIN_TAIL", 5)
     monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_CACHED_TAIL", 4)
-    sim = make_sim(prompts=(9, 30), beams=5, hq=4, hkv=2, d=64, pg=8, max_seq_len=48, seed=7)
+    sim = make_sim(prompts=(9, 30), beams=5, hq=4, hkv=2, d=64, pg=8, max_seq_len=48, seed=7, device=KERNEL_DEVICE)
     caps = dict(max_requests=2, max_beam_width=5, max_prompt_pages=4) if graph else {}
-    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="triton", check=False, shared_run=mode,
-                                    use_cuda_graph=graph, **caps)
+    att = BeamSharedPrefixAttention(KERNEL_DEVICE, backend="reference", tail_impl="triton", check=False,
+                                    shared_run=mode, use_cuda_graph=graph, **caps)
     assert att.shared_run == mode
     active, plans, skipped = [], [], 0
     for s in range(9):
@@ -1121,7 +1120,6 @@ def test_auto_tail_impl_on_cpu_follows_the_interpreter(monkeypatch, interpret, e
     assert BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch").tail_impl == "torch"
 
 
-@pytest.mark.interpreter
 def test_the_cascade_launch_hears_the_tail_bound(monkeypatch, caplog):
     """The cascade's launch is bounded by the step's tail (``cascade_tail_bound``: 16 generated tokens where the
     tail is within it, else none): on eager steps the plan's ``max_tail_len`` (else the wrapper's), under CUDA
@@ -1139,10 +1137,10 @@ def test_the_cascade_launch_hears_the_tail_bound(monkeypatch, caplog):
         return run_step_fn(self, *args, **kwargs)
 
     monkeypatch.setattr(TritonPrefixBackend, "run_step", recording)
-    sim = make_sim(prompts=(5, 9), beams=3, d=64, max_seq_len=48)
-    eager = BeamSharedPrefixAttention("cpu", backend="triton", check=True, max_tail_len=None)
-    graph = BeamSharedPrefixAttention("cpu", backend="triton", check=True, use_cuda_graph=True, max_requests=2,
-                                      max_beam_width=3, max_prompt_pages=4, max_tail_len=8)
+    sim = make_sim(prompts=(5, 9), beams=3, d=64, max_seq_len=48, device=KERNEL_DEVICE)
+    eager = BeamSharedPrefixAttention(KERNEL_DEVICE, backend="triton", check=True, max_tail_len=None)
+    graph = BeamSharedPrefixAttention(KERNEL_DEVICE, backend="triton", check=True, use_cuda_graph=True,
+                                      max_requests=2, max_beam_width=3, max_prompt_pages=4, max_tail_len=8)
     for plan_tail in (None, 1, 20, 30):
         step = sim.begin_step()
         for att in (eager, graph):
@@ -1156,6 +1154,6 @@ def test_the_cascade_launch_hears_the_tail_bound(monkeypatch, caplog):
     warnings = [r for r in caplog.records if "exceeds max_tail_len=8" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     with pytest.raises(ValueError, match=r"max_tail_len=0 must be >= 1"):
-        BeamSharedPrefixAttention("cpu", backend="triton", max_tail_len=0)
+        BeamSharedPrefixAttention(KERNEL_DEVICE, backend="triton", max_tail_len=0)
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_MAX_TAIL", "5")
-    assert BeamSharedPrefixAttention("cpu", backend="triton").max_tail_len == 5
+    assert BeamSharedPrefixAttention(KERNEL_DEVICE, backend="triton").max_tail_len == 5
