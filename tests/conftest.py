@@ -96,8 +96,8 @@ def pytest_collection_modifyitems(config, items):
         if function is not None and _reads_results(function, vars(item.module)):
             item.add_marker(pytest.mark.results)
             if skip_results:
-                item.add_marker(pytest.mark.skip(reason=f"reads the committed measurements, and {_RESULTS_DIR} holds no "
-                                                        f"grids (a device call's copy of the checkout leaves them)"))
+                item.add_marker(pytest.mark.skip(reason=f"reads the committed measurements, and {_RESULTS_DIR} holds "
+                                                        f"no grids (a device call's copy of the checkout leaves them)"))
         if item.get_closest_marker("interpreter") is not None and HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="runs Triton on CPU tensors, which needs TRITON_INTERPRET=1; "
                                                     "it is off on a CUDA machine (the GPU tests cover the kernel)"))

@@ -699,7 +699,8 @@ def test_round_67_h100_grids_hold_the_margin_on_both_paths(monkeypatch, eager, p
     """The sixty-seventh round's held-out H100 grids (no H200 came), timed for its two rule changes: every point the
     rule serves, on eager steps and under a CUDA-graph wrapper alike, is at least 1.10x faster than per-beam decode on
     the path ``auto`` takes; where that is FlashInfer's split prompt, no slower than 1.05x the faster of FA4 + tail and
-    the cascade (``SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS``: the 64-tile-head points, at 0.91x-1.04x, stay off it)."""
+    the cascade (``SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS``: the 64-tile-head points, at 0.91x-1.04x, stay off
+    it)."""
     from beam_shared_prefix.prefix import waves
 
     monkeypatch.setattr(waves, "multiprocessors", lambda: 132)  # the H100 SXM's and the H200's

@@ -229,8 +229,8 @@ WIDE_GROUP_MIN_PROMPT = ((WIDE_GROUP + 1, 500), (33, 2000))
 CASCADE_MIN_PROMPT = ((2, 500), (3, 150), (4, 50), (6, 32))
 #: The same at head 64 (and below); narrower widths than the first are never served.
 CASCADE_MIN_PROMPT_HEAD_64 = ((3, 500), (4, 250), (6, 100), (8, 32))
-#: The same at head 128 for GQA 5-8 with 8 KV heads (:data:`CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_BY_KV_HEADS`), where
-#: ``auto`` runs 3-5 beams on the cascade's 8-beam tile once the launch has more programs than multiprocessors.
+#: The same at head 128 for GQA 5-8 with 8 KV heads (:data:`CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_BY_KV_HEADS`),
+#: where ``auto`` runs 3-5 beams on the cascade's 8-beam tile once the launch has more programs than multiprocessors.
 #: Sixty-first round (H200, graph replays, 4-token tails; ``rule_flip_g[58]_kv8_round61.json``: 64-128 requests of 3
 #: beams at 100-200 tokens, ``w3_floor_g[58]_kv8_round61.json``: 16, 32 and 128 requests of 3 beams at 50-150; GQA
 #: 40/8 and 64/8): at 3 beams and 50-150 tokens the cascade ran 1.49x-1.89x faster than per-beam decode at 32 requests
@@ -497,8 +497,8 @@ def cascade_min_prompt(beam_width: int, head_dim: Optional[int] = None, group: O
                        num_kv_heads: Optional[int] = None) -> Optional[int]:
     """The smallest mean prompt (tokens) served at ``beam_width`` (>= 2) when the cascade serves, at
     ``head_dim`` (``None``: head 128's table), GQA ``group`` and ``num_kv_heads`` (``None``: unknown, the general
-    tables; :data:`CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_BY_KV_HEADS` where they were measured); ``None`` where no prompt measured
-    was served."""
+    tables; :data:`CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_BY_KV_HEADS` where they were measured); ``None`` where no
+    prompt measured was served."""
     if _narrow_head(head_dim):
         return _table_value(CASCADE_MIN_PROMPT_HEAD_64, beam_width)
     narrow_tile_table = (CASCADE_MIN_PROMPT_NARROW_TILE_GROUP_8_BY_KV_HEADS.get(int(num_kv_heads))

@@ -13,8 +13,9 @@ from .cascade_rule import eager_cascade_over_split_kv
 from .waves import _cascade_programs
 
 __all__ = ["SPLIT_KV_FEW_KV_HEADS", "SPLIT_KV_FEW_KV_HEADS_MIN_PROMPT", "SPLIT_KV_MAX_BEAM_BLOCKS",
-           "SPLIT_KV_MAX_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "SPLIT_KV_MAX_QUERY_TILES", "SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS", "SPLIT_KV_PROMPT",
-           "SPLIT_KV_QUERY_TILE_ROWS", "flashinfer_serves", "only_flashinfer_tiles", "split_kv_preferred"]
+           "SPLIT_KV_MAX_PROGRAMS", "SPLIT_KV_MAX_PROGRAMS_BY_SHAPE", "SPLIT_KV_MAX_QUERY_TILES",
+           "SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS", "SPLIT_KV_PROMPT", "SPLIT_KV_QUERY_TILE_ROWS",
+           "flashinfer_serves", "only_flashinfer_tiles", "split_kv_preferred"]
 
 # Few requests (tenth round, small_batches_backends*.json: GQA 16/8, head 128, page 32, tail 4, 1-16
 # requests of 8, 16 and 30 beams, 500-4,000 tokens). The cascade runs one program per request, KV
@@ -157,7 +158,7 @@ SPLIT_KV_MAX_PROGRAMS_BY_SHAPE = {(2, 128): 64, (1, 128): 64, (3, 128): 96, (3, 
 SPLIT_KV_MAX_QUERY_TILES = {(group, 128): ((0, 8), (6000, 10)) for group in (3, 5)}
 SPLIT_KV_QUERY_TILE_ROWS = 64
 #
-# Sixty-seventh round (H100; no H200 came: split_g{3,5}_kv{2,4}_r67.json, 12-32 requests of 8 and 12 beams at
+# Sixty-seventh round (H100; no H200 came: split_g{3,5}_kv{2,4}_round67.json, 12-32 requests of 8 and 12 beams at
 # 2,500-4,000 tokens, GQA 6/2, 12/4, 10/2 and 20/4). The tile caps above were measured at 8 KV heads; with fewer, FA4
 # runs fewer programs (R x Hkv a 128-row tile) while FlashInfer's work follows its query tiles times the KV heads.
 # Up to 48 tiles x KV heads FlashInfer + tail ran 1.02x-1.69x faster than the faster of FA4 + tail and the cascade
@@ -189,8 +190,9 @@ def split_kv_preferred(
     cascade and FA4: ``(True, why)`` or ``(False, reason)``. Measured at GQA 1-4 at head 128 and head
     64 and at GQA 5-8 at head 128 (:data:`SPLIT_KV_PROMPT`, up to :data:`SPLIT_KV_MAX_BEAM_BLOCKS` beam blocks,
     :data:`SPLIT_KV_MAX_PROGRAMS_BY_SHAPE` programs and :data:`SPLIT_KV_MAX_QUERY_TILES` query tiles, more with 2-4 KV
-    heads: :data:`SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS`); elsewhere never. ``num_requests`` and ``mean_prompt_len`` (tokens) are the batch's; ``None`` (unknown) never prefers it. An
-    ``eager`` step (no CUDA graph) where :func:`eager_cascade_over_split_kv` holds takes the cascade instead."""
+    heads: :data:`SPLIT_KV_MAX_QUERY_TILE_HEADS_FEW_KV_HEADS`); elsewhere never. ``num_requests`` and
+    ``mean_prompt_len`` (tokens) are the batch's; ``None`` (unknown) never prefers it. An ``eager`` step (no CUDA
+    graph) where :func:`eager_cascade_over_split_kv` holds takes the cascade instead."""
     if num_requests is None or mean_prompt_len is None or beam_width is None:
         return False, "request count, beam width or prompt length unknown"
     group = num_qo_heads // max(num_kv_heads, 1)
