@@ -119,7 +119,7 @@ def test_steps_match_oracle(tail_impl, layout, dtype, engine_writes_kv, divisor,
         ref = oracle(sim, step)
         out = run_step(att, sim, step, engine_writes_kv=engine_writes_kv, divisor=divisor)
         assert_matches(out, ref, dtype, f"step {s}")
-        assert att.poll_device_errors() == []
+        assert _poll_settled(att) == []
         # Later steps read the K/V the tail kernel (or the engine) stored.
         sim.end_step(write_kv=False)
     assert att.device_errors() == []  # valid steps raise no device error flag
@@ -771,25 +771,40 @@ def _flagged_setup(tail_impl):
     return sim, step, att
 
 
+def _poll_settled(att):
+    """``poll_device_errors`` once the queued work has finished. On CUDA a poll reads the copy of the flag
+    that the previous poll queued (it never waits), so this polls, waits for the device, and polls again;
+    elsewhere one poll reads the flag itself."""
+    if att.error_flags.device.type != "cuda":
+        return att.poll_device_errors()
+    early = att.poll_device_errors()
+    torch.cuda.synchronize(att.error_flags.device)
+    return early + att.poll_device_errors()
+
+
 @pytest.mark.parametrize("tail_impl", ["torch", "triton"])
 def test_bad_indices_without_check_mode_raise_the_device_flag(tail_impl):
     """Without check mode nothing syncs: a row whose write slot has no page, or an indirection entry
     that is not a beam, is masked by the kernel and reported through the device error flag, each kind
-    once by ``poll_device_errors`` and all of them by ``device_errors`` (which resets the flag)."""
+    once by ``poll_device_errors`` and all of them by ``device_errors`` (which resets the flag). On CUDA
+    a poll sees a kind one poll late: the first poll after the bad run returns nothing yet."""
     sim, step, att = _flagged_setup(tail_impl)
     table = step.beam_page_table.clone()
     table[4, int(step.kv_lens[4] - 1) // sim.page_size] = -1  # row 4 has no page for this step's token
     bad_ind = step.cache_indirection.clone()
     bad_ind[0, 1, int(step.prompt_lens[0])] = 7  # beam 7 of 3
     att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    if att.error_flags.device.type == "cuda":
+        torch.cuda.synchronize(att.error_flags.device)
+        assert att.poll_device_errors() == []  # no earlier poll queued a copy to read
     # (beams that read their generated positions 16-18 from row 4's page see the same -1)
-    first = att.poll_device_errors()
+    first = _poll_settled(att)
     assert [m for m in first if "write slot" in m and "K/V not written" in m], first
     att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, bad_ind, step.new_k, step.new_v)
-    (second,) = att.poll_device_errors()  # only the new kind
+    (second,) = _poll_settled(att)  # only the new kind
     assert "cache_indirection entry outside [0, beam_width)" in second
     att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
-    assert att.poll_device_errors() == []  # kinds already reported
+    assert _poll_settled(att) == []  # kinds already reported
     assert sorted(att.device_errors()) == sorted(first + [second]) and att.device_errors() == []
     off = BeamSharedPrefixAttention(step.q.device, backend="reference", tail_impl=tail_impl)  # the default: no flag
     assert off.error_flags is None and off.device_errors() == [] and off.poll_device_errors() == []
