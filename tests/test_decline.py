@@ -1039,9 +1039,10 @@ def test_the_random_audit_served_no_step_slower_than_per_beam_decode(pattern, ca
     and groups 4-7 serves 3 x 19 x 437 at 32/8 (1.43x) and 5 x 22 x 1,506 at 28/4 (1.71x); the declined winners are the
     few-rows floors' and the long-tail clause's price at this ancestry, the clause being fitted to independent ancestry
     (docs/benchmarks-evidence.md, "A random audit", "The tail clause on the current kernels"). On the H100 ``auto``
-    missed the fastest arm twice: 10 x 95 x 1,624 at 16/8 takes FA4 + tail under a CUDA graph (the cascade needs a
-    declared tail bound there) where the cascade ran 1.30x faster, and 74 x 181 x 83 at 24/8 the cascade where FA4 +
-    tail ran 1.21x faster (docs/benchmarks-evidence.md, "The presets and a random audit on an H100")."""
+    missed the fastest arm twice: 10 x 95 x 1,624 at 16/8 takes FA4 + tail under a CUDA graph (past the H200's
+    448-token cascade limit for this GQA-2 batch) where the cascade ran 1.30x faster, and 74 x 181 x 83 at
+    24/8 the cascade where FA4 + tail ran 1.21x faster (docs/benchmarks-evidence.md, "The presets and a random audit
+    on an H100")."""
     from microbenchmarks.runner import rule_verdict
     from microbenchmarks.shapes import BenchShape
 
