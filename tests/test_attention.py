@@ -845,6 +845,31 @@ def test_a_beam_writing_onto_beam0s_prompt_page_raises_the_flag(tail_impl, engin
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, *new_kv)
 
 
+@pytest.mark.parametrize("tail_impl", ["torch", "triton"])
+@pytest.mark.parametrize("case,check_message", [
+    ("two_beams_share", r"rows 4 and 5 both write this step's K/V to page"),
+    ("on_full_prompt_page", r"row 4 \(request 1, beam 1\) writes .* a prompt page of request 1"),
+])
+def test_a_write_page_held_elsewhere_in_the_request_raises_the_flag(tail_impl, case, check_message):
+    """Request 1's beams 1 and 2 given one write page, or beam 1's write slot on the request's first prompt page
+    (a full page every beam reads): no index is out of the pool and no beam is on beam 0's page of its column.
+    Without check mode the flag names it; check mode refuses the step."""
+    sim, step, att = _flagged_setup(tail_impl)
+    col = int(step.kv_lens[3] - 1) // sim.page_size
+    assert int(step.prompt_lens[3]) == 17 and col == 4  # (the partly filled page: 1 prompt token of 4)
+    table = step.beam_page_table.clone()
+    if case == "two_beams_share":
+        table[5, col] = table[4, col]
+    else:
+        table[4, col] = table[3, 0]
+    att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    (message,) = att.device_errors()
+    assert "write page (position kv_len - 1) is held elsewhere in its request" in message, message
+    att.check = True
+    with pytest.raises(BeamSharedPrefixCheckError, match=check_message):
+        att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+
+
 def _trtllm_warmup_step(n, divisor, seed=0, device="cpu"):
     """TensorRT-LLM's CUDA-graph warm-up, as in :func:`test_trtllm_warmup_requests_raise_no_bit`: 2 beams, pages
     of 4; a dummy request of ``n`` tokens on pages 3 and 11 for both beams, then a padding request (pages 20, 21).

@@ -94,7 +94,7 @@ import triton.language as tl
 
 from .beam_index import pages_of_source_beams, shared_ancestry_len, source_beam_pages
 from .device_errors import (KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, beam_agreement_bits, error_bits, flush_errors,
-                            kv_len_bad, or_reduce, page_error_bits, plan_agreement_bits)
+                            held_write_page_bits, kv_len_bad, or_reduce, page_error_bits, plan_agreement_bits)
 from .tail_merge_grouped_kernel import attend_grouped_row
 
 __all__ = ["beam_cascade_kernel"]
@@ -706,6 +706,12 @@ def beam_cascade_kernel(
             agree_err |= plan_agreement_bits(beam_pt_ptr, agree_rows, agree_ok & (agree_beam == 0), prompt_len,
                                               plan_page, stride_bpt_row, stride_bpt_col, page_size, page_index_divisor,
                                               tl.minimum(max_seq_len, prompt_capacity))
+            # ... and whether each beam holds its write page alone: once a request, by the tile of beam 0.
+            held = held_write_page_bits(kv_lens_ptr, beam_pt_ptr, req64 * beam_width,
+                                        (first_beam == 0) & (tl.program_id(1) == 0), beam_width, prompt_len,
+                                        stride_bpt_row, stride_bpt_col, page_size, page_index_divisor, num_pages,
+                                        max_seq_len)
+            agree_err |= tl.where(agree_slot == 0, held, 0)
             flush_errors(err_ptr, agree_err)
         if TAIL_CORES and not PREFIX_ONLY:
             flush_errors(err_ptr, core_beam_err)

@@ -19,7 +19,8 @@ from .step_args import KernelInputError
 __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "WRITE_PAGE", "BEAM_KV_LEN",
            "SHARED_WRITE_PAGE", "PLAN_PAGE", "ERROR_BITS", "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits",
            "kv_len_bad", "kv_len_bad_torch", "page_error_bits", "beam_agreement_bits", "beam_agreement_bad_torch",
-           "plan_agreement_bits", "plan_agreement_bad_torch", "or_reduce",
+           "plan_agreement_bits", "plan_agreement_bad_torch", "HELD_WRITE_PAGE", "held_write_page_bits",
+           "held_write_page_bad_torch", "or_reduce",
            "flush_errors", "flag_where", "decode_error_flags", "new_error_flags", "check_error_flags"]
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
@@ -44,6 +45,10 @@ SHARED_WRITE_PAGE = tl.constexpr(128)
 #: Beam 0's page-table entry at its prompt's last token unlike the page the prefix read there (the plan's):
 #: the prefix attended one set of pages, the tail and the write another. Reported only.
 PLAN_PAGE = tl.constexpr(256)
+#: A beam's write page held elsewhere in its request, from the second generated token: the write page of
+#: another beam than beam 0 (two rows write one page), or one of beam 0's prompt pages at another column
+#: (a page every beam reads). Judged once a request (:func:`held_write_page_bits`). Reported only.
+HELD_WRITE_PAGE = tl.constexpr(512)
 
 #: ``{bit: message}``; each message names the value, what the kernel did and the likely cause.
 ERROR_BITS = {
@@ -70,6 +75,11 @@ ERROR_BITS = {
                      "page the prefix read there: the prefix attended the plan's prompt pages and the tail the "
                      "table's (a plan of another batch: plan() when the batch changes; or a page_index_divisor "
                      "wrong for this table, or a table of another pool)",
+    HELD_WRITE_PAGE.value: "a beam's write page (position kv_len - 1) is held elsewhere in its request: another beam "
+                           "than beam 0 writes the same page, or it is one of beam 0's prompt pages at another "
+                           "page-table column, so this step's K/V overwrites K/V that other beams read (each beam "
+                           "writes into generated pages of its own; a table that shares them among beams, or points "
+                           "a write slot at the prompt, is wrong)",
 }
 
 
@@ -188,6 +198,98 @@ def plan_agreement_bad_torch(beam_page_table: torch.Tensor, prompt_lens: torch.T
     entry = beam_page_table[row, col].long()
     plan_page = prompt_last_pages[row // beam_width].long()
     return judged & ((entry < 0) | (entry // page_index_divisor != plan_page))
+
+
+#: Beams (and beam 0's prompt columns) compared a block at a time by :func:`held_write_page_bits`.
+HELD_CHUNK = tl.constexpr(32)
+
+
+@triton.jit
+def _judged_write_pages(kv_lens_ptr, page_table_ptr, first_row64, beam, n_beams, prompt_len, stride_pt_row,
+                        stride_pt_col, page_size, page_index_divisor, num_pages, max_seq_len):
+    """The write pages of beams ``beam`` (int vector) of the request whose beam 0 is row ``first_row64``:
+    ``(page, column, judged)``; judged are the beams under ``n_beams`` whose slot the kernels write, from the
+    second generated token (as :func:`beam_agreement_bits`), with an entry inside the pool."""
+    ok = beam < n_beams
+    row64 = first_row64 + beam.to(tl.int64)
+    cur = tl.load(kv_lens_ptr + row64, mask=ok, other=0) - 1
+    judged = ok & (cur > prompt_len) & (cur < max_seq_len)
+    col = cur // page_size
+    entry = tl.load(page_table_ptr + row64 * stride_pt_row + col.to(tl.int64) * stride_pt_col, mask=judged, other=-1)
+    page = entry // page_index_divisor
+    return page, col, judged & (entry >= 0) & (page < num_pages)
+
+
+@triton.jit
+def held_write_page_bits(kv_lens_ptr, page_table_ptr, first_row64, judge, beam_width, prompt_len, stride_pt_row,
+                         stride_pt_col, page_size, page_index_divisor, num_pages, max_seq_len):
+    """``HELD_WRITE_PAGE`` of the request whose beam 0 is row ``first_row64``, judged by the one program whose
+    ``judge`` (scalar) holds: int32 scalar.
+
+    Each beam's write page against every other beam's but beam 0's (a pair with beam 0 at one column is
+    ``SHARED_WRITE_PAGE``'s) and against beam 0's prompt pages at the other columns (its own column is beam 0's
+    partly filled page, which beam 0 itself writes): ``W^2 / 2 + W x prompt pages`` comparisons, blocks of
+    :data:`HELD_CHUNK`, in one program a request. Judged as :func:`beam_agreement_bits` judges (from the
+    second generated token: TensorRT-LLM's warm-up requests share their blocks at the first), so a batch
+    padded with copies of one request (copies share their pages) raises nothing: only beams of one request are
+    compared. Call it after the program's last store, under ``REPORT_ERRORS``."""
+    n_beams = tl.where(judge, beam_width, 0)
+    n_cols = tl.where(judge, tl.minimum(tl.cdiv(prompt_len, page_size), tl.cdiv(max_seq_len, page_size)), 0)
+    lanes = tl.arange(0, HELD_CHUNK)
+    held = n_beams * 0
+    for b0 in range(0, n_beams, HELD_CHUNK):
+        beam_i = b0 + lanes
+        page_i, col_i, judged_i = _judged_write_pages(kv_lens_ptr, page_table_ptr, first_row64, beam_i, n_beams,
+                                                      prompt_len, stride_pt_row, stride_pt_col, page_size,
+                                                      page_index_divisor, num_pages, max_seq_len)
+        other_i = judged_i & (beam_i > 0)
+        for b1 in range(b0, n_beams, HELD_CHUNK):
+            beam_j = b1 + lanes
+            page_j, _, judged_j = _judged_write_pages(kv_lens_ptr, page_table_ptr, first_row64, beam_j, n_beams,
+                                                      prompt_len, stride_pt_row, stride_pt_col, page_size,
+                                                      page_index_divisor, num_pages, max_seq_len)
+            same = (other_i[:, None] & judged_j[None, :] & (beam_i[:, None] < beam_j[None, :])
+                    & (page_i[:, None] == page_j[None, :]))
+            held |= tl.max(tl.where(same, 1, 0))
+        for c0 in range(0, n_cols, HELD_CHUNK):
+            col = c0 + lanes
+            col_ok = col < n_cols
+            entry = tl.load(page_table_ptr + first_row64 * stride_pt_row + col.to(tl.int64) * stride_pt_col,
+                            mask=col_ok, other=-1)
+            # (entry < 0 judged apart: a negative entry divided can round to page 0)
+            on_prompt = (judged_i[:, None] & (col_ok & (entry >= 0))[None, :] & (col_i[:, None] != col[None, :])
+                         & (page_i[:, None] == (entry // page_index_divisor)[None, :]))
+            held |= tl.max(tl.where(on_prompt, 1, 0))
+    return tl.where(held != 0, HELD_WRITE_PAGE, 0)
+
+
+def held_write_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
+                              beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
+                              max_seq_len: int) -> torch.Tensor:
+    """:func:`held_write_page_bits` on torch tensors: bool ``[requests]`` (``rows = kv_lens.numel()``, ``prompt_lens``
+    per row), device ops (no sync)."""
+    rows = kv_lens.shape[0]
+    W = beam_width
+    row = torch.arange(rows, device=kv_lens.device)
+    cur = kv_lens.long() - 1
+    plen = prompt_lens.long()
+    judged = (cur > plen) & (cur < max_seq_len)
+    col = torch.where(judged, cur // page_size, torch.zeros_like(cur))
+    entry = beam_page_table[row, col].long()
+    page = entry // page_index_divisor
+    judged = judged & (entry >= 0) & (page < num_pages)
+    page, col, judged = page.view(-1, W), col.view(-1, W), judged.view(-1, W)  # [requests, W]
+    beam = torch.arange(W, device=kv_lens.device)
+    pairs = ((judged & (beam > 0))[:, :, None] & judged[:, None, :] & (beam[:, None] < beam[None, :])
+             & (page[:, :, None] == page[:, None, :]))
+    cols = beam_page_table.shape[1]
+    n_cols = torch.clamp(-(-plen.view(-1, W)[:, 0] // page_size), max=-(-max_seq_len // page_size))  # [requests]
+    prompt_col = torch.arange(cols, device=kv_lens.device)
+    first_entry = beam_page_table[row.view(-1, W)[:, 0]].long()  # [requests, cols]
+    prompt_ok = (prompt_col[None, :] < n_cols[:, None]) & (first_entry >= 0)
+    on_prompt = (judged[:, :, None] & prompt_ok[:, None, :] & (col[:, :, None] != prompt_col[None, None, :])
+                 & (page[:, :, None] == (first_entry // page_index_divisor)[:, None, :]))
+    return pairs.flatten(1).any(1) | on_prompt.flatten(1).any(1)
 
 
 @triton.jit

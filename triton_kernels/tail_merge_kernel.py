@@ -54,8 +54,8 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
-from .device_errors import (KV_LEN, WRITE_PAGE, beam_agreement_bits, error_bits, flush_errors, kv_len_bad, or_reduce,
-                            page_error_bits, plan_agreement_bits)
+from .device_errors import (KV_LEN, WRITE_PAGE, beam_agreement_bits, error_bits, flush_errors, held_write_page_bits,
+                            kv_len_bad, or_reduce, page_error_bits, plan_agreement_bits)
 
 __all__ = ["beam_tail_merge_kernel"]
 
@@ -379,6 +379,11 @@ def beam_tail_merge_kernel(
         err |= beam_agreement_bits(kv_lens_ptr, page_table_ptr, row64 + slot * 0, slot + head_block == 0,
                                    first_src_row, prompt_len, stride_pt_row, stride_pt_col, page_size,
                                    page_index_divisor, num_pages, max_seq_len)
+        # Whether each beam holds its write page alone: once a request, by beam 0's first program.
+        held = held_write_page_bits(kv_lens_ptr, page_table_ptr, first_src_row, (beam == 0) & (head_block == 0),
+                                    beam_width, prompt_len, stride_pt_row, stride_pt_col, page_size,
+                                    page_index_divisor, num_pages, max_seq_len)
+        err |= tl.where(slot == 0, held, 0)
         if CHECK_PLAN:  # beam 0's table against the plan's pages: once a request
             judges = (beam == 0) & (head_block == 0)
             plan_page = tl.load(prompt_last_page_ptr + req, mask=judges, other=-1)

@@ -117,7 +117,10 @@ def beam_tail_attention_merge_torch(
                          (len_differs, device_errors.BEAM_KV_LEN), (shares_page, device_errors.SHARED_WRITE_PAGE),
                          (None if prompt_last_pages is None else device_errors.plan_agreement_bad_torch(
                              beam_page_table, plen, prompt_last_pages, W, pg, page_index_divisor, geom.max_seq_len),
-                          device_errors.PLAN_PAGE)):
+                          device_errors.PLAN_PAGE),
+                         (device_errors.held_write_page_bad_torch(klen, plen, beam_page_table, W, pg,
+                                                                  page_index_divisor, num_pages, geom.max_seq_len),
+                          device_errors.HELD_WRITE_PAGE)):
             if bad is not None:
                 device_errors.flag_where(error_flags, bad, bit)
     slot = t_safe % pg

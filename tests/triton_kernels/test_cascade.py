@@ -401,6 +401,44 @@ def test_cascade_reports_rows_that_disagree(name, bits, config, device):
 
 @pytest.mark.parametrize("config", [None, TILINGS[0][1], dict(TILINGS)["tail_on_cores"]],
                          ids=["default_one_block", "beam_blocks_tail2", "tail_on_cores"])
+@pytest.mark.parametrize("case", ["two_beams_share", "on_full_prompt_page"])
+def test_cascade_reports_write_pages_held_elsewhere_in_the_request(case, config, device):
+    """Request 0's beams 1 and 17 (two beam blocks in the 16-beam tiling) given one write page, or beam 5's write
+    slot pointed at the full prompt page of column 0: reported once, by the program that holds beam 0 (exactly
+    ``HELD_WRITE_PAGE``), and the flag changes nothing written but the slot two rows write. (Beam 5 overwrites a
+    prompt token that other programs read in the same launch, a race on a GPU: its outputs are not compared.)"""
+    results = []
+    for flags in (None, device_errors.new_error_flags(device)):
+        sim = make_sim(device, prompts=[20, 7], beams=18, hq=6, hkv=2, d=64, seed=3)
+        for _ in range(3):
+            sim.begin_step()
+            sim.end_step()
+        step = sim.begin_step()
+        table = step.beam_page_table.clone()
+        col = int(step.kv_lens[0] - 1) // sim.page_size
+        assert col == 1 and int(step.prompt_lens[0]) == 20  # (the partly filled page: 4 prompt tokens of 16)
+        if case == "two_beams_share":
+            table[17, col] = table[1, col]
+        else:
+            table[5, col] = table[0, 0]
+        out = torch.full_like(step.q, float("nan"))
+        beam_cascade_attention(step.q, step.new_k, step.new_v, sim.kv_cache, prompt_table(sim, step), table,
+                               step.kv_lens, step.prompt_lens, step.cache_indirection, step.beam_width, out,
+                               kv_layout=sim.kv_layout, launch_config=config, error_flags=flags)
+        results.append((out, sim.kv_cache))
+    assert not torch.isnan(results[1][0]).any()
+    assert int(flags) == device_errors.HELD_WRITE_PAGE.value, device_errors.decode_error_flags(int(flags))
+    if case == "two_beams_share":  # rows 1 and 17 both write this step's slot of beam 1's page
+        assert torch.equal(results[0][0], results[1][0])
+        page, slot = int(table[1, col]), int(step.kv_lens[1] - 1) % sim.page_size
+        assert_same_pools_but_one_raced_slot(sim, [r[1] for r in results], page, slot, step.new_k, step.new_v,
+                                             writers=(1, 17))
+    else:
+        assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("config", [None, TILINGS[0][1], dict(TILINGS)["tail_on_cores"]],
+                         ids=["default_one_block", "beam_blocks_tail2", "tail_on_cores"])
 def test_cascade_dummy_rows_raise_no_error_bit(config, device):
     """A request of TensorRT-LLM's padding rows (kv_len 1, planned with a one-token prompt) next to
     real ones: no bit (``device_errors.kv_len_bad``)."""

@@ -18,6 +18,8 @@ from triton_kernels import device_errors
 from triton_kernels.device_errors import (
     beam_agreement_bad_torch,
     beam_agreement_bits,
+    held_write_page_bad_torch,
+    held_write_page_bits,
     kv_len_bad,
     kv_len_bad_torch,
     plan_agreement_bad_torch,
@@ -137,6 +139,100 @@ def test_beam_agreement_rule_is_the_same_in_the_kernels_and_their_torch_twins(se
 
 
 @triton.jit
+def _held_write_page_kernel(kv_lens_ptr, prompt_lens_ptr, table_ptr, out_ptr, beam_width, stride_table_row, page_size,
+                            page_index_divisor, num_pages, max_seq_len):
+    # One program a request, as the tail kernels judge it (beam 0's program; the others judge nothing).
+    req = tl.program_id(0)
+    first_row64 = req.to(tl.int64) * beam_width
+    for beam in range(beam_width):
+        held = held_write_page_bits(kv_lens_ptr, table_ptr, first_row64, beam == 0, beam_width,
+                                    tl.load(prompt_lens_ptr + first_row64), stride_table_row, 1, page_size,
+                                    page_index_divisor, num_pages, max_seq_len)
+        tl.atomic_or(out_ptr + req, held)
+
+
+_HELD_CASES = ["valid", "on_beam0_same_column", "valid_later", "two_beams_share", "on_full_prompt_page",
+               "beam0_on_its_prompt", "warmup_request", "first_generated_token", "padding", "pair_entry_missing",
+               "longer_beam_on_other_page"]
+
+
+def _held_write_page_case(seed: int, W: int):
+    """Requests of ``W`` beams (page 4, prompts of 9-141 tokens, divisor 2) whose tables are valid, then broken
+    one way each (:data:`_HELD_CASES`): ``(kv_lens, prompt_lens, table, want)``, ``want`` per request."""
+    pg, div = 4, 2
+    g = torch.Generator().manual_seed(seed)
+    R = len(_HELD_CASES)
+    # Prompts one token into their last page; the first two cases write into that page (the column beam 0's
+    # prompt and its write share), the third into a generated page, the others 2-9 tokens on.
+    prompt = 4 * torch.randint(2, 36, (R,), generator=g) + 1
+    kv = prompt + 2 + torch.randint(0, 8, (R,), generator=g)
+    kv[:2] = prompt[:2] + 2 + torch.randint(0, 2, (2,), generator=g)
+    kv[2] = prompt[2] + 7  # "valid_later": a generated page of each beam's own
+    cols = int((kv.max() + pg - 1) // pg)
+    num_pages = R * W * cols
+    pages = torch.randperm(num_pages, generator=g).view(R, W, cols)
+    # Full prompt pages are beam 0's for every beam (the partly filled last one each beam's own).
+    full = prompt // pg
+    for r in range(R):
+        pages[r, :, :full[r]] = pages[r, 0, :full[r]]
+    table = pages * div + torch.randint(0, div, pages.shape, generator=g)
+    kv, prompt = kv.repeat_interleave(W), prompt.repeat_interleave(W)
+    want = torch.zeros(R, dtype=torch.bool)
+    for r, case in enumerate(_HELD_CASES):
+        i, j = (int(v) for v in 1 + torch.randperm(W - 1, generator=g)[:2])  # two beams other than beam 0
+        col = int(kv[r * W] - 1) // pg
+        t = table[r]  # (a view)
+        if case == "two_beams_share":
+            t[j, col] = t[i, col] // div * div + (t[i, col] + 1) % div  # the same page in the divisor's other code
+            want[r] = True
+        elif case == "on_full_prompt_page":
+            t[i, col] = t[0, int(torch.randint(0, int(full[r]), (1,), generator=g))]
+            want[r] = True
+        elif case == "beam0_on_its_prompt":
+            t[0, col] = t[0, 0]
+            want[r] = True
+        elif case == "on_beam0_same_column":  # SHARED_WRITE_PAGE's, not this rule's
+            t[i, col] = t[0, col]
+        elif case == "warmup_request":  # all context, every page shared, kv_len = prompt + 1
+            kv[r * W:r * W + W] = prompt[r * W] + 1
+            t[:] = t[0]
+        elif case == "first_generated_token":  # not judged at kv_len = prompt + 1 (the warm-up's look)
+            kv[r * W:r * W + W] = prompt[r * W] + 1
+            c = int(prompt[r * W]) // pg
+            t[j, c] = t[i, c]
+        elif case == "padding":  # TensorRT-LLM's padding rows: kv_len 1, a one-token prompt, one page for all
+            kv[r * W:r * W + W], prompt[r * W:r * W + W] = 1, 1
+            t[:, 0] = t[0, 0]
+        elif case == "pair_entry_missing":  # both entries -1 (WRITE_PAGE's): -1 // 2 must not make a shared page
+            t[i, col] = t[j, col] = -1
+        elif case == "longer_beam_on_other_page":  # beam i a token ahead (BEAM_KV_LEN's) on a page of its own
+            kv[r * W + i] += 1
+        elif case == "valid_later":
+            assert col > int(prompt[r * W]) // pg
+    return kv.int(), prompt.int(), table.view(R * W, cols).int(), want, {"pg": pg, "div": div, "cols": cols,
+                                                                          "num_pages": num_pages}
+
+
+@pytest.mark.parametrize("W", [4, 45], ids=["4_beams", "45_beams_two_blocks"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_held_write_page_rule_is_the_same_in_the_kernels_and_their_torch_twins(seed, W):
+    """Two beams other than beam 0 on one write page, a write page that is one of beam 0's full prompt pages, beam
+    0 writing onto its own prompt: reported; beam 0's partly filled page at the same column (another rule's), the
+    warm-up's shared blocks, the first generated token, padding rows and missing entries: not. At 45 beams the
+    pairs and the prompts of up to 35 pages span two blocks of the comparison."""
+    kv, prompt, table, want, p = _held_write_page_case(seed, W)
+    max_seq_len = p["cols"] * p["pg"]
+    R = want.numel()
+    out = torch.full((R,), 0, dtype=torch.int32, device=DEVICE)
+    _held_write_page_kernel[(R,)](kv.to(DEVICE), prompt.to(DEVICE), table.to(DEVICE), out, W, table.stride(0), p["pg"],
+                                  p["div"], p["num_pages"], max_seq_len)
+    bit = device_errors.HELD_WRITE_PAGE.value
+    assert torch.equal(out.cpu(), want.int() * bit), {c: int(v) for c, v in zip(_HELD_CASES, out.cpu())}
+    twin = held_write_page_bad_torch(kv, prompt, table, W, p["pg"], p["div"], p["num_pages"], max_seq_len)
+    assert torch.equal(twin.cpu(), want), dict(zip(_HELD_CASES, twin.tolist()))
+
+
+@triton.jit
 def _plan_agreement_kernel(table_ptr, prompt_lens_ptr, plan_pages_ptr, out_ptr, beam_width, stride_table_row,
                            page_size, page_index_divisor, table_tokens, BLOCK_W: tl.constexpr):
     req = tl.program_id(0)
@@ -175,7 +271,7 @@ def test_plan_agreement_rule_is_the_same_in_the_kernels_and_their_torch_twins():
 def test_error_bits_name_every_bit_once():
     bits = [device_errors.PROMPT_PAGE, device_errors.PROMPT_LEN, device_errors.KV_LEN, device_errors.SOURCE_BEAM,
             device_errors.TAIL_PAGE, device_errors.WRITE_PAGE, device_errors.BEAM_KV_LEN,
-            device_errors.SHARED_WRITE_PAGE, device_errors.PLAN_PAGE]
+            device_errors.SHARED_WRITE_PAGE, device_errors.PLAN_PAGE, device_errors.HELD_WRITE_PAGE]
     values = [b.value for b in bits]
     assert sorted(device_errors.ERROR_BITS) == sorted(values) == [1 << i for i in range(len(bits))]
     messages = device_errors.decode_error_flags(sum(values))

@@ -689,6 +689,51 @@ def test_rows_that_disagree_are_reported_not_changed(name, change, bits, write_k
         assert torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("config", [None, TailLaunchConfig(2, 2, 1, 4, index_block=0),
+                                    TailLaunchConfig(2, 2, 1, 1, grouped=True), "torch"],
+                         ids=["default", "chain", "grouped", "torch"])
+@pytest.mark.parametrize("case", ["two_beams_share", "on_full_prompt_page"])
+def test_write_pages_held_elsewhere_in_the_request_are_reported(case, config, device):
+    """Beams 1 and 2 of request 0 given one write page (the copy of the prompt's partly filled page that each
+    beam owns), or beam 1's write slot pointed at a full prompt page every beam reads (column 0 of 3): every
+    index is in the pool and no beam is on beam 0's page of its column, so only the request's beams together
+    show it. Served as given, reported (exactly ``HELD_WRITE_PAGE``), and the flag changes nothing computed or
+    written (but the slot two rows write, whose writes race element by element on a GPU)."""
+    results = []
+    for flags in (None, device_errors.new_error_flags(device)):
+        sim = make_sim(device, prompts=[40, 21], beams=3, hq=4, hkv=2, d=64, seed=2)
+        for _ in range(3):
+            sim.begin_step()
+            sim.end_step()
+        step = sim.begin_step()
+        po, pl = prefix_state(sim, step)
+        table = step.beam_page_table.clone()
+        col = int(step.kv_lens[0] - 1) // 16
+        assert col == 2 and int(step.prompt_lens[0]) == 40  # (the partly filled page: 8 prompt tokens of 16)
+        if case == "two_beams_share":
+            table[2, col] = table[1, col]
+        else:
+            table[1, col] = table[0, 0]
+        args = dict(q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache, beam_page_table=table,
+                    kv_lens=step.kv_lens, prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection,
+                    beam_width=step.beam_width, prefix_out=po, prefix_lse=pl, out=torch.full_like(step.q, float("nan")),
+                    prompt_last_pages=prompt_last_pages(step))
+        if config == "torch":
+            IMPLS["torch"](**args, error_flags=flags)
+        else:
+            beam_tail_attention_merge(**args, launch_config=config, error_flags=flags)
+        results.append((args["out"], sim.kv_cache))
+    assert not torch.isnan(results[0][0]).any()
+    assert int(flags) == device_errors.HELD_WRITE_PAGE.value, device_errors.decode_error_flags(int(flags))
+    assert torch.equal(results[0][0], results[1][0])
+    if case == "two_beams_share":  # rows 1 and 2 both write this step's slot of beam 1's page
+        page, slot = int(table[1, col]), int(step.kv_lens[1] - 1) % 16
+        assert_same_pools_but_one_raced_slot(sim, [r[1] for r in results], page, slot, step.new_k, step.new_v,
+                                             writers=(1, 2))
+    else:
+        assert torch.equal(results[0][1], results[1][1])
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: bigger shapes, bf16/fp16, head 256, page sizes to 128, int64 offsets, CUDA graphs
 
