@@ -168,6 +168,10 @@ def _held_write_page_case(seed: int, W: int):
     kv = prompt + 2 + torch.randint(0, 8, (R,), generator=g)
     kv[:2] = prompt[:2] + 2 + torch.randint(0, 2, (2,), generator=g)
     kv[2] = prompt[2] + 7  # "valid_later": a generated page of each beam's own
+    edge = seed % 2 == 1  # the pair in the first and last beam blocks, the prompt page in the second column block
+    if edge:
+        prompt[4] = 4 * 35 + 1
+        kv[4] = prompt[4] + 2
     cols = int((kv.max() + pg - 1) // pg)
     num_pages = R * W * cols
     pages = torch.randperm(num_pages, generator=g).view(R, W, cols)
@@ -180,13 +184,15 @@ def _held_write_page_case(seed: int, W: int):
     want = torch.zeros(R, dtype=torch.bool)
     for r, case in enumerate(_HELD_CASES):
         i, j = (int(v) for v in 1 + torch.randperm(W - 1, generator=g)[:2])  # two beams other than beam 0
+        if edge:
+            i, j = 1, W - 1
         col = int(kv[r * W] - 1) // pg
         t = table[r]  # (a view)
         if case == "two_beams_share":
             t[j, col] = t[i, col] // div * div + (t[i, col] + 1) % div  # the same page in the divisor's other code
             want[r] = True
         elif case == "on_full_prompt_page":
-            t[i, col] = t[0, int(torch.randint(0, int(full[r]), (1,), generator=g))]
+            t[i, col] = t[0, int(full[r]) - 1 if edge else int(torch.randint(0, int(full[r]), (1,), generator=g))]
             want[r] = True
         elif case == "beam0_on_its_prompt":
             t[0, col] = t[0, 0]
@@ -219,7 +225,8 @@ def test_held_write_page_rule_is_the_same_in_the_kernels_and_their_torch_twins(s
     """Two beams other than beam 0 on one write page, a write page that is one of beam 0's full prompt pages, beam
     0 writing onto its own prompt: reported; beam 0's partly filled page at the same column (another rule's), the
     warm-up's shared blocks, the first generated token, padding rows and missing entries: not. At 45 beams the
-    pairs and the prompts of up to 35 pages span two blocks of the comparison."""
+    beams and the prompts of up to 35 pages span two blocks of the comparison; the odd seed puts the pair in both
+    blocks and the prompt page in the second."""
     kv, prompt, table, want, p = _held_write_page_case(seed, W)
     max_seq_len = p["cols"] * p["pg"]
     R = want.numel()
