@@ -130,7 +130,8 @@ def beam_agreement_bits(kv_lens_ptr, page_table_ptr, row64, row_ok, first_row64,
     seen from the second generated token on, while that token still falls in the page. It reloads what it
     needs, L1/L2 hits by then: call it after the program's last store, under ``REPORT_ERRORS``, so that
     the kernels without the flag keep their code. Beams other than beam 0 that share a page with each
-    other, and a write page that beam 0 holds at another column, are not seen (check mode sees them)."""
+    other, and a write page that is one of beam 0's prompt pages at another column, are
+    :func:`held_write_page_bits`'s."""
     zero = row64 * 0
     cur = tl.load(kv_lens_ptr + row64, mask=row_ok, other=0) - 1
     first_cur = tl.load(kv_lens_ptr + first_row64 + zero, mask=row_ok, other=0) - 1
