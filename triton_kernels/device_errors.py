@@ -201,8 +201,9 @@ def plan_agreement_bad_torch(beam_page_table: torch.Tensor, prompt_lens: torch.T
     return judged & ((entry < 0) | (entry // page_index_divisor != plan_page))
 
 
-#: Beams (and beam 0's prompt columns) compared a block at a time by :func:`held_write_page_bits`.
-HELD_CHUNK = tl.constexpr(32)
+#: Beams (and beam 0's prompt columns) compared a block at a time by :func:`held_write_page_bits`. At 32 its
+#: ``[32, 32]`` comparisons spilled registers in the tail kernel's one-warp programs (sm_90, the compile test).
+HELD_CHUNK = tl.constexpr(16)
 
 
 @triton.jit
@@ -214,7 +215,8 @@ def _judged_write_pages(kv_lens_ptr, page_table_ptr, first_row64, beam, n_beams,
     ok = beam < n_beams
     row64 = first_row64 + beam.to(tl.int64)
     cur = tl.load(kv_lens_ptr + row64, mask=ok, other=0) - 1
-    judged = ok & (cur > prompt_len) & (cur < max_seq_len)
+    # (cur >= 0 apart: a negative prompt length, invalid input, must not let a negative column through)
+    judged = ok & (cur > prompt_len) & (cur >= 0) & (cur < max_seq_len)
     col = cur // page_size
     entry = tl.load(page_table_ptr + row64 * stride_pt_row + col.to(tl.int64) * stride_pt_col, mask=judged, other=-1)
     page = entry // page_index_divisor
@@ -274,7 +276,7 @@ def held_write_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, 
     row = torch.arange(rows, device=kv_lens.device)
     cur = kv_lens.long() - 1
     plen = prompt_lens.long()
-    judged = (cur > plen) & (cur < max_seq_len)
+    judged = (cur > plen) & (cur >= 0) & (cur < max_seq_len)
     col = torch.where(judged, cur // page_size, torch.zeros_like(cur))
     entry = beam_page_table[row, col].long()
     page = entry // page_index_divisor

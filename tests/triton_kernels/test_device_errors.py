@@ -153,7 +153,7 @@ def _held_write_page_kernel(kv_lens_ptr, prompt_lens_ptr, table_ptr, out_ptr, be
 
 _HELD_CASES = ["valid", "on_beam0_same_column", "valid_later", "two_beams_share", "on_full_prompt_page",
                "beam0_on_its_prompt", "warmup_request", "first_generated_token", "padding", "pair_entry_missing",
-               "longer_beam_on_other_page"]
+               "longer_beam_on_other_page", "negative_prompt"]
 
 
 def _held_write_page_case(seed: int, W: int):
@@ -213,6 +213,9 @@ def _held_write_page_case(seed: int, W: int):
             t[i, col] = t[j, col] = -1
         elif case == "longer_beam_on_other_page":  # beam i a token ahead (BEAM_KV_LEN's) on a page of its own
             kv[r * W + i] += 1
+        elif case == "negative_prompt":  # (PROMPT_LEN's and KV_LEN's): no column judged, none read below 0
+            kv[r * W:r * W + W], prompt[r * W:r * W + W] = 0, -3
+            t[:] = t[0]
         elif case == "valid_later":
             assert col > int(prompt[r * W]) // pg
     return kv.int(), prompt.int(), table.view(R * W, cols).int(), want, {"pg": pg, "div": div, "cols": cols,
