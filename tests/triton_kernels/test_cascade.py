@@ -409,11 +409,7 @@ def test_cascade_reports_write_pages_held_elsewhere_in_the_request(case, config,
     prompt token that other programs read in the same launch, a race on a GPU: its outputs are not compared.)"""
     results = []
     for flags in (None, device_errors.new_error_flags(device)):
-        sim = make_sim(device, prompts=[20, 7], beams=18, hq=6, hkv=2, d=64, seed=3)
-        for _ in range(3):
-            sim.begin_step()
-            sim.end_step()
-        step = sim.begin_step()
+        sim, step = step_after(dict(prompts=[20, 7], beams=18, hq=6, hkv=2, d=64, seed=3), 3)
         table = step.beam_page_table.clone()
         col = int(step.kv_lens[0] - 1) // sim.page_size
         assert col == 1 and int(step.prompt_lens[0]) == 20  # (the partly filled page: 4 prompt tokens of 16)

@@ -701,11 +701,7 @@ def test_write_pages_held_elsewhere_in_the_request_are_reported(case, config, de
     written (but the slot two rows write, whose writes race element by element on a GPU)."""
     results = []
     for flags in (None, device_errors.new_error_flags(device)):
-        sim = make_sim(device, prompts=[40, 21], beams=3, hq=4, hkv=2, d=64, seed=2)
-        for _ in range(3):
-            sim.begin_step()
-            sim.end_step()
-        step = sim.begin_step()
+        sim, step = step_after(dict(prompts=[40, 21], beams=3, hq=4, hkv=2, d=64, seed=2), 3)
         po, pl = prefix_state(sim, step)
         table = step.beam_page_table.clone()
         col = int(step.kv_lens[0] - 1) // 16
