@@ -9,8 +9,9 @@ entry naming a beam that does not exist, a kernel that wrote the wrong rows, a N
   lengths as this call's (the promise a key makes, which the planner takes on trust);
 - ``"indices"``: the plan's prompt pages and the used entries of ``beam_page_table`` lie in the
   pool, and beam 0's prompt columns of the table are the plan's prompt pages; ``kv_lens`` follow
-  the prompts and fit the cache; ``cache_indirection`` entries of the earlier generated positions
-  are beams in ``[0, W)``;
+  the prompts and fit the cache; this step's K/V write lands on no prompt page (but beam 0's partly
+  filled last one), no slot another row writes and no page a row holds at another column;
+  ``cache_indirection`` entries of the earlier generated positions are beams in ``[0, W)``;
 - ``"prefix"``: the prefix backend's output and LSE are finite and match
   :func:`~beam_shared_prefix.reference.reference_prefix_attention`;
 - ``"tail"``: the final output is finite and matches
@@ -346,6 +347,43 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
                    f"{int(pos[a] % page_size)} (positions {int(pos[a])} and {int(pos[b])}): one would overwrite "
                    f"the other. Each beam writes into its own pages."
         )
+    _check_write_pages_not_held(W, pages, klen, step_plan.prompt_lens_per_row, page_size, rows, write_page)
+
+
+def _check_write_pages_not_held(W: int, pages: torch.Tensor, klen: torch.Tensor, prompt_lens_per_row: np.ndarray,
+                                page_size: int, judged_rows: torch.Tensor, write_page: torch.Tensor) -> None:
+    """A row's write page may be no other row's page at a generated column, nor its own at another column.
+    Such a page holds K/V of earlier positions (a beam's generated tokens, which any beam of its request reads
+    through ``cache_indirection``, and this step's slot of its holder), and the write overwrites one of them,
+    now or at a later step of that page; the prompt pages and one slot written twice are judged before.
+    Each judged row (``judged_rows``, int64 row numbers: first copies, warm-up rows left out) holds its pages
+    from the prompt's last column (its copy of a partly filled last page) to its write column."""
+    stage = "indices"
+    plen = torch.from_numpy(prompt_lens_per_row.astype("int64"))[judged_rows]
+    pos = klen[judged_rows] - 1
+    first_col, write_col = plen // page_size, pos // page_size
+    col = torch.arange(pages.shape[1])[None, :]
+    held = (col >= first_col[:, None]) & (col <= write_col[:, None])
+    held_rows = judged_rows[:, None].expand_as(held)[held]
+    held_cols = col.expand_as(held)[held]
+    held_pages = pages[held_rows, held_cols]
+    # Each row's write page is one of its held entries; a second entry of the page is another holder.
+    writes = write_page[judged_rows]
+    times_held = torch.bincount(held_pages)[writes]  # (pages inside the pool: judged above)
+    twice = torch.nonzero(times_held > 1).flatten()
+    if not twice.numel():
+        return
+    k = int(twice[0])
+    i, page, c = int(judged_rows[k]), int(writes[k]), int(write_col[k])
+    other = torch.nonzero((held_pages == page) & ((held_rows != i) | (held_cols != c))).flatten()
+    j, cj = int(held_rows[other[0]]), int(held_cols[other[0]])
+    whose = f"row {j} (request {j // W}, beam {j % W})" if j != i else "the same row"
+    raise BeamSharedPrefixCheckError(
+        stage, f"row {i} (request {i // W}, beam {i % W}) writes this step's K/V at position {int(pos[k])} into page "
+               f"{page} (its column {c}), which {whose} also holds at column {cj} (positions "
+               f"{cj * page_size}-{(cj + 1) * page_size - 1}): the write would overwrite K/V of another position, "
+               f"which beams read through cache_indirection. Each beam writes into its own pages, one page a column."
+    )
 
 
 def check_prefix_stage(

@@ -708,6 +708,36 @@ def test_check_mode_catches_a_write_onto_shared_kv():
     torch.testing.assert_close(out.float(), oracle(sim, step).float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("holder,message", [
+    ("other_beam", (r"row 1 \(request 0, beam 1\) writes .* into page \d+ \(its column 2\), which row 2 "
+                    r"\(request 0, beam 2\) also holds at column 1")),
+    ("same_beam", r"row 1 \(request 0, beam 1\) writes .* \(its column 2\), which the same row also holds at column 1"),
+    ("other_request", r"row 1 \(request 0, beam 1\) writes .* which row 7 \(request 2, beam 1\) also holds at column 0"),
+])
+def test_check_mode_catches_a_write_onto_a_page_held_at_a_generated_column(holder, message):
+    """A write page that a row holds at a generated column (a beam's copy of the prompt's partly filled page, or
+    a page of its generated tokens) overwrites K/V of an earlier position that beams read through
+    ``cache_indirection``: no index leaves the pool, no slot is written twice in the step and no prompt page is
+    touched, yet check mode must refuse it before any kernel writes."""
+    sim = make_sim()
+    for _ in range(6):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()  # request 0: a 5-token prompt, position 11 (column 2); request 2: a 1-token prompt
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=True)
+    plan_step(att, sim, step)
+    W, pg = step.beam_width, sim.page_size
+    assert int(step.kv_lens[1] - 1) // pg == 2 and int(step.prompt_lens[1]) // pg == 1
+    assert int(step.kv_lens[2 * W + 1] - 1) // pg == 1 and int(step.prompt_lens[2 * W + 1]) == 1
+    run_step(att, sim, step)  # the table as the simulator keeps it passes
+    table = step.beam_page_table.clone()
+    table[1, 2] = {"other_beam": table[2, 1], "same_beam": table[1, 1], "other_request": table[2 * W + 1, 0]}[holder]
+    kv_before = sim.kv_cache.clone()
+    with pytest.raises(BeamSharedPrefixCheckError, match=f"stage 'indices'.*{message}"):
+        att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    assert torch.equal(sim.kv_cache, kv_before)
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda kv, plen, cap: kv.__setitem__(4, int(plen[4])),  # the prompt alone: the length printed twice
      r"kv_lens\[4\]=(\d+) but the plan's prompt length of row 4 is \1: .* \(>= \d+\)"),
