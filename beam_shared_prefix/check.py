@@ -10,7 +10,8 @@ entry naming a beam that does not exist, a kernel that wrote the wrong rows, a N
 - ``"indices"``: the plan's prompt pages and the used entries of ``beam_page_table`` lie in the
   pool, and beam 0's prompt columns of the table are the plan's prompt pages; ``kv_lens`` follow
   the prompts and fit the cache; this step's K/V write lands on no prompt page (but beam 0's partly
-  filled last one), no slot another row writes and no page a row holds at another column;
+  filled last one) and no slot another row writes, and each row holds its pages from its prompt's partly
+  filled page on alone, at one column, none of them a prompt page (no slot stands for two positions);
   ``cache_indirection`` entries of the earlier generated positions are beams in ``[0, W)``;
 - ``"prefix"``: the prefix backend's output and LSE are finite and match
   :func:`~beam_shared_prefix.reference.reference_prefix_attention`;
@@ -347,42 +348,63 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
                    f"{int(pos[a] % page_size)} (positions {int(pos[a])} and {int(pos[b])}): one would overwrite "
                    f"the other. Each beam writes into its own pages."
         )
-    _check_write_pages_not_held(W, pages, klen, step_plan.prompt_lens_per_row, page_size, rows, write_page)
+    _check_held_pages(step_plan, pages, klen, page_size, rows)
 
 
-def _check_write_pages_not_held(W: int, pages: torch.Tensor, klen: torch.Tensor, prompt_lens_per_row: np.ndarray,
-                                page_size: int, judged_rows: torch.Tensor, write_page: torch.Tensor) -> None:
-    """A row's write page may be no other row's page at a generated column, nor its own at another column.
-    Such a page holds K/V of earlier positions (a beam's generated tokens, which any beam of its request reads
-    through ``cache_indirection``, and this step's slot of its holder), and the write overwrites one of them,
-    now or at a later step of that page; the prompt pages and one slot written twice are judged before.
-    Each judged row (``judged_rows``, int64 row numbers: first copies, warm-up rows left out) holds its pages
-    from the prompt's last column (its copy of a partly filled last page) to its write column."""
+def _check_held_pages(step_plan: StepPlan, pages: torch.Tensor, klen: torch.Tensor, page_size: int,
+                      judged_rows: torch.Tensor) -> None:
+    """Each judged row (``judged_rows``, int64 row numbers: first copies, warm-up rows left out) holds its pages
+    from its prompt's last column (its copy of a partly filled last page; beam 0's is the prompt page itself) to
+    its write column: the K/V of its own positions there, which any beam of its request reads through
+    ``cache_indirection``. Such a page may be held once, and be no prompt page (but beam 0's own partly filled
+    one): a page held twice, or a prompt page, would keep two positions' K/V in one slot, so a write into it
+    overwrites K/V another position needs, now or at a later step of that page. A write page held elsewhere,
+    the commonest way in, is named first; the write onto a prompt page and one slot written twice are judged
+    before."""
     stage = "indices"
-    plen = torch.from_numpy(prompt_lens_per_row.astype("int64"))[judged_rows]
+    W = step_plan.beam_width
+    plen = torch.from_numpy(step_plan.prompt_lens_per_row.astype("int64"))[judged_rows]
     pos = klen[judged_rows] - 1
-    first_col, write_col = plen // page_size, pos // page_size
     col = torch.arange(pages.shape[1])[None, :]
-    held = (col >= first_col[:, None]) & (col <= write_col[:, None])
+    held = (col >= (plen // page_size)[:, None]) & (col <= (pos // page_size)[:, None])
     held_rows = judged_rows[:, None].expand_as(held)[held]
     held_cols = col.expand_as(held)[held]
-    held_pages = pages[held_rows, held_cols]
-    # Each row's write page is one of its held entries; a second entry of the page is another holder.
-    writes = write_page[judged_rows]
-    times_held = torch.bincount(held_pages)[writes]  # (pages inside the pool: judged above)
-    twice = torch.nonzero(times_held > 1).flatten()
-    if not twice.numel():
+    held_pages = pages[held_rows, held_cols]  # (inside the pool: judged above)
+    held_pos = (klen - 1)[held_rows]
+    is_write = held_cols == held_pos // page_size
+    prompt_pages = torch.from_numpy(step_plan.kv_page_indices.astype("int64"))
+    indptr = torch.from_numpy(step_plan.kv_page_indptr.astype("int64"))
+    req = held_rows // W
+    partial = torch.from_numpy(step_plan.kv_last_page_len.astype("int64"))[req] < page_size
+    own_partial = (held_rows % W == 0) & partial & (held_cols == indptr[1:][req] - indptr[:-1][req] - 1)
+    twice = torch.bincount(held_pages)[held_pages] > 1
+    on_prompt = torch.isin(held_pages, prompt_pages) & ~own_partial
+    bad = twice | on_prompt
+    if not bool(bad.any()):
         return
-    k = int(twice[0])
-    i, page, c = int(judged_rows[k]), int(writes[k]), int(write_col[k])
-    other = torch.nonzero((held_pages == page) & ((held_rows != i) | (held_cols != c))).flatten()
-    j, cj = int(held_rows[other[0]]), int(held_cols[other[0]])
-    whose = f"row {j} (request {j // W}, beam {j % W})" if j != i else "the same row"
+    k = int(torch.nonzero(bad & is_write).flatten()[0]) if bool((bad & is_write).any()) else int(torch.nonzero(bad)[0])
+    i, page, c = int(held_rows[k]), int(held_pages[k]), int(held_cols[k])
+    if bool(twice[k]):
+        other = torch.nonzero((held_pages == page) & ((held_rows != i) | (held_cols != c))).flatten()
+        j, cj = int(held_rows[other[0]]), int(held_cols[other[0]])
+        whose = f"row {j} (request {j // W}, beam {j % W})" if j != i else "the same row"
+        span = f"column {cj} (positions {cj * page_size}-{(cj + 1) * page_size - 1})"
+        where, also = f"which {whose} also holds at {span}", f"{whose} also holds it at {span}"
+    else:
+        owner = int(torch.searchsorted(indptr, int(torch.nonzero(prompt_pages == page)[0]), right=True)) - 1
+        where, also = f"a prompt page of request {owner}", f"it is a prompt page of request {owner}"
+    fix = ("Each beam holds its own pages from its prompt's partly filled last page on (beam 0 that page itself), "
+           "one page a column.")
+    if bool(is_write[k]):
+        raise BeamSharedPrefixCheckError(
+            stage, f"row {i} (request {i // W}, beam {i % W}) writes this step's K/V at position {int(held_pos[k])} "
+                   f"into page {page} (its column {c}), {where}: the write would overwrite K/V of another position, "
+                   f"which beams read through cache_indirection. {fix}"
+        )
     raise BeamSharedPrefixCheckError(
-        stage, f"row {i} (request {i // W}, beam {i % W}) writes this step's K/V at position {int(pos[k])} into page "
-               f"{page} (its column {c}), which {whose} also holds at column {cj} (positions "
-               f"{cj * page_size}-{(cj + 1) * page_size - 1}): the write would overwrite K/V of another position, "
-               f"which beams read through cache_indirection. Each beam writes into its own pages, one page a column."
+        stage, f"row {i} (request {i // W}, beam {i % W}) holds page {page} at column {c}, past its prompt's full "
+               f"pages (its generated positions there, which beams read through cache_indirection), and {also}: one "
+               f"slot would hold the K/V of two positions. {fix}"
     )
 
 

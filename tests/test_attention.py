@@ -708,17 +708,25 @@ def test_check_mode_catches_a_write_onto_shared_kv():
     torch.testing.assert_close(out.float(), oracle(sim, step).float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("holder,message", [
-    ("other_beam", (r"row 1 \(request 0, beam 1\) writes .* into page \d+ \(its column 2\), which row 2 "
-                    r"\(request 0, beam 2\) also holds at column 1")),
-    ("same_beam", r"row 1 \(request 0, beam 1\) writes .* \(its column 2\), which the same row also holds at column 1"),
-    ("other_request", r"row 1 \(request 0, beam 1\) writes .* which row 7 \(request 2, beam 1\) also holds at column 0"),
-])
-def test_check_mode_catches_a_write_onto_a_page_held_at_a_generated_column(holder, message):
-    """A write page that a row holds at a generated column (a beam's copy of the prompt's partly filled page, or
-    a page of its generated tokens) overwrites K/V of an earlier position that beams read through
-    ``cache_indirection``: no index leaves the pool, no slot is written twice in the step and no prompt page is
-    touched, yet check mode must refuse it before any kernel writes."""
+@pytest.mark.parametrize("entry,source,message", [
+    ((1, 2), (2, 1), (r"row 1 \(request 0, beam 1\) writes .* into page \d+ \(its column 2\), which row 2 "
+                      r"\(request 0, beam 2\) also holds at column 1")),
+    ((1, 2), (1, 1), r"row 1 \(request 0, beam 1\) writes .* \(its column 2\), which the same row also holds at column 1"),
+    ((1, 2), (7, 0), r"row 1 \(request 0, beam 1\) writes .* which row 7 \(request 2, beam 1\) also holds at column 0"),
+    ((2, 1), (1, 1), (r"row 1 \(request 0, beam 1\) holds page \d+ at column 1, .* and row 2 \(request 0, beam 2\) "
+                      r"also holds it at column 1")),
+    ((1, 1), (0, 1), (r"row 0 \(request 0, beam 0\) holds page \d+ at column 1, .* and row 1 \(request 0, beam 1\) "
+                      r"also holds it at column 1")),
+    ((2, 1), (3, 0), r"row 2 \(request 0, beam 2\) holds page \d+ at column 1, .* it is a prompt page of request 1"),
+], ids=["write-on-other-beams", "write-on-own-earlier", "write-on-other-requests", "copies-shared",
+        "beam0s-partial-page-shared", "copy-on-a-prompt-page"])
+def test_check_mode_catches_a_page_held_twice_past_the_prompt(entry, source, message):
+    """From its prompt's partly filled last page on, each beam holds its own pages (its copy of that page, then
+    one page a generated column): the K/V of its own positions, which beams read through ``cache_indirection``.
+    A page held twice there (a write page another row or column holds, two beams on one copy, a beam on beam 0's
+    partly filled prompt page after its first generated token) or a full prompt page held there keeps two
+    positions in one slot, with every index inside the pool and no slot written twice in the step: check mode
+    refuses it before any kernel writes."""
     sim = make_sim()
     for _ in range(6):
         sim.begin_step()
@@ -731,7 +739,7 @@ def test_check_mode_catches_a_write_onto_a_page_held_at_a_generated_column(holde
     assert int(step.kv_lens[2 * W + 1] - 1) // pg == 1 and int(step.prompt_lens[2 * W + 1]) == 1
     run_step(att, sim, step)  # the table as the simulator keeps it passes
     table = step.beam_page_table.clone()
-    table[1, 2] = {"other_beam": table[2, 1], "same_beam": table[1, 1], "other_request": table[2 * W + 1, 0]}[holder]
+    table[entry] = table[source]
     kv_before = sim.kv_cache.clone()
     with pytest.raises(BeamSharedPrefixCheckError, match=f"stage 'indices'.*{message}"):
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
