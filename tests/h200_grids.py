@@ -1,5 +1,5 @@
 """The committed H200 results (``docs/results/h200``) that the rule tests check the code against, and the few
-H100 ones (``docs/results/h100``, round 40 and rounds 65-67, when no H200 was lent)."""
+H100 ones (``docs/results/h100``, rounds 40, 63 and 65-68, when no H200 was lent)."""
 
 import json
 import pathlib
