@@ -11,7 +11,8 @@ entry naming a beam that does not exist, a kernel that wrote the wrong rows, a N
   pool, and beam 0's prompt columns of the table are the plan's prompt pages; ``kv_lens`` follow
   the prompts and fit the cache; this step's K/V write lands on no prompt page (but beam 0's partly
   filled last one) and no slot another row writes, and each row holds its pages from its prompt's partly
-  filled page on alone, at one column, none of them a prompt page (no slot stands for two positions);
+  filled page on alone, at one column, none of them a prompt page of its request (no slot stands for two
+  positions of a request);
   ``cache_indirection`` entries of the earlier generated positions are beams in ``[0, W)``;
 - ``"prefix"``: the prefix backend's output and LSE are finite and match
   :func:`~beam_shared_prefix.reference.reference_prefix_attention`;
@@ -356,11 +357,13 @@ def _check_held_pages(step_plan: StepPlan, pages: torch.Tensor, klen: torch.Tens
     """Each judged row (``judged_rows``, int64 row numbers: first copies, warm-up rows left out) holds its pages
     from its prompt's last column (its copy of a partly filled last page; beam 0's is the prompt page itself) to
     its write column: the K/V of its own positions there, which any beam of its request reads through
-    ``cache_indirection``. Such a page may be held once, and be no prompt page (but beam 0's own partly filled
-    one): a page held twice, or a prompt page, would keep two positions' K/V in one slot, so a write into it
-    overwrites K/V another position needs, now or at a later step of that page. A write page held elsewhere,
-    the commonest way in, is named first; the write onto a prompt page and one slot written twice are judged
-    before."""
+    ``cache_indirection`` (beams share K/V through it, never through a page). Such a page may be held once, and be
+    no prompt page of its request (but beam 0's own partly filled one); a write page no prompt page at all. A
+    page held twice, or such a prompt page, would keep two positions' K/V in one slot, so a write into it
+    overwrites K/V another position needs, now or at a later step of that page. A full page the row no longer
+    writes may be another request's prompt page (block reuse of a beam-width-1 request's generated blocks). A
+    write page held elsewhere, the commonest way in, is named first; the write onto a prompt page and one slot
+    written twice are judged before."""
     stage = "indices"
     W = step_plan.beam_width
     plen = torch.from_numpy(step_plan.prompt_lens_per_row.astype("int64"))[judged_rows]
@@ -370,6 +373,8 @@ def _check_held_pages(step_plan: StepPlan, pages: torch.Tensor, klen: torch.Tens
     held_rows = judged_rows[:, None].expand_as(held)[held]
     held_cols = col.expand_as(held)[held]
     held_pages = pages[held_rows, held_cols]  # (inside the pool: judged above)
+    if not held_pages.numel():
+        return
     held_pos = (klen - 1)[held_rows]
     is_write = held_cols == held_pos // page_size
     prompt_pages = torch.from_numpy(step_plan.kv_page_indices.astype("int64"))
@@ -378,7 +383,12 @@ def _check_held_pages(step_plan: StepPlan, pages: torch.Tensor, klen: torch.Tens
     partial = torch.from_numpy(step_plan.kv_last_page_len.astype("int64"))[req] < page_size
     own_partial = (held_rows % W == 0) & partial & (held_cols == indptr[1:][req] - indptr[:-1][req] - 1)
     twice = torch.bincount(held_pages)[held_pages] > 1
-    on_prompt = torch.isin(held_pages, prompt_pages) & ~own_partial
+    # A full page a row no longer writes may be another request's prompt page: block reuse stores a beam-width-1
+    # request's generated blocks, which later prompts then read. Its own request's prompt page it may not be.
+    pages_bound = int(torch.cat([held_pages, prompt_pages]).max()) + 1
+    prompt_req = torch.repeat_interleave(torch.arange(indptr.numel() - 1), indptr[1:] - indptr[:-1])
+    own_prompt = torch.isin(req * pages_bound + held_pages, prompt_req * pages_bound + prompt_pages)
+    on_prompt = torch.isin(held_pages, prompt_pages) & (is_write | own_prompt) & ~own_partial
     bad = twice | on_prompt
     if not bool(bad.any()):
         return

@@ -717,15 +717,15 @@ def test_check_mode_catches_a_write_onto_shared_kv():
                       r"also holds it at column 1")),
     ((1, 1), (0, 1), (r"row 0 \(request 0, beam 0\) holds page \d+ at column 1, .* and row 1 \(request 0, beam 1\) "
                       r"also holds it at column 1")),
-    ((2, 1), (3, 0), r"row 2 \(request 0, beam 2\) holds page \d+ at column 1, .* it is a prompt page of request 1"),
+    ((2, 1), (0, 0), r"row 2 \(request 0, beam 2\) holds page \d+ at column 1, .* it is a prompt page of request 0"),
 ], ids=["write-on-other-beams", "write-on-own-earlier", "write-on-other-requests", "copies-shared",
-        "beam0s-partial-page-shared", "copy-on-a-prompt-page"])
+        "beam0s-partial-page-shared", "copy-on-its-prompt-page"])
 def test_check_mode_catches_a_page_held_twice_past_the_prompt(entry, source, message):
     """From its prompt's partly filled last page on, each beam holds its own pages (its copy of that page, then
     one page a generated column): the K/V of its own positions, which beams read through ``cache_indirection``.
     A page held twice there (a write page another row or column holds, two beams on one copy, a beam on beam 0's
-    partly filled prompt page after its first generated token) or a full prompt page held there keeps two
-    positions in one slot, with every index inside the pool and no slot written twice in the step: check mode
+    partly filled prompt page after its first generated token) or one of its request's full prompt pages held
+    there keeps two positions in one slot, with every index inside the pool and no slot written twice in the step: check mode
     refuses it before any kernel writes."""
     sim = make_sim()
     for _ in range(6):
