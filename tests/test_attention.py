@@ -711,7 +711,8 @@ def test_check_mode_catches_a_write_onto_shared_kv():
 @pytest.mark.parametrize("entry,source,message", [
     ((1, 2), (2, 1), (r"row 1 \(request 0, beam 1\) writes .* into page \d+ \(its column 2\), which row 2 "
                       r"\(request 0, beam 2\) also holds at column 1")),
-    ((1, 2), (1, 1), r"row 1 \(request 0, beam 1\) writes .* \(its column 2\), which the same row also holds at column 1"),
+    ((1, 2), (1, 1), (r"row 1 \(request 0, beam 1\) writes .* \(its column 2\), which the same row also holds at "
+                      r"column 1")),
     ((1, 2), (7, 0), r"row 1 \(request 0, beam 1\) writes .* which row 7 \(request 2, beam 1\) also holds at column 0"),
     ((2, 1), (1, 1), (r"row 1 \(request 0, beam 1\) holds page \d+ at column 1, .* and row 2 \(request 0, beam 2\) "
                       r"also holds it at column 1")),
@@ -725,8 +726,8 @@ def test_check_mode_catches_a_page_held_twice_past_the_prompt(entry, source, mes
     one page a generated column): the K/V of its own positions, which beams read through ``cache_indirection``.
     A page held twice there (a write page another row or column holds, two beams on one copy, a beam on beam 0's
     partly filled prompt page after its first generated token) or one of its request's full prompt pages held
-    there keeps two positions in one slot, with every index inside the pool and no slot written twice in the step: check mode
-    refuses it before any kernel writes."""
+    there keeps two positions in one slot, with every index inside the pool and no slot written twice in the step:
+    check mode refuses it before any kernel writes."""
     sim = make_sim()
     for _ in range(6):
         sim.begin_step()

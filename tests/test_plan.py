@@ -496,11 +496,44 @@ def test_page_size_and_pool_size_below_one():
     (dict(page_size=16.0), r"page_size=16.0 must be an integer"),
     (dict(lens=(2**31, 8), indptr=(0, 2, 3), page_size=2**30), r"prompt_lens\[0\]=2147483648 exceeds the int32"),
     (dict(page_size=2**31), r"page_size=2147483648 exceeds the int32"),
+    (dict(beam_width=2**31), r"beam_width=2147483648 exceeds the int32 range the kernels index with"),
+    (dict(num_cache_pages=2**31), r"num_cache_pages=2147483648 exceeds the int32 range the kernels index with"),
+    # (refused by the row count before any per-row array is built: 32 GiB otherwise)
+    (dict(beam_width=2**31 - 1), r"2 requests x beam_width=2147483647 = 4294967294 beam rows exceed the int32"),
 ])
 def test_sizes_are_integers_within_int32(args, message):
     with pytest.raises(PlanError, match=message):
         plan(**args)
     assert plan(beam_width=np.int64(4)).beam_width == 4  # integer scalars of any type
+    assert plan(num_cache_pages=2**31 - 1).num_cache_pages == 2**31 - 1  # page numbers up to the int32 limit
+
+
+def test_a_request_listing_no_page_is_named_as_short_of_pages():
+    # indptr repeating a value does not decrease: the request that lists no page is named.
+    with pytest.raises(PlanError, match=r"request 1: prompt_lens\[1\]=8 tokens need 1 pages of 16 but only 0 are "
+                                        r"listed"):
+        plan(indptr=(0, 2, 2), indices=(4, 1))
+
+
+@pytest.mark.parametrize("case", ["same length, other pages", "same length and first page, other last page"])
+def test_only_exact_copies_of_a_request_share_its_pages(case):
+    """Copies of a request (a padded CUDA-graph batch's dummy) share all its pages; a request of the same prompt
+    length with other pages is no copy, and its conflicts are refused. Pages of 4, drawn at random:
+
+    - same length, other pages: request 0 on (a, b), request 1 of the same 6 tokens on (b, c): request 0's partly
+      filled last page b is request 1's full first page;
+    - same first page, other last page: request 0 on (a, b), request 1 of the same 6 tokens on (a, c) (block reuse
+      of a), and request 2 (2 tokens) on c: request 1's partly filled last page c is request 2's too."""
+    a, b, c = (int(p) for p in np.random.default_rng(len(case)).permutation(32)[:3])
+    if case == "same length, other pages":
+        indptr, indices, lens = [0, 2, 4], [a, b, b, c], [6, 6]
+        message = rf"request 0: its last prompt page {b} holds 2 of 4 tokens.*request 1 lists page {b}"
+    else:
+        indptr, indices, lens = [0, 2, 4, 5], [a, b, a, c, c], [6, 6, 2]
+        message = rf"request 1: its last prompt page {c} holds 2 of 4 tokens.*request 2 lists page {c}"
+    with pytest.raises(PlanError, match=message):
+        build_step_plan(indptr, indices, lens, 2, 4, 32)
+    build_step_plan([0, 2, 4], [a, b, a, b], [6, 6], 2, 4, 32)  # exact copies of request 0: one request listed twice
 
 
 def test_planner_capacity_must_be_positive():
