@@ -400,8 +400,9 @@ def _check_held_pages(step_plan: StepPlan, pages: torch.Tensor, klen: torch.Tens
         whose = f"row {j} (request {j // W}, beam {j % W})" if j != i else "the same row"
         span = f"column {cj} (positions {cj * page_size}-{(cj + 1) * page_size - 1})"
         where, also = f"which {whose} also holds at {span}", f"{whose} also holds it at {span}"
-    else:
-        owner = int(torch.searchsorted(indptr, int(torch.nonzero(prompt_pages == page)[0]), right=True)) - 1
+    else:  # (a page held at an earlier column is judged against its own request's prompt: block reuse shares it)
+        owner = i // W if not bool(is_write[k]) else (
+            int(torch.searchsorted(indptr, int(torch.nonzero(prompt_pages == page)[0]), right=True)) - 1)
         where, also = f"a prompt page of request {owner}", f"it is a prompt page of request {owner}"
     fix = ("Each beam holds its own pages from its prompt's partly filled last page on (beam 0 that page itself), "
            "one page a column.")

@@ -370,3 +370,21 @@ def test_one_write_page_at_two_offsets_is_a_page_held_twice_not_a_slot_written_t
                        match=rf"stage 'indices'.*row {a} \(request 0, beam 1\) writes .* which row {b} "
                              rf"\(request 1, beam 2\) also holds"):
         check(table)
+
+
+def test_a_held_page_on_its_own_requests_shared_prompt_page_names_its_own_request():
+    """A full prompt page two requests list (block reuse), held by the second request's beam at a generated column:
+    refused as that request's own prompt page (another request's full page it could read; its own it may not
+    hold), and named so, not after the first request that lists it."""
+    a, b, c, d, e, f, g, h = _pages(SEED, 8, 32)
+    # request 0: an 8-token prompt on (a, b); request 1: a 6-token prompt on (a, c), reusing a; both at position 9.
+    plan = build_step_plan([0, 2, 4], [a, b, a, c], [8, 6], 2, PAGE_SIZE, 32)
+    table = torch.tensor([[a, b, d], [a, b, e], [a, c, f], [a, g, h]], dtype=torch.int32)
+    kv_lens = torch.tensor([10, 10, 10, 10], dtype=torch.int32)
+    pool, ind = torch.randn(32, 2, 1, PAGE_SIZE, 8), torch.zeros(2, 2, 16, dtype=torch.int32)
+    check_indices(plan, pool, PAGE_SIZE, table, kv_lens, ind)
+    table[3, 1] = a  # request 1, beam 1: its copy of the partly filled page is the shared first prompt page
+    with pytest.raises(BeamSharedPrefixCheckError,
+                       match=rf"row 3 \(request 1, beam 1\) holds page {a} at column 1, .* it is a prompt page of "
+                             rf"request 1"):
+        check_indices(plan, pool, PAGE_SIZE, table, kv_lens, ind)
