@@ -1236,3 +1236,162 @@ def test_the_cascade_launch_hears_the_tail_bound(monkeypatch, caplog):
         BeamSharedPrefixAttention(KERNEL_DEVICE, backend="triton", max_tail_len=0)
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_MAX_TAIL", "5")
     assert BeamSharedPrefixAttention(KERNEL_DEVICE, backend="triton").max_tail_len == 5
+
+
+# Argument checks a mutation-testing pass found unpinned (sixty-ninth round).
+
+
+def _sim(seed=0):
+    """3 requests (prompts 5, 17, 1) of 3 beams, Hq=4, Hkv=2, D=16, pages of 4 tokens, bf16: rows = 9."""
+    return BeamSearchCacheSimulator([5, 17, 1], beam_width=3, num_qo_heads=4, num_kv_heads=2, head_dim=16,
+                                    page_size=4, max_seq_len=40, kv_layout="HND", dtype=torch.bfloat16, device="cpu",
+                                    seed=seed)
+
+
+def _plan(att, sim, step):
+    return att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, step.beam_width,
+                    sim.num_qo_heads, sim.num_kv_heads, sim.head_dim, sim.page_size, sim.num_pages, sim.dtype,
+                    key=(tuple(step.request_ids), step.beam_width))
+
+
+def _planned(seed=0):
+    """``(sim, step, wrapper, run() arguments)`` of a fresh planned step whose valid run() has been made once."""
+    sim = _sim(seed)
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", check=False)
+    _plan(att, sim, step)
+    args = dict(q=step.q, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table, kv_lens=step.kv_lens,
+                cache_indirection=step.cache_indirection, new_k=step.new_k, new_v=step.new_v,
+                out=torch.empty_like(step.q))
+    att.run(**args)
+    return sim, step, att, args
+
+
+def _refused(att, sim, args, message):
+    """run(args) raises AttentionInputError matching ``message`` (twice: a refusal is never remembered as a
+    pass), and the pool is unchanged."""
+    pool_before = sim.kv_cache.clone()
+    for _ in range(2):
+        with pytest.raises(AttentionInputError, match=message):
+            att.run(**args)
+    assert torch.equal(sim.kv_cache, pool_before)
+
+
+# Tensors on a device other than the wrapper's: "meta" tensors carry shapes, strides and dtypes but no data, so a
+# CPU machine can hand one over; each must be refused by name before anything reads it.
+@pytest.mark.parametrize("name", ["q", "kv_cache", "beam_page_table", "kv_lens", "cache_indirection", "new_k",
+                                  "new_v", "out"])
+def test_run_refuses_a_tensor_on_another_device(name):
+    """An argument on another device than the wrapper's (here ``meta``, the others on ``cpu``) is refused,
+    naming the argument and both devices."""
+    sim, step, att, args = _planned(seed=1)
+    args[name] = args[name].to("meta")
+    if name in ("new_k", "new_v", "out"):
+        message = rf"{name} must be bfloat16 \[.*\] on cpu, got bfloat16 .* on meta"
+    else:
+        message = rf"{name} is on meta but the wrapper runs on cpu"
+    _refused(att, sim, args, message)
+
+
+def test_run_refuses_a_query_of_another_head_size():
+    """A q with the plan's rows and heads but another head size (32, planned 16) is refused against the plan."""
+    sim, step, att, args = _planned(seed=2)
+    rows, hq, d = step.q.shape
+    args["q"] = torch.randn(rows, hq, 2 * d, dtype=step.q.dtype)
+    _refused(att, sim, args, r"q has shape \(9, 4, 32\) but the plan needs \[R\*W=3\*3=9, Hq=4, D=16\]")
+
+
+def test_run_refuses_a_pool_whose_head_dim_is_strided():
+    """A pool view of the planned shape whose head dim has stride 2 (every other element of a wider pool) is
+    refused by the wrapper, naming the strides."""
+    sim, step, att, args = _planned(seed=3)
+    pool = sim.kv_cache
+    wide = torch.randn(*pool.shape[:-1], 2 * pool.shape[-1], dtype=pool.dtype)
+    args["kv_cache"] = wide[..., ::2]
+    assert args["kv_cache"].shape == pool.shape and args["kv_cache"].stride(-1) == 2
+    before = wide.clone()
+    with pytest.raises(AttentionInputError, match=r"kv_cache's head dim must be contiguous \(stride 1\)"):
+        att.run(**args)
+    assert torch.equal(wide, before)
+
+
+def test_run_refuses_a_pool_without_k_and_v_planes():
+    """A 5-D pool whose dim 1 is not 2 (K, V) is refused by the wrapper with the layouts it takes."""
+    sim, step, att, args = _planned(seed=4)
+    pool = sim.kv_cache
+    args["kv_cache"] = torch.randn(pool.shape[0], 3, *pool.shape[2:], dtype=pool.dtype)
+    _refused(att, sim, args, r"kv_cache must be \[pages, 2, Hkv, Pg, D\] \(HND\)")
+
+
+def test_run_names_the_pools_page_count_and_the_plans():
+    """A pool of fewer pages than the plan's is refused with both counts in their places."""
+    sim, step, att, args = _planned(seed=5)
+    pages = sim.kv_cache.shape[0]
+    args["kv_cache"] = torch.zeros_like(sim.kv_cache)[: pages - 3]
+    _refused(att, sim, args, rf"kv_cache has {pages - 3} pages but the plan was made for a pool of {pages}; "
+                             rf"re-plan with the current pool \(num_cache_pages={pages - 3}\)")
+
+
+def test_run_refuses_a_page_table_with_fewer_rows_than_the_batch():
+    """A page table of R*W - 1 rows (the kernels would read one row past it) is refused by the wrapper."""
+    sim, step, att, args = _planned(seed=6)
+    args["beam_page_table"] = step.beam_page_table[:-1]
+    _refused(att, sim, args, r"beam_page_table must be int32 \[>= 9, max_pages\], got torch.int32 \(8, ")
+
+
+def test_run_refuses_an_indirection_with_fewer_requests_than_the_batch():
+    """A cache_indirection of R - 1 request rows is refused by the wrapper."""
+    sim, step, att, args = _planned(seed=7)
+    args["cache_indirection"] = step.cache_indirection[:2]
+    _refused(att, sim, args, r"cache_indirection must be int32 \[>= R=3, >= W=3, max_seq_len\]")
+
+
+def test_run_takes_kv_lens_of_exactly_one_entry_per_row():
+    """kv_lens longer than R*W (one entry per beam row) is refused, as a shorter one is."""
+    sim, step, att, args = _planned(seed=8)
+    args["kv_lens"] = torch.cat([step.kv_lens, step.kv_lens[:1]])
+    _refused(att, sim, args, r"kv_lens must be int32 \[9\] \(one per beam row\), got torch.int32 \(10,\)")
+
+
+@pytest.mark.parametrize("change", ["heads", "dtype"])
+def test_run_checks_new_v_on_its_own(change):
+    """new_v is held to the plan by itself: a valid new_k does not let a new_v of other heads or dtype through."""
+    sim, step, att, args = _planned(seed=9)
+    if change == "heads":
+        args["new_v"] = torch.randn(step.num_rows, 1, sim.head_dim, dtype=sim.dtype)
+        got = r"bfloat16 \(9, 1, 16\)"
+    else:
+        args["new_v"] = step.new_v.half()
+        got = r"float16 \(9, 2, 16\)"
+    _refused(att, sim, args, rf"new_v must be bfloat16 \[9, Hkv=2, D=16\] on cpu, got {got}")
+
+
+@pytest.mark.parametrize("name", ["new_k", "out"])
+def test_run_refuses_step_tensors_of_another_dtype(name):
+    """new_k (with new_v) or out in float16 under a bfloat16 plan is refused by the wrapper, naming both dtypes."""
+    sim, step, att, args = _planned(seed=10)
+    if name == "new_k":
+        args["new_k"], args["new_v"] = step.new_k.half(), step.new_v.half()
+    else:
+        args["out"] = torch.empty_like(step.q, dtype=torch.float16)
+    _refused(att, sim, args, rf"{name} must be bfloat16 \[9, .*\] on cpu, got float16")
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 0, 16), (0, 2, 16), (4, 2, 0)])
+def test_plan_refuses_zero_heads_or_head_size(hq, hkv, d):
+    """Zero KV heads, zero query heads or head size 0 is refused by plan() as an AttentionInputError naming the
+    value (not a division by zero)."""
+    sim = _sim(seed=11)
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", check=False)
+    name = "head_dim" if d == 0 else ("num_kv_heads" if hkv == 0 else "num_qo_heads")
+    with pytest.raises(AttentionInputError, match=f"{name}=0"):
+        att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, 3, hq, hkv, d,
+                 sim.page_size, sim.num_pages, sim.dtype)
+
+
+@pytest.mark.parametrize("name", ["max_requests", "max_beam_width", "max_prompt_pages", "max_tail_len"])
+def test_constructor_refuses_zero_capacities(name):
+    """A capacity (or tail bound) of 0 is refused at construction, naming it and its lower bound."""
+    with pytest.raises(ValueError, match=rf"{name}=0 must be >= 1"):
+        BeamSharedPrefixAttention("cpu", backend="reference", **{name: 0})

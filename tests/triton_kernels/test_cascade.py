@@ -16,6 +16,7 @@ which stays within it, while a wrong page, beam or mask moves outputs by O(0.1-1
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ import torch
 
 from beam_shared_prefix.plan import build_step_plan
 from beam_shared_prefix.reference import reference_prefix_attention
+from beam_shared_prefix.testing import BeamSearchCacheSimulator
 from triton_kernels import device_errors
 from triton_kernels import (
     CascadeLaunchConfig,
@@ -921,3 +923,91 @@ def test_gpu_cuda_graph_finds_shared_runs_as_tails_grow():
         runs.append(max(shared_runs(step, 32)))
         sim.end_step(write_kv=False, parents=np.zeros((3, 24), np.int64) if s < 30 else None)
     assert runs[20] >= 16 and runs[-1] >= 29, runs
+
+
+# Argument checks a mutation-testing pass found unpinned (sixty-ninth round).
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _step(seed):
+    """2 requests (prompts 5, 9) of 2 beams, Hq=4, Hkv=2, D=64, pages of 16 tokens, after 2 generated steps."""
+    sim = BeamSearchCacheSimulator([5, 9], beam_width=2, num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                                   max_seq_len=64, kv_layout="HND", dtype=torch.bfloat16, device=DEVICE, seed=seed)
+    for _ in range(2):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
+                           step.beam_width, step.page_size, step.num_pages)
+    return sim, step, torch.from_numpy(plan.page_table.copy()).to(DEVICE)
+
+
+def _cascade_args(seed):
+    sim, step, table = _step(seed)
+    return dict(q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache, prompt_page_table=table,
+                beam_page_table=step.beam_page_table, kv_lens=step.kv_lens, prompt_lens=step.prompt_lens,
+                cache_indirection=step.cache_indirection, beam_width=step.beam_width,
+                out=torch.full_like(step.q, 7.0), kv_layout=sim.kv_layout)
+
+
+def _refused(call, args, message, written=("out",)):
+    before = {name: args[name].clone() for name in ("kv_cache",) + tuple(written)}
+    with pytest.raises(KernelInputError, match=re.escape(message)):
+        call(**args)
+    for name, value in before.items():
+        assert torch.equal(args[name], value), f"{name} changed"
+
+
+def test_cascade_refuses_a_prompt_table_of_no_columns():
+    """A prompt page table with a row per request but no column (every prompt would be read as empty, silently)
+    is refused, naming its shape."""
+    args = _cascade_args(seed=1)
+    args["prompt_page_table"] = args["prompt_page_table"][:, :0]
+    _refused(beam_cascade_attention, args, "prompt_page_table has shape (2, 0) but the batch has R=2 requests")
+
+
+def test_check_mode_refuses_prompt_lengths_that_differ_within_a_request():
+    """In check mode, beams of one request whose prompt lengths differ (the kernel reads beam 0's for all) are
+    refused."""
+    args = _cascade_args(seed=2)
+    prompt_lens = args["prompt_lens"].clone()
+    prompt_lens[1] -= 1  # request 0, beam 1; kv_len still past it
+    args["prompt_lens"] = prompt_lens
+    _refused(beam_cascade_attention, dict(args, validate_indices=True),
+             "prompt_lens differ between the beams of one request")
+
+
+def _prefix_args(seed):
+    sim, step, table = _step(seed)
+    rows, hq, _ = step.q.shape
+    return dict(q=step.q, kv_cache=sim.kv_cache, prompt_page_table=table, prompt_lens=step.prompt_lens_per_request,
+                beam_width=step.beam_width, out=torch.full_like(step.q, 7.0),
+                lse=torch.full((rows, hq), 7.0, device=DEVICE), kv_layout=sim.kv_layout)
+
+
+def test_prefix_stage_refuses_an_lse_of_another_dtype():
+    """The prefix stage's LSE buffer must be float32: a bfloat16 one is refused, naming what it got."""
+    args = _prefix_args(seed=3)
+    args["lse"] = args["lse"].to(torch.bfloat16)
+    _refused(beam_prefix_attention, args, "lse must be float32 [4, 4] (rows, heads), got torch.bfloat16",
+             written=("out", "lse"))
+
+
+@pytest.mark.parametrize("where", ["q", "kv_cache"])
+def test_prefix_stage_refuses_an_lse_inside_an_input(where):
+    """An LSE buffer whose bytes lie in q or in the pool (the stage would overwrite what it reads) is refused."""
+    args = _prefix_args(seed=4)
+    rows, hq, _ = args["q"].shape
+    host = args[where]
+    args["lse"] = host.reshape(-1)[: 2 * rows * hq].view(torch.float32).view(rows, hq)
+    _refused(beam_prefix_attention, args, "lse overlaps q or kv_cache in memory", written=("out", "q"))
+
+
+def test_launch_configuration_refuses_five_pipeline_stages():
+    """num_stages past 4 is refused, naming the range."""
+    args = _cascade_args(seed=5)
+    args["launch_config"] = CascadeLaunchConfig(16, 2, num_stages=5)
+    _refused(beam_cascade_attention, args, "launch_config.num_stages=5 must be an int in [1, 4]")
+

@@ -6,12 +6,23 @@ the conventions the kernels' package and the core package each define agree."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triton_kernels import memo, step_args, tail_merge_args
+from beam_shared_prefix.reference import reference_prefix_attention
+from beam_shared_prefix.testing import BeamSearchCacheSimulator
+from triton_kernels import (
+    TailLaunchConfig,
+    beam_tail_attention_merge,
+    beam_tail_attention_merge_torch,
+    memo,
+    step_args,
+    tail_merge_args,
+)
 from triton_kernels.memo import memoize_metadata_check
 from triton_kernels.step_args import (
     KernelInputError,
@@ -223,3 +234,135 @@ def test_conventions_agree_with_the_core_package():
     assert step_args.KV_LAYOUTS == base.KV_LAYOUTS
     assert tail_merge_args.LSE_LAYOUTS == base.LSE_LAYOUTS
     assert tail_merge_args.LSE_BASES == base.LSE_BASES
+
+
+# Argument checks a mutation-testing pass found unpinned (sixty-ninth round).
+
+
+IMPLS = {"triton": beam_tail_attention_merge, "torch": beam_tail_attention_merge_torch}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _args(seed):
+    """A valid call: 2 requests (prompts 5, 3) of 2 beams, Hq=6, Hkv=2, D=64, pages of 16; rows = 4."""
+    sim = BeamSearchCacheSimulator([5, 3], beam_width=2, num_qo_heads=6, num_kv_heads=2, head_dim=64, page_size=16,
+                                   max_seq_len=64, kv_layout="HND", dtype=torch.bfloat16, device=DEVICE, seed=seed)
+    step = sim.begin_step()
+    po, pl = reference_prefix_attention(step.q, sim.kv_cache, step.prompt_page_indptr, step.prompt_page_indices,
+                                        step.prompt_lens_per_request, step.beam_width, kv_layout=sim.kv_layout)
+    return dict(q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache,
+                beam_page_table=step.beam_page_table, kv_lens=step.kv_lens, prompt_lens=step.prompt_lens,
+                cache_indirection=step.cache_indirection, beam_width=step.beam_width, prefix_out=po.float(),
+                prefix_lse=pl, out=torch.full_like(step.q, 7.0))
+
+
+def _refused(impl, args, message):
+    """``impl(**args)`` raises KernelInputError whose message contains ``message``; out and the pool unchanged."""
+    out_before, pool_before = args["out"].clone(), args["kv_cache"].clone()
+    with pytest.raises(KernelInputError, match=re.escape(message)):
+        IMPLS[impl](**args)
+    assert torch.equal(args["out"], out_before) and torch.equal(args["kv_cache"], pool_before)
+
+
+def _strided_int32(values):
+    """``values`` (int32 [n]) as a view of stride 2 (every other element of a wider buffer)."""
+    return torch.stack([values, values + 1000], 1)[:, 0]
+
+
+BAD_PREFIX_STATE = [
+    # A layout string the launcher does not know is refused by name, not read as one of the two it does.
+    ("lse_layout_string", lambda a: dict(prefix_lse_layout="nh"), "prefix_lse_layout='nh' is not supported"),
+    ("prefix_out_int32", lambda a: dict(prefix_out=a["prefix_out"].to(torch.int32)),
+     "prefix_out has dtype int32; supported: bfloat16, float16, float32"),
+    ("prefix_out_float64", lambda a: dict(prefix_out=a["prefix_out"].double()),
+     "prefix_out has dtype float64; supported: bfloat16, float16, float32"),
+    # Fewer rows than q: the kernel would read rows past its end.
+    ("prefix_out_rows", lambda a: dict(prefix_out=a["prefix_out"][:-1]), "prefix_out must be [rows=4, Hq=6, D=64]"),
+    ("prefix_out_heads", lambda a: dict(prefix_out=a["prefix_out"][:, :3]), "prefix_out must be [rows=4, Hq=6, D=64]"),
+    ("prefix_out_strided_head_dim",
+     lambda a: dict(prefix_out=a["prefix_out"].repeat_interleave(2, dim=2)[:, :, ::2]),
+     "prefix_out has last-dim stride 2; the head dim must be contiguous"),
+    ("prefix_lse_float16", lambda a: dict(prefix_lse=a["prefix_lse"].half()),
+     "prefix_lse has dtype float16; supported: float32"),
+    ("out_aliases_prefix_out", lambda a: dict(out=a["prefix_out"].to(torch.bfloat16), prefix_out=None),
+     "out overlaps prefix_out"),
+]
+
+
+def _apply(args, change):
+    update = change(args)
+    if "prefix_out" in update and update["prefix_out"] is None:  # out and prefix_out one buffer (bf16, both valid)
+        update["prefix_out"] = update["out"]
+    args.update(update)
+    return args
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("name,change,message", BAD_PREFIX_STATE, ids=[c[0] for c in BAD_PREFIX_STATE])
+def test_launcher_refuses_a_bad_prefix_state(impl, name, change, message):
+    """Each bad prefix state (layout string, dtype, shape, stride, aliasing with out) is refused by name."""
+    args = _apply(_args(seed=[c[0] for c in BAD_PREFIX_STATE].index(name)), change)
+    if name == "out_aliases_prefix_out":  # out is the prefix state itself: only the pool must stay untouched
+        pool_before = args["kv_cache"].clone()
+        with pytest.raises(KernelInputError, match=re.escape(message)):
+            IMPLS[impl](**args)
+        assert torch.equal(args["kv_cache"], pool_before)
+        return
+    _refused(impl, args, message)
+
+
+def test_launcher_refuses_prefix_lse_aliasing_out():
+    """An out whose bytes hold the prefix LSE (the kernel would overwrite the LSE it merges) is refused."""
+    args = _args(seed=11)
+    rows, hq, d = args["q"].shape
+    buffer = torch.zeros(rows * hq * d, dtype=torch.bfloat16, device=DEVICE)
+    args["out"] = buffer.view(rows, hq, d)
+    args["prefix_lse"] = buffer[: 2 * rows * hq].view(torch.float32).view(rows, hq)
+    pool_before = args["kv_cache"].clone()
+    for impl in sorted(IMPLS):
+        with pytest.raises(KernelInputError, match="out overlaps prefix_lse"):
+            IMPLS[impl](**args)
+    assert torch.equal(args["kv_cache"], pool_before)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_launcher_refuses_strided_prompt_last_pages(impl):
+    """prompt_last_pages of the right length and dtype but stride 2 (read at unit stride, it would give other
+    requests' pages) is refused, naming its strides."""
+    args = _args(seed=12)
+    args["prompt_last_pages"] = _strided_int32(torch.randint(0, 8, (2,), dtype=torch.int32, device=DEVICE))
+    _refused(impl, args, f"prompt_last_pages must be a contiguous int32 [R=2] tensor on {args['q'].device}, got "
+                         f"torch.int32 (2,) strides (2,)")
+
+
+def test_tail_kernel_refuses_a_bad_tail_skip():
+    """tail_skip (the shared-run stage's output) must be a contiguous int32 [rows] tensor on q's device: other
+    lengths, dtypes and strides are refused by the tail launcher, naming what it got."""
+    zeros = dict(device=DEVICE)
+    for bad, got in ((torch.zeros(2, dtype=torch.int32, **zeros), "torch.int32 (2,)"),
+                     (torch.zeros(4, dtype=torch.int64, **zeros), "torch.int64 (4,)"),
+                     (_strided_int32(torch.zeros(4, dtype=torch.int32, **zeros)), "torch.int32 (4,) strides (2,)")):
+        args = _args(seed=13)
+        args["tail_skip"] = bad
+        _refused("triton", args,
+                 f"tail_skip must be a contiguous int32 [rows=4] tensor on {args['q'].device}, got {got}")
+
+
+def test_grouped_tiling_takes_one_token_and_no_index_blocks():
+    """A grouped launch configuration with block_t 2 or an index block is refused before the launch."""
+    args = _args(seed=14)
+    for config, got in ((TailLaunchConfig(8, 1, 2, 4, index_block=0, grouped=True), "block_t=2, index_block=0"),
+                        (TailLaunchConfig(8, 1, 1, 4, index_block=4, grouped=True), "block_t=1, index_block=4")):
+        _refused("triton", dict(args, launch_config=config),
+                 f"launch_config.grouped=True takes block_t=1 and index_block=0, got {got}")
+
+
+@pytest.mark.parametrize("name", ["tail_skip", "prompt_last_pages"])
+def test_tail_launcher_refuses_index_vectors_on_another_device(name):
+    """tail_skip and prompt_last_pages on another device than q ("meta": shapes without data, which a CPU machine
+    can make) are refused, naming both devices, before the kernel reads them."""
+    args = _args(seed=15)
+    length, what = (4, "rows=4") if name == "tail_skip" else (2, "R=2")
+    args[name] = torch.zeros(length, dtype=torch.int32, device="meta")
+    _refused("triton", args, f"{name} must be a contiguous int32 [{what}] tensor on {args['q'].device}, got "
+                             f"torch.int32 ({length},) strides (1,) on meta")

@@ -1,0 +1,176 @@
+"""The per-beam step checks of ``step_args`` that every launcher shares, through the launchers (a mutation-testing
+pass, sixty-ninth round, found these rules unpinned).
+
+Every case starts from a valid step of the beam-search simulator (fresh random pool and queries), changes one
+argument, and expects both tail launchers (the Triton kernel, interpreted on CPU, and its torch twin) to refuse it
+with a :class:`KernelInputError` naming the argument, the value and the limit, with ``out`` and the pool untouched.
+The step's own K/V and ``out`` checks are the tail launcher's; ``out`` aliasing the pool is the cascade launcher's
+(the tail launcher has its own overlap list).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from beam_shared_prefix.plan import build_step_plan
+from beam_shared_prefix.reference import reference_prefix_attention
+from beam_shared_prefix.testing import BeamSearchCacheSimulator
+from triton_kernels import (
+    KernelInputError,
+    beam_cascade_attention,
+    beam_tail_attention_merge,
+    beam_tail_attention_merge_torch,
+)
+
+IMPLS = {"triton": beam_tail_attention_merge, "torch": beam_tail_attention_merge_torch}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sim(seed, prompts=(5, 3), beams=2, hq=6, hkv=2, d=64):
+    return BeamSearchCacheSimulator(list(prompts), beam_width=beams, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                    page_size=16, max_seq_len=64, kv_layout="HND", dtype=torch.bfloat16,
+                                    device=DEVICE, seed=seed)
+
+
+def _tail_args(seed, **sim_kw):
+    """A valid tail call; by default 2 requests (prompts 5, 3) of 2 beams, Hq=6, Hkv=2, D=64, pages of 16 tokens,
+    max_seq_len 64 (a 4-column page table): rows = 4."""
+    sim = _sim(seed, **sim_kw)
+    step = sim.begin_step()
+    po, pl = reference_prefix_attention(step.q, sim.kv_cache, step.prompt_page_indptr, step.prompt_page_indices,
+                                        step.prompt_lens_per_request, step.beam_width, kv_layout=sim.kv_layout)
+    return dict(q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache,
+                beam_page_table=step.beam_page_table, kv_lens=step.kv_lens, prompt_lens=step.prompt_lens,
+                cache_indirection=step.cache_indirection, beam_width=step.beam_width, prefix_out=po, prefix_lse=pl,
+                out=torch.full_like(step.q, 7.0))
+
+
+def _refused(call, args, message):
+    """``call(**args)`` raises KernelInputError containing ``message``; out and the pool unchanged (out may be a
+    view of the pool)."""
+    out_before, pool_before = args["out"].clone(), args["kv_cache"].clone()
+    with pytest.raises(KernelInputError, match=re.escape(message)):
+        call(**args)
+    assert torch.equal(args["out"], out_before) and torch.equal(args["kv_cache"], pool_before)
+
+
+def _strided(x):
+    """``x`` (1-D) as a stride-2 view with the same values."""
+    return torch.stack([x, x + 1000], 1)[:, 0]
+
+
+BAD_STEP_ARGS = [
+    ("new_k_dtype", lambda a: dict(new_k=a["new_k"].half(), new_v=a["new_v"].half()),
+     "new_k has dtype torch.float16 but q has torch.bfloat16"),
+    ("new_v_shape", lambda a: dict(new_v=a["new_v"][:, :1]),
+     "new_k (4, 2, 64) and new_v (4, 1, 64) must have the same"),
+    ("new_k_rows", lambda a: dict(new_k=a["new_k"][:3], new_v=a["new_v"][:3]),
+     "new_k must be [rows=4, Hkv, D=64] like q, got (3, 2, 64)"),
+    ("pool_three_planes", lambda a: dict(kv_cache=torch.zeros(a["kv_cache"].shape[0], 3, *a["kv_cache"].shape[2:],
+                                                               dtype=a["kv_cache"].dtype, device=DEVICE)),
+     "kv_cache dim 1 must be 2 (K, V)"),
+    ("pool_head_dim", lambda a: dict(kv_cache=a["kv_cache"][..., :32]),
+     "kv_cache (HND) holds Hkv=2, D=32 but new_k has Hkv=2, D=64"),
+    ("empty_pool", lambda a: dict(kv_cache=a["kv_cache"][:0]), "kv_cache has 0 pages of 16 tokens; both must be >= 1"),
+    ("kv_lens_longer", lambda a: dict(kv_lens=torch.cat([a["kv_lens"], a["kv_lens"][:1]])),
+     "kv_lens has 5 entries but q has 4 rows"),
+    ("prompt_lens_longer", lambda a: dict(prompt_lens=torch.cat([a["prompt_lens"], a["prompt_lens"][:1]])),
+     "prompt_lens has 5 entries but q has 4 rows"),
+    # One page-table row short of the batch: the kernel would read the row past the table.
+    ("table_one_row_short", lambda a: dict(beam_page_table=a["beam_page_table"][:3]),
+     "beam_page_table has 3 rows but q has 4"),
+    ("indirection_one_request_short", lambda a: dict(cache_indirection=a["cache_indirection"][:1]),
+     "cache_indirection has 1 request rows but the batch has R=2"),
+    # One column short of max_seq_len (48 of 64 positions): the last page's positions have no column.
+    ("table_one_column_short", lambda a: dict(beam_page_table=a["beam_page_table"][:, :3]),
+     "beam_page_table has 3 columns of 16 tokens (48 positions) but cache_indirection covers max_seq_len=64"),
+    ("out_dtype", lambda a: dict(out=a["out"].half()), "out has dtype torch.float16 but q has torch.bfloat16"),
+    ("out_heads", lambda a: dict(out=a["out"][:, :5]), "out must be [rows=4, Hq=6, D=64], got (4, 5, 64)"),
+    ("divisor_bool", lambda a: dict(page_index_divisor=True), "page_index_divisor=True must be an int in [1, "),
+    ("beam_width_bool", lambda a: dict(beam_width=True), "beam_width=True must be an int >= 1"),
+]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("name,change,message", BAD_STEP_ARGS, ids=[c[0] for c in BAD_STEP_ARGS])
+def test_tail_launchers_refuse_bad_step_args(impl, name, change, message):
+    """Each bad step argument is refused by both tail launchers, by name, before any write."""
+    args = _tail_args(seed=[c[0] for c in BAD_STEP_ARGS].index(name))
+    args.update(change(args))
+    _refused(IMPLS[impl], args, message)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("name", ["kv_lens", "prompt_lens"])
+def test_a_strided_length_vector_of_two_rows_is_refused(impl, name):
+    """A batch of two beam rows (one request, W=2) whose lengths are a stride-2 view: read at unit stride, row 1
+    would get another value. Refused, naming the stride."""
+    args = _tail_args(seed=40 + len(name), prompts=(7,))
+    assert args["q"].shape[0] == 2
+    args[name] = _strided(args[name])
+    _refused(IMPLS[impl], args, f"{name} has stride 2; the kernels read one int32 per row at unit stride")
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("name", ["new_k", "kv_cache", "beam_page_table", "kv_lens", "prompt_lens",
+                                  "cache_indirection", "prefix_lse", "out"])
+def test_tail_launchers_refuse_a_tensor_on_another_device(impl, name):
+    """A tensor on another device than q's ("meta": shapes and strides without data, which a CPU machine can
+    make) is refused, naming the tensor and both devices, before anything reads it."""
+    args = _tail_args(seed=50)
+    args[name] = args[name].to("meta")
+    with pytest.raises(KernelInputError, match=re.escape(f"{name} is on meta but q is on {args['q'].device}")):
+        IMPLS[impl](**args)
+
+
+def _cascade_args(seed):
+    """A valid cascade call: 2 requests (prompts 5, 9) of 2 beams, Hq=4, Hkv=2, D=64, pages of 16 tokens."""
+    sim = _sim(seed, prompts=(5, 9), beams=2, hq=4, hkv=2, d=64)
+    step = sim.begin_step()
+    plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
+                           step.beam_width, step.page_size, step.num_pages)
+    return dict(q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache,
+                prompt_page_table=torch.from_numpy(plan.page_table.copy()).to(DEVICE),
+                beam_page_table=step.beam_page_table, kv_lens=step.kv_lens, prompt_lens=step.prompt_lens,
+                cache_indirection=step.cache_indirection, beam_width=step.beam_width,
+                out=torch.full_like(step.q, 7.0), kv_layout=sim.kv_layout)
+
+
+def test_cascade_refuses_an_out_inside_the_pool():
+    """An out that is a view of the pool's memory (the kernel's output would overwrite cached K/V, and its K/V
+    write the output) is refused by the cascade launcher."""
+    args = _cascade_args(seed=60)
+    rows, hq, d = args["q"].shape
+    page_elems = args["kv_cache"][0].numel()
+    args["out"] = args["kv_cache"].view(-1)[3 * page_elems: 3 * page_elems + rows * hq * d].view(rows, hq, d)
+    _refused(beam_cascade_attention, args, "out overlaps kv_cache in memory")
+
+
+@pytest.mark.parametrize("head_span,refused", [(2**31 - 1, False), (2**31, True)])
+def test_a_pool_whose_heads_span_int32_is_refused_at_the_bound(head_span, refused):
+    """The kernels add a head's offset within a page in int32: a pool view whose heads and slots span 2**31
+    elements is refused, one element less passes. Built on the "meta" device (strides without memory) and checked
+    by ``check_step_metadata`` (the launchers' metadata check; the overlap checks compare real addresses)."""
+    from triton_kernels.step_args import check_step_metadata
+
+    rows, hq, hkv, d, pg = 2, 2, 2, 64, 1
+    meta = dict(device="meta")
+    # [pages=1, 2, Hkv=2, Pg=1, D]: K and V planes 64 apart, the second head (head_span - D) elements on.
+    kv = torch.empty(1, **meta, dtype=torch.bfloat16).as_strided((1, 2, hkv, pg, d), (2**40, d, head_span - d, d, 1))
+    args = dict(q=torch.empty(rows, hq, d, dtype=torch.bfloat16, **meta),
+                new_k=torch.empty(rows, hkv, d, dtype=torch.bfloat16, **meta),
+                new_v=torch.empty(rows, hkv, d, dtype=torch.bfloat16, **meta), kv_cache=kv,
+                beam_page_table=torch.empty(rows, 4, dtype=torch.int32, **meta),
+                kv_lens=torch.empty(rows, dtype=torch.int32, **meta),
+                prompt_lens=torch.empty(rows, dtype=torch.int32, **meta),
+                cache_indirection=torch.empty(1, 2, 4, dtype=torch.int32, **meta), beam_width=2,
+                out=torch.empty(rows, hq, d, dtype=torch.bfloat16, **meta))
+    if refused:
+        with pytest.raises(KernelInputError, match=re.escape(f"kv_cache's heads and slots span {2**31} elements")):
+            check_step_metadata(**args)
+    else:
+        geom = check_step_metadata(**args)
+        assert geom.kv_strides == (2**40, d, head_span - d, d)
