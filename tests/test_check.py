@@ -63,20 +63,8 @@ def _must_refuse(slots: dict):
        steps=st.integers(0, 9), seed=st.integers(0, 2**16), data=st.data())
 def test_a_slot_written_over_or_shared_in_a_request_is_refused_and_an_unused_page_is_not(prompts, beams, steps,
                                                                                            seed, data):
-    sim = BeamSearchCacheSimulator(prompts, beam_width=beams, num_qo_heads=2, num_kv_heads=1, head_dim=8,
-                                   page_size=PAGE_SIZE, max_seq_len=24, dtype=torch.float32, seed=seed)
-    for _ in range(steps):
-        sim.begin_step()
-        sim.end_step()
-    step = sim.begin_step()
-    plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, beams,
-                           PAGE_SIZE, sim.num_pages)
-
-    def check(table):
-        check_indices(plan, sim.kv_cache, PAGE_SIZE, table, step.kv_lens, step.cache_indirection)
-
+    sim, step, check = _sim_step(prompts, beams, steps, seed)  # (the simulator's own table passes)
     assert _must_refuse(_positions_by_slot(step, step.beam_page_table)) is None
-    check(step.beam_page_table)  # the simulator's own table passes
     # One entry a row holds past its prompt's full pages: its write column, or an earlier one.
     row = data.draw(st.integers(0, step.num_rows - 1), label="row")
     plen, cur = int(step.prompt_lens[row]), int(step.kv_lens[row]) - 1
