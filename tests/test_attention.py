@@ -1284,7 +1284,7 @@ def _refused(att, sim, args, message):
 def test_run_refuses_a_tensor_on_another_device(name):
     """An argument on another device than the wrapper's (here ``meta``, the others on ``cpu``) is refused,
     naming the argument and both devices."""
-    sim, step, att, args = _planned(seed=1)
+    sim, _, att, args = _planned(seed=1)
     args[name] = args[name].to("meta")
     if name in ("new_k", "new_v", "out"):
         message = rf"{name} must be bfloat16 \[.*\] on cpu, got bfloat16 .* on meta"
@@ -1304,7 +1304,7 @@ def test_run_refuses_a_query_of_another_head_size():
 def test_run_refuses_a_pool_whose_head_dim_is_strided():
     """A pool view of the planned shape whose head dim has stride 2 (every other element of a wider pool) is
     refused by the wrapper, naming the strides."""
-    sim, step, att, args = _planned(seed=3)
+    sim, _, att, args = _planned(seed=3)
     pool = sim.kv_cache
     wide = torch.randn(*pool.shape[:-1], 2 * pool.shape[-1], dtype=pool.dtype)
     args["kv_cache"] = wide[..., ::2]
@@ -1317,7 +1317,7 @@ def test_run_refuses_a_pool_whose_head_dim_is_strided():
 
 def test_run_refuses_a_pool_without_k_and_v_planes():
     """A 5-D pool whose dim 1 is not 2 (K, V) is refused by the wrapper with the layouts it takes."""
-    sim, step, att, args = _planned(seed=4)
+    sim, _, att, args = _planned(seed=4)
     pool = sim.kv_cache
     args["kv_cache"] = torch.randn(pool.shape[0], 3, *pool.shape[2:], dtype=pool.dtype)
     _refused(att, sim, args, r"kv_cache must be \[pages, 2, Hkv, Pg, D\] \(HND\)")
@@ -1325,7 +1325,7 @@ def test_run_refuses_a_pool_without_k_and_v_planes():
 
 def test_run_names_the_pools_page_count_and_the_plans():
     """A pool of fewer pages than the plan's is refused with both counts in their places."""
-    sim, step, att, args = _planned(seed=5)
+    sim, _, att, args = _planned(seed=5)
     pages = sim.kv_cache.shape[0]
     args["kv_cache"] = torch.zeros_like(sim.kv_cache)[: pages - 3]
     _refused(att, sim, args, rf"kv_cache has {pages - 3} pages but the plan was made for a pool of {pages}; "
