@@ -305,6 +305,16 @@ def check_indices(
     return warm
 
 
+def _beam0_partial_prompt_column(step_plan: StepPlan, rows: torch.Tensor, cols: torch.Tensor,
+                                 page_size: int) -> torch.Tensor:
+    """Whether each ``(rows, cols)`` entry (int64, same shape) is beam 0's column of its prompt's partly filled last
+    page: the one prompt page beam 0 keeps writing (bool, host)."""
+    req = rows // step_plan.beam_width
+    indptr = torch.from_numpy(step_plan.kv_page_indptr.astype("int64"))
+    partial = torch.from_numpy(step_plan.kv_last_page_len.astype("int64"))[req] < page_size
+    return (rows % step_plan.beam_width == 0) & partial & (cols == indptr[1:][req] - indptr[:-1][req] - 1)
+
+
 def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Tensor, klen: torch.Tensor,
                        page_size: int, page_index_divisor: int, warm: WarmupRows) -> None:
     """This step's K/V write may land neither on a prompt page (but beam 0's own partial last one, which
@@ -322,8 +332,7 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
     req = row // W
     indptr = torch.from_numpy(step_plan.kv_page_indptr.astype("int64"))
     own_last = prompt_pages[indptr[1:] - 1][req]
-    partial = torch.from_numpy(step_plan.kv_last_page_len.astype("int64"))[req] < page_size
-    fills_own_last = (row % W == 0) & partial & (write_page == own_last) & (col == indptr[1:][req] - indptr[:-1][req] - 1)
+    fills_own_last = (write_page == own_last) & _beam0_partial_prompt_column(step_plan, row, col, page_size)
     not_judged = warm.padding | (warm.shared_block & (row % W != 0))
     on_prompt = torch.isin(write_page, prompt_pages) & ~fills_own_last & ~not_judged
     if on_prompt.any():
@@ -379,16 +388,14 @@ def _check_held_pages(step_plan: StepPlan, pages: torch.Tensor, klen: torch.Tens
     is_write = held_cols == held_pos // page_size
     prompt_pages = torch.from_numpy(step_plan.kv_page_indices.astype("int64"))
     indptr = torch.from_numpy(step_plan.kv_page_indptr.astype("int64"))
-    req = held_rows // W
-    partial = torch.from_numpy(step_plan.kv_last_page_len.astype("int64"))[req] < page_size
-    own_partial = (held_rows % W == 0) & partial & (held_cols == indptr[1:][req] - indptr[:-1][req] - 1)
     twice = torch.bincount(held_pages)[held_pages] > 1
     # A full page a row no longer writes may be another request's prompt page: block reuse stores a beam-width-1
-    # request's generated blocks, which later prompts then read. Its own request's prompt page it may not be.
+    # request's generated blocks, which later prompts then read. Its own request's prompt page it may not be. (A
+    # write page on any prompt page was refused before.)
     pages_bound = int(torch.cat([held_pages, prompt_pages]).max()) + 1
     prompt_req = torch.repeat_interleave(torch.arange(indptr.numel() - 1), indptr[1:] - indptr[:-1])
-    own_prompt = torch.isin(req * pages_bound + held_pages, prompt_req * pages_bound + prompt_pages)
-    on_prompt = torch.isin(held_pages, prompt_pages) & (is_write | own_prompt) & ~own_partial
+    own_prompt = torch.isin((held_rows // W) * pages_bound + held_pages, prompt_req * pages_bound + prompt_pages)
+    on_prompt = own_prompt & ~_beam0_partial_prompt_column(step_plan, held_rows, held_cols, page_size)
     bad = twice | on_prompt
     if not bool(bad.any()):
         return
@@ -400,10 +407,8 @@ def _check_held_pages(step_plan: StepPlan, pages: torch.Tensor, klen: torch.Tens
         whose = f"row {j} (request {j // W}, beam {j % W})" if j != i else "the same row"
         span = f"column {cj} (positions {cj * page_size}-{(cj + 1) * page_size - 1})"
         where, also = f"which {whose} also holds at {span}", f"{whose} also holds it at {span}"
-    else:  # (a page held at an earlier column is judged against its own request's prompt: block reuse shares it)
-        owner = i // W if not bool(is_write[k]) else (
-            int(torch.searchsorted(indptr, int(torch.nonzero(prompt_pages == page)[0]), right=True)) - 1)
-        where, also = f"a prompt page of request {owner}", f"it is a prompt page of request {owner}"
+    else:  # (its own request's prompt page: another request's it may read, block reuse sharing it)
+        where, also = f"a prompt page of request {i // W}", f"it is a prompt page of request {i // W}"
     fix = ("Each beam holds its own pages from its prompt's partly filled last page on (beam 0 that page itself), "
            "one page a column.")
     if bool(is_write[k]):
