@@ -902,6 +902,7 @@ def test_more_requests_beams_or_prompt_are_never_declined_where_fewer_are_served
     (64, 4, 2000, 16, 4, 200),     # 2-7 beams from 128 rows (not measured: the twenty-third round's value)
     (6, 16, 3000, 40, 5, 122),     # under 128 rows, 480 row-KV-heads (held-out 10: 5 x 8 x 2,500 at 48/6)
     (3, 8, 8000, 24, 3, 278),      # 72 row-KV-heads: 20,000 / 72
+    (16, 8, 3000, 16, 2, 50),      # at 256 row-KV-heads the floor (79 per token) stops: the table's 50
     (1, 10, 15000, 32, 4, 500),    # held-out 9: 1.09x at 60 tokens
     (32, 8, 1500, 16, 2, 50),      # 8-11 beams from 128 rows
     (32, 12, 4000, 64, 8, 38),     # group 8 at 8 KV heads: the few-KV-heads table from 128 rows

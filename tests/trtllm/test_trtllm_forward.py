@@ -247,6 +247,88 @@ def test_query_rows_the_step_does_not_hold_fail_clearly(trt, monkeypatch):
         setup.layer.forward(torch.cat([qkv, qkv[:1]]), None, None, setup.engine.metadata)
 
 
+def _served_by_us(trt, monkeypatch):
+    """The interface model with the library registered, a layer on it, and the layer's library instance."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    setup = build(model, seed=int(torch.randint(0, 2**31 - 1, ())))
+    (ours,) = [f for f in setup.layer._fmha_manager.fmha_libs if type(f).__name__ == "BeamSharedPrefixFmha"]
+    return model, setup, ours
+
+
+def _forward_args(model, setup, qkv):
+    args = model.module(".interface").AttentionForwardArgs(is_fused_qkv=True, update_kv_cache=True,
+                                                           attention_window_size=setup.sim.max_seq_len)
+    args.output = torch.empty(qkv.shape[0], setup.sim.num_qo_heads * setup.sim.head_dim, dtype=qkv.dtype)
+    return args
+
+
+def test_a_step_that_cannot_be_planned_without_a_fallback_library_stops(trt, monkeypatch):
+    """A step whose planning failed cannot run on the library; with no ``fallback`` library to hand it to, the forward
+    stops with the reason instead of running a wrapper that holds no plan."""
+    from beam_shared_prefix.prefix.base import PrefixBackendError
+    from beam_shared_prefix.trtllm import planning
+
+    def refuse(*args, **kwargs):
+        raise PrefixBackendError("flashinfer failed to import (simulated)")
+
+    monkeypatch.setattr(planning, "_new_wrapper", refuse)
+    model, setup, ours = _served_by_us(trt, monkeypatch)
+    monkeypatch.setattr(ours, "_get_delegate", lambda: None)
+    qkv = setup.engine.prepare(setup.sim.begin_step())
+    with pytest.raises(RuntimeError, match=r"planning failed: flashinfer failed to import \(simulated\), and no "
+                                           r"'fallback' library to hand the step to"):
+        ours.forward(qkv, None, None, setup.engine.metadata, _forward_args(model, setup, qkv))
+    assert stats()["generation_forwards"] == 0
+
+
+@pytest.mark.parametrize("contexts", [(12,), ()], ids=["mixed", "no_context_rows"])
+def test_a_mixed_batch_is_served_only_where_fallback_takes_its_context_rows(trt, monkeypatch, contexts):
+    """Serving a mixed batch itself, the library hands its context rows to ``fallback``: where ``fallback`` declines
+    them the batch is declined (logged), not taken with rows nobody serves. A batch without context rows is not a
+    mixed batch: served whatever ``fallback`` says of context rows."""
+    model, setup, ours = _served_by_us(trt, monkeypatch)
+    fallback = model.module(".fmha.fallback").FallbackFmha
+    original = fallback._is_supported
+
+    def no_context(self, q, k, v, metadata, forward_args, *, phase=None):
+        if phase is not None and str(getattr(phase, "value", phase)).lower() == "context":
+            return False
+        return original(self, q, k, v, metadata, forward_args, phase=phase)
+
+    monkeypatch.setattr(fallback, "_is_supported", no_context)
+    qkv = setup.engine.prepare(setup.sim.begin_step(), context_prompt_lens=contexts)
+    assert setup.engine.metadata.num_contexts == len(contexts)
+    assert ours.is_supported(qkv, None, None, setup.engine.metadata, _forward_args(model, setup, qkv)) == (not contexts)
+    if contexts:
+        from beam_shared_prefix.trtllm.gates import decline_log
+
+        assert decline_log.seen("mixed batch: the 'fallback' library declines its context rows")
+
+
+@pytest.mark.parametrize("q_scaling", [2.0, 0.5])
+def test_the_softmax_scale_follows_q_scaling(trt, monkeypatch, q_scaling):
+    """TensorRT-LLM scales the logits by 1 / (sqrt(D) x q_scaling): the library's step matches the oracle at that
+    scale."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    setup = build(model, seed=int(torch.randint(0, 2**31 - 1, ())), layer_kwargs=dict(q_scaling=q_scaling))
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step)
+    (ours,) = [f for f in setup.layer._fmha_manager.fmha_libs if type(f).__name__ == "BeamSharedPrefixFmha"]
+    family = ours._family(setup.engine.metadata, torch.bfloat16)
+    assert family.sm_scale == pytest.approx(1.0 / (math.sqrt(setup.sim.head_dim) * q_scaling))
+    assert stats()["generation_forwards"] == 1
+    from beam_shared_prefix.reference import reference_beam_attention
+
+    ref = reference_beam_attention(step.q, setup.sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
+                                   step.cache_indirection, step.beam_width, new_k=step.new_k, new_v=step.new_v,
+                                   sm_scale=family.sm_scale)
+    assert_close(gen_rows(out, 0, setup.sim), ref, "q_scaling")
+
+
 @pytest.mark.parametrize("head_dim,served", [(64, True), (256, False)])
 def test_per_step_decline_follows_the_serving_path(trt, monkeypatch, head_dim, served):
     """8 beams over a mean prompt of 45 tokens under ``auto``: at head 64 the one-launch cascade

@@ -6,7 +6,10 @@ checks that the library is not chosen and that the reason was logged (once).
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -43,18 +46,21 @@ def library_of(layer):
         (dict(head_dim=96), "head_dim=96 is not one of (64, 128, 256)"),
         (dict(num_heads=6, num_kv_heads=4), "num_heads=6 is not a positive multiple of num_kv_heads=4"),
         (dict(num_heads=128, num_kv_heads=1), "GQA group 128 (128/1 heads) exceeds 64"),
+        (dict(num_heads=64, num_kv_heads=1), None),  # the tail kernel's widest group (MAX_GROUP_SIZE)
         (dict(quant_mode=QuantMode.FP8_KV_CACHE), "KV cache quantization (fp8 kv cache)"),
         (dict(kv_cache_dtype="nvfp4"), "KV cache quantization (kv_cache_dtype='nvfp4')"),
+        (dict(kv_cache_dtype="torch.bfloat16"), None),  # plain K/V caches, as the torch dtype's string
+        (dict(kv_cache_dtype="BF16"), None),
         (dict(position_embedding_type=PositionEmbeddingType.rope_gpt_neox),
          "positional embedding rope_gpt_neox is applied inside the attention backend"),
         # Applied by the backend although upstream's is_rope() leaves them out (functional.py).
         (dict(position_embedding_type=PositionEmbeddingType.yarn), "positional embedding yarn is applied inside"),
         (dict(position_embedding_type=PositionEmbeddingType.deferred), "positional embedding deferred is applied"),
         (dict(position_embedding_type=PositionEmbeddingType.alibi), "positional embedding alibi is applied inside"),
-        (dict(skip_correction_threshold=0.5), None),  # declined by Fmha.is_available itself (doc 2.1), no reason of ours
+        (dict(skip_correction_threshold=0.5), ""),  # declined by Fmha.is_available itself (doc 2.1), no reason of ours
     ],
-    ids=["served", "mla", "sparse", "spec-dec", "chunked", "head96", "heads6-4", "group128", "fp8-kv", "nvfp4-kv", "rope",
-         "yarn", "deferred", "alibi", "skip-corr"],
+    ids=["served", "mla", "sparse", "spec-dec", "chunked", "head96", "heads6-4", "group128", "group64", "fp8-kv",
+         "nvfp4-kv", "torch-bf16-kv", "bf16-kv", "rope", "yarn", "deferred", "alibi", "skip-corr"],
 )
 def test_layer_gates(enabled, attn_kwargs, reason):
     """Doc 2.1 (_is_available runs once per manager), 6.3 (layer-level gates) and 5.2 (RoPE ownership)."""
@@ -62,9 +68,33 @@ def test_layer_gates(enabled, attn_kwargs, reason):
     kwargs = dict(num_heads=4, head_dim=64, num_kv_heads=2)
     kwargs.update({k: attn_kwargs.pop(k) for k in list(attn_kwargs) if k in kwargs})
     layer = trtllm.TrtllmAttention(0, kwargs["num_heads"], kwargs["head_dim"], kwargs["num_kv_heads"], **attn_kwargs)
-    served = not attn_kwargs and reason is None
-    assert (library_of(layer) is not None) == served
-    if reason is not None:
+    assert (library_of(layer) is not None) == (reason is None)
+    if reason:
+        assert decline_log.seen(reason)
+
+
+def _layer_with(model, **attributes):
+    """A layer whose attributes are set after its constructor and before its FMHA manager (so the layer gate)
+    is built, for spellings the interface model's constructor would normalise."""
+    layer = model.module(".trtllm").TrtllmAttention(0, 4, 64, 2, skip_create_weights_in_init=True)
+    for name, value in attributes.items():
+        setattr(layer, name, value)
+    layer.update_quant_config()
+    return layer
+
+
+@pytest.mark.parametrize("attributes, reason", [
+    (dict(quant_mode=SimpleNamespace(has_kv_cache_quant=True)), "KV cache quantization (quantized KV cache)"),
+    (dict(quant_mode=SimpleNamespace(has_kv_cache_quant=False)), None),
+    (dict(position_embedding_type="rope_gpt_neox"),
+     "positional embedding 'rope_gpt_neox' is applied inside the attention backend"),
+], ids=["kv-quant-property", "no-kv-quant-property", "rope-by-name"])
+def test_layer_gates_read_other_spellings(enabled, attributes, reason):
+    """The bindings' ``QuantMode.has_kv_cache_quant`` is a property, not a method (True declines, False serves),
+    and a ``position_embedding_type`` that is not an int may be applied inside the backend (declined, named)."""
+    layer = _layer_with(enabled, has_fp8_kv_cache=False, has_fp4_kv_cache=False, **attributes)
+    assert (library_of(layer) is not None) == (reason is None)
+    if reason:
         assert decline_log.seen(reason)
 
 
@@ -96,6 +126,18 @@ def test_triton_backend_declines_a_shape_it_cannot_tile_without_its_fallback(ena
     assert library_of(trtllm.TrtllmAttention(0, 4, 64, 2)) is not None  # tiled: served
     assert library_of(trtllm.TrtllmAttention(1, 4, 256, 2)) is None
     assert decline_log.seen("head_dim=256 is not tiled by the cascade kernel")
+
+
+def test_triton_backend_serves_a_shape_it_cannot_tile_with_its_fallback(enabled, monkeypatch):
+    """backend=triton with FlashInfer installed: the layer the cascade does not tile (head 256) is served, its
+    plan falling back to FlashInfer (the decline above is for FlashInfer missing only)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: importlib.machinery.ModuleSpec(name, None)
+                        if name == "flashinfer" else real(name, *a))
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "triton")
+    register()  # re-reads the settings
+    assert library_of(enabled.module(".trtllm").TrtllmAttention(1, 4, 256, 2)) is not None
+    assert not decline_log.seen("is not tiled by the cascade kernel")
 
 
 def test_tail_group_limit_matches_the_kernel():
@@ -167,15 +209,23 @@ def forward_args(model, setup, **overrides):
         ("fp32", "query dtype float32"),
         ("out_dtype", "output dtype float16 differs"),
         ("two_tokens", "more than one query token per generation row"),
-        ("block_sparse", None),  # declined by Fmha.is_supported itself (doc 2.1), before our hook
+        ("block_sparse", ""),  # declined by Fmha.is_supported itself (doc 2.1), before our hook
+        ("fused_with_k", "separate K/V inputs"),
+        ("no_output", "no preallocated output"),
+        ("wrong_columns", "does not hold (num_heads + 2 * num_kv_heads) * head_dim columns"),
+        ("window_one_short", "sliding-window attention"),
+        ("one_row_short", "more than one query token per generation row"),
+        ("pool_dtype", "KV pool dtype torch.float16 differs from the query dtype torch.bfloat16"),
+        ("generation_only_of_mixed", None),  # CombinedFmha's call: q holds the generation rows only
     ],
 )
 def test_call_gates(enabled, case, reason):
-    """Doc 2.7 (forward arguments), 6.3 (request-level gates): each is fixed per layer or in the key."""
-    setup = build(enabled)
+    """Doc 2.7 (forward arguments), 6.3 (request-level gates): each is fixed per layer or in the key. Declined
+    calls log their reason and raise nothing."""
+    setup = build(enabled, dtype=torch.float16 if case == "pool_dtype" else torch.bfloat16)
     ours = library_of(setup.layer)
     step = setup.sim.begin_step()
-    qkv = setup.engine.prepare(step)
+    qkv = setup.engine.prepare(step, (12,) if case == "generation_only_of_mixed" else ())
     m = setup.engine.metadata
     interface = enabled.module(".interface")
     out = torch.empty(qkv.shape[0], 4 * 64, dtype=qkv.dtype)
@@ -208,10 +258,25 @@ def test_call_gates(enabled, case, reason):
         q = torch.cat([qkv, qkv[:1]])
     elif case == "block_sparse":
         kw["sparse_runtime_params"] = interface.SparseRuntimeParams(block_sparse_inputs=torch.ones(1))
+    elif case == "fused_with_k":
+        k = qkv[:, 256:384]
+    elif case == "wrong_columns":
+        q = torch.cat([qkv, qkv[:, :64]], dim=1)
+    elif case == "window_one_short":
+        kw["attention_window_size"] = setup.sim.max_seq_len - 1
+    elif case == "one_row_short":
+        q = qkv[:-1]
+    elif case == "pool_dtype":
+        q, out = qkv.to(torch.bfloat16), out.to(torch.bfloat16)
+    elif case == "generation_only_of_mixed":
+        q, out = qkv[12:], out[12:]
+        kw["attention_input_type"] = interface.AttentionInputType.generation_only
     args = forward_args(enabled, setup, output=out, **kw)
+    if case == "no_output":
+        args.output = None
     supported = ours.is_supported(q, k, v, m, args)
-    assert supported == (case == "served")
-    if reason is not None:
+    assert supported == (reason is None)
+    if reason:
         assert decline_log.seen(reason)
 
 
@@ -229,6 +294,11 @@ def test_call_gates(enabled, case, reason):
         ("manager", "unsupported KV cache manager"),
         ("page8", "tokens_per_block=8 is not one of (16, 32, 64, 128)"),
         ("context_only_batch", "no generation rows"),
+        ("one_beam_engine_width_1", "an engine without beam search"),
+        ("indirection_fewer_requests", "cache_indirection holds 1 requests but the batch has 2"),
+        ("no_block_offsets", "no kv_cache_block_offsets (paged KV cache required)"),
+        ("kv_factor_1", "kv_factor=1 (the library needs separate K and V"),
+        ("linear_attention", "recurrent (linear-attention) state"),
     ],
 )
 def test_batch_gates(enabled, case, reason):
@@ -261,6 +331,17 @@ def test_batch_gates(enabled, case, reason):
         m.kv_cache_params.num_extra_kv_tokens = 2
     elif case == "no_cache":
         m.kv_cache_params.use_cache = False
+    elif case == "one_beam_engine_width_1":  # a one-beam engine: width 1 and a one-beam indirection buffer
+        m.cache_indirection = m.cache_indirection[:, :1]
+        m.beam_width = 1
+    elif case == "indirection_fewer_requests":
+        m.cache_indirection = m.cache_indirection[:1]
+    elif case == "no_block_offsets":
+        m.kv_cache_block_offsets = None
+    elif case == "kv_factor_1":
+        setup.manager.kv_factor = 1
+    elif case == "linear_attention":
+        setup.manager.is_linear_attention = True
     elif case == "manager":
         class PagedCache:  # not one of the two managers, though it has every attribute
             pass
@@ -271,6 +352,22 @@ def test_batch_gates(enabled, case, reason):
     out = torch.empty(qkv.shape[0], 4 * 64, dtype=qkv.dtype)
     assert not ours.is_supported(qkv, None, None, m, forward_args(enabled, setup, output=out))
     assert decline_log.seen(reason)
+
+
+def test_a_pool_view_of_another_head_size_is_declined(enabled):
+    """A layer whose head size is not its pool view's (``[pages, 2, Hkv, page_size, D]``): declined at the call, with
+    the reason, not run over K/V of another layout."""
+    setup = build(enabled, seed=int(torch.randint(0, 2**31 - 1, ())))  # a pool of head 64
+    wide = enabled.module(".trtllm").TrtllmAttention(setup.manager.served_layer_idx, 4, 128, 2)  # (kept alive)
+    ours = library_of(wide)
+    assert ours is not None
+    setup.engine.prepare(setup.sim.begin_step())
+    m = setup.engine.metadata
+    rows = int(m.num_generations)
+    q = torch.randn(rows, (4 + 2 * 2) * 128).to(torch.bfloat16)
+    out = torch.empty(rows, 4 * 128, dtype=q.dtype)
+    assert not ours.is_supported(q, None, None, m, forward_args(enabled, setup, output=out))
+    assert decline_log.seen("is not [pages, 2, Hkv, page_size, D]")
 
 
 def test_a_beam_width_one_step_is_handed_over_and_not_cached(enabled):
@@ -320,6 +417,9 @@ def test_step_gate_names_rows_that_are_not_beams_of_the_listed_requests(enabled)
     assert step_decline_reason(m) == "4 generation request ids for 6 rows of beam width 3 (expected 2, one per request)"
     m.request_ids = m.request_ids[:1]
     assert "1 generation request ids for 6 rows" in step_decline_reason(m)
+    m.request_ids = m.request_ids + [99]
+    m.seq_lens = torch.ones(7, dtype=torch.int32)  # 7 rows: 2 requests of 3 beams and a stray row
+    assert step_decline_reason(m) == "7 generation rows are not a multiple of beam_width=3"
 
 
 def test_a_layer_the_prefix_gate_declines_is_neither_selected_nor_planned(enabled, monkeypatch):

@@ -142,14 +142,44 @@ def test_v2_page_lists_from_the_older_layer_id_signature(model):
 
 
 @pytest.mark.parametrize("kind", ["v1", "v2"])
-def test_a_layer_mapped_past_the_pools_declines(model, kind):
-    """A ``kv_cache_pool_mapping`` that names a pool the block-offset tables do not have is declined at the
-    layer (logged, fallback serves it) instead of indexing past the table inside prepare()."""
+@pytest.mark.parametrize("pool", ["past", "negative"])
+def test_a_layer_mapped_outside_the_pools_declines(model, kind, pool):
+    """A ``kv_cache_pool_mapping`` that names a pool the block-offset tables do not have (past them, or below 0,
+    which would index the tables from their end: another pool's, silently) is declined at the layer (logged,
+    fallback serves it) instead of indexing outside the tables inside prepare()."""
     setup = build(model, kind=kind)
     manager = setup.manager
     mapping = manager.kv_cache_pool_mapping.clone()
-    mapping[:, 0] = int(manager.num_pools)
+    bad = int(manager.num_pools) if pool == "past" else -1
+    mapping[:, 0] = bad
     manager.kv_cache_pool_mapping = mapping
     layer = kv_cache.adapter_for(manager).layer(manager.served_layer_idx)
     assert layer.decline_reason == (f"kv_cache_pool_mapping gives layer {manager.served_layer_idx} pool "
-                                    f"{int(manager.num_pools)}, outside the manager's {int(manager.num_pools)} pools")
+                                    f"{bad}, outside the manager's {int(manager.num_pools)} pools")
+
+
+def _edit_page_lists(monkeypatch, manager, edit):
+    """Pass the V2 manager's ``get_batch_cache_indices`` page lists through ``edit``."""
+    original = manager.get_batch_cache_indices
+
+    def get_batch_cache_indices(request_ids, *args, **kwargs):
+        return edit(original(request_ids, *args, **kwargs))
+
+    monkeypatch.setattr(manager, "get_batch_cache_indices", get_batch_cache_indices)
+
+
+@pytest.mark.parametrize("edit", ["fewer_lists", "short_list"])
+def test_v2_page_lists_that_break_the_contract_fail_clearly(model, monkeypatch, edit):
+    """A V2 manager that returns fewer page lists than requests, or a list with fewer pages than its prompt covers,
+    stops planning with the counts (and the request), rather than planning prompts on other requests' pages or on
+    too few."""
+    setup = build(model, prompts=(37, 70), beam_width=3, kind="v2", seed=int(torch.randint(0, 2**31 - 1, ())))
+    if edit == "fewer_lists":
+        _edit_page_lists(monkeypatch, setup.manager, lambda lists: lists[:-1])
+        message = "get_batch_cache_indices returned 1 page lists for 2 requests"
+    else:
+        needed = -(-70 // setup.sim.page_size)
+        _edit_page_lists(monkeypatch, setup.manager, lambda lists: [lists[0], lists[1][:needed - 1]])
+        message = f"request {setup.sim.requests[1].rid} has {needed - 1} KV pages but its prompt needs {needed}"
+    with pytest.raises(RuntimeError, match=message):
+        setup.engine.prepare(setup.sim.begin_step())

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from beam_shared_prefix import decline
 from beam_shared_prefix.trtllm import planning, register, stats
+from beam_shared_prefix.trtllm.gates import decline_log
 from interface_model import build
 
 LIB = "beam_shared_prefix"
@@ -435,6 +437,81 @@ def test_a_cuda_graph_step_that_cannot_be_planned_stops(setup, monkeypatch):
         setup.engine.prepare(setup.sim.begin_step(), metadata=graph, before=_longer_prompts)
 
 
+def test_a_fresh_cuda_graph_metadata_whose_first_plan_fails_is_handed_over(setup, monkeypatch):
+    """A graph metadata that never had a plan has captured none of the library's kernels: a refusal while planning
+    its first step hands the step to the default kernel (logged), as an eager one does; only a graph that ran a plan
+    before must stop (test_a_cuda_graph_step_that_cannot_be_planned_stops)."""
+    fail = _failing_plans(monkeypatch)
+    fail[0] = True
+    graph = setup.engine.graph_metadata(2)
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step, metadata=graph)
+    check(setup, step, out)
+    assert stats()["delegated_steps"] == 1 and stats()["generation_forwards"] == 0
+    assert decline_log.seen("planning failed: sm_scale='refused by the test'")
+
+
+def test_an_unexpected_error_while_planning_in_prepare_propagates(setup, monkeypatch):
+    """Only the library's own refusals hand a step over from inside ``prepare()``; any other exception (a bug)
+    propagates instead of being logged as 'planning failed' and hidden behind the default kernel."""
+    def broken(*args, **kwargs):
+        raise TypeError("a bug in the planner (simulated)")
+
+    monkeypatch.setattr(planning, "_new_wrapper", broken)
+    with pytest.raises(TypeError, match="a bug in the planner"):
+        setup.engine.prepare(setup.sim.begin_step())
+
+
+def test_a_new_request_ids_list_with_the_same_requests_keeps_the_plan(setup):
+    """The engine builds a new ``request_ids`` list every step; one with the same requests is the planned step:
+    no warning, no planning inside the forward."""
+    step = setup.sim.begin_step()
+    qkv = setup.engine.prepare(step)
+    m = setup.engine.metadata
+    m.request_ids = list(m.request_ids)  # another list object, the same ids
+    planned = stats()["steps_planned"]
+    check(setup, step, setup.layer.forward(qkv, None, None, m))
+    assert stats()["steps_planned"] == planned
+    assert not decline_log.seen("request_ids changed since the last hooked prepare()")
+
+
+def _declining(trt, monkeypatch, **rule):
+    """An engine whose layers run the decline rule on ``auto`` (``rule``: module attributes of
+    :mod:`beam_shared_prefix.decline.rows` to set first)."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "auto")  # the rule judges auto's GPU choice
+    for name, value in rule.items():
+        monkeypatch.setattr(decline.rows, name, value)
+    register()
+    return model
+
+
+def test_prepare_plans_no_step_the_decline_rule_hands_over(trt, monkeypatch):
+    """A step the decline rule hands to the default kernel (16 beam rows) is not planned: no wrapper, no plan."""
+    setup = build(_declining(trt, monkeypatch), prompts=(90, 120), beam_width=8, head_dim=128,
+                  seed=int(torch.randint(0, 2**31 - 1, ())))
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step)
+    check(setup, step, out)
+    assert stats()["delegated_steps"] == 1 and stats()["generation_forwards"] == 0
+    assert stats()["plans"] == 0 and stats()["wrappers"] == 0
+
+
+@pytest.mark.parametrize("prompts,served", [((49, 50), True), ((48, 50), False)])
+def test_the_decline_rule_judges_the_mean_prompt_rounded_up(trt, monkeypatch, prompts, served):
+    """4 beams at head 128 on ``auto``'s one-launch cascade are served from a mean prompt of 50 tokens: prompts of 49
+    and 50 (a mean of 49.5) are served, 48 and 50 (49) are not."""
+    setup = build(_declining(trt, monkeypatch, MIN_BEAM_ROWS=1), prompts=prompts, beam_width=4, head_dim=128,
+                  seed=int(torch.randint(0, 2**31 - 1, ())))  # (MIN_BEAM_ROWS 1: 2 requests, the prompt part judged)
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step)
+    check(setup, step, out)
+    assert stats()["generation_forwards"] == (1 if served else 0)
+    assert stats()["delegated_steps"] == (0 if served else 1)
+
+
 def _kv_lens(edit):
     def before(m):
         cached = list(m.kv_cache_params.num_cached_tokens_per_seq)
@@ -479,6 +556,23 @@ def test_an_overlap_scheduler_cache_indirection_is_served(setup):
     out, _ = setup.run(step, before=one_more_position)
     check(setup, step, out)
     assert stats()["generation_forwards"] == 1
+
+
+def test_a_row_one_past_the_page_table_under_an_overlap_scheduler_indirection_is_not_served(setup):
+    """The overlap scheduler's cache_indirection is one position longer than the page table (129 over 8 pages of
+    16): the KV capacity is the table's 128, so a row of KV length 129, whose write slot has no page, is not served
+    (the step is handed over, with the reason)."""
+    def before(m):
+        ci = m.cache_indirection
+        m.cache_indirection = torch.cat([ci, torch.zeros_like(ci[:, :, :1])], dim=2)
+        cached = list(m.kv_cache_params.num_cached_tokens_per_seq)
+        cached[0:3] = [128] * 3  # request 0's beams: KV length 129
+        m.kv_cache_params.num_cached_tokens_per_seq = cached
+
+    planning.plan_metadata(setup.engine.metadata)  # (a first, valid selection of the key)
+    setup.engine.prepare(setup.sim.begin_step(), before=before)
+    assert isinstance(planning.metadata_state(setup.engine.metadata).step, planning.DeclinedStep)
+    assert decline_log.seen("generation row 0 has KV length 129, outside [1, 128]")
 
 
 def test_a_step_its_key_selected_but_the_batch_gates_refuse_is_handed_over(setup, caplog):
