@@ -2,6 +2,7 @@
 
 import collections
 import itertools
+import random
 
 import pytest
 from h200_grids import RESULTS, SUPERSEDED, grid_points, with_auto_backend
@@ -26,6 +27,7 @@ from beam_shared_prefix.decline import (
     _tail_prompt_per_token,
     cascade_min_prompt,
     max_tail_len,
+    min_beam_rows,
     narrow_beams_min_prompt,
     should_decline,
     tail_decline_reason,
@@ -210,6 +212,28 @@ def test_fewer_kv_heads_need_more_beam_rows():
     assert should_decline(8, 8, 4000, 4, 2, 128, split_kv=True) is None  # 256,000
 
 
+@pytest.mark.parametrize("heads,kv_heads,w,requests,prompt_band,base", [
+    (28, 7, 6, 9, (160, 2000), 48),  # GQA 4, 7 KV heads: 48 x 8 / 7 = 54.9 -> 55 rows; 9 x 6 = 54
+    (28, 14, 4, 17, (250, 499), 120),  # GQA 2, 14 KV heads: 120 x 8 / 14 = 68.6 -> 69 rows; 17 x 4 = 68
+    (13, 13, 6, 6, (500, 2000), 60),  # MHA, 13 KV heads, long prompt: 60 x 8 / 13 = 36.9 -> 37 rows; 6 x 6 = 36
+    (6, 6, 10, 17, (67, 199), 128),  # MHA, 6 KV heads, short prompt: 128 x 8 / 6 = 170.7 -> 171 rows; 17 x 10 = 170
+    (10, 5, 3, 19, (300, 2000), 36),  # GQA 2, 5 KV heads, 3 beams: 36 x 8 / 5 = 57.6 -> 58 rows; 19 x 3 = 57
+])
+def test_the_row_floor_scaled_by_kv_heads_rounds_up(heads, kv_heads, w, requests, prompt_band, base):
+    """The row floors were measured at 8 KV heads and scale by 8 / Hkv (what decides is R x W x Hkv), rounded up:
+    one beam row under the scaled value is declined, naming the rounded-up floor; one request more is served. A
+    floor rounded down would serve R x W x Hkv under the measured product."""
+    least = -(-base * 8 // kv_heads)
+    rows = requests * w
+    assert rows == least - 1 and base * 8 % kv_heads  # the floor is not a whole number of rows
+    prompt = random.randint(*prompt_band)  # the band where this floor (base) applies and nothing else declines
+    assert min_beam_rows(kv_heads, prompt, heads // kv_heads, 128, w) == least
+    reason = should_decline(requests, w, prompt, heads, kv_heads, 128)
+    assert reason is not None and f"{rows} beam rows < {least} ({base} x 8 / {kv_heads} KV heads)" in reason, (
+        prompt, reason)
+    assert should_decline(requests + 1, w, prompt, heads, kv_heads, 128) is None, prompt
+
+
 def test_head_128_few_rows_floor_on_the_current_kernels():
     """Fifty-third round (``few_rows_round53_*.json``, GQA 32/8, 28/4 and 12/2 at 99-1,506 tokens): from 304
     row-KV-heads every point won (1.12x-2.44x), at 152-264 one (1.13x, FlashInfer's split prompt); the floor is
@@ -263,7 +287,7 @@ def test_few_rows_floor_of_groups_5_to_8_at_narrow_widths():
     serve from ``R x W x Hkv`` of 576 at 3 beams, 512 at 4 and 384 at 5, from 250 tokens, where the older floors ask
     more (960 under 350 tokens, 3 beams under 500); every grid point from 512 won 1.28x-2.77x, 192 ran 0.89x-0.96x, 408 at
     3 beams 1.02x-1.19x."""
-    from beam_shared_prefix.decline import NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT, min_beam_rows
+    from beam_shared_prefix.decline import NARROW_TILE_GROUP_8_FLOOR_MIN_PROMPT
 
     assert [min_beam_rows(8, 300, 8, 128, w) for w in (3, 4, 5, 6)] == [72, 64, 48, 48]
     assert [min_beam_rows(h, 300, 6, 128, 3) for h in (2, 4, 8, 16)] == [288, 144, 72, 60]  # 16 KV heads: older, scaled
