@@ -1,7 +1,8 @@
 """Fixtures of the TensorRT-LLM integration tests.
 
 ``trt(**config)`` installs the interface model (``interface_model.py``: a model of TensorRT-LLM's
-interfaces, not TensorRT-LLM) under the real module names for one test. ``library_env`` gives every
+interfaces, not TensorRT-LLM) under the real module names for one test; ``with_decline(...)`` installs it with
+the library registered and the decline rule on. ``library_env`` gives every
 test a clean slate: no stray ``TLLM_*`` variables, the reference prefix backend (the CPU path), the
 decline rule off unless a test turns it on, and none of the library's caches from an earlier test.
 """
@@ -70,3 +71,26 @@ def trt(library_env):
     yield make
     for model in reversed(models):
         model.uninstall()
+
+
+@pytest.fixture
+def with_decline(trt, monkeypatch):
+    """Factory: ``with_decline(backend=None, any_rows=True)`` -> the installed model with the library registered and
+    the decline rule on (``backend``: the prefix backend the rule judges). ``any_rows`` lets the interface model's
+    2-request batches past the beam-rows threshold (tested on its own in tests/test_decline.py), so that a test can
+    judge the prompt and width parts of the rule."""
+    from beam_shared_prefix import decline
+    from beam_shared_prefix.trtllm import register
+
+    def make(backend=None, any_rows=True) -> TrtModel:
+        model = trt(layout="new")
+        monkeypatch.setenv("TLLM_FMHA_LIBS", "+beam_shared_prefix")
+        monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
+        if backend is not None:
+            monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
+        if any_rows:
+            monkeypatch.setattr(decline.rows, "MIN_BEAM_ROWS", 1)  # where min_beam_rows reads it
+        register()
+        return model
+
+    return make

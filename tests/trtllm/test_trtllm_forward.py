@@ -19,7 +19,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from beam_shared_prefix import decline
 from beam_shared_prefix.trtllm import register, stats
 from interface_model import build
 
@@ -192,28 +191,12 @@ def test_unknown_fmha_params_variant_fails_clearly(trt, monkeypatch):
         ours.run_generation(OtherParams())
 
 
-def register_with_decline(trt, monkeypatch, backend=None, any_rows=True):
-    """Install the model and the library with the decline rule on (``backend``: the prefix backend the
-    rule judges). ``any_rows`` lets the interface model's 2-request batches past the beam-rows
-    threshold (tested on its own in tests/test_decline.py and below), so that a test can judge the
-    prompt and width parts of the rule."""
-    model = trt(layout="new")
-    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
-    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
-    if backend is not None:
-        monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
-    if any_rows:
-        monkeypatch.setattr(decline.rows, "MIN_BEAM_ROWS", 1)  # where min_beam_rows reads it
-    register()
-    return model
-
-
-def test_per_step_decline_hands_the_step_to_fallback(trt, monkeypatch):
+def test_per_step_decline_hands_the_step_to_fallback(monkeypatch, with_decline):
     """Per-step decline (docs/trtllm.md): a short-prompt batch is handed to fallback at run time while the
     selection (cached per key, doc 2.4) stays with the library; a long-prompt batch of the same key is
     served. Sanity check on: the cached choice never disagrees with a fresh selection."""
     monkeypatch.setenv("TRTLLM_FMHA_CACHE_SANITY_CHECK", "1")
-    model = register_with_decline(trt, monkeypatch)
+    model = with_decline()
     short = build(model, prompts=(20, 30), beam_width=8)
     step = short.sim.begin_step()
     out, _ = short.run(step)
@@ -247,12 +230,13 @@ def test_query_rows_the_step_does_not_hold_fail_clearly(trt, monkeypatch):
         setup.layer.forward(torch.cat([qkv, qkv[:1]]), None, None, setup.engine.metadata)
 
 
-def _served_by_us(trt, monkeypatch):
-    """The interface model with the library registered, a layer on it, and the layer's library instance."""
+def _served_by_us(trt, monkeypatch, **build_kwargs):
+    """The interface model with the library registered, a layer on it (``build_kwargs`` to :func:`build`), and the
+    layer's library instance: ``(model, setup, ours)``."""
     model = trt(layout="new")
     monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
     register()
-    setup = build(model, seed=int(torch.randint(0, 2**31 - 1, ())))
+    setup = build(model, seed=int(torch.randint(0, 2**31 - 1, ())), **build_kwargs)
     (ours,) = [f for f in setup.layer._fmha_manager.fmha_libs if type(f).__name__ == "BeamSharedPrefixFmha"]
     return model, setup, ours
 
@@ -311,13 +295,9 @@ def test_a_mixed_batch_is_served_only_where_fallback_takes_its_context_rows(trt,
 def test_the_softmax_scale_follows_q_scaling(trt, monkeypatch, q_scaling):
     """TensorRT-LLM scales the logits by 1 / (sqrt(D) x q_scaling): the library's step matches the oracle at that
     scale."""
-    model = trt(layout="new")
-    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
-    register()
-    setup = build(model, seed=int(torch.randint(0, 2**31 - 1, ())), layer_kwargs=dict(q_scaling=q_scaling))
+    _, setup, ours = _served_by_us(trt, monkeypatch, layer_kwargs=dict(q_scaling=q_scaling))
     step = setup.sim.begin_step()
     out, _ = setup.run(step)
-    (ours,) = [f for f in setup.layer._fmha_manager.fmha_libs if type(f).__name__ == "BeamSharedPrefixFmha"]
     family = ours._family(setup.engine.metadata, torch.bfloat16)
     assert family.sm_scale == pytest.approx(1.0 / (math.sqrt(setup.sim.head_dim) * q_scaling))
     assert stats()["generation_forwards"] == 1
@@ -330,12 +310,12 @@ def test_the_softmax_scale_follows_q_scaling(trt, monkeypatch, q_scaling):
 
 
 @pytest.mark.parametrize("head_dim,served", [(64, True), (256, False)])
-def test_per_step_decline_follows_the_serving_path(trt, monkeypatch, head_dim, served):
+def test_per_step_decline_follows_the_serving_path(with_decline, head_dim, served):
     """8 beams over a mean prompt of 45 tokens under ``auto``: at head 64 the one-launch cascade
     serves, from 32 tokens at this width; at head 256 (which the cascade does not tile) a prefix
     backend + the tail kernel would, from (8 - 1) x 86 tokens (docs/benchmarks.md, "The decline rule")."""
     # The rule judges the GPU choice of `auto`; on this CPU the wrapper then runs the torch path.
-    model = register_with_decline(trt, monkeypatch, backend="auto")
+    model = with_decline(backend="auto")
     setup = build(model, prompts=(40, 50), beam_width=8, head_dim=head_dim)
     step = setup.sim.begin_step()
     out, _ = setup.run(step)
@@ -349,12 +329,12 @@ def test_per_step_decline_follows_the_serving_path(trt, monkeypatch, head_dim, s
     ((20, 30), False, False, "mean prompt 25 < 50 tokens at beam width 4"),
     ((90, 120), True, False, "beam width 4 < 8 with the prompt length unknown"),
 ])
-def test_narrow_beams_are_judged_per_step(trt, monkeypatch, caplog, prompts, graph, served, reason):
+def test_narrow_beams_are_judged_per_step(with_decline, caplog, prompts, graph, served, reason):
     """4 beams: the selection takes the library (the beam width alone decides nothing: the rule's
     verdict needs the prompt length); each step is then judged. Eagerly the one-launch cascade serves
     4 beams at head 128 from a mean prompt of 50 tokens; a CUDA-graph step serves any prompt, so it follows the
     unknown-prompt rule (8 beams or more) and goes to fallback, at capture as at every replay."""
-    model = register_with_decline(trt, monkeypatch, backend="auto")  # the rule judges auto's GPU choice
+    model = with_decline(backend="auto")  # the rule judges auto's GPU choice
     setup = build(model, prompts=prompts, beam_width=4, head_dim=128)  # head 128's table (head 64: from 250)
     step = setup.sim.begin_step()
     metadata = setup.engine.graph_metadata(len(prompts)) if graph else None
@@ -370,13 +350,13 @@ def test_narrow_beams_are_judged_per_step(trt, monkeypatch, caplog, prompts, gra
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
 @pytest.mark.parametrize("qo_heads,kv_heads", [(4, 2), (16, 8)])
-def test_long_tails_are_judged_every_step(trt, monkeypatch, caplog, graph, qo_heads, kv_heads):
+def test_long_tails_are_judged_every_step(with_decline, caplog, graph, qo_heads, kv_heads):
     """8 beams over a mean prompt of 105 tokens: the rule serves at most 4 generated tokens per beam there
     (16 beam rows x 2 KV heads ask 20,000 / 32 = 625 prompt tokens per generated token, x 8 KV heads
     20,000 / 128 = 157; docs/benchmarks.md), so as the beams grow their tails the fifth step is handed
     over eagerly. A CUDA-graph step cannot be: it keeps its captured library path and logs why that is
     slow, once, judged with the layer's group (2 here; an unknown one would be judged as 8)."""
-    model = register_with_decline(trt, monkeypatch, backend="auto")
+    model = with_decline(backend="auto")
     setup = build(model, prompts=(90, 120), beam_width=8, head_dim=128, num_qo_heads=qo_heads,
                   num_kv_heads=kv_heads)
     sim = setup.sim
@@ -400,12 +380,12 @@ def test_long_tails_are_judged_every_step(trt, monkeypatch, caplog, graph, qo_he
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
 @pytest.mark.parametrize("qo_heads,served", [(16, True), (32, False)])
-def test_groups_above_16_need_long_prompts_every_step(trt, monkeypatch, caplog, graph, qo_heads, served):
+def test_groups_above_16_need_long_prompts_every_step(with_decline, caplog, graph, qo_heads, served):
     """One KV head, 8 beams over a mean prompt of 105 tokens: at 16 query heads the step is served, at 32
     it needs 500 tokens (32/1 lost at 100 up to 1,920 beam rows; docs/benchmarks.md), and a CUDA-graph step,
     whose prompt is unknown, is handed over there at capture as at replay: the planner passes the layer's
     query heads on both paths."""
-    model = register_with_decline(trt, monkeypatch, backend="auto")
+    model = with_decline(backend="auto")
     setup = build(model, prompts=(90, 120), beam_width=8, head_dim=128, num_qo_heads=qo_heads, num_kv_heads=1)
     step = setup.sim.begin_step()
     metadata = setup.engine.graph_metadata(2) if graph else None
@@ -420,11 +400,11 @@ def test_groups_above_16_need_long_prompts_every_step(trt, monkeypatch, caplog, 
             in caplog.text, caplog.text
 
 
-def test_the_longest_tail_decides(trt, monkeypatch, caplog):
+def test_the_longest_tail_decides(with_decline, caplog):
     """Each request's tail is walked by its own programs, so a step takes as long as its longest tail: a
     request that joins late lowers the mean tail (5 and 1: 3) but not the longest (5), and the step is
     handed over (8 beams, 2 KV heads, prompts under 800 tokens: 4 generated tokens at most)."""
-    model = register_with_decline(trt, monkeypatch, backend="auto")
+    model = with_decline(backend="auto")
     setup = build(model, prompts=(90, 120), beam_width=8, head_dim=128)
     sim = setup.sim
     for step_no in range(5):
@@ -440,11 +420,11 @@ def test_the_longest_tail_decides(trt, monkeypatch, caplog):
     assert "tail 5 generated tokens per beam > 4" in caplog.text
 
 
-def test_few_beam_rows_go_to_fallback(trt, monkeypatch, caplog):
+def test_few_beam_rows_go_to_fallback(with_decline, caplog):
     """2 requests x 8 beams = 16 beam rows: one program per request and KV head leaves the GPU idle and
     per-beam decode was faster on the H200 (R x W < 120, docs/benchmarks.md), so the step goes to
     fallback even with prompts the width's table serves."""
-    model = register_with_decline(trt, monkeypatch, backend="auto", any_rows=False)
+    model = with_decline(backend="auto", any_rows=False)
     setup = build(model, prompts=(90, 120), beam_width=8, head_dim=128)
     step = setup.sim.begin_step()
     with caplog.at_level("DEBUG", logger="beam_shared_prefix.trtllm"):
@@ -455,7 +435,7 @@ def test_few_beam_rows_go_to_fallback(trt, monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("flashinfer_installed", [True, False], ids=["flashinfer", "no_flashinfer"])
-def test_few_beam_rows_with_long_prompts_are_served(trt, monkeypatch, caplog, flashinfer_installed):
+def test_few_beam_rows_with_long_prompts_are_served(monkeypatch, with_decline, caplog, flashinfer_installed):
     """2 requests x 8 beams with 3,800-4,000-token prompts (GQA 16/8, head 128): under ``auto`` FlashInfer's
     split prompt serves so few requests, and 16 rows x 3,900 tokens >= 60,000 measured faster than
     per-beam decode on the H200 (docs/benchmarks.md), so the library serves the step. Without FlashInfer
@@ -466,7 +446,7 @@ def test_few_beam_rows_with_long_prompts_are_served(trt, monkeypatch, caplog, fl
     real = select._installed
     monkeypatch.setattr(select, "_installed",
                         lambda name: flashinfer_installed if name == "flashinfer" else real(name))
-    model = register_with_decline(trt, monkeypatch, backend="auto", any_rows=False)
+    model = with_decline(backend="auto", any_rows=False)
     setup = build(model, prompts=(3800, 4000), beam_width=8, head_dim=128, max_seq_len=4096, num_qo_heads=16,
                   num_kv_heads=8)
     step = setup.sim.begin_step()

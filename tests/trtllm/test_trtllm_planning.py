@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from beam_shared_prefix import decline
 from beam_shared_prefix.trtllm import planning, register, stats
 from beam_shared_prefix.trtllm.gates import decline_log
 from interface_model import build
@@ -475,22 +474,9 @@ def test_a_new_request_ids_list_with_the_same_requests_keeps_the_plan(setup):
     assert not decline_log.seen("request_ids changed since the last hooked prepare()")
 
 
-def _declining(trt, monkeypatch, **rule):
-    """An engine whose layers run the decline rule on ``auto`` (``rule``: module attributes of
-    :mod:`beam_shared_prefix.decline.rows` to set first)."""
-    model = trt(layout="new")
-    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
-    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINE", "auto")
-    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "auto")  # the rule judges auto's GPU choice
-    for name, value in rule.items():
-        monkeypatch.setattr(decline.rows, name, value)
-    register()
-    return model
-
-
-def test_prepare_plans_no_step_the_decline_rule_hands_over(trt, monkeypatch):
+def test_prepare_plans_no_step_the_decline_rule_hands_over(with_decline):
     """A step the decline rule hands to the default kernel (16 beam rows) is not planned: no wrapper, no plan."""
-    setup = build(_declining(trt, monkeypatch), prompts=(90, 120), beam_width=8, head_dim=128,
+    setup = build(with_decline(backend="auto", any_rows=False), prompts=(90, 120), beam_width=8, head_dim=128,
                   seed=int(torch.randint(0, 2**31 - 1, ())))
     step = setup.sim.begin_step()
     out, _ = setup.run(step)
@@ -500,11 +486,11 @@ def test_prepare_plans_no_step_the_decline_rule_hands_over(trt, monkeypatch):
 
 
 @pytest.mark.parametrize("prompts,served", [((49, 50), True), ((48, 50), False)])
-def test_the_decline_rule_judges_the_mean_prompt_rounded_up(trt, monkeypatch, prompts, served):
+def test_the_decline_rule_judges_the_mean_prompt_rounded_up(with_decline, prompts, served):
     """4 beams at head 128 on ``auto``'s one-launch cascade are served from a mean prompt of 50 tokens: prompts of 49
     and 50 (a mean of 49.5) are served, 48 and 50 (49) are not."""
-    setup = build(_declining(trt, monkeypatch, MIN_BEAM_ROWS=1), prompts=prompts, beam_width=4, head_dim=128,
-                  seed=int(torch.randint(0, 2**31 - 1, ())))  # (MIN_BEAM_ROWS 1: 2 requests, the prompt part judged)
+    setup = build(with_decline(backend="auto"), prompts=prompts, beam_width=4, head_dim=128,
+                  seed=int(torch.randint(0, 2**31 - 1, ())))  # (any rows: 2 requests, the prompt part judged)
     step = setup.sim.begin_step()
     out, _ = setup.run(step)
     check(setup, step, out)
