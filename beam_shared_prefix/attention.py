@@ -190,6 +190,8 @@ class BeamSharedPrefixAttention:
             self.error_flags = new_error_flags(self.device)
         self._errors_seen = 0
         self._error_poll = None  # (pinned host word, event) of the copy in flight
+        self._audit_layer: Optional[int] = None  # the pool view the page-table audit rides with (its address)
+        self._audited_since_plan = False
         self.shared_run = shared_run_mode(settings.shared_run if shared_run is None else shared_run)
         max_tail_len = settings.max_tail_len if max_tail_len is None else max_tail_len
         if max_tail_len is not None:
@@ -362,6 +364,7 @@ class BeamSharedPrefixAttention:
         # A plan that fails anywhere, its argument checks included, leaves no active plan: run() then
         # refuses instead of serving the previous batch's pages with this batch's tensors.
         active, self._active = self._active, None
+        self._audited_since_plan = False
         if dtype not in DTYPES:
             raise AttentionInputError(f"dtype={dtype} is not supported; use torch.bfloat16 or torch.float16.")
         num_qo_heads, num_kv_heads, head_dim, page_size, num_cache_pages = (
@@ -558,6 +561,9 @@ class BeamSharedPrefixAttention:
                 prefix_lse_layout=lse.layout, prefix_lse_base=lse.base, write_kv=write_kv, validate_indices=check,
                 error_flags=self.error_flags, prompt_last_pages=self._views.get("prompt_last_pages"), **extra,
             )
+        if self.error_flags is not None and self._page_table_audit_due(kv_cache):
+            self._audit_page_table(kv_cache, beam_page_table, kv_lens, cache_indirection, pg, page_index_divisor,
+                                   step_plan.beam_width)
         if check:
             chk.check_output_stage(out, expected, tol, skip_rows=warm.padding)
             if write_kv:
@@ -635,6 +641,39 @@ class BeamSharedPrefixAttention:
         from triton_kernels import beam_tail_attention_merge_torch
 
         return beam_tail_attention_merge_torch
+
+    def _page_table_audit_due(self, kv_cache: torch.Tensor) -> bool:
+        """Whether this run() launches the page-table audit. The page table, lengths and prompt lengths are the same
+        in every layer of a pool, so once a step is enough: the audit rides with the layer of the first run() this
+        wrapper served (its pool view's address: in TensorRT-LLM the pool's first layer, whose captured launches a
+        CUDA graph then replays with it), and with the first run() after each plan() if that layer has not run."""
+        layer = kv_cache.data_ptr()
+        if self._audit_layer is None:
+            self._audit_layer = layer
+        due = layer == self._audit_layer or not self._audited_since_plan
+        self._audited_since_plan |= due
+        return due
+
+    def _audit_page_table(self, kv_cache, beam_page_table, kv_lens, cache_indirection, page_size, page_index_divisor,
+                          beam_width) -> None:
+        """A write page a beam of its request holds at an earlier generated column: ``HELD_WRITE_PAGE`` on the flag
+        (:mod:`triton_kernels.page_table_audit`; its torch twin on the torch tail), device work only."""
+        from triton_kernels import device_errors
+        from triton_kernels.step_args import pool_layout
+
+        num_pages = pool_layout(kv_cache, self.kv_layout)[0][0]
+        prompt_lens, max_seq_len = self._views["prompt_lens"], cache_indirection.shape[2]
+        if self.tail_impl == "triton":
+            from triton_kernels import audit_fresh_write_pages
+
+            audit_fresh_write_pages(kv_lens, prompt_lens, beam_page_table, beam_width, self.error_flags,
+                                    page_size=page_size, num_pages=num_pages, max_seq_len=max_seq_len,
+                                    page_index_divisor=page_index_divisor)
+        else:
+            bad = device_errors.fresh_write_page_bad_torch(kv_lens, prompt_lens, beam_page_table[:kv_lens.shape[0]],
+                                                           beam_width, page_size, page_index_divisor, num_pages,
+                                                           max_seq_len)
+            device_errors.flag_where(self.error_flags, bad, device_errors.HELD_WRITE_PAGE)
 
     def _current_kv(self, kv_cache, beam_page_table, kv_lens, rows, page_size, page_index_divisor):
         """This step's K/V ``[rows, Hkv, D]`` read back from ``kv_len - 1`` of each row's own page.

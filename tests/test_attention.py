@@ -796,12 +796,12 @@ def test_engine_written_kv_with_an_invalid_length_fails_clearly(bad_len):
     assert out.shape == step.q.shape
 
 
-def _flagged_setup(tail_impl):
-    """A third step (earlier generated tokens to gather) planned on a wrapper with the device error
-    flag and without check mode: ``(sim, step, att)``."""
+def _flagged_setup(tail_impl, steps=3):
+    """The ``steps``-th step (from the third: earlier generated tokens to gather) planned on a wrapper with the
+    device error flag and without check mode: ``(sim, step, att)``."""
     device = _kernel_device(tail_impl)
     sim = make_sim(device=device)
-    for _ in range(2):
+    for _ in range(steps - 1):
         sim.begin_step()
         sim.end_step()
     step = sim.begin_step()
@@ -888,17 +888,27 @@ def test_a_beam_writing_onto_beam0s_prompt_page_raises_the_flag(tail_impl, engin
 @pytest.mark.parametrize("case,check_message", [
     ("two_beams_share", r"rows 4 and 5 both write this step's K/V to page"),
     ("on_full_prompt_page", r"row 4 \(request 1, beam 1\) writes .* a prompt page of request 1"),
+    ("held_at_earlier_column", (r"row 4 \(request 1, beam 1\) writes .* which row 5 \(request 1, beam 2\) also holds "
+                                r"at column 5")),
 ])
 def test_a_write_page_held_elsewhere_in_the_request_raises_the_flag(tail_impl, case, check_message):
     """Request 1's beams 1 and 2 given one write page, or beam 1's write slot on the request's first prompt page
-    (a full page every beam reads): no index is out of the pool and no beam is on beam 0's page of its column.
-    Without check mode the flag names it; check mode refuses the step."""
-    sim, step, att = _flagged_setup(tail_impl)
+    (a full page every beam reads), or (at the eighth step, the first token of the request's third generated page)
+    beam 1's write page held by beam 2 at the column before (the page-table audit's): no index is out of the pool
+    and no beam is on beam 0's page of its column. Without check mode the flag names it, and the same step with the
+    table as given raises nothing; check mode refuses the step."""
+    earlier = case == "held_at_earlier_column"
+    sim, step, att = _flagged_setup(tail_impl, steps=8 if earlier else 3)
     col = int(step.kv_lens[3] - 1) // sim.page_size
-    assert int(step.prompt_lens[3]) == 17 and col == 4  # (the partly filled page: 1 prompt token of 4)
+    assert int(step.prompt_lens[3]) == 17 and col == (6 if earlier else 4)  # (prompt page 4: 1 token of 4)
+    att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    assert att.device_errors() == []
     table = step.beam_page_table.clone()
     if case == "two_beams_share":
         table[5, col] = table[4, col]
+    elif earlier:
+        assert int(step.kv_lens[4] - 1) == col * sim.page_size  # the write page's first token
+        table[4, col] = table[5, col - 1]
     else:
         table[4, col] = table[3, 0]
     att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
@@ -907,6 +917,42 @@ def test_a_write_page_held_elsewhere_in_the_request_raises_the_flag(tail_impl, c
     att.check = True
     with pytest.raises(BeamSharedPrefixCheckError, match=check_message):
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+
+
+@pytest.mark.parametrize("tail_impl", ["torch", "triton"])
+def test_the_page_table_audit_runs_once_a_step(tail_impl, monkeypatch):
+    """The audit rides with the first layer the wrapper served (its pool view) and with the first run() after each
+    plan() if that layer has not run: two layers over two plans, in either order, audit once a step, never in the
+    other layer's runs. Without the flag nothing is audited."""
+    import triton_kernels
+    from triton_kernels import device_errors
+
+    audits = []
+
+    def counted(real):
+        def audit(*args, **kwargs):
+            audits.append(kwargs.get("beam_width", args[3] if len(args) > 3 else None))
+            return real(*args, **kwargs)
+        return audit
+
+    monkeypatch.setattr(triton_kernels, "audit_fresh_write_pages", counted(triton_kernels.audit_fresh_write_pages))
+    monkeypatch.setattr(device_errors, "fresh_write_page_bad_torch", counted(device_errors.fresh_write_page_bad_torch))
+    sim, step, att = _flagged_setup(tail_impl)
+    layers = [sim.kv_cache, sim.kv_cache.clone()]  # two layers' pool views (distinct addresses)
+
+    def run(layer):
+        att.run(step.q, layers[layer], step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k,
+                step.new_v)
+        return len(audits)
+
+    assert [run(0), run(1), run(0)] == [1, 1, 2]  # layer 0 audits; a run of it with no plan between is a step too
+    plan_step(att, sim, step)
+    assert [run(1), run(0), run(1)] == [3, 4, 4]  # the first run after plan() audits, and layer 0 still does
+    assert audits == [step.beam_width] * 4 and att.device_errors() == []
+    off = BeamSharedPrefixAttention(step.q.device, backend="reference", tail_impl=tail_impl, check=False)
+    plan_step(off, sim, step)
+    off.run(step.q, layers[0], step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    assert len(audits) == 4
 
 
 def _trtllm_warmup_step(n, divisor, seed=0, device="cpu"):

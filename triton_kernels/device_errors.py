@@ -20,7 +20,7 @@ __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "W
            "SHARED_WRITE_PAGE", "PLAN_PAGE", "ERROR_BITS", "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits",
            "kv_len_bad", "kv_len_bad_torch", "page_error_bits", "beam_agreement_bits", "beam_agreement_bad_torch",
            "plan_agreement_bits", "plan_agreement_bad_torch", "HELD_WRITE_PAGE", "held_write_page_bits",
-           "held_write_page_bad_torch", "or_reduce",
+           "held_write_page_bad_torch", "fresh_write_page_bad_torch", "or_reduce",
            "flush_errors", "flag_where", "decode_error_flags", "new_error_flags", "check_error_flags"]
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
@@ -47,7 +47,9 @@ SHARED_WRITE_PAGE = tl.constexpr(128)
 PLAN_PAGE = tl.constexpr(256)
 #: A beam's write page held elsewhere in its request, from the second generated token: the write page of
 #: another beam than beam 0 (two rows write one page), or one of beam 0's prompt pages at another column
-#: (a page every beam reads). Judged once a request (:func:`held_write_page_bits`). Reported only.
+#: (a page every beam reads), judged once a request by the kernels (:func:`held_write_page_bits`); or, at a
+#: page's first token, a page a beam holds at an earlier generated column, judged once a step by the page-table
+#: audit (:mod:`triton_kernels.page_table_audit`). Reported only.
 HELD_WRITE_PAGE = tl.constexpr(512)
 
 #: ``{bit: message}``; each message names the value, what the kernel did and the likely cause.
@@ -77,7 +79,8 @@ ERROR_BITS = {
                      "wrong for this table, or a table of another pool)",
     HELD_WRITE_PAGE.value: "a beam's write page (position kv_len - 1) is held elsewhere in its request: another beam "
                            "than beam 0 writes the same page, or it is one of beam 0's prompt pages at another "
-                           "page-table column, so this step's K/V overwrites K/V that other beams read (each beam "
+                           "page-table column, or a beam holds it at an earlier generated column (a page handed out "
+                           "twice), so this step's K/V overwrites K/V that other beams read (each beam "
                            "writes into generated pages of its own; a table that shares them among beams, or points "
                            "a write slot at the prompt, is wrong)",
 }
@@ -264,6 +267,38 @@ def held_write_page_bits(kv_lens_ptr, page_table_ptr, first_row64, judge, beam_w
                          & (page_i[:, None] == (entry // page_index_divisor)[None, :]))
             held |= tl.max(tl.where(on_prompt, 1, 0))
     return tl.where(held != 0, HELD_WRITE_PAGE, 0)
+
+
+def fresh_write_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
+                               beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
+                               max_seq_len: int) -> torch.Tensor:
+    """The page-table audit's rule (:mod:`triton_kernels.page_table_audit_kernel`) on torch tensors: bool ``[rows]``,
+    the rows whose write page, at a page's first token, a beam of their request holds at an earlier generated column
+    (``rows = kv_lens.numel()``, ``prompt_lens`` per row); device ops, no sync. The audit ORs one bit a launch; this
+    names the rows, which its tests compare."""
+    rows = kv_lens.shape[0]
+    W = beam_width
+    row = torch.arange(rows, device=kv_lens.device)
+    first = row - row % W
+    cur = kv_lens.long() - 1
+    plen = prompt_lens.long()
+    cols = beam_page_table.shape[1]
+    first_cur, first_plen = cur[first], plen[first]
+    judged = ((cur == first_cur) & (first_cur > first_plen) & (first_cur >= 0) & (first_cur < max_seq_len)
+              & (first_cur.remainder(page_size) == 0) & (first_cur // page_size < cols))
+    col = torch.where(judged, cur // page_size, torch.zeros_like(cur))
+    entry = beam_page_table[row, col].long()
+    page = entry // page_index_divisor
+    judged = judged & (entry >= 0) & (page < num_pages)
+    # Membership by request-tagged keys (request x num_pages + page): no [rows, W x cols] comparison.
+    table = beam_page_table[:rows].long()
+    held_col = torch.arange(cols, device=kv_lens.device)
+    first_col = first_plen.clamp(min=0) // page_size
+    write_col = torch.div(first_cur, page_size, rounding_mode="floor")  # beam 0's: every judged row's column
+    held_ok = ((held_col[None, :] >= first_col[:, None]) & (held_col[None, :] < write_col[:, None]) & (table >= 0))
+    # (-1 where not held rather than a boolean index, which would sync; a judged row's key is >= 0)
+    held_keys = torch.where(held_ok, (row // W)[:, None] * num_pages + table // page_index_divisor, -1)
+    return judged & torch.isin(row // W * num_pages + page, held_keys)
 
 
 def held_write_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,

@@ -1,5 +1,6 @@
 """The tail kernel compiles for sm_90 without spills, with few registers and 16-byte loads; the
-cascade kernel's default tilings compile for sm_90 on tensor cores.
+cascade kernel's default tilings compile for sm_90 on tensor cores; so do the shared-run stage and the page-table
+audit.
 
 The interpreter (the CPU suite) cannot see what the GPU compiler makes of the kernel. A layout
 choice that replicates a ``[QH, D]`` tile across threads once cost 255 registers per thread and
@@ -202,3 +203,13 @@ def test_shared_run_stage_compiles_for_sm90(usage):
             programs = _stage_programs_per_sm(row["num_warps"], head_dim, 2)
             assert programs * row["num_warps"] * 32 * row["registers"] <= 65536, row
     assert sum(1 for row in _tail(usage) if row.get("skip_shared")) == 4
+
+
+def test_page_table_audit_compiles_for_sm90(usage):
+    """The page-table audit (launched with the device error flag, once a step) compiles for sm_90 with page numbers
+    and with block offsets (a divisor), without spills and within 64 registers: its ``[16, 64]`` comparison is 8
+    lanes a thread."""
+    rows = [row for row in usage if row["kernel"] == "page-table-audit"]
+    assert sorted(row["shape"][0] for row in rows) == [1, 2], rows
+    for row in rows:
+        assert row["stack"] == 0 and row["local"] == 0 and row["registers"] <= 64, row
