@@ -436,6 +436,18 @@ def test_a_layer_the_prefix_gate_declines_is_neither_selected_nor_planned(enable
     assert decline_log.seen("flashinfer: import failed (simulated)")
 
 
+def test_a_layer_whose_pool_is_not_half_precision_is_not_planned(enabled):
+    """A float32 KV pool (and query): the call gate declines the layer, and ``prepare()`` does not plan its family
+    either (host work no forward would use)."""
+    setup = build(enabled, dtype=torch.float32)
+    before = dict(stats())
+    out, _ = setup.run(setup.sim.begin_step())
+    assert stats()["generation_forwards"] == before["generation_forwards"]
+    assert stats()["wrappers"] == before["wrappers"]  # nothing planned
+    assert decline_log.seen("query dtype float32")
+    assert torch.isfinite(out.float()).all()  # the fallback's output
+
+
 @pytest.mark.parametrize("capability,decline,reason", [
     ((9, 0), "auto", None),
     ((8, 0), "auto", "this GPU is SM80, and the library's speed rules and kernel tiles were measured on Hopper"),
