@@ -153,7 +153,9 @@ class LibraryArm(Arm):
             ``"auto"``, ``"on"``/``True``, ``"off"``/``False``); ``None``: ``"auto"`` for ``backend="auto"``
             (what serving runs), ``"off"`` for a named backend (its plain two launches).
         report_errors: the wrapper's device error flag on for this arm (``--report-errors`` turns it on for every
-            library arm): ``auto-flag`` times the flag's cost against ``auto`` in the same run.
+            library arm): ``auto-flag`` times the flag's cost against ``auto`` in the same run. Each timed call is
+            one layer's step, so it pays the page-table audit too, as a model's first layer does (the other layers
+            skip it: :mod:`triton_kernels.page_table_audit`).
     """
 
     kind = "library"
