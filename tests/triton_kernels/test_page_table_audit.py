@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from triton_kernels import KernelInputError, device_errors, page_table_audit
 from triton_kernels.device_errors import fresh_write_page_bad_torch, new_error_flags
@@ -116,6 +118,90 @@ def test_audit_flags_a_write_page_held_at_an_earlier_column(seed, W, blocks, mon
     flags = new_error_flags(DEVICE)
     audit_fresh_write_pages(kv.to(DEVICE), prompt.to(DEVICE), wide.to(DEVICE)[:, :table.shape[1]], W, flags, **p)
     assert int(flags.item()) == BIT
+
+
+def _rule_by_loops(kv, prompt, table, W, pg, div, num_pages, max_seq_len):
+    """The rule, written from its statement with Python ints (floor division on entries >= 0 only): a bool per row."""
+    kv, prompt, table = kv.tolist(), prompt.tolist(), table.tolist()
+    cols = len(table[0])
+    bad = []
+    for i in range(len(kv)):
+        first = i - i % W
+        cur0, plen = kv[first] - 1, prompt[first]
+        if not (plen < cur0 < max_seq_len and cur0 % pg == 0 and cur0 // pg < cols) or kv[i] - 1 != cur0:
+            bad.append(False)
+            continue
+        entry = table[i][cur0 // pg]
+        if entry < 0 or entry // div >= num_pages:
+            bad.append(False)
+            continue
+        held = {table[b][c] // div for b in range(first, first + W) for c in range(max(plen, 0) // pg, cur0 // pg)
+                if table[b][c] >= 0}
+        bad.append(entry // div in held)
+    return torch.tensor(bad, dtype=torch.bool)
+
+
+@st.composite
+def _batches(draw):
+    """Requests of ``W`` beams near a page boundary (a page's first token, or a token or two past it), their tables of
+    distinct pages (full prompt pages shared by the beams) with a few changes: a write entry copied from an earlier
+    column of the request, any entry copied from any other, a beam at another length, a missing entry, a page past the
+    pool."""
+    R, W = draw(st.integers(1, 3)), draw(st.integers(1, 9))
+    pg, div = draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 3))
+    cols = draw(st.integers(3, 8))
+    kv, prompt = [], []
+    for _ in range(R):
+        plen = draw(st.integers(1, pg * (cols - 2)))
+        kv_len = min(max(draw(st.integers(plen // pg + 1, cols - 1)) * pg + draw(st.sampled_from([1, 1, 0, 2])), plen + 1),
+                     pg * cols)
+        kv += [kv_len] * W
+        prompt += [plen] * W
+    num_pages = R * W * cols + 2
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    pages = (torch.randperm(num_pages - 1, generator=g)[:R * W * cols] + 1).view(R, W, cols)
+    for r in range(R):
+        full = prompt[r * W] // pg
+        pages[r, :, :full] = pages[r, 0, :full].clone()
+    table = (pages * div + torch.randint(0, div, pages.shape, generator=g)).view(R * W, cols)
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from(["held", "held", "held", "copy", "length", "missing", "past_pool"]))
+        i, j = draw(st.integers(0, R * W - 1)), draw(st.integers(0, R * W - 1))
+        a, b = draw(st.integers(0, cols - 1)), draw(st.integers(0, cols - 1))
+        first = i - i % W
+        write_col, first_col = (kv[first] - 1) // pg, prompt[first] // pg
+        if kind == "held" and first_col < write_col < cols:  # row i's write page from its request's earlier columns
+            table[i, write_col] = table[first + j % W, draw(st.integers(first_col, write_col - 1))]
+        elif kind == "copy":
+            table[i, a] = table[j, b]
+        elif kind == "length":
+            kv[i] = min(kv[i] + pg, pg * cols)
+        elif kind == "missing":
+            table[i, a] = -1
+        else:
+            table[i, a] = num_pages * div
+    return (torch.tensor(kv, dtype=torch.int32), torch.tensor(prompt, dtype=torch.int32), table.int(), W,
+            dict(page_size=pg, page_index_divisor=div, num_pages=num_pages, max_seq_len=pg * cols))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_batches())
+def test_audit_and_twin_match_the_rule_on_random_tables(batch):
+    """Random batches near page boundaries with copied entries (within and across requests), beams at another
+    length, missing entries and pages past the pool: the kernel's word for each request and the twin's rows equal the
+    rule computed entry by entry in Python."""
+    kv, prompt, table, W, p = batch
+    want = _rule_by_loops(kv, prompt, table, W, p["page_size"], p["page_index_divisor"], p["num_pages"],
+                          p["max_seq_len"])
+    twin = fresh_write_page_bad_torch(kv, prompt, table, W, p["page_size"], p["page_index_divisor"], p["num_pages"],
+                                      p["max_seq_len"])
+    assert torch.equal(twin, want)
+    for r in range(kv.numel() // W):
+        rows = slice(r * W, r * W + W)
+        flags = new_error_flags(DEVICE)
+        audit_fresh_write_pages(kv[rows].to(DEVICE), prompt[rows].to(DEVICE), table[rows].to(DEVICE), W, flags, **p)
+        assert int(flags.item()) == (BIT if want[rows].any() else 0), r
 
 
 def test_audit_judges_nothing_on_a_valid_batch_at_any_step():
