@@ -192,6 +192,7 @@ class BeamSharedPrefixAttention:
         self._error_poll = None  # (pinned host word, event) of the copy in flight
         self._audit_layer: Optional[int] = None  # the pool view the page-table audit rides with (its address)
         self._audited_since_plan = False
+        self._audit_workspace = None  # the audit's page holders and stamp, made at plan() (never inside a capture)
         self.shared_run = shared_run_mode(settings.shared_run if shared_run is None else shared_run)
         max_tail_len = settings.max_tail_len if max_tail_len is None else max_tail_len
         if max_tail_len is not None:
@@ -389,6 +390,8 @@ class BeamSharedPrefixAttention:
         except ValueError as exc:
             raise AttentionInputError(str(exc)) from None
         planner = self._planner_for(page_size, num_cache_pages)
+        if self.error_flags is not None and self.tail_impl == "triton":
+            self._audit_workspace_for(num_cache_pages)
         builds = planner.num_builds
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
         if self.check and key is not None and planner.num_builds == builds:
@@ -654,26 +657,38 @@ class BeamSharedPrefixAttention:
         self._audited_since_plan |= due
         return due
 
+    def _audit_workspace_for(self, num_pages: int):
+        """The page-table audit's workspace for a pool of ``num_pages`` pages: kept while the pool keeps its size (a
+        CUDA graph holds its address), a new one for another size."""
+        workspace = self._audit_workspace
+        if workspace is None or workspace.page_holders.shape[1] != num_pages:
+            from triton_kernels import new_audit_workspace
+
+            workspace = self._audit_workspace = new_audit_workspace(num_pages, self.device)
+        return workspace
+
     def _audit_page_table(self, kv_cache, beam_page_table, kv_lens, cache_indirection, page_size, page_index_divisor,
                           beam_width) -> None:
-        """A write page a beam of its request holds at an earlier generated column: ``HELD_WRITE_PAGE`` on the flag
-        (:mod:`triton_kernels.page_table_audit`; its torch twin on the torch tail), device work only."""
+        """A write page another request holds (``OTHER_REQUEST_PAGE``), or its own request at an earlier generated
+        column (``HELD_WRITE_PAGE``), on the flag (:mod:`triton_kernels.page_table_audit`; its torch twins on the
+        torch tail), device work only. The pool's pages are the plan's (``num_cache_pages``; ``run()`` takes a pool of
+        at least that many): the audit records no page past them."""
         from triton_kernels import device_errors
-        from triton_kernels.step_args import pool_layout
 
-        num_pages = pool_layout(kv_cache, self.kv_layout)[0][0]
+        num_pages = self._active[0].num_cache_pages
         prompt_lens, max_seq_len = self._views["prompt_lens"], cache_indirection.shape[2]
         if self.tail_impl == "triton":
-            from triton_kernels import audit_fresh_write_pages
+            from triton_kernels import audit_page_table
 
-            audit_fresh_write_pages(kv_lens, prompt_lens, beam_page_table, beam_width, self.error_flags,
-                                    page_size=page_size, num_pages=num_pages, max_seq_len=max_seq_len,
-                                    page_index_divisor=page_index_divisor)
-        else:
-            bad = device_errors.fresh_write_page_bad_torch(kv_lens, prompt_lens, beam_page_table[:kv_lens.shape[0]],
-                                                           beam_width, page_size, page_index_divisor, num_pages,
-                                                           max_seq_len)
-            device_errors.flag_where(self.error_flags, bad, device_errors.HELD_WRITE_PAGE)
+            audit_page_table(kv_lens, prompt_lens, beam_page_table, beam_width, self.error_flags,
+                             self._audit_workspace_for(num_pages), page_size=page_size, num_pages=num_pages,
+                             max_seq_len=max_seq_len, page_index_divisor=page_index_divisor)
+            return
+        table = beam_page_table[:kv_lens.shape[0]]
+        for twin, bit in ((device_errors.other_request_page_bad_torch, device_errors.OTHER_REQUEST_PAGE),
+                          (device_errors.fresh_write_page_bad_torch, device_errors.HELD_WRITE_PAGE)):
+            bad = twin(kv_lens, prompt_lens, table, beam_width, page_size, page_index_divisor, num_pages, max_seq_len)
+            device_errors.flag_where(self.error_flags, bad, bit)
 
     def _current_kv(self, kv_cache, beam_page_table, kv_lens, rows, page_size, page_index_divisor):
         """This step's K/V ``[rows, Hkv, D]`` read back from ``kv_len - 1`` of each row's own page.

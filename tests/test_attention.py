@@ -920,6 +920,25 @@ def test_a_write_page_held_elsewhere_in_the_request_raises_the_flag(tail_impl, c
 
 
 @pytest.mark.parametrize("tail_impl", ["torch", "triton"])
+def test_a_write_page_another_request_holds_raises_the_flag(tail_impl):
+    """Request 1's beam 1 given request 0's beam 2's copy of its prompt's partly filled page (a block handed out
+    twice): every index is in the pool and no page is shared inside a request, so only the page-table audit sees it.
+    Without check mode the flag names it; check mode refuses the step."""
+    sim, step, att = _flagged_setup(tail_impl, steps=4)
+    col = int(step.kv_lens[4] - 1) // sim.page_size
+    other_col = int(step.kv_lens[2] - 1) // sim.page_size - 1
+    assert other_col >= int(step.prompt_lens[2]) // sim.page_size
+    table = step.beam_page_table.clone()
+    table[4, col] = table[2, other_col]
+    att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    (message,) = att.device_errors()
+    assert "held by a row of another request" in message, message
+    att.check = True
+    with pytest.raises(BeamSharedPrefixCheckError, match=r"row 4 \(request 1, beam 1\) writes .* row 2 \(request 0"):
+        att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+
+
+@pytest.mark.parametrize("tail_impl", ["torch", "triton"])
 def test_the_page_table_audit_runs_once_a_step(tail_impl, monkeypatch):
     """The audit rides with the first layer the wrapper served (its pool view) and with the first run() after each
     plan() if that layer has not run: two layers over two plans, in either order, audit once a step, never in the
@@ -935,8 +954,9 @@ def test_the_page_table_audit_runs_once_a_step(tail_impl, monkeypatch):
             return real(*args, **kwargs)
         return audit
 
-    monkeypatch.setattr(triton_kernels, "audit_fresh_write_pages", counted(triton_kernels.audit_fresh_write_pages))
-    monkeypatch.setattr(device_errors, "fresh_write_page_bad_torch", counted(device_errors.fresh_write_page_bad_torch))
+    monkeypatch.setattr(triton_kernels, "audit_page_table", counted(triton_kernels.audit_page_table))
+    monkeypatch.setattr(device_errors, "other_request_page_bad_torch",
+                        counted(device_errors.other_request_page_bad_torch))
     sim, step, att = _flagged_setup(tail_impl)
     layers = [sim.kv_cache, sim.kv_cache.clone()]  # two layers' pool views (distinct addresses)
 
@@ -1073,8 +1093,8 @@ def test_a_table_unlike_the_plan_raises_the_flag(backend, tail_impl, shared_run)
     """Beam 0 of request 1 given another page where its prompt ends (inside the pool, as a table of another
     batch or pool would be): the prefix reads the plan's pages, the tail the table's. Without check mode
     the flag names it, on the two-launch path (the tail kernel gets the plan's last prompt pages; also after
-    the shared-run stage) and on the cascade (which compares with its prompt table); check mode refuses the
-    step."""
+    the shared-run stage) and on the cascade (which compares with its prompt table); the page is request 0's first,
+    and this step's token is written there, so the page-table audit names that too. Check mode refuses the step."""
     device = _kernel_device(tail_impl)
     sim = make_sim(d=64, device=device)  # (a head size the cascade tiles)
     for _ in range(2):
@@ -1093,8 +1113,10 @@ def test_a_table_unlike_the_plan_raises_the_flag(backend, tail_impl, shared_run)
     table = step.beam_page_table.clone()
     table[W, last] = table[0, 0]  # request 0's first page
     att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
-    (message,) = att.device_errors()
-    assert "is not the page the prefix read there" in message, message
+    assert int(step.kv_lens[W] - 1) // sim.page_size == last  # (its write page)
+    plan_message, other_message = att.device_errors()
+    assert "is not the page the prefix read there" in plan_message, plan_message
+    assert "held by a row of another request" in other_message, other_message
     att.check = True
     with pytest.raises(BeamSharedPrefixCheckError, match=r"but the plan's prompt page .* of request 1"):
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)

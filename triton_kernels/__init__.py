@@ -12,8 +12,8 @@
   H200 in the thirty-first and thirty-second rounds).
 - :mod:`triton_kernels.device_errors`: the optional device error flag those kernels take
   (``error_flags=``): one bit per kind of invalid index they mask, and its decoding.
-- :func:`audit_fresh_write_pages`: with that flag, a check of the page table the kernels leave out (a write page a
-  beam holds at an earlier generated column), one launch a step.
+- :func:`audit_page_table`: with that flag, checks of the page table the kernels leave out (a write page another
+  request holds, or a beam of its own at an earlier generated column), two launches a step.
 """
 
 from .cascade import (
@@ -24,7 +24,7 @@ from .cascade import (
     cascade_supported,
     shared_ancestry_reachable,
 )
-from .page_table_audit import audit_fresh_write_pages
+from .page_table_audit import AuditWorkspace, audit_page_table, new_audit_workspace
 from .shared_run import beam_shared_run_attention, shared_run_supported
 from .tail_merge import TailLaunchConfig, beam_tail_attention_merge, tail_launch_config
 from .step_args import KernelInputError, TailMergeInputError
@@ -40,7 +40,9 @@ __all__ = [
     "shared_ancestry_reachable",
     "beam_shared_run_attention",
     "shared_run_supported",
-    "audit_fresh_write_pages",
+    "audit_page_table",
+    "AuditWorkspace",
+    "new_audit_workspace",
     "beam_tail_attention_merge",
     "beam_tail_attention_merge_torch",
     "KernelInputError",

@@ -20,7 +20,8 @@ __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "W
            "SHARED_WRITE_PAGE", "PLAN_PAGE", "ERROR_BITS", "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits",
            "kv_len_bad", "kv_len_bad_torch", "page_error_bits", "beam_agreement_bits", "beam_agreement_bad_torch",
            "plan_agreement_bits", "plan_agreement_bad_torch", "HELD_WRITE_PAGE", "held_write_page_bits",
-           "held_write_page_bad_torch", "fresh_write_page_bad_torch", "or_reduce",
+           "held_write_page_bad_torch", "fresh_write_page_bad_torch", "OTHER_REQUEST_PAGE",
+           "other_request_page_bad_torch", "or_reduce",
            "flush_errors", "flag_where", "decode_error_flags", "new_error_flags", "check_error_flags"]
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
@@ -51,6 +52,10 @@ PLAN_PAGE = tl.constexpr(256)
 #: page's first token, a page a beam holds at an earlier generated column, judged once a step by the page-table
 #: audit (:mod:`triton_kernels.page_table_audit`). Reported only.
 HELD_WRITE_PAGE = tl.constexpr(512)
+#: A row's write page held by a row of another request, at any column within that row's length, from the row's second
+#: generated token: this step's K/V overwrites K/V the other request reads (a block handed out twice, a stale table).
+#: Judged once a step by the page-table audit (:mod:`triton_kernels.page_table_audit`). Reported only.
+OTHER_REQUEST_PAGE = tl.constexpr(1024)
 
 #: ``{bit: message}``; each message names the value, what the kernel did and the likely cause.
 ERROR_BITS = {
@@ -83,6 +88,10 @@ ERROR_BITS = {
                            "twice), so this step's K/V overwrites K/V that other beams read (each beam "
                            "writes into generated pages of its own; a table that shares them among beams, or points "
                            "a write slot at the prompt, is wrong)",
+    OTHER_REQUEST_PAGE.value: "a row's write page (position kv_len - 1) is held by a row of another request (at a "
+                              "column within that row's kv_len): this step's K/V overwrites K/V the other request "
+                              "reads (a KV cache block handed out to two requests, or a page table of another step "
+                              "or batch)",
 }
 
 
@@ -299,6 +308,41 @@ def fresh_write_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor,
     # (-1 where not held rather than a boolean index, which would sync; a judged row's key is >= 0)
     held_keys = torch.where(held_ok, (row // W)[:, None] * num_pages + table // page_index_divisor, -1)
     return judged & torch.isin(row // W * num_pages + page, held_keys)
+
+
+def other_request_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
+                                 beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
+                                 max_seq_len: int) -> torch.Tensor:
+    """The page-table audit's ``OTHER_REQUEST_PAGE`` rule on torch tensors: bool ``[rows]``, the rows whose write page,
+    from their second generated token, a row of another request holds (at a column below ``cdiv(kv_len, page_size)``;
+    beams other than beam 0 from their prompt's last column). Device ops, no sync: the lowest and highest row holding
+    each page, by ``scatter_reduce``."""
+    rows, cols = kv_lens.shape[0], beam_page_table.shape[1]
+    W = beam_width
+    dev = kv_lens.device
+    row = torch.arange(rows, device=dev)
+    kv = kv_lens.long().clamp(max=max_seq_len)
+    plen = prompt_lens.long()
+    table = beam_page_table[:rows].long()
+    col = torch.arange(cols, device=dev)
+    n_cols = torch.div(kv.clamp(min=0) + page_size - 1, page_size, rounding_mode="floor")
+    first_col = torch.where(row % W == 0, torch.zeros_like(plen), plen.clamp(min=0) // page_size)
+    held = (col[None, :] >= first_col[:, None]) & (col[None, :] < n_cols[:, None]) & (table >= 0)
+    page = torch.where(held, table // page_index_divisor, num_pages)
+    held = held & (page < num_pages)
+    page = torch.where(held, page, num_pages).flatten()  # (slot num_pages: nobody's)
+    holder = row[:, None].expand(rows, cols).flatten()
+    high = torch.full((num_pages + 1,), -1, dtype=torch.long, device=dev).scatter_reduce(0, page, holder, "amax")
+    low = torch.full((num_pages + 1,), rows, dtype=torch.long, device=dev).scatter_reduce(0, page, holder, "amin")
+    cur = kv_lens.long() - 1
+    w_col = torch.div(cur, page_size, rounding_mode="floor")
+    judged = (cur > plen) & (cur >= 0) & (cur < max_seq_len) & (w_col < cols)
+    entry = table[row, torch.where(judged, w_col, torch.zeros_like(w_col))]
+    w_page = entry // page_index_divisor
+    judged = judged & (entry >= 0) & (w_page < num_pages)
+    w_page = torch.where(judged, w_page, num_pages)
+    request = row // W
+    return judged & ((high[w_page] // W != request) | (low[w_page] // W != request))
 
 
 def held_write_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,

@@ -1,25 +1,54 @@
 """Launcher of the page-table audit (:mod:`triton_kernels.page_table_audit_kernel`): with the device error flag, a
-write page that a beam of its request holds at an earlier generated column raises ``HELD_WRITE_PAGE``.
+write page that a row of another request holds raises ``OTHER_REQUEST_PAGE``, and one that a beam of its own request
+holds at an earlier generated column raises ``HELD_WRITE_PAGE`` (at the page's first token).
 
 The step's page table, lengths and prompt lengths are the same in every layer of a pool, so the wrapper launches the
 audit once a step (:class:`beam_shared_prefix.BeamSharedPrefixAttention`), not once a layer as the attention kernels
-judge their own indices.
+judge their own indices. Its workspace (:func:`new_audit_workspace`) is kept across steps at a fixed address, so a
+CUDA graph replays the audit as captured.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .device_errors import check_error_flags
-from .page_table_audit_kernel import fresh_write_page_audit_kernel
+from .page_table_audit_kernel import page_holders_kernel, page_table_audit_kernel
 from .step_args import check_device, fail, need_dim, need_page_index_divisor, need_tensor, need_unit_stride
 
-__all__ = ["AUDIT_BLOCK_W", "AUDIT_BLOCK_H", "audit_fresh_write_pages"]
+__all__ = ["AUDIT_BLOCK_W", "AUDIT_BLOCK_H", "AUDIT_BLOCK_C", "AuditWorkspace", "new_audit_workspace",
+           "audit_page_table"]
 
 #: Beams whose write pages one block of the audit compares, and held entries they are compared with at a time:
 #: a ``[16, 64]`` comparison, 8 int32 a thread in the audit's 4 warps.
 AUDIT_BLOCK_W = 16
 AUDIT_BLOCK_H = 64
+#: Page-table columns a holders program records at a time (one program a row, 1 warp).
+AUDIT_BLOCK_C = 32
+
+
+class AuditWorkspace(NamedTuple):
+    """What the audit keeps between steps.
+
+    Attributes:
+        page_holders: ``int64 [2, num_pages]``, the highest and lowest row holding each page, with the stamp of the
+            step that recorded it (``stamp << 32 | row``, the lowest as ``0x7FFFFFFF - row``); zeros at first.
+        audit_state: ``int32 [1]``, the stamp of the next step's records (from 1).
+    """
+
+    page_holders: torch.Tensor
+    audit_state: torch.Tensor
+
+
+def new_audit_workspace(num_pages: int, device) -> AuditWorkspace:
+    """A workspace for a pool of ``num_pages`` pages on ``device`` (``16 x num_pages`` bytes)."""
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or not 1 <= num_pages < 2**31:
+        fail(f"num_pages={num_pages!r} must be an int in [1, 2**31).")
+    # (stamp 0 would let the zeroed entries stand beside row 0's records)
+    state = torch.ones(1, dtype=torch.int32, device=device)
+    return AuditWorkspace(torch.zeros(2, num_pages, dtype=torch.int64, device=device), state)
 
 
 def _need_positive_int(name: str, value) -> None:
@@ -27,20 +56,21 @@ def _need_positive_int(name: str, value) -> None:
         fail(f"{name}={value!r} must be an int in [1, 2**31).")
 
 
-def audit_fresh_write_pages(
+def audit_page_table(
     kv_lens: torch.Tensor,
     prompt_lens: torch.Tensor,
     beam_page_table: torch.Tensor,
     beam_width: int,
     error_flags: torch.Tensor,
+    workspace: AuditWorkspace,
     *,
     page_size: int,
     num_pages: int,
     max_seq_len: int,
     page_index_divisor: int = 1,
 ) -> None:
-    """OR ``HELD_WRITE_PAGE`` into ``error_flags`` if, at a page's first token, a row's write page is held by a beam
-    of its request at an earlier generated column (one launch, no sync; a no-op on an empty batch).
+    """OR ``OTHER_REQUEST_PAGE`` and ``HELD_WRITE_PAGE`` into ``error_flags`` where this step's page table breaks
+    their rules (two launches, no sync; a no-op on an empty batch). Launch it once a step.
 
     Args:
         kv_lens: ``int32 [R*W]`` at unit stride, each row's KV length including this step's token.
@@ -49,6 +79,7 @@ def audit_fresh_write_pages(
             the page).
         beam_width: ``W``, beams a request (rows ``r*W .. r*W + W - 1`` are request ``r``'s).
         error_flags: ``int32 [1]`` on the tensors' device (``device_errors.new_error_flags``).
+        workspace: :func:`new_audit_workspace` of the pool, kept from step to step.
         page_size: tokens a page; num_pages: pages in the pool; max_seq_len: the cache's length a sequence
             (``cache_indirection.shape[2]``), all ints >= 1.
         page_index_divisor: ``1`` for page numbers, ``layers * kv_factor`` for TensorRT-LLM's block offsets.
@@ -80,15 +111,30 @@ def audit_fresh_write_pages(
     check_error_flags(error_flags, kv_lens.device)
     if error_flags is None:
         fail("error_flags is None; the audit reports into a flag (device_errors.new_error_flags(device)).")
-    check_device(kv_lens, fresh_write_page_audit_kernel, "the page-table audit")
+    holders, state = workspace if isinstance(workspace, tuple) and len(workspace) == 2 else (None, None)
+    if (not isinstance(holders, torch.Tensor) or holders.dtype != torch.int64 or tuple(holders.shape) != (2, num_pages)
+            or not holders.is_contiguous() or holders.device != kv_lens.device
+            or not isinstance(state, torch.Tensor) or state.dtype != torch.int32 or tuple(state.shape) != (1,)
+            or state.device != kv_lens.device):
+        fail(f"workspace must be new_audit_workspace(num_pages={num_pages}, {kv_lens.device}) (page_holders int64 "
+             f"[2, {num_pages}] contiguous and audit_state int32 [1] on the tensors' device); make one per pool and "
+             f"keep it between steps.")
+    check_device(kv_lens, page_table_audit_kernel, "the page-table audit")
     if rows == 0 or beam_page_table.shape[1] == 0:
         return
-    args = (kv_lens, prompt_lens, beam_page_table, error_flags, beam_width, *beam_page_table.stride(),
-            beam_page_table.shape[1], page_size, page_index_divisor, num_pages, max_seq_len)
-    meta = dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_H=AUDIT_BLOCK_H, num_warps=4)
-    grid = (rows // beam_width,)
-    if kv_lens.is_cuda:
-        with torch.cuda.device(kv_lens.device):
-            fresh_write_page_audit_kernel[grid](*args, **meta)
-    else:
-        fresh_write_page_audit_kernel[grid](*args, **meta)
+    table = (beam_page_table, *beam_page_table.stride(), beam_page_table.shape[1])
+    sizes = (page_size, page_index_divisor, num_pages, max_seq_len)
+    requests = rows // beam_width
+    launches = (
+        (page_holders_kernel, (rows,), (kv_lens, prompt_lens, table[0], holders, state, beam_width, *table[1:], *sizes),
+         dict(BLOCK_C=AUDIT_BLOCK_C, num_warps=1)),
+        (page_table_audit_kernel, (requests,),
+         (kv_lens, prompt_lens, table[0], holders, state, error_flags, beam_width, *table[1:], *sizes),
+         dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_H=AUDIT_BLOCK_H, num_warps=4)),
+    )
+    for kernel, grid, args, meta in launches:
+        if kv_lens.is_cuda:
+            with torch.cuda.device(kv_lens.device):
+                kernel[grid](*args, **meta)
+        else:
+            kernel[grid](*args, **meta)

@@ -1,4 +1,5 @@
-"""Compile the tail, cascade, shared-run and page-table audit kernels ahead of time for sm_90 (no GPU needed) and report resource usage.
+"""Compile the tail, cascade, shared-run and page-table audit kernels ahead of time for sm_90 (no GPU needed) and
+report resource usage.
 
 Run as a script (``python tests/triton_kernels/sm90_resource_usage.py``) it prints one JSON line per
 shape and kernel: registers per thread, stack and local (spill) bytes, shared memory, and whether
@@ -28,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from triton_kernels.cascade import cascade_launch_config  # noqa: E402
 from triton_kernels.cascade_kernel import SHARED_BLOCK, beam_cascade_kernel  # noqa: E402
-from triton_kernels.page_table_audit import AUDIT_BLOCK_H, AUDIT_BLOCK_W  # noqa: E402
-from triton_kernels.page_table_audit_kernel import fresh_write_page_audit_kernel  # noqa: E402
+from triton_kernels.page_table_audit import AUDIT_BLOCK_C, AUDIT_BLOCK_H, AUDIT_BLOCK_W  # noqa: E402
+from triton_kernels.page_table_audit_kernel import page_holders_kernel, page_table_audit_kernel  # noqa: E402
 from triton_kernels.shared_run import shared_run_kv_heads_per_program, shared_run_tile  # noqa: E402
 from triton_kernels.shared_run_kernel import beam_shared_run_kernel  # noqa: E402
 from triton_kernels.tail_merge import (  # noqa: E402
@@ -234,17 +235,24 @@ def compile_shared_run_sm90(name: str, beam_width: int, hq: int, hkv: int, d: in
                 num_warps=num_warps)
 
 
-def compile_page_table_audit_sm90(page_index_divisor: int):
-    """Compile the page-table audit (one program a request, the launcher's blocks and warps) for sm_90, with page
-    numbers (``page_index_divisor`` 1, a constant Triton's runtime specializes) or block offsets (an int)."""
-    pointers = dict(kv_lens_ptr="i32", prompt_lens_ptr="i32", page_table_ptr="i32", err_ptr="i32")
-    constexprs = dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_H=AUDIT_BLOCK_H, stride_pt_col=1)
+def compile_page_table_audit_sm90(kernel_name: str, page_index_divisor: int):
+    """Compile a page-table audit kernel (``"holders"`` or ``"audit"``, the launcher's blocks and warps) for sm_90,
+    with page numbers (``page_index_divisor`` 1, a constant Triton's runtime specializes) or block offsets (an int)."""
+    pointers = dict(kv_lens_ptr="i32", prompt_lens_ptr="i32", page_table_ptr="i32", holders_ptr="i64", state_ptr="i32",
+                    err_ptr="i32")
+    if kernel_name == "holders":
+        kernel, constexprs, num_warps = page_holders_kernel, dict(BLOCK_C=AUDIT_BLOCK_C), 1
+    else:
+        kernel, constexprs, num_warps = page_table_audit_kernel, dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_H=AUDIT_BLOCK_H), 4
+    pointers = {k: v for k, v in pointers.items() if k in inspect.signature(kernel.fn).parameters}
+    constexprs["stride_pt_col"] = 1
     if page_index_divisor == 1:
         constexprs["page_index_divisor"] = 1
-    compiled = _compile_sm90(fresh_write_page_audit_kernel, pointers, constexprs, (), (), 4, 3)
+    compiled = _compile_sm90(kernel, pointers, constexprs, (), (), num_warps, 3)
     regs, stack, shared, local = _resources(compiled)
-    return dict(kernel="page-table-audit", shape=[page_index_divisor], config=[AUDIT_BLOCK_W, AUDIT_BLOCK_H],
-                triton=triton.__version__, registers=regs, stack=stack, shared=shared, local=local, num_warps=4)
+    return dict(kernel=f"page-table-{kernel_name}", shape=[page_index_divisor], config=list(constexprs.values()),
+                triton=triton.__version__, registers=regs, stack=stack, shared=shared, local=local,
+                num_warps=num_warps)
 
 
 def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index_block=None,
@@ -333,8 +341,9 @@ def main() -> None:
             print(json.dumps(compile_sm90(*shape, num_rows=num_rows, skip_shared=True)), flush=True)
     for shape in (SHAPES[0], SHAPES[2]):  # the flag without the plan check (a direct launch without prompt_last_pages)
         print(json.dumps(compile_sm90(*shape, report_errors=True, check_plan=False)), flush=True)
-    for page_index_divisor in (1, 2):
-        print(json.dumps(compile_page_table_audit_sm90(page_index_divisor)), flush=True)
+    for kernel_name in ("holders", "audit"):
+        for page_index_divisor in (1, 2):
+            print(json.dumps(compile_page_table_audit_sm90(kernel_name, page_index_divisor)), flush=True)
     for shape in SHARED_RUN_SHAPES:  # one KV head a program; two where wide launches can take them
         _, w, hq, hkv, d, _, _ = shape
         two = shared_run_kv_heads_per_program(10**6, 2, 1, shared_run_tile(w, hq // hkv, d)[2], d) == 2

@@ -281,7 +281,8 @@ def test_plan_agreement_rule_is_the_same_in_the_kernels_and_their_torch_twins():
 def test_error_bits_name_every_bit_once():
     bits = [device_errors.PROMPT_PAGE, device_errors.PROMPT_LEN, device_errors.KV_LEN, device_errors.SOURCE_BEAM,
             device_errors.TAIL_PAGE, device_errors.WRITE_PAGE, device_errors.BEAM_KV_LEN,
-            device_errors.SHARED_WRITE_PAGE, device_errors.PLAN_PAGE, device_errors.HELD_WRITE_PAGE]
+            device_errors.SHARED_WRITE_PAGE, device_errors.PLAN_PAGE, device_errors.HELD_WRITE_PAGE,
+            device_errors.OTHER_REQUEST_PAGE]
     values = [b.value for b in bits]
     assert sorted(device_errors.ERROR_BITS) == sorted(values) == [1 << i for i in range(len(bits))]
     messages = device_errors.decode_error_flags(sum(values))

@@ -1,8 +1,13 @@
-"""The page-table audit (:mod:`triton_kernels.page_table_audit`): a write page that a beam of its request holds at an
-earlier generated column raises ``HELD_WRITE_PAGE`` at the page's first token, in the kernel and its torch twin
-(:func:`triton_kernels.device_errors.fresh_write_page_bad_torch`) alike; the other cases (a later token of the page,
-a beam at another length, a missing held entry, a page past the pool, padding rows, what :func:`held_write_page_bits`
-judges) raise nothing; and the launcher refuses bad arguments by name.
+"""The page-table audit (:mod:`triton_kernels.page_table_audit`), in its kernels and their torch twins
+(:func:`~triton_kernels.device_errors.fresh_write_page_bad_torch`,
+:func:`~triton_kernels.device_errors.other_request_page_bad_torch`) alike:
+
+- ``HELD_WRITE_PAGE``: a write page that a beam of its request holds at an earlier generated column, at the page's
+  first token; a later token of the page, a beam at another length, a missing held entry, a page past the pool,
+  padding rows and what :func:`held_write_page_bits` judges raise nothing;
+- ``OTHER_REQUEST_PAGE``: a write page that a row of another request holds within its length, from the second
+  generated token, judged against this step's table only (the stamps);
+- the launcher refuses bad arguments by name.
 """
 
 from __future__ import annotations
@@ -13,11 +18,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from triton_kernels import KernelInputError, device_errors, page_table_audit
-from triton_kernels.device_errors import fresh_write_page_bad_torch, new_error_flags
-from triton_kernels.page_table_audit import audit_fresh_write_pages
+from triton_kernels.device_errors import fresh_write_page_bad_torch, new_error_flags, other_request_page_bad_torch
+from triton_kernels.page_table_audit import audit_page_table, new_audit_workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (CPU: conftest set TRITON_INTERPRET=1)
 BIT = device_errors.HELD_WRITE_PAGE.value
+OTHER = device_errors.OTHER_REQUEST_PAGE.value
+
+
+def _audit(kv, prompt, table, W, flags=None, workspace=None, **p):
+    """The audit of one step on ``DEVICE`` (a fresh workspace unless one is given): the flag word."""
+    flags = new_error_flags(DEVICE) if flags is None else flags
+    workspace = new_audit_workspace(p["num_pages"], DEVICE) if workspace is None else workspace
+    audit_page_table(kv.to(DEVICE), prompt.to(DEVICE), table.to(DEVICE), W, flags, workspace, **p)
+    return int(flags.item())
+
 
 CASES = ["valid", "other_beam_earlier_column", "own_earlier_column", "other_beams_prompt_copy",
          "beam0_partial_prompt_page", "mid_page", "longer_beam", "held_entry_missing", "padding",
@@ -105,56 +120,62 @@ def test_audit_flags_a_write_page_held_at_an_earlier_column(seed, W, blocks, mon
         rows = slice(r * W, r * W + W)
         flags = new_error_flags(DEVICE)
         flags.fill_(1)  # (another kind's bit, already set: the audit ORs into the word, it never clears it)
-        audit_fresh_write_pages(kv[rows].to(DEVICE), prompt[rows].to(DEVICE), table[rows].to(DEVICE), W, flags, **p)
-        got[case] = int(flags.item())
+        got[case] = _audit(kv[rows], prompt[rows], table[rows], W, flags, **p)
     assert got == {c: 1 | (BIT if want[r].any() else 0) for r, c in enumerate(CASES)}
     twin = fresh_write_page_bad_torch(kv, prompt, table, W, p["page_size"], p["page_index_divisor"],
                                       p["num_pages"], p["max_seq_len"])
     assert torch.equal(twin.view(-1, W), want), {c: twin.view(-1, W)[r].nonzero().flatten().tolist()
                                                  for r, c in enumerate(CASES)}
-    # The whole batch in one launch: one word for all, and nothing read past the table's rows (a strided view).
-    wide = torch.full((table.shape[0] + W, table.shape[1] + 3), -7, dtype=torch.int32)
+    # The whole batch at once: one word for all (no page of one request is another's), and nothing read past the
+    # table's rows or columns (a strided view whose other entries are another request's pages).
+    wide = torch.full((table.shape[0] + W, table.shape[1] + 3), int(table[0, 0]), dtype=torch.int32)
     wide[:table.shape[0], :table.shape[1]] = table
-    flags = new_error_flags(DEVICE)
-    audit_fresh_write_pages(kv.to(DEVICE), prompt.to(DEVICE), wide.to(DEVICE)[:, :table.shape[1]], W, flags, **p)
-    assert int(flags.item()) == BIT
+    assert _audit(kv, prompt, wide[:, :table.shape[1]], W, **p) == BIT
+    assert not other_request_page_bad_torch(kv, prompt, table, W, p["page_size"], p["page_index_divisor"],
+                                            p["num_pages"], p["max_seq_len"]).any()
 
 
-def _rule_by_loops(kv, prompt, table, W, pg, div, num_pages, max_seq_len):
-    """The rule, written from its statement with Python ints (floor division on entries >= 0 only): a bool per row."""
+def _rules_by_loops(kv, prompt, table, W, pg, div, num_pages, max_seq_len):
+    """Both rules, written from their statements with Python ints (floor division on entries >= 0 only):
+    ``(held, other)``, a bool per row each."""
     kv, prompt, table = kv.tolist(), prompt.tolist(), table.tolist()
-    cols = len(table[0])
-    bad = []
-    for i in range(len(kv)):
+    rows, cols = len(kv), len(table[0])
+    holders = {}  # page -> the rows holding it within their length (beams past beam 0 from their prompt's last column)
+    for i in range(rows):
+        start = 0 if i % W == 0 else max(prompt[i], 0) // pg
+        for c in range(start, min(-(-max(min(kv[i], max_seq_len), 0) // pg), cols)):
+            if table[i][c] >= 0 and table[i][c] // div < num_pages:
+                holders.setdefault(table[i][c] // div, set()).add(i)
+    held, other = [], []
+    for i in range(rows):
         first = i - i % W
-        cur0, plen = kv[first] - 1, prompt[first]
-        if not (plen < cur0 < max_seq_len and cur0 % pg == 0 and cur0 // pg < cols) or kv[i] - 1 != cur0:
-            bad.append(False)
+        cur, cur0, plen0 = kv[i] - 1, kv[first] - 1, prompt[first]
+        entry = table[i][cur // pg] if 0 <= cur < max_seq_len and cur // pg < cols else -1
+        valid = entry >= 0 and entry // div < num_pages
+        other.append(valid and cur > prompt[i] and any(h // W != i // W for h in holders[entry // div]))
+        if not (plen0 < cur0 < max_seq_len and cur0 % pg == 0 and cur0 // pg < cols) or cur != cur0 or not valid:
+            held.append(False)
             continue
-        entry = table[i][cur0 // pg]
-        if entry < 0 or entry // div >= num_pages:
-            bad.append(False)
-            continue
-        held = {table[b][c] // div for b in range(first, first + W) for c in range(max(plen, 0) // pg, cur0 // pg)
-                if table[b][c] >= 0}
-        bad.append(entry // div in held)
-    return torch.tensor(bad, dtype=torch.bool)
+        earlier = {table[b][c] // div for b in range(first, first + W) for c in range(max(plen0, 0) // pg, cur0 // pg)
+                   if table[b][c] >= 0}
+        held.append(entry // div in earlier)
+    return torch.tensor(held, dtype=torch.bool), torch.tensor(other, dtype=torch.bool)
 
 
 @st.composite
 def _batches(draw):
     """Requests of ``W`` beams near a page boundary (a page's first token, or a token or two past it), their tables of
     distinct pages (full prompt pages shared by the beams) with a few changes: a write entry copied from an earlier
-    column of the request, any entry copied from any other, a beam at another length, a missing entry, a page past the
-    pool."""
+    column of the request or from another request's row, any entry copied from any other, a beam at another length,
+    a missing entry, a page past the pool."""
     R, W = draw(st.integers(1, 3)), draw(st.integers(1, 9))
     pg, div = draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 3))
     cols = draw(st.integers(3, 8))
     kv, prompt = [], []
     for _ in range(R):
         plen = draw(st.integers(1, pg * (cols - 2)))
-        kv_len = min(max(draw(st.integers(plen // pg + 1, cols - 1)) * pg + draw(st.sampled_from([1, 1, 0, 2])), plen + 1),
-                     pg * cols)
+        kv_len = min(max(draw(st.integers(plen // pg + 1, cols - 1)) * pg + draw(st.sampled_from([1, 1, 0, 2])),
+                         plen + 1), pg * cols)
         kv += [kv_len] * W
         prompt += [plen] * W
     num_pages = R * W * cols + 2
@@ -166,13 +187,15 @@ def _batches(draw):
         pages[r, :, :full] = pages[r, 0, :full].clone()
     table = (pages * div + torch.randint(0, div, pages.shape, generator=g)).view(R * W, cols)
     for _ in range(draw(st.integers(0, 3))):
-        kind = draw(st.sampled_from(["held", "held", "held", "copy", "length", "missing", "past_pool"]))
+        kind = draw(st.sampled_from(["held", "held", "cross", "cross", "copy", "length", "missing", "past_pool"]))
         i, j = draw(st.integers(0, R * W - 1)), draw(st.integers(0, R * W - 1))
         a, b = draw(st.integers(0, cols - 1)), draw(st.integers(0, cols - 1))
         first = i - i % W
-        write_col, first_col = (kv[first] - 1) // pg, prompt[first] // pg
+        write_col, first_col = (kv[i] - 1) // pg, prompt[first] // pg
         if kind == "held" and first_col < write_col < cols:  # row i's write page from its request's earlier columns
             table[i, write_col] = table[first + j % W, draw(st.integers(first_col, write_col - 1))]
+        elif kind == "cross" and write_col < cols:  # from a row's columns within its length (any request)
+            table[i, write_col] = table[j, draw(st.integers(0, (kv[j] - 1) // pg))]
         elif kind == "copy":
             table[i, a] = table[j, b]
         elif kind == "length":
@@ -185,51 +208,109 @@ def _batches(draw):
             dict(page_size=pg, page_index_divisor=div, num_pages=num_pages, max_seq_len=pg * cols))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_batches())
-def test_audit_and_twin_match_the_rule_on_random_tables(batch):
+def test_audit_and_twins_match_the_rules_on_random_tables(batch):
     """Random batches near page boundaries with copied entries (within and across requests), beams at another
-    length, missing entries and pages past the pool: the kernel's word for each request and the twin's rows equal the
-    rule computed entry by entry in Python."""
+    length, missing entries and pages past the pool: the twins' rows equal the rules computed entry by entry in
+    Python, and so do the kernels' word for the batch and (``HELD_WRITE_PAGE``) for each request alone."""
     kv, prompt, table, W, p = batch
-    want = _rule_by_loops(kv, prompt, table, W, p["page_size"], p["page_index_divisor"], p["num_pages"],
-                          p["max_seq_len"])
-    twin = fresh_write_page_bad_torch(kv, prompt, table, W, p["page_size"], p["page_index_divisor"], p["num_pages"],
-                                      p["max_seq_len"])
-    assert torch.equal(twin, want)
+    args = (W, p["page_size"], p["page_index_divisor"], p["num_pages"], p["max_seq_len"])
+    held, other = _rules_by_loops(kv, prompt, table, *args)
+    assert torch.equal(fresh_write_page_bad_torch(kv, prompt, table, *args), held)
+    assert torch.equal(other_request_page_bad_torch(kv, prompt, table, *args), other)
+    assert _audit(kv, prompt, table, W, **p) == (BIT if held.any() else 0) | (OTHER if other.any() else 0)
     for r in range(kv.numel() // W):
         rows = slice(r * W, r * W + W)
-        flags = new_error_flags(DEVICE)
-        audit_fresh_write_pages(kv[rows].to(DEVICE), prompt[rows].to(DEVICE), table[rows].to(DEVICE), W, flags, **p)
-        assert int(flags.item()) == (BIT if want[rows].any() else 0), r
+        assert _audit(kv[rows], prompt[rows], table[rows], W, **p) == (BIT if held[rows].any() else 0), r
+
+
+def _two_requests(W=3, pg=4, prompt_len=9, kv_len=14, cols=6):
+    """Two requests of ``W`` beams, distinct pages (the full prompt pages shared by each request's beams):
+    ``(kv, prompt, table, params)``."""
+    g = torch.Generator().manual_seed(5)
+    pages = (torch.randperm(2 * W * cols, generator=g) + 1).view(2, W, cols)
+    pages[:, :, :prompt_len // pg] = pages[:, :1, :prompt_len // pg].clone()
+    kv = torch.full((2 * W,), kv_len, dtype=torch.int32)
+    prompt = torch.full((2 * W,), prompt_len, dtype=torch.int32)
+    return kv, prompt, pages.view(2 * W, cols).int(), dict(page_size=pg, num_pages=2 * W * cols + 1,
+                                                             max_seq_len=cols * pg)
+
+
+@pytest.mark.parametrize("case,rows", [
+    ("valid", []),
+    ("other_request_write_page", [2, 4]),  # request 0's beam 2 writes it too: both rows are named
+    ("other_request_prompt_page", [4]),  # request 0's first prompt page (every beam of it reads it)
+    ("other_request_partly_filled_copy", [4]),  # request 0's beam 1's copy of the prompt's last page
+    ("past_the_other_rows_length", []),  # a stale entry of request 0's beam 2, one column past its kv_len: not held
+    ("at_the_first_generated_token", []),  # not judged (the warm-up's shared last block)
+    ("other_request_padding_row", [4]),  # a padding row (kv_len 1) holds its one page
+])
+def test_audit_flags_a_write_page_another_request_holds(case, rows):
+    """Request 1's beam 1 (row 4) writes at position 13 (column 3, its second generated page) onto a page of request
+    0: its beam 2's write page, a prompt page, a beam's copy of the partly filled page; not a stale entry past that
+    row's length, nor at the first generated token. The twin names the rows."""
+    kv, prompt, table, p = _two_requests()
+    if case == "other_request_write_page":
+        table[4, 3] = table[2, 3]
+    elif case == "other_request_prompt_page":
+        table[4, 3] = table[0, 0]
+    elif case == "other_request_partly_filled_copy":
+        table[4, 3] = table[1, 2]
+    elif case == "past_the_other_rows_length":
+        table[4, 3] = table[2, 4]
+    elif case == "at_the_first_generated_token":
+        kv[3:] = 10  # (request 1 at position 9 = its prompt length; its write column is 2)
+        table[4, 2] = table[0, 0]
+    elif case == "other_request_padding_row":
+        kv[:3], prompt[:3] = 1, 1
+        table[4, 3] = table[0, 0]
+    assert _audit(kv, prompt, table, 3, **p) == (OTHER if rows else 0)
+    bad = other_request_page_bad_torch(kv, prompt, table, 3, p["page_size"], 1, p["num_pages"], p["max_seq_len"])
+    assert bad.nonzero().flatten().tolist() == rows
+
+
+def test_audit_judges_each_step_against_its_own_table():
+    """The holders are stamped by audit: a page request 0 held at one step and gave back is free at the next, so
+    request 1 writing it then raises nothing; the same table audited again (a replayed graph) gives the same word."""
+    kv, prompt, table, p = _two_requests()
+    workspace = new_audit_workspace(p["num_pages"], DEVICE)
+    assert _audit(kv, prompt, table, 3, workspace=workspace, **p) == 0
+    moved = table.clone()
+    moved[4, 3] = table[2, 3]
+    moved[2, 3] = 2 * 3 * 6  # (request 0's beam 2 gave its page back: it now holds the pool's last page)
+    for _ in range(2):
+        assert _audit(kv, prompt, moved, 3, workspace=workspace, **p) == 0
+    moved[2, 3] = table[2, 3]  # held by both again
+    for _ in range(2):
+        assert _audit(kv, prompt, moved, 3, workspace=workspace, **p) == OTHER
+    assert workspace.audit_state.tolist() == [6]  # five audits, from stamp 1
 
 
 def test_audit_judges_nothing_on_a_valid_batch_at_any_step():
-    """A valid table over a whole page of steps (every token of the write page, the page's first included) and an
-    empty batch: the flag stays 0."""
+    """A valid table over two pages of steps (every token of the write page, the page's first included), audited
+    step after step on one workspace, and an empty batch: the flag stays 0."""
     W, pg = 3, 4
     g = torch.Generator().manual_seed(3)
     R, prompt_len, cols = 2, 9, 8
     pages = (torch.randperm(R * W * cols, generator=g) + 1).view(R, W, cols)
-    pages[:, :, :prompt_len // pg] = pages[:, :1, :prompt_len // pg]
-    table = pages.view(R * W, cols).int().to(DEVICE)
-    prompt = torch.full((R * W,), prompt_len, dtype=torch.int32, device=DEVICE)
+    pages[:, :, :prompt_len // pg] = pages[:, :1, :prompt_len // pg].clone()
+    table = pages.view(R * W, cols).int()
+    prompt = torch.full((R * W,), prompt_len, dtype=torch.int32)
+    p = dict(page_size=pg, num_pages=R * W * cols + 1, max_seq_len=cols * pg)
+    workspace = new_audit_workspace(p["num_pages"], DEVICE)
     for kv_len in range(prompt_len + 1, prompt_len + 2 * pg + 1):
-        flags = new_error_flags(DEVICE)
-        kv = torch.full((R * W,), kv_len, dtype=torch.int32, device=DEVICE)
-        audit_fresh_write_pages(kv, prompt, table, W, flags, page_size=pg, num_pages=R * W * cols + 1,
-                                max_seq_len=cols * pg)
-        assert int(flags.item()) == 0, kv_len
-    empty = torch.zeros(0, dtype=torch.int32, device=DEVICE)
-    flags = new_error_flags(DEVICE)
-    audit_fresh_write_pages(empty, empty, table[:0], W, flags, page_size=pg, num_pages=1, max_seq_len=cols * pg)
-    assert int(flags.item()) == 0
+        kv = torch.full((R * W,), kv_len, dtype=torch.int32)
+        assert _audit(kv, prompt, table, W, workspace=workspace, **p) == 0, kv_len
+    empty = torch.zeros(0, dtype=torch.int32)
+    assert _audit(empty, empty, table[:0], W, page_size=pg, num_pages=1, max_seq_len=cols * pg) == 0
 
 
 def _good_args():
     kv = torch.full((6,), 9, dtype=torch.int32, device=DEVICE)
     return dict(kv_lens=kv, prompt_lens=kv - 4, beam_page_table=torch.ones(6, 4, dtype=torch.int32, device=DEVICE),
-                beam_width=3, error_flags=new_error_flags(DEVICE), page_size=4, num_pages=8, max_seq_len=16)
+                beam_width=3, error_flags=new_error_flags(DEVICE), workspace=new_audit_workspace(8, DEVICE),
+                page_size=4, num_pages=8, max_seq_len=16)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -247,13 +328,17 @@ def _good_args():
     (dict(error_flags=None), "error_flags is None"),
     (dict(error_flags=torch.zeros(2, dtype=torch.int32, device=DEVICE)),
      "error_flags must be an int32 tensor of one element"),
+    (dict(workspace=new_audit_workspace(9, DEVICE)), r"workspace must be new_audit_workspace\(num_pages=8"),
+    (dict(workspace=None), r"workspace must be new_audit_workspace\(num_pages=8"),
 ], ids=["dtype", "table_dims", "table_rows", "partial_request", "beam_width", "prompt_rows", "stride", "page_size",
-        "max_seq_len", "divisor", "no_flag", "flag_shape"])
+        "max_seq_len", "divisor", "no_flag", "flag_shape", "workspace_of_another_pool", "no_workspace"])
 def test_audit_refuses_bad_arguments_by_name(change, match):
     args = _good_args()
     args.update(change)
-    flags = args["error_flags"]
+    flags, state = args["error_flags"], args["workspace"].audit_state if args["workspace"] else None
     with pytest.raises(KernelInputError, match=match):
-        audit_fresh_write_pages(**args)
+        audit_page_table(**args)
     if isinstance(flags, torch.Tensor) and flags.numel() == 1:
         assert int(flags.item()) == 0  # refused before any launch
+    if state is not None:
+        assert state.tolist() == [1]
