@@ -25,7 +25,7 @@ __all__ = ["AUDIT_BLOCK_W", "AUDIT_BLOCK_H", "AUDIT_BLOCK_C", "AuditWorkspace", 
 #: a ``[16, 64]`` comparison, 8 int32 a thread in the audit's 4 warps.
 AUDIT_BLOCK_W = 16
 AUDIT_BLOCK_H = 64
-#: Page-table columns a holders program records at a time (one program a row, 1 warp).
+#: Page-table columns a holders program records at a time for each of its ``AUDIT_BLOCK_W`` beams (4 warps).
 AUDIT_BLOCK_C = 32
 
 
@@ -124,11 +124,12 @@ def audit_page_table(
         return
     table = (beam_page_table, *beam_page_table.stride(), beam_page_table.shape[1])
     sizes = (page_size, page_index_divisor, num_pages, max_seq_len)
-    requests = rows // beam_width
+    # One program per request and block of beams: each holds a few dependent loads, so many short programs.
+    grid = (rows // beam_width, -(-beam_width // AUDIT_BLOCK_W))
     launches = (
-        (page_holders_kernel, (rows,), (kv_lens, prompt_lens, table[0], holders, state, beam_width, *table[1:], *sizes),
-         dict(BLOCK_C=AUDIT_BLOCK_C, num_warps=1)),
-        (page_table_audit_kernel, (requests,),
+        (page_holders_kernel, grid, (kv_lens, prompt_lens, table[0], holders, state, beam_width, *table[1:], *sizes),
+         dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_C=AUDIT_BLOCK_C, num_warps=4)),
+        (page_table_audit_kernel, grid,
          (kv_lens, prompt_lens, table[0], holders, state, error_flags, beam_width, *table[1:], *sizes),
          dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_H=AUDIT_BLOCK_H, num_warps=4)),
     )

@@ -241,7 +241,7 @@ def compile_page_table_audit_sm90(kernel_name: str, page_index_divisor: int):
     pointers = dict(kv_lens_ptr="i32", prompt_lens_ptr="i32", page_table_ptr="i32", holders_ptr="i64", state_ptr="i32",
                     err_ptr="i32")
     if kernel_name == "holders":
-        kernel, constexprs, num_warps = page_holders_kernel, dict(BLOCK_C=AUDIT_BLOCK_C), 1
+        kernel, constexprs, num_warps = page_holders_kernel, dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_C=AUDIT_BLOCK_C), 4
     else:
         kernel, constexprs, num_warps = page_table_audit_kernel, dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_H=AUDIT_BLOCK_H), 4
     pointers = {k: v for k, v in pointers.items() if k in inspect.signature(kernel.fn).parameters}

@@ -245,11 +245,13 @@ def _two_requests(W=3, pg=4, prompt_len=9, kv_len=14, cols=6):
     ("past_the_other_rows_length", []),  # a stale entry of request 0's beam 2, one column past its kv_len: not held
     ("at_the_first_generated_token", []),  # not judged (the warm-up's shared last block)
     ("other_request_padding_row", [4]),  # a padding row (kv_len 1) holds its one page
+    ("onto_a_later_requests_page", [1]),  # request 0's beam 1 onto request 1's first prompt page
 ])
 def test_audit_flags_a_write_page_another_request_holds(case, rows):
     """Request 1's beam 1 (row 4) writes at position 13 (column 3, its second generated page) onto a page of request
     0: its beam 2's write page, a prompt page, a beam's copy of the partly filled page; not a stale entry past that
-    row's length, nor at the first generated token. The twin names the rows."""
+    row's length, nor at the first generated token; and request 0's beam 1 onto a page of request 1 (the holder above
+    the row's request, where the others are below). The twin names the rows."""
     kv, prompt, table, p = _two_requests()
     if case == "other_request_write_page":
         table[4, 3] = table[2, 3]
@@ -265,14 +267,20 @@ def test_audit_flags_a_write_page_another_request_holds(case, rows):
     elif case == "other_request_padding_row":
         kv[:3], prompt[:3] = 1, 1
         table[4, 3] = table[0, 0]
+    elif case == "onto_a_later_requests_page":
+        table[1, 3] = table[3, 0]
     assert _audit(kv, prompt, table, 3, **p) == (OTHER if rows else 0)
     bad = other_request_page_bad_torch(kv, prompt, table, 3, p["page_size"], 1, p["num_pages"], p["max_seq_len"])
     assert bad.nonzero().flatten().tolist() == rows
 
 
-def test_audit_judges_each_step_against_its_own_table():
+@pytest.mark.parametrize("block_w", [None, 2], ids=["one_beam_block", "two_beam_blocks"])
+def test_audit_judges_each_step_against_its_own_table(block_w, monkeypatch):
     """The holders are stamped by audit: a page request 0 held at one step and gave back is free at the next, so
-    request 1 writing it then raises nothing; the same table audited again (a replayed graph) gives the same word."""
+    request 1 writing it then raises nothing; the same table audited again (a replayed graph) gives the same word.
+    The stamp moves by one an audit, however many programs a request takes."""
+    if block_w is not None:
+        monkeypatch.setattr(page_table_audit, "AUDIT_BLOCK_W", block_w)
     kv, prompt, table, p = _two_requests()
     workspace = new_audit_workspace(p["num_pages"], DEVICE)
     assert _audit(kv, prompt, table, 3, workspace=workspace, **p) == 0

@@ -207,10 +207,11 @@ def test_shared_run_stage_compiles_for_sm90(usage):
 
 def test_page_table_audit_compiles_for_sm90(usage):
     """The page-table audit's two kernels (launched with the device error flag, once a step) compile for sm_90 with
-    page numbers and with block offsets (a divisor), without spills and within 64 registers: the holders' program
-    records 32 columns a warp, the audit's ``[16, 64]`` comparison is 8 lanes a thread."""
+    page numbers and with block offsets (a divisor), without spills and within ``MAX_REGISTERS`` (4 programs a
+    multiprocessor at least): the holders' ``[16, 32]`` entries and the audit's ``[16, 64]`` comparison are 4 and 8
+    lanes a thread of 4 warps (48-64 registers on Triton 3.9)."""
     rows = [row for row in usage if row["kernel"].startswith("page-table-")]
     assert sorted((row["kernel"], row["shape"][0]) for row in rows) == [
         ("page-table-audit", 1), ("page-table-audit", 2), ("page-table-holders", 1), ("page-table-holders", 2)], rows
     for row in rows:
-        assert row["stack"] == 0 and row["local"] == 0 and row["registers"] <= 64, row
+        assert row["stack"] == 0 and row["local"] == 0 and row["registers"] <= MAX_REGISTERS, row
