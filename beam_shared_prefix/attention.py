@@ -99,10 +99,12 @@ class BeamSharedPrefixAttention:
         prefix_kernel: FlashInfer kernel family, ``"auto"`` | ``"fa2"`` | ``"fa3"`` (benchmarks force one).
         report_errors: give the kernels a device error flag (:attr:`error_flags`): invalid lengths,
             pages or indirection entries they mask are reported without a sync, read by
-            :meth:`poll_device_errors` or :meth:`device_errors`. 2.6-7.4% slower at three presets (an
-            H100: A 1.026x, B-short 1.066x, B-beam14 1.074x, the held-page check in blocks of 32;
-            ``docs/rounds.md``, "The sixty-eighth round"); ``None`` reads
-            ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` (default off).
+            :meth:`poll_device_errors` or :meth:`device_errors`; once a step, in the runs of the first layer
+            served, the page-table audit adds write pages held by another request or at an earlier column
+            (:mod:`triton_kernels.page_table_audit`, 9-12 us a step on an H100). The kernels' checks cost
+            2.6-7.4% a layer at three presets (an H100: A 1.026x, B-short 1.066x, B-beam14 1.074x, the held-page
+            check in blocks of 32; ``docs/rounds.md``, "The sixty-eighth round" and "The seventy-first round");
+            ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` (default off).
         shared_run: on the two-launch paths (a FlashInfer or FA4 prefix, then the Triton tail), attend the
             generated positions that every beam of a block reads from one ancestor once per block between
             the two (:func:`triton_kernels.beam_shared_run_attention`), and let the tail skip them.
