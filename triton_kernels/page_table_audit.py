@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from .device_errors import check_error_flags
+from .host_ints import cdiv
 from .page_table_audit_kernel import page_holders_kernel, page_table_audit_kernel
 from .step_args import check_device, fail, need_dim, need_page_index_divisor, need_tensor, need_unit_stride
 
@@ -125,7 +126,7 @@ def audit_page_table(
     table = (beam_page_table, *beam_page_table.stride(), beam_page_table.shape[1])
     sizes = (page_size, page_index_divisor, num_pages, max_seq_len)
     # One program per request and block of beams: each holds a few dependent loads, so many short programs.
-    grid = (rows // beam_width, -(-beam_width // AUDIT_BLOCK_W))
+    grid = (rows // beam_width, cdiv(beam_width, AUDIT_BLOCK_W))
     launches = (
         (page_holders_kernel, grid, (kv_lens, prompt_lens, table[0], holders, state, beam_width, *table[1:], *sizes),
          dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_C=AUDIT_BLOCK_C, num_warps=4)),
