@@ -923,11 +923,14 @@ def test_a_write_page_held_elsewhere_in_the_request_raises_the_flag(tail_impl, c
 def test_a_write_page_another_request_holds_raises_the_flag(tail_impl):
     """Request 1's beam 1 given request 0's beam 2's copy of its prompt's partly filled page (a block handed out
     twice): every index is in the pool and no page is shared inside a request, so only the page-table audit sees it.
-    Without check mode the flag names it; check mode refuses the step."""
+    Without check mode the flag names it, and the same step with the table as given raises nothing; check mode refuses
+    the step."""
     sim, step, att = _flagged_setup(tail_impl, steps=4)
     col = int(step.kv_lens[4] - 1) // sim.page_size
     other_col = int(step.kv_lens[2] - 1) // sim.page_size - 1
     assert other_col >= int(step.prompt_lens[2]) // sim.page_size
+    att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    assert att.device_errors() == []
     table = step.beam_page_table.clone()
     table[4, col] = table[2, other_col]
     att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
