@@ -105,6 +105,9 @@ class BeamSharedPrefixAttention:
             2.6-7.4% a layer at three presets (an H100: A 1.026x, B-short 1.066x, B-beam14 1.074x, the held-page
             check in blocks of 32; ``docs/rounds.md``, "The sixty-eighth round" and "The seventy-first round");
             ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` (default off).
+        page_table_audit: with ``report_errors``, run the page-table audit once a step (default); ``False``
+            leaves it out, so every run() pays the kernels' checks alone, as a model's later layers do (the
+            benchmark's ``auto-flag-layer`` arm times that).
         shared_run: on the two-launch paths (a FlashInfer or FA4 prefix, then the Triton tail), attend the
             generated positions that every beam of a block reads from one ancestor once per block between
             the two (:func:`triton_kernels.beam_shared_run_attention`), and let the tail skip them.
@@ -143,6 +146,7 @@ class BeamSharedPrefixAttention:
         report_errors: Optional[bool] = None,
         shared_run: Union[None, bool, str] = None,
         max_tail_len: int | None = None,
+        page_table_audit: bool = True,
     ):
         # Only the settings left to the environment are read (the wrapper has no use for the decline mode).
         given = dict(backend=backend, check=check, report_errors=report_errors, shared_run=shared_run,
@@ -195,6 +199,7 @@ class BeamSharedPrefixAttention:
         self._audit_layer: Optional[int] = None  # the pool view the page-table audit rides with (its address)
         self._audited_since_plan = False
         self._audit_workspace = None  # the audit's page holders and stamp, made at plan() (never inside a capture)
+        self.page_table_audit = bool(page_table_audit) and self.error_flags is not None
         self.shared_run = shared_run_mode(settings.shared_run if shared_run is None else shared_run)
         max_tail_len = settings.max_tail_len if max_tail_len is None else max_tail_len
         if max_tail_len is not None:
@@ -392,7 +397,7 @@ class BeamSharedPrefixAttention:
         except ValueError as exc:
             raise AttentionInputError(str(exc)) from None
         planner = self._planner_for(page_size, num_cache_pages)
-        if self.error_flags is not None and self.tail_impl == "triton":
+        if self.page_table_audit and self.tail_impl == "triton":
             self._audit_workspace_for(num_cache_pages)
         builds = planner.num_builds
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
@@ -566,7 +571,7 @@ class BeamSharedPrefixAttention:
                 prefix_lse_layout=lse.layout, prefix_lse_base=lse.base, write_kv=write_kv, validate_indices=check,
                 error_flags=self.error_flags, prompt_last_pages=self._views.get("prompt_last_pages"), **extra,
             )
-        if self.error_flags is not None and self._page_table_audit_due(kv_cache):
+        if self.page_table_audit and self._page_table_audit_due(kv_cache):
             self._audit_page_table(kv_cache, beam_page_table, kv_lens, cache_indirection, pg, page_index_divisor,
                                    step_plan.beam_width)
         if check:

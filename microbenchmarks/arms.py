@@ -156,25 +156,28 @@ class LibraryArm(Arm):
             library arm): ``auto-flag`` times the flag's cost against ``auto`` in the same run. Each timed call is
             one layer's step, so it pays the page-table audit too, as a model's first layer does (the other layers
             skip it: :mod:`triton_kernels.page_table_audit`).
+        page_table_audit: with the flag, the wrapper's page-table audit; ``False`` (``auto-flag-layer``) times what a
+            model's later layers pay, the kernels' checks alone.
     """
 
     kind = "library"
     writes_kv = True
 
     def __init__(self, backend: str, prefix_kernel: Optional[str] = None, tail_impl: str = "triton",
-                 shared_run=None, report_errors: bool = False):
+                 shared_run=None, report_errors: bool = False, page_table_audit: bool = True):
         from beam_shared_prefix.config import shared_run_mode
 
         self.backend = backend
         self.prefix_kernel = prefix_kernel
         self.tail_impl = tail_impl
         self.report_errors = bool(report_errors)
+        self.page_table_audit = bool(page_table_audit)
         self.shared_run = shared_run_mode(("auto" if backend == "auto" else "off") if shared_run is None
                                           else shared_run)
         suffix = f"-{prefix_kernel}" if prefix_kernel else ""
         tail = "" if tail_impl == "triton" else f"+{tail_impl}-tail"
         stage = "+shared-run" if self.shared_run == "on" else ""
-        flag = "+flag" if self.report_errors else ""
+        flag = ("+flag" if self.page_table_audit else "+flag-layer") if self.report_errors else ""
         self.name = f"library/{backend}{suffix}{stage}{tail}{flag}"
         self.description = "BeamSharedPrefixAttention: prefix once per request + fused tail/merge" + (
             " (shared runs once per beam block)" if self.shared_run == "on" else "")
@@ -195,6 +198,10 @@ class LibraryArm(Arm):
             kwargs["report_errors"] = ctx.report_errors or self.report_errors
         elif self.report_errors:
             raise ArmSkipped("the wrapper takes no report_errors argument")
+        if not self.page_table_audit:
+            if not _accepts(cls, "page_table_audit"):
+                raise ArmSkipped("the wrapper takes no page_table_audit argument")
+            kwargs["page_table_audit"] = False
         if _accepts(cls, "shared_run"):
             kwargs["shared_run"] = self.shared_run  # explicit, as report_errors
         elif self.shared_run == "on":
@@ -612,7 +619,8 @@ def default_cpu_arms() -> List[Arm]:
 
 def parse_arm_list(text: str, prefix_kernels=("auto",), cpu: bool = False) -> List[Arm]:
     """Arms from a comma list of names: ``auto`` (the library's default choice), ``auto-flag`` (the same with the
-    device error flag on), ``library`` (FlashInfer,
+    device error flag on, as a model's first layer runs it, the page-table audit included), ``auto-flag-layer`` (the
+    flag as its later layers run it: the kernels' checks alone), ``library`` (FlashInfer,
     each prefix kernel), ``fa4``, ``triton`` (the one-launch cascade), ``prefix`` (FlashInfer, FA4
     and Triton prefix stages), ``tail`` (the Triton kernel), ``tail-torch`` (the
     unfused torch path, eager), ``decode`` (both variants),
@@ -628,8 +636,9 @@ def parse_arm_list(text: str, prefix_kernels=("auto",), cpu: bool = False) -> Li
     if repeated:
         raise ValueError(f"--arms names {repeated} more than once; name each arm once.")
     for name in names:
-        if name in ("auto", "auto-flag"):
-            arms.append(LibraryArm("auto", tail_impl="torch" if cpu else "triton", report_errors=name == "auto-flag"))
+        if name in ("auto", "auto-flag", "auto-flag-layer"):
+            arms.append(LibraryArm("auto", tail_impl="torch" if cpu else "triton", report_errors=name != "auto",
+                                   page_table_audit=name != "auto-flag-layer"))
         elif name == "library":
             arms += [LibraryArm("flashinfer", prefix_kernel=k) for k in prefix_kernels]
         elif name in ("fa4", "triton"):
@@ -655,7 +664,8 @@ def parse_arm_list(text: str, prefix_kernels=("auto",), cpu: bool = False) -> Li
             arms += default_cpu_arms()
         else:
             raise ValueError(
-                f"--arms: unknown arm {name!r}; use a comma list of auto, auto-flag, library, fa4, triton, fa4-shared, "
+                f"--arms: unknown arm {name!r}; use a comma list of auto, auto-flag, auto-flag-layer, library, fa4, "
+                f"triton, fa4-shared, "
                 f"flashinfer-shared, prefix, tail, tail-torch, decode, decode-tc, decode-cc, cascade, reference."
             )
     return arms

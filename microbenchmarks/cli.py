@@ -78,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     a = p.add_argument_group("arms")
     a.add_argument("--arms", default=None,
-                   help="comma list: auto, auto-flag, library, fa4, triton, fa4-shared, flashinfer-shared, prefix, tail, "
-                        "tail-torch, decode, decode-tc, decode-cc, cascade, reference (default: all on a GPU, "
-                        "reference on CPU)")
+                   help="comma list: auto, auto-flag, auto-flag-layer, library, fa4, triton, fa4-shared, "
+                        "flashinfer-shared, prefix, tail, tail-torch, decode, decode-tc, decode-cc, cascade, reference "
+                        "(default: all on a GPU, reference on CPU)")
     a.add_argument("--prefix-kernels", default="auto",
                    help="FlashInfer prefix kernel families for the library and prefix arms, comma list of "
                         "auto, fa2, fa3 (default auto: the wrapper's choice, shown in the table)")

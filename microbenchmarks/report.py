@@ -281,19 +281,25 @@ def print_point(point: Dict, console=None) -> None:
 
 
 def flag_cost_line(point: Dict) -> Optional[str]:
-    """The device error flag's cost at a point where an arm ran with and without it (``auto-flag`` next to
-    ``auto``): ``None`` elsewhere."""
+    """The device error flag's cost at a point where an arm ran with and without it (``auto-flag``, a model's first
+    layer with the page-table audit, or ``auto-flag-layer``, its later layers, next to ``auto``): ``None`` elsewhere."""
     arms = {a["name"]: a for a in point["arms"] if a["status"] == "ok"}
-    pairs = [(arms[name[:-len("+flag")]], a) for name, a in arms.items()
-             if name.endswith("+flag") and name[:-len("+flag")] in arms]
-    if not pairs:
+    parts = []
+    for suffix, what in (("+flag", "with"), ("+flag-layer", "in a later layer (no audit)")):
+        pairs = [(arms[name[:-len(suffix)]], a) for name, a in arms.items()
+                 if name.endswith(suffix) and name[:-len(suffix)] in arms]
+        if not pairs:
+            continue
+        off, on = pairs[0]
+        part = f"{_us(on['time_us'])} {what} ({on['time_us'] / off['time_us']:.3f}x"
+        if off.get("kernel_us") and on.get("kernel_us"):
+            part += f", kernels {on['kernel_us'] / off['kernel_us']:.3f}x"
+        parts.append((off, part + ")"))
+    if not parts:
         return None
-    off, on = pairs[0]
-    line = (f"device error flag ({off['name']}): {_us(on['time_us'])} with, {_us(off['time_us'])} without "
-            f"({on['time_us'] / off['time_us']:.3f}x)")
-    if off.get("kernel_us") and on.get("kernel_us"):
-        line += f"; kernels {on['kernel_us'] / off['kernel_us']:.3f}x"
-    return line
+    off = parts[0][0]
+    return (f"device error flag ({off['name']}): {_us(off['time_us'])} without; "
+            + "; ".join(part for _, part in parts))
 
 
 def print_summary(doc: Dict, console=None) -> None:

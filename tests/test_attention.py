@@ -945,7 +945,7 @@ def test_a_write_page_another_request_holds_raises_the_flag(tail_impl):
 def test_the_page_table_audit_runs_once_a_step(tail_impl, monkeypatch):
     """The audit rides with the first layer the wrapper served (its pool view) and with the first run() after each
     plan() if that layer has not run: two layers over two plans, in either order, audit once a step, never in the
-    other layer's runs. Without the flag nothing is audited."""
+    other layer's runs. Without the flag, or with ``page_table_audit=False``, nothing is audited."""
     import triton_kernels
     from triton_kernels import device_errors
 
@@ -972,10 +972,12 @@ def test_the_page_table_audit_runs_once_a_step(tail_impl, monkeypatch):
     plan_step(att, sim, step)
     assert [run(1), run(0), run(1)] == [3, 4, 4]  # the first run after plan() audits, and layer 0 still does
     assert audits == [step.beam_width] * 4 and att.device_errors() == []
-    off = BeamSharedPrefixAttention(step.q.device, backend="reference", tail_impl=tail_impl, check=False)
-    plan_step(off, sim, step)
-    off.run(step.q, layers[0], step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
-    assert len(audits) == 4
+    for kwargs in (dict(), dict(report_errors=True, page_table_audit=False)):  # no flag; the flag without the audit
+        off = BeamSharedPrefixAttention(step.q.device, backend="reference", tail_impl=tail_impl, check=False,
+                                        **kwargs)
+        plan_step(off, sim, step)
+        off.run(step.q, layers[0], step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+        assert len(audits) == 4 and off.device_errors() == []
 
 
 def _trtllm_warmup_step(n, divisor, seed=0, device="cpu"):

@@ -125,20 +125,23 @@ def test_report_errors_times_the_library_with_its_flag_and_checks_it(monkeypatch
 
 
 def test_the_flag_arm_times_auto_with_its_flag_next_to_auto(monkeypatch, capsys, wrappers_made):
-    """``auto-flag``: only that arm's wrapper gets the device error flag (``--report-errors`` off), valid input
-    raises none, and the point prints the flag's cost as a ratio of the two arms measured in the same run."""
+    """``auto-flag`` and ``auto-flag-layer``: only those arms' wrappers get the device error flag (``--report-errors``
+    off), the second without the page-table audit (a model's later layers); valid input raises none, and the point
+    prints the flag's cost as ratios of the arms measured in the same run."""
     from microbenchmarks.arms import parse_arm_list
     from microbenchmarks.report import flag_cost_line, print_point
 
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS", "1")  # (ignored: each arm says what it runs)
-    point = run_point(SHAPE, parse_arm_list("auto,auto-flag", cpu=True),
+    point = run_point(SHAPE, parse_arm_list("auto,auto-flag,auto-flag-layer", cpu=True),
                       RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0), Rates(), "cpu")
     assert [(a["name"], a["status"]) for a in point["arms"]] == [("library/auto+torch-tail", "ok"),
-                                                                 ("library/auto+torch-tail+flag", "ok")]
-    assert sorted(w.error_flags is not None for w in wrappers_made) == [False, True]
+                                                                 ("library/auto+torch-tail+flag", "ok"),
+                                                                 ("library/auto+torch-tail+flag-layer", "ok")]
+    assert sorted((w.error_flags is not None, w.page_table_audit) for w in wrappers_made) == [
+        (False, False), (True, False), (True, True)]
     line = flag_cost_line(point)
     times = [a["time_us"] for a in point["arms"]]
-    assert line is not None and f"({times[1] / times[0]:.3f}x)" in line
+    assert line is not None and f"({times[1] / times[0]:.3f}x)" in line and f"({times[2] / times[0]:.3f}x)" in line
     print_point(point, console=None)
     assert line in capsys.readouterr().out
 

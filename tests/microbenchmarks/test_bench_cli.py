@@ -335,8 +335,9 @@ def test_arm_list_names():
     shared = parse_arm_list("fa4-shared,flashinfer-shared")
     assert [(a.name, a.backend, a.shared_run) for a in shared] == [
         ("library/fa4+shared-run", "fa4", "on"), ("library/flashinfer+shared-run", "flashinfer", "on")]
-    flagged = parse_arm_list("auto,auto-flag")
-    assert [(a.name, a.report_errors) for a in flagged] == [("library/auto", False), ("library/auto+flag", True)]
+    flagged = parse_arm_list("auto,auto-flag,auto-flag-layer")
+    assert [(a.name, a.report_errors, a.page_table_audit) for a in flagged] == [
+        ("library/auto", False, True), ("library/auto+flag", True, True), ("library/auto+flag-layer", True, False)]
     with pytest.raises(ValueError, match="unknown arm 'fa5'"):
         parse_arm_list("fa5")
 
