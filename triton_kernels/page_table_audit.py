@@ -17,7 +17,8 @@ import torch
 from .device_errors import check_error_flags
 from .host_ints import cdiv
 from .page_table_audit_kernel import page_holders_kernel, page_table_audit_kernel
-from .step_args import check_device, fail, need_dim, need_page_index_divisor, need_tensor, need_unit_stride
+from .step_args import (check_device, fail, need_dim, need_dtype, need_page_index_divisor, need_tensor,
+                        need_unit_stride)
 
 __all__ = ["AUDIT_BLOCK_W", "AUDIT_BLOCK_H", "AUDIT_BLOCK_C", "AuditWorkspace", "new_audit_workspace",
            "audit_page_table"]
@@ -43,18 +44,17 @@ class AuditWorkspace(NamedTuple):
     audit_state: torch.Tensor
 
 
-def new_audit_workspace(num_pages: int, device) -> AuditWorkspace:
-    """A workspace for a pool of ``num_pages`` pages on ``device`` (``16 x num_pages`` bytes)."""
-    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or not 1 <= num_pages < 2**31:
-        fail(f"num_pages={num_pages!r} must be an int in [1, 2**31).")
-    # (stamp 0 would let the zeroed entries stand beside row 0's records)
-    state = torch.ones(1, dtype=torch.int32, device=device)
-    return AuditWorkspace(torch.zeros(2, num_pages, dtype=torch.int64, device=device), state)
-
-
 def _need_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
         fail(f"{name}={value!r} must be an int in [1, 2**31).")
+
+
+def new_audit_workspace(num_pages: int, device) -> AuditWorkspace:
+    """A workspace for a pool of ``num_pages`` pages on ``device`` (``16 x num_pages`` bytes)."""
+    _need_positive_int("num_pages", num_pages)
+    # (stamp 0 would let the zeroed entries stand beside row 0's records)
+    state = torch.ones(1, dtype=torch.int32, device=device)
+    return AuditWorkspace(torch.zeros(2, num_pages, dtype=torch.int64, device=device), state)
 
 
 def audit_page_table(
@@ -89,8 +89,7 @@ def audit_page_table(
     """
     for name, x in (("kv_lens", kv_lens), ("prompt_lens", prompt_lens), ("beam_page_table", beam_page_table)):
         need_tensor(name, x)
-        if x.dtype != torch.int32:
-            fail(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; the audit reads int32. Cast it first.")
+        need_dtype(name, x, (torch.int32,))
         if x.device != kv_lens.device:
             fail(f"{name} is on {x.device} but kv_lens is on {kv_lens.device}; put every tensor on one device.")
     if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
@@ -123,15 +122,16 @@ def audit_page_table(
     check_device(kv_lens, page_table_audit_kernel, "the page-table audit")
     if rows == 0 or beam_page_table.shape[1] == 0:
         return
-    table = (beam_page_table, *beam_page_table.stride(), beam_page_table.shape[1])
+    table_geometry = (*beam_page_table.stride(), beam_page_table.shape[1])  # (stride_pt_row, stride_pt_col, cols)
     sizes = (page_size, page_index_divisor, num_pages, max_seq_len)
     # One program per request and block of beams: each holds a few dependent loads, so many short programs.
     grid = (rows // beam_width, cdiv(beam_width, AUDIT_BLOCK_W))
     launches = (
-        (page_holders_kernel, grid, (kv_lens, prompt_lens, table[0], holders, state, beam_width, *table[1:], *sizes),
+        (page_holders_kernel, grid,
+         (kv_lens, prompt_lens, beam_page_table, holders, state, beam_width, *table_geometry, *sizes),
          dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_C=AUDIT_BLOCK_C, num_warps=4)),
         (page_table_audit_kernel, grid,
-         (kv_lens, prompt_lens, table[0], holders, state, error_flags, beam_width, *table[1:], *sizes),
+         (kv_lens, prompt_lens, beam_page_table, holders, state, error_flags, beam_width, *table_geometry, *sizes),
          dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_H=AUDIT_BLOCK_H, num_warps=4)),
     )
     for kernel, grid, args, meta in launches:
