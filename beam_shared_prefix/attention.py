@@ -223,7 +223,7 @@ class BeamSharedPrefixAttention:
         self._out_buffers: Dict[torch.dtype, DeviceBuffer] = {}
         self._lse_buffer = DeviceBuffer("prefix LSE", torch.float32, self.device, frozen)
         self._row_prompt_lens = DeviceBuffer("per-row prompt lengths", torch.int32, self.device, frozen)
-        self._prompt_last_pages = DeviceBuffer("prompt last pages", torch.int32, self.device, frozen)
+        self._plan_digest = DeviceBuffer("prompt pages digest", torch.int64, self.device, frozen)
         self._tail_skip = DeviceBuffer("tail skip", torch.int32, self.device, frozen)
         self.num_backend_plans = 0
         self._warned_capture_check = False
@@ -455,9 +455,9 @@ class BeamSharedPrefixAttention:
             prefix_lse=self._lse_buffer.view(backend.lse_shape(rows, hq), capacity=cap_rows * hq),
             prompt_lens=self._row_prompt_lens.write(step_plan.prompt_lens_per_row, capacity=cap_rows),
         )
-        if self.error_flags is not None:  # what the flag compares beam 0's page table with (PLAN_PAGE)
-            self._views["prompt_last_pages"] = self._prompt_last_pages.write(step_plan.prompt_last_pages,
-                                                                              capacity=self.max_requests or 0)
+        if self.page_table_audit:  # what the audit compares beam 0's page table with (PLAN_PAGE)
+            self._views["plan_digest"] = self._plan_digest.write(step_plan.prompt_pages_digest,
+                                                                 capacity=self.max_requests or 0)
         if self._runs_shared_stage(backend, problem_key, long_tail):
             self._views["tail_skip"] = self._tail_skip.view((rows,), capacity=cap_rows)
 
@@ -569,7 +569,7 @@ class BeamSharedPrefixAttention:
                 step_plan.beam_width, prefix_out, lse.tensor, out,
                 sm_scale=sm_scale, kv_layout=self.kv_layout, page_index_divisor=page_index_divisor,
                 prefix_lse_layout=lse.layout, prefix_lse_base=lse.base, write_kv=write_kv, validate_indices=check,
-                error_flags=self.error_flags, prompt_last_pages=self._views.get("prompt_last_pages"), **extra,
+                error_flags=self.error_flags, **extra,
             )
         if self.page_table_audit and self._page_table_audit_due(kv_cache):
             self._audit_page_table(kv_cache, beam_page_table, kv_lens, cache_indirection, pg, page_index_divisor,
@@ -676,26 +676,22 @@ class BeamSharedPrefixAttention:
 
     def _audit_page_table(self, kv_cache, beam_page_table, kv_lens, cache_indirection, page_size, page_index_divisor,
                           beam_width) -> None:
-        """A write page another request holds (``OTHER_REQUEST_PAGE``), or its own request at an earlier generated
-        column (``HELD_WRITE_PAGE``), on the flag (:mod:`triton_kernels.page_table_audit`; its torch twins on the
-        torch tail), device work only. The pool's pages are the plan's (``num_cache_pages``; ``run()`` takes a pool of
-        at least that many): the audit records no page past them."""
-        from triton_kernels import device_errors
-
+        """The page-table audit on the flag (:mod:`triton_kernels.page_table_audit`; its torch twin on the torch
+        tail), device work only: what no single index shows (beams unlike beam 0, a write page held elsewhere, beam
+        0's prompt pages unlike the plan's). The pool's pages are the plan's (``num_cache_pages``; ``run()`` takes a
+        pool of at least that many): the audit records no page past them."""
         num_pages = self._active[0].num_cache_pages
-        prompt_lens, max_seq_len = self._views["prompt_lens"], cache_indirection.shape[2]
+        args = (kv_lens, self._views["prompt_lens"], beam_page_table, beam_width, self.error_flags)
+        sizes = dict(page_size=page_size, num_pages=num_pages, max_seq_len=cache_indirection.shape[2],
+                     page_index_divisor=page_index_divisor, plan_digest=self._views["plan_digest"])
         if self.tail_impl == "triton":
             from triton_kernels import audit_page_table
 
-            audit_page_table(kv_lens, prompt_lens, beam_page_table, beam_width, self.error_flags,
-                             self._audit_workspace_for(num_pages), page_size=page_size, num_pages=num_pages,
-                             max_seq_len=max_seq_len, page_index_divisor=page_index_divisor)
-            return
-        table = beam_page_table[:kv_lens.shape[0]]
-        for twin, bit in ((device_errors.other_request_page_bad_torch, device_errors.OTHER_REQUEST_PAGE),
-                          (device_errors.fresh_write_page_bad_torch, device_errors.HELD_WRITE_PAGE)):
-            bad = twin(kv_lens, prompt_lens, table, beam_width, page_size, page_index_divisor, num_pages, max_seq_len)
-            device_errors.flag_where(self.error_flags, bad, bit)
+            audit_page_table(*args, self._audit_workspace_for(num_pages), **sizes)
+        else:
+            from triton_kernels import audit_page_table_torch
+
+            audit_page_table_torch(*args, **sizes)
 
     def _current_kv(self, kv_cache, beam_page_table, kv_lens, rows, page_size, page_index_divisor):
         """This step's K/V ``[rows, Hkv, D]`` read back from ``kv_len - 1`` of each row's own page.

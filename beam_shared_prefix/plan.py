@@ -84,6 +84,8 @@ class StepPlan:
     key: Hashable = None
     # Per-device caches of the arrays as tensors, filled lazily by `device_tensors`.
     _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # Host arrays derived lazily from the plan's (`prompt_pages_digest`).
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:
@@ -91,16 +93,26 @@ class StepPlan:
         return self.num_requests * self.beam_width
 
     @property
-    def prompt_last_pages(self) -> np.ndarray:
-        """``[R]`` int32: the page of each request's last prompt token, which the device error flag compares with
-        beam 0's page table (``triton_kernels.device_errors.PLAN_PAGE``); ``-1`` would mark an empty prompt, which
-        the planner refuses."""
-        plen = self.prompt_lens.astype(np.int64)
-        has = plen >= 1
-        if not has.any():
-            return np.full(self.num_requests, -1, dtype=np.int32)
-        col = np.where(has, (plen - 1) // self.page_size, 0)
-        return np.where(has, self.page_table[np.arange(self.num_requests), col], -1).astype(np.int32)
+    def prompt_pages_digest(self) -> np.ndarray:
+        """``[R]`` int64: a digest of each request's prompt pages (the XOR over its columns of a term that is a
+        bijection of the column's page), which the device error flag's page-table audit compares with beam 0's page
+        table (``triton_kernels.device_errors.PLAN_PAGE``): one page unlike the plan's always changes it. Computed
+        once a plan."""
+        digest = self._derived.get("prompt_pages_digest")
+        if digest is None:
+            col = np.arange(self.page_table.shape[1], dtype=np.int64)
+            x = self.page_table.astype(np.int64) * 0x5BD1E995 + col[None, :] * 0x1B873593 + 0x68E31DA4
+            # (the device's rule, triton_kernels.page_table_audit_kernel.prompt_page_digest_term; int64 products wrap)
+            x ^= x >> 29
+            x *= 0x7FEB352D
+            x ^= x >> 32
+            x *= 0x2C1B3C6D
+            x ^= x >> 31
+            x[col[None, :] >= self.kv_pages_per_request.astype(np.int64)[:, None]] = 0
+            digest = np.bitwise_xor.reduce(x, axis=1) if x.shape[1] else np.zeros(self.num_requests, np.int64)
+            digest.setflags(write=False)
+            self._derived["prompt_pages_digest"] = digest
+        return digest
 
     @property
     def total_prompt_pages(self) -> int:

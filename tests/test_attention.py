@@ -234,23 +234,23 @@ def test_a_plan_that_fails_leaves_no_active_plan():
                 new_k=step.new_k, new_v=step.new_v)
 
 
-def test_graph_mode_flag_holds_each_plans_last_prompt_pages_in_one_buffer():
-    """A CUDA-graph wrapper with the flag keeps the plan's last prompt pages (``PLAN_PAGE``'s reference) in a
+def test_graph_mode_flag_holds_each_plans_prompt_digest_in_one_buffer():
+    """A CUDA-graph wrapper with the flag keeps the plan's prompt-pages digest (``PLAN_PAGE``'s reference) in a
     buffer sized by ``max_requests`` at the first plan, at one address (a captured graph reads it in place):
-    a larger batch later fits, gets its own pages, and a valid step raises no bit."""
+    a larger batch later fits, gets its own digest, and a valid step raises no bit."""
     att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=False, use_cuda_graph=True,
                                     max_requests=3, max_beam_width=3, max_prompt_pages=8, report_errors=True)
     small = make_sim(prompts=(5, 17))
     step = small.begin_step()
     plan_step(att, small, step)
-    address = att._views["prompt_last_pages"].data_ptr()
+    address = att._views["plan_digest"].data_ptr()
     att.run(step.q, small.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k,
             step.new_v)
     big = make_sim(prompts=(9, 2, 30), seed=1)
     step = big.begin_step()
     plan = plan_step(att, big, step)
-    assert att._views["prompt_last_pages"].data_ptr() == address
-    assert att._views["prompt_last_pages"].tolist() == plan.prompt_last_pages.tolist()
+    assert att._views["plan_digest"].data_ptr() == address
+    assert att._views["plan_digest"].tolist() == plan.prompt_pages_digest.tolist()
     att.run(step.q, big.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
     assert att.device_errors() == []
 
@@ -869,7 +869,7 @@ def test_bad_lengths_without_check_mode_raise_the_device_flag(tail_impl, bad_len
 def test_a_beam_writing_onto_beam0s_prompt_page_raises_the_flag(tail_impl, engine_wrote_kv):
     """Beam 1 of request 0 given beam 0's copy of the prompt's partly filled last page (a table that shares
     it among beams, as block reuse must not): every index is inside the pool, so only the beams' agreement
-    sees it. Without check mode the flag names it; check mode refuses the step."""
+    sees it. Without check mode the flag names it (and the held page); check mode refuses the step."""
     sim, step, att = _flagged_setup(tail_impl)
     col = int(step.kv_lens[1] - 1) // sim.page_size
     assert int(step.prompt_lens[0]) // sim.page_size == col and int(step.prompt_lens[0]) % sim.page_size
@@ -877,8 +877,9 @@ def test_a_beam_writing_onto_beam0s_prompt_page_raises_the_flag(tail_impl, engin
     table[1, col] = table[0, col]
     new_kv = () if engine_wrote_kv else (step.new_k, step.new_v)
     att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, *new_kv)
-    (message,) = att.device_errors()
-    assert "beam 0's page of the same page-table column" in message, message
+    shared, held = att.device_errors()  # (in bit order; each row's write page is held by the other row too)
+    assert "beam 0's page of the same page-table column" in shared, shared
+    assert "is held elsewhere in its request" in held, held
     att.check = True
     with pytest.raises(BeamSharedPrefixCheckError, match=r"row 1 \(request 0, beam 1\) writes .* a prompt page"):
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, *new_kv)
@@ -890,17 +891,19 @@ def test_a_beam_writing_onto_beam0s_prompt_page_raises_the_flag(tail_impl, engin
     ("on_full_prompt_page", r"row 4 \(request 1, beam 1\) writes .* a prompt page of request 1"),
     ("held_at_earlier_column", (r"row 4 \(request 1, beam 1\) writes .* which row 5 \(request 1, beam 2\) also holds "
                                 r"at column 5")),
+    ("own_column_mid_page", r"row 4 \(request 1, beam 1\) writes .* which the same row also holds at column 5"),
 ])
 def test_a_write_page_held_elsewhere_in_the_request_raises_the_flag(tail_impl, case, check_message):
     """Request 1's beams 1 and 2 given one write page, or beam 1's write slot on the request's first prompt page
     (a full page every beam reads), or (at the eighth step, the first token of the request's third generated page)
-    beam 1's write page held by beam 2 at the column before (the page-table audit's): no index is out of the pool
-    and no beam is on beam 0's page of its column. Without check mode the flag names it, and the same step with the
-    table as given raises nothing; check mode refuses the step."""
-    earlier = case == "held_at_earlier_column"
-    sim, step, att = _flagged_setup(tail_impl, steps=8 if earlier else 3)
+    beam 1's write page held by beam 2 at the column before, or (at the tenth, that page's third token) by beam 1
+    itself at the column before: no index is out of the pool and no beam is on beam 0's page of its column. Without
+    check mode the page-table audit names it, and the same step with the table as given raises nothing; check mode
+    refuses the step."""
+    earlier, mid_page = case == "held_at_earlier_column", case == "own_column_mid_page"
+    sim, step, att = _flagged_setup(tail_impl, steps=8 if earlier else 10 if mid_page else 3)
     col = int(step.kv_lens[3] - 1) // sim.page_size
-    assert int(step.prompt_lens[3]) == 17 and col == (6 if earlier else 4)  # (prompt page 4: 1 token of 4)
+    assert int(step.prompt_lens[3]) == 17 and col == (4 if case in ("two_beams_share", "on_full_prompt_page") else 6)
     att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
     assert att.device_errors() == []
     table = step.beam_page_table.clone()
@@ -909,6 +912,9 @@ def test_a_write_page_held_elsewhere_in_the_request_raises_the_flag(tail_impl, c
     elif earlier:
         assert int(step.kv_lens[4] - 1) == col * sim.page_size  # the write page's first token
         table[4, col] = table[5, col - 1]
+    elif mid_page:
+        assert int(step.kv_lens[4] - 1) == col * sim.page_size + 2  # the write page's third token
+        table[4, col] = table[4, col - 1]  # (so the page's first two tokens were written there too)
     else:
         table[4, col] = table[3, 0]
     att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
@@ -1094,12 +1100,13 @@ def test_check_mode_takes_no_other_layout_for_the_warmup(layout):
 @pytest.mark.parametrize("backend,tail_impl,shared_run", [
     ("reference", "torch", "off"), ("reference", "triton", "off"), ("reference", "triton", "on"),
     ("triton", "triton", "off")])
-def test_a_table_unlike_the_plan_raises_the_flag(backend, tail_impl, shared_run):
-    """Beam 0 of request 1 given another page where its prompt ends (inside the pool, as a table of another
-    batch or pool would be): the prefix reads the plan's pages, the tail the table's. Without check mode
-    the flag names it, on the two-launch path (the tail kernel gets the plan's last prompt pages; also after
-    the shared-run stage) and on the cascade (which compares with its prompt table); the page is request 0's first,
-    and this step's token is written there, so the page-table audit names that too. Check mode refuses the step."""
+@pytest.mark.parametrize("column", ["last", "first"])
+def test_a_table_unlike_the_plan_raises_the_flag(backend, tail_impl, shared_run, column):
+    """Beam 0 of request 1 given another page (request 0's first, inside the pool, as a table of another batch or
+    pool would be) where its prompt ends, or at its first prompt page: the prefix reads the plan's pages, the tail
+    the table's. Without check mode the page-table audit names it (beam 0's prompt pages against the plan's digest),
+    on the two-launch path (also after the shared-run stage) and on the cascade; at the prompt's last page this
+    step's token is written there, so the audit names that too. Check mode refuses the step."""
     device = _kernel_device(tail_impl)
     sim = make_sim(d=64, device=device)  # (a head size the cascade tiles)
     for _ in range(2):
@@ -1115,15 +1122,21 @@ def test_a_table_unlike_the_plan_raises_the_flag(backend, tail_impl, shared_run)
     assert ("tail_skip" in att._views) == (shared_run == "on")
     assert att.device_errors() == []  # the plan's own table
     W, last = step.beam_width, (int(step.prompt_lens[step.beam_width]) - 1) // sim.page_size
+    col = last if column == "last" else 0
+    assert last > 0
     table = step.beam_page_table.clone()
-    table[W, last] = table[0, 0]  # request 0's first page
+    table[W, col] = table[0, 0]  # request 0's first page
     att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
     assert int(step.kv_lens[W] - 1) // sim.page_size == last  # (its write page)
-    plan_message, other_message = att.device_errors()
-    assert "is not the page the prefix read there" in plan_message, plan_message
-    assert "held by a row of another request" in other_message, other_message
+    messages = att.device_errors()
+    assert "are not the pages the prefix read there" in messages[0], messages
+    if column == "last":
+        assert len(messages) == 2 and "held by a row of another request" in messages[1], messages
+    else:
+        assert len(messages) == 1, messages
     att.check = True
-    with pytest.raises(BeamSharedPrefixCheckError, match=r"but the plan's prompt page .* of request 1"):
+    match = rf"\[{W}, {col}\].* but the plan's prompt page {col} of request 1"
+    with pytest.raises(BeamSharedPrefixCheckError, match=match):
         att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
 
 

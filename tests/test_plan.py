@@ -140,9 +140,23 @@ def test_plan_matches_per_request_loop(b):
     expected = loop_plan(b["indptr"], b["indices"], b["lens"], b["beam_width"], b["page_size"])
     check_plan(plan, expected, len(b["lens"]), b["beam_width"], b["page_size"], b["num_cache_pages"])
     assert plan.key == "k"
-    # The page of each prompt's last token, read straight from the caller's lists.
-    last = [int(b["indices"][b["indptr"][r] + (n - 1) // b["page_size"]]) for r, n in enumerate(b["lens"])]
-    assert plan.prompt_last_pages.dtype == np.int32 and plan.prompt_last_pages.tolist() == last
+    # The digest of each prompt's pages (what the device flag's audit compares beam 0's table with), from the caller's
+    # lists by the audit's torch twin: the plan's padding counts for nothing.
+    assert plan.prompt_pages_digest.dtype == np.int64
+    assert plan.prompt_pages_digest.tolist() == _digest_of_lists(b["indptr"], b["indices"], b["lens"], b["page_size"])
+
+
+def _digest_of_lists(indptr, indices, lens, page_size):
+    """Each prompt's pages digest (``StepPlan.prompt_pages_digest``'s rule) from the caller's lists, by the
+    page-table audit's torch twin (``triton_kernels.device_errors.prompt_pages_digest_torch``)."""
+    # (deferred: imports triton)
+    from triton_kernels.device_errors import prompt_pages_digest_torch
+
+    indptr, indices = [int(v) for v in indptr], [int(v) for v in indices]
+    n = [-(-int(length) // page_size) for length in lens]
+    width = max(n)
+    rows = [indices[indptr[r]:indptr[r] + n[r]] + [-1] * (width - n[r]) for r in range(len(n))]
+    return prompt_pages_digest_torch(torch.tensor(rows, dtype=torch.long), torch.tensor(n)).tolist()
 
 
 @settings(max_examples=100, deadline=None)
@@ -228,7 +242,7 @@ def test_extra_listed_pages_are_not_used_or_checked():
     np.testing.assert_array_equal(plan.kv_page_indptr, [0, 2, 3])
     np.testing.assert_array_equal(plan.page_table, [[7, 3], [5, 5]])
     np.testing.assert_array_equal(plan.kv_last_page_len, [4, 3])
-    np.testing.assert_array_equal(plan.prompt_last_pages, [3, 5])
+    assert plan.prompt_pages_digest.tolist() == _digest_of_lists([0, 2, 3], [7, 3, 5], [20, 3], 16)
 
 
 def test_plan_from_simulator_inputs():

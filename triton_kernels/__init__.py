@@ -12,8 +12,9 @@
   H200 in the thirty-first and thirty-second rounds).
 - :mod:`triton_kernels.device_errors`: the optional device error flag those kernels take
   (``error_flags=``): one bit per kind of invalid index they mask, and its decoding.
-- :func:`audit_page_table`: with that flag, checks of the page table the kernels leave out (a write page another
-  request holds, or a beam of its own at an earlier generated column), two launches a step.
+- :func:`audit_page_table`: with that flag, the checks of the page table that judge rows together (beams unlike
+  beam 0, a write page held elsewhere, beam 0's prompt pages unlike the plan's), two launches a step;
+  :func:`audit_page_table_torch`, the same in torch ops.
 """
 
 from .cascade import (
@@ -24,7 +25,7 @@ from .cascade import (
     cascade_supported,
     shared_ancestry_reachable,
 )
-from .page_table_audit import AuditWorkspace, audit_page_table, new_audit_workspace
+from .page_table_audit import AuditWorkspace, audit_page_table, audit_page_table_torch, new_audit_workspace
 from .shared_run import beam_shared_run_attention, shared_run_supported
 from .tail_merge import TailLaunchConfig, beam_tail_attention_merge, tail_launch_config
 from .step_args import KernelInputError, TailMergeInputError
@@ -41,6 +42,7 @@ __all__ = [
     "beam_shared_run_attention",
     "shared_run_supported",
     "audit_page_table",
+    "audit_page_table_torch",
     "AuditWorkspace",
     "new_audit_workspace",
     "beam_tail_attention_merge",

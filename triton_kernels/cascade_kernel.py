@@ -93,8 +93,8 @@ import triton
 import triton.language as tl
 
 from .beam_index import pages_of_source_beams, shared_ancestry_len, source_beam_pages
-from .device_errors import (KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, beam_agreement_bits, error_bits, flush_errors,
-                            held_write_page_bits, kv_len_bad, or_reduce, page_error_bits, plan_agreement_bits)
+from .device_errors import (KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, or_reduce,
+                            page_error_bits)
 from .tail_merge_grouped_kernel import attend_grouped_row
 
 __all__ = ["beam_cascade_kernel"]
@@ -690,29 +690,6 @@ def beam_cascade_kernel(
     # 5. The error bits gathered on the way, after every load and store (REPORT_ERRORS).
     if REPORT_ERRORS:
         flush_errors(err_ptr, prompt_err)
-        if not PREFIX_ONLY:
-            # Whether the tile's beams agree with their beam 0 (lengths, write pages): the first head block.
-            agree_slot = tl.arange(0, BEAMS)
-            agree_beam = first_beam + agree_slot
-            agree_ok = (agree_beam < beam_width) & (agree_slot * 0 + tl.program_id(1) == 0)
-            agree_rows = req64 * beam_width + agree_beam.to(tl.int64)
-            agree_err = beam_agreement_bits(kv_lens_ptr, beam_pt_ptr, agree_rows, agree_ok, req64 * beam_width,
-                                            prompt_len, stride_bpt_row, stride_bpt_col, page_size, page_index_divisor,
-                                            num_pages, max_seq_len)
-            # ... and beam 0's table with the prompt table the prefix read, at the prompt's last token.
-            last_ok = (prompt_len >= 1) & (prompt_len <= prompt_capacity)
-            plan_page = tl.load(prompt_pt_ptr + req64 * stride_ppt_req
-                                + ((prompt_len - 1) // page_size).to(tl.int64) * stride_ppt_col, mask=last_ok, other=-1)
-            agree_err |= plan_agreement_bits(beam_pt_ptr, agree_rows, agree_ok & (agree_beam == 0), prompt_len,
-                                              plan_page, stride_bpt_row, stride_bpt_col, page_size, page_index_divisor,
-                                              tl.minimum(max_seq_len, prompt_capacity))
-            # ... and whether each beam holds its write page alone: once a request, by the tile of beam 0.
-            held = held_write_page_bits(kv_lens_ptr, beam_pt_ptr, req64 * beam_width,
-                                        (first_beam == 0) & (tl.program_id(1) == 0), beam_width, prompt_len,
-                                        stride_bpt_row, stride_bpt_col, page_size, page_index_divisor, num_pages,
-                                        max_seq_len)
-            agree_err |= tl.where(agree_slot == 0, held, 0)
-            flush_errors(err_ptr, agree_err)
         if TAIL_CORES and not PREFIX_ONLY:
             flush_errors(err_ptr, core_beam_err)
             flush_errors(err_ptr, core_pos_err)

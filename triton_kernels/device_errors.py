@@ -7,7 +7,9 @@ then wrong and, for the write slot, this step's K/V is never stored. With an ``e
 tensor (``int32 [1]``) the kernels OR one bit per kind of bad value into it: each program gathers
 its bits in registers (integer work only) and ORs them in at its end, with a relaxed atomic on the
 lanes that hold any, so valid input issues no atomic. The host reads the word whenever it syncs
-anyway and turns it into messages with :func:`decode_error_flags`.
+anyway and turns it into messages with :func:`decode_error_flags`. What no single index shows (beams
+that disagree, a write page held twice, a table unlike the plan) the page-table audit judges once a
+step into the same word (:mod:`triton_kernels.page_table_audit`).
 """
 
 import torch
@@ -19,9 +21,8 @@ from .step_args import KernelInputError
 __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "WRITE_PAGE", "BEAM_KV_LEN",
            "SHARED_WRITE_PAGE", "PLAN_PAGE", "ERROR_BITS", "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits",
            "kv_len_bad", "kv_len_bad_torch", "page_error_bits", "beam_agreement_bits", "beam_agreement_bad_torch",
-           "plan_agreement_bits", "plan_agreement_bad_torch", "HELD_WRITE_PAGE", "held_write_page_bits",
-           "held_write_page_bad_torch", "fresh_write_page_bad_torch", "OTHER_REQUEST_PAGE",
-           "other_request_page_bad_torch", "or_reduce",
+           "prompt_page_digest_terms_torch", "prompt_pages_digest_torch", "plan_digest_bad_torch", "HELD_WRITE_PAGE",
+           "held_write_page_bad_torch", "OTHER_REQUEST_PAGE", "other_request_page_bad_torch", "or_reduce",
            "flush_errors", "flag_where", "decode_error_flags", "new_error_flags", "check_error_flags"]
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
@@ -37,24 +38,24 @@ SOURCE_BEAM = tl.constexpr(8)
 TAIL_PAGE = tl.constexpr(16)
 #: The page-table entry of a row's write slot negative or outside the pool: this step's K/V not written.
 WRITE_PAGE = tl.constexpr(32)
-#: A beam's ``kv_len`` unlike beam 0's of its request: each row attended (and wrote) at its own length.
+#: A beam's ``kv_len`` unlike beam 0's of its request: each row attended (and wrote) at its own length. This bit
+#: and the four below judge rows together, once a step, in the page-table audit (:mod:`triton_kernels.page_table_audit`;
+#: the attention kernels judge the indices they follow, in every layer). Reported only.
 BEAM_KV_LEN = tl.constexpr(64)
 #: A beam's write slot on beam 0's page of the same page-table column (the prompt's partly filled last
 #: page, or a generated page shared between beams), from the second generated token: the two rows write
 #: one slot. Reported only.
 SHARED_WRITE_PAGE = tl.constexpr(128)
-#: Beam 0's page-table entry at its prompt's last token unlike the page the prefix read there (the plan's):
-#: the prefix attended one set of pages, the tail and the write another. Reported only.
+#: Beam 0's page-table entries over its prompt's columns unlike the pages the prefix read there (the plan's),
+#: compared by digest: the prefix attended one set of pages, the tail and the write another. Reported only.
 PLAN_PAGE = tl.constexpr(256)
-#: A beam's write page held elsewhere in its request, from the second generated token: the write page of
-#: another beam than beam 0 (two rows write one page), or one of beam 0's prompt pages at another column
-#: (a page every beam reads), judged once a request by the kernels (:func:`held_write_page_bits`); or, at a
-#: page's first token, a page a beam holds at an earlier generated column, judged once a step by the page-table
-#: audit (:mod:`triton_kernels.page_table_audit`). Reported only.
+#: A beam's write page held elsewhere in its request, from the second generated token: by another row (a page
+#: another beam writes or reads, one of beam 0's prompt pages), or by the row itself at an earlier column (its
+#: prompt's, for beam 0). Reported only.
 HELD_WRITE_PAGE = tl.constexpr(512)
 #: A row's write page held by a row of another request, at any column within that row's length, from the row's second
 #: generated token: this step's K/V overwrites K/V the other request reads (a block handed out twice, a stale table).
-#: Judged once a step by the page-table audit (:mod:`triton_kernels.page_table_audit`). Reported only.
+#: Reported only.
 OTHER_REQUEST_PAGE = tl.constexpr(1024)
 
 #: ``{bit: message}``; each message names the value, what the kernel did and the likely cause.
@@ -78,16 +79,15 @@ ERROR_BITS = {
                              "column: both rows write one slot, so K/V that other beams read there is overwritten "
                              "(each beam needs its own copy of the prompt's partly filled last page and its own "
                              "generated pages; a table that shares them among beams is wrong)",
-    PLAN_PAGE.value: "beam 0's page-table entry at its prompt's last token (entry // page_index_divisor) is not the "
-                     "page the prefix read there: the prefix attended the plan's prompt pages and the tail the "
+    PLAN_PAGE.value: "beam 0's page-table entries over its prompt's columns (entry // page_index_divisor) are not the "
+                     "pages the prefix read there: the prefix attended the plan's prompt pages and the tail the "
                      "table's (a plan of another batch: plan() when the batch changes; or a page_index_divisor "
                      "wrong for this table, or a table of another pool)",
     HELD_WRITE_PAGE.value: "a beam's write page (position kv_len - 1) is held elsewhere in its request: another beam "
-                           "than beam 0 writes the same page, or it is one of beam 0's prompt pages at another "
-                           "page-table column, or a beam holds it at an earlier generated column (a page handed out "
-                           "twice), so this step's K/V overwrites K/V that other beams read (each beam "
-                           "writes into generated pages of its own; a table that shares them among beams, or points "
-                           "a write slot at the prompt, is wrong)",
+                           "writes or reads the same page, or it is one of beam 0's prompt pages, or the beam holds it "
+                           "itself at an earlier page-table column (a page handed out twice), so this step's K/V "
+                           "overwrites K/V that beams read (each beam writes into generated pages of its own; a "
+                           "table that shares them among beams, or points a write slot at the prompt, is wrong)",
     OTHER_REQUEST_PAGE.value: "a row's write page (position kv_len - 1) is held by a row of another request (at a "
                               "column within that row's kv_len): this step's K/V overwrites K/V the other request "
                               "reads (a KV cache block handed out to two requests, or a page table of another step "
@@ -139,11 +139,9 @@ def beam_agreement_bits(kv_lens_ptr, page_table_ptr, row64, row_ok, first_row64,
     token (``kv_len >= prompt_len + 2``): TensorRT-LLM's warm-up requests are all context to its KV cache
     (``kv_len = prompt_len + 1``), whose last block the beams share when it is full, so a write page shared
     at the first generated token is valid there. A table that shares the prompt's partly filled page is
-    seen from the second generated token on, while that token still falls in the page. It reloads what it
-    needs, L1/L2 hits by then: call it after the program's last store, under ``REPORT_ERRORS``, so that
-    the kernels without the flag keep their code. Beams other than beam 0 that share a page with each
-    other, and a write page that is one of beam 0's prompt pages at another column, are
-    :func:`held_write_page_bits`'s."""
+    seen from the second generated token on, while that token still falls in the page. The page-table audit
+    calls it (:func:`triton_kernels.page_table_audit_kernel.page_table_audit_kernel`), once a step; a write page
+    held elsewhere in the request otherwise is ``HELD_WRITE_PAGE``'s."""
     zero = row64 * 0
     cur = tl.load(kv_lens_ptr + row64, mask=row_ok, other=0) - 1
     first_cur = tl.load(kv_lens_ptr + first_row64 + zero, mask=row_ok, other=0) - 1
@@ -179,144 +177,54 @@ def beam_agreement_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, b
     return other_beam & (cur != first_cur), shared
 
 
-@triton.jit
-def plan_agreement_bits(page_table_ptr, row64, row_ok, prompt_len, plan_page, stride_pt_row, stride_pt_col, page_size,
-                        page_index_divisor, table_tokens):
-    """``PLAN_PAGE`` of beam-0 rows ``row64`` (int64 vector, lanes ``row_ok``) whose prompt of ``prompt_len``
-    tokens ends on page ``plan_page`` in the plan (the prompt pages the prefix reads): int32 bits.
-
-    The plan's pages come from the host at ``plan()``, the beam page table from the device at every step;
-    comparing the page of the prompt's last token catches a plan of another batch, a wrong
-    ``page_index_divisor`` and another pool's table, which keep every index inside the pool. Prompts
-    longer than the table (``table_tokens``) are the length checks' (not judged here). Call it after the
-    program's last store, under ``REPORT_ERRORS``."""
-    plen = row64 * 0 + prompt_len  # (a vector: the interpreter cannot `&` a scalar into a mask)
-    judged = row_ok & (plen >= 1) & (plen <= table_tokens)
-    col = (plen - 1) // page_size
-    entry = tl.load(page_table_ptr + row64 * stride_pt_row + col * stride_pt_col, mask=judged, other=-1)
-    # (entry < 0 judged by itself: a negative entry divided can round to page 0)
-    return error_bits(judged & ((entry < 0) | (entry // page_index_divisor != plan_page)), PLAN_PAGE)
+def prompt_page_digest_terms_torch(col: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
+    """The digest term of ``page`` at page-table column ``col`` (int tensors, broadcast together): int64, as the
+    page-table audit's :func:`triton_kernels.page_table_audit_kernel.prompt_page_digest_term` computes it on the
+    device (``tests/triton_kernels/test_page_table_audit.py`` holds the two equal). int64 products wrap, on the
+    device and in torch alike."""
+    x = page.long() * 0x5BD1E995 + col.long() * 0x1B873593 + 0x68E31DA4
+    x ^= x >> 29
+    x *= 0x7FEB352D
+    x ^= x >> 32
+    x *= 0x2C1B3C6D
+    x ^= x >> 31
+    return x
 
 
-def plan_agreement_bad_torch(beam_page_table: torch.Tensor, prompt_lens: torch.Tensor,
-                             prompt_last_pages: torch.Tensor, beam_width: int, page_size: int,
-                             page_index_divisor: int, table_tokens: int) -> torch.Tensor:
-    """:func:`plan_agreement_bits` on torch tensors: bool ``[rows]`` (``rows = prompt_lens.numel()``, ``prompt_lens``
-    per row, ``prompt_last_pages`` per request), device ops (no sync)."""
-    rows = prompt_lens.shape[0]
-    row = torch.arange(rows, device=prompt_lens.device)
-    plen = prompt_lens.long()
-    judged = (row % beam_width == 0) & (plen >= 1) & (plen <= table_tokens)
-    col = torch.where(judged, (plen - 1) // page_size, torch.zeros_like(plen))
-    entry = beam_page_table[row, col].long()
-    plan_page = prompt_last_pages[row // beam_width].long()
-    return judged & ((entry < 0) | (entry // page_index_divisor != plan_page))
+def prompt_pages_digest_torch(page_rows: torch.Tensor, n_cols: torch.Tensor) -> torch.Tensor:
+    """The digest of each row's first ``n_cols`` pages: ``page_rows`` ``[N, cols]`` (pages; ``-1`` for an entry
+    that is none), ``n_cols`` ``[N]``; returns int64 ``[N]``, the XOR of the columns' terms
+    (:func:`prompt_page_digest_terms_torch`). Device ops, no sync."""
+    col = torch.arange(page_rows.shape[1], device=page_rows.device)
+    terms = prompt_page_digest_terms_torch(col[None, :], page_rows)
+    terms = torch.where(col[None, :] < n_cols[:, None], terms, torch.zeros_like(terms))
+    digest = torch.zeros(page_rows.shape[0], dtype=torch.long, device=page_rows.device)
+    for c in range(page_rows.shape[1]):  # (torch has no XOR reduction)
+        digest ^= terms[:, c]
+    return digest
 
 
-#: Beams (and beam 0's prompt columns) compared a block at a time by :func:`held_write_page_bits`. At 32 its
-#: ``[32, 32]`` comparisons spilled registers in the tail kernel's one-warp programs (sm_90, the compile test).
-HELD_CHUNK = tl.constexpr(16)
-
-
-@triton.jit
-def _judged_write_pages(kv_lens_ptr, page_table_ptr, first_row64, beam, n_beams, prompt_len, stride_pt_row,
-                        stride_pt_col, page_size, page_index_divisor, num_pages, max_seq_len):
-    """The write pages of beams ``beam`` (int vector) of the request whose beam 0 is row ``first_row64``:
-    ``(page, column, judged)``; judged are the beams under ``n_beams`` whose slot the kernels write, from the
-    second generated token (as :func:`beam_agreement_bits`), with an entry inside the pool."""
-    ok = beam < n_beams
-    row64 = first_row64 + beam.to(tl.int64)
-    cur = tl.load(kv_lens_ptr + row64, mask=ok, other=0) - 1
-    # (cur >= 0 apart: a negative prompt length, invalid input, must not let a negative column through)
-    judged = ok & (cur > prompt_len) & (cur >= 0) & (cur < max_seq_len)
-    col = cur // page_size
-    entry = tl.load(page_table_ptr + row64 * stride_pt_row + col.to(tl.int64) * stride_pt_col, mask=judged, other=-1)
-    page = entry // page_index_divisor
-    return page, col, judged & (entry >= 0) & (page < num_pages)
-
-
-@triton.jit
-def held_write_page_bits(kv_lens_ptr, page_table_ptr, first_row64, judge, beam_width, prompt_len, stride_pt_row,
-                         stride_pt_col, page_size, page_index_divisor, num_pages, max_seq_len):
-    """``HELD_WRITE_PAGE`` of the request whose beam 0 is row ``first_row64``, judged by the one program whose
-    ``judge`` (scalar) holds: int32 scalar.
-
-    Each beam's write page against every other beam's but beam 0's (a pair with beam 0 at one column is
-    ``SHARED_WRITE_PAGE``'s) and against beam 0's prompt pages at the other columns (its own column is beam 0's
-    partly filled page, which beam 0 itself writes): ``W^2 / 2 + W x prompt pages`` comparisons, blocks of
-    :data:`HELD_CHUNK`, in one program a request. Judged as :func:`beam_agreement_bits` judges (from the
-    second generated token: TensorRT-LLM's warm-up requests share their blocks at the first), so a batch
-    padded with copies of one request (copies share their pages) raises nothing: only beams of one request are
-    compared. Call it after the program's last store, under ``REPORT_ERRORS``."""
-    n_beams = tl.where(judge, beam_width, 0)
-    n_cols = tl.where(judge, tl.minimum(tl.cdiv(prompt_len, page_size), tl.cdiv(max_seq_len, page_size)), 0)
-    lanes = tl.arange(0, HELD_CHUNK)
-    held = n_beams * 0
-    for b0 in range(0, n_beams, HELD_CHUNK):
-        beam_i = b0 + lanes
-        page_i, col_i, judged_i = _judged_write_pages(kv_lens_ptr, page_table_ptr, first_row64, beam_i, n_beams,
-                                                      prompt_len, stride_pt_row, stride_pt_col, page_size,
-                                                      page_index_divisor, num_pages, max_seq_len)
-        other_i = judged_i & (beam_i > 0)
-        for b1 in range(b0, n_beams, HELD_CHUNK):
-            beam_j = b1 + lanes
-            page_j, _, judged_j = _judged_write_pages(kv_lens_ptr, page_table_ptr, first_row64, beam_j, n_beams,
-                                                      prompt_len, stride_pt_row, stride_pt_col, page_size,
-                                                      page_index_divisor, num_pages, max_seq_len)
-            same = (other_i[:, None] & judged_j[None, :] & (beam_i[:, None] < beam_j[None, :])
-                    & (page_i[:, None] == page_j[None, :]))
-            held |= tl.max(tl.where(same, 1, 0))
-        for c0 in range(0, n_cols, HELD_CHUNK):
-            col = c0 + lanes
-            col_ok = col < n_cols
-            entry = tl.load(page_table_ptr + first_row64 * stride_pt_row + col.to(tl.int64) * stride_pt_col,
-                            mask=col_ok, other=-1)
-            # (entry < 0 judged apart: a negative entry divided can round to page 0)
-            on_prompt = (judged_i[:, None] & (col_ok & (entry >= 0))[None, :] & (col_i[:, None] != col[None, :])
-                         & (page_i[:, None] == (entry // page_index_divisor)[None, :]))
-            held |= tl.max(tl.where(on_prompt, 1, 0))
-    return tl.where(held != 0, HELD_WRITE_PAGE, 0)
-
-
-def fresh_write_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
-                               beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
-                               max_seq_len: int) -> torch.Tensor:
-    """The page-table audit's rule (:mod:`triton_kernels.page_table_audit_kernel`) on torch tensors: bool ``[rows]``,
-    the rows whose write page, at a page's first token, a beam of their request holds at an earlier generated column
-    (``rows = kv_lens.numel()``, ``prompt_lens`` per row); device ops, no sync. The audit ORs one bit a launch; this
-    names the rows, which its tests compare."""
-    rows = kv_lens.shape[0]
-    W = beam_width
-    row = torch.arange(rows, device=kv_lens.device)
-    first = row - row % W
-    cur = kv_lens.long() - 1
-    plen = prompt_lens.long()
+def plan_digest_bad_torch(beam_page_table: torch.Tensor, prompt_lens: torch.Tensor, plan_digest: torch.Tensor,
+                          beam_width: int, page_size: int, page_index_divisor: int, max_seq_len: int) -> torch.Tensor:
+    """The page-table audit's ``PLAN_PAGE`` rule on torch tensors: bool ``[requests]``, the requests whose beam 0 holds,
+    over its prompt's columns, pages whose digest is not the plan's (``plan_digest`` int64 ``[requests]``:
+    ``StepPlan.prompt_pages_digest``). Prompts that are empty or past the table or the cache are not judged (the
+    length checks'). Device ops, no sync."""
     cols = beam_page_table.shape[1]
-    first_cur, first_plen = cur[first], plen[first]
-    judged = ((cur == first_cur) & (first_cur > first_plen) & (first_cur >= 0) & (first_cur < max_seq_len)
-              & (first_cur.remainder(page_size) == 0) & (first_cur // page_size < cols))
-    col = torch.where(judged, cur // page_size, torch.zeros_like(cur))
-    entry = beam_page_table[row, col].long()
-    page = entry // page_index_divisor
-    judged = judged & (entry >= 0) & (page < num_pages)
-    # Membership by request-tagged keys (request x num_pages + page): no [rows, W x cols] comparison.
-    table = beam_page_table[:rows].long()
-    held_col = torch.arange(cols, device=kv_lens.device)
-    first_col = first_plen.clamp(min=0) // page_size
-    write_col = torch.div(first_cur, page_size, rounding_mode="floor")  # beam 0's: every judged row's column
-    held_ok = ((held_col[None, :] >= first_col[:, None]) & (held_col[None, :] < write_col[:, None]) & (table >= 0))
-    # (-1 where not held rather than a boolean index, which would sync; a judged row's key is >= 0)
-    held_keys = torch.where(held_ok, (row // W)[:, None] * num_pages + table // page_index_divisor, -1)
-    return judged & torch.isin(row // W * num_pages + page, held_keys)
+    first = beam_page_table[:prompt_lens.shape[0]:beam_width].long()  # [requests, cols]
+    plen = prompt_lens[::beam_width].long()
+    judged = (plen >= 1) & (plen <= max_seq_len) & (plen <= cols * page_size)
+    pages = torch.where(first >= 0, torch.div(first, page_index_divisor, rounding_mode="trunc"), -1)
+    n_cols = torch.where(judged, -(-plen // page_size), torch.zeros_like(plen))
+    return judged & (prompt_pages_digest_torch(pages, n_cols) != plan_digest.long())
 
 
-def other_request_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
-                                 beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
-                                 max_seq_len: int) -> torch.Tensor:
-    """The page-table audit's ``OTHER_REQUEST_PAGE`` rule on torch tensors: bool ``[rows]``, the rows whose write page,
-    from their second generated token, a row of another request holds (at a column below ``cdiv(kv_len, page_size)``;
-    beams other than beam 0 from their prompt's last column). Device ops, no sync: the lowest and highest row holding
-    each page, by ``scatter_reduce``."""
+def _write_pages_and_holders_torch(kv_lens, prompt_lens, beam_page_table, beam_width, page_size, page_index_divisor,
+                                   num_pages, max_seq_len):
+    """The audit's write-page judging on torch tensors: ``(judged, w_col, w_page, high, low, table, first_col)``, where
+    ``high``/``low`` are the highest and lowest row holding each row's write page (the audit's ``page_holders``: every
+    row's columns below ``cdiv(kv_len, page_size)``, beams other than beam 0 from their prompt's last column) and
+    ``judged`` the rows from their second generated token with a write entry in the pool."""
     rows, cols = kv_lens.shape[0], beam_page_table.shape[1]
     W = beam_width
     dev = kv_lens.device
@@ -341,37 +249,38 @@ def other_request_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tenso
     w_page = entry // page_index_divisor
     judged = judged & (entry >= 0) & (w_page < num_pages)
     w_page = torch.where(judged, w_page, num_pages)
-    request = row // W
-    return judged & ((high[w_page] // W != request) | (low[w_page] // W != request))
+    return judged, w_col, w_page, high[w_page], low[w_page], table, first_col
+
+
+def other_request_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
+                                 beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
+                                 max_seq_len: int) -> torch.Tensor:
+    """The page-table audit's ``OTHER_REQUEST_PAGE`` rule on torch tensors: bool ``[rows]``, the rows whose write page,
+    from their second generated token, a row of another request holds (at a column below ``cdiv(kv_len, page_size)``;
+    beams other than beam 0 from their prompt's last column). Device ops, no sync: the lowest and highest row holding
+    each page, by ``scatter_reduce``."""
+    judged, _, _, high, low, _, _ = _write_pages_and_holders_torch(
+        kv_lens, prompt_lens, beam_page_table, beam_width, page_size, page_index_divisor, num_pages, max_seq_len)
+    request = torch.arange(kv_lens.shape[0], device=kv_lens.device) // beam_width
+    return judged & ((high // beam_width != request) | (low // beam_width != request))
 
 
 def held_write_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
                               beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
                               max_seq_len: int) -> torch.Tensor:
-    """:func:`held_write_page_bits` on torch tensors: bool ``[requests]`` (``rows = kv_lens.numel()``, ``prompt_lens``
-    per row), device ops (no sync)."""
-    rows = kv_lens.shape[0]
-    W = beam_width
+    """The page-table audit's ``HELD_WRITE_PAGE`` rule on torch tensors: bool ``[rows]``, the rows whose write page,
+    from their second generated token, another row of their request holds, or the row itself at an earlier column
+    from its first recorded one (0 for beam 0, the prompt's last column for the others). Device ops, no sync."""
+    judged, w_col, w_page, high, low, table, first_col = _write_pages_and_holders_torch(
+        kv_lens, prompt_lens, beam_page_table, beam_width, page_size, page_index_divisor, num_pages, max_seq_len)
+    rows, cols = table.shape
     row = torch.arange(rows, device=kv_lens.device)
-    cur = kv_lens.long() - 1
-    plen = prompt_lens.long()
-    judged = (cur > plen) & (cur >= 0) & (cur < max_seq_len)
-    col = torch.where(judged, cur // page_size, torch.zeros_like(cur))
-    entry = beam_page_table[row, col].long()
-    page = entry // page_index_divisor
-    judged = judged & (entry >= 0) & (page < num_pages)
-    page, col, judged = page.view(-1, W), col.view(-1, W), judged.view(-1, W)  # [requests, W]
-    beam = torch.arange(W, device=kv_lens.device)
-    pairs = ((judged & (beam > 0))[:, :, None] & judged[:, None, :] & (beam[:, None] < beam[None, :])
-             & (page[:, :, None] == page[:, None, :]))
-    cols = beam_page_table.shape[1]
-    n_cols = torch.clamp(-(-plen.view(-1, W)[:, 0] // page_size), max=-(-max_seq_len // page_size))  # [requests]
-    prompt_col = torch.arange(cols, device=kv_lens.device)
-    first_entry = beam_page_table[row.view(-1, W)[:, 0]].long()  # [requests, cols]
-    prompt_ok = (prompt_col[None, :] < n_cols[:, None]) & (first_entry >= 0)
-    on_prompt = (judged[:, :, None] & prompt_ok[:, None, :] & (col[:, :, None] != prompt_col[None, None, :])
-                 & (page[:, :, None] == (first_entry // page_index_divisor)[:, None, :]))
-    return pairs.flatten(1).any(1) | on_prompt.flatten(1).any(1)
+    first, end = row - row % beam_width, row - row % beam_width + beam_width
+    in_request = judged & (((high != row) & (high < end)) | ((low != row) & (low >= first)))
+    col = torch.arange(cols, device=kv_lens.device)
+    earlier = (col[None, :] >= first_col[:, None]) & (col[None, :] < w_col[:, None]) & (table >= 0)
+    mine = judged & (earlier & (table // page_index_divisor == w_page[:, None])).any(1)
+    return in_request | mine
 
 
 @triton.jit

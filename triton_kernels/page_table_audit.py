@@ -1,11 +1,14 @@
-"""Launcher of the page-table audit (:mod:`triton_kernels.page_table_audit_kernel`): with the device error flag, a
-write page that a row of another request holds raises ``OTHER_REQUEST_PAGE``, and one that a beam of its own request
-holds at an earlier generated column raises ``HELD_WRITE_PAGE`` (at the page's first token).
+"""Launcher of the page-table audit (:mod:`triton_kernels.page_table_audit_kernel`): with the device error flag, the
+checks of the page table that judge rows together. A write page that a row of another request holds raises
+``OTHER_REQUEST_PAGE``; one held elsewhere in its own request (another row, or the row at an earlier column),
+``HELD_WRITE_PAGE``; a beam whose length or write page is unlike beam 0's, ``BEAM_KV_LEN`` or ``SHARED_WRITE_PAGE``;
+and beam 0's prompt pages unlike the plan's, ``PLAN_PAGE``.
 
 The step's page table, lengths and prompt lengths are the same in every layer of a pool, so the wrapper launches the
-audit once a step (:class:`beam_shared_prefix.BeamSharedPrefixAttention`), not once a layer as the attention kernels
-judge their own indices. Its workspace (:func:`new_audit_workspace`) is kept across steps at a fixed address, so a
-CUDA graph replays the audit as captured.
+audit once a step (:class:`beam_shared_prefix.BeamSharedPrefixAttention`), while the attention kernels judge the
+indices they follow in every layer. Its workspace (:func:`new_audit_workspace`) is kept across steps at a fixed
+address, so a CUDA graph replays the audit as captured. :func:`audit_page_table_torch` is the same audit in torch
+ops (the torch tail's).
 """
 
 from __future__ import annotations
@@ -14,20 +17,20 @@ from typing import NamedTuple
 
 import torch
 
+from . import device_errors
 from .device_errors import check_error_flags
 from .host_ints import cdiv
 from .page_table_audit_kernel import page_holders_kernel, page_table_audit_kernel
 from .step_args import (check_device, fail, need_dim, need_dtype, need_page_index_divisor, need_tensor,
                         need_unit_stride)
 
-__all__ = ["AUDIT_BLOCK_W", "AUDIT_BLOCK_H", "AUDIT_BLOCK_C", "AuditWorkspace", "new_audit_workspace",
-           "audit_page_table"]
+__all__ = ["AUDIT_BLOCK_W", "AUDIT_BLOCK_C", "AuditWorkspace", "new_audit_workspace", "audit_page_table",
+           "audit_page_table_torch"]
 
-#: Beams whose write pages one block of the audit compares, and held entries they are compared with at a time:
-#: a ``[16, 64]`` comparison, 8 int32 a thread in the audit's 4 warps.
+#: Beams one program of the audit judges.
 AUDIT_BLOCK_W = 16
-AUDIT_BLOCK_H = 64
-#: Page-table columns a holders program records at a time for each of its ``AUDIT_BLOCK_W`` beams (4 warps).
+#: Page-table columns a program reads at a time for each of its ``AUDIT_BLOCK_W`` beams: ``[16, 32]`` entries, 4
+#: int32 a thread in the audit's 4 warps.
 AUDIT_BLOCK_C = 32
 
 
@@ -69,9 +72,11 @@ def audit_page_table(
     num_pages: int,
     max_seq_len: int,
     page_index_divisor: int = 1,
+    plan_digest: torch.Tensor | None = None,
 ) -> None:
-    """OR ``OTHER_REQUEST_PAGE`` and ``HELD_WRITE_PAGE`` into ``error_flags`` where this step's page table breaks
-    their rules (two launches, no sync; a no-op on an empty batch). Launch it once a step.
+    """OR ``OTHER_REQUEST_PAGE``, ``HELD_WRITE_PAGE``, ``BEAM_KV_LEN``, ``SHARED_WRITE_PAGE`` and (with
+    ``plan_digest``) ``PLAN_PAGE`` into ``error_flags`` where this step's page table breaks their rules (two
+    launches, no sync; a no-op on an empty batch). Launch it once a step.
 
     Args:
         kv_lens: ``int32 [R*W]`` at unit stride, each row's KV length including this step's token.
@@ -84,6 +89,8 @@ def audit_page_table(
         page_size: tokens a page; num_pages: pages in the pool; max_seq_len: the cache's length a sequence
             (``cache_indirection.shape[2]``), all ints >= 1.
         page_index_divisor: ``1`` for page numbers, ``layers * kv_factor`` for TensorRT-LLM's block offsets.
+        plan_digest: ``None`` (``PLAN_PAGE`` not judged), or ``int64 [R]`` contiguous, the digest of each request's
+            prompt pages in the plan the prefix read (:attr:`beam_shared_prefix.plan.StepPlan.prompt_pages_digest`).
 
     Raises :class:`~triton_kernels.KernelInputError` naming the argument, its limit and the fix.
     """
@@ -108,6 +115,9 @@ def audit_page_table(
     need_dim("beam_page_table", beam_page_table, 2, "[>= R*W, max_pages]")
     if beam_page_table.shape[0] < rows:
         fail(f"beam_page_table has {beam_page_table.shape[0]} rows but kv_lens has {rows}; pass a row per beam.")
+    if beam_page_table.shape[1] * page_size < max_seq_len:
+        fail(f"beam_page_table has {beam_page_table.shape[1]} columns of {page_size} tokens, fewer than "
+             f"max_seq_len={max_seq_len}; pass the table that covers the cache (cache_indirection.shape[2] tokens).")
     check_error_flags(error_flags, kv_lens.device)
     if error_flags is None:
         fail("error_flags is None; the audit reports into a flag (device_errors.new_error_flags(device)).")
@@ -119,6 +129,13 @@ def audit_page_table(
         fail(f"workspace must be new_audit_workspace(num_pages={num_pages}, {kv_lens.device}) (page_holders int64 "
              f"[2, {num_pages}] contiguous and audit_state int32 [1] on the tensors' device); make one per pool and "
              f"keep it between steps.")
+    if plan_digest is not None:
+        need_tensor("plan_digest", plan_digest)
+        if (plan_digest.dtype != torch.int64 or tuple(plan_digest.shape) != (rows // beam_width,)
+                or not plan_digest.is_contiguous() or plan_digest.device != kv_lens.device):
+            fail(f"plan_digest must be a contiguous int64 [R={rows // beam_width}] tensor on {kv_lens.device}, got "
+                 f"{plan_digest.dtype} {tuple(plan_digest.shape)} on {plan_digest.device}; pass "
+                 f"torch.from_numpy(step_plan.prompt_pages_digest) on the tensors' device, or None.")
     check_device(kv_lens, page_table_audit_kernel, "the page-table audit")
     if rows == 0 or beam_page_table.shape[1] == 0:
         return
@@ -131,8 +148,9 @@ def audit_page_table(
          (kv_lens, prompt_lens, beam_page_table, holders, state, beam_width, *table_geometry, *sizes),
          dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_C=AUDIT_BLOCK_C, num_warps=4)),
         (page_table_audit_kernel, grid,
-         (kv_lens, prompt_lens, beam_page_table, holders, state, error_flags, beam_width, *table_geometry, *sizes),
-         dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_H=AUDIT_BLOCK_H, num_warps=4)),
+         (kv_lens, prompt_lens, beam_page_table, holders, state, error_flags,
+          kv_lens if plan_digest is None else plan_digest, beam_width, *table_geometry, *sizes),
+         dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_C=AUDIT_BLOCK_C, CHECK_PLAN=plan_digest is not None, num_warps=4)),
     )
     for kernel, grid, args, meta in launches:
         if kv_lens.is_cuda:
@@ -140,3 +158,37 @@ def audit_page_table(
                 kernel[grid](*args, **meta)
         else:
             kernel[grid](*args, **meta)
+
+
+def audit_page_table_torch(
+    kv_lens: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    beam_page_table: torch.Tensor,
+    beam_width: int,
+    error_flags: torch.Tensor,
+    *,
+    page_size: int,
+    num_pages: int,
+    max_seq_len: int,
+    page_index_divisor: int = 1,
+    plan_digest: torch.Tensor | None = None,
+) -> None:
+    """:func:`audit_page_table` in torch ops (the rules' twins in :mod:`triton_kernels.device_errors`), on any device,
+    without a workspace: the same arguments but that, the same bits ORed into ``error_flags``, no sync."""
+    rows = kv_lens.shape[0]
+    if rows == 0 or beam_page_table.shape[1] == 0:
+        return
+    table = beam_page_table[:rows]
+    geometry = (beam_width, page_size, page_index_divisor, num_pages, max_seq_len)
+    differs, shared = device_errors.beam_agreement_bad_torch(
+        kv_lens, prompt_lens[torch.arange(rows, device=kv_lens.device) // beam_width * beam_width], table, *geometry)
+    found = [(differs, device_errors.BEAM_KV_LEN), (shared, device_errors.SHARED_WRITE_PAGE),
+             (device_errors.other_request_page_bad_torch(kv_lens, prompt_lens, table, *geometry),
+              device_errors.OTHER_REQUEST_PAGE),
+             (device_errors.held_write_page_bad_torch(kv_lens, prompt_lens, table, *geometry),
+              device_errors.HELD_WRITE_PAGE)]
+    if plan_digest is not None:
+        found.append((device_errors.plan_digest_bad_torch(table, prompt_lens, plan_digest, beam_width, page_size,
+                                                          page_index_divisor, max_seq_len), device_errors.PLAN_PAGE))
+    for bad, bit in found:
+        device_errors.flag_where(error_flags, bad, bit)

@@ -26,7 +26,6 @@ from .step_args import (
     runs_interpreted,
 )
 from .tail_merge_args import (
-    check_prompt_last_pages,
     check_tail_merge_args,
     check_tail_skip,
 )
@@ -345,7 +344,6 @@ def beam_tail_attention_merge(
     launch_config=None,
     error_flags=None,
     tail_skip=None,
-    prompt_last_pages=None,
 ):
     """Fused per-beam tail attention, KV write and LSE merge with the prefix state (one launch).
 
@@ -385,13 +383,12 @@ def beam_tail_attention_merge(
         launch_config: a :class:`TailLaunchConfig` overriding :func:`tail_launch_config` (tuning and
             benchmarks only; the tiling never changes results beyond float32 summation order).
         error_flags: ``None``, or an ``int32 [1]`` tensor on q's device into which the kernel ORs one
-            bit per kind of invalid index it masked (:mod:`triton_kernels.device_errors`; no sync).
+            bit per kind of invalid index it masked (:mod:`triton_kernels.device_errors`; no sync). What no
+            single index shows (beams unlike beam 0, a write page held twice, a table unlike the plan) is the
+            page-table audit's (:func:`triton_kernels.audit_page_table`, once a step).
         tail_skip: ``None``, or ``[rows]`` int32 from :func:`triton_kernels.beam_shared_run_attention`, which
             attended each row's positions ``[P, P + tail_skip)`` and merged them into ``prefix_out`` and
             ``prefix_lse``: the tail then walks ``[P + tail_skip, L)``.
-        prompt_last_pages: ``None``, or ``[R]`` int32 on q's device, the page of each request's last prompt
-            token in the plan the prefix state came from (:attr:`beam_shared_prefix.plan.StepPlan.prompt_last_pages`);
-            with ``error_flags``, beam 0's page table is compared with it (``PLAN_PAGE``). Read only with the flag.
 
     Returns:
         ``out``.
@@ -406,8 +403,6 @@ def beam_tail_attention_merge(
     check_error_flags(error_flags, q.device)
     if tail_skip is not None:
         check_tail_skip(tail_skip, geom.num_rows, q.device)
-    if prompt_last_pages is not None:
-        check_prompt_last_pages(prompt_last_pages, geom.num_rows // geom.beam_width, q.device)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     if geom.num_rows == 0:
@@ -443,8 +438,6 @@ def beam_tail_attention_merge(
         meta.update(tail_skip_ptr=tail_skip, SKIP_SHARED=True)
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
-        if prompt_last_pages is not None:
-            meta.update(prompt_last_page_ptr=prompt_last_pages, CHECK_PLAN=True)
     register_cap = _register_cap(cfg, geom.head_dim, tail_skip is not None, error_flags is not None)
     if register_cap is not None and q.is_cuda:  # (the interpreter has no registers)
         meta.update(maxnreg=register_cap)

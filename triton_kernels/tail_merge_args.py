@@ -54,7 +54,6 @@ __all__ = [
     "check_tail_merge_args",
     "check_tail_index_values",
     "check_tail_skip",
-    "check_prompt_last_pages",
     "memoize_metadata_check",
 ]
 
@@ -166,10 +165,3 @@ def check_tail_skip(tail_skip, num_rows: int, device) -> None:
                        "allocate torch.empty(rows, dtype=torch.int32, device=q.device) and fill it with "
                        "beam_shared_run_attention.")
 
-
-def check_prompt_last_pages(prompt_last_pages, num_requests: int, device) -> None:
-    """``prompt_last_pages`` (the plan's page of each request's last prompt token, which the error flag compares
-    beam 0's page table with) is a contiguous int32 ``[R]`` tensor on ``device``; raises :class:`KernelInputError`
-    naming what it got."""
-    _need_int32_vector("prompt_last_pages", prompt_last_pages, "R", num_requests, device,
-                       "pass torch.from_numpy(step_plan.prompt_last_pages) on q's device, or None.")

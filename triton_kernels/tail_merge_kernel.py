@@ -54,8 +54,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
-from .device_errors import (KV_LEN, WRITE_PAGE, beam_agreement_bits, error_bits, flush_errors, held_write_page_bits,
-                            kv_len_bad, or_reduce, page_error_bits, plan_agreement_bits)
+from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, or_reduce, page_error_bits
 
 __all__ = ["beam_tail_merge_kernel"]
 
@@ -190,8 +189,6 @@ def beam_tail_merge_kernel(
     REPORT_ERRORS: tl.constexpr = False,
     tail_skip_ptr=None,
     SKIP_SHARED: tl.constexpr = False,
-    prompt_last_page_ptr=None,
-    CHECK_PLAN: tl.constexpr = False,
 ):
     """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments and strides (in elements) as the launcher
     :func:`triton_kernels.beam_tail_attention_merge` passes them; the module docstring gives the steps."""
@@ -374,22 +371,6 @@ def beam_tail_merge_kernel(
     inv_l = 1.0 / l_i  # one division per row, a multiply per element
     tl.store(out_ptr + out_offs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=q_head_ok[:, None])
     if REPORT_ERRORS:
-        # Whether the row agrees with its beam 0 (length, write page), judged once a row: the first
-        # program of the row, one lane (slot + head_block == 0).
-        err |= beam_agreement_bits(kv_lens_ptr, page_table_ptr, row64 + slot * 0, slot + head_block == 0,
-                                   first_src_row, prompt_len, stride_pt_row, stride_pt_col, page_size,
-                                   page_index_divisor, num_pages, max_seq_len)
-        # Whether each beam holds its write page alone: once a request, by beam 0's first program.
-        held = held_write_page_bits(kv_lens_ptr, page_table_ptr, first_src_row, (beam == 0) & (head_block == 0),
-                                    beam_width, prompt_len, stride_pt_row, stride_pt_col, page_size,
-                                    page_index_divisor, num_pages, max_seq_len)
-        err |= tl.where(slot == 0, held, 0)
-        if CHECK_PLAN:  # beam 0's table against the plan's pages: once a request
-            judges = (beam == 0) & (head_block == 0)
-            plan_page = tl.load(prompt_last_page_ptr + req, mask=judges, other=-1)
-            err |= plan_agreement_bits(page_table_ptr, row64 + slot * 0, slot + head_block + beam == 0, prompt_len,
-                                       plan_page, stride_pt_row, stride_pt_col, page_size, page_index_divisor,
-                                       max_seq_len)
         flush_errors(err_ptr, err)
         if INDEX_BLOCK > 0:
             flush_errors(err_ptr, lane_err)

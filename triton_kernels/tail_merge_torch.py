@@ -16,7 +16,7 @@ import torch
 from . import device_errors
 from .device_errors import check_error_flags
 from .step_args import LOG2E, check_tail_index_values
-from .tail_merge_args import check_prompt_last_pages, check_tail_merge_args
+from .tail_merge_args import check_tail_merge_args
 
 __all__ = ["beam_tail_attention_merge_torch"]
 
@@ -49,7 +49,6 @@ def beam_tail_attention_merge_torch(
     write_kv=True,
     validate_indices=False,
     error_flags=None,
-    prompt_last_pages=None,
 ):
     """Tail attention + KV write + LSE merge with the prefix, in unfused torch ops.
 
@@ -66,8 +65,6 @@ def beam_tail_attention_merge_torch(
         prefix_lse_base=prefix_lse_base,
     )
     check_error_flags(error_flags, q.device)
-    if prompt_last_pages is not None:
-        check_prompt_last_pages(prompt_last_pages, geom.num_rows // geom.beam_width, q.device)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     rows, W, pg = geom.num_rows, geom.beam_width, geom.page_size
@@ -109,18 +106,9 @@ def beam_tail_attention_merge_torch(
         # The kernels' bits, as device tensors (no sync): a masked link of a valid position.
         # (The kernels report a source beam only at positions inside the table and the cache.)
         len_bad = device_errors.kv_len_bad_torch(wpos, plen, geom.max_seq_len)
-        len_differs, shares_page = device_errors.beam_agreement_bad_torch(
-            klen, plen, beam_page_table, W, pg, page_index_divisor, num_pages, geom.max_seq_len)
         for bad, bit in ((len_bad, device_errors.KV_LEN), (t_ok & ~src_ok, device_errors.SOURCE_BEAM),
                          (src_ok & ~earlier_valid, device_errors.TAIL_PAGE),
-                         (w_ok & ~entry_ok if write_kv else None, device_errors.WRITE_PAGE),
-                         (len_differs, device_errors.BEAM_KV_LEN), (shares_page, device_errors.SHARED_WRITE_PAGE),
-                         (None if prompt_last_pages is None else device_errors.plan_agreement_bad_torch(
-                             beam_page_table, plen, prompt_last_pages, W, pg, page_index_divisor, geom.max_seq_len),
-                          device_errors.PLAN_PAGE),
-                         (device_errors.held_write_page_bad_torch(klen, plen, beam_page_table, W, pg,
-                                                                  page_index_divisor, num_pages, geom.max_seq_len),
-                          device_errors.HELD_WRITE_PAGE)):
+                         (w_ok & ~entry_ok if write_kv else None, device_errors.WRITE_PAGE)):
             if bad is not None:
                 device_errors.flag_where(error_flags, bad, bit)
     slot = t_safe % pg

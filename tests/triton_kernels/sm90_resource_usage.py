@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from triton_kernels.cascade import cascade_launch_config  # noqa: E402
 from triton_kernels.cascade_kernel import SHARED_BLOCK, beam_cascade_kernel  # noqa: E402
-from triton_kernels.page_table_audit import AUDIT_BLOCK_C, AUDIT_BLOCK_H, AUDIT_BLOCK_W  # noqa: E402
+from triton_kernels.page_table_audit import AUDIT_BLOCK_C, AUDIT_BLOCK_W  # noqa: E402
 from triton_kernels.page_table_audit_kernel import page_holders_kernel, page_table_audit_kernel  # noqa: E402
 from triton_kernels.shared_run import shared_run_kv_heads_per_program, shared_run_tile  # noqa: E402
 from triton_kernels.shared_run_kernel import beam_shared_run_kernel  # noqa: E402
@@ -239,11 +239,12 @@ def compile_page_table_audit_sm90(kernel_name: str, page_index_divisor: int):
     """Compile a page-table audit kernel (``"holders"`` or ``"audit"``, the launcher's blocks and warps) for sm_90,
     with page numbers (``page_index_divisor`` 1, a constant Triton's runtime specializes) or block offsets (an int)."""
     pointers = dict(kv_lens_ptr="i32", prompt_lens_ptr="i32", page_table_ptr="i32", holders_ptr="i64", state_ptr="i32",
-                    err_ptr="i32")
+                    err_ptr="i32", plan_digest_ptr="i64")
     if kernel_name == "holders":
         kernel, constexprs, num_warps = page_holders_kernel, dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_C=AUDIT_BLOCK_C), 4
-    else:
-        kernel, constexprs, num_warps = page_table_audit_kernel, dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_H=AUDIT_BLOCK_H), 4
+    else:  # with the plan's digest, as the wrapper launches it
+        kernel, num_warps = page_table_audit_kernel, 4
+        constexprs = dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_C=AUDIT_BLOCK_C, CHECK_PLAN=True)
     pointers = {k: v for k, v in pointers.items() if k in inspect.signature(kernel.fn).parameters}
     constexprs["stride_pt_col"] = 1
     if page_index_divisor == 1:
@@ -256,12 +257,10 @@ def compile_page_table_audit_sm90(kernel_name: str, page_index_divisor: int):
 
 
 def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index_block=None,
-                 report_errors: bool = REPORT_ERRORS, num_rows=None, skip_shared: bool = False, check_plan=None):
+                 report_errors: bool = REPORT_ERRORS, num_rows=None, skip_shared: bool = False):
     """Compile the default tiling of a shape at ``num_rows`` beam rows (``None``: many); ``index_block``
     selects the ``[QH, D]`` kernel with that ``index_block`` instead (its previous default tiling:
-    ``QH * D = 1024``, 4 warps); ``skip_shared``: the tail after the shared-run stage (``tail_skip``);
-    ``check_plan``: the flag's plan check (``None``: with the flag, as the wrapper launches it)."""
-    check_plan = report_errors if check_plan is None else check_plan
+    ``QH * D = 1024``, 4 warps); ``skip_shared``: the tail after the shared-run stage (``tail_skip``)."""
     g = hq // hkv
     cfg = tail_launch_config(g, hkv, d, num_rows)
     if index_block is not None:
@@ -272,16 +271,10 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
         prompt_lens_ptr="i32", cache_indirection_ptr="i32", prefix_out_ptr=prefix_dtype, prefix_lse_ptr="fp32",
         out_ptr=dtype, err_ptr="i32", tail_skip_ptr="i32",
     )
-    # The plan's pages (CHECK_PLAN) are an argument only where they are checked.
     constexprs = dict(
         GROUP=g, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog, HEAD_DIM=d, WRITE_KV=True,
         page_size=PAGE_SIZE, page_index_divisor=1, REPORT_ERRORS=report_errors, SKIP_SHARED=skip_shared,
-        CHECK_PLAN=check_plan,
     )
-    if check_plan:
-        pointers["prompt_last_page_ptr"] = "i32"
-    else:
-        constexprs["prompt_last_page_ptr"] = None
     kernel = beam_tail_merge_grouped_kernel
     if not cfg.grouped:
         kernel = beam_tail_merge_kernel
@@ -296,7 +289,6 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
         num_rows=num_rows,
         skip_shared=skip_shared,
         report_errors=report_errors,
-        check_plan=check_plan,
         config=[cfg.group_pad, cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps, cfg.tokens_outer, cfg.index_block,
                 cfg.grouped],
         triton=triton.__version__,
@@ -339,8 +331,6 @@ def main() -> None:
     for shape in (SHAPES[0], SHAPES[2]):  # the tail after the shared-run stage: many rows and few
         for num_rows in (None, 1):
             print(json.dumps(compile_sm90(*shape, num_rows=num_rows, skip_shared=True)), flush=True)
-    for shape in (SHAPES[0], SHAPES[2]):  # the flag without the plan check (a direct launch without prompt_last_pages)
-        print(json.dumps(compile_sm90(*shape, report_errors=True, check_plan=False)), flush=True)
     for kernel_name in ("holders", "audit"):
         for page_index_divisor in (1, 2):
             print(json.dumps(compile_page_table_audit_sm90(kernel_name, page_index_divisor)), flush=True)

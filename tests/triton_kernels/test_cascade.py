@@ -47,8 +47,8 @@ from triton_kernels.cascade import (
 
 from test_beam_index import leading_shared_run
 from test_tail_merge import (
-    assert_matches, assert_same_pools_but_one_raced_slot, earlier_tail, expected_pool_after_write, make_sim, oracle,
-    step_after,
+    assert_matches, assert_same_pools_but_one_raced_slot, audit_word, earlier_tail, expected_pool_after_write, make_sim,
+    oracle, step_after,
 )
 
 
@@ -85,6 +85,8 @@ def run_cascade(sim, step, *, divisor=1, write_kv=True, launch_config=None, stri
     )
     assert result is out
     assert int(flags) == 0, f"valid input raised {device_errors.decode_error_flags(int(flags))}"
+    audited = audit_word(step, table, divisor=divisor)
+    assert audited == 0, f"the audit of a valid step raised {device_errors.decode_error_flags(audited)}"
     want_pool = expected_pool_after_write(sim, step, before) if write_kv else before
     assert torch.equal(sim.kv_cache, want_pool), "the pool differs from its snapshot plus this step's K/V"
     return out
@@ -312,9 +314,8 @@ def test_cascade_never_reads_an_unwritten_slot(config, device):
 
 CASCADE_BAD_VALUES = [
     # (name, change to the call's arguments, error bits it must raise)
-    # (and beam 0's table is no longer the prompt table's: PLAN_PAGE)
     ("prompt_page_outside_pool", lambda a: dict(prompt_page_table=a["prompt_page_table"] + 10_000),
-     device_errors.PROMPT_PAGE.value | device_errors.PLAN_PAGE.value),
+     device_errors.PROMPT_PAGE.value),
     # (the prompt then also runs past every kv_len)
     ("prompt_past_its_table", lambda a: dict(prompt_lens=a["prompt_lens"] + 200),
      device_errors.PROMPT_LEN.value | device_errors.KV_LEN.value),
@@ -359,14 +360,17 @@ def test_cascade_reports_what_it_masks(name, change, bits, config, device):
 
 @pytest.mark.parametrize("config", [None, TILINGS[0][1], dict(TILINGS)["tail_on_cores"]],
                          ids=["default_one_block", "beam_blocks_tail2", "tail_on_cores"])
-@pytest.mark.parametrize("name,bits", [("len_differs", device_errors.BEAM_KV_LEN.value),
-                                       ("on_beam0_write_page", device_errors.SHARED_WRITE_PAGE.value),
-                                       ("prompt_table_of_another_batch", device_errors.PLAN_PAGE.value)])
+@pytest.mark.parametrize("name,bits", [
+    ("len_differs", device_errors.BEAM_KV_LEN.value),
+    ("on_beam0_write_page", device_errors.SHARED_WRITE_PAGE.value | device_errors.HELD_WRITE_PAGE.value),
+    ("prompt_table_of_another_batch", device_errors.PLAN_PAGE.value),
+])
 def test_cascade_reports_rows_that_disagree(name, bits, config, device):
     """Request 1's last beam (17 of 18: in the 16-beam tiling, the second beam block) one position behind beam 0, or
     writing into beam 0's copy of the prompt's partly filled page; or a prompt table whose last page of request
-    0 is not beam 0's: served as given, reported (exactly its bit), and the flag changes nothing computed or
-    written (but the slot two rows write, whose writes race element by element on a GPU, flag or not)."""
+    0 is not beam 0's: served as given, raising nothing in the kernel; the step's page-table audit (against the
+    prompt table's digest) reports exactly its bits, and the flag changes nothing computed or written (but the slot
+    two rows write, whose writes race element by element on a GPU, flag or not)."""
     results = []
     for flags in (None, device_errors.new_error_flags(device)):
         sim = make_sim(device, prompts=[20, 7], beams=18, hq=6, hkv=2, d=64, seed=3)
@@ -391,7 +395,11 @@ def test_cascade_reports_rows_that_disagree(name, bits, config, device):
                                launch_config=config, error_flags=flags)
         results.append((out, sim.kv_cache))
     assert not torch.isnan(results[0][0]).any()
-    assert int(flags) == bits, (name, device_errors.decode_error_flags(int(flags)))
+    assert int(flags) == 0, (name, device_errors.decode_error_flags(int(flags)))
+    n_cols = -(-step.prompt_lens[::W].long().cpu() // sim.page_size)
+    digest = device_errors.prompt_pages_digest_torch(prompts.long().cpu(), n_cols)
+    audited = audit_word(step, table, kv_lens, plan_digest=digest)
+    assert audited == bits, (name, device_errors.decode_error_flags(audited))
     assert torch.equal(results[0][0], results[1][0])
     if name == "on_beam0_write_page":  # rows W and i both write this step's slot of beam 0's page
         page, slot = int(table[W, col]), int(kv_lens[W] - 1) % sim.page_size
@@ -406,8 +414,8 @@ def test_cascade_reports_rows_that_disagree(name, bits, config, device):
 @pytest.mark.parametrize("case", ["two_beams_share", "on_full_prompt_page"])
 def test_cascade_reports_write_pages_held_elsewhere_in_the_request(case, config, device):
     """Request 0's beams 1 and 17 (two beam blocks in the 16-beam tiling) given one write page, or beam 5's write
-    slot pointed at the full prompt page of column 0: reported once, by the program that holds beam 0 (exactly
-    ``HELD_WRITE_PAGE``), and the flag changes nothing written but the slot two rows write. (Beam 5 overwrites a
+    slot pointed at the full prompt page of column 0: nothing raised by the kernel, exactly ``HELD_WRITE_PAGE`` by
+    the step's audit, and the flag changes nothing written but the slot two rows write. (Beam 5 overwrites a
     prompt token that other programs read in the same launch, a race on a GPU: its outputs are not compared.)"""
     results = []
     for flags in (None, device_errors.new_error_flags(device)):
@@ -425,7 +433,9 @@ def test_cascade_reports_write_pages_held_elsewhere_in_the_request(case, config,
                                kv_layout=sim.kv_layout, launch_config=config, error_flags=flags)
         results.append((out, sim.kv_cache))
     assert not torch.isnan(results[1][0]).any()
-    assert int(flags) == device_errors.HELD_WRITE_PAGE.value, device_errors.decode_error_flags(int(flags))
+    assert int(flags) == 0, device_errors.decode_error_flags(int(flags))
+    audited = audit_word(step, table)
+    assert audited == device_errors.HELD_WRITE_PAGE.value, device_errors.decode_error_flags(audited)
     if case == "two_beams_share":  # rows 1 and 17 both write this step's slot of beam 1's page
         assert torch.equal(results[0][0], results[1][0])
         page, slot = int(table[1, col]), int(step.kv_lens[1] - 1) % sim.page_size

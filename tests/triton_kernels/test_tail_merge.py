@@ -38,8 +38,11 @@ from triton_kernels.tail_merge import _TOKENS_OUTER, _check_config, _register_ca
 from triton_kernels import (
     TailLaunchConfig,
     TailMergeInputError,
+    audit_page_table,
+    audit_page_table_torch,
     beam_tail_attention_merge,
     beam_tail_attention_merge_torch,
+    new_audit_workspace,
 )
 
 LN2 = math.log(2.0)
@@ -76,12 +79,26 @@ def prefix_state(sim, step, lse_layout="NH", lse_base="log2", prefix_dtype=torch
     return o.to(prefix_dtype), lse
 
 
-def prompt_last_pages(step):
-    """The plan's page of each request's last prompt token (what the error flag compares beam 0's table with,
-    ``PLAN_PAGE``), int32 ``[R]`` on the step's device."""
-    plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
-                           step.beam_width, step.page_size, step.num_pages)
-    return torch.from_numpy(plan.prompt_last_pages.copy()).to(step.q.device)
+def audit_word(step, beam_page_table=None, kv_lens=None, plan_digest=None, divisor=1, impl="triton"):
+    """The page-table audit of a step, as the wrapper launches it once a step with the flag (``impl="torch"``: its
+    torch twin): the flag word it raises. ``plan_digest``: the plan's (default: the plan of the step's prompt
+    pages, ``StepPlan.prompt_pages_digest``); ``divisor``: the table's ``page_index_divisor``."""
+    table = step.beam_page_table if beam_page_table is None else beam_page_table
+    kv_lens = step.kv_lens if kv_lens is None else kv_lens
+    if plan_digest is None:
+        plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
+                               step.beam_width, step.page_size, step.num_pages)
+        plan_digest = torch.from_numpy(plan.prompt_pages_digest.copy())
+    dev = kv_lens.device
+    flags = device_errors.new_error_flags(dev)
+    args = (kv_lens, step.prompt_lens, table, step.beam_width, flags)
+    sizes = dict(page_size=step.page_size, num_pages=step.num_pages, max_seq_len=step.cache_indirection.shape[2],
+                 page_index_divisor=divisor, plan_digest=plan_digest.to(dev))
+    if impl == "torch":
+        audit_page_table_torch(*args, **sizes)
+    else:
+        audit_page_table(*args, new_audit_workspace(step.num_pages, dev), **sizes)
+    return int(flags)
 
 
 def expected_pool_after_write(sim, step, before):
@@ -144,11 +161,13 @@ def run_step(impl, sim, step, *, lse_layout="NH", lse_base="log2", divisor=1, em
         q, new_k, new_v, kv_cache, table, step.kv_lens, step.prompt_lens, step.cache_indirection,
         step.beam_width, prefix_out, prefix_lse, out, kv_layout=sim.kv_layout, page_index_divisor=divisor,
         prefix_lse_layout=lse_layout, prefix_lse_base=lse_base, write_kv=write_kv,
-        validate_indices=(impl == "torch"), error_flags=flags, prompt_last_pages=prompt_last_pages(step),
+        validate_indices=(impl == "torch"), error_flags=flags,
         **({"launch_config": launch_config} if launch_config is not None else {}),
     )
     assert result is out
     assert int(flags) == 0, f"valid input raised {device_errors.decode_error_flags(int(flags))}"
+    audited = audit_word(step, table, divisor=divisor, impl=impl)
+    assert audited == 0, f"the audit of a valid step raised {device_errors.decode_error_flags(audited)}"
     want_pool = expected_pool_after_write(sim, step, before) if write_kv else before
     assert torch.equal(kv_cache, want_pool), "the pool differs from its snapshot plus this step's K/V"
     return out
@@ -498,10 +517,6 @@ BAD_INPUTS = [
     ("pool_k_is_v", lambda a: dict(kv_cache=a["kv_cache"][:, :1].expand_as(a["kv_cache"])),
      "overlap in memory (a stride of 0"),
     # The plan's last prompt pages: one per request (2), int32.
-    ("prompt_last_pages_per_row", lambda a: dict(prompt_last_pages=a["prompt_lens"]),
-     "prompt_last_pages must be a contiguous int32 [R=2] tensor"),
-    ("prompt_last_pages_dtype", lambda a: dict(prompt_last_pages=torch.zeros(2, dtype=torch.int64, device=a["q"].device)),
-     "prompt_last_pages must be a contiguous int32 [R=2] tensor"),
 ]
 
 
@@ -552,15 +567,15 @@ BAD_VALUE_BITS = {
     "kv_len_not_past_prompt": device_errors.KV_LEN.value,
     # (the tail then runs to max_seq_len, through page-table columns no page was allocated for: -1)
     "kv_len_past_capacity": device_errors.KV_LEN.value | device_errors.TAIL_PAGE.value,
-    # (beam 0's prompt page too: the table is no longer the plan's)
-    "page_outside_pool": device_errors.TAIL_PAGE.value | device_errors.WRITE_PAGE.value | device_errors.PLAN_PAGE.value,
+    "page_outside_pool": device_errors.TAIL_PAGE.value | device_errors.WRITE_PAGE.value,
     "indirection_not_a_beam": device_errors.SOURCE_BEAM.value,
 }
 
 
-def _bad_value_case(device, change):
+def _bad_value_case(device, change, with_digest=False):
     """A step with 3 earlier generated tokens (so indirection entries are read), its call arguments
-    with ``change`` applied and a NaN-poisoned ``out``: ``(sim, step, args)``."""
+    with ``change`` applied and a NaN-poisoned ``out``: ``(sim, step, args)``, and with ``with_digest`` the plan's
+    prompt digest the audit compares beam 0's table with (which ``change`` may replace as ``plan_digest``)."""
     sim = make_sim(device, prompts=[5, 3], beams=2, hq=4, hkv=2, d=64, seed=1)
     for _ in range(3):
         sim.begin_step()
@@ -571,10 +586,14 @@ def _bad_value_case(device, change):
         q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table,
         kv_lens=step.kv_lens, prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection,
         beam_width=step.beam_width, prefix_out=po, prefix_lse=pl, out=torch.full_like(step.q, float("nan")),
-        prompt_last_pages=prompt_last_pages(step),
     )
-    args.update(change(args))
-    return sim, step, args
+    plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
+                           step.beam_width, step.page_size, step.num_pages)
+    digest = torch.from_numpy(plan.prompt_pages_digest.copy())
+    changed = change(dict(args, plan_digest=digest))
+    digest = changed.pop("plan_digest", digest)
+    args.update(changed)
+    return (sim, step, args, digest) if with_digest else (sim, step, args)
 
 
 @impl_param
@@ -650,13 +669,15 @@ def _beam_on_beam0_write_page(a):  # request 0's beam 1 writes into beam 0's cop
 
 
 def _plan_of_another_batch(a):  # the prefix state of a plan whose requests came in the other order
-    assert a["prompt_last_pages"].numel() == 2 and int(a["prompt_last_pages"][0]) != int(a["prompt_last_pages"][1])
-    return dict(prompt_last_pages=a["prompt_last_pages"].flip(0).contiguous())
+    assert a["plan_digest"].numel() == 2 and int(a["plan_digest"][0]) != int(a["plan_digest"][1])
+    return dict(plan_digest=a["plan_digest"].flip(0).contiguous())
 
 
 REPORTED_ONLY = [
     ("len_differs", _beam_len_differs, device_errors.BEAM_KV_LEN.value),
-    ("on_beam0_write_page", _beam_on_beam0_write_page, device_errors.SHARED_WRITE_PAGE.value),
+    # (HELD_WRITE_PAGE too: each of the two rows' write page is held by the other)
+    ("on_beam0_write_page", _beam_on_beam0_write_page,
+     device_errors.SHARED_WRITE_PAGE.value | device_errors.HELD_WRITE_PAGE.value),
     ("plan_of_another_batch", _plan_of_another_batch, device_errors.PLAN_PAGE.value),
 ]
 
@@ -669,19 +690,22 @@ REPORTED_ONLY = [
 def test_rows_that_disagree_are_reported_not_changed(name, change, bits, write_kv, config, device):
     """A beam whose kv_len differs from beam 0's, a beam whose write slot is on beam 0's page (here the prompt's
     partly filled last page), or a beam page table unlike the plan the prefix came from: each index is valid
-    alone, so the kernels serve the step as given; with the flag they report it (exactly its bit, whether or
-    not they write the step's K/V), and the flag changes nothing they compute or write (but the slot two rows
-    write, whose writes race element by element on a GPU, flag or not)."""
+    alone, so the kernels serve the step as given and raise nothing (whether or not they write the step's K/V);
+    the step's page-table audit reports exactly its bits, and the flag changes nothing the kernels compute or write
+    (but the slot two rows write, whose writes race element by element on a GPU, flag or not)."""
     results = []
     for flags in (None, device_errors.new_error_flags(device)):
-        sim, _, args = _bad_value_case(device, change)
+        sim, step, args, digest = _bad_value_case(device, change, with_digest=True)
         if config == "torch":
             IMPLS["torch"](**args, write_kv=write_kv, error_flags=flags)
         else:
             beam_tail_attention_merge(**args, write_kv=write_kv, launch_config=config, error_flags=flags)
         results.append((args["out"], sim.kv_cache))
     assert not torch.isnan(results[0][0]).any()
-    assert int(flags) == bits, (name, device_errors.decode_error_flags(int(flags)))
+    assert int(flags) == 0, (name, device_errors.decode_error_flags(int(flags)))
+    audited = audit_word(step, args["beam_page_table"], args["kv_lens"], plan_digest=digest,
+                         impl="torch" if config == "torch" else "triton")
+    assert audited == bits, (name, device_errors.decode_error_flags(audited))
     assert torch.equal(results[0][0], results[1][0])
     if name == "on_beam0_write_page" and write_kv:  # rows 0 and 1 both write this step's slot of beam 0's page
         page, slot = int(args["beam_page_table"][0, 0]), int(args["kv_lens"][0] - 1) % 16
@@ -699,8 +723,9 @@ def test_write_pages_held_elsewhere_in_the_request_are_reported(case, config, de
     """Beams 1 and 2 of request 0 given one write page (the copy of the prompt's partly filled page that each
     beam owns), or beam 1's write slot pointed at a full prompt page every beam reads (column 0 of 3): every
     index is in the pool and no beam is on beam 0's page of its column, so only the request's beams together
-    show it. Served as given, reported (exactly ``HELD_WRITE_PAGE``), and the flag changes nothing computed or
-    written (but the slot two rows write, whose writes race element by element on a GPU)."""
+    show it. Served as given, raising nothing in the kernels; the step's audit reports exactly
+    ``HELD_WRITE_PAGE``, and the flag changes nothing computed or written (but the slot two rows write, whose
+    writes race element by element on a GPU)."""
     results = []
     for flags in (None, device_errors.new_error_flags(device)):
         sim, step = step_after(dict(prompts=[40, 21], beams=3, hq=4, hkv=2, d=64, seed=2), 3)
@@ -714,15 +739,16 @@ def test_write_pages_held_elsewhere_in_the_request_are_reported(case, config, de
             table[1, col] = table[0, 0]
         args = dict(q=step.q, new_k=step.new_k, new_v=step.new_v, kv_cache=sim.kv_cache, beam_page_table=table,
                     kv_lens=step.kv_lens, prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection,
-                    beam_width=step.beam_width, prefix_out=po, prefix_lse=pl, out=torch.full_like(step.q, float("nan")),
-                    prompt_last_pages=prompt_last_pages(step))
+                    beam_width=step.beam_width, prefix_out=po, prefix_lse=pl, out=torch.full_like(step.q, float("nan")))
         if config == "torch":
             IMPLS["torch"](**args, error_flags=flags)
         else:
             beam_tail_attention_merge(**args, launch_config=config, error_flags=flags)
         results.append((args["out"], sim.kv_cache))
     assert not torch.isnan(results[0][0]).any()
-    assert int(flags) == device_errors.HELD_WRITE_PAGE.value, device_errors.decode_error_flags(int(flags))
+    assert int(flags) == 0, device_errors.decode_error_flags(int(flags))
+    audited = audit_word(step, table, impl="torch" if config == "torch" else "triton")
+    assert audited == device_errors.HELD_WRITE_PAGE.value, device_errors.decode_error_flags(audited)
     assert torch.equal(results[0][0], results[1][0])
     if case == "two_beams_share":  # rows 1 and 2 both write this step's slot of beam 1's page
         page, slot = int(table[1, col]), int(step.kv_lens[1] - 1) % 16
