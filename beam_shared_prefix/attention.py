@@ -100,14 +100,13 @@ class BeamSharedPrefixAttention:
         report_errors: give the kernels a device error flag (:attr:`error_flags`): invalid lengths,
             pages or indirection entries they mask are reported without a sync, read by
             :meth:`poll_device_errors` or :meth:`device_errors`; once a step, in the runs of the first layer
-            served, the page-table audit adds write pages held by another request or at an earlier column
-            (:mod:`triton_kernels.page_table_audit`, 9-12 us a step on an H100). The kernels' checks cost
-            2.6-7.4% a layer at three presets (an H100: A 1.026x, B-short 1.066x, B-beam14 1.074x, the held-page
-            check in blocks of 32; ``docs/rounds.md``, "The sixty-eighth round" and "The seventy-first round");
-            ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` (default off).
+            served, the page-table audit (:mod:`triton_kernels.page_table_audit`) adds what is valid index by
+            index and wrong only together: beams unlike beam 0, a write page held elsewhere in its request or
+            by another request, beam 0's prompt pages unlike the plan's. Its cost is in ``docs/design.md``
+            (the flag's cost); ``None`` reads ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` (default off).
         page_table_audit: with ``report_errors``, run the page-table audit once a step (default); ``False``
             leaves it out, so every run() pays the kernels' checks alone, as a model's later layers do (the
-            benchmark's ``auto-flag-layer`` arm times that).
+            benchmark's ``auto-flag-layer`` arm times that), and nothing judges the table as a whole.
         shared_run: on the two-launch paths (a FlashInfer or FA4 prefix, then the Triton tail), attend the
             generated positions that every beam of a block reads from one ancestor once per block between
             the two (:func:`triton_kernels.beam_shared_run_attention`), and let the tail skip them.

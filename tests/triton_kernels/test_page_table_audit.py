@@ -62,10 +62,10 @@ def _audit(kv, prompt, table, W, flags=None, workspace=None, plan_digest=None, *
 CASES = {  # case: the bits its request raises
     "valid": 0, "other_beam_earlier_column": HELD, "own_earlier_column": HELD, "other_beams_prompt_copy": HELD,
     "beam0_partial_prompt_page": HELD, "full_prompt_earlier_column": HELD, "same_column_pair": HELD,
-    "on_full_prompt_page": HELD, "mid_page": HELD, "own_earlier_column_mid_page": HELD,
+    "on_full_prompt_page": HELD, "beam0_own_full_prompt_page": HELD, "mid_page": HELD, "own_earlier_column_mid_page": HELD,
     "on_beam0_same_column": SHARED | HELD, "longer_beam": LEN | HELD, "shorter_beam": LEN,
-    "plan_earlier_prompt_page": PLAN, "plan_in_other_code": 0, "first_generated_token": 0, "warmup_request": 0,
-    "held_entry_missing": 0, "padding": 0, "outside_pool": 0,
+    "plan_earlier_prompt_page": PLAN, "plan_entry_missing": PLAN, "plan_in_other_code": 0, "first_generated_token": 0, "warmup_request": 0,
+    "held_entry_missing": 0, "own_entry_missing": 0, "padding": 0, "outside_pool": 0,
 }
 
 
@@ -113,6 +113,8 @@ def _case(seed: int, W: int):
             t[j, c_w] = t[i, c_w]
         elif case == "on_full_prompt_page":
             t[i, c_w] = t[0, int(torch.randint(0, c_p, (1,), generator=g))]
+        elif case == "beam0_own_full_prompt_page":  # beam 0 alone holds it: its own earlier column, from column 0
+            t[0, c_w] = t[0, int(torch.randint(0, c_p, (1,), generator=g))]
         elif case == "mid_page":  # a token past the page's first, which the page's holder wrote before
             kv[rows] += 1 + int(torch.randint(0, pg - 1, (1,), generator=g))
             t[i, c_w] = t[j, c]
@@ -128,6 +130,11 @@ def _case(seed: int, W: int):
             kv[r * W + i] -= 1
         elif case == "plan_earlier_prompt_page":  # beam 0's first prompt page unlike the plan's (nobody else's)
             t[0, 0] = (num_pages - 1) * div
+        elif case == "plan_entry_missing":  # the plan's page 0 where the table has no entry (-1 // 2 is not page 0)
+            plan_row = t[0].clone()
+            plan_row[0] = 0
+            plan_digest[r] = _plan_digest(plan_row[None], prompt[rows][:1], 1, pg, div)[0]
+            t[0, 0] = -1
         elif case == "plan_in_other_code":
             t[0, 0] = t[0, 0] // div * div + (t[0, 0] + 1) % div
         elif case == "first_generated_token":  # kv_len = prompt + 1: not judged (the warm-up's look)
@@ -141,6 +148,9 @@ def _case(seed: int, W: int):
         elif case == "held_entry_missing":  # -1 // 2 must not make page 0 a held page
             t[i, c_w] = 1
             t[j, c] = -1
+        elif case == "own_entry_missing":  # nor one of the row's own earlier entries
+            t[i, c_w] = 1
+            t[i, c] = -1
         elif case == "padding":  # TensorRT-LLM's padding rows: kv_len 1, a one-token prompt, one page for all
             kv[rows], prompt[rows] = 1, 1
             t[:, 0] = t[0, 0]
@@ -164,16 +174,18 @@ def test_audit_flags_each_kind_of_bad_table(seed, W, block_w, monkeypatch):
         flags.fill_(1)  # (another kind's bit, already set: the audit ORs into the word, it never clears it)
         got[case] = _audit(kv[rows], prompt[rows], table[rows], W, flags, plan_digest=digest[r:r + 1], **p)
     assert got == {c: 1 | bits for c, bits in CASES.items()}
-    # The whole batch at once: one word for all (no page of one request is another's), and nothing read past the
-    # table's rows or columns (a strided view whose other entries are another request's pages).
+    # The whole batch at once: one word for all (the two "entry_missing" requests both write page 0, the quotient a
+    # truncating -1 // 2 would give: OTHER_REQUEST_PAGE; no other page of one request is another's), and nothing
+    # read past the table's rows or columns (a strided view whose other entries are another request's pages).
     wide = torch.full((table.shape[0] + W, table.shape[1] + 3), int(table[0, 0]), dtype=torch.int32)
     wide[:table.shape[0], :table.shape[1]] = table
-    want = 0
+    want = OTHER
     for bits in CASES.values():
         want |= bits
     assert _audit(kv, prompt, wide[:, :table.shape[1]], W, plan_digest=digest, **p) == want
-    assert not other_request_page_bad_torch(kv, prompt, table, W, p["page_size"], p["page_index_divisor"],
-                                            p["num_pages"], p["max_seq_len"]).any()
+    other = other_request_page_bad_torch(kv, prompt, table, W, p["page_size"], p["page_index_divisor"],
+                                         p["num_pages"], p["max_seq_len"]).view(-1, W).any(1)
+    assert [c for r, c in enumerate(CASES) if other[r]] == ["held_entry_missing", "own_entry_missing"]
 
 
 def _rules_by_loops(kv, prompt, table, W, pg, div, num_pages, max_seq_len, plan_pages=None):
