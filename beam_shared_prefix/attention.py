@@ -68,6 +68,11 @@ __all__ = ["BeamSharedPrefixAttention", "AttentionInputError", "TAIL_IMPLS"]
 
 TAIL_IMPLS = ("auto", "triton", "torch")
 DTYPES = (torch.bfloat16, torch.float16)
+#: The page-table audit's stamp, an int32 the audit advances on the device, would wrap after 2**31 audits (the
+#: holders of earlier steps would then outrank this step's). The wrapper starts its workspace over (zeroed holders,
+#: stamp 1) at the first plan() after this many plan() calls and audited run() calls: a step plans once and audits
+#: at most twice, also where a CUDA graph replays the audits without run().
+AUDIT_RESTART = 2**29
 
 
 class AttentionInputError(ValueError):
@@ -198,6 +203,7 @@ class BeamSharedPrefixAttention:
         self._audit_layer: Optional[int] = None  # the pool view the page-table audit rides with (its address)
         self._audited_since_plan = False
         self._audit_workspace = None  # the audit's page holders and stamp, made at plan() (never inside a capture)
+        self._audit_uses = 0  # plan() calls and audited run() calls on the workspace (AUDIT_RESTART)
         self.page_table_audit = bool(page_table_audit) and self.error_flags is not None
         self.shared_run = shared_run_mode(settings.shared_run if shared_run is None else shared_run)
         max_tail_len = settings.max_tail_len if max_tail_len is None else max_tail_len
@@ -397,7 +403,12 @@ class BeamSharedPrefixAttention:
             raise AttentionInputError(str(exc)) from None
         planner = self._planner_for(page_size, num_cache_pages)
         if self.page_table_audit and self.tail_impl == "triton":
-            self._audit_workspace_for(num_cache_pages)
+            workspace = self._audit_workspace_for(num_cache_pages)
+            self._audit_uses += 1
+            if self._audit_uses >= AUDIT_RESTART:  # (device ops on the stream, outside any capture)
+                workspace.page_holders.zero_()
+                workspace.audit_state.fill_(1)
+                self._audit_uses = 0
         builds = planner.num_builds
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
         if self.check and key is not None and planner.num_builds == builds:
@@ -671,6 +682,7 @@ class BeamSharedPrefixAttention:
             from triton_kernels import new_audit_workspace
 
             workspace = self._audit_workspace = new_audit_workspace(num_pages, self.device)
+            self._audit_uses = 0
         return workspace
 
     def _audit_page_table(self, kv_cache, beam_page_table, kv_lens, cache_indirection, page_size, page_index_divisor,
@@ -687,6 +699,7 @@ class BeamSharedPrefixAttention:
             from triton_kernels import audit_page_table
 
             audit_page_table(*args, self._audit_workspace_for(num_pages), **sizes)
+            self._audit_uses += 1
         else:
             from triton_kernels import audit_page_table_torch
 

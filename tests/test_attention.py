@@ -986,6 +986,36 @@ def test_the_page_table_audit_runs_once_a_step(tail_impl, monkeypatch):
         assert len(audits) == 4 and off.device_errors() == []
 
 
+def test_the_audit_workspace_starts_over_before_its_stamp_wraps(monkeypatch):
+    """The audit's stamp, an int32 the audit advances on the device, would wrap after 2**31 audits: the wrapper zeroes
+    the holders and sets the stamp back to 1, at the same addresses, at the plan() where plan() calls and audited runs
+    reach ``AUDIT_RESTART`` (here 4), and the audits after it still judge: a valid step raises nothing, and a write page
+    another request holds raises its bit."""
+    import beam_shared_prefix.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "AUDIT_RESTART", 4)
+    sim, step, att = _flagged_setup("triton", steps=4)  # one plan()
+    workspace = att._audit_workspace
+
+    def run(table=step.beam_page_table):
+        att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+
+    run()
+    run()
+    assert workspace.audit_state.tolist() == [3] and workspace.page_holders.any()
+    plan_step(att, sim, step)  # the fourth use: the workspace starts over
+    assert att._audit_workspace is workspace
+    assert workspace.audit_state.tolist() == [1] and not workspace.page_holders.any()
+    run()
+    assert att.device_errors() == [] and workspace.audit_state.tolist() == [2]
+    table = step.beam_page_table.clone()
+    col, other_col = int(step.kv_lens[4] - 1) // sim.page_size, int(step.kv_lens[2] - 1) // sim.page_size - 1
+    table[4, col] = table[2, other_col]  # (as in test_a_write_page_another_request_holds_raises_the_flag)
+    run(table)
+    (message,) = att.device_errors()
+    assert "held by a row of another request" in message, message
+
+
 def _trtllm_warmup_step(n, divisor, seed=0, device="cpu"):
     """TensorRT-LLM's CUDA-graph warm-up, as in :func:`test_trtllm_warmup_requests_raise_no_bit`: 2 beams, pages
     of 4; a dummy request of ``n`` tokens on pages 3 and 11 for both beams, then a padding request (pages 20, 21).
