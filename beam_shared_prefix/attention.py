@@ -582,7 +582,7 @@ class BeamSharedPrefixAttention:
                 error_flags=self.error_flags, **extra,
             )
         if self.page_table_audit and self._page_table_audit_due(kv_cache):
-            self._audit_page_table(kv_cache, beam_page_table, kv_lens, cache_indirection, pg, page_index_divisor,
+            self._audit_page_table(beam_page_table, kv_lens, cache_indirection, pg, page_index_divisor,
                                    step_plan.beam_width)
         if check:
             chk.check_output_stage(out, expected, tol, skip_rows=warm.padding)
@@ -685,7 +685,7 @@ class BeamSharedPrefixAttention:
             self._audit_uses = 0
         return workspace
 
-    def _audit_page_table(self, kv_cache, beam_page_table, kv_lens, cache_indirection, page_size, page_index_divisor,
+    def _audit_page_table(self, beam_page_table, kv_lens, cache_indirection, page_size, page_index_divisor,
                           beam_width) -> None:
         """The page-table audit on the flag (:mod:`triton_kernels.page_table_audit`; its torch twin on the torch
         tail), device work only: what no single index shows (beams unlike beam 0, a write page held elsewhere, beam

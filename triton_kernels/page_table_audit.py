@@ -22,7 +22,7 @@ from .device_errors import check_error_flags
 from .host_ints import cdiv
 from .page_table_audit_kernel import page_holders_kernel, page_table_audit_kernel
 from .step_args import (check_device, fail, need_dim, need_dtype, need_page_index_divisor, need_tensor,
-                        need_unit_stride)
+                        need_unit_stride, need_vector)
 
 __all__ = ["AUDIT_BLOCK_W", "AUDIT_BLOCK_C", "AuditWorkspace", "new_audit_workspace", "audit_page_table",
            "audit_page_table_torch"]
@@ -130,12 +130,8 @@ def audit_page_table(
              f"[2, {num_pages}] contiguous and audit_state int32 [1] on the tensors' device); make one per pool and "
              f"keep it between steps.")
     if plan_digest is not None:
-        need_tensor("plan_digest", plan_digest)
-        if (plan_digest.dtype != torch.int64 or tuple(plan_digest.shape) != (rows // beam_width,)
-                or not plan_digest.is_contiguous() or plan_digest.device != kv_lens.device):
-            fail(f"plan_digest must be a contiguous int64 [R={rows // beam_width}] tensor on {kv_lens.device}, got "
-                 f"{plan_digest.dtype} {tuple(plan_digest.shape)} on {plan_digest.device}; pass "
-                 f"torch.from_numpy(step_plan.prompt_pages_digest) on the tensors' device, or None.")
+        need_vector("plan_digest", plan_digest, torch.int64, "R", rows // beam_width, kv_lens.device,
+                    "pass torch.from_numpy(step_plan.prompt_pages_digest) on the tensors' device, or None.")
     check_device(kv_lens, page_table_audit_kernel, "the page-table audit")
     if rows == 0 or beam_page_table.shape[1] == 0:
         return

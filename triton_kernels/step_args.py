@@ -154,6 +154,17 @@ def need_dtype(name: str, x: torch.Tensor, allowed) -> None:
         fail(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; supported: {names}. Cast it before the call.")
 
 
+def need_vector(name: str, x, dtype: torch.dtype, length: str, n: int, device, fix: str) -> None:
+    """``x`` is a contiguous ``dtype`` ``[n]`` tensor on ``device`` (``length`` names ``n`` in the message, ``fix``
+    says what to pass instead)."""
+    if (not isinstance(x, torch.Tensor) or x.dtype != dtype or x.dim() != 1 or x.shape[0] != n
+            or (n and x.stride(0) != 1) or x.device != torch.device(device)):
+        got = (f"{x.dtype} {tuple(x.shape)} strides {tuple(x.stride())} on {x.device}" if isinstance(x, torch.Tensor)
+               else type(x).__name__)
+        fail(f"{name} must be a contiguous {str(dtype).replace('torch.', '')} [{length}={n}] tensor on {device}, "
+             f"got {got}; {fix}")
+
+
 def need_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         fail(

@@ -38,6 +38,7 @@ from .step_args import (  # noqa: F401  (the names not used here are this module
     need_dtype,
     need_last_dim_contiguous,
     need_tensor,
+    need_vector,
     overlapping_elements,
     pool_layout,
     resolve_sm_scale,
@@ -149,19 +150,10 @@ def _tail_merge_overlaps(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, pr
 check_tail_merge_args = memoize_metadata_check(_tail_merge_metadata, every_call=_tail_merge_overlaps)
 
 
-def _need_int32_vector(name: str, x, length: str, n: int, device, fix: str) -> None:
-    """``x`` is a contiguous int32 ``[n]`` tensor on ``device`` (``length`` names ``n`` in the message)."""
-    if (not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.dim() != 1 or x.shape[0] != n
-            or (n and x.stride(0) != 1) or x.device != torch.device(device)):
-        got = (f"{x.dtype} {tuple(x.shape)} strides {tuple(x.stride())} on {x.device}" if isinstance(x, torch.Tensor)
-               else type(x).__name__)
-        fail(f"{name} must be a contiguous int32 [{length}={n}] tensor on {device}, got {got}; {fix}")
-
-
 def check_tail_skip(tail_skip, num_rows: int, device) -> None:
     """``tail_skip`` (the shared-run stage's output, the tail kernel's input) is a contiguous int32
     ``[rows]`` tensor on ``device``; raises :class:`KernelInputError` naming what it got."""
-    _need_int32_vector("tail_skip", tail_skip, "rows", num_rows, device,
-                       "allocate torch.empty(rows, dtype=torch.int32, device=q.device) and fill it with "
-                       "beam_shared_run_attention.")
+    need_vector("tail_skip", tail_skip, torch.int32, "rows", num_rows, device,
+                "allocate torch.empty(rows, dtype=torch.int32, device=q.device) and fill it with "
+                "beam_shared_run_attention.")
 
