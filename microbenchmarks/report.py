@@ -18,7 +18,7 @@ JSON document (``schema = "beam-shared-prefix-bench/1"``)::
          "plan": {arm: {"first_plan_us", "replan_us", "replan_keyed_us", "build_step_plan_us"}},
          "arms": [{"name", "kind", "work", "description", "status" (ok|skipped|failed|check_failed),
                    "reason", "graphed", "graph_error", "info", "check": {...},
-                   "time_us", "time_min_us", "time_set_medians_us", "samples",
+                   "time_us", "time_min_us", "time_set_medians_us", "samples", "host_gaps" (only when true),
                    "speedup_vs_decode", "speedup_vs_cascade", "floor_multiple",
                    "achieved_GBps", "achieved_TFLOPs",
                    # with --kernel-times: the calls' kernel spans in a CUPTI trace
@@ -217,7 +217,9 @@ def point_rows(point: Dict) -> List[List[str]]:
                 _num(a.get("floor_multiple"), "x"),
                 _num(a.get("achieved_GBps"), " GB/s"),
                 _num(a.get("achieved_TFLOPs"), " TFLOP/s"),
-                chk_s + (f"; {extra}" if extra else "") + (f"; graph: {a['graph_error'][:60]}" if a.get("graph_error") else ""),
+                chk_s + (f"; {extra}" if extra else "") + (f"; graph: {a['graph_error'][:60]}" if a.get("graph_error") else "")
+                + ("; host gaps: the CPU enqueued slower than the queued spin, times may include waits on it"
+                   if a.get("host_gaps") else ""),
             ])
         else:
             rows.append([a["name"], "", a["status"], "", "", "", "", "", (a.get("reason") or "")[:160]])

@@ -332,6 +332,8 @@ def run_point(
                 res["time_min_us"] = timing.min_us
                 res["time_set_medians_us"] = timing.set_medians_us
                 res["samples"] = len(timing.all_us)
+                if timing.host_gaps:
+                    res["host_gaps"] = True
                 if is_cuda and opts.kernel_times:
                     try:
                         spans = time_kernels(fns, opts.iters, opts.warmup, l2_flush=opts.l2_flush)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -36,9 +36,11 @@ L2_FLUSH_MODES = ("read", "write", "none")
 
 @dataclass
 class TimingResult:
-    """Per-call times in microseconds, grouped by input set."""
+    """Per-call times in microseconds, grouped by input set; ``host_gaps``: the host outran the queued spin in
+    every try, so a call's time may include a wait on the host (a busy CPU)."""
 
     per_set_us: List[List[float]]
+    host_gaps: bool = False
 
     @property
     def all_us(self) -> List[float]:
@@ -61,9 +63,9 @@ class TimingResult:
         return float(np.min(self.all_us))
 
     @classmethod
-    def from_rotated(cls, calls_us: Sequence[float], nsets: int) -> "TimingResult":
+    def from_rotated(cls, calls_us: Sequence[float], nsets: int, host_gaps: bool = False) -> "TimingResult":
         """Group per-call times of calls that rotate over ``nsets`` input sets (call ``j`` ran set ``j % nsets``)."""
-        return cls([[float(t) for t in calls_us[s::nsets]] for s in range(nsets)])
+        return cls([[float(t) for t in calls_us[s::nsets]] for s in range(nsets)], host_gaps)
 
     def to_dict(self) -> dict:
         """JSON-ready dict of the fields (used in the results document)."""
@@ -146,12 +148,20 @@ class L2Flush:
             self.buffer.zero_()
 
 
+# The spin ahead of each chunk lasts this many times the chunk's probed host time; each retry after the host outran
+# a spin doubles it (a busy CPU can enqueue slower than it did when probed).
+_SPIN_MARGIN = 1.5
+_BACKLOG_TRIES = 3
+
+
 def _run_backlogged(fns: Sequence[Callable[[], object]], total: int, warmup: int, enqueue: Callable[[int], None],
-                    max_backlog_us: float = 200_000.0) -> int:
+                    max_backlog_us: float = 200_000.0, margin: float = _SPIN_MARGIN) -> Tuple[int, bool]:
     """Warm every call up, then ``enqueue(j)`` for ``j < total`` in chunks, each queued behind a
-    ``torch.cuda._sleep`` spin that covers the chunk's host time, so the GPU runs the chunk back to
-    back (no host gap inside or between calls); returns after the device finishes. The host time is
-    probed by enqueueing the first calls once more, unqueued: returns how many (they come first)."""
+    ``torch.cuda._sleep`` spin of ``margin`` times the chunk's host time, so the GPU runs the chunk back
+    to back (no host gap inside or between calls); returns after the device finishes. The host time is
+    probed by enqueueing the first calls once more, unqueued: returns how many (they come first), and
+    whether every chunk was enqueued within its spin (if not, the GPU may have waited on the host
+    inside a call, which would then count in its time)."""
     for fn in fns:
         for _ in range(warmup):
             fn()
@@ -166,16 +176,21 @@ def _run_backlogged(fns: Sequence[Callable[[], object]], total: int, warmup: int
     chunk = int(max(1, min(total, max_backlog_us // host_us)))
     have_sleep = hasattr(torch.cuda, "_sleep")
     cpu_per_us = sleep_cycles_per_us() if have_sleep else 0.0
+    covered = True
     k = 0
     while k < total:
         n = min(chunk, total - k)
+        spin_us = margin * n * host_us
+        t0 = time.perf_counter()
         if have_sleep:
-            torch.cuda._sleep(int(1.5 * n * host_us * cpu_per_us))
+            torch.cuda._sleep(int(spin_us * cpu_per_us))
         for j in range(k, k + n):
             enqueue(j)
+        # The spin started no earlier than it was queued: a chunk enqueued within it never ran dry.
+        covered &= not have_sleep or (time.perf_counter() - t0) * 1e6 <= spin_us
         k += n
     torch.cuda.synchronize()
-    return probe
+    return probe, covered
 
 
 def time_cuda(
@@ -208,9 +223,14 @@ def time_cuda(
         fns[j % nsets]()
         ends[j].record()
 
-    _run_backlogged(fns, total, warmup, enqueue, max_backlog_us)  # (returns once the device is done)
+    for attempt in range(_BACKLOG_TRIES):  # (each returns once the device is done)
+        _, covered = _run_backlogged(fns, total, warmup if attempt == 0 else 1, enqueue, max_backlog_us,
+                                     margin=_SPIN_MARGIN * 2**attempt)
+        if covered:
+            break
     del flush
-    return TimingResult.from_rotated([starts[j].elapsed_time(ends[j]) * 1e3 for j in range(total)], nsets)
+    return TimingResult.from_rotated([starts[j].elapsed_time(ends[j]) * 1e3 for j in range(total)], nsets,
+                                     host_gaps=not covered)
 
 
 def measure_event_overhead(iters: int = 50, l2_flush: str = "read") -> float:
@@ -281,8 +301,16 @@ def time_kernels(
 
     enqueue(0)  # compiles the markers outside the trace
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        probe = _run_backlogged(fns, total, warmup, enqueue, max_backlog_us)
+    for attempt in range(_BACKLOG_TRIES):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            probe, covered = _run_backlogged(fns, total, warmup if attempt == 0 else 1, enqueue, max_backlog_us,
+                                             margin=_SPIN_MARGIN * 2**attempt)
+        if covered:
+            break
+    else:  # a span with a host gap inside would pass for kernel time: report none rather than a wrong one
+        raise RuntimeError(f"the host enqueued slower than the queued spin in {_BACKLOG_TRIES} tries (up to "
+                           f"{_SPIN_MARGIN * 2**(_BACKLOG_TRIES - 1):g}x its probed time): kernel spans would include "
+                           "host gaps; time on an idle CPU, or with events only (leave out --kernel-times)")
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
     spans = call_spans_us(kernels)

@@ -1,6 +1,9 @@
 """Shared test configuration.
 
 - ``@pytest.mark.gpu`` tests are skipped, with the reason, when CUDA is absent.
+- ``@pytest.mark.gpu_exclusive`` tests (those that compare two timings) hold the GPU alone on a CUDA machine: with
+  ``pytest -n 8`` they wait for the other workers' tests to end, and the others wait for them (a lock file). A
+  kernel from another process inside a timed call would count in its time.
 - ``@pytest.mark.trtllm`` tests are skipped, with the reason, when ``tensorrt_llm`` does not import.
 - ``@pytest.mark.interpreter`` tests (Triton kernels on CPU tensors) are skipped, with the reason, on a
   CUDA machine, where the interpreter is off.
@@ -12,12 +15,15 @@
   In CI (``CI`` set) they are never skipped: missing grids fail them.
 """
 
+import contextlib
+import fcntl
 import glob
 import importlib.util
 import inspect
 import os
 import re
 import sys
+import tempfile
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -114,3 +120,43 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """``cuda`` when available, else ``cpu`` (Triton kernels then run under TRITON_INTERPRET=1)."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+_GPU_LOCK_PATH = os.path.join(tempfile.gettempdir(), f"beam_shared_prefix_gpu_{os.getuid()}.lock")
+_gpu_lock_files = {}
+
+
+def _gpu_lock_file(suffix: str):
+    if suffix not in _gpu_lock_files:
+        _gpu_lock_files[suffix] = open(_GPU_LOCK_PATH + suffix, "a+")  # noqa: SIM115  (held for the session)
+    return _gpu_lock_files[suffix]
+
+
+@contextlib.contextmanager
+def _gpu_held(exclusive: bool):
+    """A readers-writer lock over the GPU across processes (``flock``). A writer first takes the turnstile, which
+    stops new readers, so the writer is not starved by readers that keep overlapping."""
+    lock, turnstile = _gpu_lock_file(""), _gpu_lock_file(".turn")
+    if exclusive:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    else:
+        fcntl.flock(turnstile, fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        if exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_share(request):
+    """On a CUDA machine with several pytest workers, ``gpu_exclusive`` tests hold the GPU alone (see the top)."""
+    if not HAS_CUDA or "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    with _gpu_held(request.node.get_closest_marker("gpu_exclusive") is not None):
+        yield

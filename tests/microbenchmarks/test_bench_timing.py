@@ -62,6 +62,7 @@ def test_table_shows_kernel_spans_only_when_traced():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 def test_kernel_spans_match_the_calls_and_leave_out_the_launch():
     from microbenchmarks.timing import capture_graph, time_cuda, time_kernels
 
@@ -80,3 +81,43 @@ def test_kernel_spans_match_the_calls_and_leave_out_the_launch():
     assert min(spans.all_us) > 64 * 2**20 / 5e12 * 1e6
     # The events add the launch (and the graph's) latency; the spans do not.
     assert spans.median_us < events.median_us
+
+
+@pytest.mark.gpu
+def test_a_host_slower_than_its_probe_is_caught_and_retried_with_a_longer_spin(monkeypatch):
+    import time
+
+    from microbenchmarks import timing
+
+    x = torch.zeros(1, device="cuda")
+    enqueued = []
+
+    def enqueue(j, slow_after):
+        enqueued.append(j)
+        if len(enqueued) > slow_after:  # past the probe: a host 5 ms slower per call than it measured
+            time.sleep(0.005)
+        x.add_(1.0)
+
+    probe, covered = timing._run_backlogged([lambda: x.add_(1.0)] * 2, 8, 1, lambda j: enqueue(j, 10**9))
+    assert (probe, covered) == (2, True) and enqueued == [0, 1, *range(8)]
+    enqueued.clear()
+    probe, covered = timing._run_backlogged([lambda: x.add_(1.0)] * 2, 8, 1, lambda j: enqueue(j, 2))
+    assert (probe, covered) == (2, False)
+
+    # Every try outran its spin: the events' times are kept and flagged, the kernel spans refused; each try
+    # doubled the spin.
+    margins, real = [], timing._run_backlogged
+
+    def outrun(*args, margin=timing._SPIN_MARGIN):
+        margins.append(margin)
+        return real(*args, margin=margin)[0], False
+
+    monkeypatch.setattr(timing, "_run_backlogged", outrun)
+    fns = [lambda: x.add_(1.0)]
+    result = timing.time_cuda(fns, iters=4, warmup=1)
+    assert result.host_gaps and len(result.all_us) == 4 and min(result.all_us) > 0
+    assert margins == [timing._SPIN_MARGIN * 2**k for k in range(timing._BACKLOG_TRIES)]
+    with pytest.raises(RuntimeError, match="host enqueued slower than the queued spin"):
+        timing.time_kernels(fns, iters=4, warmup=1)
+    monkeypatch.undo()
+    assert not timing.time_cuda(fns, iters=4, warmup=1).host_gaps
