@@ -46,7 +46,6 @@ tail limit of the cascade is judged at that plan's ``max_tail_len`` too (none: n
 
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, Hashable, List, Optional, Tuple, Union
 
 import torch
@@ -205,7 +204,6 @@ class BeamSharedPrefixAttention:
         self._audited_since_plan = False
         self._audit_workspace = None  # the audit's page holders and stamp, made at plan() (never inside a capture)
         self._audit_uses = 0  # plan() calls and audited run() calls on the workspace (AUDIT_RESTART)
-        self._audit_stream = None  # the side stream the audit runs on beside the attention kernels (CUDA)
         self.page_table_audit = bool(page_table_audit) and self.error_flags is not None
         self.shared_run = shared_run_mode(settings.shared_run if shared_run is None else shared_run)
         max_tail_len = settings.max_tail_len if max_tail_len is None else max_tail_len
@@ -543,49 +541,49 @@ class BeamSharedPrefixAttention:
         write_kv = new_k is not None
         if not write_kv:
             new_k, new_v = self._current_kv(kv_cache, beam_page_table, kv_lens, rows, pg, page_index_divisor)
-        audit = self.page_table_audit and self._page_table_audit_due(kv_cache)
-        with self._page_table_audit(audit, beam_page_table, kv_lens, cache_indirection, pg, page_index_divisor,
-                                    step_plan.beam_width):
-            # A backend that fuses the tail (the Triton cascade kernel) runs the whole step in one launch;
-            # its prefix stage alone still runs in check mode, so the stage checks name the failing stage.
-            fused = getattr(backend, "fuses_tail", False) and self.tail_impl == "triton"
-            if check or not fused:
-                prefix_out, lse = backend.run(q, kv_cache, self._views["prefix_out"], self._views["prefix_lse"])
-            if check:
-                chk.check_prefix_stage(step_plan, q, kv_cache, self.kv_layout, prefix_out, lse, sm_scale, tol,
-                                       skip_rows=warm.padding)
-                expected = chk.expected_output(
-                    q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
-                    step_plan.beam_width, new_k, new_v, sm_scale, self.kv_layout, page_index_divisor,
-                )
-            if fused:
-                backend.run_step(
-                    q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection, new_k, new_v,
-                    out, page_index_divisor=page_index_divisor, write_kv=write_kv, validate_indices=check,
-                    error_flags=self.error_flags, max_tail_len=self._launch_tail,
-                )
-            else:
-                tail_skip = self._views.get("tail_skip")
-                extra = {}
-                if tail_skip is not None:
-                    # The runs all beams of a block share, once per block, merged into the prefix state (the
-                    # wrapper's own workspace) in place; the tail then starts after each row's run.
-                    from triton_kernels import beam_shared_run_attention
+        # A backend that fuses the tail (the Triton cascade kernel) runs the whole step in one launch;
+        # its prefix stage alone still runs in check mode, so the stage checks name the failing stage.
+        fused = getattr(backend, "fuses_tail", False) and self.tail_impl == "triton"
+        if check or not fused:
+            prefix_out, lse = backend.run(q, kv_cache, self._views["prefix_out"], self._views["prefix_lse"])
+        if check:
+            chk.check_prefix_stage(step_plan, q, kv_cache, self.kv_layout, prefix_out, lse, sm_scale, tol,
+                                   skip_rows=warm.padding)
+            expected = chk.expected_output(
+                q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
+                step_plan.beam_width, new_k, new_v, sm_scale, self.kv_layout, page_index_divisor,
+            )
+        if fused:
+            backend.run_step(
+                q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection, new_k, new_v,
+                out, page_index_divisor=page_index_divisor, write_kv=write_kv, validate_indices=check,
+                error_flags=self.error_flags, max_tail_len=self._launch_tail,
+            )
+        else:
+            tail_skip = self._views.get("tail_skip")
+            extra = {}
+            if tail_skip is not None:
+                # The runs all beams of a block share, once per block, merged into the prefix state (the
+                # wrapper's own workspace) in place; the tail then starts after each row's run.
+                from triton_kernels import beam_shared_run_attention
 
-                    beam_shared_run_attention(
-                        q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
-                        step_plan.beam_width, prefix_out, lse.tensor, tail_skip, sm_scale=sm_scale,
-                        kv_layout=self.kv_layout, page_index_divisor=page_index_divisor, prefix_lse_layout=lse.layout,
-                        prefix_lse_base=lse.base, error_flags=self.error_flags,
-                    )
-                    extra = dict(tail_skip=tail_skip)
-                self._tail_function()(
-                    q, new_k, new_v, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
-                    step_plan.beam_width, prefix_out, lse.tensor, out,
-                    sm_scale=sm_scale, kv_layout=self.kv_layout, page_index_divisor=page_index_divisor,
-                    prefix_lse_layout=lse.layout, prefix_lse_base=lse.base, write_kv=write_kv, validate_indices=check,
-                    error_flags=self.error_flags, **extra,
+                beam_shared_run_attention(
+                    q, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
+                    step_plan.beam_width, prefix_out, lse.tensor, tail_skip, sm_scale=sm_scale,
+                    kv_layout=self.kv_layout, page_index_divisor=page_index_divisor, prefix_lse_layout=lse.layout,
+                    prefix_lse_base=lse.base, error_flags=self.error_flags,
                 )
+                extra = dict(tail_skip=tail_skip)
+            self._tail_function()(
+                q, new_k, new_v, kv_cache, beam_page_table, kv_lens, self._views["prompt_lens"], cache_indirection,
+                step_plan.beam_width, prefix_out, lse.tensor, out,
+                sm_scale=sm_scale, kv_layout=self.kv_layout, page_index_divisor=page_index_divisor,
+                prefix_lse_layout=lse.layout, prefix_lse_base=lse.base, write_kv=write_kv, validate_indices=check,
+                error_flags=self.error_flags, **extra,
+            )
+        if self.page_table_audit and self._page_table_audit_due(kv_cache):
+            self._audit_page_table(beam_page_table, kv_lens, cache_indirection, pg, page_index_divisor,
+                                   step_plan.beam_width)
         if check:
             chk.check_output_stage(out, expected, tol, skip_rows=warm.padding)
             if write_kv:
@@ -686,34 +684,6 @@ class BeamSharedPrefixAttention:
             workspace = self._audit_workspace = new_audit_workspace(num_pages, self.device)
             self._audit_uses = 0
         return workspace
-
-    @contextlib.contextmanager
-    def _page_table_audit(self, due: bool, beam_page_table, kv_lens, cache_indirection, page_size,
-                          page_index_divisor, beam_width):
-        """Around the step's attention launches: with ``due``, the page-table audit (:meth:`_audit_page_table`). On
-        CUDA it runs on a side stream, forked from the current one before the attention kernels and joined after
-        them: it reads only the page table and lengths, which no kernel of the step writes, and a short-prompt
-        step's attention leaves most SMs idle (a captured graph keeps the two as parallel branches)."""
-        if not due:
-            yield
-            return
-        if self.tail_impl != "triton" or kv_lens.device.type != "cuda":
-            self._audit_page_table(beam_page_table, kv_lens, cache_indirection, page_size, page_index_divisor,
-                                   beam_width)
-            yield
-            return
-        main = torch.cuda.current_stream(kv_lens.device)
-        side = self._audit_stream
-        if side is None or side.device != kv_lens.device:
-            side = self._audit_stream = torch.cuda.Stream(kv_lens.device)
-        side.wait_stream(main)
-        try:
-            with torch.cuda.stream(side):
-                self._audit_page_table(beam_page_table, kv_lens, cache_indirection, page_size, page_index_divisor,
-                                       beam_width)
-            yield
-        finally:  # (also when a launch raised: a capture must not end with the side branch unjoined)
-            main.wait_stream(side)
 
     def _audit_page_table(self, beam_page_table, kv_lens, cache_indirection, page_size, page_index_divisor,
                           beam_width) -> None:

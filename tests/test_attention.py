@@ -1016,35 +1016,6 @@ def test_the_audit_workspace_starts_over_before_its_stamp_wraps(monkeypatch):
     assert "held by a row of another request" in message, message
 
 
-@pytest.mark.gpu
-def test_the_audit_runs_on_its_own_stream_forked_before_and_joined_after_the_attention(monkeypatch):
-    """On CUDA the audit runs on a side stream beside the attention kernels. It sees what the current stream wrote
-    before run() (a bad table written there behind a ~50 ms spin), and what the current stream queues after run()
-    sees its bit (the audit held ~50 ms on its stream first): without the fork it would read the old table, without
-    the join the flag would be read before the audit wrote it."""
-    import triton_kernels
-
-    sim, step, att = _flagged_setup("triton")
-    main, streams, real = torch.cuda.current_stream(), [], triton_kernels.audit_page_table
-
-    def held_audit(*args, **kwargs):
-        streams.append(torch.cuda.current_stream())
-        torch.cuda._sleep(100_000_000)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(triton_kernels, "audit_page_table", held_audit)
-    table, bad = step.beam_page_table.clone(), step.beam_page_table.clone()
-    col, other_col = int(step.kv_lens[4] - 1) // sim.page_size, int(step.kv_lens[2] - 1) // sim.page_size - 1
-    bad[4, col] = bad[2, other_col]  # (as in test_a_write_page_another_request_holds_raises_the_flag)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)
-    table.copy_(bad)
-    att.run(step.q, sim.kv_cache, table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
-    assert len(streams) == 1 and streams[0] != main and torch.cuda.current_stream() == main
-    (message,) = att.device_errors()
-    assert "held by a row of another request" in message, message
-
-
 def _trtllm_warmup_step(n, divisor, seed=0, device="cpu"):
     """TensorRT-LLM's CUDA-graph warm-up, as in :func:`test_trtllm_warmup_requests_raise_no_bit`: 2 beams, pages
     of 4; a dummy request of ``n`` tokens on pages 3 and 11 for both beams, then a padding request (pages 20, 21).
