@@ -3,7 +3,9 @@
 Device time of one call is measured between two CUDA events recorded around it. So that the host
 (FA4 spends 120-210 us of Python per eager call) never starves the GPU, calls are enqueued in
 chunks behind a ``torch.cuda._sleep`` spin kernel long enough to cover the chunk's host time: the
-GPU then runs the chunk back to back and the events measure the kernels, not the launch gaps.
+GPU then runs the chunk back to back and the events measure the kernels, not the launch gaps. A chunk
+whose issue outlasts its spin (a busy CPU) is a try that may hold host gaps: the calls are timed again
+behind a spin twice as long, up to ``_BACKLOG_TRIES`` tries (:attr:`TimingResult.host_gaps` if all fail).
 Between calls an optional L2 flush (outside the events) makes every call start cold, as a layer's KV
 does in a real model; input sets are rotated call by call. Two flushes: ``read`` (the default) sums a
 buffer larger than L2, leaving L2 full of clean lines, as the weight-reading GEMMs before an
