@@ -964,8 +964,8 @@ def test_the_page_table_audit_runs_once_a_step(tail_impl, monkeypatch):
         return audit
 
     monkeypatch.setattr(triton_kernels, "audit_page_table", counted(triton_kernels.audit_page_table))
-    monkeypatch.setattr(device_errors, "other_request_page_bad_torch",
-                        counted(device_errors.other_request_page_bad_torch))
+    monkeypatch.setattr(device_errors, "write_page_rules_bad_torch",
+                        counted(device_errors.write_page_rules_bad_torch))
     sim, step, att = _flagged_setup(tail_impl)
     layers = [sim.kv_cache, sim.kv_cache.clone()]  # two layers' pool views (distinct addresses)
 

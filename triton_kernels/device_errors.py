@@ -22,7 +22,8 @@ __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "W
            "SHARED_WRITE_PAGE", "PLAN_PAGE", "ERROR_BITS", "PAGE_BAD_SOURCE", "PAGE_BAD_ENTRY", "error_bits",
            "kv_len_bad", "kv_len_bad_torch", "page_error_bits", "beam_agreement_bits", "beam_agreement_bad_torch",
            "prompt_page_digest_terms_torch", "prompt_pages_digest_torch", "plan_digest_bad_torch", "HELD_WRITE_PAGE",
-           "held_write_page_bad_torch", "OTHER_REQUEST_PAGE", "other_request_page_bad_torch", "or_reduce",
+           "held_write_page_bad_torch", "OTHER_REQUEST_PAGE", "other_request_page_bad_torch",
+           "write_page_rules_bad_torch", "or_reduce",
            "flush_errors", "flag_where", "decode_error_flags", "new_error_flags", "check_error_flags"]
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
@@ -252,6 +253,24 @@ def _write_pages_and_holders_torch(kv_lens, prompt_lens, beam_page_table, beam_w
     return judged, w_col, w_page, high[w_page], low[w_page], table, first_col
 
 
+def write_page_rules_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
+                               beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
+                               max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page-table audit's two write-page rules on torch tensors, from one pass over the holders: bool ``[rows]``
+    each, ``(other_request, held)`` (:func:`other_request_page_bad_torch`, :func:`held_write_page_bad_torch`)."""
+    judged, w_col, w_page, high, low, table, first_col = _write_pages_and_holders_torch(
+        kv_lens, prompt_lens, beam_page_table, beam_width, page_size, page_index_divisor, num_pages, max_seq_len)
+    rows, cols = table.shape
+    row = torch.arange(rows, device=kv_lens.device)
+    first, end = row - row % beam_width, row - row % beam_width + beam_width
+    other_request = judged & ((high < first) | (high >= end) | (low < first) | (low >= end))
+    in_request = judged & (((high != row) & (high < end)) | ((low != row) & (low >= first)))
+    col = torch.arange(cols, device=kv_lens.device)
+    earlier = (col[None, :] >= first_col[:, None]) & (col[None, :] < w_col[:, None]) & (table >= 0)
+    mine = judged & (earlier & (table // page_index_divisor == w_page[:, None])).any(1)
+    return other_request, in_request | mine
+
+
 def other_request_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
                                  beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
                                  max_seq_len: int) -> torch.Tensor:
@@ -259,10 +278,8 @@ def other_request_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tenso
     from their second generated token, a row of another request holds (at a column below ``cdiv(kv_len, page_size)``;
     beams other than beam 0 from their prompt's last column). Device ops, no sync: the lowest and highest row holding
     each page, by ``scatter_reduce``."""
-    judged, _, _, high, low, _, _ = _write_pages_and_holders_torch(
-        kv_lens, prompt_lens, beam_page_table, beam_width, page_size, page_index_divisor, num_pages, max_seq_len)
-    request = torch.arange(kv_lens.shape[0], device=kv_lens.device) // beam_width
-    return judged & ((high // beam_width != request) | (low // beam_width != request))
+    return write_page_rules_bad_torch(kv_lens, prompt_lens, beam_page_table, beam_width, page_size,
+                                      page_index_divisor, num_pages, max_seq_len)[0]
 
 
 def held_write_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
@@ -271,16 +288,8 @@ def held_write_page_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, 
     """The page-table audit's ``HELD_WRITE_PAGE`` rule on torch tensors: bool ``[rows]``, the rows whose write page,
     from their second generated token, another row of their request holds, or the row itself at an earlier column
     from its first recorded one (0 for beam 0, the prompt's last column for the others). Device ops, no sync."""
-    judged, w_col, w_page, high, low, table, first_col = _write_pages_and_holders_torch(
-        kv_lens, prompt_lens, beam_page_table, beam_width, page_size, page_index_divisor, num_pages, max_seq_len)
-    rows, cols = table.shape
-    row = torch.arange(rows, device=kv_lens.device)
-    first, end = row - row % beam_width, row - row % beam_width + beam_width
-    in_request = judged & (((high != row) & (high < end)) | ((low != row) & (low >= first)))
-    col = torch.arange(cols, device=kv_lens.device)
-    earlier = (col[None, :] >= first_col[:, None]) & (col[None, :] < w_col[:, None]) & (table >= 0)
-    mine = judged & (earlier & (table // page_index_divisor == w_page[:, None])).any(1)
-    return in_request | mine
+    return write_page_rules_bad_torch(kv_lens, prompt_lens, beam_page_table, beam_width, page_size,
+                                      page_index_divisor, num_pages, max_seq_len)[1]
 
 
 @triton.jit

@@ -178,11 +178,9 @@ def audit_page_table_torch(
     geometry = (beam_width, page_size, page_index_divisor, num_pages, max_seq_len)
     differs, shared = device_errors.beam_agreement_bad_torch(
         kv_lens, prompt_lens[torch.arange(rows, device=kv_lens.device) // beam_width * beam_width], table, *geometry)
+    other, held = device_errors.write_page_rules_bad_torch(kv_lens, prompt_lens, table, *geometry)
     found = [(differs, device_errors.BEAM_KV_LEN), (shared, device_errors.SHARED_WRITE_PAGE),
-             (device_errors.other_request_page_bad_torch(kv_lens, prompt_lens, table, *geometry),
-              device_errors.OTHER_REQUEST_PAGE),
-             (device_errors.held_write_page_bad_torch(kv_lens, prompt_lens, table, *geometry),
-              device_errors.HELD_WRITE_PAGE)]
+             (other, device_errors.OTHER_REQUEST_PAGE), (held, device_errors.HELD_WRITE_PAGE)]
     if plan_digest is not None:
         found.append((device_errors.plan_digest_bad_torch(table, prompt_lens, plan_digest, beam_width, page_size,
                                                           page_index_divisor, max_seq_len), device_errors.PLAN_PAGE))

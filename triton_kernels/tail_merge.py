@@ -55,13 +55,6 @@ _MHA_TILE_MAX_REGISTERS = 80
 # bytes a thread (Triton 3.9, sm_90); uncapped it takes 133-146 and spills nothing. Its programs are few,
 # so registers do not limit its occupancy.
 _FEW_ROWS_MAX_REGISTERS = 255
-# Tiles that spilled with the error flag on Triton 3.6 (the device image's compiler), each left to itself by ptxas:
-# 8 bytes of stack a thread at G = 5-8, head 256 (``[8, 2 tokens, 256]``, 4 warps: 72-80 registers) and at G = 16,
-# head 128 (``[16, 4 tokens, 128]``, 2 warps: 168), since the held-page check's blocks of 16 (round 70); round 68's
-# GPU run of the compile test, with blocks of 32, had none. With these caps neither Triton 3.6 nor 3.9 spills
-# (measured ahead of time for sm_90, round 71): 79-80 registers at head 256 (uncapped: 72-80 on 3.6, 72-87 on 3.9)
-# and 184 at G = 16 (168 on 3.6, 197 on 3.9). Keyed by ``(group_pad, kv_heads_per_prog, block_t, num_warps, D)``.
-_FLAG_TILE_MAX_REGISTERS = {(8, 1, 2, 4, 256): 80, (16, 1, 4, 2, 128): 184}
 
 
 def _register_cap(cfg: "TailLaunchConfig", head_dim: int, skip_shared: bool, report_errors: bool) -> Optional[int]:
@@ -71,8 +64,9 @@ def _register_cap(cfg: "TailLaunchConfig", head_dim: int, skip_shared: bool, rep
     elements a thread, 64 registers (63 after the shared-run stage); MHA's one-warp tiles of up to twice that,
     80. Other tiles are left uncapped (capped, the grouped kernel's one-warp tiles, G = 16's two-warp tiles and
     G = 4's at head 256 spilled). The few-rows tiling (index blocks) with the error flag is lifted to 255 (see
-    ``_FEW_ROWS_MAX_REGISTERS``); two tiles that spilled with the flag on Triton 3.6 get the caps of
-    ``_FLAG_TILE_MAX_REGISTERS``."""
+    ``_FEW_ROWS_MAX_REGISTERS``). (Two flag tiles that spilled on Triton 3.6 while the tail kernels ran the table
+    checks, rounds 70-71, had caps of their own; since the checks moved into the audit, round 72, neither spills
+    uncapped on Triton 3.6 or 3.9, and round 73 dropped the caps.)"""
     if cfg.grouped or cfg.index_block:
         return _FEW_ROWS_MAX_REGISTERS if report_errors and cfg.index_block else None
     threads = 32 * cfg.num_warps
@@ -81,9 +75,6 @@ def _register_cap(cfg: "TailLaunchConfig", head_dim: int, skip_shared: bool, rep
         return _SMALL_TILE_MAX_REGISTERS_AFTER_STAGE if skip_shared else _SMALL_TILE_MAX_REGISTERS
     if cfg.num_warps == 1 and cfg.group_pad == 1 and tile <= 2 * _SMALL_TILE_ELEMENTS_PER_THREAD * threads:
         return _MHA_TILE_MAX_REGISTERS
-    if report_errors:
-        return _FLAG_TILE_MAX_REGISTERS.get((cfg.group_pad, cfg.kv_heads_per_prog, cfg.block_t, cfg.num_warps,
-                                             head_dim))
     return None
 
 
