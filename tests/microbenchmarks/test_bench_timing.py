@@ -61,6 +61,16 @@ def test_table_shows_kernel_spans_only_when_traced():
     assert rows[0][col] == "28.5 us (1.78x)" and rows[1][col] == "-"
 
 
+def test_table_notes_times_that_may_hold_host_gaps():
+    arm = {"name": "fi-cascade", "kind": "baseline", "status": "ok", "time_us": 28.6, "floor_multiple": 21.2,
+           "graphed": False, "info": {}, "check": {"rel_err": 4.8e-3}}
+    point = {"label": "p", "arms": [arm], "floors": {}, "traffic_bytes": None}
+    notes = point_header(point).index("check / notes")
+    assert point_rows(point)[0][notes] == "ok 4.8e-03"
+    arm["host_gaps"] = True
+    assert point_rows(point)[0][notes].startswith("ok 4.8e-03; host gaps: the CPU enqueued slower than the queued spin")
+
+
 @pytest.mark.gpu
 @pytest.mark.gpu_exclusive
 def test_kernel_spans_match_the_calls_and_leave_out_the_launch():
