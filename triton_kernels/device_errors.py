@@ -263,7 +263,8 @@ def write_page_rules_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor,
     rows, cols = table.shape
     row = torch.arange(rows, device=kv_lens.device)
     first, end = row - row % beam_width, row - row % beam_width + beam_width
-    other_request = judged & ((high < first) | (high >= end) | (low < first) | (low >= end))
+    # A judged row holds its own write page, so low <= row <= high: another request's row lies past one of them.
+    other_request = judged & ((high >= end) | (low < first))
     in_request = judged & (((high != row) & (high < end)) | ((low != row) & (low >= first)))
     col = torch.arange(cols, device=kv_lens.device)
     earlier = (col[None, :] >= first_col[:, None]) & (col[None, :] < w_col[:, None]) & (table >= 0)
