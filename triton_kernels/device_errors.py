@@ -220,22 +220,25 @@ def plan_digest_bad_torch(beam_page_table: torch.Tensor, prompt_lens: torch.Tens
     return judged & (prompt_pages_digest_torch(pages, n_cols) != plan_digest.long())
 
 
-def _write_pages_and_holders_torch(kv_lens, prompt_lens, beam_page_table, beam_width, page_size, page_index_divisor,
-                                   num_pages, max_seq_len):
-    """The audit's write-page judging on torch tensors: ``(judged, w_col, w_page, high, low, table, first_col)``, where
-    ``high``/``low`` are the highest and lowest row holding each row's write page (the audit's ``page_holders``: every
-    row's columns below ``cdiv(kv_len, page_size)``, beams other than beam 0 from their prompt's last column) and
-    ``judged`` the rows from their second generated token with a write entry in the pool."""
+def write_page_rules_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
+                               beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
+                               max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page-table audit's two write-page rules on torch tensors, from one pass over the holders: bool ``[rows]``
+    each, ``(other_request, held)`` (:func:`other_request_page_bad_torch`, :func:`held_write_page_bad_torch`).
+
+    As the audit, it records the highest and lowest row holding each page (every row's columns below
+    ``cdiv(kv_len, page_size)``, beams other than beam 0 from their prompt's last column) and judges the rows from
+    their second generated token whose write entry is in the pool."""
     rows, cols = kv_lens.shape[0], beam_page_table.shape[1]
-    W = beam_width
     dev = kv_lens.device
     row = torch.arange(rows, device=dev)
+    first, end = row - row % beam_width, row - row % beam_width + beam_width
     kv = kv_lens.long().clamp(max=max_seq_len)
     plen = prompt_lens.long()
     table = beam_page_table[:rows].long()
     col = torch.arange(cols, device=dev)
     n_cols = torch.div(kv.clamp(min=0) + page_size - 1, page_size, rounding_mode="floor")
-    first_col = torch.where(row % W == 0, torch.zeros_like(plen), plen.clamp(min=0) // page_size)
+    first_col = torch.where(row % beam_width == 0, torch.zeros_like(plen), plen.clamp(min=0) // page_size)
     held = (col[None, :] >= first_col[:, None]) & (col[None, :] < n_cols[:, None]) & (table >= 0)
     page = torch.where(held, table // page_index_divisor, num_pages)
     held = held & (page < num_pages)
@@ -250,23 +253,10 @@ def _write_pages_and_holders_torch(kv_lens, prompt_lens, beam_page_table, beam_w
     w_page = entry // page_index_divisor
     judged = judged & (entry >= 0) & (w_page < num_pages)
     w_page = torch.where(judged, w_page, num_pages)
-    return judged, w_col, w_page, high[w_page], low[w_page], table, first_col
-
-
-def write_page_rules_bad_torch(kv_lens: torch.Tensor, prompt_lens: torch.Tensor, beam_page_table: torch.Tensor,
-                               beam_width: int, page_size: int, page_index_divisor: int, num_pages: int,
-                               max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The page-table audit's two write-page rules on torch tensors, from one pass over the holders: bool ``[rows]``
-    each, ``(other_request, held)`` (:func:`other_request_page_bad_torch`, :func:`held_write_page_bad_torch`)."""
-    judged, w_col, w_page, high, low, table, first_col = _write_pages_and_holders_torch(
-        kv_lens, prompt_lens, beam_page_table, beam_width, page_size, page_index_divisor, num_pages, max_seq_len)
-    rows, cols = table.shape
-    row = torch.arange(rows, device=kv_lens.device)
-    first, end = row - row % beam_width, row - row % beam_width + beam_width
+    high, low = high[w_page], low[w_page]
     # A judged row holds its own write page, so low <= row <= high: another request's row lies past one of them.
     other_request = judged & ((high >= end) | (low < first))
     in_request = judged & (((high != row) & (high < end)) | ((low != row) & (low >= first)))
-    col = torch.arange(cols, device=kv_lens.device)
     earlier = (col[None, :] >= first_col[:, None]) & (col[None, :] < w_col[:, None]) & (table >= 0)
     mine = judged & (earlier & (table // page_index_divisor == w_page[:, None])).any(1)
     return other_request, in_request | mine
