@@ -25,6 +25,7 @@ import torch
 from .cascade_kernel import beam_cascade_kernel
 from .device_errors import check_error_flags
 from .host_ints import cdiv, next_power_of_2
+from .launch import launch
 from .step_args import (
     KV_DTYPES,
     KV_LAYOUTS,
@@ -555,10 +556,7 @@ def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int
         meta["maxnreg"] = cfg.max_registers
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            return beam_cascade_kernel[grid](*args, **meta)
-    return beam_cascade_kernel[grid](*args, **meta)
+    return launch(beam_cascade_kernel, grid, args, meta, device)
 
 
 def beam_cascade_attention(

@@ -20,6 +20,7 @@ import torch
 from . import device_errors
 from .device_errors import check_error_flags
 from .host_ints import cdiv
+from .launch import launch
 from .page_table_audit_kernel import page_holders_kernel, page_table_audit_kernel
 from .step_args import (check_device, fail, need_dim, need_dtype, need_page_index_divisor, need_tensor,
                         need_unit_stride, need_vector)
@@ -149,11 +150,7 @@ def audit_page_table(
          dict(BLOCK_W=AUDIT_BLOCK_W, BLOCK_C=AUDIT_BLOCK_C, CHECK_PLAN=plan_digest is not None, num_warps=4)),
     )
     for kernel, grid, args, meta in launches:
-        if kv_lens.is_cuda:
-            with torch.cuda.device(kv_lens.device):
-                kernel[grid](*args, **meta)
-        else:
-            kernel[grid](*args, **meta)
+        launch(kernel, grid, args, meta, kv_lens.device)
 
 
 def audit_page_table_torch(

@@ -23,6 +23,7 @@ from .cascade import (
 from .cascade_kernel import SHARED_BLOCK
 from .device_errors import check_error_flags
 from .host_ints import cdiv
+from .launch import launch
 from .shared_run_kernel import beam_shared_run_kernel
 from .step_args import LOG2E, KernelInputError, byte_span, check_device, spans_overlap
 from .tail_merge_args import check_tail_merge_args, check_tail_skip
@@ -210,10 +211,6 @@ def beam_shared_run_attention(
                 DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16, num_warps=num_warps, num_stages=1)
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
-    if q.is_cuda:
-        with torch.cuda.device(q.device):
-            beam_shared_run_kernel[grid](*args, **meta)
-    else:
-        beam_shared_run_kernel[grid](*args, **meta)
+    launch(beam_shared_run_kernel, grid, args, meta, q.device)
     return tail_skip
 

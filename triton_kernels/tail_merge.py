@@ -18,6 +18,7 @@ import triton
 
 from .device_errors import check_error_flags
 from .host_ints import cdiv, next_power_of_2
+from .launch import launch
 from .step_args import (
     LOG2E,
     KernelInputError,
@@ -432,9 +433,5 @@ def beam_tail_attention_merge(
     register_cap = _register_cap(cfg, geom.head_dim, tail_skip is not None, error_flags is not None)
     if register_cap is not None and q.is_cuda:  # (the interpreter has no registers)
         meta.update(maxnreg=register_cap)
-    if q.is_cuda:
-        with torch.cuda.device(q.device):
-            kernel[grid](*args, **meta)
-    else:
-        kernel[grid](*args, **meta)
+    launch(kernel, grid, args, meta, q.device)
     return out

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from triton_kernels.cascade import cascade_launch_config  # noqa: E402
 from triton_kernels.cascade_kernel import SHARED_BLOCK, beam_cascade_kernel  # noqa: E402
+from triton_kernels.launch import COMPILE_OPTIONS  # noqa: E402
 from triton_kernels.page_table_audit import AUDIT_BLOCK_C, AUDIT_BLOCK_W  # noqa: E402
 from triton_kernels.page_table_audit_kernel import page_holders_kernel, page_table_audit_kernel  # noqa: E402
 from triton_kernels.shared_run import shared_run_kv_heads_per_program, shared_run_tile  # noqa: E402
@@ -110,7 +111,7 @@ def _compile_sm90(kernel, pointers, constexprs, float_args, div16_ints, num_warp
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in div16_ints}
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    options = dict(num_warps=num_warps, num_stages=num_stages)
+    options = dict(num_warps=num_warps, num_stages=num_stages, **COMPILE_OPTIONS)
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
