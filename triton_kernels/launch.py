@@ -4,7 +4,8 @@ FP fusion (LLVM's and ptxas's contraction of a multiply and an add into one FMA)
 ``docs/``: it is Triton's default from 3.4 to 3.9. Triton 3.9 warns once a process that the default turns off in
 3.10 (``TRITON_DEFAULT_FP_FUSION``), which would change the kernels' code and rounding under the rules fitted to
 them, and would put that warning in every serving log. Asking for it at each launch keeps the measured code on any
-Triton version and keeps the warning out. On Triton 3.9, ``TRITON_FORCE_DISABLE_FP_FUSION=1`` still turns it off.
+Triton version and keeps the warning out. On Triton 3.9, ``TRITON_FORCE_DISABLE_FP_FUSION=1`` still turns it off;
+Triton 3.4-3.6 have no such switch, and their ``TRITON_DEFAULT_FP_FUSION=0`` no longer reaches these kernels.
 """
 
 from __future__ import annotations
