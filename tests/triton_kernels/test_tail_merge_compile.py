@@ -24,6 +24,7 @@ from sm90_resource_usage import CASCADE_SHAPES, CASCADE_VARIANTS
 from triton_kernels.cascade import CascadeLaunchConfig
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_resource_usage.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 4-warp programs with <= 128 registers keep >= 4 programs resident per SM (64K registers).
 MAX_REGISTERS = 128
 
@@ -61,6 +62,38 @@ def test_triton_warns_nothing_while_compiling(compile_run):
 
 def _tail(usage):
     return [row for row in usage if row["kernel"] == "tail"]
+
+
+def _triton_floor() -> str:
+    """The oldest Triton ``pyproject.toml`` accepts (its ``"triton>=X.Y"``)."""
+    with open(os.path.join(REPO, "pyproject.toml")) as f:
+        (floor,) = re.findall(r'"triton>=([\d.]+)"', f.read())
+    return floor
+
+
+def test_compiles_with_the_oldest_triton_accepted(usage):
+    """A kernel that only a newer Triton compiles would fail at its first launch, in serving, for a user whose torch
+    brings an older one. So CI also compiles every tiling for sm_90 with the oldest Triton ``pyproject.toml`` accepts,
+    which ``scripts/test.sh`` installs beside the suite's (``BSP_TRITON_FLOOR_SITE``): all compile, with no local-memory
+    spill, and the tail's without a stack frame, as with the suite's Triton."""
+    floor = _triton_floor()
+    site = os.environ.get("BSP_TRITON_FLOOR_SITE")
+    if not site:
+        message = (f"BSP_TRITON_FLOOR_SITE is not set: no Triton {floor} to compile the kernels with "
+                   "(scripts/test.sh installs one where CI is set)")
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([site, REPO])
+    run = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert run.returncode == 0, f"ahead-of-time sm_90 compile with Triton {floor} failed:\n{run.stderr[-4000:]}"
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert {row["triton"].rsplit(".", 1)[0] for row in rows} == {floor}, "the compile ran another Triton"
+    assert len(rows) == len(usage), (len(rows), len(usage))
+    for row in rows:
+        assert row["local"] == 0, f"local-memory spill with Triton {floor}: {row}"
+        assert row["kernel"] != "tail" or row["stack"] == 0, f"a tail tiling's stack frame with Triton {floor}: {row}"
 
 
 def test_compiles_without_spills(usage):
