@@ -38,6 +38,7 @@ import dataclasses
 import importlib
 import logging
 import math
+import os
 import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -45,7 +46,8 @@ from typing import Dict, Optional
 from .gates import (CONTEXT_ONLY, GENERATION_ONLY, _enum_value, batch_decline_reason, call_decline_reason,
                     decline_log, device_decline_reason, layer_decline_reason, prefix_shape_decline_reason)
 from .kv_cache import adapter_for
-from .planning import Family, ensure_prepare_hook, register_instance, runtime_view, step_for_forward, wrapper_for
+from .planning import (Family, ensure_prepare_hook, register_instance, retire_family, runtime_view, step_for_forward,
+                       wrapper_for)
 from .registration import FALLBACK_NAME, LIB_NAME, OUT_OF_TREE_MARK, current_settings
 
 __all__ = ["BeamSharedPrefixFmhaMixin", "fmha_class_for", "stats"]
@@ -57,6 +59,7 @@ stats: Dict[str, int] = {
     "delegated_steps": 0,
     "mixed_batches": 0,
     "combined_generation_calls": 0,
+    "kernel_build_failures": 0,
 }
 
 _BENIGN = ("no generation rows", "beam width 1", "context-only attention call")
@@ -68,6 +71,24 @@ def _phase_name(phase) -> Optional[str]:
 
 def _log_decline(reason: str) -> None:
     decline_log(logging.DEBUG if reason.startswith(_BENIGN) else logging.WARNING, reason)
+
+
+def _is_kernel_build_error(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a launch, is Triton failing to build one of the library's kernels on this machine at
+    a tiling's first launch: one of Triton's own errors (its front end, ``ptxas``, a tiling past the GPU's resources),
+    or its install missing an NVIDIA tool (``Cannot find ptxas-blackwell``, raised from ``triton/knobs.py``). Triton
+    is imported here: the adapter imports it only once a step runs."""
+    from triton.errors import TritonError
+
+    if isinstance(exc, TritonError):
+        return True
+    if not (isinstance(exc, RuntimeError) and str(exc).startswith("Cannot find ")):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    path = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    return os.path.basename(path) == "knobs.py" and os.path.basename(os.path.dirname(path)) == "triton"
 
 
 def _with_input_type(forward_args, value: int):
@@ -365,15 +386,13 @@ class BeamSharedPrefixFmhaMixin:
         if delegate is not None:
             delegate.forward(q, k, v, metadata, forward_args)
             return
-        token0 = 0
+        token0, context = 0, None
         if input_type != GENERATION_ONLY:
             token0 = int(metadata.num_ctx_tokens)
             if int(metadata.num_contexts) > 0:
                 context = self._get_delegate()
                 if context is None:
                     raise RuntimeError(f"beam_shared_prefix: mixed batch without a {FALLBACK_NAME!r} library")
-                context.forward(q, k, v, metadata, _with_input_type(forward_args, CONTEXT_ONLY))
-                stats["mixed_batches"] += 1
         rows = step.num_rows
         if q.shape[0] != token0 + rows:  # (too few rows are refused by _run_rows; more would go unwritten)
             raise RuntimeError(
@@ -381,7 +400,41 @@ class BeamSharedPrefixFmhaMixin:
                 f"and {step.num_requests} requests x {step.beam_width} beams = {rows} generation rows; every row must "
                 f"be written, and this metadata does not say how."
             )
-        self._run_rows(q[token0 : token0 + rows], output[token0 : token0 + rows], metadata, state, step, family)
+        # The generation rows first: where a kernel fails to build, the whole call (context rows too) is handed over.
+        # The two phases touch different sequences' rows and pages, so their order is free.
+        try:
+            self._run_rows(q[token0 : token0 + rows], output[token0 : token0 + rows], metadata, state, step, family)
+        except Exception as exc:
+            if not _is_kernel_build_error(exc):
+                raise
+            self._build_failure_delegate(exc, state, family).forward(q, k, v, metadata, forward_args)
+            return
+        if context is not None:
+            context.forward(q, k, v, metadata, _with_input_type(forward_args, CONTEXT_ONLY))
+            stats["mixed_batches"] += 1
+
+    def _build_failure_delegate(self, exc: Exception, state, family: Family):
+        """The ``fallback`` library to hand a call to after one of the library's Triton kernels failed to build on this
+        machine (``exc``, raised at a tiling's first launch, which therefore ran nothing; the kernels before it wrote
+        no K/V but this token's, which the default kernel writes again). Later eager steps of ``family`` are declined
+        (:func:`~.planning.retire_family`), with one ERROR in the log. Inside a CUDA graph, or without ``fallback``,
+        it raises: neither can hand the step over."""
+        import torch
+
+        detail = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        what = f"a Triton kernel of the library does not build on this machine ({type(exc).__name__}: {detail})"
+        if state.is_cuda_graph or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            raise RuntimeError(f"beam_shared_prefix: {what}, in a CUDA-graph step, which cannot hand the step to the "
+                               f"default kernel; run without CUDA graphs, or without beam_shared_prefix in "
+                               f"TLLM_FMHA_LIBS") from exc
+        delegate = self._get_delegate()
+        if delegate is None:
+            raise RuntimeError(f"beam_shared_prefix: {what}, and no {FALLBACK_NAME!r} library to hand the step to; "
+                               f"remove beam_shared_prefix from TLLM_FMHA_LIBS") from exc
+        reason = retire_family(family, what)
+        decline_log(logging.ERROR, f"{reason}: this call and every later eager step go to {FALLBACK_NAME!r}")
+        stats["kernel_build_failures"] += 1
+        return delegate
 
     # -- the generation half of TensorRT-LLM's CombinedFmha -------------------------------------
     def prepare_workspace(self, *args, **kwargs) -> None:
@@ -410,8 +463,14 @@ class BeamSharedPrefixFmhaMixin:
         if delegate is not None:
             delegate.run_generation(params)
             return
+        try:
+            self._run_rows(qkv, out, metadata, state, step, family)
+        except Exception as exc:
+            if not _is_kernel_build_error(exc):
+                raise
+            self._build_failure_delegate(exc, state, family).run_generation(params)
+            return
         stats["combined_generation_calls"] += 1
-        self._run_rows(qkv, out, metadata, state, step, family)
 
     def release(self) -> None:
         if self._owns_delegate and self._delegate is not None:

@@ -57,6 +57,7 @@ __all__ = [
     "ensure_prepare_hook",
     "metadata_state",
     "register_instance",
+    "retire_family",
     "runtime_view",
     "stats",
 ]
@@ -67,6 +68,9 @@ _WRAPPED_MARK = "_beam_shared_prefix_wrapped"
 
 #: Counters for tests and the end-to-end check (host side only; graph replays are not counted).
 stats: Dict[str, int] = {"plans": 0, "prepare_calls": 0, "steps_planned": 0, "wrappers": 0, "device_errors": 0}
+#: Families whose kernels failed to build on this machine (family key -> reason, :func:`retire_family`): their eager
+#: steps are declined for the rest of the process.
+retired_families: Dict[tuple, str] = {}
 # Kinds of device error already logged (each once per process; the stats count every report).
 _logged_device_errors: set = set()
 
@@ -149,6 +153,8 @@ class StepInfo:
 
     def decline_reason(self, family: Family) -> Optional[str]:
         """The per-step decline rule's verdict for ``family`` (``None``: serve)."""
+        if self._retired(family):
+            return retired_families[family.key]
         if family.key not in self.declines:
             reason = None
             settings = current_settings()
@@ -188,7 +194,17 @@ class StepInfo:
 
     def must_hand_over(self, family: Family) -> bool:
         """Whether the library cannot run ``family`` this step even with no library to hand it to."""
-        return family.key in self.unplannable
+        return family.key in self.unplannable or self._retired(family)
+
+    def _retired(self, family: Family) -> bool:
+        # Eager steps only: a CUDA graph replays the kernels it captured (they built), whatever prepare() says.
+        return self.mean_prompt_len is not None and family.key in retired_families
+
+
+def retire_family(family: Family, why: str) -> str:
+    """Decline every later eager step of ``family`` in this process, for ``why`` (one of the library's kernels failed
+    to build here); returns the reason those steps are declined with (the first one given)."""
+    return retired_families.setdefault(family.key, f"{why}; the library steps aside for this attention shape")
 
 
 @dataclass

@@ -38,6 +38,7 @@ def reset_library_state() -> None:
     planning._states.clear()
     planning._instances.clear()
     planning._logged_device_errors.clear()
+    planning.retired_families.clear()
     kv_cache._adapters.clear()
     gates.decline_log.reset()
     gates.slow_step_log.reset()

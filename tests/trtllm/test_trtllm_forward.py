@@ -12,6 +12,7 @@ Tolerance: bf16 output of unit-variance data, two roundings (prefix output, merg
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -265,6 +266,126 @@ def test_a_step_that_cannot_be_planned_without_a_fallback_library_stops(trt, mon
                                            r"'fallback' library to hand the step to"):
         ours.forward(qkv, None, None, setup.engine.metadata, _forward_args(model, setup, qkv))
     assert stats()["generation_forwards"] == 0
+
+
+def _tail_that_does_not_build(monkeypatch):
+    """Make the Triton tail's launch raise what Triton raises when ``ptxas`` fails; returns the list of its calls."""
+    from triton.runtime.errors import PTXASError
+
+    from triton_kernels import tail_merge
+
+    calls = []
+
+    def fail(*args, **kwargs):
+        calls.append(args[0])
+        raise PTXASError("ptxas fatal   : Value 'sm_90a' is not defined for option 'gpu-name' (simulated)")
+
+    monkeypatch.setattr(tail_merge, "launch", fail)
+    return calls
+
+
+def test_only_tritons_build_failures_are_handed_over():
+    """What counts as a kernel that does not build: Triton's own errors, and its install missing an NVIDIA tool
+    (raised from ``triton/knobs.py``). Any other error of a launch (a device fault, an input refusal) propagates."""
+    from triton import knobs
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    from beam_shared_prefix.trtllm.fmha import _is_kernel_build_error
+
+    def raised(fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        raise AssertionError(f"{fn} raised nothing")
+
+    def not_triton():
+        raise RuntimeError("Cannot find ptxas-blackwell")
+
+    missing_tool = raised(lambda: knobs.env_nvidia_tool("ptxas-of-no-install").get())
+    assert str(missing_tool) == "Cannot find ptxas-of-no-install"
+    assert _is_kernel_build_error(missing_tool)
+    assert _is_kernel_build_error(PTXASError("ptxas fatal"))
+    assert _is_kernel_build_error(OutOfResources(300_000, 232_448, "shared memory"))
+    assert not _is_kernel_build_error(raised(not_triton))  # the same words, raised outside Triton
+    assert not _is_kernel_build_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not _is_kernel_build_error(ValueError("q must be bf16 or fp16"))
+
+
+@pytest.mark.parametrize("contexts", [(), (20, 33)], ids=["generation_only", "mixed"])
+def test_a_kernel_that_does_not_build_hands_the_call_over_and_retires_the_family(trt, monkeypatch, caplog, contexts):
+    """A Triton kernel that fails to build at its first launch (here ``ptxas``) does not fail the engine's step: the
+    whole call, context rows too, goes to ``fallback`` (the oracle's output), the reason is logged once as an ERROR,
+    and every later eager step of the layer family is declined at ``prepare()``, so the failing launch is not tried
+    again."""
+    from beam_shared_prefix.trtllm.gates import decline_log
+
+    _, setup, _ = _served_by_us(trt, monkeypatch, prompts=(37, 70), beam_width=3)
+    launches = _tail_that_does_not_build(monkeypatch)
+    sim = setup.sim
+    step = sim.begin_step()
+    ref = setup.oracle(step)
+    with caplog.at_level(logging.ERROR, logger="beam_shared_prefix"):
+        out, qkv = setup.run(step, context_prompt_lens=contexts)
+    ctx_tokens = sum(contexts)
+    assert_close(gen_rows(out, ctx_tokens, sim), ref, "generation rows, served by fallback")
+    start = 0
+    for n in contexts:
+        expected = dense_causal(qkv[start : start + n], sim.num_qo_heads, sim.num_kv_heads, sim.head_dim)
+        assert_close(out[start : start + n], expected, f"context request of {n} tokens")
+        start += n
+    assert len(launches) == 1
+    assert fallback_calls(setup)[1:] == (["run_context"] if contexts else []) + ["run_generation"]
+    assert stats()["kernel_build_failures"] == 1 and stats()["generation_forwards"] == 0
+    assert decline_log.seen("a Triton kernel of the library does not build on this machine (PTXASError: PTXAS error: ptxas fatal")
+    assert any(r.levelno == logging.ERROR and "steps aside" in r.getMessage() for r in caplog.records), caplog.text
+    sim.end_step(write_kv=False)
+    step = sim.begin_step()
+    out, _ = setup.run(step)
+    assert_close(gen_rows(out, 0, sim), setup.oracle(step), "the next step, declined at prepare()")
+    assert len(launches) == 1 and stats()["delegated_steps"] == 1 and stats()["kernel_build_failures"] == 1
+
+
+def test_a_kernel_that_does_not_build_in_a_combined_fmha_hands_its_generation_half_over(trt, monkeypatch):
+    """As the generation half of a ``CombinedFmha`` (an earlier library takes the context rows), a kernel that fails
+    to build hands the generation rows to ``fallback``'s ``run_generation``; the family is retired."""
+    from beam_shared_prefix.trtllm import planning
+
+    model = trt(layout="new", params="interface", sm100=True)
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    setup = build(model, prompts=(37, 70), beam_width=3)
+    launches = _tail_that_does_not_build(monkeypatch)
+    sim = setup.sim
+    step = sim.begin_step()
+    ref = setup.oracle(step)
+    out, qkv = setup.run(step, context_prompt_lens=(24,))
+    assert_close(gen_rows(out, 24, sim), ref, "generation rows, served by fallback")
+    assert_close(out[:24], dense_causal(qkv[:24], sim.num_qo_heads, sim.num_kv_heads, sim.head_dim), "context rows")
+    assert type(selected(setup)[0]).__name__ == "CombinedFmha"
+    assert len(launches) == 1 and fallback_calls(setup)[-1:] == ["run_generation"]
+    assert stats()["kernel_build_failures"] == 1 and stats()["combined_generation_calls"] == 0
+    assert len(planning.retired_families) == 1
+
+
+@pytest.mark.parametrize("case", ["cuda_graph", "no_fallback"])
+def test_a_kernel_that_does_not_build_where_no_step_can_be_handed_over_stops_clearly(trt, monkeypatch, case):
+    """Inside a CUDA-graph step, or with no ``fallback`` library, the build failure cannot be handed over: the call
+    stops with the reason and what to do, and the family is not retired."""
+    from beam_shared_prefix.trtllm import planning
+
+    model, setup, ours = _served_by_us(trt, monkeypatch, prompts=(37, 70), beam_width=3)
+    _tail_that_does_not_build(monkeypatch)
+    qkv = setup.engine.prepare(setup.sim.begin_step())
+    if case == "cuda_graph":
+        monkeypatch.setattr(planning.metadata_state(setup.engine.metadata), "is_cuda_graph", True)
+        match = r"PTXASError: PTXAS error: ptxas fatal.*in a CUDA-graph step, which cannot hand the step to the default kernel"
+    else:
+        monkeypatch.setattr(ours, "_get_delegate", lambda: None)
+        match = r"PTXASError: PTXAS error: ptxas fatal.*and no 'fallback' library to hand the step to"
+    with pytest.raises(RuntimeError, match=match):
+        ours.forward(qkv, None, None, setup.engine.metadata, _forward_args(model, setup, qkv))
+    assert planning.retired_families == {} and stats()["kernel_build_failures"] == 0
 
 
 @pytest.mark.parametrize("contexts", [(12,), ()], ids=["mixed", "no_context_rows"])
