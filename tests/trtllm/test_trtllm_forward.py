@@ -39,6 +39,15 @@ def gen_rows(out, num_ctx_tokens, sim):
     return out[num_ctx_tokens:].view(-1, sim.num_qo_heads, sim.head_dim)
 
 
+def assert_context_rows(out, qkv, context_prompt_lens, sim):
+    """The context rows at the head of ``out``: each request's causal attention over its own fused QKV rows."""
+    start = 0
+    for n in context_prompt_lens:
+        expected = dense_causal(qkv[start : start + n], sim.num_qo_heads, sim.num_kv_heads, sim.head_dim)
+        assert_close(out[start : start + n], expected, f"context request of {n} tokens")
+        start += n
+
+
 def selected(setup):
     return list(setup.layer._fmha_manager._cache.values())
 
@@ -133,11 +142,7 @@ def test_mixed_batch_served_as_its_own_combined_library(trt, monkeypatch):
     out, qkv = setup.run(step, context_prompt_lens=contexts)
     ctx_tokens = sum(contexts)
     assert_close(gen_rows(out, ctx_tokens, sim), ref, "generation rows")
-    start = 0
-    for n in contexts:
-        expected = dense_causal(qkv[start : start + n], sim.num_qo_heads, sim.num_kv_heads, sim.head_dim)
-        assert_close(out[start : start + n], expected, f"context request of {n} tokens")
-        start += n
+    assert_context_rows(out, qkv, contexts, sim)
     assert [type(f).__name__ for f in selected(setup)] == ["BeamSharedPrefixFmha"]
     assert fallback_calls(setup) == ["prepare_workspace", "run_context"]
     assert stats()["mixed_batches"] == 1 and stats()["generation_forwards"] == 1
@@ -329,11 +334,7 @@ def test_a_kernel_that_does_not_build_hands_the_call_over_and_retires_the_family
         out, qkv = setup.run(step, context_prompt_lens=contexts)
     ctx_tokens = sum(contexts)
     assert_close(gen_rows(out, ctx_tokens, sim), ref, "generation rows, served by fallback")
-    start = 0
-    for n in contexts:
-        expected = dense_causal(qkv[start : start + n], sim.num_qo_heads, sim.num_kv_heads, sim.head_dim)
-        assert_close(out[start : start + n], expected, f"context request of {n} tokens")
-        start += n
+    assert_context_rows(out, qkv, contexts, sim)
     assert len(launches) == 1
     assert fallback_calls(setup)[1:] == (["run_context"] if contexts else []) + ["run_generation"]
     assert stats()["kernel_build_failures"] == 1 and stats()["generation_forwards"] == 0
@@ -361,7 +362,7 @@ def test_a_kernel_that_does_not_build_in_a_combined_fmha_hands_its_generation_ha
     ref = setup.oracle(step)
     out, qkv = setup.run(step, context_prompt_lens=(24,))
     assert_close(gen_rows(out, 24, sim), ref, "generation rows, served by fallback")
-    assert_close(out[:24], dense_causal(qkv[:24], sim.num_qo_heads, sim.num_kv_heads, sim.head_dim), "context rows")
+    assert_context_rows(out, qkv, (24,), sim)
     assert type(selected(setup)[0]).__name__ == "CombinedFmha"
     assert len(launches) == 1 and fallback_calls(setup)[-1:] == ["run_generation"]
     assert stats()["kernel_build_failures"] == 1 and stats()["combined_generation_calls"] == 0
