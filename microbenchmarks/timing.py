@@ -21,6 +21,7 @@ first kernel's start to its last kernel's end, with the gaps between kernels of 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -195,6 +196,21 @@ def _run_backlogged(fns: Sequence[Callable[[], object]], total: int, warmup: int
     return probe, covered
 
 
+def _run_until_covered(fns: Sequence[Callable[[], object]], total: int, warmup: int, enqueue: Callable[[int], None],
+                       max_backlog_us: float,
+                       around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+    """:func:`_run_backlogged` until a try enqueues every chunk within its spin, up to ``_BACKLOG_TRIES`` tries, the
+    spin doubled each time (the warm-up in full only at the first); each try runs inside a fresh ``around()``.
+    Returns ``(probe, covered, what the last try's around() gave)``."""
+    for attempt in range(_BACKLOG_TRIES):
+        with around() as held:
+            probe, covered = _run_backlogged(fns, total, warmup if attempt == 0 else 1, enqueue, max_backlog_us,
+                                             margin=_SPIN_MARGIN * 2**attempt)
+        if covered:
+            break
+    return probe, covered, held
+
+
 def time_cuda(
     fns: Sequence[Callable[[], object]],
     iters: int = 20,
@@ -225,11 +241,7 @@ def time_cuda(
         fns[j % nsets]()
         ends[j].record()
 
-    for attempt in range(_BACKLOG_TRIES):  # (each returns once the device is done)
-        _, covered = _run_backlogged(fns, total, warmup if attempt == 0 else 1, enqueue, max_backlog_us,
-                                     margin=_SPIN_MARGIN * 2**attempt)
-        if covered:
-            break
+    _, covered, _ = _run_until_covered(fns, total, warmup, enqueue, max_backlog_us)  # (once the device is done)
     del flush
     return TimingResult.from_rotated([starts[j].elapsed_time(ends[j]) * 1e3 for j in range(total)], nsets,
                                      host_gaps=not covered)
@@ -305,13 +317,9 @@ def time_kernels(
 
     enqueue(0)  # compiles the markers outside the trace
     torch.cuda.synchronize()
-    for attempt in range(_BACKLOG_TRIES):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            probe, covered = _run_backlogged(fns, total, warmup if attempt == 0 else 1, enqueue, max_backlog_us,
-                                             margin=_SPIN_MARGIN * 2**attempt)
-        if covered:
-            break
-    else:  # a span with a host gap inside would pass for kernel time: report none rather than a wrong one
+    probe, covered, prof = _run_until_covered(fns, total, warmup, enqueue, max_backlog_us,
+                                              around=lambda: profile(activities=[ProfilerActivity.CUDA]))
+    if not covered:  # a span with a host gap inside would pass for kernel time: report none rather than a wrong one
         raise RuntimeError(f"the host enqueued slower than the queued spin in {_BACKLOG_TRIES} tries (up to "
                            f"{_SPIN_MARGIN * 2**(_BACKLOG_TRIES - 1):g}x its probed time): kernel spans would include "
                            "host gaps; time on an idle CPU, or with events only (leave out --kernel-times)")

@@ -402,16 +402,23 @@ class BeamSharedPrefixFmhaMixin:
             )
         # The generation rows first: where a kernel fails to build, the whole call (context rows too) is handed over.
         # The two phases touch different sequences' rows and pages, so their order is free.
+        served = self._serve_rows(q[token0 : token0 + rows], output[token0 : token0 + rows], metadata, state, step,
+                                  family, lambda delegate: delegate.forward(q, k, v, metadata, forward_args))
+        if served and context is not None:
+            context.forward(q, k, v, metadata, _with_input_type(forward_args, CONTEXT_ONLY))
+            stats["mixed_batches"] += 1
+
+    def _serve_rows(self, qkv_rows, out_rows, metadata, state, step, family, hand_over) -> bool:
+        """:meth:`_run_rows`, or, where one of the library's kernels does not build, ``hand_over(fallback)`` (from
+        :meth:`_build_failure_delegate`); returns whether the library served the rows."""
         try:
-            self._run_rows(q[token0 : token0 + rows], output[token0 : token0 + rows], metadata, state, step, family)
+            self._run_rows(qkv_rows, out_rows, metadata, state, step, family)
         except Exception as exc:
             if not _is_kernel_build_error(exc):
                 raise
-            self._build_failure_delegate(exc, state, family).forward(q, k, v, metadata, forward_args)
-            return
-        if context is not None:
-            context.forward(q, k, v, metadata, _with_input_type(forward_args, CONTEXT_ONLY))
-            stats["mixed_batches"] += 1
+            hand_over(self._build_failure_delegate(exc, state, family))
+            return False
+        return True
 
     def _build_failure_delegate(self, exc: Exception, state, family: Family):
         """The ``fallback`` library to hand a call to after one of the library's Triton kernels failed to build on this
@@ -463,14 +470,8 @@ class BeamSharedPrefixFmhaMixin:
         if delegate is not None:
             delegate.run_generation(params)
             return
-        try:
-            self._run_rows(qkv, out, metadata, state, step, family)
-        except Exception as exc:
-            if not _is_kernel_build_error(exc):
-                raise
-            self._build_failure_delegate(exc, state, family).run_generation(params)
-            return
-        stats["combined_generation_calls"] += 1
+        if self._serve_rows(qkv, out, metadata, state, step, family, lambda delegate: delegate.run_generation(params)):
+            stats["combined_generation_calls"] += 1
 
     def release(self) -> None:
         if self._owns_delegate and self._delegate is not None:
