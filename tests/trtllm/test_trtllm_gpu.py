@@ -12,6 +12,8 @@ of 300 and 173 tokens.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -88,3 +90,29 @@ def test_gpu_cuda_graph_capture_and_replay(gpu_model):
         check(setup, step, static_out, what=f"replay {s} (tail {int(step.tail_lens.max())})")
         sim.end_step(write_kv=False)
     assert stats()["plans"] == plans  # same composition: nothing re-planned between replays
+
+
+@pytest.mark.parametrize("contexts", [(), (40,)], ids=["generation_only", "mixed"])
+def test_gpu_a_kernel_ptxas_rejects_hands_the_call_to_fallback(gpu_model, monkeypatch, caplog, contexts):
+    """A real build failure on the GPU: every launch of the library's Triton kernels asks the machine's ``ptxas`` for
+    an option it does not have, so the step's first Triton kernel fails to build (Triton's ``PTXASError``; the options
+    are part of Triton's cache key, so no cached binary stands in). The whole call, context rows too, goes to
+    ``fallback``, whose output matches the oracle; one ERROR is logged; the next eager step is declined at
+    ``prepare()`` and builds nothing."""
+    from beam_shared_prefix.trtllm.gates import decline_log
+    from triton_kernels import launch
+
+    monkeypatch.setattr(launch, "COMPILE_OPTIONS", {**launch.COMPILE_OPTIONS, "ptx_options": "--no-such-ptxas-option"})
+    setup = build(gpu_model, kind="v1", **SHAPE)
+    step = setup.sim.begin_step()
+    with caplog.at_level(logging.ERROR, logger="beam_shared_prefix"):
+        out, _ = setup.run(step, context_prompt_lens=contexts)
+    check(setup, step, out, sum(contexts), "the failed call, served by fallback")
+    assert stats()["kernel_build_failures"] == 1 and stats()["generation_forwards"] == 0
+    assert decline_log.seen("a Triton kernel of the library does not build on this machine (PTXASError")
+    assert any(r.levelno == logging.ERROR and "steps aside" in r.getMessage() for r in caplog.records), caplog.text
+    setup.sim.end_step(write_kv=False)
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step)
+    check(setup, step, out, what="the next step, declined at prepare()")
+    assert stats()["delegated_steps"] == 1 and stats()["kernel_build_failures"] == 1
