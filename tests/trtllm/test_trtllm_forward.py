@@ -274,7 +274,9 @@ def test_a_step_that_cannot_be_planned_without_a_fallback_library_stops(trt, mon
 
 
 def _tail_that_does_not_build(monkeypatch):
-    """Make the Triton tail's launch raise what Triton raises when ``ptxas`` fails; returns the list of its calls."""
+    """Make the Triton tail's launch raise what Triton raises when ``ptxas`` fails; returns the list of its calls.
+    Its tests are ``interpreter`` tests: on a CUDA machine the model's CPU tensors take the torch tail, which launches
+    nothing (test_trtllm_gpu.py fails a real ``ptxas`` there)."""
     from triton.runtime.errors import PTXASError
 
     from triton_kernels import tail_merge
@@ -317,6 +319,7 @@ def test_only_tritons_build_failures_are_handed_over():
     assert not _is_kernel_build_error(ValueError("q must be bf16 or fp16"))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("contexts", [(), (20, 33)], ids=["generation_only", "mixed"])
 def test_a_kernel_that_does_not_build_hands_the_call_over_and_retires_the_family(trt, monkeypatch, caplog, contexts):
     """A Triton kernel that fails to build at its first launch (here ``ptxas``) does not fail the engine's step: the
@@ -347,6 +350,7 @@ def test_a_kernel_that_does_not_build_hands_the_call_over_and_retires_the_family
     assert len(launches) == 1 and stats()["delegated_steps"] == 1 and stats()["kernel_build_failures"] == 1
 
 
+@pytest.mark.interpreter
 def test_a_kernel_that_does_not_build_in_a_combined_fmha_hands_its_generation_half_over(trt, monkeypatch):
     """As the generation half of a ``CombinedFmha`` (an earlier library takes the context rows), a kernel that fails
     to build hands the generation rows to ``fallback``'s ``run_generation``; the family is retired."""
@@ -369,6 +373,7 @@ def test_a_kernel_that_does_not_build_in_a_combined_fmha_hands_its_generation_ha
     assert len(planning.retired_families) == 1
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", ["cuda_graph", "no_fallback"])
 def test_a_kernel_that_does_not_build_where_no_step_can_be_handed_over_stops_clearly(trt, monkeypatch, case):
     """Inside a CUDA-graph step, or with no ``fallback`` library, the build failure cannot be handed over: the call
