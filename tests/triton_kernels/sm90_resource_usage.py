@@ -89,6 +89,33 @@ def _resources(compiled):
     return tuple(int(x) for x in m.groups())
 
 
+# Opcodes that tell two builds of one kernel apart (``--cascade-sass``): tensor-core ops, async and shared-memory
+# traffic, global loads, barriers, shuffles, the softmax's arithmetic, branches.
+SASS_OPCODES = ("HGMMA", "HMMA", "LDGSTS", "LDSM", "LDS", "STS", "LDG", "BAR", "SHFL", "FFMA", "FMUL", "MUFU", "BRA")
+
+
+def _sass_opcodes(compiled) -> dict:
+    """The instruction count of a compiled kernel's SASS (``cuobjdump -sass``) and the counts of
+    :data:`SASS_OPCODES`; with the ``ptxas`` that built it (Triton 3.9 builds sm_90 with ``ptxas-blackwell``)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    try:
+        ptxas = get_ptxas(90)
+    except TypeError:  # Triton 3.4 has one ptxas for every architecture
+        ptxas = get_ptxas()
+    return dict(ptxas=f"{os.path.basename(ptxas.path)} {ptxas.version}", instructions=len(ops),
+                **{op: ops.count(op) for op in SASS_OPCODES})
+
+
 # The device error flag (triton_kernels.device_errors) is opt-in: the default tilings compile without
 # it; the tail kernel's shapes compile with it too (``report_errors`` in the rows), so a spill there fails.
 REPORT_ERRORS = False
@@ -156,10 +183,10 @@ _CASCADE_DIV16_INTS = {
 
 
 def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, dtype: str, prefix_only: bool = False,
-                         prompt_capacity=None, num_requests=None, max_tail_len=None):
+                         prompt_capacity=None, num_requests=None, max_tail_len=None, sass: bool = False):
     """Compile the cascade kernel's default tiling of a shape (the whole step, or its prompt pass) for a
     prompt table of ``prompt_capacity`` tokens, ``num_requests`` requests and tails of at most ``max_tail_len``
-    tokens (each ``None``: unknown)."""
+    tokens (each ``None``: unknown); ``sass`` adds its SASS opcode counts (:func:`_sass_opcodes`)."""
     g = hq // hkv
     cfg = cascade_launch_config(beam_width, g, d, prompt_capacity, num_requests, hkv, max_tail_len=max_tail_len)
     if prefix_only:  # as beam_prefix_attention launches it: the fused step's register cap is dropped
@@ -199,6 +226,7 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         wgmma=ptx.count("wgmma.mma_async"),
         mma_sync=ptx.count("mma.sync"),
         num_warps=cfg.num_warps,
+        **(dict(sass=_sass_opcodes(compiled)) if sass else {}),
     )
 
 
@@ -303,6 +331,12 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
 
 
 def main() -> None:
+    if "--cascade-sass" in sys.argv:  # the cascade's default tilings with their SASS opcode counts, and nothing else
+        for *shape, prompt_capacity in CASCADE_SHAPES:
+            for prefix_only in (False, True):
+                print(json.dumps(compile_cascade_sm90(*shape, prefix_only=prefix_only, prompt_capacity=prompt_capacity,
+                                                      sass=True)), flush=True)
+        return
     # Every shape with its default tiling, then the index-block-free chain (index_block 0) of the
     # first shapes for comparison: ``--compare-index-block 0,8,16,32`` adds those values.
     compare = [0]
