@@ -95,7 +95,7 @@ import triton.language as tl
 from .beam_index import pages_of_source_beams, shared_ancestry_len, source_beam_pages
 from .device_errors import (KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, or_reduce,
                             page_error_bits)
-from .tail_merge_grouped_kernel import attend_grouped_row
+from .tail_merge_grouped_kernel import attend_grouped_row, online_softmax_row
 
 __all__ = ["beam_cascade_kernel"]
 
@@ -244,9 +244,23 @@ def _tail_on_cores(
                     + slot_in_page.to(tl.int64) * stride_kv_slot)[None, :, None] + kv_head_off + kd
             k_t = tl.load(kv_ptr + offs, mask=ok[None, :, None], other=0.0)
             v_t = tl.load(kv_ptr + stride_kv_kv + offs, mask=ok[None, :, None], other=0.0)
-            m_i, l_i, acc = attend_grouped_row(q3, m_i, l_i, acc, k_t, v_t, ok[None, :])
+            m_i, l_i, acc = _attend_tail_row(q3, m_i, l_i, acc, k_t, v_t, ok[None, :, None])
     return (tl.reshape(m_i, [BLOCK_M]), tl.reshape(l_i, [BLOCK_M]), tl.reshape(acc, [BLOCK_M, HEAD_DIM]), beam_err,
             pos_err)
+
+
+@triton.jit
+def _attend_tail_row(q3, m_i, l_i, acc, k_raw, v_raw, ok3):
+    """Online-softmax update of the core tail's ``[G, BEAMS]`` state with one gathered K/V row per beam
+    (``[1, BEAMS, D]``, raw dtype); ``ok3`` (``[1, BEAMS, 1]``, the loads' mask) masks the row.
+
+    The mask is applied to the products before their sum (a masked beam's score sums ``-inf``), in the
+    layout the K/V loads already hold it in. Masking the summed scores, as ``attend_grouped_row`` does,
+    needs the mask in the scores' layout: Triton 3.6 derived it there, Triton 3.9 moves it through shared
+    memory at every tail position (B-beam14's step: 52 barriers against 35, ``docs/rounds.md``, "The
+    seventy-fifth round")."""
+    s = tl.sum(tl.where(ok3, q3 * k_raw.to(tl.float32), float("-inf")), axis=2)
+    return online_softmax_row(m_i, l_i, acc, s, v_raw)
 
 
 @triton.jit

@@ -27,21 +27,29 @@ import triton.language as tl
 from .beam_index import source_beam_pages
 from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, page_error_bits
 
-__all__ = ["beam_tail_merge_grouped_kernel", "attend_grouped_row"]
+__all__ = ["beam_tail_merge_grouped_kernel", "attend_grouped_row", "online_softmax_row"]
 
 
 @triton.jit
-def attend_grouped_row(q, m_i, l_i, acc, k_raw, v_raw, ok):
-    """Online-softmax update with one key/value row per KV head (``[1, KVH, D]``, raw dtype) for the
-    ``[G, KVH, D]`` queries (``q`` float32, pre-scaled to base 2); ``ok`` (``[1, KVH]``) masks the row.
-    The cascade kernel's core tail calls it with beams in place of KV heads."""
-    s = tl.where(ok, tl.sum(q * k_raw.to(tl.float32), axis=2), float("-inf"))
+def online_softmax_row(m_i, l_i, acc, s, v_raw):
+    """Online-softmax update of the ``[G, KVH]`` state (``m_i``, ``l_i`` base 2; ``acc`` ``[G, KVH, D]``
+    float32) with one key/value row per KV head: its scores ``s`` (``[G, KVH]``, base 2, ``-inf`` where
+    masked) and values ``v_raw`` (``[1, KVH, D]``, raw dtype)."""
     m_new = tl.maximum(m_i, s)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)
     l_new = l_i * alpha + p
     acc_new = acc * alpha[:, :, None] + p[:, :, None] * v_raw.to(tl.float32)
     return m_new, l_new, acc_new
+
+
+@triton.jit
+def attend_grouped_row(q, m_i, l_i, acc, k_raw, v_raw, ok):
+    """Online-softmax update with one key/value row per KV head (``[1, KVH, D]``, raw dtype) for the
+    ``[G, KVH, D]`` queries (``q`` float32, pre-scaled to base 2); ``ok`` (``[1, KVH]``) masks the row.
+    The cascade kernel's core tail calls it with beams in place of KV heads for this step's token."""
+    s = tl.where(ok, tl.sum(q * k_raw.to(tl.float32), axis=2), float("-inf"))
+    return online_softmax_row(m_i, l_i, acc, s, v_raw)
 
 
 @triton.jit
