@@ -96,9 +96,9 @@ def test_gpu_cuda_graph_capture_and_replay(gpu_model):
 def test_gpu_a_kernel_ptxas_rejects_hands_the_call_to_fallback(gpu_model, monkeypatch, caplog, contexts):
     """A real build failure on the GPU: every launch of the library's Triton kernels asks the machine's ``ptxas`` for
     an option it does not have, so the step's first Triton kernel fails to build (Triton's ``PTXASError``; the options
-    are part of Triton's cache key, so no cached binary stands in). The whole call, context rows too, goes to
-    ``fallback``, whose output matches the oracle; one ERROR is logged; the next eager step is declined at
-    ``prepare()`` and builds nothing."""
+    are part of Triton's cache key, so no cached binary stands in). The whole call goes to ``fallback`` (the context
+    rows too, which test_trtllm_forward.py checks), and its generation rows match the oracle; one ERROR is logged; the
+    next eager step is declined at ``prepare()`` and tries no build (a second would count a second failure)."""
     from beam_shared_prefix.trtllm.gates import decline_log
     from triton_kernels import launch
 
