@@ -29,15 +29,31 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MAX_REGISTERS = 128
 
 
-def _has_nvidia_toolchain() -> bool:
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    return all(os.path.exists(os.path.join(bindir, tool)) for tool in ("ptxas", "cuobjdump"))
+def _missing_nvidia_tools() -> list:
+    """The tools the ahead-of-time compile needs that this Triton install lacks: the ``ptxas`` Triton itself picks for
+    sm_90 (``ptxas-blackwell`` from Triton 3.5 on, with ``TRITON_PTXAS*_PATH`` honoured) and the wheel's
+    ``cuobjdump``, which ``sm90_resource_usage.py`` reads resource usage with."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    missing = []
+    try:
+        try:
+            get_ptxas(90)
+        except TypeError:  # Triton 3.4: one ptxas for every architecture
+            get_ptxas()
+    except RuntimeError as exc:  # "Cannot find <tool>", from triton/knobs.py
+        missing.append(str(exc).removeprefix("Cannot find "))
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        missing.append("cuobjdump")
+    return missing
 
 
 @pytest.fixture(scope="module")
 def compile_run():
-    if not _has_nvidia_toolchain():
-        pytest.skip("this Triton install has no NVIDIA backend tools (ptxas, cuobjdump) to compile for sm_90")
+    missing = _missing_nvidia_tools()
+    if missing:
+        pytest.skip(f"this Triton install ({triton.__version__}) lacks {', '.join(missing)}, which the ahead-of-time "
+                    f"sm_90 compile needs")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, f"ahead-of-time sm_90 compile failed:\n{run.stderr[-4000:]}"
