@@ -72,18 +72,35 @@ _DIV16_INTS = {
 }
 
 
-def _resources(compiled):
-    """(registers, stack, shared, local) of a compiled kernel, from ``cuobjdump --dump-resource-usage``."""
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+#: The NVIDIA tools inside the Triton wheel (``cuobjdump`` reads the cubins here).
+NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def sm90_ptxas():
+    """The ``ptxas`` Triton builds sm_90 with (``ptxas-blackwell`` from Triton 3.5 on, ``TRITON_PTXAS*_PATH``
+    honoured); raises Triton's ``RuntimeError("Cannot find <tool>")`` where the install lacks it."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        return get_ptxas(90)
+    except TypeError:  # Triton 3.4 has one ptxas for every architecture
+        return get_ptxas()
+
+
+def _cuobjdump(compiled, flag: str) -> str:
+    """``cuobjdump <flag>`` of a compiled kernel's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:
-        dump = subprocess.run(
-            [os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
-            capture_output=True, text=True, check=True,
-        ).stdout
+        return subprocess.run([os.path.join(NVIDIA_BIN, "cuobjdump"), flag, f.name],
+                              capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def _resources(compiled):
+    """(registers, stack, shared, local) of a compiled kernel, from ``cuobjdump --dump-resource-usage``."""
+    dump = _cuobjdump(compiled, "--dump-resource-usage")
     m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", dump)
     if m is None:
         raise RuntimeError(f"cuobjdump gave no resource line:\n{dump}")
@@ -97,22 +114,9 @@ SASS_OPCODES = ("HGMMA", "HMMA", "LDGSTS", "LDSM", "LDS", "STS", "LDG", "BAR", "
 
 def _sass_opcodes(compiled) -> dict:
     """The instruction count of a compiled kernel's SASS (``cuobjdump -sass``) and the counts of
-    :data:`SASS_OPCODES`; with the ``ptxas`` that built it (Triton 3.9 builds sm_90 with ``ptxas-blackwell``)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name],
-                              capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
-    try:
-        ptxas = get_ptxas(90)
-    except TypeError:  # Triton 3.4 has one ptxas for every architecture
-        ptxas = get_ptxas()
+    :data:`SASS_OPCODES`; with the ``ptxas`` that built it (:func:`sm90_ptxas`)."""
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", _cuobjdump(compiled, "-sass"))
+    ptxas = sm90_ptxas()
     return dict(ptxas=f"{os.path.basename(ptxas.path)} {ptxas.version}", instructions=len(ops),
                 **{op: ops.count(op) for op in SASS_OPCODES})
 

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import triton
-from sm90_resource_usage import CASCADE_SHAPES, CASCADE_VARIANTS
+from sm90_resource_usage import CASCADE_SHAPES, CASCADE_VARIANTS, NVIDIA_BIN, sm90_ptxas
 
 from triton_kernels.cascade import CascadeLaunchConfig
 
@@ -31,19 +31,14 @@ MAX_REGISTERS = 128
 
 def _missing_nvidia_tools() -> list:
     """The tools the ahead-of-time compile needs that this Triton install lacks: the ``ptxas`` Triton itself picks for
-    sm_90 (``ptxas-blackwell`` from Triton 3.5 on, with ``TRITON_PTXAS*_PATH`` honoured) and the wheel's
-    ``cuobjdump``, which ``sm90_resource_usage.py`` reads resource usage with."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
+    sm_90 (:func:`sm90_resource_usage.sm90_ptxas`) and the wheel's ``cuobjdump``, which ``sm90_resource_usage.py``
+    reads resource usage with."""
     missing = []
     try:
-        try:
-            get_ptxas(90)
-        except TypeError:  # Triton 3.4: one ptxas for every architecture
-            get_ptxas()
+        sm90_ptxas()
     except RuntimeError as exc:  # "Cannot find <tool>", from triton/knobs.py
         missing.append(str(exc).removeprefix("Cannot find "))
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+    if not os.path.exists(os.path.join(NVIDIA_BIN, "cuobjdump")):
         missing.append("cuobjdump")
     return missing
 
