@@ -106,14 +106,31 @@ def _hide_packages(monkeypatch, *names):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in names else real(name, *a))
 
 
-def test_layer_gate_names_a_missing_backend(enabled, monkeypatch):
+@pytest.mark.parametrize("backend, hidden, cuda, reason", [
+    ("flashinfer", ("flashinfer",), False, "pip install 'beam-shared-prefix[flashinfer]'"),
+    ("fa4", ("flash_attn",), False, "pip install 'beam-shared-prefix[fa4]'"),
+    # A bare install on a GPU: "auto" would run the torch reference prefix wherever it does not pick the cascade.
+    ("auto", ("flashinfer", "flash_attn"), True, "no GPU prefix backend installed (neither flashinfer nor "
+                                                 "flash-attn-4); pip install 'beam-shared-prefix[flashinfer]'"),
+    # Off the GPU the reference prefix is the path, so a bare install serves.
+    ("auto", ("flashinfer", "flash_attn"), False, None),
+], ids=["flashinfer", "fa4", "auto_bare_gpu", "auto_bare_cpu"])
+def test_layer_gate_names_a_missing_backend(enabled, monkeypatch, backend, hidden, cuda, reason):
     """A backend that is not installed declines the layer with the install command."""
-    _hide_packages(monkeypatch, "flashinfer")
-    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", "flashinfer")
+    from beam_shared_prefix.trtllm import gates
+
+    _hide_packages(monkeypatch, *hidden)
+    monkeypatch.setattr(gates, "_cuda_available", lambda: cuda)
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
     register()  # re-reads the settings
     layer = enabled.module(".trtllm").TrtllmAttention(0, 4, 64, 2)
-    assert library_of(layer) is None
-    assert decline_log.seen("pip install 'beam-shared-prefix[flashinfer]'")
+    if reason is None:
+        assert gates.backend_decline_reason(backend) is None
+        assert library_of(layer) is not None
+    else:
+        assert reason in gates.backend_decline_reason(backend)
+        assert library_of(layer) is None
+        assert decline_log.seen(reason)
 
 
 def test_triton_backend_declines_a_shape_it_cannot_tile_without_its_fallback(enabled, monkeypatch):
