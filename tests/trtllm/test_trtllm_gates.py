@@ -110,8 +110,8 @@ def _hide_packages(monkeypatch, *names):
     ("flashinfer", ("flashinfer",), False, "pip install 'beam-shared-prefix[flashinfer]'"),
     ("fa4", ("flash_attn",), False, "pip install 'beam-shared-prefix[fa4]'"),
     # A bare install on a GPU: "auto" would run the torch reference prefix wherever it does not pick the cascade.
-    ("auto", ("flashinfer", "flash_attn"), True, "no GPU prefix backend installed (neither flashinfer nor "
-                                                 "flash-attn-4); pip install 'beam-shared-prefix[flashinfer]'"),
+    ("auto", ("flashinfer", "flash_attn"), True, ("no GPU prefix backend installed (neither flashinfer nor "
+                                                  "flash-attn-4); pip install 'beam-shared-prefix[flashinfer]'")),
     # Off the GPU the reference prefix is the path, so a bare install serves.
     ("auto", ("flashinfer", "flash_attn"), False, None),
 ], ids=["flashinfer", "fa4", "auto_bare_gpu", "auto_bare_cpu"])
