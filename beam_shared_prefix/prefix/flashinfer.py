@@ -365,9 +365,10 @@ class FlashInferPrefixBackend(PrefixBackend):
             try:
                 wrapper.plan(*args, **plan_kwargs)
                 break
-            except RuntimeError as exc:
+            except (RuntimeError, ValueError) as exc:
                 # FlashInfer's scheduler reports an undersized workspace at plan time (its AlignedAllocator
-                # fails); eagerly, grow and retry.
+                # fails); eagerly, grow and retry. A ValueError is a refused shape: before 0.7 a graph-mode
+                # wrapper takes no max_total_num_rows and refuses more rows than its first plan had.
                 if not _is_workspace_error(exc) or self.use_cuda_graph or attempt == 3:
                     raise PrefixBackendError(
                         f"FlashInfer {kernel} plan failed for {step_plan.num_requests} requests x "

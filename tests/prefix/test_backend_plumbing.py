@@ -231,6 +231,65 @@ def test_fa4_backend_plumbing(fake_gpu_libs, monkeypatch, layout):
     assert graph._views["page_table"].data_ptr() == table.data_ptr()
 
 
+class FlashInfer06PrefillWrapper(FakePrefillWrapper):
+    """The wrapper of the FlashInfer TensorRT-LLM pins (``flashinfer-python==0.6.0`` in its ``requirements.txt``;
+    0.6.14 beside 1.3.0rc22), with the signatures of both wheels' ``BatchPrefillWithPagedKVCacheWrapper``: no
+    ``max_total_num_rows`` (graph mode caps the rows at the first plan's), no ``uniform_q_len``, and ``run()``
+    without ``lse_base``/``lse_layout``, returning its native base-2 ``[rows, heads]`` LSE."""
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, qo_indptr_buf, paged_kv_indptr_buf,
+                         paged_kv_indices_buf, paged_kv_last_page_len_buf, backend)
+        self.row_cap = None
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+             head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
+             pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+             o_data_type=None, non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None,
+             token_pos_in_items_len=0, max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
+             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None, disable_split_kv=False):
+        rows = int(qo_indptr[-1])
+        if self.use_cuda_graph:
+            if self.row_cap is not None and rows > self.row_cap:
+                raise ValueError(f"The total number of rows in qo_indptr {rows} in cuda graph mode cannot exceed the "
+                                 f"number of rows set during initialization {self.row_cap}.")
+            self.row_cap = self.row_cap or rows
+        super().plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+                     head_dim_qk, page_size, causal=causal, pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale,
+                     q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+                     non_blocking=non_blocking)
+
+    def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False,
+            enable_pdl=None, window_left=None):
+        return super().run(q, paged_kv_cache, out=out, lse=lse, return_lse=return_lse, lse_base="log2",
+                           lse_layout="NH")
+
+
+def test_flashinfer_06_serves_through_its_own_signatures(fake_gpu_libs):
+    """FlashInfer 0.6.x takes every argument whose loss would change results; the rest are left out, and its LSE is
+    read as its native base-2 ``[rows, heads]``, eagerly and in CUDA-graph mode (one row count per batch size)."""
+    fake_gpu_libs.BatchPrefillWithPagedKVCacheWrapper = FlashInfer06PrefillWrapper
+    sim, step, plan = make_case()
+    desc = check_prefix(FlashInferPrefixBackend("cpu"), sim, step, plan)
+    assert (desc.layout, desc.base) == ("NH", "log2")
+    (wrapper,) = FakePrefillWrapper.instances
+    assert wrapper.plans[-1]["uniform_q_len"] is None and wrapper.plans[-1]["sm_scale"] == 0.25
+    graph = FlashInferPrefixBackend("cpu", use_cuda_graph=True, max_requests=4, max_beam_width=3, max_prompt_pages=10)
+    for seed in (1, 2):
+        sim, step, plan = make_case(prompts=(6, 30, 2, 11), seed=seed)
+        check_prefix(graph, sim, step, plan)
+    assert FakePrefillWrapper.instances[-1].row_cap == 4 * 3 and len(FakePrefillWrapper.instances[-1].plans) == 2
+    # A wrapper whose first plan had fewer rows refuses more later: named as this backend's plan failure.
+    graph = FlashInferPrefixBackend("cpu", use_cuda_graph=True, max_requests=4, max_beam_width=3, max_prompt_pages=10)
+    check_prefix(graph, *make_case(beams=2))
+    with pytest.raises(PrefixBackendError, match=r"FlashInfer fa2 plan failed for 4 requests x 3 beams .* cannot "
+                                                 r"exceed the number of rows set during initialization 8"):
+        check_prefix(graph, *make_case(beams=3))
+
+
 def test_flashinfer_without_a_semantic_argument_declines(fake_gpu_libs):
     """A FlashInfer whose plan() lost ``sm_scale`` (a rename) would run with its default scale: refused by
     name instead of the argument being dropped like the optional ones."""
