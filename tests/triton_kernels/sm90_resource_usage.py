@@ -77,13 +77,13 @@ NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia"
 
 
 def sm90_ptxas():
-    """The ``ptxas`` Triton builds sm_90 with (``ptxas-blackwell`` from Triton 3.5 on, ``TRITON_PTXAS*_PATH``
+    """The ``ptxas`` Triton builds sm_90 with (Triton 3.9's ``ptxas-blackwell``; ``TRITON_PTXAS*_PATH``
     honoured); raises Triton's ``RuntimeError("Cannot find <tool>")`` where the install lacks it."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     try:
         return get_ptxas(90)
-    except TypeError:  # Triton 3.4 has one ptxas for every architecture
+    except TypeError:  # Triton 3.4 and 3.5 have one ptxas for every architecture
         return get_ptxas()
 
 
