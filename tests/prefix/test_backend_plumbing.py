@@ -264,6 +264,7 @@ class FlashInfer06PrefillWrapper(FakePrefillWrapper):
 
     def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False,
             enable_pdl=None, window_left=None):
+        # The stand-in's LSE is already base 2 and [rows, heads]; the parent checks a caller that can pass the keywords.
         return super().run(q, paged_kv_cache, out=out, lse=lse, return_lse=return_lse, lse_base="log2",
                            lse_layout="NH")
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from beam_shared_prefix import decline
-from beam_shared_prefix.trtllm import register, stats
+from beam_shared_prefix.trtllm import gates, register, stats
 from beam_shared_prefix.trtllm.gates import decline_log
 from interface_model import PositionEmbeddingType, QuantMode, build
 
@@ -117,8 +117,6 @@ def _hide_packages(monkeypatch, *names):
 ], ids=["flashinfer", "fa4", "auto_bare_gpu", "auto_bare_cpu"])
 def test_layer_gate_names_a_missing_backend(enabled, monkeypatch, backend, hidden, cuda, reason):
     """A backend that is not installed declines the layer with the install command."""
-    from beam_shared_prefix.trtllm import gates
-
     _hide_packages(monkeypatch, *hidden)
     monkeypatch.setattr(gates, "_cuda_available", lambda: cuda)
     monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_BACKEND", backend)
