@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import re
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -65,6 +66,16 @@ _WORKSPACE_MARGIN = 1.25
 _WORKSPACE_SLACK_BYTES = 1 << 20
 
 _FLASHINFER_STATE: Dict[str, object] = {}
+#: The oldest FlashInfer this backend's tests and measurements ran with (``pyproject.toml``'s ``flashinfer`` extra). An
+#: older one, such as the 0.6.x that TensorRT-LLM pins, still serves (its wrapper's signatures are checked at every
+#: plan), but its speed and :func:`choose_flashinfer_kernel`'s rule are unmeasured with it, so it is named once.
+MEASURED_FLASHINFER_VERSION = (0, 7, 4)
+
+
+def _release(version: str) -> Optional[Tuple[int, int, int]]:
+    """``(major, minor, patch)`` of a version string such as ``0.6.14`` or ``0.7.4+cu130``; ``None`` if it has none."""
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    return (int(m[1]), int(m[2]), int(m[3])) if m else None
 
 
 def choose_flashinfer_kernel(
@@ -149,8 +160,19 @@ def _import_flashinfer():
                 module = None
         except Exception as exc:  # a broken install must decline, not crash the caller
             _FLASHINFER_STATE["reason"] = f"import flashinfer failed: {type(exc).__name__}: {exc}"
+    if module is not None:
+        _name_an_unmeasured_version(str(getattr(module, "__version__", "")))
     _FLASHINFER_STATE["module"] = module
     return module
+
+
+def _name_an_unmeasured_version(version: str) -> None:
+    release = _release(version)
+    if release is not None and release < MEASURED_FLASHINFER_VERSION:
+        logger.warning("beam_shared_prefix: flashinfer %s is older than %s, the oldest this library was tested and "
+                       "measured with. It serves (its wrapper's arguments are checked at every plan), but its speed "
+                       "here is unmeasured; docs/trtllm.md, 'Inside a TensorRT-LLM environment'.",
+                       version, ".".join(map(str, MEASURED_FLASHINFER_VERSION)))
 
 
 #: ``plan()`` arguments whose loss would change results without an error (a rename in another FlashInfer would

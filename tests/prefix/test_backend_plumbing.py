@@ -291,6 +291,41 @@ def test_flashinfer_06_serves_through_its_own_signatures(fake_gpu_libs):
         check_prefix(graph, *make_case(beams=3))
 
 
+@pytest.mark.parametrize("version, named", [
+    ("0.6.0", True), ("0.6.14", True), ("0.7.3", True), ("0.7.4", False), ("0.7.4+cu130", False), ("0.8.0rc1", False),
+    ("", False),
+])
+def test_an_older_flashinfer_is_named_once(monkeypatch, caplog, version, named):
+    """A FlashInfer older than the one the library was measured with serves, and is named once, with the version."""
+    import importlib.machinery
+    import logging
+    import sys
+    import types
+
+    module = types.ModuleType("flashinfer")
+    module.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
+    module.__version__ = version
+    module.BatchPrefillWithPagedKVCacheWrapper = FlashInfer06PrefillWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setattr(fi_module, "_FLASHINFER_STATE", {})
+    with caplog.at_level(logging.WARNING, logger="beam_shared_prefix"):
+        assert fi_module._import_flashinfer() is module and fi_module._import_flashinfer() is module
+    named_lines = [r.getMessage() for r in caplog.records if "older than 0.7.4" in r.getMessage()]
+    expected = (f"beam_shared_prefix: flashinfer {version} is older than 0.7.4, the oldest this library was tested and "
+                "measured with. It serves (its wrapper's arguments are checked at every plan), but its speed here is "
+                "unmeasured; docs/trtllm.md, 'Inside a TensorRT-LLM environment'.")
+    assert named_lines == ([expected] if named else [])
+
+
+def test_the_measured_flashinfer_is_the_extras_floor():
+    import pathlib
+    import re
+
+    pyproject = (pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text()
+    floors = set(re.findall(r'"flashinfer-python>=([\d.]+)"', pyproject))
+    assert floors == {".".join(map(str, fi_module.MEASURED_FLASHINFER_VERSION))}
+
+
 def test_flashinfer_without_a_semantic_argument_declines(fake_gpu_libs):
     """A FlashInfer whose plan() lost ``sm_scale`` (a rename) would run with its default scale: refused by
     name instead of the argument being dropped like the optional ones."""
