@@ -70,6 +70,8 @@ _FLASHINFER_STATE: Dict[str, object] = {}
 #: older one, such as the 0.6.x that TensorRT-LLM pins, still serves (its wrapper's signatures are checked at every
 #: plan), but its speed and :func:`choose_flashinfer_kernel`'s rule are unmeasured with it, so it is named once.
 MEASURED_FLASHINFER_VERSION = (0, 7, 4)
+#: The same, as the install floor the messages name.
+FLASHINFER_FLOOR = ".".join(map(str, MEASURED_FLASHINFER_VERSION))
 
 
 def _release(version: str) -> Optional[Tuple[int, int, int]]:
@@ -151,7 +153,7 @@ def _import_flashinfer():
         return _FLASHINFER_STATE["module"]
     module = None
     if importlib.util.find_spec("flashinfer") is None:
-        _FLASHINFER_STATE["reason"] = "flashinfer is not installed (pip install 'flashinfer-python>=0.7.4')"
+        _FLASHINFER_STATE["reason"] = f"flashinfer is not installed (pip install 'flashinfer-python>={FLASHINFER_FLOOR}')"
     else:
         try:
             module = importlib.import_module("flashinfer")
@@ -172,7 +174,7 @@ def _name_an_unmeasured_version(version: str) -> None:
         logger.warning("beam_shared_prefix: flashinfer %s is older than %s, the oldest this library was tested and "
                        "measured with. It serves (its wrapper's arguments are checked at every plan), but its speed "
                        "here is unmeasured; docs/trtllm.md, 'Inside a TensorRT-LLM environment'.",
-                       version, ".".join(map(str, MEASURED_FLASHINFER_VERSION)))
+                       version, FLASHINFER_FLOOR)
 
 
 #: ``plan()`` arguments whose loss would change results without an error (a rename in another FlashInfer would
@@ -193,7 +195,7 @@ def _accepted_kwargs(fn, kwargs: dict, required=()) -> dict:
     if missing:
         raise PrefixBackendError(
             f"this FlashInfer's {getattr(fn, '__qualname__', fn)} takes no {missing}: it would run with its own "
-            f"defaults for them. Install flashinfer-python>=0.7.4 of a version that takes them, or use "
+            f"defaults for them. Install flashinfer-python>={FLASHINFER_FLOOR} of a version that takes them, or use "
             f"backend='fa4'/'triton'."
         )
     return {k: v for k, v in kwargs.items() if k in params}

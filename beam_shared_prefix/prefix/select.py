@@ -42,7 +42,7 @@ from .base import PrefixBackend, PrefixBackendError, logger
 from .cascade_rule import *
 from .cascade_rule import cascade_preferred
 from .fa4 import FA4PrefixBackend, whole_page_reason
-from .flashinfer import FlashInferPrefixBackend
+from .flashinfer import FLASHINFER_FLOOR, FlashInferPrefixBackend
 from .reference import ReferencePrefixBackend
 from .split_kv_rule import *
 from .split_kv_rule import flashinfer_serves, split_kv_preferred
@@ -246,7 +246,7 @@ def resolve_prefix_backend(
             logger.info("beam_shared_prefix: backend=auto declined %s", reason)
         if name == "reference" and torch.device(device).type == "cuda":
             logger.warning("beam_shared_prefix: no fast prefix backend is available on %s; the torch reference "
-                           "backend runs (correct, slow). Install flashinfer-python>=0.7.4.", device)
+                           "backend runs (correct, slow). Install flashinfer-python>=%s.", device, FLASHINFER_FLOOR)
         return name
     if requested not in BACKEND_CLASSES:
         raise PrefixBackendError(f"backend={requested!r} is not one of auto, {', '.join(BACKEND_CLASSES)}.")
