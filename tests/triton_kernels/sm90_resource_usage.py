@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import inspect
+import itertools
 import json
 import os
 import re
@@ -28,7 +29,12 @@ from triton.compiler.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from triton_kernels.cascade import cascade_launch_config  # noqa: E402
+from triton_kernels.cascade import (  # noqa: E402
+    MAX_BLOCK_M,
+    CascadeLaunchConfig,
+    cascade_launch_config,
+    cascade_supported,
+)
 from triton_kernels.cascade_kernel import SHARED_BLOCK, beam_cascade_kernel  # noqa: E402
 from triton_kernels.launch import COMPILE_OPTIONS  # noqa: E402
 from triton_kernels.page_table_audit import AUDIT_BLOCK_C, AUDIT_BLOCK_W  # noqa: E402
@@ -180,6 +186,36 @@ CASCADE_VARIANTS = [
     ("G2-D128-16-beams-roomy", 12, 16, 8, 128, "bf16", None, 96, None),
     ("G4-D64-tail-block-8", 16, 32, 8, 64, "bf16", None, 48, None),
 ]
+# The launcher's inputs ``--reachable-cascade`` walks (:func:`reachable_cascade_tilings`): every width to 32 beams and
+# wider ones to 256, every GQA group the kernel tiles at heads 64 and 128, prompt tables of one block, of a few and of
+# many tokens (and unknown), batches of 1 to 1,024 requests (and unknown) over 1, 2 and 8 KV heads, tails short of, at
+# and past the shared-ancestry bound (and unknown), on 132 multiprocessors. A wider walk (78, 114 and 132
+# multiprocessors, 16 batch sizes, 1-16 KV heads, 7 tail bounds, widths to 64 one by one) found no other tiling
+# (round 77: 68 either way).
+REACHABLE_WIDTHS = tuple(range(1, 33)) + (40, 48, 64, 96, 128, 256)
+REACHABLE_PROMPT_CAPACITIES = (None, 32, 64, 128, 4096)
+REACHABLE_REQUESTS = (None, 1, 4, 8, 16, 32, 64, 128, 256, 1024)
+REACHABLE_KV_HEADS = (1, 2, 8)
+REACHABLE_TAIL_BOUNDS = (None, 4, 16, 17)
+
+
+def reachable_cascade_tilings() -> list:
+    """Every distinct tiling :func:`cascade_launch_config` returns over the walk above, as sorted ``(head_dim,
+    group_pad, prompt_one_block, CascadeLaunchConfig fields)`` tuples (the group enters a tiling padded)."""
+    found = set()
+    for d in sorted(MAX_BLOCK_M):
+        for g in range(1, MAX_BLOCK_M[d] + 1):
+            if not cascade_supported(g, d)[0]:
+                continue
+            for w, capacity, requests, kv_heads, tail in itertools.product(
+                    REACHABLE_WIDTHS, REACHABLE_PROMPT_CAPACITIES, REACHABLE_REQUESTS, REACHABLE_KV_HEADS,
+                    REACHABLE_TAIL_BOUNDS):
+                cfg = cascade_launch_config(w, g, d, capacity, requests, kv_heads, max_tail_len=tail)
+                one_block = capacity is not None and capacity <= cfg.block_n
+                found.add((d, cfg.group_pad, one_block, dataclasses.astuple(cfg)))
+    return sorted(found, key=repr)
+
+
 _CASCADE_DIV16_INTS = {
     "stride_q_row", "stride_q_head", "stride_new_k_row", "stride_new_k_head", "stride_new_v_row",
     "stride_new_v_head", "stride_kv_page", "stride_kv_kv", "stride_kv_head", "stride_kv_slot", "stride_out_row",
@@ -194,6 +230,17 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
     tokens (each ``None``: unknown); ``sass`` adds its SASS opcode counts (:func:`_sass_opcodes`)."""
     g = hq // hkv
     cfg = cascade_launch_config(beam_width, g, d, prompt_capacity, num_requests, hkv, max_tail_len=max_tail_len)
+    row = compile_cascade_tiling_sm90(cfg, g, d, dtype, prefix_only, prompt_capacity is not None and
+                                      prompt_capacity <= cfg.block_n, sass)
+    row["shape"] = [name, beam_width, hq, hkv, d, dtype]
+    return row
+
+
+def compile_cascade_tiling_sm90(cfg: CascadeLaunchConfig, group_size: int, d: int, dtype: str, prefix_only: bool,
+                                prompt_one_block: bool, sass: bool = False):
+    """Compile the cascade kernel with the tiling ``cfg`` (the whole step, or its prompt pass) at GQA ``group_size``
+    and head size ``d``; ``prompt_one_block``: every prompt fits one ``block_n`` block."""
+    g = group_size
     if prefix_only:  # as beam_prefix_attention launches it: the fused step's register cap is dropped
         cfg = dataclasses.replace(cfg, max_registers=None)
     pointers = dict(
@@ -205,7 +252,7 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
         TAIL_BLOCK=cfg.tail_block, WRITE_KV=True, PREFIX_ONLY=prefix_only, ALIGNED_ROWS=True, DOT_FP32=False,
         PROMPT_FIRST=cfg.prompt_first, PROMPT_STAGES=cfg.prompt_stages or cfg.num_stages,
         TAIL_STAGES=cfg.tail_stages or cfg.num_stages, TAIL_CORES=cfg.tail_on_cores,
-        PROMPT_ONE_BLOCK=prompt_capacity is not None and prompt_capacity <= cfg.block_n, page_size=PAGE_SIZE,
+        PROMPT_ONE_BLOCK=prompt_one_block, page_size=PAGE_SIZE,
         page_index_divisor=1, REPORT_ERRORS=REPORT_ERRORS,
         SHARED_ANCESTRY=cfg.folds_shared_ancestry and not prefix_only,
         SHARED_MIN_TAIL=cfg.shared_min_tail,
@@ -220,7 +267,7 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
     ptx = compiled.asm["ptx"]
     return dict(
         kernel="cascade-prefix" if prefix_only else "cascade",
-        shape=[name, beam_width, hq, hkv, d, dtype],
+        shape=["tiling", None, g, 1, d, dtype],
         config=list(dataclasses.astuple(cfg)),
         triton=triton.__version__,
         registers=regs,
@@ -343,6 +390,18 @@ def _compile_job(job) -> dict:
 
 def _jobs(argv) -> list:
     """The compiles to report, in the order of the printed rows: ``(function name, args, kwargs)``."""
+    if "--reachable-cascade" in argv:  # every tiling the launcher picks (the group at its padded size), nothing else
+        jobs, compiled = [], set()
+        for d, group_pad, one_block, fields in reachable_cascade_tilings():
+            cfg = CascadeLaunchConfig(*fields)
+            for prefix_only in (False, True):
+                # The prompt pass drops the register cap and the shared-ancestry path: compile each build once.
+                key = (d, group_pad, one_block, prefix_only,
+                       dataclasses.replace(cfg, max_registers=None, shared_ancestry=False) if prefix_only else cfg)
+                if key not in compiled:
+                    compiled.add(key)
+                    jobs.append(("compile_cascade_tiling_sm90", (cfg, group_pad, d, "bf16", prefix_only, one_block), {}))
+        return jobs
     if "--cascade-sass" in argv:  # the cascade's default tilings with their SASS opcode counts, and nothing else
         return [("compile_cascade_sm90", tuple(shape), dict(prefix_only=prefix_only, prompt_capacity=prompt_capacity,
                                                             sass=True))

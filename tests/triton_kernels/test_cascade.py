@@ -851,8 +851,9 @@ def test_a_tail_bound_is_used_and_checked(monkeypatch, device):
 # --------------------------------------------------------------------------------------------
 # property: random shapes, layouts, encodings and tilings against the oracle
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, reject, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
 
 @st.composite
@@ -887,7 +888,16 @@ def test_cascade_property_matches_oracle(case):
     size, layout, page-table encoding, tail length and tiling (KV heads per program included, dividing Hkv or not): the step
     matches the oracle and writes exactly its K/V."""
     sim, step = step_after(case["sim"], case["steps_before"])
-    out = run_cascade(sim, step, divisor=case["divisor"], launch_config=case["config"])
+    pool = sim.kv_cache.clone()
+    try:
+        out = run_cascade(sim, step, divisor=case["divisor"], launch_config=case["config"])
+    except OutOfResources:
+        # A drawn tiling may need more shared memory than a GPU block may take (the interpreter has no such limit):
+        # on the H100 a 64-row tile at head 128 with 8-position tail blocks needed 276 KB (round 77). Triton refuses
+        # the launch before anything runs; no tiling the launcher picks is refused
+        # (test_tail_merge_compile.py::test_every_cascade_tiling_the_launcher_picks_fits_sm90).
+        assert torch.equal(sim.kv_cache, pool), "a refused launch changed the pool"
+        reject()
     assert_matches(out, oracle(sim, step), f"{case}")
 
 
