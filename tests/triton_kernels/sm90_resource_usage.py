@@ -7,6 +7,9 @@ the K/V rows are loaded as 16-byte vectors (tail) or the dots use Hopper's ``wgm
 ``TRITON_INTERPRET=1`` (set for the CPU suite) replaces ``@triton.jit`` functions with interpreted
 ones that cannot be compiled.
 
+``--reachable-cascade`` and ``--reachable-tail`` print instead every tiling the two launchers pick over a walk of
+their inputs (:func:`reachable_cascade_tilings`, :func:`reachable_tail_shapes`).
+
 Uses the ``ptxas``/``cuobjdump`` shipped inside the Triton wheel.
 """
 
@@ -42,6 +45,8 @@ from triton_kernels.page_table_audit_kernel import page_holders_kernel, page_tab
 from triton_kernels.shared_run import shared_run_kv_heads_per_program, shared_run_tile  # noqa: E402
 from triton_kernels.shared_run_kernel import beam_shared_run_kernel  # noqa: E402
 from triton_kernels.tail_merge import (  # noqa: E402
+    MAX_GROUP_SIZE,
+    SUPPORTED_HEAD_DIMS,
     _register_cap,
     tail_launch_config,
 )
@@ -214,6 +219,21 @@ def reachable_cascade_tilings() -> list:
                 one_block = capacity is not None and capacity <= cfg.block_n
                 found.add((d, cfg.group_pad, one_block, dataclasses.astuple(cfg)))
     return sorted(found, key=repr)
+
+
+def reachable_tail_shapes() -> list:
+    """One ``(G, Hkv, D, num_rows)`` for every distinct tiling :func:`tail_launch_config` returns over every head size
+    and group the tail kernel takes, 1-64 KV heads and 1 to 12,288 beam rows (and unknown); ``--reachable-tail``
+    compiles each with the error flag off and on, and after the shared-run stage (round 77: 93 tilings, 279 builds,
+    none spilling, with Triton 3.9; about 8 minutes on 2 CPUs, so CI runs :func:`reachable_cascade_tilings` only)."""
+    found = {}
+    rows = (None, *range(1, 70), *(2**i for i in range(15)), 1535, 1536, 1537, 3000, 12288)
+    for d in SUPPORTED_HEAD_DIMS:
+        for g in range(1, MAX_GROUP_SIZE + 1):
+            for hkv, num_rows in itertools.product((1, 2, 3, 5, 8, 12, 16, 32, 64), rows):
+                cfg = tail_launch_config(g, hkv, d, num_rows)
+                found.setdefault((d, dataclasses.astuple(cfg)), (g, hkv, d, num_rows))
+    return list(found.values())
 
 
 _CASCADE_DIV16_INTS = {
@@ -402,6 +422,11 @@ def _jobs(argv) -> list:
                     compiled.add(key)
                     jobs.append(("compile_cascade_tiling_sm90", (cfg, group_pad, d, "bf16", prefix_only, one_block), {}))
         return jobs
+    if "--reachable-tail" in argv:  # every tail tiling the launcher picks, and nothing else
+        return [("compile_sm90", ("bf16", g * hkv, hkv, d, "fp32"),
+                 dict(report_errors=report_errors, num_rows=num_rows, skip_shared=skip_shared))
+                for g, hkv, d, num_rows in reachable_tail_shapes()
+                for report_errors, skip_shared in ((False, False), (True, False), (False, True))]
     if "--cascade-sass" in argv:  # the cascade's default tilings with their SASS opcode counts, and nothing else
         return [("compile_cascade_sm90", tuple(shape), dict(prefix_only=prefix_only, prompt_capacity=prompt_capacity,
                                                             sass=True))
