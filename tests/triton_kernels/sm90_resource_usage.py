@@ -194,9 +194,9 @@ CASCADE_VARIANTS = [
 # The launcher's inputs ``--reachable-cascade`` walks (:func:`reachable_cascade_tilings`): every width to 32 beams and
 # wider ones to 256, every GQA group the kernel tiles at heads 64 and 128, prompt tables of one block, of a few and of
 # many tokens (and unknown), batches of 1 to 1,024 requests (and unknown) over 1, 2 and 8 KV heads, tails short of, at
-# and past the shared-ancestry bound (and unknown), on 132 multiprocessors. A wider walk (78, 114 and 132
-# multiprocessors, 16 batch sizes, 1-16 KV heads, 7 tail bounds, widths to 64 one by one) found no other tiling
-# (round 77: 68 either way).
+# and past the shared-ancestry bound (and unknown), on 132 multiprocessors. Wider walks found no other tiling (round
+# 77: 68 either way): widths to 64 one by one with 11 prompt tables, 16 batch sizes, 1-16 KV heads and 9 tail bounds;
+# and 78, 114 and 132 multiprocessors.
 REACHABLE_WIDTHS = tuple(range(1, 33)) + (40, 48, 64, 96, 128, 256)
 REACHABLE_PROMPT_CAPACITIES = (None, 32, 64, 128, 4096)
 REACHABLE_REQUESTS = (None, 1, 4, 8, 16, 32, 64, 128, 256, 1024)
