@@ -204,9 +204,16 @@ REACHABLE_KV_HEADS = (1, 2, 8)
 REACHABLE_TAIL_BOUNDS = (None, 4, 16, 17)
 
 
+def cascade_tiling_key(cfg: CascadeLaunchConfig, head_dim: int, prompt_capacity) -> tuple:
+    """``(head_dim, group_pad, prompt_one_block, CascadeLaunchConfig fields)``: what the cascade kernel is compiled
+    for; ``prompt_one_block`` where a prompt table of ``prompt_capacity`` tokens (``None``: unknown) is one block."""
+    one_block = prompt_capacity is not None and prompt_capacity <= cfg.block_n
+    return head_dim, cfg.group_pad, one_block, dataclasses.astuple(cfg)
+
+
 def reachable_cascade_tilings() -> list:
-    """Every distinct tiling :func:`cascade_launch_config` returns over the walk above, as sorted ``(head_dim,
-    group_pad, prompt_one_block, CascadeLaunchConfig fields)`` tuples (the group enters a tiling padded)."""
+    """Every distinct tiling :func:`cascade_launch_config` returns over the walk above, as sorted
+    :func:`cascade_tiling_key` tuples (the group enters a tiling padded)."""
     found = set()
     for d in sorted(MAX_BLOCK_M):
         for g in range(1, MAX_BLOCK_M[d] + 1):
@@ -216,8 +223,7 @@ def reachable_cascade_tilings() -> list:
                     REACHABLE_WIDTHS, REACHABLE_PROMPT_CAPACITIES, REACHABLE_REQUESTS, REACHABLE_KV_HEADS,
                     REACHABLE_TAIL_BOUNDS):
                 cfg = cascade_launch_config(w, g, d, capacity, requests, kv_heads, max_tail_len=tail)
-                one_block = capacity is not None and capacity <= cfg.block_n
-                found.add((d, cfg.group_pad, one_block, dataclasses.astuple(cfg)))
+                found.add(cascade_tiling_key(cfg, d, capacity))
     return sorted(found, key=repr)
 
 
@@ -250,8 +256,8 @@ def compile_cascade_sm90(name: str, beam_width: int, hq: int, hkv: int, d: int, 
     tokens (each ``None``: unknown); ``sass`` adds its SASS opcode counts (:func:`_sass_opcodes`)."""
     g = hq // hkv
     cfg = cascade_launch_config(beam_width, g, d, prompt_capacity, num_requests, hkv, max_tail_len=max_tail_len)
-    row = compile_cascade_tiling_sm90(cfg, g, d, dtype, prefix_only, prompt_capacity is not None and
-                                      prompt_capacity <= cfg.block_n, sass)
+    _, _, one_block, _ = cascade_tiling_key(cfg, d, prompt_capacity)
+    row = compile_cascade_tiling_sm90(cfg, g, d, dtype, prefix_only, one_block, sass)
     row["shape"] = [name, beam_width, hq, hkv, d, dtype]
     return row
 

@@ -228,13 +228,12 @@ def test_every_cascade_tiling_the_launcher_picks_fits_sm90():
     (:func:`sm90_resource_usage.reachable_cascade_tilings`; every preset's among them) compiles for sm_90, the whole
     step and the prompt pass, within that limit, without local-memory spills, and holds a program a multiprocessor.
     (Triton 3.9: 68 tilings, 110 builds, at most 113 KB.)"""
-    from sm90_resource_usage import reachable_cascade_tilings
+    from sm90_resource_usage import cascade_tiling_key, reachable_cascade_tilings
 
     tilings = reachable_cascade_tilings()
     for name, w, hq, hkv, d, _, capacity in CASCADE_SHAPES:
         cfg = cascade_launch_config(w, hq // hkv, d, capacity, None, hkv)
-        key = (d, cfg.group_pad, capacity is not None and capacity <= cfg.block_n, dataclasses.astuple(cfg))
-        assert key in tilings, f"the walk misses {name}'s tiling {cfg}"
+        assert cascade_tiling_key(cfg, d, capacity) in tilings, f"the walk misses {name}'s tiling {cfg}"
     rows = [json.loads(line) for line in _compile_for_sm90("--reachable-cascade").stdout.splitlines()
             if line.startswith("{")]
     steps = [row for row in rows if row["kernel"] == "cascade"]
