@@ -430,7 +430,9 @@ def _jobs(argv) -> list:
                     jobs.append(("compile_cascade_tiling_sm90", (cfg, group_pad, d, "bf16", prefix_only, one_block), {}))
         return jobs
     if "--reachable-tail" in argv:  # every tail tiling the launcher picks, and nothing else
-        return [("compile_sm90", ("bf16", g * hkv, hkv, d, "fp32"),
+        # The prefix state in the query's dtype, as the wrapper passes it (its prefix output buffer); SHAPES also
+        # compiles float32 state, which direct callers of the tail kernel may pass.
+        return [("compile_sm90", ("bf16", g * hkv, hkv, d, "bf16"),
                  dict(report_errors=report_errors, num_rows=num_rows, skip_shared=skip_shared))
                 for g, hkv, d, num_rows in reachable_tail_shapes()
                 for report_errors, skip_shared in ((False, False), (True, False), (False, True))]

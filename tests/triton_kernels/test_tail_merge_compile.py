@@ -255,11 +255,13 @@ def test_every_tail_tiling_the_launcher_picks_compiles_within_budget():
     """The tail kernel's counterpart of the test above: every distinct tiling :func:`tail_launch_config` returns over
     every head size and group the kernel takes, 1-64 KV heads and 1 to 12,288 beam rows or unknown
     (:func:`sm90_resource_usage.reachable_tail_shapes`; every shape this module compiles among them) compiles for
-    sm_90 with the error flag off and on, and after the shared-run stage, without local-memory spills and within the
-    register budgets of :func:`test_register_budget`. A launcher change that picks a spilling or register-starved
-    tiling for a shape no preset runs fails here. (Triton 3.9: 93 tilings, 279 builds, no stack frame; about 8 minutes
-    on 2 CPUs. Triton 3.5, TensorRT-LLM's pin, keeps an 8-16 byte frame in 10 builds, hence the bound below, and gives
-    G = 2's grouped tile at head 256 129-130 registers, one past the budget: that Triton fails here.)"""
+    sm_90 with the error flag off and on, and after the shared-run stage, with the prefix state in the query's dtype
+    as the wrapper passes it, without local-memory spills and within the register budgets of
+    :func:`test_register_budget`. A launcher change that picks a spilling or register-starved tiling for a shape no
+    preset runs fails here. (93 tilings, 279 builds, about 2.5 minutes on 2 CPUs. Triton 3.9: no stack frame; 3.5
+    and 3.6 keep an 8-16 byte frame in 8 builds, hence the bound below. With float32 prefix state, which only a
+    direct caller of the tail kernel passes, 3.5 and 3.6 give G = 2's grouped tile at head 256 129-141 registers:
+    three programs a multiprocessor instead of four.)"""
     from sm90_resource_usage import SHAPES, reachable_tail_shapes
 
     from triton_kernels.tail_merge import tail_launch_config
