@@ -851,7 +851,7 @@ def test_a_tail_bound_is_used_and_checked(monkeypatch, device):
 # --------------------------------------------------------------------------------------------
 # property: random shapes, layouts, encodings and tilings against the oracle
 
-from hypothesis import HealthCheck, given, reject, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, reject, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
@@ -897,6 +897,7 @@ def test_cascade_property_matches_oracle(case):
         # the launch before anything runs; no tiling the launcher picks is refused
         # (test_tail_merge_compile.py::test_every_cascade_tiling_the_launcher_picks_fits_sm90).
         assert torch.equal(sim.kv_cache, pool), "a refused launch changed the pool"
+        event("tiling refused by Triton (OutOfResources)")  # counted by --hypothesis-show-statistics
         reject()
     assert_matches(out, oracle(sim, step), f"{case}")
 
