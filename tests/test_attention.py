@@ -124,6 +124,9 @@ def test_steps_match_oracle(tail_impl, layout, dtype, engine_writes_kv, divisor,
         sim.end_step(write_kv=False)
     assert att.device_errors() == []  # valid steps raise no device error flag
     assert att.backend_name == "reference"
+    # The tail reads the prefix state in the query's dtype: the dtype the ahead-of-time walk of every tail tiling
+    # compiles (tests/triton_kernels/test_tail_merge_compile.py), which float32 state would take past its budget.
+    assert att._views["prefix_out"].dtype == dtype
     assert plans[0] is plans[1] is plans[2] and plans[3] is plans[4] is plans[5] and plans[2] is not plans[3]
     assert att.num_backend_plans == 2
 
