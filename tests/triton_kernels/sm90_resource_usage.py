@@ -231,7 +231,7 @@ def reachable_tail_shapes() -> list:
     """One ``(G, Hkv, D, num_rows)`` for every distinct tiling :func:`tail_launch_config` returns over every head size
     and group the tail kernel takes, 1-64 KV heads and 1 to 12,288 beam rows (and unknown); ``--reachable-tail``
     compiles each with the error flag off and on, and after the shared-run stage (round 77: 93 tilings, 279 builds,
-    none spilling, with Triton 3.9; about 8 minutes on 2 CPUs). A tiling is compiled at one group, the first the walk
+    none spilling, with Triton 3.9; about 2.5 minutes on 2 CPUs in CI's run). A tiling is compiled at one group, the first the walk
     meets (the smallest that pads to it): with each group it takes, 501 builds a flag setting."""
     found = {}
     rows = (None, *range(1, 70), *(2**i for i in range(15)), 1535, 1536, 1537, 3000, 12288)

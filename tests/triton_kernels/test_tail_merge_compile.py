@@ -55,6 +55,11 @@ def _compile_for_sm90(*flags, timeout_s: int = 600):
     return run
 
 
+def _usage_rows(run) -> list:
+    """The usage rows ``sm90_resource_usage.py`` printed (one JSON object a line)."""
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
 @pytest.fixture(scope="module")
 def compile_run():
     return _compile_for_sm90()
@@ -62,7 +67,7 @@ def compile_run():
 
 @pytest.fixture(scope="module")
 def usage(compile_run):
-    rows = [json.loads(line) for line in compile_run.stdout.splitlines() if line.startswith("{")]
+    rows = _usage_rows(compile_run)
     assert rows, compile_run.stdout
     return rows
 
@@ -104,7 +109,7 @@ def test_compiles_with_the_oldest_triton_accepted(usage):
     env["PYTHONPATH"] = os.pathsep.join([site, REPO])
     run = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, env=env, timeout=600, check=False)
     assert run.returncode == 0, f"ahead-of-time sm_90 compile with Triton {floor} failed:\n{run.stderr[-4000:]}"
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    rows = _usage_rows(run)
     assert {row["triton"].rsplit(".", 1)[0] for row in rows} == {floor}, "the compile ran another Triton"
     assert len(rows) == len(usage), (len(rows), len(usage))
     for row in rows:
@@ -243,8 +248,7 @@ def test_every_cascade_tiling_the_launcher_picks_fits_sm90():
     for name, w, hq, hkv, d, _, capacity in CASCADE_SHAPES:
         cfg = cascade_launch_config(w, hq // hkv, d, capacity, None, hkv)
         assert cascade_tiling_key(cfg, d, capacity) in tilings, f"the walk misses {name}'s tiling {cfg}"
-    rows = [json.loads(line) for line in _compile_for_sm90("--reachable-cascade").stdout.splitlines()
-            if line.startswith("{")]
+    rows = _usage_rows(_compile_for_sm90("--reachable-cascade"))
     steps = [row for row in rows if row["kernel"] == "cascade"]
     assert len(steps) == len(tilings) >= 60 and len(rows) > len(steps), (len(steps), len(rows), len(tilings))
     for row in rows:
@@ -274,8 +278,7 @@ def test_every_tail_tiling_the_launcher_picks_compiles_within_budget():
         for num_rows in (None, 1, 1024):
             cfg = tail_launch_config(hq // hkv, hkv, d, num_rows)
             assert (d, dataclasses.astuple(cfg)) in walked, f"the walk misses {hq}/{hkv} D{d}'s tiling {cfg}"
-    rows = [json.loads(line) for line in _compile_for_sm90("--reachable-tail", timeout_s=2400).stdout.splitlines()
-            if line.startswith("{")]
+    rows = _usage_rows(_compile_for_sm90("--reachable-tail", timeout_s=2400))
     assert len(rows) == 3 * len(shapes) and sum(row["skip_shared"] for row in rows) == len(shapes), len(rows)
     for row in rows:
         assert row["local"] == 0 and row["stack"] <= 16, f"register spills: {row}"
