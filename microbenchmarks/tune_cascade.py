@@ -82,22 +82,24 @@ def parse_vary(specs: list[str]) -> list[dict[str, object]]:
     return [dict(combo) for combo in itertools.product(*axes)]
 
 
-def _resources(cfg_call) -> Dict:
-    """Registers, spills and shared memory of the kernel a call compiles (from Triton's launch result)."""
-    import triton_kernels.cascade as cascade
+def _resources(cfg_call, module=None, launcher: str = "_launch") -> Dict:
+    """Registers, spills and shared memory of the kernel a call compiles (from Triton's launch result), read by
+    wrapping ``module.launcher``, the function the call launches through (the cascade's ``_launch`` by default)."""
+    if module is None:
+        import triton_kernels.cascade as module
 
     seen = {}
-    launch = cascade._launch
+    launch = getattr(module, launcher)
 
     def spy(*args, **kwargs):
         seen["kernel"] = launch(*args, **kwargs)
         return seen["kernel"]
 
-    cascade._launch = spy
+    setattr(module, launcher, spy)
     try:
         cfg_call()
     finally:
-        cascade._launch = launch
+        setattr(module, launcher, launch)
     k = seen.get("kernel")
     try:
         return {"regs": int(k.n_regs), "spills": int(k.n_spills), "smem": int(k.metadata.shared)}

@@ -44,6 +44,9 @@ SHAPES = [
     PRESETS["B-beam14"],
 ]
 DEFAULT_SHAPES = ["A-t3", "A-t32", "B-short", "B-medium", "B-4B", "B-beam14"]
+# The prefix output's dtype (--prefix-dtype): the query's, as the library's wrapper passes it (None), or float32, which
+# direct callers of the tail kernel may pass and which takes more registers in some tiles.
+PREFIX_DTYPES = {"query": None, "float32": torch.float32}
 # bf16 outputs of tilings that differ only in float32 summation order can round one step apart.
 MISMATCH_ULPS = 2.0
 
@@ -77,16 +80,20 @@ def _tail_call(wl, cfg, out, prefix_out, prefix_lse):
     return call
 
 
-def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float) -> Dict:
+def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float, prefix_dtype: str = "query") -> Dict:
     """Check and time every tiling of ``grid`` (``(kv_heads_per_prog, block_t, num_warps, index_block,
-    grouped)`` tuples) on ``shape`` (CUDA); ``bandwidth`` in bytes/s gives the tail's byte floor. Returns the shape's
-    ``default``, ``best`` and ``all`` results (times in us, mismatch in ulps of the output dtype)."""
+    grouped)`` tuples) on ``shape`` (CUDA); ``bandwidth`` in bytes/s gives the tail's byte floor; ``prefix_dtype``
+    (``PREFIX_DTYPES``) is the prefix output's dtype, the query's or float32. Returns the shape's ``default``,
+    ``best`` and ``all`` results (times in us, mismatch in ulps of the output dtype)."""
+    from triton_kernels import tail_merge
     from triton_kernels.tail_merge import TailLaunchConfig, tail_launch_config
+
+    from .tune_cascade import _resources
 
     wl = build_workload(shape, device="cuda", seed=0, with_baseline_pages=False)
     rows = wl.num_rows
     gen = torch.Generator(device="cuda").manual_seed(1)
-    prefix_out = torch.randn(wl.q.shape, generator=gen, device="cuda").to(wl.q.dtype)
+    prefix_out = torch.randn(wl.q.shape, generator=gen, device="cuda").to(PREFIX_DTYPES[prefix_dtype] or wl.q.dtype)
     prefix_lse = torch.randn(rows, shape.heads, generator=gen, device="cuda") * 4 + 8
     default = tail_launch_config(shape.heads // shape.kv_heads, shape.kv_heads, shape.head_dim, wl.num_rows)
     ref = torch.empty_like(wl.q)
@@ -116,7 +123,7 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float) -> D
         out = torch.full_like(wl.q, float("nan"))
         call = _tail_call(wl, cfg, out, prefix_out, prefix_lse)
         try:
-            call()
+            res = _resources(call, tail_merge, "launch")
             torch.cuda.synchronize()
             err = ulps_apart(out, ref)
             graphed = capture_graph(call)
@@ -124,13 +131,14 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float) -> D
         except Exception as exc:  # a config that does not compile is reported, not fatal
             results.append({"config": dataclasses.asdict(cfg), "error": str(exc)[:200]})
             continue
-        results.append({"config": dataclasses.asdict(cfg), "us": t, "ulps_vs_default": err})
+        results.append({"config": dataclasses.asdict(cfg), "us": t, "ulps_vs_default": err, **res})
     ok = [r for r in results if "us" in r]
     best = min(ok, key=lambda r: r["us"]) if ok else None
     dflt = next((r for r in ok if r["config"] == dataclasses.asdict(default)), None)
     return {
         "shape": shape.name or str(shape),
         "rows": rows,
+        "prefix_dtype": str(prefix_out.dtype).replace("torch.", ""),
         "floor_us": floor_us,
         "tail_bytes": tail_bytes,
         "default": dflt,
@@ -173,6 +181,8 @@ def main(argv=None) -> int:
                    help="run each shape at these tails instead of its own (e.g. 4,64,256; names gain -tN)")
     p.add_argument("--custom", default=None,
                    help="extra shapes RxWxP[:Hq/Hkv[/D]] (default 16/8, D 128; page 32), e.g. 8x8x500,2x12x6000:32/4")
+    p.add_argument("--prefix-dtype", choices=sorted(PREFIX_DTYPES), default="query",
+                   help="dtype of the prefix output the tail merges: the query's (the library's wrapper) or float32")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
@@ -190,9 +200,9 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
           f"(kv_heads_per_prog, block_t, num_warps, index_block, grouped)", flush=True)
     report = []
-    doc = {"bandwidth": bandwidth, "complete": False, "shapes": report}
+    doc = {"bandwidth": bandwidth, "prefix_dtype": args.prefix_dtype, "complete": False, "shapes": report}
     for shape in shapes:
-        r = tune_shape(shape, grid, args.iters, bandwidth)
+        r = tune_shape(shape, grid, args.iters, bandwidth, args.prefix_dtype)
         report.append(r)
         if args.json:
             write_progress_json(doc, args.json)
@@ -200,7 +210,8 @@ def main(argv=None) -> int:
         fmt = lambda x: "-" if x is None else f"{x['us']:.1f} us {_key(x['config'])}"  # noqa: E731
         print(f"{r['shape']:>10}: floor {r['floor_us']:.1f} us | default {fmt(d)} | best {fmt(b)}", flush=True)
         for x in sorted((x for x in r["all"] if "us" in x), key=lambda x: x["us"])[:5]:
-            print(f"{'':>12}{x['us']:.1f} us {_key(x['config'])} {x['ulps_vs_default']:.1f} ulp vs default")
+            print(f"{'':>12}{x['us']:.1f} us {_key(x['config'])} {x['ulps_vs_default']:.1f} ulp vs default, "
+                  f"regs {x.get('regs')} spills {x.get('spills')}")
         bad = [x for x in r["all"] if "us" in x and not x["ulps_vs_default"] <= MISMATCH_ULPS]
         if bad:
             worst = max(bad, key=lambda x: x["ulps_vs_default"])

@@ -170,3 +170,29 @@ def test_tuning_tools_keep_each_finished_shape_in_their_json(monkeypatch, tmp_pa
     assert module.main(argv) == 0
     doc = json.loads(path.read_text())
     assert doc["complete"] and [s["shape"] for s in doc["shapes"]] == ["B-short", "B-medium", "B-4B"]
+
+
+def test_tune_tail_times_the_prefix_dtype_it_is_asked_for(monkeypatch, tmp_path):
+    """``--prefix-dtype float32`` reaches every shape's tuning and the document; the default is the query's dtype,
+    as the library's wrapper passes it; an unknown dtype is refused by name."""
+    import json
+
+    from microbenchmarks import tune_tail
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune_tail, "measure_copy_bandwidth", lambda device: 4.0e12)
+    seen = []
+
+    def fake_tune_shape(shape, grid, iters, bandwidth, prefix_dtype="query"):
+        seen.append(prefix_dtype)
+        return {"shape": shape.name, "floor_us": 1.0, "default": None, "best": None, "all": []}
+
+    monkeypatch.setattr(tune_tail, "tune_shape", fake_tune_shape)
+    path = tmp_path / "tune.json"
+    assert tune_tail.main(["--shapes", "B-short,B-4B", "--prefix-dtype", "float32", "--json", str(path)]) == 0
+    assert seen == ["float32", "float32"] and json.loads(path.read_text())["prefix_dtype"] == "float32"
+    seen.clear()
+    assert tune_tail.main(["--shapes", "B-short"]) == 0
+    assert seen == ["query"] and tune_tail.PREFIX_DTYPES["query"] is None
+    with pytest.raises(SystemExit):
+        tune_tail.main(["--prefix-dtype", "float16"])
