@@ -358,9 +358,9 @@ def beam_tail_attention_merge(
         beam_width: ``W``; ``rows = R * W`` request-major, ``W <= W_max``.
         prefix_out: ``[rows, Hq, D]`` bf16/fp16/fp32, prefix partial output (last dim contiguous). Pass the
             query's dtype, as the library's wrapper does: float32 doubles these bytes and takes the grouped tile
-            past 128 registers (137 against 125 at ``G = 2``, Triton 3.6), which cost the stage 15-36% on an H100
-            (A-t3 133.5 against 109.1 us, B-short 28.9 against 21.9, B-4B 37.6 against 32.8, and 22-30% at head 256;
-            ``docs/results/h100/round79/tune_tail_prefix_*``).
+            past 128 registers (137 against 125 at ``G = 2``, Triton 3.6), which cost the stage 14-38% on an H100
+            (A-t3 133.5 against 109.1 us, B-short 28.9 against 21.9, B-4B 37.6 against 32.8) and 6-32% at head 256
+            (``docs/rounds.md``, "The seventy-ninth round").
         prefix_lse: float32 prefix LSE, ``[rows, Hq]`` (``"NH"``) or ``[Hq, rows]`` (``"HN"``), any strides,
             base 2 (``"log2"``) or natural log (``"ln"``); ``-inf`` marks an empty prefix.
         out: ``[rows, Hq, D]`` in q's dtype, last dim contiguous, overlapping no other argument.
