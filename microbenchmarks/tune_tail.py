@@ -106,6 +106,8 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float, pref
     )
     tail_bytes = stage_work("tail", traffic, 0, wl.prompt_lens_host, shape.tail, shape.beams,
                             shape.heads, shape.head_dim, shape.page_size)["bytes"]
+    # The stage's traffic counts the prefix output at the query's element size; float32 state reads more.
+    tail_bytes += prefix_out.numel() * (prefix_out.element_size() - wl.q.element_size())
     floor_us = tail_bytes / bandwidth * 1e6
 
     results = []
