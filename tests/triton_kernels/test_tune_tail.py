@@ -196,3 +196,22 @@ def test_tune_tail_times_the_prefix_dtype_it_is_asked_for(monkeypatch, tmp_path)
     assert seen == ["query"] and tune_tail.PREFIX_DTYPES["query"] is None
     with pytest.raises(SystemExit):
         tune_tail.main(["--prefix-dtype", "float16"])
+
+
+@pytest.mark.gpu
+def test_tune_tail_times_float32_prefix_state_and_counts_its_bytes():
+    """On a GPU, a float32 prefix state reaches the kernel (the default tiling's output matches the bf16 state's run
+    within the tool's tolerance, and it is timed), and the tail floor counts its two extra bytes per element."""
+    import dataclasses
+
+    from microbenchmarks import tune_tail
+    from microbenchmarks.shapes import PRESETS
+
+    shape = dataclasses.replace(PRESETS["B-short"], requests=4, name="small")
+    runs = {d: tune_tail.tune_shape(shape, [], iters=3, bandwidth=1e12, prefix_dtype=d) for d in ("query", "float32")}
+    assert runs["float32"]["prefix_dtype"] == "float32" and runs["query"]["prefix_dtype"] == "bfloat16"
+    for run in runs.values():
+        assert run["default"] is not None and run["default"]["us"] > 0
+        assert run["default"]["ulps_vs_default"] == 0.0 and run["default"]["spills"] == 0
+    state_elements = shape.requests * shape.beams * shape.heads * shape.head_dim
+    assert runs["float32"]["tail_bytes"] - runs["query"]["tail_bytes"] == 2 * state_elements
