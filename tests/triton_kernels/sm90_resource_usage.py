@@ -227,19 +227,22 @@ def reachable_cascade_tilings() -> list:
     return sorted(found, key=repr)
 
 
-def reachable_tail_shapes() -> list:
+def reachable_tail_shapes(largest_group: bool = False, every_group: bool = False) -> list:
     """One ``(G, Hkv, D, num_rows)`` for every distinct tiling :func:`tail_launch_config` returns over every head size
     and group the tail kernel takes, 1-64 KV heads and 1 to 12,288 beam rows (and unknown); ``--reachable-tail``
     compiles each with the error flag off and on, and after the shared-run stage (round 77: 93 tilings, 279 builds,
     none spilling, with Triton 3.9; about 2.5 minutes on 2 CPUs in CI's run). A tiling is compiled at one group, the first the walk
-    meets (the smallest that pads to it): with each group it takes, 501 builds a flag setting."""
+    meets (the smallest that pads to it), or with ``largest_group`` (``--largest-group``) the last (the largest), or with
+    ``every_group`` (``--every-group``) at each group that reaches it: 501 builds a flag setting."""
     found = {}
     rows = (None, *range(1, 70), *(2**i for i in range(15)), 1535, 1536, 1537, 3000, 12288)
     for d in SUPPORTED_HEAD_DIMS:
         for g in range(1, MAX_GROUP_SIZE + 1):
             for hkv, num_rows in itertools.product((1, 2, 3, 5, 8, 12, 16, 32, 64), rows):
-                cfg = tail_launch_config(g, hkv, d, num_rows)
-                found.setdefault((d, dataclasses.astuple(cfg)), (g, hkv, d, num_rows))
+                key = (d, dataclasses.astuple(tail_launch_config(g, hkv, d, num_rows))) + ((g,) if every_group else ())
+                if largest_group and key in found and found[key][0] < g:
+                    del found[key]  # the walk meets groups in increasing order: keep this group's first shape
+                found.setdefault(key, (g, hkv, d, num_rows))
     return list(found.values())
 
 
@@ -434,7 +437,7 @@ def _jobs(argv) -> list:
         # compiles float32 state, which direct callers of the tail kernel may pass.
         return [("compile_sm90", ("bf16", g * hkv, hkv, d, "bf16"),
                  dict(report_errors=report_errors, num_rows=num_rows, skip_shared=skip_shared))
-                for g, hkv, d, num_rows in reachable_tail_shapes()
+                for g, hkv, d, num_rows in reachable_tail_shapes("--largest-group" in argv, "--every-group" in argv)
                 for report_errors, skip_shared in ((False, False), (True, False), (False, True))]
     if "--cascade-sass" in argv:  # the cascade's default tilings with their SASS opcode counts, and nothing else
         return [("compile_cascade_sm90", tuple(shape), dict(prefix_only=prefix_only, prompt_capacity=prompt_capacity,
