@@ -113,9 +113,9 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float, pref
     results = []
     group_pad = default.group_pad
     configs = []
+    # Query tiles past 8,192 elements are left out, unless the default's is as large (G = 33-64 at head 256).
+    max_tile = max(8192, default.kv_heads_per_prog * group_pad * shape.head_dim)
     for kvh, bt, nw, ib, grouped in grid:
-        # Query tiles past 8,192 elements are left out, unless the default's is as large (G = 33-64 at head 256).
-        max_tile = max(8192, default.kv_heads_per_prog * group_pad * shape.head_dim)
         if kvh * group_pad * shape.head_dim > max_tile or kvh > shape.kv_heads or (ib and ib < bt):
             continue
         if grouped and (bt != 1 or ib):  # the grouped kernel walks one token at a time
