@@ -556,7 +556,7 @@ def _launch(grid, args, cfg: CascadeLaunchConfig, group_size: int, head_dim: int
         meta["maxnreg"] = cfg.max_registers
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
-    return launch(beam_cascade_kernel, grid, args, meta, device)
+    return launch(beam_cascade_kernel, grid, args, meta, device, pdl=True)
 
 
 def beam_cascade_attention(

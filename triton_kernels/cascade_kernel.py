@@ -95,6 +95,7 @@ import triton.language as tl
 from .beam_index import pages_of_source_beams, shared_ancestry_len, source_beam_pages
 from .device_errors import (KV_LEN, PROMPT_LEN, PROMPT_PAGE, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, or_reduce,
                             page_error_bits)
+from .grid_dependency import wait_for_prior_grids
 from .tail_merge_grouped_kernel import attend_grouped_row, online_softmax_row
 
 __all__ = ["beam_cascade_kernel"]
@@ -491,9 +492,12 @@ def beam_cascade_kernel(
     SHARED_MIN_TAIL: tl.constexpr = 16,
     err_ptr=None,
     REPORT_ERRORS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid ``(R * num_beam_blocks, cdiv(Hkv, HEADS))``; arguments and element strides as the launchers
     in :mod:`triton_kernels.cascade` pass them; the module docstring gives the steps."""
+    if PDL:  # a programmatic dependent (triton_kernels.launch): nothing before the previous kernel's writes
+        wait_for_prior_grids()
     BLOCK_M: tl.constexpr = BEAMS * GROUP_PAD
     TAIL_COLS: tl.constexpr = TAIL_BLOCK * BEAMS
     # The prompt first, and all of it one block (the launcher's PROMPT_ONE_BLOCK: the table fits

@@ -211,6 +211,6 @@ def beam_shared_run_attention(
                 DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16, num_warps=num_warps, num_stages=1)
     if error_flags is not None:
         meta.update(err_ptr=error_flags, REPORT_ERRORS=True)
-    launch(beam_shared_run_kernel, grid, args, meta, q.device)
+    launch(beam_shared_run_kernel, grid, args, meta, q.device, pdl=True)
     return tail_skip
 

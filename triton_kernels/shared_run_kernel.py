@@ -36,6 +36,7 @@ import triton.language as tl
 from .beam_index import shared_ancestry_len
 from .cascade_kernel import SHARED_SCAN, _shared_ancestry_blocks
 from .device_errors import flush_errors
+from .grid_dependency import wait_for_prior_grids
 
 __all__ = ["beam_shared_run_kernel"]
 
@@ -84,9 +85,12 @@ def beam_shared_run_kernel(
     KV_HEADS_PER_PROG: tl.constexpr = 1,
     err_ptr=None,
     REPORT_ERRORS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid ``(R * num_beam_blocks, Hkv // KV_HEADS_PER_PROG)``; arguments and element strides as
     :func:`triton_kernels.beam_shared_run_attention` passes them; the module docstring gives the steps."""
+    if PDL:  # a programmatic dependent (triton_kernels.launch): nothing before the previous kernel's writes
+        wait_for_prior_grids()
     BLOCK_M: tl.constexpr = BEAMS * GROUP_PAD
     pid = tl.program_id(0)
     req = pid // num_beam_blocks

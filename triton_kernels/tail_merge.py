@@ -437,5 +437,5 @@ def beam_tail_attention_merge(
     register_cap = _register_cap(cfg, geom.head_dim, tail_skip is not None, error_flags is not None)
     if register_cap is not None and q.is_cuda:  # (the interpreter has no registers)
         meta.update(maxnreg=register_cap)
-    launch(kernel, grid, args, meta, q.device)
+    launch(kernel, grid, args, meta, q.device, pdl=True)
     return out

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .beam_index import source_beam_pages
 from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, page_error_bits
+from .grid_dependency import wait_for_prior_grids
 
 __all__ = ["beam_tail_merge_grouped_kernel", "attend_grouped_row", "online_softmax_row"]
 
@@ -103,8 +104,11 @@ def beam_tail_merge_grouped_kernel(
     REPORT_ERRORS: tl.constexpr = False,
     tail_skip_ptr=None,
     SKIP_SHARED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments as for ``beam_tail_merge_kernel``."""
+    if PDL:  # a programmatic dependent (triton_kernels.launch): nothing before the previous kernel's writes
+        wait_for_prior_grids()
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     gq = tl.arange(0, GROUP_PAD)

@@ -55,6 +55,7 @@ import triton.language as tl
 
 from .beam_index import source_beam_pages
 from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, or_reduce, page_error_bits
+from .grid_dependency import wait_for_prior_grids
 
 __all__ = ["beam_tail_merge_kernel"]
 
@@ -189,9 +190,12 @@ def beam_tail_merge_kernel(
     REPORT_ERRORS: tl.constexpr = False,
     tail_skip_ptr=None,
     SKIP_SHARED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments and strides (in elements) as the launcher
     :func:`triton_kernels.beam_tail_attention_merge` passes them; the module docstring gives the steps."""
+    if PDL:  # a programmatic dependent (triton_kernels.launch): nothing before the previous kernel's writes
+        wait_for_prior_grids()
     QH: tl.constexpr = KV_HEADS_PER_PROG * GROUP_PAD
     row = tl.program_id(0)
     row64 = row.to(tl.int64)

@@ -135,6 +135,9 @@ def _sass_opcodes(compiled) -> dict:
 # The device error flag (triton_kernels.device_errors) is opt-in: the default tilings compile without
 # it; the tail kernel's shapes compile with it too (``report_errors`` in the rows), so a spill there fails.
 REPORT_ERRORS = False
+# Launches on SM90 are programmatic dependents (triton_kernels.launch: a kernel's PDL constexpr puts gdc_wait()
+# first), so the kernels that take it compile so here.
+PDL = True
 
 
 def _compile_sm90(kernel, pointers, constexprs, float_args, div16_ints, num_warps: int, num_stages: int,
@@ -143,6 +146,8 @@ def _compile_sm90(kernel, pointers, constexprs, float_args, div16_ints, num_warp
     gives the constexpr values, ``float_args`` are fp32 scalars, every other argument is an i32;
     pointers and ``div16_ints`` are specialised as multiples of 16, as Triton's runtime does."""
     names = list(inspect.signature(kernel.fn).parameters)
+    if "PDL" in names and "PDL" not in constexprs:  # as a launch on SM90 builds it (triton_kernels.launch)
+        constexprs = {**constexprs, "PDL": PDL}
     signature = {}
     for n in names:
         if n in pointers:

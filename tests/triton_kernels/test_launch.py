@@ -8,16 +8,24 @@ on a GPU where there is one, else under the interpreter (tests/conftest.py).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
 from beam_shared_prefix import BeamSharedPrefixAttention
+from beam_shared_prefix.plan import build_step_plan
+from beam_shared_prefix.reference import reference_beam_attention
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
-from triton_kernels import TailLaunchConfig, beam_tail_attention_merge
+from triton_kernels import (
+    TailLaunchConfig,
+    beam_cascade_attention,
+    beam_tail_attention_merge,
+)
 from triton_kernels import shared_run as shared_run_module
 from triton_kernels.cascade_kernel import beam_cascade_kernel
-from triton_kernels.launch import launch
+from triton_kernels.launch import PDL_ENV, launch, pdl_enabled
 from triton_kernels.page_table_audit_kernel import (
     page_holders_kernel,
     page_table_audit_kernel,
@@ -113,3 +121,107 @@ def test_every_kernel_of_a_step_is_launched_with_fp_fusion(launches, monkeypatch
     assert {name for name, _ in launches} == {_name(k) for k in KERNELS}
     unfused = [(name, kw.get("enable_fp_fusion")) for name, kw in launches if kw.get("enable_fp_fusion") is not True]
     assert not unfused, f"launches without enable_fp_fusion=True (Triton 3.10 turns it off by default): {unfused}"
+
+
+@pytest.fixture
+def pdl_env(monkeypatch):
+    """Set ``TRTLLM_ENABLE_PDL`` (``None``: unset) with the per-device cache of :func:`pdl_enabled` forgotten around it."""
+    def set_env(value):
+        if value is None:
+            monkeypatch.delenv(PDL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(PDL_ENV, value)
+        pdl_enabled.cache_clear()
+    yield set_env
+    pdl_enabled.cache_clear()
+
+
+@pytest.mark.parametrize("env, capability, want", [
+    (None, (9, 0), True),   # TensorRT-LLM's default: on
+    ("1", (10, 0), True),
+    ("0", (9, 0), False),   # the user turned PDL off in TensorRT-LLM
+    (None, (8, 0), False),  # no PDL before Hopper
+])
+def test_pdl_follows_tensorrt_llm_switch_and_the_device(pdl_env, monkeypatch, env, capability, want):
+    """A launcher's ``pdl=True`` becomes ``PDL=True, launch_pdl=True`` on a CUDA device of compute capability 9.0 or
+    newer unless ``TRTLLM_ENABLE_PDL=0``; never on the CPU (the interpreter has no grid dependencies); never for a
+    launch that does not ask. (A fake CUDA device: ``torch.cuda.device`` and the capability are stubbed.)"""
+    pdl_env(env)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    cuda = torch.device("cuda", 0)
+    assert pdl_enabled(cuda) is want
+    kernel = _FakeKernel()
+    launch(kernel, (1,), (), {"BLOCK": 8}, cuda, pdl=True)
+    launch(kernel, (1,), (), {"BLOCK": 8}, cuda)
+    launch(kernel, (1,), (), {"BLOCK": 8}, torch.device("cpu"), pdl=True)
+    asked, plain, cpu = (kw for _, _, kw in kernel.calls)
+    assert (asked.get("PDL"), asked.get("launch_pdl")) == ((True, True) if want else (None, None))
+    assert "PDL" not in plain and "launch_pdl" not in plain
+    assert "PDL" not in cpu and "launch_pdl" not in cpu
+    assert not pdl_enabled(torch.device("cpu"))
+
+
+# The kernels a step launches as programmatic dependents; the page-table audit's stay plain (they run once a step).
+PDL_KERNELS = {_name(k) for k in (beam_cascade_kernel, beam_shared_run_kernel, beam_tail_merge_grouped_kernel,
+                                  beam_tail_merge_kernel)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA device of compute capability 9.0 or newer (programmatic dependent launch)")
+@pytest.mark.parametrize("path", ["cascade", "tail"])
+def test_pdl_launches_in_a_graph_give_the_plain_launches_output(launches, pdl_env, path):
+    """In a CUDA graph whose kernel before the step writes the queries (as a model's QKV projection does), the step
+    launched as a programmatic dependent (``gdc_wait()`` first) gives bit for bit what the plain launch gives, every
+    element written over a NaN-poisoned output, and within tolerance of the float32 oracle. Launched with
+    ``launch_pdl`` only when on."""
+    sim = _sim(4)
+    step = sim.begin_step()
+    for _ in range(4):  # earlier generated tokens: a tail behind the prompt
+        sim.end_step()
+        step = sim.begin_step()
+    rows, hq, d = step.q.shape
+    q_src = step.q.clone()
+    q = torch.empty_like(q_src)
+    out = torch.empty_like(q_src)
+    gen = torch.Generator(device=q.device).manual_seed(7)
+    prefix_out = torch.randn(rows, hq, d, device=q.device, generator=gen).to(q.dtype)
+    prefix_lse = torch.randn(rows, hq, device=q.device, generator=gen)
+    plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
+                           step.beam_width, step.page_size, step.num_pages)
+    prompt_table = torch.from_numpy(plan.page_table.copy()).to(q.device)
+
+    def layer():
+        q.copy_(q_src)  # the kernel before the step writes what it reads first
+        if path == "cascade":
+            beam_cascade_attention(q, step.new_k, step.new_v, sim.kv_cache, prompt_table, step.beam_page_table,
+                                   step.kv_lens, step.prompt_lens, step.cache_indirection, step.beam_width, out,
+                                   kv_layout=sim.kv_layout, write_kv=False)
+        else:
+            beam_tail_attention_merge(q, step.new_k, step.new_v, sim.kv_cache, step.beam_page_table, step.kv_lens,
+                                      step.prompt_lens, step.cache_indirection, step.beam_width, prefix_out,
+                                      prefix_lse, out, kv_layout=sim.kv_layout, write_kv=False)
+
+    results = {}
+    for env in ("1", "0"):
+        pdl_env(env)
+        launches.clear()
+        layer()  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer()
+        out.fill_(float("nan"))
+        q.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        results[env] = out.clone()
+        used = {kw.get("launch_pdl") for name, kw in launches if name in PDL_KERNELS}
+        assert used == ({True} if env == "1" else {None}), (env, launches)
+    assert not torch.isnan(results["1"]).any(), "an output element was not written"
+    assert torch.equal(results["1"], results["0"])
+    if path == "cascade":
+        want = reference_beam_attention(q_src, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
+                                        step.cache_indirection, step.beam_width, new_k=step.new_k, new_v=step.new_v,
+                                        kv_layout=sim.kv_layout)
+        torch.testing.assert_close(results["1"].float(), want.float(), atol=2e-2, rtol=2e-2)
