@@ -496,7 +496,7 @@ def beam_cascade_kernel(
 ):
     """Grid ``(R * num_beam_blocks, cdiv(Hkv, HEADS))``; arguments and element strides as the launchers
     in :mod:`triton_kernels.cascade` pass them; the module docstring gives the steps."""
-    if PDL:  # a programmatic dependent (triton_kernels.launch): nothing before the previous kernel's writes
+    if PDL:  # launched as a programmatic dependent (triton_kernels.launch): wait before any load or store
         wait_for_prior_grids()
     BLOCK_M: tl.constexpr = BEAMS * GROUP_PAD
     TAIL_COLS: tl.constexpr = TAIL_BLOCK * BEAMS

@@ -89,7 +89,7 @@ def beam_shared_run_kernel(
 ):
     """Grid ``(R * num_beam_blocks, Hkv // KV_HEADS_PER_PROG)``; arguments and element strides as
     :func:`triton_kernels.beam_shared_run_attention` passes them; the module docstring gives the steps."""
-    if PDL:  # a programmatic dependent (triton_kernels.launch): nothing before the previous kernel's writes
+    if PDL:  # launched as a programmatic dependent (triton_kernels.launch): wait before any load or store
         wait_for_prior_grids()
     BLOCK_M: tl.constexpr = BEAMS * GROUP_PAD
     pid = tl.program_id(0)

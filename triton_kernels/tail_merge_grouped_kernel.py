@@ -107,7 +107,7 @@ def beam_tail_merge_grouped_kernel(
     PDL: tl.constexpr = False,
 ):
     """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments as for ``beam_tail_merge_kernel``."""
-    if PDL:  # a programmatic dependent (triton_kernels.launch): nothing before the previous kernel's writes
+    if PDL:  # launched as a programmatic dependent (triton_kernels.launch): wait before any load or store
         wait_for_prior_grids()
     row = tl.program_id(0)
     row64 = row.to(tl.int64)

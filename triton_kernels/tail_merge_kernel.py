@@ -194,7 +194,7 @@ def beam_tail_merge_kernel(
 ):
     """Grid ``(rows, cdiv(Hkv, KV_HEADS_PER_PROG))``; arguments and strides (in elements) as the launcher
     :func:`triton_kernels.beam_tail_attention_merge` passes them; the module docstring gives the steps."""
-    if PDL:  # a programmatic dependent (triton_kernels.launch): nothing before the previous kernel's writes
+    if PDL:  # launched as a programmatic dependent (triton_kernels.launch): wait before any load or store
         wait_for_prior_grids()
     QH: tl.constexpr = KV_HEADS_PER_PROG * GROUP_PAD
     row = tl.program_id(0)
