@@ -15,7 +15,8 @@ kernel to complete and its writes to be visible. Nothing is read early, so the o
 whatever the kernel before wrote; what it saves is the launch gap. In a CUDA graph of layers on an H200
 (``docs/rounds.md``, "The eightieth round") the cascade behind a producer that releases its dependents took 1.4-1.5
 us less a layer at B-short and B-medium, 0.7 us behind a cuBLAS GEMM; on an H100 behind the GEMM, nothing. It
-follows TensorRT-LLM's switch, ``TRTLLM_ENABLE_PDL`` (on unless ``"0"``), read once a process per device.
+follows TensorRT-LLM's switch, ``TRTLLM_ENABLE_PDL`` (on unless ``"0"``), read once a process per device. Never
+under the interpreter (no PTX to run) nor on ROCm.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from .step_args import runs_interpreted
 
 __all__ = ["COMPILE_OPTIONS", "PDL_ENV", "launch", "pdl_enabled"]
 
@@ -37,14 +40,16 @@ _PDL_BY_DEVICE: dict[int, bool] = {}
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether launches on ``device`` use PDL: a CUDA device of compute capability 9.0 or newer, and
-    ``TRTLLM_ENABLE_PDL`` not ``"0"``. Cached per device for the process (``pdl_enabled.cache_clear()`` forgets)."""
+    """Whether launches on ``device`` use PDL: an NVIDIA CUDA device of compute capability 9.0 or newer (not ROCm,
+    whose MI300 also reports 9.x), and ``TRTLLM_ENABLE_PDL`` not ``"0"``. Cached per device for the process
+    (``pdl_enabled.cache_clear()`` forgets)."""
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     on = _PDL_BY_DEVICE.get(index)
     if on is None:
-        on = os.environ.get(PDL_ENV, "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
+        on = (os.environ.get(PDL_ENV, "1") != "0" and torch.version.hip is None
+              and torch.cuda.get_device_capability(index)[0] >= 9)
         _PDL_BY_DEVICE[index] = on
     return on
 
@@ -63,7 +68,8 @@ def launch(kernel, grid, args, meta, device: torch.device, pdl: bool = False):
     """
     if device.type == "cuda":
         with torch.cuda.device(device):
-            if pdl and pdl_enabled(device):
+            # (the interpreter, which CUDA tensors may run under, cannot run the wait's inline PTX)
+            if pdl and not runs_interpreted(kernel) and pdl_enabled(device):
                 return kernel[grid](*args, **meta, PDL=True, launch_pdl=True, **COMPILE_OPTIONS)
             return kernel[grid](*args, **meta, **COMPILE_OPTIONS)
     return kernel[grid](*args, **meta, **COMPILE_OPTIONS)

@@ -162,7 +162,27 @@ def _compile_sm90(kernel, pointers, constexprs, float_args, div16_ints, num_warp
     options = dict(num_warps=num_warps, num_stages=num_stages, **COMPILE_OPTIONS)
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    _LAST_PDL.clear()
+    _LAST_PDL.update(pdl_param="PDL" in names, pdl_wait_first=_wait_precedes_memory(compiled.asm["ptx"]))
+    return compiled
+
+
+# What the last compile of this process said about programmatic dependent launch (a row's ``pdl_param`` and
+# ``pdl_wait_first``; each job of the pool compiles and reports in one process).
+_LAST_PDL = {}
+_MEMORY_OP = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.|cp\.async|ld\.shared|st\.shared|ldmatrix|stmatrix)")
+
+
+def _wait_precedes_memory(ptx: str):
+    """``None`` without a ``griddepcontrol.wait`` in ``ptx``; else whether it comes before the kernel's first load,
+    store or atomic (a PDL build must touch no memory before the kernel it depends on has finished)."""
+    lines = ptx.splitlines()
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
+    if wait is None:
+        return None
+    first_memory = next((i for i, line in enumerate(lines) if _MEMORY_OP.search(line)), len(lines))
+    return wait < first_memory
 
 
 # (name, W, Hq, Hkv, D, dtype, prompt table tokens): the cascade kernel's default tiling at the
@@ -302,6 +322,7 @@ def compile_cascade_tiling_sm90(cfg: CascadeLaunchConfig, group_size: int, d: in
     ptx = compiled.asm["ptx"]
     return dict(
         kernel="cascade-prefix" if prefix_only else "cascade",
+        **_LAST_PDL,
         shape=["tiling", None, g, 1, d, dtype],
         config=list(dataclasses.astuple(cfg)),
         triton=triton.__version__,
@@ -345,7 +366,7 @@ def compile_shared_run_sm90(name: str, beam_width: int, hq: int, hkv: int, d: in
                              num_warps, 1)
     regs, stack, shared, local = _resources(compiled)
     ptx = compiled.asm["ptx"]
-    return dict(kernel="shared-run", shape=[name, beam_width, hq, hkv, d, dtype, prefix_dtype],
+    return dict(kernel="shared-run", **_LAST_PDL, shape=[name, beam_width, hq, hkv, d, dtype, prefix_dtype],
                 config=[beams, group_pad, num_warps, kv_heads_per_program], triton=triton.__version__, registers=regs, stack=stack,
                 shared=shared, local=local, wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
                 num_warps=num_warps)
@@ -369,7 +390,7 @@ def compile_page_table_audit_sm90(kernel_name: str, page_index_divisor: int):
     regs, stack, shared, local = _resources(compiled)
     return dict(kernel=f"page-table-{kernel_name}", shape=[page_index_divisor], config=list(constexprs.values()),
                 triton=triton.__version__, registers=regs, stack=stack, shared=shared, local=local,
-                num_warps=num_warps)
+                num_warps=num_warps, **_LAST_PDL)
 
 
 def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index_block=None,
@@ -401,6 +422,7 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
     regs, stack, shared, local = _resources(compiled)
     return dict(
         kernel="tail",
+        **_LAST_PDL,
         shape=[dtype, hq, hkv, d, prefix_dtype],
         num_rows=num_rows,
         skip_shared=skip_shared,

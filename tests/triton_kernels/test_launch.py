@@ -13,6 +13,8 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from beam_shared_prefix import BeamSharedPrefixAttention
 from beam_shared_prefix.plan import build_step_plan
@@ -23,7 +25,10 @@ from triton_kernels import (
     beam_cascade_attention,
     beam_tail_attention_merge,
 )
+from triton_kernels import cascade as cascade_module
+from triton_kernels import page_table_audit as page_table_audit_module
 from triton_kernels import shared_run as shared_run_module
+from triton_kernels import tail_merge as tail_merge_module
 from triton_kernels.cascade_kernel import beam_cascade_kernel
 from triton_kernels.launch import PDL_ENV, launch, pdl_enabled
 from triton_kernels.page_table_audit_kernel import (
@@ -41,6 +46,11 @@ KERNELS = (beam_cascade_kernel, page_holders_kernel, page_table_audit_kernel, be
 
 def _name(kernel) -> str:
     return kernel.fn.__name__
+
+
+# The kernels a step launches as programmatic dependents; the page-table audit's stay plain (they run once a step).
+PDL_KERNELS = {_name(k) for k in (beam_cascade_kernel, beam_shared_run_kernel, beam_tail_merge_grouped_kernel,
+                                  beam_tail_merge_kernel)}
 
 
 class _FakeKernel:
@@ -95,7 +105,20 @@ def _step(att, sim, step):
             new_v=step.new_v)
 
 
-def test_every_kernel_of_a_step_is_launched_with_fp_fusion(launches, monkeypatch):
+@pytest.fixture
+def launcher_pdl(monkeypatch):
+    """``{kernel name: the pdl argument}`` of every call of :func:`launch` by the package's launchers while the test
+    runs (the launches still run)."""
+    asked = {}
+    for module in (cascade_module, shared_run_module, tail_merge_module, page_table_audit_module):
+        def spying_launch(kernel, grid, args, meta, device, pdl=False, real=module.launch):
+            asked.setdefault(_name(kernel), set()).add(pdl)
+            return real(kernel, grid, args, meta, device, pdl=pdl)
+        monkeypatch.setattr(module, "launch", spying_launch)
+    return asked
+
+
+def test_every_kernel_of_a_step_is_launched_with_fp_fusion(launches, launcher_pdl, monkeypatch):
     monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_CACHED_TAIL", 4)  # (short steps reach the shared run)
     two_launch = BeamSharedPrefixAttention(DEVICE, backend="reference", tail_impl="triton", check=False,
                                            report_errors=True, shared_run=True)
@@ -121,6 +144,8 @@ def test_every_kernel_of_a_step_is_launched_with_fp_fusion(launches, monkeypatch
     assert {name for name, _ in launches} == {_name(k) for k in KERNELS}
     unfused = [(name, kw.get("enable_fp_fusion")) for name, kw in launches if kw.get("enable_fp_fusion") is not True]
     assert not unfused, f"launches without enable_fp_fusion=True (Triton 3.10 turns it off by default): {unfused}"
+    # The step's kernels ask to be programmatic dependents; the audit's (once a step) do not.
+    assert launcher_pdl == {name: {name in PDL_KERNELS} for name in (_name(k) for k in KERNELS)}, launcher_pdl
 
 
 @pytest.fixture
@@ -144,8 +169,8 @@ def pdl_env(monkeypatch):
 ])
 def test_pdl_follows_tensorrt_llm_switch_and_the_device(pdl_env, monkeypatch, env, capability, want):
     """A launcher's ``pdl=True`` becomes ``PDL=True, launch_pdl=True`` on a CUDA device of compute capability 9.0 or
-    newer unless ``TRTLLM_ENABLE_PDL=0``; never on the CPU (the interpreter has no grid dependencies); never for a
-    launch that does not ask. (A fake CUDA device: ``torch.cuda.device`` and the capability are stubbed.)"""
+    newer unless ``TRTLLM_ENABLE_PDL=0``; never on the CPU or in the interpreter (no grid dependencies, no PTX);
+    never for a launch that does not ask. (A fake CUDA device: ``torch.cuda.device`` and the capability are stubbed.)"""
     pdl_env(env)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
@@ -155,16 +180,35 @@ def test_pdl_follows_tensorrt_llm_switch_and_the_device(pdl_env, monkeypatch, en
     launch(kernel, (1,), (), {"BLOCK": 8}, cuda, pdl=True)
     launch(kernel, (1,), (), {"BLOCK": 8}, cuda)
     launch(kernel, (1,), (), {"BLOCK": 8}, torch.device("cpu"), pdl=True)
+    interpreted = _InterpretedFunction()  # CUDA tensors under TRITON_INTERPRET=1: the interpreter runs no PTX
+    launch(interpreted, (1,), (), {"BLOCK": 8}, cuda, pdl=True)
     asked, plain, cpu = (kw for _, _, kw in kernel.calls)
     assert (asked.get("PDL"), asked.get("launch_pdl")) == ((True, True) if want else (None, None))
-    assert "PDL" not in plain and "launch_pdl" not in plain
-    assert "PDL" not in cpu and "launch_pdl" not in cpu
+    for kw in (plain, cpu, interpreted.calls[0][2]):
+        assert "PDL" not in kw and "launch_pdl" not in kw, kw
     assert not pdl_enabled(torch.device("cpu"))
 
 
-# The kernels a step launches as programmatic dependents; the page-table audit's stay plain (they run once a step).
-PDL_KERNELS = {_name(k) for k in (beam_cascade_kernel, beam_shared_run_kernel, beam_tail_merge_grouped_kernel,
-                                  beam_tail_merge_kernel)}
+class _InterpretedFunction(_FakeKernel):
+    """A fake kernel as the interpreter makes them (``triton_kernels.step_args.runs_interpreted`` reads the type's
+    name)."""
+
+
+_InterpretedFunction.__name__ = "InterpretedFunction"
+
+
+@triton.jit
+def _slow_producer_kernel(src_ptr, dst_ptr, chain_ptr, n, BLOCK: tl.constexpr, SPIN: tl.constexpr):
+    """``dst = src`` as a PDL-aware producer writes it: its dependents are released first, the store waits on
+    ``SPIN`` dependent loads of ``chain_ptr[0]`` (zero, so the store lands where it should)."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+    j = tl.load(chain_ptr)
+    for _ in range(SPIN):
+        j = tl.load(chain_ptr + j)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(dst_ptr + offs + j, tl.load(src_ptr + offs, mask=ok, other=0.0), mask=ok)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -172,8 +216,10 @@ PDL_KERNELS = {_name(k) for k in (beam_cascade_kernel, beam_shared_run_kernel, b
 @pytest.mark.parametrize("path", ["cascade", "tail"])
 def test_pdl_launches_in_a_graph_give_the_plain_launches_output(launches, pdl_env, path):
     """In a CUDA graph whose kernel before the step writes the queries (as a model's QKV projection does), the step
-    launched as a programmatic dependent (``gdc_wait()`` first) gives bit for bit what the plain launch gives, every
-    element written over a NaN-poisoned output, and within tolerance of the float32 oracle. Launched with
+    launched as a programmatic dependent gives bit for bit what the plain launch gives, every element written over a
+    NaN-poisoned output, and within tolerance of the float32 oracle. The producer releases its dependents as it
+    starts and writes the queries only after a chain of dependent loads (microseconds), over queries zeroed before
+    the replay: a step that read them before its ``griddepcontrol.wait`` would read zeros. Launched with
     ``launch_pdl`` only when on."""
     sim = _sim(4)
     step = sim.begin_step()
@@ -190,9 +236,10 @@ def test_pdl_launches_in_a_graph_give_the_plain_launches_output(launches, pdl_en
     plan = build_step_plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request,
                            step.beam_width, step.page_size, step.num_pages)
     prompt_table = torch.from_numpy(plan.page_table.copy()).to(q.device)
+    chain = torch.zeros(1, dtype=torch.int32, device=q.device)
 
     def layer():
-        q.copy_(q_src)  # the kernel before the step writes what it reads first
+        _slow_producer_kernel[(triton.cdiv(q.numel(), 1024),)](q_src, q, chain, q.numel(), BLOCK=1024, SPIN=4096)
         if path == "cascade":
             beam_cascade_attention(q, step.new_k, step.new_v, sim.kv_cache, prompt_table, step.beam_page_table,
                                    step.kv_lens, step.prompt_lens, step.cache_indirection, step.beam_width, out,

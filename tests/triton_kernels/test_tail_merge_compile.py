@@ -114,7 +114,22 @@ def test_compiles_with_the_oldest_triton_accepted(usage):
     assert len(rows) == len(usage), (len(rows), len(usage))
     for row in rows:
         assert row["local"] == 0, f"local-memory spill with Triton {floor}: {row}"
+        assert row["pdl_wait_first"] is not False, f"a PDL build touches memory before its wait with Triton {floor}: {row}"
         assert row["kernel"] != "tail" or row["stack"] == 0, f"a tail tiling's stack frame with Triton {floor}: {row}"
+
+
+def test_pdl_builds_wait_before_touching_memory(usage):
+    """Launched as programmatic dependents (``triton_kernels.launch``), the tail, cascade and shared-run kernels may
+    start while the kernel before them still writes their inputs: each must take the ``PDL`` constexpr, and its
+    build must run ``griddepcontrol.wait`` before its first load, store or atomic in the PTX (a hoisted load would
+    read what that kernel has not finished writing). The page-table audit launches plainly and has neither."""
+    dependents = {"tail", "cascade", "cascade-prefix", "shared-run"}
+    for row in usage:
+        if row["kernel"] in dependents:
+            assert row["pdl_param"] and row["pdl_wait_first"] is True, row
+        else:
+            assert not row["pdl_param"] and row["pdl_wait_first"] is None, row
+    assert {row["kernel"] for row in usage} >= dependents
 
 
 def test_compiles_without_spills(usage):
