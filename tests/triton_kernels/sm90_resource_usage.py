@@ -265,9 +265,9 @@ def reachable_tail_shapes(largest_group: bool = False, every_group: bool = False
         for g in range(1, MAX_GROUP_SIZE + 1):
             for hkv, num_rows in itertools.product((1, 2, 3, 5, 8, 12, 16, 32, 64), rows):
                 key = (d, dataclasses.astuple(tail_launch_config(g, hkv, d, num_rows))) + ((g,) if every_group else ())
-                if largest_group and key in found and found[key][0] < g:
-                    del found[key]  # the walk meets groups in increasing order: keep this group's first shape
-                found.setdefault(key, (g, hkv, d, num_rows))
+                # Groups come in increasing order: a larger group replaces the shape kept, with its first shape.
+                if key not in found or (largest_group and found[key][0] < g):
+                    found[key] = (g, hkv, d, num_rows)
     return list(found.values())
 
 
