@@ -211,6 +211,21 @@ def _run_lse_kwargs(run, lse_base: str, lse_layout: str) -> dict:
     return {k: v for k, v in (("lse_base", lse_base), ("lse_layout", lse_layout)) if k in params}
 
 
+def _run_pdl_kwargs(run, device: torch.device) -> dict:
+    """``enable_pdl`` as the library's other launches have it (:func:`triton_kernels.launch.pdl_enabled`, which
+    follows ``TRTLLM_ENABLE_PDL``), where ``run()`` takes it: FlashInfer's own default is on wherever the device has
+    programmatic dependent launch, whatever that switch says."""
+    try:
+        params = inspect.signature(run).parameters
+    except (TypeError, ValueError):
+        return {}
+    if "enable_pdl" not in params:
+        return {}
+    from triton_kernels.launch import pdl_enabled  # deferred: imports triton
+
+    return {"enable_pdl": pdl_enabled(device)}
+
+
 def _is_workspace_error(exc: BaseException) -> bool:
     msg = str(exc).lower()
     return any(word in msg for word in ("workspace", "alignedallocator", "failed to allocate"))
@@ -403,6 +418,7 @@ class FlashInferPrefixBackend(PrefixBackend):
                 self._ensure_workspace(self.workspace_bytes * 2)
         self._active = wrapper
         self._run_kwargs = _run_lse_kwargs(wrapper.run, self.lse_base, self.lse_layout)
+        self._run_kwargs.update(_run_pdl_kwargs(wrapper.run, self.device))
         self.kernel = kernel
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):

@@ -291,6 +291,34 @@ def test_flashinfer_06_serves_through_its_own_signatures(fake_gpu_libs):
         check_prefix(graph, *make_case(beams=3))
 
 
+class PdlRecordingPrefillWrapper(FakePrefillWrapper):
+    """The stand-in with FlashInfer 0.7.4's ``enable_pdl`` keyword on ``run()`` (``None``: FlashInfer's default, on
+    wherever the device has PDL), recording what each call passed."""
+
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse=False, lse_base=None, lse_layout=None,
+            enable_pdl=None):
+        self.pdl_passed = getattr(self, "pdl_passed", []) + [enable_pdl]
+        return super().run(q, paged_kv_cache, out=out, lse=lse, return_lse=return_lse, lse_base=lse_base,
+                           lse_layout=lse_layout)
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_flashinfer_launches_follow_the_librarys_pdl_switch(fake_gpu_libs, monkeypatch, pdl):
+    """FlashInfer's prefill defaults to PDL on SM90 whatever ``TRTLLM_ENABLE_PDL`` says; the backend passes the
+    library's own verdict for its device (``triton_kernels.launch.pdl_enabled``) on every call, so the switch turns
+    off every launch of the step. A ``run()`` without the keyword (older wheels, the plain stand-in) gets none."""
+    import triton_kernels.launch as launch_module
+
+    asked = []
+    monkeypatch.setattr(launch_module, "pdl_enabled", lambda device: asked.append(device) or pdl)
+    fake_gpu_libs.BatchPrefillWithPagedKVCacheWrapper = PdlRecordingPrefillWrapper
+    backend = FlashInferPrefixBackend("cpu")
+    for seed in (1, 2):
+        check_prefix(backend, *make_case(seed=seed))
+    (wrapper,) = FakePrefillWrapper.instances
+    assert wrapper.pdl_passed == [pdl, pdl] and asked and set(asked) == {torch.device("cpu")}
+
+
 @pytest.mark.parametrize("version, named", [
     ("0.6.0", True), ("0.6.14", True), ("0.7.3", True), ("0.7.4", False), ("0.7.4+cu130", False), ("0.8.0rc1", False),
     ("", False),
