@@ -201,29 +201,21 @@ def _accepted_kwargs(fn, kwargs: dict, required=()) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def _run_lse_kwargs(run, lse_base: str, lse_layout: str) -> dict:
-    """The LSE convention the backend reports, as the ``run()`` keywords it takes by name (0.7.4 and later take
-    both), so that it is passed rather than relied on as FlashInfer's defaults."""
+def _run_kwargs(run, lse_base: str, lse_layout: str, device: torch.device) -> dict:
+    """The ``run()`` keywords the backend passes by name, where ``run`` takes them, rather than rely on FlashInfer's
+    defaults: the LSE convention it reports (0.7.4 and later take both), and ``enable_pdl`` as the library's other
+    launches have it (:func:`triton_kernels.launch.pdl_enabled`, which follows ``TRTLLM_ENABLE_PDL``; FlashInfer's own
+    default is on wherever the device has programmatic dependent launch, whatever that switch says)."""
     try:
         params = inspect.signature(run).parameters
     except (TypeError, ValueError):
         return {}
-    return {k: v for k, v in (("lse_base", lse_base), ("lse_layout", lse_layout)) if k in params}
+    kwargs = {k: v for k, v in (("lse_base", lse_base), ("lse_layout", lse_layout)) if k in params}
+    if "enable_pdl" in params:
+        from triton_kernels.launch import pdl_enabled  # deferred: imports triton
 
-
-def _run_pdl_kwargs(run, device: torch.device) -> dict:
-    """``enable_pdl`` as the library's other launches have it (:func:`triton_kernels.launch.pdl_enabled`, which
-    follows ``TRTLLM_ENABLE_PDL``), where ``run()`` takes it: FlashInfer's own default is on wherever the device has
-    programmatic dependent launch, whatever that switch says."""
-    try:
-        params = inspect.signature(run).parameters
-    except (TypeError, ValueError):
-        return {}
-    if "enable_pdl" not in params:
-        return {}
-    from triton_kernels.launch import pdl_enabled  # deferred: imports triton
-
-    return {"enable_pdl": pdl_enabled(device)}
+        kwargs["enable_pdl"] = pdl_enabled(device)
+    return kwargs
 
 
 def _is_workspace_error(exc: BaseException) -> bool:
@@ -265,7 +257,7 @@ class FlashInferPrefixBackend(PrefixBackend):
         self._wrappers: Dict[tuple, object] = {}
         self._graph_kernel: Dict[int, str] = {}  # batch size -> family frozen at its first plan
         self._active = None
-        self._run_kwargs: dict = {}  # the LSE convention, where run() takes it by name
+        self._run_kwargs: dict = {}  # the LSE convention and enable_pdl, where run() takes them by name
 
     @property
     def workspace_bytes(self) -> int:
@@ -417,8 +409,7 @@ class FlashInferPrefixBackend(PrefixBackend):
                     ) from exc
                 self._ensure_workspace(self.workspace_bytes * 2)
         self._active = wrapper
-        self._run_kwargs = _run_lse_kwargs(wrapper.run, self.lse_base, self.lse_layout)
-        self._run_kwargs.update(_run_pdl_kwargs(wrapper.run, self.device))
+        self._run_kwargs = _run_kwargs(wrapper.run, self.lse_base, self.lse_layout, self.device)
         self.kernel = kernel
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
