@@ -8,7 +8,8 @@ the K/V rows are loaded as 16-byte vectors (tail) or the dots use Hopper's ``wgm
 ones that cannot be compiled.
 
 ``--reachable-cascade`` and ``--reachable-tail`` print instead every tiling the two launchers pick over a walk of
-their inputs (:func:`reachable_cascade_tilings`, :func:`reachable_tail_shapes`).
+their inputs (:func:`reachable_cascade_tilings`, :func:`reachable_tail_shapes`). ``--plain`` compiles the kernels that
+take a ``PDL`` constexpr without it, as a launch with PDL off builds them.
 
 Uses the ``ptxas``/``cuobjdump`` shipped inside the Triton wheel.
 """
@@ -136,7 +137,8 @@ def _sass_opcodes(compiled) -> dict:
 # it; the tail kernel's shapes compile with it too (``report_errors`` in the rows), so a spill there fails.
 REPORT_ERRORS = False
 # Launches on SM90 are programmatic dependents (triton_kernels.launch: a kernel's PDL constexpr puts gdc_wait()
-# first), so the kernels that take it compile so here.
+# first), so the kernels that take it compile so here; ``--plain`` builds them as a launch with PDL off does
+# (``TRTLLM_ENABLE_PDL=0``, or a GPU before SM90).
 PDL = True
 
 
@@ -440,8 +442,9 @@ def compile_sm90(dtype: str, hq: int, hkv: int, d: int, prefix_dtype: str, index
 
 
 def _compile_job(job) -> dict:
-    """Run one compile of :func:`_jobs` (``(function name, args, kwargs)``) and return its row."""
-    name, args, kwargs = job
+    """Run one compile of :func:`_jobs` (``(function name, args, kwargs, pdl)``) and return its row."""
+    global PDL
+    name, args, kwargs, PDL = job  # set in the worker itself: a spawned pool process does not see main's globals
     return globals()[name](*args, **kwargs)
 
 
@@ -514,8 +517,9 @@ def _jobs(argv) -> list:
 def main() -> None:
     # The compiles are independent: one process per CPU (each runs Triton's front end and ptxas), rows printed in
     # order. On a fresh Triton cache the 99 compiles took 72 s in one process on a 2-CPU machine.
+    pdl = "--plain" not in sys.argv
     with concurrent.futures.ProcessPoolExecutor() as pool:
-        for row in pool.map(_compile_job, _jobs(sys.argv)):
+        for row in pool.map(_compile_job, [(*job, pdl) for job in _jobs(sys.argv)]):
             print(json.dumps(row), flush=True)
 
 

@@ -132,6 +132,23 @@ def test_pdl_builds_wait_before_touching_memory(usage):
     assert {row["kernel"] for row in usage} >= dependents
 
 
+def test_plain_builds_use_what_the_pdl_builds_use(usage):
+    """With PDL off (``TRTLLM_ENABLE_PDL=0``, or a GPU before SM90) the launchers build the same kernels without the
+    wait: every such build compiles, waits for nothing, and takes the registers, stack, local and shared memory of
+    its PDL build, so the budgets the other tests hold the PDL builds to hold for it too, and the wait costs no
+    register."""
+    plain = _usage_rows(_compile_for_sm90("--plain"))
+    resources = ("registers", "stack", "local", "shared")
+
+    def key(row):
+        return json.dumps({k: v for k, v in sorted(row.items()) if k not in (*resources, "pdl_wait_first")})
+
+    assert [key(row) for row in plain] == [key(row) for row in usage]  # the same builds, in the same order
+    for plain_row, pdl_row in zip(plain, usage):
+        assert plain_row["pdl_wait_first"] is None, f"a plain build waits: {plain_row}"
+        assert [plain_row[r] for r in resources] == [pdl_row[r] for r in resources], (plain_row, pdl_row)
+
+
 def test_compiles_without_spills(usage):
     for row in _tail(usage):
         assert row["local"] == 0 and row["stack"] == 0, f"register spills: {row}"
