@@ -1,4 +1,5 @@
-"""The end-to-end TensorRT-LLM arm: environment per variant, and a clear failure without tensorrt_llm."""
+"""The end-to-end TensorRT-LLM arm: environment per variant, a clear failure without tensorrt_llm, and the parent's report
+of what its children measured."""
 
 import sys
 
@@ -87,3 +88,55 @@ def test_e2e_runs_with_tensorrt_llm(tmp_path):
     doc = json.loads(out.read_text())
     on = next(r for r in doc["results"] if r["variant"] == "on")
     assert on["library_stats_timed"]["steps_planned"] > 0 and doc["summary"]["top_beams_equal"]
+
+
+def _child_result(variant, walls, top, stats=None, plan=None):
+    res = {"variant": variant, "wall_s": walls, "wall_s_median": sorted(walls)[len(walls) // 2],
+           "prompts_per_s": 8 / sorted(walls)[len(walls) // 2], "beams_returned": [16] * 8, "top_beam_tokens": top}
+    if variant == "on":
+        res.update(library_stats_timed=stats, plan_calls_timed=plan[0], plan_host_us_per_prepare=plan[1],
+                   plan_host_us_per_planned_step=plan[2])
+    return res
+
+
+@pytest.mark.parametrize("same_beams", [True, False], ids=["same-beams", "other-beams"])
+def test_the_parent_reports_what_its_children_measured(monkeypatch, capsys, tmp_path, same_beams):
+    """The parent's side of the arm, with the children's results given (a child needs TensorRT-LLM and a GPU):
+    the on/off speedup from the median prompts/s, whether the top beams agree, the library's counters and host
+    planning time in the report, and the JSON document; a failed child makes the exit status 1."""
+    import json
+
+    top_off = [[5, 6, 7], [8, 9, 10]]
+    top_on = top_off if same_beams else [[5, 6, 7], [8, 9, 11]]
+    children = {
+        "off": _child_result("off", [0.30, 0.20, 0.25], top_off),
+        "on": _child_result("on", [0.10, 0.125, 0.15], top_on,
+                            stats={"steps_planned": 12, "generation_forwards": 4, "delegated_steps": 0},
+                            plan=(14, 9.5, 11.3)),
+    }
+    ran = []
+
+    def fake_variant(args, variant, argv):
+        ran.append((variant, list(argv)))
+        return children[variant]
+
+    monkeypatch.setattr(e2e_trtllm, "require_tensorrt_llm", lambda import_it=True: None)
+    monkeypatch.setattr(e2e_trtllm, "_run_variant", fake_variant)
+    out = tmp_path / "e2e.json"
+    argv = ["--model", str(tmp_path), "--end-id", "2", "--json", str(out)]
+    assert e2e_trtllm.main(argv) == 0
+    assert [v for v, _ in ran] == ["off", "on"] and all(a == argv for _, a in ran)  # each child gets the same flags
+    printed = capsys.readouterr().out
+    assert "off: 32.00 prompts/s (median wall 250.0 ms)" in printed
+    assert "on: 64.00 prompts/s (median wall 125.0 ms)" in printed
+    assert ("12 steps planned, 4 eager layer forwards served, 0 layer forwards handed to the default kernel; host "
+            "planning 11.3 us per planned step (9.5 us per prepare())") in printed
+    assert f"speedup on/off: 2.00x; top beams identical: {same_beams}" in printed
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "beam-shared-prefix-e2e/1" and [r["variant"] for r in doc["results"]] == ["off", "on"]
+    assert doc["summary"] == {"speedup": pytest.approx(2.0), "top_beams_equal": same_beams}
+
+    children["on"] = {"variant": "on", "error": "child exited with status 1 (see its output above)"}
+    assert e2e_trtllm.main(argv) == 1
+    printed = capsys.readouterr().out
+    assert "on: FAILED: child exited with status 1" in printed and "speedup" not in printed
