@@ -67,25 +67,29 @@ def ulps_apart(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a - b).abs() / spacing).max().item()
 
 
-def _tail_call(wl, cfg, out, prefix_out, prefix_lse):
+def _tail_call(wl, cfg, out, prefix_out, prefix_lse, error_flags=None):
     import triton_kernels
 
     def call():
         return triton_kernels.beam_tail_attention_merge(
             wl.q, wl.new_k, wl.new_v, wl.kv_cache, wl.beam_page_table, wl.kv_lens, wl.prompt_lens,
             wl.cache_indirection, wl.beam_width, prefix_out, prefix_lse, out, kv_layout=wl.kv_layout,
-            launch_config=cfg,
+            launch_config=cfg, error_flags=error_flags,
         )
 
     return call
 
 
-def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float, prefix_dtype: str = "query") -> Dict:
+def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float, prefix_dtype: str = "query",
+               error_flags: bool = False) -> Dict:
     """Check and time every tiling of ``grid`` (``(kv_heads_per_prog, block_t, num_warps, index_block,
     grouped)`` tuples) on ``shape`` (CUDA); ``bandwidth`` in bytes/s gives the tail's byte floor; ``prefix_dtype``
-    (``PREFIX_DTYPES``) is the prefix output's dtype, the query's or float32. Returns the shape's ``default``,
-    ``best`` and ``all`` results (times in us, mismatch in ulps of the output dtype)."""
+    (``PREFIX_DTYPES``) is the prefix output's dtype, the query's or float32. ``error_flags`` times the kernels'
+    device-error-flag builds (the library's serving default), each tiling with its own ``int32 [1]`` word, which
+    must stay 0 on this valid input. Returns the shape's ``default``, ``best`` and ``all`` results (times in us,
+    mismatch in ulps of the output dtype)."""
     from triton_kernels import tail_merge
+    from triton_kernels.device_errors import decode_error_flags, new_error_flags
     from triton_kernels.tail_merge import TailLaunchConfig, tail_launch_config
 
     from .tune_cascade import _resources
@@ -125,11 +129,14 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float, pref
         configs.append(default)
     for cfg in configs:
         out = torch.full_like(wl.q, float("nan"))
-        call = _tail_call(wl, cfg, out, prefix_out, prefix_lse)
+        flags = new_error_flags(wl.q.device) if error_flags else None
+        call = _tail_call(wl, cfg, out, prefix_out, prefix_lse, flags)
         try:
             res = _resources(call, tail_merge, "launch")
             torch.cuda.synchronize()
             err = ulps_apart(out, ref)
+            if flags is not None and int(flags.item()):
+                raise RuntimeError(f"error flags {decode_error_flags(int(flags.item()))} on valid input")
             graphed = capture_graph(call)
             t = time_cuda([graphed], iters=iters, warmup=3).median_us
         except Exception as exc:  # a config that does not compile is reported, not fatal
@@ -143,6 +150,7 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float, pref
         "shape": shape.name or str(shape),
         "rows": rows,
         "prefix_dtype": str(prefix_out.dtype).replace("torch.", ""),
+        "error_flags": error_flags,
         "floor_us": floor_us,
         "tail_bytes": tail_bytes,
         "default": dflt,
@@ -187,6 +195,8 @@ def main(argv=None) -> int:
                    help="extra shapes RxWxP[:Hq/Hkv[/D]] (default 16/8, D 128; page 32), e.g. 8x8x500,2x12x6000:32/4")
     p.add_argument("--prefix-dtype", choices=sorted(PREFIX_DTYPES), default="query",
                    help="dtype of the prefix output the tail merges: the query's (the library's wrapper) or float32")
+    p.add_argument("--error-flags", action="store_true",
+                   help="time the device-error-flag builds (each call ORs bad-index bits into an int32 word)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
@@ -204,9 +214,10 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings per shape "
           f"(kv_heads_per_prog, block_t, num_warps, index_block, grouped)", flush=True)
     report = []
-    doc = {"bandwidth": bandwidth, "prefix_dtype": args.prefix_dtype, "complete": False, "shapes": report}
+    doc = {"bandwidth": bandwidth, "prefix_dtype": args.prefix_dtype, "error_flags": args.error_flags,
+           "complete": False, "shapes": report}
     for shape in shapes:
-        r = tune_shape(shape, grid, args.iters, bandwidth, args.prefix_dtype)
+        r = tune_shape(shape, grid, args.iters, bandwidth, args.prefix_dtype, args.error_flags)
         report.append(r)
         if args.json:
             write_progress_json(doc, args.json)

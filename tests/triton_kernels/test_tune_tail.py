@@ -172,9 +172,9 @@ def test_tuning_tools_keep_each_finished_shape_in_their_json(monkeypatch, tmp_pa
     assert doc["complete"] and [s["shape"] for s in doc["shapes"]] == ["B-short", "B-medium", "B-4B"]
 
 
-def test_tune_tail_times_the_prefix_dtype_it_is_asked_for(monkeypatch, tmp_path):
-    """``--prefix-dtype float32`` reaches every shape's tuning and the document; the default is the query's dtype,
-    as the library's wrapper passes it; an unknown dtype is refused by name."""
+def test_tune_tail_times_the_prefix_dtype_and_flag_builds_it_is_asked_for(monkeypatch, tmp_path):
+    """``--prefix-dtype float32`` and ``--error-flags`` reach every shape's tuning and the document; the defaults are
+    the query's dtype, as the library's wrapper passes it, and the flagless build; an unknown dtype is refused."""
     import json
 
     from microbenchmarks import tune_tail
@@ -183,17 +183,19 @@ def test_tune_tail_times_the_prefix_dtype_it_is_asked_for(monkeypatch, tmp_path)
     monkeypatch.setattr(tune_tail, "measure_copy_bandwidth", lambda device: 4.0e12)
     seen = []
 
-    def fake_tune_shape(shape, grid, iters, bandwidth, prefix_dtype="query"):
-        seen.append(prefix_dtype)
+    def fake_tune_shape(shape, grid, iters, bandwidth, prefix_dtype="query", error_flags=False):
+        seen.append((prefix_dtype, error_flags))
         return {"shape": shape.name, "floor_us": 1.0, "default": None, "best": None, "all": []}
 
     monkeypatch.setattr(tune_tail, "tune_shape", fake_tune_shape)
     path = tmp_path / "tune.json"
     assert tune_tail.main(["--shapes", "B-short,B-4B", "--prefix-dtype", "float32", "--json", str(path)]) == 0
-    assert seen == ["float32", "float32"] and json.loads(path.read_text())["prefix_dtype"] == "float32"
+    doc = json.loads(path.read_text())
+    assert seen == [("float32", False)] * 2 and doc["prefix_dtype"] == "float32" and doc["error_flags"] is False
     seen.clear()
-    assert tune_tail.main(["--shapes", "B-short"]) == 0
-    assert seen == ["query"] and tune_tail.PREFIX_DTYPES["query"] is None
+    assert tune_tail.main(["--shapes", "B-short", "--error-flags", "--json", str(path)]) == 0
+    assert seen == [("query", True)] and tune_tail.PREFIX_DTYPES["query"] is None
+    assert json.loads(path.read_text())["error_flags"] is True
     with pytest.raises(SystemExit):
         tune_tail.main(["--prefix-dtype", "float16"])
 
@@ -217,3 +219,20 @@ def test_tune_tail_times_float32_prefix_state_and_counts_its_bytes():
         assert run["default"]["ulps_vs_default"] == 0.0 and run["default"]["spills"] == 0
     state_elements = shape.requests * shape.beams * shape.heads * shape.head_dim
     assert runs["float32"]["tail_bytes"] - runs["query"]["tail_bytes"] == 2 * state_elements
+
+
+@pytest.mark.gpu
+def test_tune_tail_times_the_error_flag_build_against_the_flagless_output():
+    """On a GPU, ``error_flags=True`` times the flag build of every tiling (here the default's and one more), each of
+    whose outputs must equal the flagless default's to the ulp (the flag adds only integer work) while its word stays 0
+    on this valid input; the document says which build it timed."""
+    from microbenchmarks import tune_tail
+    from microbenchmarks.shapes import PRESETS
+
+    shape = dataclasses.replace(PRESETS["B-short"], requests=4, name="small")
+    run = tune_tail.tune_shape(shape, [(1, 1, 4, 0, 0)], iters=3, bandwidth=1e12, error_flags=True)
+    assert run["error_flags"] is True and run["default"] is not None
+    timed = [r for r in run["all"] if "us" in r]
+    assert len(timed) == len(run["all"]) == 2, run["all"]
+    assert all(r["us"] > 0 and r["ulps_vs_default"] <= tune_tail.MISMATCH_ULPS for r in timed)
+    assert run["default"]["ulps_vs_default"] == 0.0
