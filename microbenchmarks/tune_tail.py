@@ -85,8 +85,8 @@ def tune_shape(shape: BenchShape, grid: List, iters: int, bandwidth: float, pref
     """Check and time every tiling of ``grid`` (``(kv_heads_per_prog, block_t, num_warps, index_block,
     grouped)`` tuples) on ``shape`` (CUDA); ``bandwidth`` in bytes/s gives the tail's byte floor; ``prefix_dtype``
     (``PREFIX_DTYPES``) is the prefix output's dtype, the query's or float32. ``error_flags`` times the kernels'
-    device-error-flag builds (the library's serving default), each tiling with its own ``int32 [1]`` word, which
-    must stay 0 on this valid input. Returns the shape's ``default``, ``best`` and ``all`` results (times in us,
+    device-error-flag builds (``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS=1``), each tiling with its own ``int32 [1]``
+    word, which must stay 0 on this valid input. Returns the shape's ``default``, ``best`` and ``all`` results (times in us,
     mismatch in ulps of the output dtype)."""
     from triton_kernels import tail_merge
     from triton_kernels.device_errors import decode_error_flags, new_error_flags

@@ -223,9 +223,10 @@ def test_tune_tail_times_float32_prefix_state_and_counts_its_bytes():
 
 @pytest.mark.gpu
 def test_tune_tail_times_the_error_flag_build_against_the_flagless_output():
-    """On a GPU, ``error_flags=True`` times the flag build of every tiling (here the default's and one more), each of
-    whose outputs must equal the flagless default's to the ulp (the flag adds only integer work) while its word stays 0
-    on this valid input; the document says which build it timed."""
+    """On a GPU, ``error_flags=True`` times the flag build of every tiling (here the default's and one more) with its
+    word left 0 on this valid input (a set bit fails the tiling): the default's flag build writes the flagless default's
+    output to the ulp (the flag adds only integer work), the other tiling within the mismatch bound (its own rounding);
+    the document says which build it timed."""
     from microbenchmarks import tune_tail
     from microbenchmarks.shapes import PRESETS
 
