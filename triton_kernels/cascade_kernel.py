@@ -514,13 +514,17 @@ def beam_cascade_kernel(
     # 1. What every head of the program shares: the prompt length and first prompt pages (table
     #    columns past the prompt hold valid pages; tokens past it are masked below), the rows, and
     #    the tail's first key block of pages, whose index chain is walked once for all heads.
-    prompt_len = tl.load(prompt_lens_ptr + req64 * stride_plen_req)
+    prompt_len_read = tl.load(prompt_lens_ptr + req64 * stride_plen_req)
+    # Every position below counts from the prompt length: a negative one would index before the
+    # buffers, one near 2^31 would wrap past them. Valid lengths (0 < P <= both bounds) pass unchanged;
+    # the bound is the larger because the prefix stage alone passes max_seq_len 1.
+    prompt_len = tl.minimum(tl.maximum(prompt_len_read, 0), tl.maximum(max_seq_len, prompt_capacity))
     prompt_end = tl.minimum(prompt_len, prompt_capacity)
     first_pages = tl.load(prompt_pt_ptr + req64 * stride_ppt_req + (n // page_size) * stride_ppt_col,
                           mask=n < prompt_capacity, other=-1)
     # Error bits (REPORT_ERRORS) are gathered in registers per program and ORed into the flag at its
     # end (flush_errors): integer work only on the path.
-    plen_n = prompt_len + n * 0  # (a vector: the interpreter cannot `&` a scalar into a mask)
+    plen_n = prompt_len_read + n * 0  # (a vector: the interpreter cannot `&` a scalar into a mask)
     prompt_err = (error_bits((n == 0) & ((plen_n < 0) | (plen_n > prompt_capacity)), PROMPT_LEN)
                   | error_bits((n < prompt_end) & ((first_pages < 0) | (first_pages >= num_pages)), PROMPT_PAGE))
     m = tl.arange(0, BLOCK_M)

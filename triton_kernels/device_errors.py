@@ -28,7 +28,8 @@ __all__ = ["PROMPT_PAGE", "PROMPT_LEN", "KV_LEN", "SOURCE_BEAM", "TAIL_PAGE", "W
 
 #: A prompt token's page (prompt page table) outside ``[0, num_pages)``: its K/V read as zeros.
 PROMPT_PAGE = tl.constexpr(1)
-#: A prompt longer than the prompt page table holds (or negative): truncated to the table.
+#: A prompt longer than the prompt page table holds (or negative): truncated to the table (a negative one read as
+#: empty; the tail kernels, which have no prompt table, report a negative one).
 PROMPT_LEN = tl.constexpr(2)
 #: A row's ``kv_len`` not past its prompt, or past ``max_seq_len``: this step's K/V not written, the
 #: tail cut at the cache's end.
@@ -63,8 +64,8 @@ OTHER_REQUEST_PAGE = tl.constexpr(1024)
 ERROR_BITS = {
     PROMPT_PAGE.value: "a prompt page-table entry outside the pool [0, num_pages): that prompt token's K/V read as "
                        "zeros (a stale plan, or a table of another pool)",
-    PROMPT_LEN.value: "a prompt length outside [0, prompt page table width x page size]: the prompt cut to the table "
-                      "(plan with the step's prompt lengths)",
+    PROMPT_LEN.value: "a prompt length outside [0, prompt page table width x page size] (negative, for the tail "
+                      "kernels): the prompt cut to the table (plan with the step's prompt lengths)",
     KV_LEN.value: "a kv_len not past its prompt length, or past max_seq_len: this step's K/V not written and the tail "
                   "cut (pass kv_lens that include this step's token, within the cache)",
     SOURCE_BEAM.value: "a cache_indirection entry outside [0, beam_width): that generated position left out (the "

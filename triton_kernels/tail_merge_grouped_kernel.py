@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
-from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, page_error_bits
+from .device_errors import KV_LEN, PROMPT_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, page_error_bits
 from .grid_dependency import wait_for_prior_grids
 
 __all__ = ["beam_tail_merge_grouped_kernel", "attend_grouped_row", "online_softmax_row"]
@@ -125,10 +125,13 @@ def beam_tail_merge_grouped_kernel(
     beam = row % beam_width
     ind_row_ptr = cache_indirection_ptr + req.to(tl.int64) * stride_ind_req + beam.to(tl.int64) * stride_ind_beam
     first_src_row = req.to(tl.int64) * beam_width
-    start_pos = tl.maximum(prompt_len, 0)
-    if SKIP_SHARED:  # the shared-run stage attended [P, P + skip) and merged it into the prefix state
-        start_pos += tl.maximum(tl.load(tail_skip_ptr + row), 0)
     end_pos = tl.minimum(cur, max_seq_len)
+    # The walk stays inside [0, end_pos]: a negative prompt length would index before the buffers, and a
+    # length or skip near 2^31 would wrap start_pos + lane past them. Valid input passes unchanged.
+    gen_stop = tl.maximum(end_pos, 0)
+    start_pos = tl.minimum(tl.maximum(prompt_len, 0), gen_stop)
+    if SKIP_SHARED:  # the shared-run stage attended [P, P + skip) and merged it into the prefix state
+        start_pos += tl.minimum(tl.maximum(tl.load(tail_skip_ptr + row), 0), gen_stop - start_pos)
     # K/V rows are [1, KVH, D] blocks: the same layout as the [G, KVH, D] queries, broadcast over G.
     kv_head_offs = (kv_head * stride_kv_head)[None, :, None] + d[None, None, :]
     kv_row_ok = kv_head_ok[None, :, None]
@@ -155,8 +158,9 @@ def beam_tail_merge_grouped_kernel(
     m_i, l_i, acc = attend_grouped_row(q, m_i, l_i, acc, k_cur, v_cur, (kv_head >= 0)[None, :])  # never masked
 
     if REPORT_ERRORS:  # gathered here, ORed into the flag at the end
-        err = error_bits((tl.arange(0, KV_HEADS_PER_PROG) == 0) & kv_len_bad(cur + kv_head * 0, prompt_len, max_seq_len),
-                         KV_LEN)
+        first = tl.arange(0, KV_HEADS_PER_PROG) == 0
+        err = (error_bits(first & kv_len_bad(cur + kv_head * 0, prompt_len, max_seq_len), KV_LEN)
+               | error_bits(first & (prompt_len + kv_head * 0 < 0), PROMPT_LEN))
         tail_err = tl.zeros([1], tl.int32)
     if WRITE_KV:
         # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written.

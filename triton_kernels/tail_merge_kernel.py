@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .beam_index import source_beam_pages
-from .device_errors import KV_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, or_reduce, page_error_bits
+from .device_errors import KV_LEN, PROMPT_LEN, WRITE_PAGE, error_bits, flush_errors, kv_len_bad, or_reduce, page_error_bits
 from .grid_dependency import wait_for_prior_grids
 
 __all__ = ["beam_tail_merge_kernel"]
@@ -217,10 +217,13 @@ def beam_tail_merge_kernel(
     ind_row_ptr = cache_indirection_ptr + req.to(tl.int64) * stride_ind_req + beam.to(tl.int64) * stride_ind_beam
     first_src_row = req.to(tl.int64) * beam_width
     tok = tl.arange(0, BLOCK_T)
-    start_pos = tl.maximum(prompt_len, 0)
-    if SKIP_SHARED:  # the shared-run stage attended [P, P + skip) and merged it into the prefix state
-        start_pos += tl.maximum(tl.load(tail_skip_ptr + row), 0)
     end_pos = tl.minimum(cur, max_seq_len)
+    # The walk stays inside [0, end_pos]: a negative prompt length would index before the buffers, and a
+    # length or skip near 2^31 would wrap start_pos + lane past them. Valid input passes unchanged.
+    gen_stop = tl.maximum(end_pos, 0)
+    start_pos = tl.minimum(tl.maximum(prompt_len, 0), gen_stop)
+    if SKIP_SHARED:  # the shared-run stage attended [P, P + skip) and merged it into the prefix state
+        start_pos += tl.minimum(tl.maximum(tl.load(tail_skip_ptr + row), 0), gen_stop - start_pos)
     kv_head_offs = kv_head * stride_kv_head
     # Per-slot copies of the scalar position keep every mask a vector (the interpreter rejects
     # scalar-and-vector boolean masks); only the g == 0 slot of each KV head stores. A position
@@ -229,7 +232,8 @@ def beam_tail_merge_kernel(
     cur_slots = cur + slot * 0
     w_ok = kv_head_ok & (g == 0) & (cur_slots >= prompt_len) & (cur_slots >= 0) & (cur_slots < max_seq_len)
     if REPORT_ERRORS:  # gathered here, ORed into the flag at the end
-        err = error_bits((slot == 0) & kv_len_bad(cur_slots, prompt_len, max_seq_len), KV_LEN)
+        err = (error_bits((slot == 0) & kv_len_bad(cur_slots, prompt_len, max_seq_len), KV_LEN)
+               | error_bits((slot == 0) & (prompt_len + slot * 0 < 0), PROMPT_LEN))
 
     if INDEX_BLOCK > 0:
         # Index-block path: the loads that depend only on the lengths (the write position's page

@@ -78,17 +78,18 @@ def beam_tail_attention_merge_torch(
     req, beam = row // W, row % W
     plen = prompt_lens.long()
     klen = kv_lens.long()
+    start = plen.clamp(min=0)  # as in the kernels: a negative prompt length never indexes before position 0
 
     # Earlier generated positions [P, L-1), each from the pages of its source beam.
     # Positions at or past max_seq_len are masked below, so a bad kv_len (up to INT32_MAX) must not
     # size the gather: it would allocate rows x kv_len entries.
-    num_earlier = (klen.clamp(max=geom.max_seq_len) - 1 - plen).clamp(min=0)
+    num_earlier = (klen.clamp(max=geom.max_seq_len) - 1 - start).clamp(min=0)
     max_earlier = int(num_earlier.max())  # host sync: the reason this path is not graph-capturable
     # Every index is masked where the kernel masks it (a position past the indirection or the page
     # table, a source beam outside [0, W), a page outside the pool): invalid input reads nothing
     # out of bounds here either (check mode reports it).
     cols, num_pages = beam_page_table.shape[1], geom.num_pages
-    t = plen[:, None] + torch.arange(max_earlier, device=dev)[None, :]
+    t = start[:, None] + torch.arange(max_earlier, device=dev)[None, :]
     t_ok = (t < (klen - 1)[:, None]) & (t < geom.max_seq_len) & (t // pg < cols)
     t_safe = torch.where(t_ok, t, torch.zeros_like(t))
     src_beam = cache_indirection[req[:, None], beam[:, None], t_safe].long()
@@ -106,7 +107,8 @@ def beam_tail_attention_merge_torch(
         # The kernels' bits, as device tensors (no sync): a masked link of a valid position.
         # (The kernels report a source beam only at positions inside the table and the cache.)
         len_bad = device_errors.kv_len_bad_torch(wpos, plen, geom.max_seq_len)
-        for bad, bit in ((len_bad, device_errors.KV_LEN), (t_ok & ~src_ok, device_errors.SOURCE_BEAM),
+        for bad, bit in ((len_bad, device_errors.KV_LEN), (plen < 0, device_errors.PROMPT_LEN),
+                         (t_ok & ~src_ok, device_errors.SOURCE_BEAM),
                          (src_ok & ~earlier_valid, device_errors.TAIL_PAGE),
                          (w_ok & ~entry_ok if write_kv else None, device_errors.WRITE_PAGE)):
             if bad is not None:
