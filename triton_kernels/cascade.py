@@ -38,6 +38,7 @@ from .step_args import (
     fail,
     is_pow2,
     need_dim,
+    need_distinct_elements,
     need_dtype,
     need_last_dim_contiguous,
     need_tensor,
@@ -743,13 +744,16 @@ def beam_prefix_attention(
         fail(f"out must be {q.dtype} [{num_rows}, {num_qo_heads}, {head_dim}], got {out.dtype} {tuple(out.shape)}.")
     if tuple(lse.shape) != (num_rows, num_qo_heads) or lse.dtype != torch.float32:
         fail(f"lse must be float32 [{num_rows}, {num_qo_heads}] (rows, heads), got {lse.dtype} {tuple(lse.shape)}.")
-    # Each span once (this runs per layer and step in eager mode).
-    spans = {name: byte_span(x) for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse))}
-    for name in ("q", "kv_cache", "lse"):
-        if spans_overlap(spans["out"], spans[name]):
-            fail(f"out overlaps {name} in memory; pass a separate output buffer.")
-    if spans_overlap(spans["lse"], spans["q"]) or spans_overlap(spans["lse"], spans["kv_cache"]):
-        fail("lse overlaps q or kv_cache in memory; pass a separate LSE buffer.")
+    for name, x in (("out", out), ("lse", lse)):  # rows that share memory would overwrite each other's results
+        need_distinct_elements(name, x, f"Pass a {name} buffer whose elements are distinct (a fresh tensor).")
+    # Each span once (this runs per layer and step in eager mode). The outputs overlap nothing the
+    # programs read: a result stored over a length or a page would change what later programs attend.
+    spans = {name: byte_span(x) for name, x in (("q", q), ("kv_cache", kv_cache), ("prompt_page_table", prompt_page_table),
+                                                ("prompt_lens", prompt_lens), ("out", out), ("lse", lse))}
+    for written, fix in (("out", "output"), ("lse", "LSE")):
+        for name in ("q", "kv_cache", "prompt_page_table", "prompt_lens") + (("lse",) if written == "out" else ()):
+            if spans_overlap(spans[written], spans[name]):
+                fail(f"{written} overlaps {name} in memory; pass a separate {fix} buffer.")
     check_device(q, beam_cascade_kernel, "the cascade kernel")
     group_size = num_qo_heads // num_kv_heads
     cfg = _resolve_config(launch_config, beam_width, group_size, head_dim, prompt_page_table.shape[1] * page_size,

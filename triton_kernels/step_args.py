@@ -41,12 +41,14 @@ __all__ = [
     "byte_span",
     "check_device",
     "check_out_overlaps",
+    "index_tensors",
     "check_step_args",
     "check_step_metadata",
     "check_tail_index_values",
     "fail",
     "is_pow2",
     "need_dim",
+    "need_distinct_elements",
     "need_dtype",
     "need_last_dim_contiguous",
     "need_page_index_divisor",
@@ -141,6 +143,8 @@ def fail(msg: str) -> None:
 def need_tensor(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         fail(f"{name} must be a torch.Tensor, got {type(x).__name__}.")
+    if x.layout != torch.strided:  # the kernels address elements by shape and strides
+        fail(f"{name} has layout {x.layout}; the kernels read dense tensors. Pass {name}.to_dense().")
 
 
 def need_dim(name: str, x: torch.Tensor, ndim: int, what: str) -> None:
@@ -189,7 +193,8 @@ def overlapping_elements(x: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _need_distinct_elements(name: str, x: torch.Tensor, fix: str) -> None:
+def need_distinct_elements(name: str, x: torch.Tensor, fix: str) -> None:
+    """``x`` (a tensor the kernels write) has no two elements in one memory location; ``fix`` ends the message."""
     why = overlapping_elements(x)
     if why is not None:
         fail(f"{name} of {why}; its writes would overwrite each other. {fix}")
@@ -288,6 +293,8 @@ def check_step_metadata(
     need_dim("q", q, 3, "[rows, Hq, D]")
     need_dtype("q", q, KV_DTYPES)
     num_rows, num_qo_heads, head_dim = q.shape
+    if num_qo_heads < 1 or head_dim < 1:
+        fail(f"q is {tuple(q.shape)} with Hq={num_qo_heads}, D={head_dim}; both must be >= 1 (q is [rows, Hq, D]).")
     if step_kv:
         for name, x in (("new_k", new_k), ("new_v", new_v)):
             need_dim(name, x, 3, "[rows, Hkv, D]")
@@ -332,7 +339,7 @@ def check_step_metadata(
     for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)):
         if x is not None:
             need_last_dim_contiguous(name, x)
-    _need_distinct_elements("kv_cache", kv_cache, "Pass the pool's own layer view, whose pages, K and V planes, "
+    need_distinct_elements("kv_cache", kv_cache, "Pass the pool's own layer view, whose pages, K and V planes, "
                             "slots and heads lie apart (a copy would take the step's K/V write away from the cache).")
 
     # Index tensors.
@@ -381,7 +388,7 @@ def check_step_metadata(
         if tuple(out.shape) != (num_rows, num_qo_heads, head_dim):
             fail(f"out must be [rows={num_rows}, Hq={num_qo_heads}, D={head_dim}], got {tuple(out.shape)}.")
         need_last_dim_contiguous("out", out)
-        _need_distinct_elements("out", out, "Pass an output whose elements are distinct (a fresh buffer).")
+        need_distinct_elements("out", out, "Pass an output whose elements are distinct (a fresh buffer).")
 
     sm_scale = resolve_sm_scale(sm_scale, head_dim)
 
@@ -411,9 +418,17 @@ def check_out_overlaps(out, others) -> None:
 
 def _step_overlaps(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
                    out, *, extra_tensors=(), reads_step_kv=True, **_) -> None:
-    if reads_step_kv:
+    if reads_step_kv:  # (otherwise there is no out: the shared-run stage)
         check_out_overlaps(out, (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache))
+                           + index_tensors(beam_page_table, kv_lens, prompt_lens, cache_indirection)
                            + tuple(extra_tensors))
+
+
+def index_tensors(beam_page_table, kv_lens, prompt_lens, cache_indirection) -> tuple:
+    """The step's index tensors as ``(name, tensor)`` pairs: an ``out`` stored over one would change the
+    lengths, pages or source beams that programs still to run read."""
+    return (("beam_page_table", beam_page_table), ("kv_lens", kv_lens), ("prompt_lens", prompt_lens),
+            ("cache_indirection", cache_indirection))
 
 
 check_step_args = memoize_metadata_check(check_step_metadata, every_call=_step_overlaps)
@@ -421,9 +436,13 @@ check_step_args = memoize_metadata_check(check_step_metadata, every_call=_step_o
 
 def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     """The softmax scale as a float: ``1/sqrt(D)`` for None; anything but a finite positive number
-    fails (the kernels take the running max on unscaled scores, which needs a positive scale)."""
+    fails (the kernels take the running max on unscaled scores, which needs a positive scale), and so does a
+    tensor, whose value the memoized checks would not see change."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, torch.Tensor):  # the kept verdicts key a tensor by its metadata, not its value
+        fail(f"sm_scale is a tensor ({sm_scale.dtype}, shape {tuple(sm_scale.shape)}); pass a Python float "
+             f"(float(sm_scale), once, outside the step loop: on a GPU it syncs).")
     try:
         value = float(sm_scale)
     except (TypeError, ValueError):

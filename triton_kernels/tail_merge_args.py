@@ -33,6 +33,7 @@ from .step_args import (  # noqa: F401  (the names not used here are this module
     check_step_metadata,
     check_tail_index_values,
     fail,
+    index_tensors,
     is_pow2,
     need_dim,
     need_dtype,
@@ -142,9 +143,10 @@ def _tail_merge_metadata(
 
 def _tail_merge_overlaps(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection,
                          beam_width, prefix_out, prefix_lse, out, *, reads_step_kv=True, **_) -> None:
-    if reads_step_kv:
+    if reads_step_kv:  # (otherwise there is no out: the shared-run stage)
         check_out_overlaps(out, (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache),
-                                 ("prefix_out", prefix_out), ("prefix_lse", prefix_lse)))
+                                 ("prefix_out", prefix_out), ("prefix_lse", prefix_lse))
+                           + index_tensors(beam_page_table, kv_lens, prompt_lens, cache_indirection))
 
 
 check_tail_merge_args = memoize_metadata_check(_tail_merge_metadata, every_call=_tail_merge_overlaps)

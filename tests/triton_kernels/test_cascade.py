@@ -48,7 +48,7 @@ from triton_kernels.cascade import (
 from test_beam_index import leading_shared_run
 from test_tail_merge import (
     assert_matches, assert_same_pools_but_one_raced_slot, audit_word, earlier_tail, expected_pool_after_write, make_sim,
-    oracle, step_after,
+    oracle, out_over_index, step_after,
 )
 
 
@@ -325,7 +325,52 @@ CASCADE_BAD_VALUES = [
      device_errors.SOURCE_BEAM.value),
     ("tail_page_outside_pool", lambda a: dict(beam_page_table=a["beam_page_table"] + 10_000),
      device_errors.TAIL_PAGE.value | device_errors.WRITE_PAGE.value),
+    # Garbage prompt lengths of request 0: negative, or near 2^31 (also not under any kv_len).
+    ("prompt_len_negative", lambda a: dict(prompt_lens=_with_request0_prompt(a, -8)), device_errors.PROMPT_LEN.value),
+    ("prompt_len_near_int32_max", lambda a: dict(prompt_lens=_with_request0_prompt(a, 2**31 - 1)),
+     device_errors.PROMPT_LEN.value | device_errors.KV_LEN.value),
 ]
+
+
+def _with_request0_prompt(args, value):
+    """The call's ``prompt_lens`` with request 0's length (each of its rows' entries) set to ``value``."""
+    lengths = args["prompt_lens"].clone()
+    lengths[:args["beam_width"]] = value
+    return lengths
+
+
+@pytest.mark.parametrize("config", [None, dict(TILINGS)["tail_on_cores"]], ids=["default_one_block", "tail_on_cores"])
+@pytest.mark.parametrize("prompt_len", [-8, -2**30, 2**31 - 1])
+def test_cascade_reads_nothing_before_its_buffers_for_a_garbage_prompt_length(prompt_len, config, device):
+    """The tail counts its positions from the prompt length: a negative one (or one near 2^31, whose positions would
+    wrap) must not index ``cache_indirection`` or the beam page table before their start. Both are given as views
+    64 elements into larger buffers whose leading elements differ between two calls: the outputs must be equal,
+    finite, and request 1 (whose input is valid) must match the oracle."""
+    sim = make_sim(device, prompts=[9, 5], beams=3, hq=4, hkv=2, d=64, pg=4, seed=5)
+    for _ in range(3):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    ref = oracle(sim, step)
+    outs = []
+    for guard in (0, 1):
+        def after_guard(t):
+            buf = torch.full((t.numel() + 64,), guard, dtype=t.dtype, device=t.device)
+            buf[64:] = t.flatten()
+            return buf[64:].view(t.shape)
+
+        prompt_lens = step.prompt_lens.clone()
+        prompt_lens[:step.beam_width] = prompt_len
+        out = torch.full_like(step.q, float("nan"))
+        flags = device_errors.new_error_flags(device)
+        beam_cascade_attention(step.q, step.new_k, step.new_v, sim.kv_cache.clone(), prompt_table(sim, step),
+                               after_guard(step.beam_page_table), step.kv_lens, prompt_lens,
+                               after_guard(step.cache_indirection), step.beam_width, out, kv_layout=sim.kv_layout,
+                               launch_config=config, error_flags=flags)
+        assert int(flags) & device_errors.PROMPT_LEN.value, device_errors.decode_error_flags(int(flags))
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    assert_matches(outs[0][step.beam_width:], ref[step.beam_width:], f"prompt_len {prompt_len}, request 1")
 
 
 @pytest.mark.parametrize("config", [None, TILINGS[0][1], dict(TILINGS)["tail_on_cores"]],
@@ -561,6 +606,9 @@ def test_refuses_shapes_it_does_not_tile(device):
     (lambda a: a.update(launch_config=CascadeLaunchConfig(16, 2, prompt_stages=0)), r"prompt_stages=0 .* \[1, 4\]"),
     (lambda a: a.update(beam_width=3), "not a multiple of beam_width=3"),
     (lambda a: a.update(sm_scale=-1.0), "sm_scale=-1.0 must be a finite positive"),
+    (lambda a: a.update(sm_scale=torch.tensor(0.125)), "sm_scale is a tensor"),
+    (lambda a: a.update(out_over_index("prompt_lens", a)), "out overlaps prompt_lens"),
+    (lambda a: a.update(out_over_index("cache_indirection", a)), "out overlaps cache_indirection"),
 ])
 def test_refuses_bad_arguments(mutate, match, device):
     sim, step = _one_step(device)
@@ -1023,7 +1071,35 @@ def test_prefix_stage_refuses_an_lse_inside_an_input(where):
     rows, hq, _ = args["q"].shape
     host = args[where]
     args["lse"] = host.reshape(-1)[: 2 * rows * hq].view(torch.float32).view(rows, hq)
-    _refused(beam_prefix_attention, args, "lse overlaps q or kv_cache in memory", written=("out", "q"))
+    _refused(beam_prefix_attention, args, f"lse overlaps {where} in memory", written=("out", "q"))
+
+
+def _expanded(x):
+    """``x``'s first row repeated by a stride-0 view: every row is one memory."""
+    return x[:1].expand_as(x)
+
+
+def _over_prompt_lens(args, name):
+    """``args[name]`` (out or lse) with the prompt lengths (same values) stored in its first bytes."""
+    written = args[name].clone()
+    lengths = written.view(-1).view(torch.int32)[:args["prompt_lens"].numel()]
+    lengths.copy_(args["prompt_lens"])
+    return {name: written, "prompt_lens": lengths}
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: {"out": _expanded(a["out"])}, "out of shape (4, 4, 64) with strides (0, 64, 1) has elements that overlap"),
+    (lambda a: {"lse": _expanded(a["lse"])}, "lse of shape (4, 4) with strides (0, 1) has elements that overlap"),
+    (lambda a: _over_prompt_lens(a, "out"), "out overlaps prompt_lens in memory"),
+    (lambda a: _over_prompt_lens(a, "lse"), "lse overlaps prompt_lens in memory"),
+], ids=["out_rows_one_memory", "lse_rows_one_memory", "out_over_prompt_lens", "lse_over_prompt_lens"])
+def test_prefix_stage_refuses_outputs_that_overwrite_themselves_or_its_lengths(change, message):
+    """The prefix stage's outputs are written row by row: rows that share memory (a stride-0 view) would all hold one
+    row's result, and an output stored over the prompt lengths would change what later programs attend. Both are
+    refused before launch, as the fused launchers refuse them."""
+    args = _prefix_args(seed=6)
+    args.update(change(args))
+    _refused(beam_prefix_attention, args, message, written=("q",))
 
 
 def test_launch_configuration_refuses_five_pipeline_stages():

@@ -491,6 +491,14 @@ def _args(device):
     )
 
 
+def out_over_index(name, args):
+    """A NaN-free ``out`` whose first bytes hold the index tensor ``name`` (same values): the two overlap."""
+    out = torch.full_like(args["out"], 7.0)
+    index = out.view(-1).view(torch.int32)[:args[name].numel()].view(args[name].shape)
+    index.copy_(args[name])
+    return {"out": out, name: index}
+
+
 BAD_INPUTS = [
     ("hq_not_multiple", lambda a: dict(q=a["q"][:, :5]), "Hq=5 is not a multiple of the KV head count Hkv=2"),
     ("q_last_dim_strided", lambda a: dict(q=a["q"].repeat_interleave(2, dim=2)[:, :, ::2]), "must be contiguous"),
@@ -516,6 +524,16 @@ BAD_INPUTS = [
     ("out_rows_overlap", lambda a: dict(out=a["out"][:1].expand_as(a["out"])), "overlap in memory (a stride of 0"),
     ("pool_k_is_v", lambda a: dict(kv_cache=a["kv_cache"][:, :1].expand_as(a["kv_cache"])),
      "overlap in memory (a stride of 0"),
+    # An out stored over an index tensor would change lengths, pages or source beams that programs still read.
+    *[(f"out_over_{name}", functools.partial(out_over_index, name), f"out overlaps {name}")
+      for name in ("beam_page_table", "kv_lens", "prompt_lens", "cache_indirection")],
+    # The kept verdicts key a tensor by its metadata: a tensor scale's value would be read once, then reused.
+    ("sm_scale_tensor", lambda a: dict(sm_scale=torch.tensor(0.125)), "sm_scale is a tensor"),
+    # Degenerate and non-dense tensors: named, not a ZeroDivisionError or a storage error from inside torch.
+    ("no_head_dim", lambda a: dict(q=a["q"][:, :, :0]), "with Hq=6, D=0; both must be >= 1"),
+    ("no_query_heads", lambda a: dict(q=a["q"][:, :0]), "with Hq=0, D=64; both must be >= 1"),
+    ("sparse_indirection", lambda a: dict(cache_indirection=a["cache_indirection"].to_sparse()),
+     "cache_indirection has layout torch.sparse_coo"),
     # The plan's last prompt pages: one per request (2), int32.
 ]
 
@@ -556,15 +574,29 @@ def test_triton_launcher_names_its_limits(monkeypatch, device):
         beam_tail_attention_merge(**_args("cpu"))
 
 
+def _set_first(lengths, value):
+    """``lengths`` (int32) with row 0's entry set to ``value``."""
+    lengths = lengths.clone()
+    lengths[0] = value
+    return lengths
+
+
 BAD_VALUES = [
     ("kv_len_not_past_prompt", lambda a: dict(kv_lens=a["prompt_lens"].clone()), r"kv_lens\[0\]=5 must be >= prompt_lens\[0\] \+ 1"),
     ("kv_len_past_capacity", lambda a: dict(kv_lens=a["kv_lens"] + 64), "exceeds the cache capacity max_seq_len=64"),
     ("page_outside_pool", lambda a: dict(beam_page_table=a["beam_page_table"] + 10_000), "is outside the pool"),
     ("indirection_not_a_beam", lambda a: dict(cache_indirection=a["cache_indirection"] + 5), "is not a beam in"),
+    # A garbage length: negative (the walk would start before position 0), or near 2^31 (start + lane would wrap).
+    ("prompt_len_negative", lambda a: dict(prompt_lens=_set_first(a["prompt_lens"], -3)),
+     r"prompt_lens\[0\]=-3 is negative"),
+    ("prompt_len_near_int32_max", lambda a: dict(prompt_lens=_set_first(a["prompt_lens"], 2**31 - 1)),
+     r"kv_lens\[0\]=\d+ must be >= prompt_lens\[0\] \+ 1"),
 ]
 # The error-flag bits each case must raise without check mode (triton_kernels.device_errors).
 BAD_VALUE_BITS = {
     "kv_len_not_past_prompt": device_errors.KV_LEN.value,
+    "prompt_len_negative": device_errors.PROMPT_LEN.value,
+    "prompt_len_near_int32_max": device_errors.KV_LEN.value,
     # (the tail then runs to max_seq_len, through page-table columns no page was allocated for: -1)
     "kv_len_past_capacity": device_errors.KV_LEN.value | device_errors.TAIL_PAGE.value,
     "page_outside_pool": device_errors.TAIL_PAGE.value | device_errors.WRITE_PAGE.value,
@@ -624,8 +656,10 @@ def test_kernel_masks_bad_indices_without_validation(name, change, config, devic
     assert int(flags) == BAD_VALUE_BITS[name], (name, device_errors.decode_error_flags(int(flags)))
     changed = (sim.kv_cache != before).flatten(2).any(dim=2)  # [pages, 2]
     allowed = torch.zeros_like(changed)
-    if name == "indirection_not_a_beam":  # only this case keeps a valid write position
+    if name in ("indirection_not_a_beam", "prompt_len_negative"):  # these keep every row's write position valid
         allowed[step.write_page] = True
+    elif name == "prompt_len_near_int32_max":  # row 0's kv_len is not past its prompt: the other rows still write
+        allowed[step.write_page[1:]] = True
     assert not (changed & ~allowed).any(), f"{name}: the kernel wrote outside the rows' write pages"
 
 
