@@ -331,6 +331,7 @@ class BeamSharedPrefixFmhaMixin:
         new_v = qkv_rows[:, q_cols + kv_cols : q_cols + 2 * kv_cols].view(rows, num_kv_heads, head_dim)
         out = out_rows.view(rows, num_heads, head_dim)
         wrapper = wrapper_for(metadata, state, step, family)
+        state.served_families.add(family.key)
         layer = step.adapter.layer(attn.layer_idx)
         seq0 = step.num_contexts
         # TensorRT-LLM's own block-offset encoding, K field, rows from this phase's first sequence.

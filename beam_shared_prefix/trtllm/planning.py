@@ -237,6 +237,9 @@ class _MetadataState:
         self.step_reason: Optional[str] = None
         self.wrappers: Dict[tuple, object] = {}
         self.planned_key: Dict[tuple, tuple] = {}
+        # Families whose layers ran the library's kernels with this metadata: under a CUDA graph, the ones the
+        # captured graph holds (a family planned only in prepare(), whose layers all declined, holds none).
+        self.served_families: set = set()
         # ``metadata.request_ids`` as the last planning saw it (the list object and its values): the engine
         # assigns a new list every step before prepare(), so a forward that finds another list knows the step
         # was not planned (prepare() bypassed the hook, or was not called) and must not run the previous plan.
@@ -539,7 +542,7 @@ def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family)
         state.wrappers[family.key] = wrapper
     # A plan that fails leaves the wrapper with no active plan: forget the old composition's key too, or
     # the next step of that composition would find the key and run an unplanned wrapper.
-    had_plan = state.planned_key.pop(family.key, None) is not None
+    state.planned_key.pop(family.key, None)
     try:
         wrapper.plan(
             indptr,
@@ -557,9 +560,10 @@ def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family)
             max_tail_len=tail,
         )
     except Exception as exc:
-        if state.is_cuda_graph and had_plan and isinstance(exc, _planning_errors()):
+        if state.is_cuda_graph and family.key in state.served_families and isinstance(exc, _planning_errors()):
             # The graph was captured with this library's kernels, which a replay runs whatever prepare()
-            # decides: handing the step over would replay them on the previous plan's buffers.
+            # decides: handing the step over would replay them on the previous plan's buffers. (A family
+            # whose layers never ran them here, e.g. sliding-window layers declined per call, is handed over.)
             raise RuntimeError(
                 f"beam_shared_prefix: this CUDA-graph step cannot be planned ({type(exc).__name__}: {exc}), and a "
                 f"graph captured with the library's kernels cannot hand a step to the default kernel: it stops "

@@ -436,6 +436,20 @@ def test_a_cuda_graph_step_that_cannot_be_planned_stops(setup, monkeypatch):
         setup.engine.prepare(setup.sim.begin_step(), metadata=graph, before=_longer_prompts)
 
 
+def test_a_cuda_graph_family_whose_layers_never_ran_the_library_is_handed_over(setup, monkeypatch):
+    """prepare() plans every family it learned, including one whose layers all decline per call (a sliding-window
+    layer): such a family has a plan but no kernel in the captured graph. A refusal while planning it hands the step
+    to the default kernel (logged), rather than stopping the engine as for a family the graph holds."""
+    fail = _failing_plans(monkeypatch)
+    graph = setup.engine.graph_metadata(2)
+    setup.engine.prepare(setup.sim.begin_step(), metadata=graph)  # planned; no layer forward ran the library
+    setup.sim.end_step(write_kv=True)
+    fail[0] = True
+    setup.run(setup.sim.begin_step(), metadata=graph, before=_longer_prompts)  # (prompts unlike the simulator's)
+    assert stats()["delegated_steps"] == 1 and stats()["generation_forwards"] == 0
+    assert decline_log.seen("planning failed: sm_scale='refused by the test'")
+
+
 def test_a_fresh_cuda_graph_metadata_whose_first_plan_fails_is_handed_over(setup, monkeypatch):
     """A graph metadata that never had a plan has captured none of the library's kernels: a refusal while planning
     its first step hands the step to the default kernel (logged), as an eager one does; only a graph that ran a plan
