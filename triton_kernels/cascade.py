@@ -748,8 +748,8 @@ def beam_prefix_attention(
         need_distinct_elements(name, x, f"Pass a {name} buffer whose elements are distinct (a fresh tensor).")
     # Each span once (this runs per layer and step in eager mode). The outputs overlap nothing the
     # programs read: a result stored over a length or a page would change what later programs attend.
-    spans = {name: byte_span(x) for name, x in (("q", q), ("kv_cache", kv_cache), ("prompt_page_table", prompt_page_table),
-                                                ("prompt_lens", prompt_lens), ("out", out), ("lse", lse))}
+    spans = {name: byte_span(x) for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse),
+                                                ("prompt_page_table", prompt_page_table), ("prompt_lens", prompt_lens))}
     for written, fix in (("out", "output"), ("lse", "LSE")):
         for name in ("q", "kv_cache", "prompt_page_table", "prompt_lens") + (("lse",) if written == "out" else ()):
             if spans_overlap(spans[written], spans[name]):
