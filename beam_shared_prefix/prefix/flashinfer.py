@@ -223,6 +223,14 @@ def _is_workspace_error(exc: BaseException) -> bool:
     return any(word in msg for word in ("workspace", "alignedallocator", "failed to allocate"))
 
 
+def plan_copy_event(device) -> Optional["torch.cuda.Event"]:
+    """A CUDA event to record on the current stream right after a FlashInfer ``plan()``, which ends with an
+    asynchronous copy from the wrapper's pinned buffer; ``None`` off CUDA, where no such copy is queued."""
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.Event()
+
+
 def _cpu_i32(array: np.ndarray) -> torch.Tensor:
     # CPU metadata: FlashInfer's plan() copies indptrs to the host, which would sync on device tensors.
     return torch.from_numpy(np.array(array, dtype=np.int32, copy=True))
@@ -255,6 +263,10 @@ class FlashInferPrefixBackend(PrefixBackend):
         self.kernel: Optional[str] = None
         self._workspace: Optional[torch.Tensor] = None
         self._wrappers: Dict[tuple, object] = {}
+        # Per wrapper, an event recorded after its last plan: FlashInfer's plan writes the wrapper's pinned host
+        # buffer and copies it to the device asynchronously, so a second plan on a host running ahead of the GPU
+        # (an overlap scheduler) could overwrite the buffer before the first copy ran.
+        self._plan_copies: Dict[tuple, object] = {}
         self._graph_kernel: Dict[int, str] = {}  # batch size -> family frozen at its first plan
         self._active = None
         self._run_kwargs: dict = {}  # the LSE convention and enable_pdl, where run() takes them by name
@@ -321,14 +333,27 @@ class FlashInferPrefixBackend(PrefixBackend):
         if self._workspace is not None:
             need = max(need, self._workspace.numel() * 2)
             logger.info("beam_shared_prefix: FlashInfer float workspace grows to %.1f MiB", need / 2**20)
-        # The wrappers hold the old buffer: drop them; the active family is re-created right away.
+        # The wrappers hold the old buffer: drop them; the active family is re-created right away. Their pinned
+        # buffers go back to torch's host allocator, which could hand them to the new wrappers: copies first.
+        self._wait_for_plan_copies(list(self._plan_copies))
+        self._plan_copies.clear()
         self._wrappers.clear()
         self._workspace = None
         # Zeroed once: FlashInfer documents zero-initialised workspaces for some of its schedulers.
         self._workspace = torch.zeros(need, dtype=torch.uint8, device=self.device)
 
+    def _wrapper_key(self, kernel: str, num_requests: int) -> tuple:
+        return (kernel, num_requests if self.use_cuda_graph else None)
+
+    def _wait_for_plan_copies(self, keys) -> None:
+        """Block the host until the named wrappers' last plans have been copied to the device (usually done)."""
+        for key in keys:
+            event = self._plan_copies.get(key)
+            if event is not None:
+                event.synchronize()
+
     def _wrapper(self, kernel: str, num_requests: int):
-        key = (kernel, num_requests if self.use_cuda_graph else None)
+        key = self._wrapper_key(kernel, num_requests)
         wrapper = self._wrappers.get(key)
         if wrapper is not None:
             return wrapper
@@ -390,11 +415,17 @@ class FlashInferPrefixBackend(PrefixBackend):
         exact = self._exact_workspace_bytes(self._wrapper(kernel, step_plan.num_requests), args, kwargs)
         if exact:
             self._ensure_workspace(int(exact * _WORKSPACE_MARGIN) + _WORKSPACE_SLACK_BYTES)
+        key = self._wrapper_key(kernel, step_plan.num_requests)
         for attempt in range(4):
             wrapper = self._wrapper(kernel, step_plan.num_requests)
             plan_kwargs = _accepted_kwargs(wrapper.plan, kwargs, _REQUIRED_PLAN_ARGS)
+            self._wait_for_plan_copies([key])
             try:
                 wrapper.plan(*args, **plan_kwargs)
+                event = plan_copy_event(self.device)
+                if event is not None:
+                    event.record()
+                    self._plan_copies[key] = event
                 break
             except (RuntimeError, ValueError) as exc:
                 # FlashInfer's scheduler reports an undersized workspace at plan time (its AlignedAllocator

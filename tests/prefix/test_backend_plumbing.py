@@ -167,6 +167,39 @@ def test_flashinfer_backend_plumbing(fake_gpu_libs, layout):
     assert backend.workspace_bytes >= fi_module.prefill_float_workspace_bytes(4, 3, 4, 2, 16, 132)
 
 
+class _OrderedPlanEvent:
+    """A stand-in for the CUDA event recorded after each plan: logs its record and wait into a shared list."""
+
+    def __init__(self, log):
+        self.log, self.id = log, sum(1 for e in log if e[0] == "record")
+
+    def record(self):
+        self.log.append(("record", self.id))
+
+    def synchronize(self):
+        self.log.append(("wait", self.id))
+
+
+def test_flashinfer_waits_for_a_wrappers_last_plan_copy_before_planning_it_again(fake_gpu_libs, monkeypatch):
+    """FlashInfer's plan() copies its pinned host buffer to the device asynchronously; planning the same wrapper
+    again before that copy ran (a host ahead of the GPU) would overwrite the buffer under it. Each plan records an
+    event, and the next plan of that wrapper waits for it first; a wrapper dropped for a larger workspace waits too,
+    as its pinned buffer goes back to the host allocator."""
+    log = []
+    monkeypatch.setattr(fi_module, "plan_copy_event", lambda device: _OrderedPlanEvent(log))
+    monkeypatch.setattr(FakePrefillWrapper, "plan", lambda self, *a, _plan=FakePrefillWrapper.plan, **k: (
+        log.append(("plan", FakePrefillWrapper.instances.index(self))), _plan(self, *a, **k))[1])
+    sim, step, plan = make_case()
+    backend = FlashInferPrefixBackend("cpu")
+    check_prefix(backend, sim, step, plan)
+    check_prefix(backend, sim, step, plan)
+    assert log == [("plan", 0), ("record", 0), ("wait", 0), ("plan", 0), ("record", 1)]
+    log.clear()
+    FakePrefillWrapper.fail_plans = 1  # an undersized workspace: it grows, the wrappers are re-created
+    check_prefix(backend, sim, step, plan)
+    assert log == [("wait", 1), ("plan", 0), ("wait", 1), ("plan", 1), ("record", 0)]
+
+
 def test_flashinfer_workspace_grows_and_retries_after_an_allocation_failure(fake_gpu_libs):
     sim, step, plan = make_case()
     backend = FlashInferPrefixBackend("cpu")
