@@ -158,10 +158,9 @@ def beam_tail_merge_grouped_kernel(
     m_i, l_i, acc = attend_grouped_row(q, m_i, l_i, acc, k_cur, v_cur, (kv_head >= 0)[None, :])  # never masked
 
     if REPORT_ERRORS:  # gathered here, ORed into the flag at the end
-        first = tl.arange(0, KV_HEADS_PER_PROG) == 0
-        err = (error_bits(first & kv_len_bad(cur + kv_head * 0, prompt_len, max_seq_len), KV_LEN)
-               | error_bits(first & (prompt_len + kv_head * 0 < 0), PROMPT_LEN))
-        tail_err = tl.zeros([1], tl.int32)
+        err = error_bits((tl.arange(0, KV_HEADS_PER_PROG) == 0) & kv_len_bad(cur + kv_head * 0, prompt_len, max_seq_len),
+                         KV_LEN)
+        tail_err = error_bits(prompt_len + tl.zeros([1], tl.int32) < 0, PROMPT_LEN)
     if WRITE_KV:
         # A position inside the prompt (kv_len <= prompt_len, invalid input) is never written.
         cur_h = cur + kv_head * 0
