@@ -344,6 +344,10 @@ class BeamSharedPrefixAttention:
     ) -> StepPlan:
         """Plan a batch composition (host only; never during CUDA-graph capture).
 
+        Call it on the stream the step's :meth:`run` calls use (TensorRT-LLM's one execution stream): a plan
+        rewrites device tables that the previous step's kernels may still be reading, and only stream order
+        keeps the rewrite behind them.
+
         Args:
             prompt_page_indptr: ``[R + 1]`` ints (CPU), offsets of each request's pages in ``prompt_page_indices``.
             prompt_page_indices: flat ints (CPU), beam 0's pages per request (its whole list may be given:

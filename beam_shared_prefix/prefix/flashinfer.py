@@ -423,8 +423,9 @@ class FlashInferPrefixBackend(PrefixBackend):
             try:
                 wrapper.plan(*args, **plan_kwargs)
                 event = plan_copy_event(self.device)
-                if event is not None:
-                    event.record()
+                if event is not None:  # on the stream plan() queued its copy on: this device's current one
+                    on_cuda = torch.device(self.device).type == "cuda"
+                    event.record(torch.cuda.current_stream(self.device) if on_cuda else None)
                     self._plan_copies[key] = event
                 break
             except (RuntimeError, ValueError) as exc:

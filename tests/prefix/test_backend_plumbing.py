@@ -173,7 +173,7 @@ class _OrderedPlanEvent:
     def __init__(self, log):
         self.log, self.id = log, sum(1 for e in log if e[0] == "record")
 
-    def record(self):
+    def record(self, stream=None):
         self.log.append(("record", self.id))
 
     def synchronize(self):
