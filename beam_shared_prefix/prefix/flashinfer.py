@@ -223,12 +223,14 @@ def _is_workspace_error(exc: BaseException) -> bool:
     return any(word in msg for word in ("workspace", "alignedallocator", "failed to allocate"))
 
 
-def plan_copy_event(device) -> Optional["torch.cuda.Event"]:
-    """A CUDA event to record on the current stream right after a FlashInfer ``plan()``, which ends with an
-    asynchronous copy from the wrapper's pinned buffer; ``None`` off CUDA, where no such copy is queued."""
+def record_plan_copy(device) -> Optional["torch.cuda.Event"]:
+    """A CUDA event recorded on ``device``'s current stream right after a FlashInfer ``plan()``, which ends with an
+    asynchronous copy from the wrapper's pinned buffer on that stream; ``None`` off CUDA, where no copy is queued."""
     if torch.device(device).type != "cuda":
         return None
-    return torch.cuda.Event()
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _cpu_i32(array: np.ndarray) -> torch.Tensor:
@@ -422,10 +424,8 @@ class FlashInferPrefixBackend(PrefixBackend):
             self._wait_for_plan_copies([key])
             try:
                 wrapper.plan(*args, **plan_kwargs)
-                event = plan_copy_event(self.device)
-                if event is not None:  # on the stream plan() queued its copy on: this device's current one
-                    on_cuda = torch.device(self.device).type == "cuda"
-                    event.record(torch.cuda.current_stream(self.device) if on_cuda else None)
+                event = record_plan_copy(self.device)
+                if event is not None:
                     self._plan_copies[key] = event
                 break
             except (RuntimeError, ValueError) as exc:

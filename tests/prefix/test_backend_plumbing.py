@@ -172,8 +172,6 @@ class _OrderedPlanEvent:
 
     def __init__(self, log):
         self.log, self.id = log, sum(1 for e in log if e[0] == "record")
-
-    def record(self, stream=None):
         self.log.append(("record", self.id))
 
     def synchronize(self):
@@ -186,7 +184,7 @@ def test_flashinfer_waits_for_a_wrappers_last_plan_copy_before_planning_it_again
     event, and the next plan of that wrapper waits for it first; a wrapper dropped for a larger workspace waits too,
     as its pinned buffer goes back to the host allocator."""
     log = []
-    monkeypatch.setattr(fi_module, "plan_copy_event", lambda device: _OrderedPlanEvent(log))
+    monkeypatch.setattr(fi_module, "record_plan_copy", lambda device: _OrderedPlanEvent(log))
     monkeypatch.setattr(FakePrefillWrapper, "plan", lambda self, *a, _plan=FakePrefillWrapper.plan, **k: (
         log.append(("plan", FakePrefillWrapper.instances.index(self))), _plan(self, *a, **k))[1])
     sim, step, plan = make_case()

@@ -1079,19 +1079,11 @@ def _expanded(x):
     return x[:1].expand_as(x)
 
 
-def _over_prompt_lens(args, name):
-    """``args[name]`` (out or lse) with the prompt lengths (same values) stored in its first bytes."""
-    written = args[name].clone()
-    lengths = written.view(-1).view(torch.int32)[:args["prompt_lens"].numel()]
-    lengths.copy_(args["prompt_lens"])
-    return {name: written, "prompt_lens": lengths}
-
-
 @pytest.mark.parametrize("change,message", [
     (lambda a: {"out": _expanded(a["out"])}, "out of shape (4, 4, 64) with strides (0, 64, 1) has elements that overlap"),
     (lambda a: {"lse": _expanded(a["lse"])}, "lse of shape (4, 4) with strides (0, 1) has elements that overlap"),
-    (lambda a: _over_prompt_lens(a, "out"), "out overlaps prompt_lens in memory"),
-    (lambda a: _over_prompt_lens(a, "lse"), "lse overlaps prompt_lens in memory"),
+    (lambda a: out_over_index("prompt_lens", a), "out overlaps prompt_lens in memory"),
+    (lambda a: out_over_index("prompt_lens", a, written="lse"), "lse overlaps prompt_lens in memory"),
 ], ids=["out_rows_one_memory", "lse_rows_one_memory", "out_over_prompt_lens", "lse_over_prompt_lens"])
 def test_prefix_stage_refuses_outputs_that_overwrite_themselves_or_its_lengths(change, message):
     """The prefix stage's outputs are written row by row: rows that share memory (a stride-0 view) would all hold one

@@ -491,12 +491,13 @@ def _args(device):
     )
 
 
-def out_over_index(name, args):
-    """A NaN-free ``out`` whose first bytes hold the index tensor ``name`` (same values): the two overlap."""
-    out = torch.full_like(args["out"], 7.0)
-    index = out.view(-1).view(torch.int32)[:args[name].numel()].view(args[name].shape)
+def out_over_index(name, args, written="out"):
+    """A NaN-free ``written`` buffer (``out`` by default) whose first bytes hold the index tensor ``name`` (same
+    values): the two overlap."""
+    buffer = torch.full_like(args[written], 7.0)
+    index = buffer.view(-1).view(torch.int32)[:args[name].numel()].view(args[name].shape)
     index.copy_(args[name])
-    return {"out": out, name: index}
+    return {written: buffer, name: index}
 
 
 BAD_INPUTS = [
