@@ -134,9 +134,11 @@ def test_pdl_builds_wait_before_touching_memory(usage):
 
 def test_plain_builds_use_what_the_pdl_builds_use(usage):
     """With PDL off (``TRTLLM_ENABLE_PDL=0``, or a GPU before SM90) the launchers build the same kernels without the
-    wait: every such build compiles, waits for nothing, and takes the registers, stack, local and shared memory of
-    its PDL build, so the budgets the other tests hold the PDL builds to hold for it too, and the wait costs no
-    register."""
+    wait: every such build compiles, waits for nothing, and takes at most the registers, stack, local and shared
+    memory of its PDL build, so the budgets the other tests hold the PDL builds to hold for it too. (Not exactly
+    them: register allocation moves by one either way with a nearby instruction. The cascade's prompt-length clamp
+    gave Triton 3.6's fp16 flag build 188 registers plain and 189 with the wait; Triton 3.9 gives a flag tail
+    tiling 200 and 201 with ``TRITON_DISABLE_LINE_INFO=1`` and equal counts without it. Round 86.)"""
     plain = _usage_rows(_compile_for_sm90("--plain"))
     resources = ("registers", "stack", "local", "shared")
 
@@ -146,7 +148,7 @@ def test_plain_builds_use_what_the_pdl_builds_use(usage):
     assert [key(row) for row in plain] == [key(row) for row in usage]  # the same builds, in the same order
     for plain_row, pdl_row in zip(plain, usage):
         assert plain_row["pdl_wait_first"] is None, f"a plain build waits: {plain_row}"
-        assert [plain_row[r] for r in resources] == [pdl_row[r] for r in resources], (plain_row, pdl_row)
+        assert all(plain_row[r] <= pdl_row[r] for r in resources), (plain_row, pdl_row)
 
 
 def test_compiles_without_spills(usage):
@@ -236,12 +238,14 @@ def test_cascade_batch_tilings_compile_for_sm90(usage):
     # The 128-row tiles at head 64 spill alike (Triton 3.9: 176 and 168 bytes of stack; 3.6 on the H200, where the
     # 32-beam tile measured 8-18% faster than the 16-beam one: 36-48 bytes of spill). Triton 3.6 is the compiler the
     # tile was measured with: there it takes 192 bytes of stack against GQA 8's 112 (the H200's GPU run of this test,
-    # session 57). A Triton that spills GQA 4's tile past both that and GQA 8's tile (by 32 bytes), or fits fewer of
-    # its programs a multiprocessor, fails here. Triton 3.5 (TensorRT-LLM's pin) takes 152 bytes against GQA 8's 32:
-    # less than the measured compile, so it passes.
+    # session 57), 200 since the cascade clamps the prompt length it reads (round 86, 64 requests on an H100: medians
+    # of 3 interleaved runs 108.0 against 108.4 us before the clamp at 4-token tails, 287.0 against 287.5 at 64;
+    # docs/results/h100/round86/wide_tile_*_round86b*). A Triton that spills GQA 4's tile past both that and GQA 8's tile (by
+    # 32 bytes), or fits fewer of its programs a multiprocessor, fails here. Triton 3.5 (TensorRT-LLM's pin) takes
+    # 152 bytes against GQA 8's 32: less than the measured compile, so it passes.
     wide = rows["G4-D64-wide-tile"]
     assert wide["config"][beams] == 32 and wide["num_warps"] == 4 and _resident_programs(wide) == 2, wide
-    assert wide["stack"] <= max(192, rows["G8-D64-short-tail"]["stack"] + 32), wide
+    assert wide["stack"] <= max(200, rows["G8-D64-short-tail"]["stack"] + 32), wide
 
 
 def test_cascade_g4_head64_tiling_has_no_stack(usage):
