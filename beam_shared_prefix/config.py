@@ -9,17 +9,19 @@
 | ``TLLM_BEAM_SHARED_PREFIX_MAX_TAIL`` | an int >= 1 | unset | the longest tail any step will have, in generated tokens per beam (its own included); where it is at most 16 the cascade's CUDA-graph captures leave out the long-tail (shared-ancestry) path, 1-26% a step in some tilings at short tails. A longer step stays exact, logs a warning once, and runs without that path |
 | ``TLLM_BEAM_SHARED_PREFIX_DECLINE`` | ``auto``, ``never`` | ``auto`` | ``auto`` declines shapes where the measured rule says the library is slower than the default kernel; ``never`` serves every supported shape |
 
-An invalid value raises :class:`ConfigError` naming the variable, the value and the accepted values.
+An invalid value raises :class:`ConfigError` naming the variable, the value and the accepted values. A variable with the
+prefix that is none of these (a misspelling) is named by :func:`unknown_variables`, which registration logs.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import List, Mapping, Optional
 
 __all__ = ["ConfigError", "Settings", "load_settings", "BACKENDS", "DECLINE_MODES", "SHARED_RUN_MODES",
-           "shared_run_mode", "triton_interpret_env"]
+           "shared_run_mode", "triton_interpret_env", "unknown_variables", "ENV_PREFIX", "ENV_VARIABLES"]
 
 BACKENDS = ("auto", "triton", "flashinfer", "fa4", "reference")
 DECLINE_MODES = ("auto", "never")
@@ -34,6 +36,9 @@ ENV_DECLINE = "TLLM_BEAM_SHARED_PREFIX_DECLINE"
 ENV_REPORT_ERRORS = "TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS"
 ENV_SHARED_RUN = "TLLM_BEAM_SHARED_PREFIX_SHARED_RUN"
 ENV_MAX_TAIL = "TLLM_BEAM_SHARED_PREFIX_MAX_TAIL"
+ENV_PREFIX = "TLLM_BEAM_SHARED_PREFIX_"
+#: Every variable the library reads.
+ENV_VARIABLES = (ENV_BACKEND, ENV_CHECK, ENV_DECLINE, ENV_REPORT_ERRORS, ENV_SHARED_RUN, ENV_MAX_TAIL)
 
 
 class ConfigError(ValueError):
@@ -109,7 +114,8 @@ def _max_tail(env: Mapping[str, str]) -> int | None:
     if raw is None or raw.strip() == "":
         return None
     text = raw.strip()
-    if not text.isdigit() or int(text) < 1:
+    # isdecimal and ASCII: str.isdigit also takes superscripts ('²'), which int() refuses.
+    if not (text.isascii() and text.isdecimal()) or int(text) < 1:
         raise ConfigError(f"{ENV_MAX_TAIL}={raw!r} is not accepted; use an integer >= 1 (the longest tail in generated "
                           f"tokens per beam), or leave it unset where the tail is unknown.")
     return int(text)
@@ -130,6 +136,21 @@ _PARSERS = {
     "shared_run": _shared_run,
     "max_tail_len": _max_tail,
 }
+
+
+def unknown_variables(env: Optional[Mapping[str, str]] = None) -> List[str]:
+    """One line for each variable of ``env`` (``os.environ`` by default) that starts with :data:`ENV_PREFIX` but is none
+    the library reads (a misspelling would leave that setting at its default without a word), naming the closest
+    variable it reads where one is close."""
+    env = os.environ if env is None else env
+    lines = []
+    for name in sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in ENV_VARIABLES):
+        # Matched on the part after the prefix: with it, every name is close to every other.
+        known = [v.removeprefix(ENV_PREFIX) for v in ENV_VARIABLES]
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), known, n=1, cutoff=0.75)
+        hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else f"the library reads {', '.join(ENV_VARIABLES)}"
+        lines.append(f"{name} is not a setting of this library and is ignored; {hint}")
+    return lines
 
 
 def load_settings(env: Optional[Mapping[str, str]] = None, fields=None) -> Settings:

@@ -17,6 +17,7 @@ from beam_shared_prefix.config import (
     load_settings,
     shared_run_mode,
     triton_interpret_env,
+    unknown_variables,
 )
 
 
@@ -122,7 +123,7 @@ def test_max_tail(value, expected):
     assert load_settings(env).max_tail_len == expected
 
 
-@pytest.mark.parametrize("value", ["0", "-4", "8.5", "short"])
+@pytest.mark.parametrize("value", ["0", "-4", "8.5", "short", "\u00b2", "4\u00b2", "\u0664"])
 def test_invalid_max_tail(value):
     with pytest.raises(ConfigError, match=rf"{ENV_MAX_TAIL}='{value}' is not accepted; use an integer >= 1"):
         load_settings({ENV_MAX_TAIL: value})
@@ -168,3 +169,17 @@ def test_the_wrapper_reads_only_what_it_was_not_given(monkeypatch):
     assert BeamSharedPrefixAttention("cpu", shared_run="off").requested_backend in BACKENDS
     with pytest.raises(ConfigError, match=ENV_SHARED_RUN):
         BeamSharedPrefixAttention("cpu")
+
+
+@pytest.mark.parametrize("name, hint", [
+    ("TLLM_BEAM_SHARED_PREFIX_DECLINES", "did you mean TLLM_BEAM_SHARED_PREFIX_DECLINE?"),
+    ("TLLM_BEAM_SHARED_PREFIX_MAXTAIL", "did you mean TLLM_BEAM_SHARED_PREFIX_MAX_TAIL?"),
+    ("TLLM_BEAM_SHARED_PREFIX_REPORT_ERROR", "did you mean TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS?"),
+    ("TLLM_BEAM_SHARED_PREFIX_WORKSPACE", f"the library reads {ENV_BACKEND}, "),
+])
+def test_a_misspelt_variable_is_named(name, hint):
+    """A variable with the library's prefix that it does not read leaves its setting at the default: it is named,
+    with the closest variable the library reads; the variables it reads, and others, are not."""
+    env = {name: "1", ENV_DECLINE: "never", ENV_MAX_TAIL: "4", "TLLM_FMHA_LIBS": "+beam_shared_prefix"}
+    (line,) = unknown_variables(env)
+    assert line.startswith(f"{name} is not a setting of this library and is ignored; {hint}"), line

@@ -124,6 +124,10 @@ def _position_embedding_in_backend(attn) -> Optional[str]:
     try:
         value = int(pe)
     except (TypeError, ValueError):
+        # A name (some configs keep the string): learned_absolute, with or without the enum's prefix, is applied
+        # before the backend, as the value 0 is.
+        if str(pe).strip().lower().rsplit(".", 1)[-1] == "learned_absolute":
+            return None
         return f"{pe!r}"
     if value == 0:
         return None

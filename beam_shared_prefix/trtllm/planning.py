@@ -490,8 +490,10 @@ def step_for_forward(metadata) -> Tuple[_MetadataState, StepInfo]:
         f"prepare() of {type(metadata).__name__} is not hooked; planning inside every forward (slow, eager only)",
     )
     step = plan_metadata(metadata)
-    if step is None:
-        raise RuntimeError(f"beam_shared_prefix: selected for an ineligible batch ({state.step_reason})")
+    if step is None:  # eager (checked above): the batch gates failed under a cached selection, as in the hooked path
+        reason = f"selected for a batch found ineligible ({state.step_reason})"
+        decline_log(logging.WARNING, f"{reason}; handed to the default kernel")
+        return state, DeclinedStep(reason)
     return state, step
 
 

@@ -28,7 +28,7 @@ import threading
 from typing import List, Optional
 
 from .._autoload import ENV_FMHA_LIBS, LIB_NAME, REGISTRY_MODULES
-from ..config import Settings, load_settings
+from ..config import Settings, load_settings, unknown_variables
 
 __all__ = [
     "LIB_NAME",
@@ -48,6 +48,7 @@ OUT_OF_TREE_MARK = "_beam_shared_prefix_out_of_tree"
 
 _lock = threading.RLock()
 _settings: Optional[Settings] = None
+_warned_unknown: set = set()
 
 
 def reload_settings() -> Settings:
@@ -55,6 +56,10 @@ def reload_settings() -> Settings:
     global _settings
     with _lock:
         _settings = load_settings()
+        for line in unknown_variables():
+            if line not in _warned_unknown:  # once a process: registration runs once per registry module
+                _warned_unknown.add(line)
+                logger.warning("beam_shared_prefix: %s", line)
         return _settings
 
 
@@ -111,7 +116,8 @@ def exact_list_that_works(enabled_names) -> str:
 
 
 def _check_enabled_order(registry) -> None:
-    """Warn when the registry's parse of ``TLLM_FMHA_LIBS`` puts the library after ``fallback``."""
+    """Warn when the registry's parse of ``TLLM_FMHA_LIBS`` puts the library after ``fallback``, or enables it without
+    ``fallback``."""
     parse = getattr(registry, "_parse_fmha_libs_env", None)
     value = os.environ.get(ENV_FMHA_LIBS, "")
     if parse is None or not value.strip():
@@ -121,7 +127,21 @@ def _check_enabled_order(registry) -> None:
     except ValueError as exc:  # TensorRT-LLM raises this itself when it builds the model
         logger.warning("beam_shared_prefix: %s=%r is rejected by this TensorRT-LLM: %s", ENV_FMHA_LIBS, value, exc)
         return
-    if LIB_NAME in enabled and FALLBACK_NAME in enabled and enabled.index(LIB_NAME) > enabled.index(FALLBACK_NAME):
+    if LIB_NAME in enabled and FALLBACK_NAME not in enabled:
+        logger.warning(
+            "beam_shared_prefix: %s=%r enables %s but not %r. The library serves generation rows only: a context-only "
+            "batch (every prefill and warm-up) needs another enabled library to accept it, or TensorRT-LLM raises 'No "
+            "TRT-LLM attention FMHA library supports this request'. Keep the defaults with '+%s', or use the exact "
+            "list:\n    %s=%s",
+            ENV_FMHA_LIBS,
+            value,
+            LIB_NAME,
+            FALLBACK_NAME,
+            LIB_NAME,
+            ENV_FMHA_LIBS,
+            exact_list_that_works([*enabled, FALLBACK_NAME]),
+        )
+    elif LIB_NAME in enabled and enabled.index(LIB_NAME) > enabled.index(FALLBACK_NAME):
         logger.warning(
             "beam_shared_prefix: this TensorRT-LLM appends '+' entries of %s after %r, where the library can "
             "never be selected (the fallback library accepts every request first). Use the exact list form "

@@ -88,10 +88,14 @@ def _layer_with(model, **attributes):
     (dict(quant_mode=SimpleNamespace(has_kv_cache_quant=False)), None),
     (dict(position_embedding_type="rope_gpt_neox"),
      "positional embedding 'rope_gpt_neox' is applied inside the attention backend"),
-], ids=["kv-quant-property", "no-kv-quant-property", "rope-by-name"])
+    (dict(position_embedding_type="learned_absolute"), None),
+    (dict(position_embedding_type="PositionEmbeddingType.learned_absolute"), None),
+], ids=["kv-quant-property", "no-kv-quant-property", "rope-by-name", "learned-absolute-by-name",
+        "learned-absolute-by-enum-name"])
 def test_layer_gates_read_other_spellings(enabled, attributes, reason):
     """The bindings' ``QuantMode.has_kv_cache_quant`` is a property, not a method (True declines, False serves),
-    and a ``position_embedding_type`` that is not an int may be applied inside the backend (declined, named)."""
+    and a ``position_embedding_type`` that is not an int may be applied inside the backend (declined, named), except
+    the name ``learned_absolute``, the module's own embedding (served, as its value 0 is)."""
     layer = _layer_with(enabled, has_fp8_kv_cache=False, has_fp4_kv_cache=False, **attributes)
     assert (library_of(layer) is not None) == (reason is None)
     if reason:

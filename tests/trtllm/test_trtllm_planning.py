@@ -575,10 +575,14 @@ def test_a_row_one_past_the_page_table_under_an_overlap_scheduler_indirection_is
     assert decline_log.seen("generation row 0 has KV length 129, outside [1, 128]")
 
 
-def test_a_step_its_key_selected_but_the_batch_gates_refuse_is_handed_over(setup, caplog):
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "unhooked"])
+def test_a_step_its_key_selected_but_the_batch_gates_refuse_is_handed_over(setup, caplog, hooked):
     """The batch gates hold within a selection key for a consistent engine; where a step's metadata changes
     under its key (here cache_indirection turns int64, which the kernels do not read), the cached selection
-    still picks the library, and the step goes to the default kernel with the reason logged."""
+    still picks the library, and the step goes to the default kernel with the reason logged. So too where
+    ``prepare()`` is not hooked and the step is planned inside the forward (it raised there until round 86)."""
+    if not hooked:
+        planning.uninstall_prepare_hook(setup.model.module(".trtllm").TrtllmAttentionMetadata)
     step = setup.sim.begin_step()
     check(setup, step, setup.run(step)[0])
     setup.sim.end_step(write_kv=False)
@@ -589,4 +593,4 @@ def test_a_step_its_key_selected_but_the_batch_gates_refuse_is_handed_over(setup
     step = setup.sim.begin_step()
     check(setup, step, setup.run(step, before=int64_indirection)[0])
     assert stats()["delegated_steps"] == 1 and stats()["generation_forwards"] == 1
-    assert "prepare() found ineligible (cache_indirection of dtype int64" in caplog.text
+    assert "found ineligible (cache_indirection of dtype int64" in caplog.text

@@ -81,6 +81,33 @@ def test_append_semantics_warns_with_the_exact_list(trt, layout, monkeypatch, ca
     assert enabled_names(registry)[-2:] == [LIB, "fallback"]
 
 
+@pytest.mark.parametrize("libs", [LIB, f"+{LIB},-fallback"], ids=["exact-list-without-fallback", "minus-fallback"])
+def test_a_list_without_fallback_warns_with_the_exact_list(trt, monkeypatch, caplog, libs):
+    """The library serves generation rows only: a list that enables it without ``fallback`` leaves every context-only
+    batch without a library, and TensorRT-LLM's own error at the first prefill does not name the cause. Registration
+    does, with the list that works."""
+    model = trt(layout="new", plus="canonical")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", libs)
+    with caplog.at_level(logging.WARNING, logger="beam_shared_prefix.trtllm"):
+        register()
+    assert "fallback" not in enabled_names(model.registry)  # the problem
+    assert f"enables {LIB} but not 'fallback'" in caplog.text
+    exact = caplog.text.split("TLLM_FMHA_LIBS=")[-1].split()[0]
+    monkeypatch.setenv("TLLM_FMHA_LIBS", exact)
+    assert enabled_names(model.registry)[-2:] == [LIB, "fallback"]
+
+
+def test_a_misspelt_setting_is_named_at_registration(trt, monkeypatch, caplog):
+    """A misspelt ``TLLM_BEAM_SHARED_PREFIX_*`` variable would leave its setting at the default without a word."""
+    trt(layout="new", plus="canonical")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_DECLINES", "never")
+    with caplog.at_level(logging.WARNING, logger="beam_shared_prefix.trtllm"):
+        register()
+    assert ("TLLM_BEAM_SHARED_PREFIX_DECLINES is not a setting of this library and is ignored; did you mean "
+            "TLLM_BEAM_SHARED_PREFIX_DECLINE?") in caplog.text
+
+
 def test_no_warning_when_order_is_right(trt, monkeypatch, caplog):
     """Doc 1.2: the canonical semantics need no advice."""
     trt(layout="new", plus="canonical")
