@@ -48,9 +48,11 @@ from __future__ import annotations
 
 from typing import Dict, Hashable, List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 
 from .config import BACKENDS, load_settings, shared_run_mode, triton_interpret_env
+from .kv_lens import kv_capacity
 from .plan import StepPlan, StepPlanner, _as_int
 from .prefix.base import (
     PrefixBackend,
@@ -159,6 +161,12 @@ class BeamSharedPrefixAttention:
         backend = settings.backend if backend is None else backend
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not accepted; use one of {', '.join(BACKENDS)}.")
+        for name, value in (("use_cuda_graph", use_cuda_graph), ("check", check), ("report_errors", report_errors),
+                            ("page_table_audit", page_table_audit)):
+            # bool() would read "0" or "off" as on (the environment's variables take strings; these do not).
+            if value is not None and not (isinstance(value, (bool, np.bool_)) or (type(value) is int
+                                                                                  and value in (0, 1))):
+                raise ValueError(f"{name}={value!r} is not accepted; pass True or False.")
         if kv_layout not in ("HND", "NHD"):
             raise ValueError(f"kv_layout={kv_layout!r} is not supported; use 'HND' or 'NHD'.")
         if tail_impl not in TAIL_IMPLS:
@@ -759,7 +767,8 @@ class BeamSharedPrefixAttention:
             fail(f"kv_cache must be [pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD), got "
                  f"{tuple(kv_cache.shape)}.")
         # The launchers' own checks where the rule is theirs (imported here, as in _tail_function).
-        from triton_kernels.step_args import KernelInputError, need_page_index_divisor, need_unit_stride, pool_layout
+        from triton_kernels.step_args import (KernelInputError, need_page_index_divisor, need_table_covers_indirection,
+                                              need_unit_stride, pool_layout)
 
         (pages, pool_heads, pool_pg, pool_d), _ = pool_layout(kv_cache, self.kv_layout)
         if (pool_heads, pool_pg, pool_d) != (hkv, pg, d):
@@ -787,6 +796,18 @@ class BeamSharedPrefixAttention:
                  f"{tuple(cache_indirection.shape)}.")
         if (new_k is None) != (new_v is None):
             fail("pass both new_k and new_v, or neither (then they are read from the cache).")
+        try:  # before _current_kv gathers the write slot from the table
+            need_table_covers_indirection(beam_page_table, pg, cache_indirection.shape[2])
+        except KernelInputError as exc:
+            raise AttentionInputError(str(exc)) from None
+        capacity = kv_capacity(beam_page_table.shape[1], pg, cache_indirection.shape[2])
+        # Every row holds its prompt and this step's token (a one-token plan is warm-up or padding: kv_len 1).
+        least = 1 if step_plan.max_prompt_len == 1 else step_plan.max_prompt_len + 1
+        if capacity < least:
+            fail(f"the plan's longest prompt has {step_plan.max_prompt_len} tokens but this cache holds {capacity} "
+                 f"positions a row (beam_page_table {beam_page_table.shape[1]} columns of {pg} tokens, "
+                 f"cache_indirection max_seq_len {cache_indirection.shape[2]}): no row of that request can hold this "
+                 f"step's token, whose K/V would not be written. Pass the cache the plan was made for, or re-plan.")
         if new_k is not None:
             for name, x in (("new_k", new_k), ("new_v", new_v)):
                 if tuple(x.shape) != (rows, hkv, d) or x.dtype != dtype or x.device != self.device:

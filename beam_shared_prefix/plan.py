@@ -145,6 +145,11 @@ class StepPlan:
 def _checked_int_array(name: str, value: ArrayLike) -> np.ndarray:
     """``value`` as a 1-D integer numpy array in its own dtype (no conversion copy)."""
     if hasattr(value, "detach"):  # torch tensor, possibly on a device: one explicit host copy
+        if value.dtype.is_floating_point or value.dtype.is_complex:
+            # (checked here: NumPy has no bfloat16, and its error names no argument)
+            raise PlanError(f"{name} must hold integers, got dtype {value.dtype}; pass an int32/int64 tensor.")
+        if value.device.type == "meta":
+            raise PlanError(f"{name} is a meta tensor (no data); pass a tensor that holds the values.")
         value = value.detach().cpu().numpy()
     arr = np.asarray(value)
     if arr.ndim != 1:

@@ -1465,6 +1465,46 @@ def test_run_refuses_an_indirection_with_fewer_requests_than_the_batch():
     _refused(att, sim, args, r"cache_indirection must be int32 \[>= R=3, >= W=3, max_seq_len\]")
 
 
+@pytest.mark.parametrize("engine_kv", [False, True], ids=["new_kv_given", "engine_wrote_kv"])
+@pytest.mark.parametrize("cut, message", [
+    # (the table first: with the engine's K/V the wrapper reads the write slot through it before any launch)
+    ("table", r"beam_page_table has 0 columns of 4 tokens \(0 positions\) but cache_indirection covers max_seq_len=40"),
+    ("indirection", r"the plan's longest prompt has 17 tokens but this cache holds 16 positions a row \(beam_page_table "
+                    r"10 columns of 4 tokens, cache_indirection max_seq_len 16\)"),
+], ids=["table_of_no_columns", "cache_shorter_than_the_prompt"])
+def test_run_refuses_a_cache_too_short_for_the_plan(cut, message, engine_kv):
+    """A page table of no columns crashed inside the engine-K/V gather (an out-of-range index, on a GPU a device
+    assert); a cache_indirection view shorter than the plan's 17-token prompt was served, every row of that request
+    past the cache, so its K/V was never written and the cascade's rows differed from the two-launch paths'. Both are
+    refused by the wrapper from shapes alone, the pool unchanged."""
+    sim, step, att, args = _planned(seed=9)
+    if cut == "table":
+        args["beam_page_table"] = step.beam_page_table[:, :0]
+    else:
+        args["cache_indirection"] = step.cache_indirection[:, :, :16]
+    if engine_kv:
+        args["new_k"] = args["new_v"] = None
+    _refused(att, sim, args, message)
+
+
+@pytest.mark.parametrize("name", ["use_cuda_graph", "check", "report_errors", "page_table_audit"])
+def test_on_off_options_take_bools_only(name):
+    """``bool("0")`` is True: a string (the environment's variables take strings, these options do not) is refused
+    instead of turning the option on; True, False, 0 and 1 are taken."""
+    extra = {"use_cuda_graph": dict(max_requests=2, max_beam_width=4, max_prompt_pages=4),
+             "page_table_audit": dict(report_errors=True)}.get(name, {})  # (the audit runs with the device flag)
+    for raw in ("0", "off", "false", "1", 2, 0.0):
+        with pytest.raises(ValueError, match=rf"{name}={raw!r} is not accepted; pass True or False"):
+            BeamSharedPrefixAttention("cpu", backend="reference", **{name: raw}, **extra)
+    for value in (False, 0, True, 1):
+        if name == "use_cuda_graph" and value:
+            continue  # a CUDA graph needs a GPU
+        att = BeamSharedPrefixAttention("cpu", backend="reference", **{name: value}, **extra)
+        on = {"use_cuda_graph": att.use_cuda_graph, "check": att.check, "report_errors": att.error_flags is not None,
+              "page_table_audit": att.page_table_audit}[name]
+        assert on == bool(value), (name, value)
+
+
 def test_run_takes_kv_lens_of_exactly_one_entry_per_row():
     """kv_lens longer than R*W (one entry per beam row) is refused, as a shorter one is."""
     sim, step, att, args = _planned(seed=8)

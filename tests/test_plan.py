@@ -483,6 +483,17 @@ def test_non_integer_dtype(name):
         plan(**args)
 
 
+@pytest.mark.parametrize("convert, message", [
+    (lambda t: t.to(torch.bfloat16), r"prompt_lens must hold integers, got dtype torch.bfloat16"),
+    (lambda t: t.to("meta"), r"prompt_lens is a meta tensor \(no data\)"),
+], ids=["bf16", "meta"])
+def test_a_tensor_numpy_cannot_take_is_refused_by_name(convert, message):
+    """A bfloat16 tensor (NumPy has no such dtype) or a meta tensor (no data) is refused naming the argument, as a
+    float32 one is, not by torch's conversion error."""
+    with pytest.raises(PlanError, match=message):
+        build_step_plan(np.asarray((0, 2, 3)), np.asarray((4, 1, 2)), convert(torch.tensor([20, 8])), 4, 16, 8)
+
+
 def test_bool_dtype_refused():
     with pytest.raises(PlanError, match=r"prompt_lens must hold integers, got dtype bool"):
         plan(lens=np.asarray([True, True]))

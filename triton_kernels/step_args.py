@@ -52,6 +52,7 @@ __all__ = [
     "need_dtype",
     "need_last_dim_contiguous",
     "need_page_index_divisor",
+    "need_table_covers_indirection",
     "need_tensor",
     "need_unit_stride",
     "overlapping_elements",
@@ -191,6 +192,20 @@ def overlapping_elements(x: torch.Tensor) -> Optional[str]:
                     f"(a stride of {stride} under an extent of {extent})")
         extent = stride * size
     return None
+
+
+def need_table_covers_indirection(beam_page_table: torch.Tensor, page_size: int, max_seq_len: int) -> None:
+    """Raise :class:`KernelInputError` unless the ``[rows, max_pages]`` page table's columns hold every position of a
+    ``cache_indirection`` of ``max_seq_len`` positions (``max_pages * page_size >= max_seq_len``): a position past the
+    table would have no page."""
+    max_pages = beam_page_table.shape[1]
+    if max_pages * page_size < max_seq_len:
+        need = -(-max_seq_len // page_size)
+        raise KernelInputError(
+            f"beam_page_table has {max_pages} columns of {page_size} tokens ({max_pages * page_size} positions) "
+            f"but cache_indirection covers max_seq_len={max_seq_len}; pass a page table with at least "
+            f"{need} columns, or a cache_indirection view limited to {max_pages * page_size} positions."
+        )
 
 
 def need_distinct_elements(name: str, x: torch.Tensor, fix: str) -> None:
@@ -372,14 +387,7 @@ def check_step_metadata(
             f"beam_width={beam_width} exceeds the width cache_indirection was sized for (W_max={max_beam_width}); "
             f"beams would overwrite each other's slots. Size the KV cache for max_beam_width >= {beam_width}."
         )
-    max_pages = beam_page_table.shape[1]
-    if max_pages * page_size < max_seq_len:
-        need = -(-max_seq_len // page_size)
-        fail(
-            f"beam_page_table has {max_pages} columns of {page_size} tokens ({max_pages * page_size} positions) "
-            f"but cache_indirection covers max_seq_len={max_seq_len}; pass a page table with at least "
-            f"{need} columns, or a cache_indirection view limited to {max_pages * page_size} positions."
-        )
+    need_table_covers_indirection(beam_page_table, page_size, max_seq_len)
 
     if step_kv:
         need_dim("out", out, 3, "[rows, Hq, D]")
