@@ -796,6 +796,9 @@ class BeamSharedPrefixAttention:
                  f"{tuple(cache_indirection.shape)}.")
         if (new_k is None) != (new_v is None):
             fail("pass both new_k and new_v, or neither (then they are read from the cache).")
+        for name, x in (("new_k", new_k), ("new_v", new_v), ("out", out)):
+            if x is not None and not isinstance(x, torch.Tensor):
+                fail(f"{name} must be a torch.Tensor or None, got {type(x).__name__}.")
         try:  # before _current_kv gathers the write slot from the table
             need_table_covers_indirection(beam_page_table, pg, cache_indirection.shape[2])
         except KernelInputError as exc:

@@ -1487,6 +1487,14 @@ def test_run_refuses_a_cache_too_short_for_the_plan(cut, message, engine_kv):
     _refused(att, sim, args, message)
 
 
+@pytest.mark.parametrize("name", ["new_k", "out"])
+def test_run_refuses_an_optional_tensor_that_is_not_one(name):
+    """An optional tensor argument given as a list is refused by name (it raised AttributeError on ``.shape``)."""
+    sim, _, att, args = _planned(seed=10)
+    args[name] = args[name].tolist()
+    _refused(att, sim, args, rf"{name} must be a torch.Tensor or None, got list")
+
+
 @pytest.mark.parametrize("name", ["use_cuda_graph", "check", "report_errors", "page_table_audit"])
 def test_on_off_options_take_bools_only(name):
     """``bool("0")`` is True: a string (the environment's variables take strings, these options do not) is refused
