@@ -144,9 +144,9 @@ def unknown_variables(env: Optional[Mapping[str, str]] = None) -> List[str]:
     variable it reads where one is close."""
     env = os.environ if env is None else env
     lines = []
+    # Matched on the part after the prefix: with it, every name is close to every other.
+    known = [v.removeprefix(ENV_PREFIX) for v in ENV_VARIABLES]
     for name in sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in ENV_VARIABLES):
-        # Matched on the part after the prefix: with it, every name is close to every other.
-        known = [v.removeprefix(ENV_PREFIX) for v in ENV_VARIABLES]
         close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), known, n=1, cutoff=0.75)
         hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else f"the library reads {', '.join(ENV_VARIABLES)}"
         lines.append(f"{name} is not a setting of this library and is ignored; {hint}")
