@@ -391,7 +391,7 @@ class BeamSharedPrefixAttention:
         active, self._active = self._active, None
         self._audited_since_plan = False
         if dtype not in DTYPES:
-            raise AttentionInputError(f"dtype={dtype} is not supported; use torch.bfloat16 or torch.float16.")
+            raise AttentionInputError(f"dtype={dtype!r} is not supported; use torch.bfloat16 or torch.float16.")
         num_qo_heads, num_kv_heads, head_dim, page_size, num_cache_pages = (
             _as_int(n, v, AttentionInputError) for n, v in (
                 ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -754,6 +754,8 @@ class BeamSharedPrefixAttention:
                         ("kv_lens", kv_lens), ("cache_indirection", cache_indirection)):
             if not isinstance(x, torch.Tensor):
                 fail(f"{name} must be a torch.Tensor, got {type(x).__name__}.")
+            if x.layout != torch.strided:  # (its strides would read as 0 below)
+                fail(f"{name} has layout {x.layout}; the kernels read dense tensors. Pass {name}.to_dense().")
             if x.device != self.device:
                 fail(f"{name} is on {x.device} but the wrapper runs on {self.device}; move it there.")
         if q.dim() != 3 or tuple(q.shape) != (rows, hq, d):

@@ -1487,6 +1487,14 @@ def test_run_refuses_a_cache_too_short_for_the_plan(cut, message, engine_kv):
     _refused(att, sim, args, message)
 
 
+@pytest.mark.parametrize("name", ["q", "kv_lens"])
+def test_run_refuses_a_sparse_tensor_by_its_layout(name):
+    """A sparse tensor is refused by its layout (its strides read as 0, and the refusal said to pass .contiguous())."""
+    sim, _, att, args = _planned(seed=11)
+    args[name] = args[name].to_sparse()
+    _refused(att, sim, args, rf"{name} has layout torch.sparse_coo; the kernels read dense tensors")
+
+
 @pytest.mark.parametrize("name", ["new_k", "out"])
 def test_run_refuses_an_optional_tensor_that_is_not_one(name):
     """An optional tensor argument given as a list is refused by name (it raised AttributeError on ``.shape``)."""
