@@ -187,6 +187,10 @@ class BeamSharedPrefixAttention:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if use_cuda_graph and tail_impl == "torch" and self.device.type == "cuda":
+            # (a CPU wrapper's graph mode runs the same host logic in tests; nothing is captured there)
+            raise ValueError("use_cuda_graph=True cannot take tail_impl='torch' on a GPU: the torch tail reads the tail "
+                             "lengths on the host, which a captured graph cannot; use tail_impl='auto' or 'triton'.")
         self.kv_layout = kv_layout
         self.requested_backend = backend
         self.use_cuda_graph = bool(use_cuda_graph)
@@ -304,7 +308,8 @@ class BeamSharedPrefixAttention:
                                       beam_width=step_plan.beam_width, head_dim=d, num_requests=num_requests,
                                       tail_len=tail_len, shared_run=self.shared_run != "off", eager=True,
                                       tail_bound=self._launch_tail)[0])
-        cache_key = (problem_key, side)
+        # One beam can rule FA4 out (whole_page_reason, on SM100): a width-1 plan must not reuse a wider one's choice.
+        cache_key = (problem_key, side, step_plan.beam_width == 1)
         name = self._backend_for_problem.get(cache_key)
         if name is None:
             if self.use_cuda_graph:
@@ -440,8 +445,11 @@ class BeamSharedPrefixAttention:
 
             ok, reason = tail_supported(num_qo_heads // num_kv_heads, head_dim)
             if not ok:
+                fix = ("no CUDA-graph wrapper serves this shape (the torch tail cannot be captured); run it eagerly"
+                       if self.use_cuda_graph and self.device.type == "cuda"
+                       else "build the wrapper with tail_impl='torch' for this shape")
                 raise AttentionInputError(f"head_dim={head_dim}, GQA group {num_qo_heads // num_kv_heads}: {reason}; "
-                                          f"build the wrapper with tail_impl='torch' for this shape.")
+                                          f"{fix}.")
         backend = self._backend_for(problem_key, step_plan, max_tail_len)
         if not (same_step and active[2] is backend):  # else only the shared-run stage moved: the plan stands
             backend.plan(step_plan, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, problem_key[5])

@@ -1503,6 +1503,20 @@ def test_run_refuses_an_optional_tensor_that_is_not_one(name):
     _refused(att, sim, args, rf"{name} must be a torch.Tensor or None, got list")
 
 
+def test_a_graph_wrapper_refuses_the_torch_tail():
+    """The torch tail reads the longest tail back to the host (``tail_merge_torch``): a captured graph cannot, so a
+    CUDA-graph wrapper on a GPU refuses it when built, and a shape no capturable tail serves says so instead of
+    advising it. (Built and planned only: a CPU machine can name a CUDA device. On the CPU, graph mode runs the
+    same host logic with the torch tail, as tests here do, and captures nothing.)"""
+    caps = dict(use_cuda_graph=True, max_requests=2, max_beam_width=4, max_prompt_pages=4)
+    with pytest.raises(ValueError, match="use_cuda_graph=True cannot take tail_impl='torch' on a GPU"):
+        BeamSharedPrefixAttention("cuda:0", backend="reference", tail_impl="torch", **caps)
+    att = BeamSharedPrefixAttention("cuda:0", backend="reference", tail_impl="triton", **caps)
+    with pytest.raises(AttentionInputError, match="head_dim=96.*no CUDA-graph wrapper serves this shape") as info:
+        att.plan([0, 1], [0], [3], 2, 4, 2, 96, 4, 8, torch.bfloat16)
+    assert "tail_impl='torch'" not in str(info.value)
+
+
 @pytest.mark.parametrize("name", ["use_cuda_graph", "check", "report_errors", "page_table_audit"])
 def test_on_off_options_take_bools_only(name):
     """``bool("0")`` is True: a string (the environment's variables take strings, these options do not) is refused

@@ -328,9 +328,10 @@ class FlashInferPrefixBackend(PrefixBackend):
             return
         if self._workspace is not None and self.use_cuda_graph:
             raise PrefixBackendError(
-                f"the FlashInfer float workspace ({self._workspace.numel()} bytes) is too small for this plan "
-                f"({need} bytes) and cannot grow in CUDA-graph mode (captured graphs use it in place); construct "
-                f"the wrapper with larger max_requests / max_beam_width."
+                f"the FlashInfer float workspace ({self._workspace.numel()} bytes, sized at the first plan for its "
+                f"attention shape at max_requests={self.max_requests}, max_beam_width={self.max_beam_width}) is too "
+                f"small for this plan's attention shape ({need} bytes) and cannot grow in CUDA-graph mode (captured "
+                f"graphs use it in place); use a CUDA-graph wrapper per attention shape (heads and head size)."
             )
         if self._workspace is not None:
             need = max(need, self._workspace.numel() * 2)

@@ -242,6 +242,11 @@ def test_flashinfer_graph_mode_wrapper_per_batch_size_and_frozen_family(fake_gpu
     check_prefix(backend, sim3, step3, plan3)
     assert backend.kernel == "fa2" and FakePrefillWrapper.instances[-1] is not w
     assert all(i.workspace is backend._workspace for i in FakePrefillWrapper.instances)
+    # A larger attention shape needs more workspace than the first plan's sizing, at any capacity: the refusal
+    # names the fix that works (a graph wrapper per attention shape), not larger capacities.
+    sim4, step4, plan4 = make_case(prompts=(5, 9), beams=96, pg=4, hq=16, hkv=1, d=64, seed=3)
+    with pytest.raises(PrefixBackendError, match=r"use a CUDA-graph wrapper per attention shape \(heads and head "):
+        backend.plan(plan4, 16, 1, 64, 4, torch.bfloat16, 0.25)
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
@@ -459,6 +464,33 @@ def test_fa4_declines_the_kernels_that_load_whole_pages(fake_gpu_libs, monkeypat
     monkeypatch.setattr(FlashInferPrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))
     assert resolve_prefix_backend("fa4", "cuda", torch.bfloat16, 128, 64, 8, page_size,
                                   beam_width=beams) == ("flashinfer" if declined else "fa4")
+
+
+@pytest.mark.parametrize("requested", ["auto", "fa4"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_a_one_beam_plan_is_not_served_by_a_wider_plans_fa4(fake_gpu_libs, monkeypatch, requested, graph):
+    """On SM100 with pages of 256 tokens one beam rules FA4 out (:func:`fa4_module.whole_page_reason`): a wrapper that
+    planned two beams on FA4 chooses afresh for one beam, as a new wrapper does (it reused FA4 from its choice cache,
+    whose plan then refused the step)."""
+    from beam_shared_prefix.prefix import select
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(FA4PrefixBackend, "is_available", classmethod(
+        lambda cls, device, dtype, head_dim, hq=None, hkv=None, page_size=None, layout="HND":
+        (fa4_module.whole_page_reason(device, page_size) is None, fa4_module.whole_page_reason(device, page_size))))
+    monkeypatch.setattr(FlashInferPrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))
+    real = select.resolve_prefix_backend  # asked as on the GPU the wrapper would run on
+    monkeypatch.setattr(attention_module, "resolve_prefix_backend",
+                        lambda requested, device, *a, **k: real(requested, "cuda", *a, **k))
+    caps = dict(use_cuda_graph=True, max_requests=1, max_beam_width=4, max_prompt_pages=2) if graph else {}
+
+    def plan(att, beams):  # GQA 16, where neither the cascade nor FlashInfer's split prompt is preferred
+        att.plan([0, 2], [0, 1], [300], beams, 16, 1, 128, 256, 8, torch.bfloat16)
+        return att.backend_name
+
+    assert plan(BeamSharedPrefixAttention("cpu", backend=requested, tail_impl="triton", **caps), 1) == "flashinfer"
+    att = BeamSharedPrefixAttention("cpu", backend=requested, tail_impl="triton", **caps)
+    assert [plan(att, 2), plan(att, 1), plan(att, 2)] == ["fa4", "flashinfer", "fa4"]
 
 
 @pytest.mark.interpreter
