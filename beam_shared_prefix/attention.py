@@ -758,12 +758,16 @@ class BeamSharedPrefixAttention:
         def fail(msg):
             raise AttentionInputError(msg)
 
+        # The launchers' own checks where the rule is theirs (imported here, as in _tail_function).
+        from triton_kernels.step_args import (KernelInputError, need_page_index_divisor, need_table_covers_indirection,
+                                              need_tensor, need_unit_stride, pool_layout)
+
         for name, x in (("q", q), ("kv_cache", kv_cache), ("beam_page_table", beam_page_table),
                         ("kv_lens", kv_lens), ("cache_indirection", cache_indirection)):
-            if not isinstance(x, torch.Tensor):
-                fail(f"{name} must be a torch.Tensor, got {type(x).__name__}.")
-            if x.layout != torch.strided:  # (its strides would read as 0 below)
-                fail(f"{name} has layout {x.layout}; the kernels read dense tensors. Pass {name}.to_dense().")
+            try:  # a tensor, dense (a sparse one's strides would read as 0 below)
+                need_tensor(name, x)
+            except KernelInputError as exc:
+                raise AttentionInputError(str(exc)) from None
             if x.device != self.device:
                 fail(f"{name} is on {x.device} but the wrapper runs on {self.device}; move it there.")
         if q.dim() != 3 or tuple(q.shape) != (rows, hq, d):
@@ -776,10 +780,6 @@ class BeamSharedPrefixAttention:
         if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
             fail(f"kv_cache must be [pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD), got "
                  f"{tuple(kv_cache.shape)}.")
-        # The launchers' own checks where the rule is theirs (imported here, as in _tail_function).
-        from triton_kernels.step_args import (KernelInputError, need_page_index_divisor, need_table_covers_indirection,
-                                              need_unit_stride, pool_layout)
-
         (pages, pool_heads, pool_pg, pool_d), _ = pool_layout(kv_cache, self.kv_layout)
         if (pool_heads, pool_pg, pool_d) != (hkv, pg, d):
             fail(f"kv_cache ({self.kv_layout}) has Hkv={pool_heads}, page size {pool_pg}, D={pool_d} but the plan "
