@@ -535,7 +535,8 @@ class BeamSharedPrefixAttention:
                 from the cache (a small gather).
             out: ``[R*W, Hq, D]`` output in the planned dtype (allocated when ``None``).
             page_index_divisor: ``1`` for page numbers; TensorRT-LLM block offsets use
-                ``layers_in_pool * kv_factor`` with the K field view of the offsets as the page table.
+                ``layers_in_pool * kv_factor`` with the K field view of the offsets as the page table. An
+                int or numpy integer in ``[1, 2**31 - 1]``.
 
         Returns:
             ``out``.
@@ -545,6 +546,9 @@ class BeamSharedPrefixAttention:
         step_plan, problem_key, backend, _ = self._active
         hq, hkv, d, pg, dtype, sm_scale = problem_key
         rows = step_plan.num_rows
+        if isinstance(page_index_divisor, np.integer):
+            # (a pool's shape arithmetic in numpy gives one; the kernels take a Python int)
+            page_index_divisor = int(page_index_divisor)
         self._validate_run(q, kv_cache, beam_page_table, kv_lens, cache_indirection, new_k, new_v, out,
                            page_index_divisor, step_plan, problem_key)
         if out is None:

@@ -348,6 +348,7 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
     # Copies of one request (a padded CUDA-graph batch repeats its dummy request) write the same slots: the
     # first copy's rows stand for all of them.
     first = torch.from_numpy(first_copies(step_plan.kv_page_indices, step_plan.kv_page_indptr, step_plan.prompt_lens))
+    _check_copies_are_one_request(step_plan, first, table, pages, klen, page_size, ~not_judged)
     rows = torch.nonzero((first[req] == req) & ~not_judged).flatten()
     order = rows[torch.argsort(slot[rows], stable=True)]
     same = torch.nonzero(slot[order][1:] == slot[order][:-1]).flatten()
@@ -359,6 +360,43 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
                    f"the other. Each beam writes into its own pages."
         )
     _check_held_pages(step_plan, pages, klen, page_size, rows)
+
+
+def _check_copies_are_one_request(step_plan: StepPlan, first: torch.Tensor, table: torch.Tensor, pages: torch.Tensor,
+                                  klen: torch.Tensor, page_size: int, judged: torch.Tensor) -> None:
+    """Requests taken as copies of an earlier one (``first``, int64 ``[R]``: same prompt length and pages; the
+    judged rows stand for them) whose shared last prompt page is partly filled must be copies in every page
+    they hold too, at the same length: a padded batch's copies of one request are. Two requests given one
+    partly filled page are not, and their beam 0 rows would write into it over each other's tokens; those of
+    their rows the later checks skip could write anywhere. (Copies that share only full pages are judged row by
+    row: block reuse gives distinct requests such pages.)"""
+    stage = "indices"
+    W = step_plan.beam_width
+    req = torch.arange(step_plan.num_rows) // W
+    partial = torch.from_numpy(step_plan.kv_last_page_len.astype("int64")) < page_size
+    rows = torch.nonzero((first[req] != req) & partial[req] & judged).flatten()
+    if not rows.numel():
+        return
+    src = first[req[rows]] * W + rows % W
+    held = torch.arange(pages.shape[1])[None, :] < ((klen[rows] + page_size - 1) // page_size)[:, None]
+    differ = (klen[rows] != klen[src])[:, None] | (held & (table[rows, : pages.shape[1]] != table[src, : pages.shape[1]]))
+    if not bool(differ.any()):
+        return
+    k, c = (int(v) for v in torch.nonzero(differ)[0])
+    i, j = int(rows[k]), int(src[k])
+    r, f = i // W, j // W
+    if int(klen[i]) != int(klen[j]):
+        what = f"kv_lens[{i}]={int(klen[i])} where row {j} has {int(klen[j])}"
+    else:
+        what = f"beam_page_table[{i}, {c}]={int(table[i, c])} where row {j} holds {int(table[j, c])}"
+    raise BeamSharedPrefixCheckError(
+        stage, f"requests {f} and {r} list the same prompt pages for {int(step_plan.prompt_lens[r])}-token prompts, "
+               f"whose last page {int(step_plan.kv_page_indices[step_plan.kv_page_indptr[r + 1] - 1])} is partly "
+               f"filled, so they are taken as copies of one request (a padded batch repeats its dummy); but {what} "
+               f"(request {r}, beam {i % W}): two requests would write generated tokens into that page over each "
+               f"other's. Only copies of one request share a partly filled page; re-derive the page table from the "
+               f"KV cache manager."
+    )
 
 
 def _check_held_pages(step_plan: StepPlan, pages: torch.Tensor, klen: torch.Tensor, page_size: int,

@@ -28,7 +28,7 @@ import numpy as np
 
 ArrayLike = Union[np.ndarray, Sequence[int], "torch.Tensor"]  # noqa: F821
 
-__all__ = ["StepPlan", "StepPlanner", "PlanError", "build_step_plan", "cdiv"]
+__all__ = ["StepPlan", "StepPlanner", "PlanError", "build_step_plan", "cdiv", "check_copies_share_an_id"]
 
 
 # Lengths, offsets and page numbers go to the kernels as int32.
@@ -184,6 +184,49 @@ def first_copies(used: np.ndarray, kv_page_indptr: np.ndarray, lens: np.ndarray)
         key = (int(lens[r]), used[kv_page_indptr[r]:kv_page_indptr[r + 1]].tobytes())
         first[r] = seen.setdefault(key, r)
     return first
+
+
+def check_copies_share_an_id(kv_page_indptr: ArrayLike, kv_page_indices: ArrayLike, prompt_lens: ArrayLike,
+                             page_size: int, request_ids: Sequence[Hashable]) -> None:
+    """Refuse two requests under different ids that the planner would take as copies of one request.
+
+    The planner cannot tell a padded batch's copies of one request (same prompt length, same prompt pages)
+    from two requests given the same pages; a caller that knows its request ids can. Where the shared last
+    prompt page is partly filled, both requests' beam 0 would write generated tokens into it, over each
+    other's, and over the other's prompt for any later prompt token; so two ids there are a page table
+    fault. (Full pages may be shared: block reuse.)
+
+    Args:
+        kv_page_indptr: ``[R + 1]`` ints; kv_page_indices: beam 0's prompt pages, exactly ``ceil(P_r / Pg)``
+            of each request; prompt_lens: ``[R]`` ints (tokens); page_size: tokens per page;
+            request_ids: ``R`` hashable ids (copies of one request share one).
+
+    Raises:
+        PlanError: naming both requests, their ids and the page.
+    """
+    indptr = _as_int_array("kv_page_indptr", kv_page_indptr)
+    used = _as_int_array("kv_page_indices", kv_page_indices)
+    lens = _as_int_array("prompt_lens", prompt_lens)
+    if len(request_ids) != lens.shape[0] or indptr.shape[0] != lens.shape[0] + 1:
+        raise PlanError(f"{len(request_ids)} request ids and {indptr.shape[0]} indptr entries for "
+                        f"{lens.shape[0]} prompt lengths; pass one id per request and R + 1 offsets.")
+    partial = np.flatnonzero(lens % page_size != 0)
+    last_pages = used[indptr[partial + 1] - 1]
+    # (each step of a new composition: the common case, no partly filled last page listed twice, is one sort)
+    if np.unique(last_pages).shape[0] == partial.shape[0]:
+        return
+    first = first_copies(used, indptr, lens)
+    for r in partial:
+        f = int(first[r])
+        if f != r and request_ids[f] != request_ids[r]:
+            raise PlanError(
+                f"requests {f} (id {request_ids[f]!r}) and {r} (id {request_ids[r]!r}) list the same "
+                f"{int(indptr[r + 1] - indptr[r])} prompt pages for {int(lens[r])}-token prompts, and the last, page "
+                f"{int(used[indptr[r + 1] - 1])}, holds {int(lens[r]) % page_size} of {page_size} tokens: both "
+                f"requests' beam 0 would write generated tokens into it, over each other's. Only copies of one "
+                f"request (one id: a padded batch) share a partly filled page; re-derive the page table from the KV "
+                f"cache manager."
+            )
 
 
 def _prompt_page_conflict(used: np.ndarray, kv_page_indptr: np.ndarray, last_page_len: np.ndarray,

@@ -1066,6 +1066,25 @@ def test_trtllm_warmup_requests_raise_no_bit(backend, tail_impl, divisor):
     att.run(*run_args, page_index_divisor=divisor)
 
 
+def test_run_takes_a_numpy_page_index_divisor():
+    """A numpy integer divisor (a pool's shape arithmetic in numpy gives one) serves as the same Python int; a
+    numpy float or bool is still refused."""
+    plan_args, run_args = _trtllm_warmup_step(8, 2)
+    outs = []
+    for divisor in (2, np.int64(2), np.int32(2)):
+        att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=False)
+        att.plan(*plan_args)
+        out = torch.full_like(run_args[0], float("nan"))
+        pool = run_args[1].clone()
+        outs.append((att.run(run_args[0], pool, *run_args[2:], out=out, page_index_divisor=divisor), pool))
+    for out, pool in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(pool, outs[0][1])
+    assert not outs[0][0].isnan().any()
+    for bad in (np.float64(2.0), np.bool_(True)):
+        with pytest.raises(AttentionInputError, match="page_index_divisor=.* must be an int"):
+            att.run(*run_args, page_index_divisor=bad)
+
+
 def test_check_mode_holds_the_warmups_shared_slot_to_one_of_its_beams(monkeypatch):
     """The slot a warm-up request's beams share may hold any one of their K/V, but not what was there before:
     a tail that wrote nothing is still caught."""

@@ -219,6 +219,34 @@ def test_padding_rows_are_not_judged_by_their_write_pages(layout):
     assert warm.padding.tolist() == [False, False, True, True]
 
 
+@pytest.mark.parametrize("change", [None, "beam 1 page", "kv_len"])
+def test_copies_of_a_request_must_hold_its_pages(change):
+    """Two requests with one 5-token prompt on (a, b) are taken as copies of one request (a padded batch's dummy),
+    and only the first copy's rows are judged. So the copies must be exact: same pages at every column they hold,
+    same length. Two requests given one partly filled prompt page whose beams then part are refused, by row,
+    column and value."""
+    W = 2
+    a, b, c, d = _pages(SEED, 4, 16)
+    plan = build_step_plan([0, 2, 4], [a, b, a, b], [5, 5], W, PAGE_SIZE, 16)
+    table = torch.tensor([[a, b], [a, c], [a, b], [a, c]], dtype=torch.int32)
+    kv_lens = torch.tensor([7, 7, 7, 7], dtype=torch.int32)
+    message = None
+    if change == "beam 1 page":
+        table[3, 1] = d
+        message = rf"but beam_page_table\[3, 1\]={d} where row 1 holds {c} \(request 1, beam 1\)"
+    elif change == "kv_len":
+        kv_lens[2:] = 8
+        message = r"but kv_lens\[2\]=8 where row 0 has 7 \(request 1, beam 0\)"
+    pool, ind = torch.randn(16, 2, 1, PAGE_SIZE, 8), torch.zeros(2, W, 16, dtype=torch.int32)
+    if message is None:
+        check_indices(plan, pool, PAGE_SIZE, table, kv_lens, ind)
+        return
+    with pytest.raises(BeamSharedPrefixCheckError,
+                       match=rf"requests 0 and 1 list the same prompt pages for 5-token prompts, whose last page {b} "
+                             rf"is partly filled.*{message}"):
+        check_indices(plan, pool, PAGE_SIZE, table, kv_lens, ind)
+
+
 def _warmup_next_to_a_real_request(seed):
     """On a CUDA-graph wrapper: request 0 the warm-up's dummy (8 tokens, a 7-token prompt on pages (a, b), both
     beams writing position 7, the last slot of b); request 1 a real request (a 2-token prompt on page c, at

@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from beam_shared_prefix.plan import PlanError, StepPlan, StepPlanner, build_step_plan, cdiv
+from beam_shared_prefix.plan import PlanError, StepPlan, StepPlanner, build_step_plan, cdiv, check_copies_share_an_id
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
 
 PLAN_ARRAYS = (
@@ -559,6 +559,29 @@ def test_only_exact_copies_of_a_request_share_its_pages(case):
     with pytest.raises(PlanError, match=message):
         build_step_plan(indptr, indices, lens, 2, 4, 32)
     build_step_plan([0, 2, 4], [a, b, a, b], [6, 6], 2, 4, 32)  # exact copies of request 0: one request listed twice
+
+
+@pytest.mark.parametrize("lens,ids,refused", [
+    ((6, 6, 2), ("x", "x", "y"), None),  # copies of one request under one id: a padded batch
+    ((6, 6, 2), ("x", "z", "y"), (0, 1)),  # two requests given one partly filled page
+    ((8, 8, 2), ("x", "z", "y"), None),  # only full pages shared: block reuse
+])
+def test_copies_of_a_request_must_share_its_id(lens, ids, refused):
+    """The planner takes requests of one prompt length and one page list as copies of one request; a caller that
+    knows the ids refuses two requests so taken whose shared last page is partly filled. Pages of 4: requests 0
+    and 1 on (a, b), request 2 on c."""
+    a, b, c = (int(p) for p in np.random.default_rng(3).permutation(32)[:3])
+    indptr, indices = [0, 2, 4, 5], [a, b, a, b, c]
+    build_step_plan(indptr, indices, lens, 2, 4, 32)  # the planner alone serves every case
+    if refused is None:
+        check_copies_share_an_id(indptr, indices, lens, 4, ids)
+        return
+    f, r = refused
+    with pytest.raises(PlanError, match=rf"requests {f} \(id '{ids[f]}'\) and {r} \(id '{ids[r]}'\) list the same 2 "
+                                        rf"prompt pages for 6-token prompts, and the last, page {b}, holds 2 of 4"):
+        check_copies_share_an_id(indptr, indices, lens, 4, ids)
+    with pytest.raises(PlanError, match="2 request ids and 4 indptr entries for 3 prompt lengths"):
+        check_copies_share_an_id(indptr, indices, lens, 4, ids[:2])
 
 
 def test_planner_capacity_must_be_positive():

@@ -387,6 +387,27 @@ def test_a_batch_padded_with_one_repeated_dummy_request_is_served(trt, monkeypat
     assert stats()["generation_forwards"] == 3 and stats()["delegated_steps"] == 0
 
 
+def test_two_requests_given_one_partly_filled_prompt_page_are_handed_over(trt, monkeypatch):
+    """Two requests of one prompt length whose KV manager lists the same pages (a block handed out twice): the
+    planner alone would take them as copies of one request, as it must a padded batch's dummy; their ids tell them
+    apart, and the step goes to the default kernel, logged, before their beams write into one partly filled page."""
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    setup = build(model, prompts=(37, 37), beam_width=3, kind="v2")
+    manager = setup.manager
+    real = manager.get_batch_cache_indices
+    monkeypatch.setattr(manager, "get_batch_cache_indices",
+                        lambda ids, *args, **kwargs: [real(ids, *args, **kwargs)[0]] * len(ids))
+    step = setup.sim.begin_step()
+    out, _ = setup.run(step)
+    ids = setup.engine.metadata.request_ids
+    check(setup, step, out)  # the default kernel, on the simulator's own pages
+    assert stats()["delegated_steps"] == 1 and stats()["generation_forwards"] == 0
+    assert decline_log.seen(f"requests 0 (id {ids[0]}) and 1 (id {ids[1]}) list the same 3 prompt pages for "
+                            f"37-token prompts")
+
+
 def _failing_plans(monkeypatch):
     """``BeamSharedPrefixAttention.plan`` refusing its arguments (a bad ``sm_scale``) while ``fail[0]`` is set,
     as a real refusal does: after dropping the wrapper's active plan."""
