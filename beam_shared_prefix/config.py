@@ -3,7 +3,7 @@
 | variable | values | default | meaning |
 | --- | --- | --- | --- |
 | ``TLLM_BEAM_SHARED_PREFIX_BACKEND`` | ``auto``, ``triton``, ``flashinfer``, ``fa4``, ``reference`` | ``auto`` | prefix backend |
-| ``TLLM_BEAM_SHARED_PREFIX_CHECK`` | ``0``, ``1`` | ``0`` | check mode: sync, validate and recompute every stage |
+| ``TLLM_BEAM_SHARED_PREFIX_CHECK`` | ``0``, ``1`` (also false/true, off/on, no/yes, any case) | ``0`` | check mode: sync, validate and recompute every stage |
 | ``TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS`` | ``0``, ``1`` | ``0`` | device error flag: invalid indices the kernels mask, and tables wrong only together (beams' lengths, write pages held by two rows or by another request, a plan of another batch: the page-table audit, once a step), are reported without a sync (its cost: ``docs/design.md``) |
 | ``TLLM_BEAM_SHARED_PREFIX_SHARED_RUN`` | ``auto``, ``1``, ``0`` | ``auto`` | the shared-run stage: on the two-launch paths (FA4 or FlashInfer + tail), attend the generated positions that every beam of a block reads from one ancestor once per block, between the prefix and the tail. ``auto``: on for steps whose longest tail is at least ``SHARED_RUN_MIN_TAIL`` (96) generated tokens, where it measured faster, and off under CUDA graphs (a captured step's tail is unknown); ``1``: on every step; ``0``: never |
 | ``TLLM_BEAM_SHARED_PREFIX_MAX_TAIL`` | an int >= 1 | unset | the longest tail any step will have, in generated tokens per beam (its own included); where it is at most 16 the cascade's CUDA-graph captures leave out the long-tail (shared-ancestry) path, 1-26% a step in some tilings at short tails. A longer step stays exact, logs a warning once, and runs without that path |

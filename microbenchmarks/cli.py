@@ -354,6 +354,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _main(parser, args, argv)
 
 
+# What --from-json takes: the replayed files and the outputs.
+_FROM_JSON_FLAGS = ("help", "from_json", "json", "plot", "decline_report")
+
+
 def _main(parser: argparse.ArgumentParser, args, argv: List[str]) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -366,9 +370,10 @@ def _main(parser: argparse.ArgumentParser, args, argv: List[str]) -> int:
     if args.no_flush_l2 and args.l2_flush != "read":
         parser.error(f"--no-flush-l2 with --l2-flush {args.l2_flush}: give one of them")
     if args.from_json:
-        given = [f"--{name.replace('_', '-')}" for name, _, _ in _FREE if getattr(args, name) is not None]
-        given += [flag for flag, on in (("--preset", args.preset), ("--sweep", args.sweep), ("--sample", args.sample),
-                                        ("--rule", args.rule), ("--arms", args.arms is not None)) if on]
+        # Every flag but the outputs: shape, arm and rule flags, and those of measuring (--sets, --prefix-kernels,
+        # --e2e-model, ...), which a replay would otherwise ignore without a word.
+        given = [a.option_strings[0] for a in parser._actions
+                 if a.dest not in _FROM_JSON_FLAGS and a.option_strings and getattr(args, a.dest) != a.default]
         if given:
             parser.error(f"--from-json replays measured files; {', '.join(given)} would change nothing there: drop "
                          f"{'it' if len(given) == 1 else 'them'}")

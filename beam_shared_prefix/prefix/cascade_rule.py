@@ -301,7 +301,8 @@ CASCADE_MIN_BLOCK_FILL_GROUP_8_HEAD_128 = 0.75
 # G = 5-6 (G = 6 measured only at 300 tokens) take lower limits. Held-out 26 (select_heldout26_g[57]_*.json): G = 5 at
 # 30 and 64 requests of 5 and 8 beams, 1.06-1.23x faster at 350-600 tokens where taken, and 1-7% faster at 750 where
 # left to FA4 + tail; G = 7 at 100 x 4 (waves 0.76 full) 1.25x at 300 tokens, 1.07x at 500 (left). Its G = 6 grids ran
-# past their time limit in FA4's compile, so G = 6's limits are G = 5's, untested at full waves.
+# past their time limit in FA4's compile, so G = 6 takes G = 5's full-wave limit, untested at full waves (and 320
+# where its waves are partly full, from its 300-token points).
 #: G = 5-8 at head 128, narrow widths: ``{group: mean prompt limit}`` of the cascade whose launch runs one wave of the
 #: 8-beam tile or waves at least :data:`CASCADE_NARROW_TILE_MIN_WAVE_FILL_GROUP_8_HEAD_128` full.
 CASCADE_MAX_MEAN_PROMPT_NARROW_TILE_GROUP_8_HEAD_128 = {5: 640, 6: 640, 7: 1024, 8: 1024}

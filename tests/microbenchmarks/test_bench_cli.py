@@ -210,13 +210,15 @@ def test_oracle_mismatch_gives_exit_status_1(tmp_path, capsys):
     (["--beams", "8", "--sweep", "beams=16,32", "--rule"], "--beams given both as a flag and in --sweep"),
     (["--from-json", "{tmp}/x.json", "--preset", "B-long", "--arms", "decode"],
      "--from-json replays measured files; --preset, --arms would change nothing there"),
+    (["--from-json", "{tmp}/x.json", "--sets", "5", "--prefix-kernels", "fa2", "--e2e-model", "{tmp}"],
+     "--from-json replays measured files; --prefix-kernels, --sets, --e2e-model would change nothing there"),
     (["--preset", "B-short", "--no-flush-l2", "--l2-flush", "write"], "--no-flush-l2 with --l2-flush write"),
     (["--e2e-model", "{tmp}", "--heads", "32", "--plot", "{tmp}/e.png"],
      "--e2e-model runs the model's own attention shape; --heads, --plot would change nothing there"),
     (["--preset", "B-short", "--prefix-kernels", "fa2,fa9"], "--prefix-kernels: 'fa9' is not one of auto, fa2, fa3"),
 ], ids=["unknown-arm", "no-arm", "arm-twice", "seed", "warmup", "plan-repeats", "iters", "json-dir", "json-empty",
         "plot-type", "from-json-missing", "sample-huge", "e2e-shape", "rule-json", "flag-and-sweep", "from-json-flags",
-        "flush-twice", "e2e-flags", "prefix-kernel"])
+        "from-json-measuring", "flush-twice", "e2e-flags", "prefix-kernel"])
 def test_usage_errors_exit_2_before_measuring(no_gpu, tmp_path, capsys, args, message):
     """A bad flag is a usage error (exit 2, one line naming the value and the fix), found before the run: not a
     traceback (whose exit 1 would claim an oracle mismatch) nor a failure after the measuring."""
