@@ -46,7 +46,7 @@ tail limit of the cascade is judged at that plan's ``max_tail_len`` too (none: n
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Tuple, Union
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -354,6 +354,7 @@ class BeamSharedPrefixAttention:
         sm_scale: Optional[float] = None,
         key: Hashable = None,
         max_tail_len: Optional[int] = None,
+        request_ids: Optional[Sequence[Hashable]] = None,
     ) -> StepPlan:
         """Plan a batch composition (host only; never during CUDA-graph capture).
 
@@ -383,6 +384,10 @@ class BeamSharedPrefixAttention:
                 first plan's, against :data:`~beam_shared_prefix.prefix.cascade_rule.CASCADE_MAX_TAIL`); an eager step's
                 cascade launch is given it as a bound (a captured one, the constructor's ``max_tail_len``, which a
                 larger value here warns about once). run() reads the true lengths from ``kv_lens``.
+            request_ids: ``R`` hashable request ids, where the caller knows them (a ``key`` must then cover
+                them): requests of one prompt length and one page list are copies of one request (a padded
+                CUDA-graph batch repeats its dummy) only under one id, so two requests given one partly filled
+                prompt page are refused. ``None``: such requests are taken as copies.
 
         Returns:
             The :class:`StepPlan` (the same object while the composition is unchanged; then the backend
@@ -427,11 +432,12 @@ class BeamSharedPrefixAttention:
                 workspace.audit_state.fill_(1)
                 self._audit_uses = 0
         builds = planner.num_builds
-        step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key)
+        step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key,
+                                 request_ids=request_ids)
         if self.check and key is not None and planner.num_builds == builds:
             from . import check as chk  # a key is taken on trust; check mode holds it to its promise
 
-            chk.check_plan_inputs(step_plan, prompt_page_indptr, prompt_page_indices, prompt_lens)
+            chk.check_plan_inputs(step_plan, prompt_page_indptr, prompt_page_indices, prompt_lens, request_ids)
         self._set_launch_tail(max_tail_len)  # every plan, the cache hits too: the tail moves within a composition
         problem_key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, scale)
         long_tail = self._long_tail(problem_key, max_tail_len)

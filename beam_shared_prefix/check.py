@@ -162,16 +162,17 @@ def _zero_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.where(keep, x.float(), 0.0)
 
 
-def check_plan_inputs(step_plan: StepPlan, prompt_page_indptr, prompt_page_indices, prompt_lens) -> None:
+def check_plan_inputs(step_plan: StepPlan, prompt_page_indptr, prompt_page_indices, prompt_lens,
+                      request_ids=None) -> None:
     """Stage ``"plan"``: ``step_plan``, found under a caller's key, holds the prompt pages and lengths these
-    inputs give (host only; builds the plan again without caching it).
+    inputs give (host only; builds the plan again without caching it, judging ``request_ids`` too).
 
     Args:
         step_plan: the plan the key found.
-        prompt_page_indptr, prompt_page_indices, prompt_lens: this call's ``plan()`` arguments.
+        prompt_page_indptr, prompt_page_indices, prompt_lens, request_ids: this call's ``plan()`` arguments.
     """
     fresh = build_step_plan(prompt_page_indptr, prompt_page_indices, prompt_lens, step_plan.beam_width,
-                            step_plan.page_size, step_plan.num_cache_pages)
+                            step_plan.page_size, step_plan.num_cache_pages, request_ids=request_ids)
     why = f"equal keys must mean equal inputs: put what changed into the key, or pass key=None (key={step_plan.key!r})"
     if fresh.num_requests != step_plan.num_requests:
         raise BeamSharedPrefixCheckError(
@@ -347,8 +348,7 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
     slot = write_page * page_size + pos % page_size
     # Copies of one request (a padded CUDA-graph batch repeats its dummy request) write the same slots: the
     # first copy's rows stand for all of them.
-    first = torch.from_numpy(first_copies(step_plan.kv_page_indices, step_plan.kv_page_indptr, step_plan.prompt_lens))
-    _check_copies_are_one_request(step_plan, first, table, pages, klen, page_size, ~not_judged)
+    first = _copies_of_one_request(step_plan, table, pages, klen, page_size, ~not_judged)
     rows = torch.nonzero((first[req] == req) & ~not_judged).flatten()
     order = rows[torch.argsort(slot[rows], stable=True)]
     same = torch.nonzero(slot[order][1:] == slot[order][:-1]).flatten()
@@ -362,41 +362,50 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
     _check_held_pages(step_plan, pages, klen, page_size, rows)
 
 
-def _check_copies_are_one_request(step_plan: StepPlan, first: torch.Tensor, table: torch.Tensor, pages: torch.Tensor,
-                                  klen: torch.Tensor, page_size: int, judged: torch.Tensor) -> None:
-    """Requests taken as copies of an earlier one (``first``, int64 ``[R]``: same prompt length and pages; the
-    judged rows stand for them) whose shared last prompt page is partly filled must be copies in every page
-    they hold too, at the same length: a padded batch's copies of one request are. Two requests given one
-    partly filled page are not, and their beam 0 rows would write into it over each other's tokens; those of
-    their rows the later checks skip could write anywhere. (Copies that share only full pages are judged row by
-    row: block reuse gives distinct requests such pages.)"""
+def _copies_of_one_request(step_plan: StepPlan, table: torch.Tensor, pages: torch.Tensor, klen: torch.Tensor,
+                           page_size: int, judged: torch.Tensor) -> torch.Tensor:
+    """``[R]`` int64: for each request, the earlier request its rows are exact copies of (same prompt length and
+    pages, the same table entries over every column its rows hold, the same lengths: a padded batch's copies of
+    its dummy), else itself. Only the first copy's rows are judged. Requests that share a partly filled last
+    prompt page must be such copies: two requests given one would write generated tokens into it over each
+    other's, so they are refused. Requests that share only full pages (block reuse) and part after them are
+    judged row by row. ``judged``: ``[R * W]`` bool, rows that are no padding or warm-up beam."""
     stage = "indices"
     W = step_plan.beam_width
+    first = torch.from_numpy(first_copies(step_plan.kv_page_indices, step_plan.kv_page_indptr, step_plan.prompt_lens))
     req = torch.arange(step_plan.num_rows) // W
-    partial = torch.from_numpy(step_plan.kv_last_page_len.astype("int64")) < page_size
-    rows = torch.nonzero((first[req] != req) & partial[req] & judged).flatten()
+    rows = torch.nonzero((first[req] != req) & judged).flatten()
     if not rows.numel():
-        return
+        return first
     src = first[req[rows]] * W + rows % W
-    held = torch.arange(pages.shape[1])[None, :] < ((klen[rows] + page_size - 1) // page_size)[:, None]
-    differ = (klen[rows] != klen[src])[:, None] | (held & (table[rows, : pages.shape[1]] != table[src, : pages.shape[1]]))
-    if not bool(differ.any()):
-        return
-    k, c = (int(v) for v in torch.nonzero(differ)[0])
-    i, j = int(rows[k]), int(src[k])
-    r, f = i // W, j // W
-    if int(klen[i]) != int(klen[j]):
-        what = f"kv_lens[{i}]={int(klen[i])} where row {j} has {int(klen[j])}"
-    else:
-        what = f"beam_page_table[{i}, {c}]={int(table[i, c])} where row {j} holds {int(table[j, c])}"
-    raise BeamSharedPrefixCheckError(
-        stage, f"requests {f} and {r} list the same prompt pages for {int(step_plan.prompt_lens[r])}-token prompts, "
-               f"whose last page {int(step_plan.kv_page_indices[step_plan.kv_page_indptr[r + 1] - 1])} is partly "
-               f"filled, so they are taken as copies of one request (a padded batch repeats its dummy); but {what} "
-               f"(request {r}, beam {i % W}): two requests would write generated tokens into that page over each "
-               f"other's. Only copies of one request share a partly filled page; re-derive the page table from the "
-               f"KV cache manager."
-    )
+    cols = pages.shape[1]
+    held = torch.arange(cols)[None, :] < ((klen[rows] + page_size - 1) // page_size)[:, None]
+    differ = (klen[rows] != klen[src])[:, None] | (held & (table[rows, :cols] != table[src, :cols]))
+    parted = differ.any(1)
+    if not bool(parted.any()):
+        return first
+    partial = torch.from_numpy(step_plan.kv_last_page_len.astype("int64")) < page_size
+    bad = parted & partial[req[rows]]
+    if bool(bad.any()):
+        k = int(torch.nonzero(bad)[0])
+        c = int(torch.nonzero(differ[k])[0])
+        i, j = int(rows[k]), int(src[k])
+        r, f = i // W, j // W
+        if int(klen[i]) != int(klen[j]):
+            what = f"kv_lens[{i}]={int(klen[i])} where row {j} has {int(klen[j])}"
+        else:
+            what = f"beam_page_table[{i}, {c}]={int(table[i, c])} where row {j} holds {int(table[j, c])}"
+        raise BeamSharedPrefixCheckError(
+            stage, f"requests {f} and {r} list the same prompt pages for {int(step_plan.prompt_lens[r])}-token "
+                   f"prompts, whose last page {int(step_plan.kv_page_indices[step_plan.kv_page_indptr[r + 1] - 1])} "
+                   f"is partly filled, so they are taken as copies of one request (a padded batch repeats its dummy); "
+                   f"but {what} (request {r}, beam {i % W}): two requests would write generated tokens into that page "
+                   f"over each other's. Only copies of one request share a partly filled page; re-derive the page "
+                   f"table from the KV cache manager."
+        )
+    first = first.clone()
+    first[req[rows[parted]]] = req[rows[parted]]
+    return first
 
 
 def _check_held_pages(step_plan: StepPlan, pages: torch.Tensor, klen: torch.Tensor, page_size: int,

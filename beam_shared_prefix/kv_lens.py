@@ -62,7 +62,12 @@ def kv_lens_problem(kv_rows: np.ndarray, beam_width: int, capacity: int,
     Checked in this order: a row under its least length, a row past the capacity, beams of a request apart. The
     common case costs three vector passes; the offender is looked up only on a failure.
     """
-    kv_rows = np.asarray(kv_rows, dtype=np.int64).reshape(-1)
+    kv_rows = np.asarray(kv_rows).reshape(-1)
+    if kv_rows.size and kv_rows.dtype.kind not in "iu":  # (a float would be cut, and beams 5.9 and 5.2 judged equal)
+        raise TypeError(f"kv_rows must hold integers, got dtype {kv_rows.dtype}.")
+    if kv_rows.size % int(beam_width):
+        raise ValueError(f"{kv_rows.size} KV lengths are not whole requests of beam_width={int(beam_width)} rows.")
+    kv_rows = kv_rows.astype(np.int64, copy=False)
     if kv_rows.size == 0:
         return None
     per_request = kv_rows.reshape(-1, int(beam_width))

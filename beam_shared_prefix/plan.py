@@ -28,11 +28,12 @@ import numpy as np
 
 ArrayLike = Union[np.ndarray, Sequence[int], "torch.Tensor"]  # noqa: F821
 
-__all__ = ["StepPlan", "StepPlanner", "PlanError", "build_step_plan", "cdiv", "check_copies_share_an_id"]
+__all__ = ["StepPlan", "StepPlanner", "PlanError", "build_step_plan", "cdiv"]
 
 
 # Lengths, offsets and page numbers go to the kernels as int32.
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 class PlanError(ValueError):
@@ -150,13 +151,28 @@ def _checked_int_array(name: str, value: ArrayLike) -> np.ndarray:
             raise PlanError(f"{name} must hold integers, got dtype {value.dtype}; pass an int32/int64 tensor.")
         if value.device.type == "meta":
             raise PlanError(f"{name} is a meta tensor (no data); pass a tensor that holds the values.")
+        if value.layout != _torch_strided():
+            raise PlanError(f"{name} is a {value.layout} tensor; pass a dense one (.to_dense()).")
         value = value.detach().cpu().numpy()
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as exc:  # (a ragged nesting, an object numpy cannot read)
+        raise PlanError(f"{name} is not a flat int array ({exc}); pass a 1-D int array.") from None
     if arr.ndim != 1:
         raise PlanError(f"{name} must be 1-D, got shape {tuple(arr.shape)}; pass a flat int array.")
     if arr.size and arr.dtype.kind not in "iu":  # signed or unsigned integers
         raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}; pass an int32/int64 array.")
+    if arr.size and arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
+        # (int64, which the planner computes in, would wrap it into a negative value the messages then name)
+        j = int(np.argmax(arr))
+        raise PlanError(f"{name}[{j}]={int(arr[j])} exceeds the int32 range the kernels index with ({_INT32_MAX}).")
     return arr
+
+
+def _torch_strided():
+    import torch  # (deferred: the planner is torch-free unless given tensors)
+
+    return torch.strided
 
 
 def _as_int_array(name: str, value: ArrayLike) -> np.ndarray:
@@ -170,7 +186,7 @@ def _as_int(name: str, value, error=PlanError) -> int:
         raise error(f"{name}={value!r} must be an integer, not a bool.")
     try:
         return operator.index(value)
-    except TypeError:
+    except (TypeError, RuntimeError):  # (RuntimeError: a tensor with no value, on the meta device)
         raise error(f"{name}={value!r} must be an integer.") from None
 
 
@@ -184,49 +200,6 @@ def first_copies(used: np.ndarray, kv_page_indptr: np.ndarray, lens: np.ndarray)
         key = (int(lens[r]), used[kv_page_indptr[r]:kv_page_indptr[r + 1]].tobytes())
         first[r] = seen.setdefault(key, r)
     return first
-
-
-def check_copies_share_an_id(kv_page_indptr: ArrayLike, kv_page_indices: ArrayLike, prompt_lens: ArrayLike,
-                             page_size: int, request_ids: Sequence[Hashable]) -> None:
-    """Refuse two requests under different ids that the planner would take as copies of one request.
-
-    The planner cannot tell a padded batch's copies of one request (same prompt length, same prompt pages)
-    from two requests given the same pages; a caller that knows its request ids can. Where the shared last
-    prompt page is partly filled, both requests' beam 0 would write generated tokens into it, over each
-    other's, and over the other's prompt for any later prompt token; so two ids there are a page table
-    fault. (Full pages may be shared: block reuse.)
-
-    Args:
-        kv_page_indptr: ``[R + 1]`` ints; kv_page_indices: beam 0's prompt pages, exactly ``ceil(P_r / Pg)``
-            of each request; prompt_lens: ``[R]`` ints (tokens); page_size: tokens per page;
-            request_ids: ``R`` hashable ids (copies of one request share one).
-
-    Raises:
-        PlanError: naming both requests, their ids and the page.
-    """
-    indptr = _as_int_array("kv_page_indptr", kv_page_indptr)
-    used = _as_int_array("kv_page_indices", kv_page_indices)
-    lens = _as_int_array("prompt_lens", prompt_lens)
-    if len(request_ids) != lens.shape[0] or indptr.shape[0] != lens.shape[0] + 1:
-        raise PlanError(f"{len(request_ids)} request ids and {indptr.shape[0]} indptr entries for "
-                        f"{lens.shape[0]} prompt lengths; pass one id per request and R + 1 offsets.")
-    partial = np.flatnonzero(lens % page_size != 0)
-    last_pages = used[indptr[partial + 1] - 1]
-    # (each step of a new composition: the common case, no partly filled last page listed twice, is one sort)
-    if np.unique(last_pages).shape[0] == partial.shape[0]:
-        return
-    first = first_copies(used, indptr, lens)
-    for r in partial:
-        f = int(first[r])
-        if f != r and request_ids[f] != request_ids[r]:
-            raise PlanError(
-                f"requests {f} (id {request_ids[f]!r}) and {r} (id {request_ids[r]!r}) list the same "
-                f"{int(indptr[r + 1] - indptr[r])} prompt pages for {int(lens[r])}-token prompts, and the last, page "
-                f"{int(used[indptr[r + 1] - 1])}, holds {int(lens[r]) % page_size} of {page_size} tokens: both "
-                f"requests' beam 0 would write generated tokens into it, over each other's. Only copies of one "
-                f"request (one id: a padded batch) share a partly filled page; re-derive the page table from the KV "
-                f"cache manager."
-            )
 
 
 def _prompt_page_conflict(used: np.ndarray, kv_page_indptr: np.ndarray, last_page_len: np.ndarray,
@@ -257,13 +230,32 @@ def _prompt_page_conflict(used: np.ndarray, kv_page_indptr: np.ndarray, last_pag
     return None
 
 
+def _check_copies_share_an_id(first: np.ndarray, request_ids: tuple, used: np.ndarray, kv_page_indptr: np.ndarray,
+                              lens: np.ndarray, last_page_len: np.ndarray, page_size: int) -> None:
+    """Requests taken as copies of an earlier one (``first``) whose shared last prompt page is partly filled must
+    be listed under its id: two requests given one such page would both write generated tokens into it."""
+    for r in np.flatnonzero((first != np.arange(first.shape[0])) & (last_page_len < page_size)):
+        f = int(first[r])
+        if request_ids[f] != request_ids[r]:
+            raise PlanError(
+                f"requests {f} (id {request_ids[f]!r}) and {r} (id {request_ids[r]!r}) list the same "
+                f"{int(kv_page_indptr[r + 1] - kv_page_indptr[r])} prompt pages for {int(lens[r])}-token prompts, and "
+                f"the last, page {int(used[kv_page_indptr[r + 1] - 1])}, holds {int(last_page_len[r])} of {page_size} "
+                f"tokens: both requests' beam 0 would write generated tokens into it, over each other's. Only copies "
+                f"of one request (one id: a padded batch) share a partly filled page; re-derive the page table from "
+                f"the KV cache manager."
+            )
+
+
 def _check_prompt_pages(used: np.ndarray, kv_page_indptr: np.ndarray, lens: np.ndarray, last_page_len: np.ndarray,
-                        page_size: int) -> None:
+                        page_size: int, request_ids: Optional[tuple]) -> None:
     conflict = _prompt_page_conflict(used, kv_page_indptr, last_page_len, page_size)
     if conflict is not None:
         # Only on a conflict (rare): look again with each repeated request once (the copies of a padded
         # CUDA-graph batch's dummy request share all their pages).
         first = first_copies(used, kv_page_indptr, lens)
+        if request_ids is not None:
+            _check_copies_share_an_id(first, request_ids, used, kv_page_indptr, lens, last_page_len, page_size)
         kept = np.flatnonzero(first == np.arange(lens.shape[0]))
         if kept.size < lens.shape[0]:
             pages_of = np.diff(kv_page_indptr)[kept]
@@ -300,6 +292,7 @@ def build_step_plan(
     num_cache_pages: int,
     max_beam_width: Optional[int] = None,
     key: Hashable = None,
+    request_ids: Optional[Sequence[Hashable]] = None,
 ) -> StepPlan:
     """Validate the prompt page tables of a batch and build its :class:`StepPlan` (no caching).
 
@@ -316,22 +309,27 @@ def build_step_plan(
         max_beam_width: the beam width the KV cache and ``cache_indirection`` were sized for;
             ``beam_width`` above it is refused. ``None`` skips this check.
         key: stored on the plan (see :class:`StepPlanner`).
+        request_ids: ``R`` hashable ids, where the caller knows them: requests with one prompt length and one
+            page list are copies of one request (a padded CUDA-graph batch repeats its dummy) only under one
+            id. ``None``: they are taken as copies whatever they are (the planner cannot tell).
 
     Raises:
         PlanError: for an empty batch, a beam width above ``max_beam_width``, negative or
             inconsistent lengths, a prompt longer than its pages hold, a page index outside
             ``[0, num_cache_pages)``, a page listed twice in one request's prompt, or a request's
             partly filled last prompt page among another request's prompt pages (but a copy of the
-            request's: same prompt length and pages).
+            request's: same prompt length and pages, and the same id where ``request_ids`` is given).
     """
     beam_width = _as_int("beam_width", beam_width)
     page_size = _as_int("page_size", page_size)
     num_cache_pages = _as_int("num_cache_pages", num_cache_pages)
     if beam_width < 1:
         raise PlanError(f"beam_width={beam_width} must be >= 1.")
-    if max_beam_width is not None and beam_width > int(max_beam_width):
+    if max_beam_width is not None:
+        max_beam_width = _as_int("max_beam_width", max_beam_width)
+    if max_beam_width is not None and beam_width > max_beam_width:
         raise PlanError(
-            f"beam_width={beam_width} exceeds max_beam_width={int(max_beam_width)}, the width the KV "
+            f"beam_width={beam_width} exceeds max_beam_width={max_beam_width}, the width the KV "
             f"cache and cache_indirection were sized for: beams past it would overwrite another "
             f"sequence's slots. Build the engine with max_beam_width >= {beam_width} or lower the beam width."
         )
@@ -415,7 +413,12 @@ def build_step_plan(
         )
 
     last = lens - (pages_needed - 1) * page_size
-    _check_prompt_pages(used, kv_page_indptr, lens, last, page_size)
+    if request_ids is not None:
+        request_ids = tuple(request_ids)
+        if len(request_ids) != num_requests:
+            raise PlanError(f"request_ids holds {len(request_ids)} ids for {num_requests} requests; pass one id per "
+                            f"request, in batch order, or None.")
+    _check_prompt_pages(used, kv_page_indptr, lens, last, page_size, request_ids)
     max_pages = int(pages_needed.max())
     # Dense table: padding repeats each request's first page so every entry is a valid index.
     page_table = np.repeat(used[kv_page_indptr[:-1]][:, None], max_pages, axis=1)
@@ -471,7 +474,7 @@ class StepPlanner:
         # The inputs of the last plan found or built without a caller key: a serving loop repeats
         # one composition step after step, and comparing with it (a memcmp) is far cheaper than
         # hashing (blake2b of 48 KB of page indices costs ~50 us at 128 x 3,000-token prompts).
-        self._last_unkeyed: Optional[Tuple[int, Tuple[np.ndarray, ...], Hashable]] = None
+        self._last_unkeyed: Optional[Tuple[int, Tuple[np.ndarray, ...], Hashable, Optional[tuple]]] = None
 
     @staticmethod
     def input_key(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width) -> bytes:
@@ -507,15 +510,20 @@ class StepPlanner:
         prompt_lens: ArrayLike,
         beam_width: int,
         key: Hashable = None,
+        request_ids: Optional[Sequence[Hashable]] = None,
     ) -> StepPlan:
         """Return the plan of this batch, building and caching it on a miss.
 
         ``key`` identifies the batch composition (for example ``(tuple(request_ids), beam_width)``).
-        The caller promises that equal keys mean equal inputs: with a key, a hit does no array work
-        at all. Without a key, the inputs are compared with those of the last unkeyed plan (a
-        memcmp: the steady state of a serving loop), and otherwise a digest of them is the key.
+        The caller promises that equal keys mean equal inputs, ``request_ids`` included: with a key, a hit
+        does no array work at all. Without a key, the inputs are compared with those of the last unkeyed plan
+        (a memcmp: the steady state of a serving loop), and otherwise a digest of them (and the ids) is the
+        key. ``request_ids``: see :func:`build_step_plan`.
         """
         beam_width = _as_int("beam_width", beam_width)
+        if beam_width > _INT32_MAX:  # (before the digest packs it into an int64)
+            raise PlanError(f"beam_width={beam_width} exceeds the int32 range the kernels index with ({_INT32_MAX}).")
+        ids = None if request_ids is None else tuple(request_ids)
         unkeyed = key is None
         if unkeyed:
             arrays = (
@@ -525,14 +533,14 @@ class StepPlanner:
             )
             last = self._last_unkeyed
             # Dtype, shape, then the bytes (a memcmp; array_equal's generic path costs 3x more).
-            if last is not None and last[0] == int(beam_width) and all(
+            if last is not None and last[0] == int(beam_width) and last[3] == ids and all(
                 a.dtype == b.dtype and a.shape == b.shape and (a == b).all()
                 for a, b in zip(arrays, last[1], strict=True)
             ):
                 plan = self.lookup(last[2])
                 if plan is not None:
                     return plan
-            key = ("inputs", self.input_key(*arrays, beam_width))
+            key = ("inputs", self.input_key(*arrays, beam_width)) + (() if ids is None else (ids,))
         try:
             plan = self.lookup(key)
         except TypeError:
@@ -545,7 +553,7 @@ class StepPlanner:
                     f"keys must mean equal inputs. Put the beam width into the key."
                 )
             if unkeyed:
-                self._last_unkeyed = (int(beam_width), tuple(a.copy() for a in arrays), key)
+                self._last_unkeyed = (int(beam_width), tuple(a.copy() for a in arrays), key, ids)
             return plan
         plan = build_step_plan(
             prompt_page_indptr,
@@ -556,6 +564,7 @@ class StepPlanner:
             self.num_cache_pages,
             max_beam_width=self.max_beam_width,
             key=key,
+            request_ids=ids,
         )
         self.num_builds += 1
         self._plans[key] = plan
@@ -563,7 +572,7 @@ class StepPlanner:
             self._plans.popitem(last=False)
         if unkeyed:
             # Copies: the caller may reuse its arrays for the next batch.
-            self._last_unkeyed = (int(beam_width), tuple(a.copy() for a in arrays), key)
+            self._last_unkeyed = (int(beam_width), tuple(a.copy() for a in arrays), key, ids)
         return plan
 
     def clear(self) -> None:

@@ -247,6 +247,24 @@ def test_copies_of_a_request_must_hold_its_pages(change):
         check_indices(plan, pool, PAGE_SIZE, table, kv_lens, ind)
 
 
+@pytest.mark.parametrize("same_write_page", [False, True])
+def test_requests_sharing_full_prompt_pages_are_judged_row_by_row(same_write_page):
+    """Two requests of one 8-token prompt on full pages (a, b) (block reuse) are no copies once their beams part:
+    each row is judged, so the second request's row writing the first's slot is refused (it was taken as a copy,
+    and its rows skipped)."""
+    W = 2
+    a, b, c, d, e, f = _pages(SEED, 6, 32)
+    plan = build_step_plan([0, 2, 4], [a, b, a, b], [8, 8], W, PAGE_SIZE, 32)
+    table = torch.tensor([[a, b, c], [a, b, d], [a, b, c if same_write_page else e], [a, b, f]], dtype=torch.int32)
+    kv_lens = torch.tensor([10, 10, 10, 10], dtype=torch.int32)
+    pool, ind = torch.randn(32, 2, 1, PAGE_SIZE, 8), torch.zeros(2, W, 16, dtype=torch.int32)
+    if not same_write_page:
+        check_indices(plan, pool, PAGE_SIZE, table, kv_lens, ind)
+        return
+    with pytest.raises(BeamSharedPrefixCheckError, match=rf"rows 0 and 2 both write this step's K/V to page {c}, slot 1"):
+        check_indices(plan, pool, PAGE_SIZE, table, kv_lens, ind)
+
+
 def _warmup_next_to_a_real_request(seed):
     """On a CUDA-graph wrapper: request 0 the warm-up's dummy (8 tokens, a 7-token prompt on pages (a, b), both
     beams writing position 7, the last slot of b); request 1 a real request (a 2-token prompt on page c, at

@@ -72,3 +72,12 @@ def test_padding_rows_are_the_short_rows_the_device_rule_spares():
     spared = short & ~kv_len_bad_torch(kv - 1, prompt, 1 << 20)
     assert torch.equal(padding_rows(kv, prompt), spared)
     assert padding_rows(np.array([1, 1, 2]), np.array([1, 2, 1])).tolist() == [True, False, False]
+
+
+def test_lengths_that_are_no_whole_int_rows_are_refused():
+    """A float length (5.9 and 5.2 cut to 5 would pass as equal beams) or a row count that is no whole number of
+    requests is refused, not judged on converted values."""
+    with pytest.raises(TypeError, match="kv_rows must hold integers, got dtype float64"):
+        kv_lens_problem(np.array([5.9, 5.2]), 2, 16)
+    with pytest.raises(ValueError, match="3 KV lengths are not whole requests of beam_width=2 rows"):
+        kv_lens_problem(np.array([5, 5, 5]), 2, 16)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from beam_shared_prefix.plan import PlanError, StepPlan, StepPlanner, build_step_plan, cdiv, check_copies_share_an_id
+from beam_shared_prefix.plan import PlanError, StepPlan, StepPlanner, build_step_plan, cdiv
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
 
 PLAN_ARRAYS = (
@@ -494,6 +494,27 @@ def test_a_tensor_numpy_cannot_take_is_refused_by_name(convert, message):
         build_step_plan(np.asarray((0, 2, 3)), np.asarray((4, 1, 2)), convert(torch.tensor([20, 8])), 4, 16, 8)
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda: build_step_plan([0, 1], [3], np.array([2**64 - 1], np.uint64), 2, 16, 64),
+     r"prompt_lens\[0\]=18446744073709551615 exceeds the int32 range"),
+    (lambda: build_step_plan([0, 1], np.array([2**63 + 3], np.uint64), [5], 2, 16, 64),
+     r"prompt_page_indices\[0\]=9223372036854775811 exceeds the int32 range"),
+    (lambda: build_step_plan([0, 1], [3], [[5], [1, 2]], 2, 16, 64), r"prompt_lens is not a flat int array"),
+    (lambda: build_step_plan([0, 1], [3], torch.tensor([5]).to_sparse(), 2, 16, 64),
+     r"prompt_lens is a torch.sparse_coo tensor; pass a dense one"),
+    (lambda: build_step_plan([0, 1], [3], [5], torch.tensor(2, device="meta"), 16, 64), r"beam_width=.* must be an integer"),
+    (lambda: build_step_plan([0, 1], [3], [5], 3, 16, 64, max_beam_width=2.9), r"max_beam_width=2.9 must be an integer"),
+    (lambda: build_step_plan([0, 1], [3], [5], 1, 16, 64, max_beam_width=True), r"max_beam_width=True must be an integer"),
+    (lambda: StepPlanner(16, 64).plan([0, 1], [3], [5], 2**63), r"beam_width=9223372036854775808 exceeds the int32"),
+], ids=["uint64 length", "uint64 page", "ragged", "sparse", "meta width", "float max width", "bool max width",
+        "width past int64"])
+def test_inputs_numpy_or_torch_would_take_apart_are_named(call, message):
+    """Inputs whose conversion would fail inside numpy or torch, or silently change the value (a uint64 past int64
+    wrapping negative, a float cut to an int), are refused by the planner naming the argument and the value."""
+    with pytest.raises(PlanError, match=message):
+        call()
+
+
 def test_bool_dtype_refused():
     with pytest.raises(PlanError, match=r"prompt_lens must hold integers, got dtype bool"):
         plan(lens=np.asarray([True, True]))
@@ -566,22 +587,30 @@ def test_only_exact_copies_of_a_request_share_its_pages(case):
     ((6, 6, 2), ("x", "z", "y"), (0, 1)),  # two requests given one partly filled page
     ((8, 8, 2), ("x", "z", "y"), None),  # only full pages shared: block reuse
 ])
-def test_copies_of_a_request_must_share_its_id(lens, ids, refused):
-    """The planner takes requests of one prompt length and one page list as copies of one request; a caller that
-    knows the ids refuses two requests so taken whose shared last page is partly filled. Pages of 4: requests 0
-    and 1 on (a, b), request 2 on c."""
-    a, b, c = (int(p) for p in np.random.default_rng(3).permutation(32)[:3])
-    indptr, indices = [0, 2, 4, 5], [a, b, a, b, c]
+def test_copies_of_a_request_share_its_id_where_ids_are_given(lens, ids, refused):
+    """Without ids the planner takes requests of one prompt length and one page list as copies of one request; with
+    them, two requests so listed whose shared last page is partly filled are refused, in build_step_plan and
+    through a planner (whose digest key covers the ids: the same pages under copies' ids do not hide them). Pages
+    of 4: requests 0 and 1 on (a, b) (listed with a page past the prompt, as a whole block list may be), request 2
+    on c."""
+    a, b, c, d = (int(p) for p in np.random.default_rng(3).permutation(32)[:4])
+    indptr, indices = [0, 3, 6, 7], [a, b, d, a, b, d, c]
     build_step_plan(indptr, indices, lens, 2, 4, 32)  # the planner alone serves every case
+    planner = StepPlanner(4, 32)
+    planner.plan(indptr, indices, lens, 2, request_ids=("x", "x", "y"))
     if refused is None:
-        check_copies_share_an_id(indptr, indices, lens, 4, ids)
+        build_step_plan(indptr, indices, lens, 2, 4, 32, request_ids=ids)
+        planner.plan(indptr, indices, lens, 2, request_ids=ids)
         return
     f, r = refused
-    with pytest.raises(PlanError, match=rf"requests {f} \(id '{ids[f]}'\) and {r} \(id '{ids[r]}'\) list the same 2 "
-                                        rf"prompt pages for 6-token prompts, and the last, page {b}, holds 2 of 4"):
-        check_copies_share_an_id(indptr, indices, lens, 4, ids)
-    with pytest.raises(PlanError, match="2 request ids and 4 indptr entries for 3 prompt lengths"):
-        check_copies_share_an_id(indptr, indices, lens, 4, ids[:2])
+    message = (rf"requests {f} \(id '{ids[f]}'\) and {r} \(id '{ids[r]}'\) list the same 2 prompt pages for "
+               rf"6-token prompts, and the last, page {b}, holds 2 of 4")
+    with pytest.raises(PlanError, match=message):
+        build_step_plan(indptr, indices, lens, 2, 4, 32, request_ids=ids)
+    with pytest.raises(PlanError, match=message):
+        planner.plan(indptr, indices, lens, 2, request_ids=ids)
+    with pytest.raises(PlanError, match="request_ids holds 2 ids for 3 requests"):
+        build_step_plan(indptr, indices, lens, 2, 4, 32, request_ids=ids[:2])
 
 
 def test_planner_capacity_must_be_positive():

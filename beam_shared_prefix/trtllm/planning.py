@@ -41,7 +41,6 @@ import numpy as np
 
 from ..decline import should_decline, tail_decline_reason
 from ..kv_lens import kv_capacity, kv_lens_problem
-from ..plan import check_copies_share_an_id
 from ..prefix.select import cascade_tail_bound, long_tail_for_shared_run, step_path
 from .gates import batch_decline_reason, decline_log, slow_step_log, step_decline_reason
 from .kv_cache import LayerKV, PageAdapter, adapter_for
@@ -547,9 +546,6 @@ def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family)
     # the next step of that composition would find the key and run an unplanned wrapper.
     state.planned_key.pop(family.key, None)
     try:
-        # The planner takes requests with one prompt and one set of pages as copies of one request (a padded
-        # CUDA-graph batch repeats its dummy); here the ids tell them apart.
-        check_copies_share_an_id(indptr, indices, step.prompt_lens, layer.page_size, step.request_ids)
         wrapper.plan(
             indptr,
             indices,
@@ -564,6 +560,9 @@ def wrapper_for(metadata, state: _MetadataState, step: StepInfo, family: Family)
             sm_scale=family.sm_scale,
             key=key,
             max_tail_len=tail,
+            # (the planner then tells a padded CUDA-graph batch's copies of its dummy request, one id, from two
+            # requests given one page list)
+            request_ids=step.request_ids,
         )
     except Exception as exc:
         if state.is_cuda_graph and family.key in state.served_families and isinstance(exc, _planning_errors()):
