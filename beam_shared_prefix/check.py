@@ -333,12 +333,25 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
     req = row // W
     indptr = torch.from_numpy(step_plan.kv_page_indptr.astype("int64"))
     own_last = prompt_pages[indptr[1:] - 1][req]
-    fills_own_last = (write_page == own_last) & _beam0_partial_prompt_column(step_plan, row, col, page_size)
     not_judged = warm.padding | (warm.shared_block & (row % W != 0))
+    # Copies of one request (a padded CUDA-graph batch repeats its dummy request) write the same slots: the
+    # first copy's rows stand for all of them.
+    first = _copies_of_one_request(step_plan, table, pages, klen, page_size, ~not_judged)
+    # Beam 0 fills its prompt's partly filled last page, unless another request (no copy of it) lists that page as
+    # a prompt page: then the write lands on K/V that request reads (the planner lets a one-beam request's page be
+    # another's prompt page: block reuse of a page it filled earlier, which it no longer writes).
+    prompt_req = torch.repeat_interleave(torch.arange(step_plan.num_requests), indptr[1:] - indptr[:-1])
+    bound = int(torch.cat([write_page, prompt_pages]).max()) + 1
+    listers = torch.unique(prompt_pages * step_plan.num_requests + first[prompt_req]) // step_plan.num_requests
+    listed_elsewhere = torch.bincount(listers, minlength=bound)[write_page] > 1
+    fills_own_last = ((write_page == own_last) & _beam0_partial_prompt_column(step_plan, row, col, page_size)
+                      & ~listed_elsewhere)
     on_prompt = torch.isin(write_page, prompt_pages) & ~fills_own_last & ~not_judged
     if on_prompt.any():
         i = int(torch.nonzero(on_prompt)[0])
-        owner = int(torch.searchsorted(indptr, int(torch.nonzero(prompt_pages == write_page[i])[0]), right=True)) - 1
+        others = torch.nonzero((prompt_pages == write_page[i]) & (first[prompt_req] != first[req[i]])).flatten()
+        at = others if others.numel() else torch.nonzero(prompt_pages == write_page[i]).flatten()
+        owner = int(prompt_req[at[0]])
         raise BeamSharedPrefixCheckError(
             stage, f"row {i} (request {i // W}, beam {i % W}) writes this step's K/V at position {int(pos[i])} into "
                    f"beam_page_table[{i}, {int(col[i])}]={int(table[i, col[i]])} // page_index_divisor="
@@ -346,9 +359,6 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
                    f"overwrite prompt K/V every beam of that request reads. Each beam writes into its own pages."
         )
     slot = write_page * page_size + pos % page_size
-    # Copies of one request (a padded CUDA-graph batch repeats its dummy request) write the same slots: the
-    # first copy's rows stand for all of them.
-    first = _copies_of_one_request(step_plan, table, pages, klen, page_size, ~not_judged)
     rows = torch.nonzero((first[req] == req) & ~not_judged).flatten()
     order = rows[torch.argsort(slot[rows], stable=True)]
     same = torch.nonzero(slot[order][1:] == slot[order][:-1]).flatten()

@@ -203,11 +203,11 @@ def first_copies(used: np.ndarray, kv_page_indptr: np.ndarray, lens: np.ndarray)
 
 
 def _prompt_page_conflict(used: np.ndarray, kv_page_indptr: np.ndarray, last_page_len: np.ndarray,
-                          page_size: int) -> Optional[Tuple[int, int, int]]:
+                          page_size: int, partly_filled_shared: bool = True) -> Optional[Tuple[int, int, int]]:
     """The first prompt page no KV cache produces, as ``(request, page, other request)`` (``other ==
     request`` for a page twice in one prompt), or ``None``. Full prompt pages may be shared between
     requests (block reuse); a request's partly filled last page, which its beam 0 goes on filling with
-    generated tokens, may not."""
+    generated tokens, may not (``partly_filled_shared``: whether to look for that)."""
     # One sort serves both: keyed by (page, request), equal pages end up adjacent, in request order
     # (a plain sort of int64 keys is several times faster than a stable argsort).
     num_requests = kv_page_indptr.shape[0] - 1
@@ -217,7 +217,7 @@ def _prompt_page_conflict(used: np.ndarray, kv_page_indptr: np.ndarray, last_pag
     if twice.any():
         key = int(keys[int(np.argmax(twice))])
         return key % num_requests, key // num_requests, key % num_requests
-    partial = np.flatnonzero(last_page_len < page_size)
+    partial = np.flatnonzero(last_page_len < page_size) if partly_filled_shared else np.zeros(0, np.int64)
     if partial.size:
         first_key = used[kv_page_indptr[partial + 1] - 1] * num_requests
         listed = np.searchsorted(keys, first_key + num_requests) - np.searchsorted(keys, first_key)
@@ -248,8 +248,11 @@ def _check_copies_share_an_id(first: np.ndarray, request_ids: tuple, used: np.nd
 
 
 def _check_prompt_pages(used: np.ndarray, kv_page_indptr: np.ndarray, lens: np.ndarray, last_page_len: np.ndarray,
-                        page_size: int, request_ids: Optional[tuple]) -> None:
-    conflict = _prompt_page_conflict(used, kv_page_indptr, last_page_len, page_size)
+                        page_size: int, request_ids: Optional[tuple], beam_width: int) -> None:
+    # One beam: a request's partly filled prompt page may be another's full prompt page. Block reuse stores a
+    # one-beam request's generated pages once filled, and the planner cannot see the lengths that tell whether
+    # it still writes there (check mode can).
+    conflict = _prompt_page_conflict(used, kv_page_indptr, last_page_len, page_size, beam_width > 1)
     if conflict is not None:
         # Only on a conflict (rare): look again with each repeated request once (the copies of a padded
         # CUDA-graph batch's dummy request share all their pages).
@@ -261,7 +264,7 @@ def _check_prompt_pages(used: np.ndarray, kv_page_indptr: np.ndarray, lens: np.n
             pages_of = np.diff(kv_page_indptr)[kept]
             sub_indptr = np.concatenate([[0], np.cumsum(pages_of)])
             sub_used = np.concatenate([used[kv_page_indptr[r]:kv_page_indptr[r + 1]] for r in kept])
-            conflict = _prompt_page_conflict(sub_used, sub_indptr, last_page_len[kept], page_size)
+            conflict = _prompt_page_conflict(sub_used, sub_indptr, last_page_len[kept], page_size, beam_width > 1)
             if conflict is not None:
                 conflict = (int(kept[conflict[0]]), conflict[1], int(kept[conflict[2]]))
     if conflict is None:
@@ -316,8 +319,8 @@ def build_step_plan(
     Raises:
         PlanError: for an empty batch, a beam width above ``max_beam_width``, negative or
             inconsistent lengths, a prompt longer than its pages hold, a page index outside
-            ``[0, num_cache_pages)``, a page listed twice in one request's prompt, or a request's
-            partly filled last prompt page among another request's prompt pages (but a copy of the
+            ``[0, num_cache_pages)``, a page listed twice in one request's prompt, or (two beams or more) a
+            request's partly filled last prompt page among another request's prompt pages (but a copy of the
             request's: same prompt length and pages, and the same id where ``request_ids`` is given).
     """
     beam_width = _as_int("beam_width", beam_width)
@@ -418,7 +421,7 @@ def build_step_plan(
         if len(request_ids) != num_requests:
             raise PlanError(f"request_ids holds {len(request_ids)} ids for {num_requests} requests; pass one id per "
                             f"request, in batch order, or None.")
-    _check_prompt_pages(used, kv_page_indptr, lens, last, page_size, request_ids)
+    _check_prompt_pages(used, kv_page_indptr, lens, last, page_size, request_ids, beam_width)
     max_pages = int(pages_needed.max())
     # Dense table: padding repeats each request's first page so every entry is a valid index.
     page_table = np.repeat(used[kv_page_indptr[:-1]][:, None], max_pages, axis=1)
@@ -523,9 +526,10 @@ class StepPlanner:
         beam_width = _as_int("beam_width", beam_width)
         if beam_width > _INT32_MAX:  # (before the digest packs it into an int64)
             raise PlanError(f"beam_width={beam_width} exceeds the int32 range the kernels index with ({_INT32_MAX}).")
-        ids = None if request_ids is None else tuple(request_ids)
         unkeyed = key is None
+        ids = request_ids  # (a caller's key covers them: a hit reads nothing)
         if unkeyed:
+            ids = None if request_ids is None else tuple(request_ids)
             arrays = (
                 _checked_int_array("prompt_page_indptr", prompt_page_indptr),
                 _checked_int_array("prompt_page_indices", prompt_page_indices),

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from beam_shared_prefix.check import BeamSharedPrefixCheckError, check_indices
-from beam_shared_prefix.plan import build_step_plan
+from beam_shared_prefix.plan import PlanError, build_step_plan
 from beam_shared_prefix.testing import PAGE_TABLE_PAD, BeamSearchCacheSimulator
 
 PAGE_SIZE = 4
@@ -107,6 +107,25 @@ def test_a_generated_page_reused_as_another_requests_prompt_passes():
     with pytest.raises(BeamSharedPrefixCheckError,
                        match=r"row 0 \(request 0, beam 0\) writes .* a prompt page of request 1"):
         check_indices(plan, pool, PAGE_SIZE, table, kv_lens, indirection)
+
+
+def test_a_one_beam_requests_filled_prompt_page_reused_by_another_passes_until_it_is_written():
+    """One beam: request 0's 6-token prompt ends partly into page 7, which its generated tokens 6-7 then filled, and
+    block reuse gave request 1 that page as a full prompt page. The planner cannot see that page 7 is full, so at
+    one beam it lets it be (with more beams it refuses: the beams of a request copy that page); check mode, which
+    sees the lengths, passes it while request 0 writes past page 7, and refuses a write into it, naming request 1."""
+    a, b, c, d = _pages(SEED, 4, 16)
+    # request 0: prompt on (a, b), position 9 on page c; request 1: a 9-token prompt on (a, b, d), at position 9.
+    with pytest.raises(PlanError, match=rf"request 0: its last prompt page {b} holds 2 of 4 tokens"):
+        build_step_plan([0, 2, 5], [a, b, a, b, d], [6, 9], 2, PAGE_SIZE, 16)
+    plan = build_step_plan([0, 2, 5], [a, b, a, b, d], [6, 9], 1, PAGE_SIZE, 16)
+    table = torch.tensor([[a, b, c], [a, b, d]], dtype=torch.int32)
+    pool, indirection = torch.randn(16, 2, 1, PAGE_SIZE, 8), torch.zeros(2, 1, 16, dtype=torch.int32)
+    check_indices(plan, pool, PAGE_SIZE, table, torch.tensor([10, 10], dtype=torch.int32), indirection)
+    with pytest.raises(BeamSharedPrefixCheckError,
+                       match=rf"row 0 \(request 0, beam 0\) writes .* at position 7 .* = page {b}, a prompt page of "
+                             rf"request 1"):
+        check_indices(plan, pool, PAGE_SIZE, table, torch.tensor([8, 10], dtype=torch.int32), indirection)
 
 
 def _sim_step(prompts, beams, steps, seed):
