@@ -374,48 +374,54 @@ def _check_write_slots(step_plan: StepPlan, table: torch.Tensor, pages: torch.Te
 
 def _copies_of_one_request(step_plan: StepPlan, table: torch.Tensor, pages: torch.Tensor, klen: torch.Tensor,
                            page_size: int, judged: torch.Tensor) -> torch.Tensor:
-    """``[R]`` int64: for each request, the earlier request its rows are exact copies of (same prompt length and
-    pages, the same table entries over every column its rows hold, the same lengths: a padded batch's copies of
+    """``[R]`` int64: for each request, the first request it is an exact copy of (same prompt length and pages,
+    the same table entries over every column its judged rows use, the same lengths: a padded batch's copies of
     its dummy), else itself. Only the first copy's rows are judged. Requests that share a partly filled last
-    prompt page must be such copies: two requests given one would write generated tokens into it over each
+    prompt page must all be such copies: two requests given one would write generated tokens into it over each
     other's, so they are refused. Requests that share only full pages (block reuse) and part after them are
     judged row by row. ``judged``: ``[R * W]`` bool, rows that are no padding or warm-up beam."""
     stage = "indices"
-    W = step_plan.beam_width
-    first = torch.from_numpy(first_copies(step_plan.kv_page_indices, step_plan.kv_page_indptr, step_plan.prompt_lens))
-    req = torch.arange(step_plan.num_rows) // W
-    rows = torch.nonzero((first[req] != req) & judged).flatten()
-    if not rows.numel():
-        return first
-    src = first[req[rows]] * W + rows % W
+    W, R = step_plan.beam_width, step_plan.num_requests
+    same_prompt = first_copies(step_plan.kv_page_indices, step_plan.kv_page_indptr, step_plan.prompt_lens)
+    if (same_prompt == np.arange(R)).all():
+        return torch.from_numpy(same_prompt)
+    # The columns a row uses: beam 0 every column to its write column; another beam those from its prompt's last
+    # column on (its prompt columns before are never read).
     cols = pages.shape[1]
-    held = torch.arange(cols)[None, :] < ((klen[rows] + page_size - 1) // page_size)[:, None]
-    differ = (klen[rows] != klen[src])[:, None] | (held & (table[rows, :cols] != table[src, :cols]))
-    parted = differ.any(1)
-    if not bool(parted.any()):
-        return first
-    partial = torch.from_numpy(step_plan.kv_last_page_len.astype("int64")) < page_size
-    bad = parted & partial[req[rows]]
-    if bool(bad.any()):
-        k = int(torch.nonzero(bad)[0])
-        c = int(torch.nonzero(differ[k])[0])
-        i, j = int(rows[k]), int(src[k])
-        r, f = i // W, j // W
+    row = torch.arange(step_plan.num_rows)
+    plen = torch.from_numpy(step_plan.prompt_lens_per_row.astype("int64"))
+    start = torch.where(row % W == 0, 0, plen // page_size)
+    col = torch.arange(cols)[None, :]
+    used = (col >= start[:, None]) & (col < ((klen + page_size - 1) // page_size)[:, None]) & judged[:, None]
+    entries = torch.where(used, table[:, :cols], 0)
+    signature = torch.cat([torch.where(judged, klen, -1)[:, None], used.long(), entries], 1).reshape(R, -1).numpy()
+    partial = step_plan.kv_last_page_len < page_size
+    first = np.arange(R)
+    exact: dict = {}
+    for r in range(R):  # (in order: each class keeps its earliest request)
+        first[r] = exact.setdefault((int(same_prompt[r]), signature[r].tobytes()), r)
+    for r in np.flatnonzero((same_prompt != np.arange(R)) & partial[same_prompt]):
+        g = int(same_prompt[r])
+        if first[r] == first[g]:
+            continue
+        rows_r, rows_g = row[r * W:(r + 1) * W], row[g * W:(g + 1) * W]
+        differ = ((klen[rows_r] != klen[rows_g]) | ~(judged[rows_r] == judged[rows_g]))[:, None] | (
+            (used[rows_r] | used[rows_g]) & ((entries[rows_r] != entries[rows_g]) | (used[rows_r] != used[rows_g])))
+        b, c = (int(v) for v in torch.nonzero(differ)[0])
+        i, j = r * W + b, g * W + b
         if int(klen[i]) != int(klen[j]):
             what = f"kv_lens[{i}]={int(klen[i])} where row {j} has {int(klen[j])}"
         else:
             what = f"beam_page_table[{i}, {c}]={int(table[i, c])} where row {j} holds {int(table[j, c])}"
         raise BeamSharedPrefixCheckError(
-            stage, f"requests {f} and {r} list the same prompt pages for {int(step_plan.prompt_lens[r])}-token "
+            stage, f"requests {g} and {r} list the same prompt pages for {int(step_plan.prompt_lens[r])}-token "
                    f"prompts, whose last page {int(step_plan.kv_page_indices[step_plan.kv_page_indptr[r + 1] - 1])} "
                    f"is partly filled, so they are taken as copies of one request (a padded batch repeats its dummy); "
-                   f"but {what} (request {r}, beam {i % W}): two requests would write generated tokens into that page "
+                   f"but {what} (request {r}, beam {b}): two requests would write generated tokens into that page "
                    f"over each other's. Only copies of one request share a partly filled page; re-derive the page "
                    f"table from the KV cache manager."
         )
-    first = first.clone()
-    first[req[rows[parted]]] = req[rows[parted]]
-    return first
+    return torch.from_numpy(first)
 
 
 def _check_held_pages(step_plan: StepPlan, pages: torch.Tensor, klen: torch.Tensor, page_size: int,

@@ -15,12 +15,13 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from beam_shared_prefix.check import BeamSharedPrefixCheckError, check_indices
 from beam_shared_prefix.plan import PlanError, build_step_plan
 from beam_shared_prefix.testing import PAGE_TABLE_PAD, BeamSearchCacheSimulator
+from check_oracle import steps, unsafe
 
 PAGE_SIZE = 4
 SEED = 0  # the pages and the simulator's draws; any seed gives the same verdicts
@@ -282,6 +283,23 @@ def test_requests_sharing_full_prompt_pages_are_judged_row_by_row(same_write_pag
         return
     with pytest.raises(BeamSharedPrefixCheckError, match=rf"rows 0 and 2 both write this step's K/V to page {c}, slot 1"):
         check_indices(plan, pool, PAGE_SIZE, table, kv_lens, ind)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(steps())
+def test_check_mode_refuses_exactly_what_a_slot_by_slot_oracle_calls_unsafe(step):
+    """Random small steps (exact copies of a request, some with junk in a column no row reads; requests sharing full
+    or partly filled prompt pages; prompts continuing another request's pages; random page edits): check mode passes
+    a step exactly where the oracle of ``check_oracle.py`` (every position read or written, slot by slot) finds no
+    slot holding two tokens, over the pages the rows hold (so a fault of a later step is refused now too)."""
+    try:
+        plan = step.plan()
+    except PlanError:
+        return  # (the planner's refusals: tests/test_plan.py)
+    now, later = unsafe(step, "now"), unsafe(step, "later")
+    assert now is None or later is not None  # (the pages held cover this step's)
+    refusal = step.check_mode(plan)
+    assert (refusal is None) == (later is None), (refusal, later, step)
 
 
 def _warmup_next_to_a_real_request(seed):
