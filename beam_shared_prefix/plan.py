@@ -151,7 +151,7 @@ def _checked_int_array(name: str, value: ArrayLike) -> np.ndarray:
             raise PlanError(f"{name} must hold integers, got dtype {value.dtype}; pass an int32/int64 tensor.")
         if value.device.type == "meta":
             raise PlanError(f"{name} is a meta tensor (no data); pass a tensor that holds the values.")
-        if value.layout != _torch_strided():
+        if str(value.layout) != "torch.strided":  # (sparse: no numpy view)
             raise PlanError(f"{name} is a {value.layout} tensor; pass a dense one (.to_dense()).")
         value = value.detach().cpu().numpy()
     try:
@@ -167,12 +167,6 @@ def _checked_int_array(name: str, value: ArrayLike) -> np.ndarray:
         j = int(np.argmax(arr))
         raise PlanError(f"{name}[{j}]={int(arr[j])} exceeds the int32 range the kernels index with ({_INT32_MAX}).")
     return arr
-
-
-def _torch_strided():
-    import torch  # (deferred: the planner is torch-free unless given tensors)
-
-    return torch.strided
 
 
 def _as_int_array(name: str, value: ArrayLike) -> np.ndarray:
@@ -217,7 +211,9 @@ def _prompt_page_conflict(used: np.ndarray, kv_page_indptr: np.ndarray, last_pag
     if twice.any():
         key = int(keys[int(np.argmax(twice))])
         return key % num_requests, key // num_requests, key % num_requests
-    partial = np.flatnonzero(last_page_len < page_size) if partly_filled_shared else np.zeros(0, np.int64)
+    if not partly_filled_shared:
+        return None
+    partial = np.flatnonzero(last_page_len < page_size)
     if partial.size:
         first_key = used[kv_page_indptr[partial + 1] - 1] * num_requests
         listed = np.searchsorted(keys, first_key + num_requests) - np.searchsorted(keys, first_key)
