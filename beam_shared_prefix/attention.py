@@ -72,8 +72,8 @@ TAIL_IMPLS = ("auto", "triton", "torch")
 DTYPES = (torch.bfloat16, torch.float16)
 #: The page-table audit's stamp, an int32 the audit advances on the device, would wrap after 2**31 audits (the
 #: holders of earlier steps would then outrank this step's). The wrapper starts its workspace over (zeroed holders,
-#: stamp 1) at the first plan() after this many plan() calls and audited run() calls: a step plans once and audits
-#: at most twice, also where a CUDA graph replays the audits without run().
+#: stamp 1) once this many plan() calls, audited run() calls and graph replays (:meth:`note_graph_replay`, which a
+#: replay needs since it runs no Python) are counted: a step audits at most twice.
 AUDIT_RESTART = 2**29
 
 
@@ -425,12 +425,7 @@ class BeamSharedPrefixAttention:
             raise AttentionInputError(str(exc)) from None
         planner = self._planner_for(page_size, num_cache_pages)
         if self.page_table_audit and self.tail_impl == "triton":
-            workspace = self._audit_workspace_for(num_cache_pages)
-            self._audit_uses += 1
-            if self._audit_uses >= AUDIT_RESTART:  # (device ops on the stream, outside any capture)
-                workspace.page_holders.zero_()
-                workspace.audit_state.fill_(1)
-                self._audit_uses = 0
+            self._count_audit_use(self._audit_workspace_for(num_cache_pages))
         builds = planner.num_builds
         step_plan = planner.plan(prompt_page_indptr, prompt_page_indices, prompt_lens, beam_width, key=key,
                                  request_ids=request_ids)
@@ -559,7 +554,16 @@ class BeamSharedPrefixAttention:
                            page_index_divisor, step_plan, problem_key)
         if out is None:
             out = torch.empty(rows, hq, d, dtype=dtype, device=q.device)
-        check = self.check and not self._capturing()
+        # (A graph wrapper without check mode skips the query: eager steps are host-bound.)
+        capturing = (self.check or not self.use_cuda_graph) and self._capturing()
+        if capturing and not self.use_cuda_graph:
+            raise AttentionInputError(
+                "run() is being captured into a CUDA graph on a wrapper built with use_cuda_graph=False: its device "
+                "tables move to new memory when a later plan() needs more room, and a replay would then read (and "
+                "write) freed memory. Build the wrapper with use_cuda_graph=True (and max_requests, max_beam_width, "
+                "max_prompt_pages) to capture it."
+            )
+        check = self.check and not capturing
         if check:
             from . import check as chk
 
@@ -622,6 +626,16 @@ class BeamSharedPrefixAttention:
         return out
 
     __call__ = run
+
+    def note_graph_replay(self) -> None:
+        """Count one replay of a CUDA graph that holds this wrapper's ``run()``; call it before each replay, outside
+        capture. A replay runs no Python, so with ``report_errors`` only this count lets the wrapper start the
+        page-table audit's step stamps over (every :data:`AUDIT_RESTART` steps; device ops on the current stream)
+        before the int32 stamp wraps after 2**31 replayed steps and valid tables are reported as errors. A ``plan()``
+        before the replay counts itself. Does nothing without the audit or inside capture."""
+        if self._audit_workspace is None or self._capturing():
+            return
+        self._count_audit_use(self._audit_workspace)
 
     # ------------------------------------------------------------------------------------------
     def device_errors(self, reset: bool = True) -> List[str]:
@@ -704,10 +718,26 @@ class BeamSharedPrefixAttention:
         self._audited_since_plan |= due
         return due
 
+    def _count_audit_use(self, workspace) -> None:
+        """Count a plan(), an audited run() or a graph replay on the audit's workspace; start it over (zeroed holders,
+        stamp 1: device ops on the current stream, outside any capture) every :data:`AUDIT_RESTART`."""
+        self._audit_uses += 1
+        if self._audit_uses >= AUDIT_RESTART:
+            workspace.page_holders.zero_()
+            workspace.audit_state.fill_(1)
+            self._audit_uses = 0
+
     def _audit_workspace_for(self, num_pages: int):
         """The page-table audit's workspace for a pool of ``num_pages`` pages: kept while the pool keeps its size (a
-        CUDA graph holds its address), a new one for another size."""
+        CUDA graph holds its address), a new one for another size (refused on a CUDA-graph wrapper, whose captured
+        audits would go on writing the old one after it is freed)."""
         workspace = self._audit_workspace
+        if workspace is not None and workspace.page_holders.shape[1] != num_pages and self.use_cuda_graph:
+            raise AttentionInputError(
+                f"num_cache_pages={num_pages}: this use_cuda_graph=True wrapper's page-table audit was set up for a "
+                f"pool of {workspace.page_holders.shape[1]} pages, and graphs captured with it hold that workspace. "
+                f"Build a new wrapper (and capture new graphs) for a pool of another size."
+            )
         if workspace is None or workspace.page_holders.shape[1] != num_pages:
             from triton_kernels import new_audit_workspace
 
@@ -728,8 +758,9 @@ class BeamSharedPrefixAttention:
         if self.tail_impl == "triton":
             from triton_kernels import audit_page_table
 
-            audit_page_table(*args, self._audit_workspace_for(num_pages), **sizes)
-            self._audit_uses += 1
+            workspace = self._audit_workspace_for(num_pages)
+            audit_page_table(*args, workspace, **sizes)
+            self._count_audit_use(workspace)
         else:
             from triton_kernels import audit_page_table_torch
 

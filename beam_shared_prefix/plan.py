@@ -19,6 +19,7 @@ before anything reaches a kernel.
 from __future__ import annotations
 
 import hashlib
+import logging
 import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -34,6 +35,11 @@ __all__ = ["StepPlan", "StepPlanner", "PlanError", "build_step_plan", "cdiv"]
 # Lengths, offsets and page numbers go to the kernels as int32.
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 _INT64_MAX = int(np.iinfo(np.int64).max)
+
+logger = logging.getLogger("beam_shared_prefix")
+# Whether this process has logged the copies read without request ids (once: a caller that pads every step would
+# otherwise log at every step).
+_warned_copies_without_ids = False
 
 
 class PlanError(ValueError):
@@ -243,6 +249,26 @@ def _check_copies_share_an_id(first: np.ndarray, request_ids: tuple, used: np.nd
             )
 
 
+def _log_copies_without_ids(first: np.ndarray, used: np.ndarray, kv_page_indptr: np.ndarray,
+                            last_page_len: np.ndarray, page_size: int) -> None:
+    """Log, once a process, requests taken as copies of one request over a partly filled page with no
+    ``request_ids`` to tell them apart: two distinct requests given one such page by a faulty page table would both
+    write generated tokens into it, and only the ids can tell that from a padded batch's repeated dummy."""
+    global _warned_copies_without_ids
+    if _warned_copies_without_ids:
+        return
+    copies = np.flatnonzero((first != np.arange(first.shape[0])) & (last_page_len < page_size))
+    if copies.size == 0:
+        return
+    _warned_copies_without_ids = True
+    r = int(copies[0])
+    logger.warning(
+        "beam_shared_prefix: requests %d and %d list the same prompt pages, the last (page %d) partly filled, and are "
+        "taken as copies of one request (a padded batch's repeated dummy) because plan() got no request_ids. If they "
+        "are two requests, both would write generated tokens into that page; pass request_ids so that two ids are "
+        "refused. (Logged once a process.)", int(first[r]), r, int(used[kv_page_indptr[r + 1] - 1]))
+
+
 def _check_prompt_pages(used: np.ndarray, kv_page_indptr: np.ndarray, lens: np.ndarray, last_page_len: np.ndarray,
                         page_size: int, request_ids: Optional[tuple], beam_width: int) -> None:
     # One beam: a request's partly filled prompt page may be another's full prompt page. Block reuse stores a
@@ -255,6 +281,8 @@ def _check_prompt_pages(used: np.ndarray, kv_page_indptr: np.ndarray, lens: np.n
         first = first_copies(used, kv_page_indptr, lens)
         if request_ids is not None:
             _check_copies_share_an_id(first, request_ids, used, kv_page_indptr, lens, last_page_len, page_size)
+        else:
+            _log_copies_without_ids(first, used, kv_page_indptr, last_page_len, page_size)
         kept = np.flatnonzero(first == np.arange(lens.shape[0]))
         if kept.size < lens.shape[0]:
             pages_of = np.diff(kv_page_indptr)[kept]
@@ -310,7 +338,8 @@ def build_step_plan(
         key: stored on the plan (see :class:`StepPlanner`).
         request_ids: ``R`` hashable ids, where the caller knows them: requests with one prompt length and one
             page list are copies of one request (a padded CUDA-graph batch repeats its dummy) only under one
-            id. ``None``: they are taken as copies whatever they are (the planner cannot tell).
+            id. ``None``: they are taken as copies whatever they are (the planner cannot tell; where they share a
+            partly filled page, the first such plan of the process logs a warning).
 
     Raises:
         PlanError: for an empty batch, a beam width above ``max_beam_width``, negative or

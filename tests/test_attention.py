@@ -1019,6 +1019,24 @@ def test_the_audit_workspace_starts_over_before_its_stamp_wraps(monkeypatch):
     assert "held by a row of another request" in message, message
 
 
+def test_counted_graph_replays_start_the_audit_workspace_over(monkeypatch):
+    """A graph replay runs no Python: note_graph_replay() counts it toward ``AUDIT_RESTART`` (here 4) with the plan()
+    and audited runs, and the fourth use starts the workspace over at the same addresses."""
+    import beam_shared_prefix.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "AUDIT_RESTART", 4)
+    sim, step, att = _flagged_setup("triton", steps=4)  # one plan()
+    workspace = att._audit_workspace
+    att.run(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    att.note_graph_replay()
+    assert workspace.audit_state.tolist() == [2] and workspace.page_holders.any()
+    att.note_graph_replay()
+    assert att._audit_workspace is workspace
+    assert workspace.audit_state.tolist() == [1] and not workspace.page_holders.any()
+    plain = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="triton", check=False)
+    plain.note_graph_replay()  # no audit: nothing to count
+
+
 def _trtllm_warmup_step(n, divisor, seed=0, device="cpu"):
     """TensorRT-LLM's CUDA-graph warm-up, as in :func:`test_trtllm_warmup_requests_raise_no_bit`: 2 beams, pages
     of 4; a dummy request of ``n`` tokens on pages 3 and 11 for both beams, then a padding request (pages 20, 21).
@@ -1043,6 +1061,19 @@ def _graph_wrapper(device="cpu", **kwargs):
     """A CUDA-graph wrapper for :func:`_trtllm_warmup_step` (the warm-up runs on the graph's metadata)."""
     return BeamSharedPrefixAttention(device, use_cuda_graph=True, max_requests=2, max_beam_width=2, max_prompt_pages=4,
                                      **kwargs)
+
+
+def test_a_graph_wrappers_audit_keeps_its_pool_size():
+    """Graphs captured on a use_cuda_graph=True wrapper hold its audit workspace: a plan for a pool of another size
+    is refused, naming both sizes, rather than freeing the workspace under them."""
+    plan_args, _ = _trtllm_warmup_step(8, 1)
+    att = _graph_wrapper(backend="reference", tail_impl="triton", check=False, report_errors=True)
+    att.plan(*plan_args)
+    workspace = att._audit_workspace
+    with pytest.raises(AttentionInputError, match=r"num_cache_pages=64: .* audit was set up for a pool of 32 pages"):
+        att.plan(*plan_args[:8], 64, plan_args[9])
+    att.plan(*plan_args)
+    assert att._audit_workspace is workspace
 
 
 @pytest.mark.parametrize("backend,tail_impl", [("reference", "torch"), ("reference", "triton"), ("triton", "triton")])
@@ -1326,6 +1357,49 @@ def test_cuda_graph_replay_matches_oracle(backend, shared_run, report_errors, mo
     assert not shared_run or longest_skip >= 8, longest_skip
     assert rows == out.shape[0]
     assert att.device_errors() == []
+
+
+@pytest.mark.parametrize("use_cuda_graph", [False, True])
+def test_run_under_capture_needs_a_graph_wrapper(monkeypatch, use_cuda_graph):
+    """The capture check on the host (the GPU test below captures for real): an eager wrapper refuses run() while the
+    stream captures, before it launches anything; a graph wrapper runs."""
+    sim = make_sim(prompts=(5, 7), beams=2)
+    step = sim.begin_step()
+    kwargs = dict(use_cuda_graph=True, max_requests=2, max_beam_width=2, max_prompt_pages=4) if use_cuda_graph else {}
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl="torch", check=False, **kwargs)
+    plan_step(att, sim, step)
+    monkeypatch.setattr(att, "_capturing", lambda: True)
+    out = torch.full_like(step.q, float("nan"))
+    args = (step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    if use_cuda_graph:
+        att.run(*args, out=out)
+        assert_matches(out, oracle(sim, step), step.q.dtype)
+        return
+    with pytest.raises(AttentionInputError, match="use_cuda_graph=False"):
+        att.run(*args, out=out)
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.gpu
+def test_capturing_an_eager_wrappers_run_is_refused():
+    """A use_cuda_graph=False wrapper's tables move when a later plan() needs more room, so a graph of its run() would
+    replay on freed memory: run() under capture is refused by name, and the wrapper serves eagerly afterwards."""
+    sim = make_sim(prompts=(5, 37), beams=2, d=64, pg=16, device="cuda", seed=4)
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cuda", backend="reference", tail_impl="triton", check=False)
+    plan_step(att, sim, step)
+    args = (step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    out = torch.full_like(step.q, float("nan"))
+    att.run(*args, out=out)  # eager warm-up (compiles outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(AttentionInputError, match="captured into a CUDA graph on a wrapper built with "
+                                                  "use_cuda_graph=False"):
+        with torch.cuda.graph(graph):
+            att.run(*args, out=out)
+    out.fill_(float("nan"))
+    att.run(*args, out=out)
+    assert_matches(out, oracle(sim, step), step.q.dtype, "eager after the refused capture")
 
 
 @pytest.mark.parametrize("interpret, expected", [("0", "torch"), ("1", "triton")])

@@ -613,6 +613,25 @@ def test_copies_of_a_request_share_its_id_where_ids_are_given(lens, ids, refused
         build_step_plan(indptr, indices, lens, 2, 4, 32, request_ids=ids[:2])
 
 
+def test_copies_read_without_ids_are_logged_once(monkeypatch, caplog):
+    """Without ids, copies over a partly filled page are served and logged, once a process, naming both requests and
+    the page; copies over full pages (nothing written into them) and copies under ids are not logged."""
+    import beam_shared_prefix.plan as plan_module
+
+    a, b, c = (int(p) for p in np.random.default_rng(5).permutation(32)[:3])
+    monkeypatch.setattr(plan_module, "_warned_copies_without_ids", False)
+    caplog.set_level("WARNING", logger="beam_shared_prefix")
+    build_step_plan([0, 2, 4], [a, c, a, c], [8, 8], 2, 4, 32)  # full pages: block reuse, nothing to say
+    build_step_plan([0, 2, 4, 6], [a, b, a, b, c, a], [6, 6, 8], 2, 4, 32, request_ids=("x", "x", "y"))
+    assert not caplog.records
+    build_step_plan([0, 2, 4, 6], [a, b, a, b, c, a], [6, 6, 8], 2, 4, 32)
+    build_step_plan([0, 2, 4, 6], [a, b, a, b, c, a], [6, 6, 8], 2, 4, 32)
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert f"requests 0 and 1 list the same prompt pages, the last (page {b}) partly filled" in message
+    assert "pass request_ids" in message
+
+
 def test_planner_capacity_must_be_positive():
     with pytest.raises(PlanError, match=r"capacity=0 must be >= 1"):
         StepPlanner(16, 8, capacity=0)

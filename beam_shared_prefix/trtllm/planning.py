@@ -356,7 +356,11 @@ def plan_metadata(metadata, from_hook: bool = False) -> Optional[Union[StepInfo,
     for family in list(adapter.families.values()):
         if step.decline_reason(family) is None:
             try:
-                wrapper_for(metadata, state, step, family)
+                wrapper = wrapper_for(metadata, state, step, family)
+                if state.is_cuda_graph:
+                    # A graph replay follows this prepare() and runs no Python: counted here, the audit's stamps
+                    # start over before they wrap (report_errors; nothing otherwise).
+                    wrapper.note_graph_replay()
             except Exception as exc:
                 if not isinstance(exc, _planning_errors()):
                     raise

@@ -271,6 +271,54 @@ def test_a_new_batch_unplanned_under_capture_stops(setup, monkeypatch):
         setup.layer.forward(qkv, None, None, graph)
 
 
+def test_graph_replays_start_the_audit_over_before_its_stamp_wraps(trt, monkeypatch):
+    """With report_errors, a CUDA-graph step plans nothing while its batch stays (prepare() finds the plan) and its
+    replay runs no Python, yet each replay advances the audit's int32 stamp on the device. prepare() counts the
+    replays, so the wrapper starts the audit over before the stamp wraps; else valid tables are reported as errors
+    once it has. Scaled down: a restart every 8 uses, the stamp started 30 below 2**31 (the real 4x margin);
+    a replay is prepare() and the captured audit launch."""
+    import triton_kernels
+    from beam_shared_prefix import attention as attention_module
+
+    restart = 8
+    monkeypatch.setattr(attention_module, "AUDIT_RESTART", restart)
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_REPORT_ERRORS", "1")
+    model = trt(layout="new")
+    monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
+    register()
+    built = build(model, prompts=(20, 20), beam_width=3, max_batch_size=2)
+    sim, graph = built.sim, built.engine.graph_metadata(2)
+    audits = []
+    audit = triton_kernels.audit_page_table
+    monkeypatch.setattr(triton_kernels, "audit_page_table", lambda *a, **k: (audits.append((a, k)), audit(*a, **k)))
+
+    step = sim.begin_step()
+    built.run(step, metadata=graph)  # the warm-up forward
+    sim.end_step()
+    (wrapper,) = planning.metadata_state(graph).wrappers.values()
+    workspace = wrapper._audit_workspace
+    workspace.audit_state.fill_(2**31 - (4 * restart - 2))
+    step = sim.begin_step()
+    built.run(step, metadata=graph)  # the forward a graph captures
+    sim.end_step()
+    captured_args, captured_kwargs = audits[-1]
+    for _ in range(4 * restart):
+        step = sim.begin_step()
+        built.engine.prepare(step, metadata=graph)
+        audit(*captured_args, **captured_kwargs)
+        sim.end_step()
+    assert 0 < int(workspace.audit_state.item()) <= restart + 1  # started over, not wrapped
+    assert wrapper.device_errors() == []
+    sim.finish([sim.requests[0].rid])  # a new composition: a valid table the audit still judges as one
+    sim.add_requests([20])
+    for _ in range(2):
+        step = sim.begin_step()
+        out, _ = built.run(step, metadata=graph)
+        check(built, step, out)
+        sim.end_step()
+    assert wrapper.device_errors() == []
+
+
 def test_warmup_rows_without_generated_tokens(setup):
     """Doc 3.4: warm-up / CUDA-graph dummy rows have prompt_len = kv_len - 1 (nothing generated yet)
     and a zero-length prompt may appear (kv_len 1); planning clamps the prefix to [1, kv_len - 1]
