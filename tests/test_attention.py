@@ -408,6 +408,48 @@ def test_shared_run_stage_serves_coalesced_steps(check, monkeypatch):
     assert att.device_errors() == []
 
 
+@pytest.mark.parametrize("bad_len", [-40, -2**31 + 1])
+@pytest.mark.parametrize("path", ["cascade", "shared_run"])
+def test_a_beam_length_below_its_prompt_beside_long_tails_reads_nothing_outside(path, bad_len, monkeypatch):
+    """One beam's kv_len below its prompt (the flag names it) while its request's other beams cache tails long
+    enough for the run every beam shares (the cascade's shared-ancestry scan; the shared-run stage): the scan's end
+    sits below its start, and far below it the int32 difference wraps. Nothing is read before the page table or
+    cache_indirection (each given as a view into a buffer whose leading guard is set two ways: every output equal),
+    every output is finite, and the other request's rows match the oracle."""
+    monkeypatch.setattr(shared_run_module, "SHARED_RUN_MIN_CACHED_TAIL", 4)
+    W = 3
+    sim = make_sim(prompts=(5, 9), beams=W, hq=4, hkv=2, d=64, pg=4, max_seq_len=24, seed=2, device=KERNEL_DEVICE)
+    for _ in range(2):
+        sim.begin_step()
+        sim.end_step()
+    step = sim.begin_step()
+    backend = "triton" if path == "cascade" else "reference"
+    att = BeamSharedPrefixAttention(KERNEL_DEVICE, backend=backend, tail_impl="triton", check=False,
+                                    report_errors=True, shared_run=path == "shared_run")
+    plan_step(att, sim, step)
+    assert att.backend_name == backend
+    kv_lens = step.kv_lens.clone()
+    kv_lens[:W] = torch.tensor([24, bad_len, 24], dtype=torch.int32)  # request 0: beam 1 invalid, 0 and 2 long
+
+    def guarded(x, value, guard=64):
+        buf = torch.empty(guard + x.numel(), dtype=x.dtype, device=x.device)
+        buf[:guard] = value
+        buf[guard:] = x.reshape(-1)
+        return buf[guard:].view(x.shape)
+
+    outs = []
+    for page in (0, 1):
+        pool = sim.kv_cache.clone()
+        outs.append(att.run(step.q, pool, guarded(step.beam_page_table, page), kv_lens,
+                            guarded(step.cache_indirection, page), step.new_k, step.new_v).float())
+    assert any("kv_len" in e for e in att.device_errors())
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    if path == "shared_run":  # the run the stage found stays within request 0's cached tail (no wrapped length)
+        assert 0 <= int(att._views["tail_skip"][:W].min()) <= int(att._views["tail_skip"][:W].max()) <= 24 - 1 - 5
+    ref = oracle(sim, step)
+    assert_matches(outs[0][W:], ref[W:], sim.dtype, "request 1")
+
+
 @pytest.mark.parametrize("mode,graph", [("auto", False), ("auto", True), ("on", False), ("off", False)])
 def test_shared_run_follows_the_tail(monkeypatch, mode, graph):
     """``shared_run="auto"`` launches the shared-run stage from the plan whose ``max_tail_len`` reaches

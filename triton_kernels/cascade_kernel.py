@@ -644,6 +644,8 @@ def beam_cascade_kernel(
             if SHARED_ANCESTRY:
                 if (prompt_len >= 0) & (tail_stop - 1 - prompt_len >= SHARED_MIN_TAIL):
                     shared_stop = tl.min(tl.where(tcol_ok, tcol_gen_end, max_seq_len), axis=0)
+                    # (a beam's kv_len below its prompt, which the flag reports, must not start the walk before P)
+                    shared_stop = tl.maximum(shared_stop, prompt_len)
                     shared_len = shared_ancestry_len(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64,
                                                      first_beam, beam_width, prompt_len, shared_stop, BEAMS,
                                                      SHARED_SCAN)

@@ -104,8 +104,10 @@ def beam_shared_run_kernel(
     slot_row64 = req64 * beam_width + (first_beam + slot).to(tl.int64)
     prompt_len = tl.load(prompt_lens_ptr + req64 * beam_width)
     gen_end = tl.minimum(tl.load(kv_lens_ptr + slot_row64, mask=slot_ok, other=0) - 1, max_seq_len)
-    shared_stop = tl.min(tl.where(slot_ok, gen_end, max_seq_len), axis=0)
     run_begin = tl.maximum(prompt_len, 0)
+    # (clamped: a beam's kv_len far below its prompt, which the tail kernel's flag reports, would wrap the int32
+    # difference below into a run of 2**31 positions that every beam of the block would skip)
+    shared_stop = tl.maximum(tl.min(tl.where(slot_ok, gen_end, max_seq_len), axis=0), run_begin)
     if shared_stop - run_begin >= min_cached_tail:
         run_len = shared_ancestry_len(ci_ptr, stride_ci_req, stride_ci_beam, stride_ci_pos, req64, first_beam,
                                       beam_width, run_begin, shared_stop, BEAMS, SHARED_SCAN)
