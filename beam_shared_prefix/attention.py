@@ -187,6 +187,8 @@ class BeamSharedPrefixAttention:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        elif self.device.type == "cpu":
+            self.device = torch.device("cpu")  # (torch puts every CPU tensor on "cpu", never "cpu:0")
         if use_cuda_graph and tail_impl == "torch" and self.device.type == "cuda":
             # (a CPU wrapper's graph mode runs the same host logic in tests; nothing is captured there)
             raise ValueError("use_cuda_graph=True cannot take tail_impl='torch' on a GPU: the torch tail reads the tail "

@@ -34,8 +34,11 @@ from .step_args import (
     byte_span,
     check_device,
     check_step_args,
+    check_pool_extent,
     check_tail_index_values,
+    check_written_overlaps,
     fail,
+    index_tensors,
     is_pow2,
     need_dim,
     need_distinct_elements,
@@ -633,6 +636,11 @@ def beam_cascade_attention(
     check_device(q, beam_cascade_kernel, "the cascade kernel")
     _check_prompt_table(prompt_page_table, geom.num_requests, q.device)
     check_error_flags(error_flags, q.device)
+    # (out against the rest: check_step_args)
+    check_written_overlaps(("error_flags",) + (("kv_cache",) if write_kv else ()), (
+        ("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache), ("prompt_page_table", prompt_page_table),
+        ("error_flags", error_flags), ("out", out)) + index_tensors(beam_page_table, kv_lens, prompt_lens,
+                                                                   cache_indirection))
     if max_tail_len is not None and (isinstance(max_tail_len, bool) or not isinstance(max_tail_len, int)
                                      or max_tail_len < 1):
         fail(f"max_tail_len={max_tail_len!r} must be None or an int >= 1 (generated tokens per beam, this step's "
@@ -723,12 +731,15 @@ def beam_prefix_attention(
     need_dim("q", q, 3, "[rows, Hq, D]")
     need_dtype("q", q, KV_DTYPES)
     num_rows, num_qo_heads, head_dim = q.shape
+    if num_qo_heads < 1 or head_dim < 1:
+        fail(f"q is {tuple(q.shape)} with Hq={num_qo_heads}, D={head_dim}; both must be >= 1 (q is [rows, Hq, D]).")
     if num_rows % beam_width:
         fail(f"q has {num_rows} rows, not a multiple of beam_width={beam_width}; rows must be R * W, request-major.")
     num_requests = num_rows // beam_width
     need_dim("kv_cache", kv_cache, 5, "[pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD)")
     if kv_cache.dtype != q.dtype or kv_cache.shape[1] != 2:
         fail(f"kv_cache must be {q.dtype} [pages, 2, ...] like q, got {kv_cache.dtype} {tuple(kv_cache.shape)}.")
+    check_pool_extent(kv_cache, kv_layout)
     (num_pages, num_kv_heads, page_size, pool_dim), kv_strides = pool_layout(kv_cache, kv_layout)
     if pool_dim != head_dim or num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         fail(f"kv_cache ({kv_layout}) holds Hkv={num_kv_heads}, D={pool_dim}, which does not serve q's Hq="

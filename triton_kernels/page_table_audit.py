@@ -61,6 +61,41 @@ def new_audit_workspace(num_pages: int, device) -> AuditWorkspace:
     return AuditWorkspace(torch.zeros(2, num_pages, dtype=torch.int64, device=device), state)
 
 
+def _check_audit_args(kv_lens, prompt_lens, beam_page_table, beam_width, error_flags, page_size, num_pages,
+                      max_seq_len, page_index_divisor, plan_digest) -> None:
+    """The arguments both audits share (see :func:`audit_page_table`); raises naming the argument, limit and fix."""
+    for name, x in (("kv_lens", kv_lens), ("prompt_lens", prompt_lens), ("beam_page_table", beam_page_table)):
+        need_tensor(name, x)
+        need_dtype(name, x, (torch.int32,))
+        if x.device != kv_lens.device:
+            fail(f"{name} is on {x.device} but kv_lens is on {kv_lens.device}; put every tensor on one device.")
+    if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
+        fail(f"beam_width={beam_width!r} must be an int >= 1.")
+    for name, value in (("page_size", page_size), ("num_pages", num_pages), ("max_seq_len", max_seq_len)):
+        _need_positive_int(name, value)
+    need_page_index_divisor(page_index_divisor)
+    need_dim("kv_lens", kv_lens, 1, "[R*W]")
+    rows = kv_lens.shape[0]
+    if rows % beam_width:
+        fail(f"kv_lens has {rows} rows, not a multiple of beam_width={beam_width}; pass whole requests.")
+    if prompt_lens.dim() != 1 or prompt_lens.shape[0] != rows:
+        fail(f"prompt_lens must be int32 [{rows}] (one per row, like kv_lens), got {tuple(prompt_lens.shape)}.")
+    need_unit_stride("kv_lens", kv_lens)
+    need_unit_stride("prompt_lens", prompt_lens)
+    need_dim("beam_page_table", beam_page_table, 2, "[>= R*W, max_pages]")
+    if beam_page_table.shape[0] < rows:
+        fail(f"beam_page_table has {beam_page_table.shape[0]} rows but kv_lens has {rows}; pass a row per beam.")
+    if beam_page_table.shape[1] * page_size < max_seq_len:
+        fail(f"beam_page_table has {beam_page_table.shape[1]} columns of {page_size} tokens, fewer than "
+             f"max_seq_len={max_seq_len}; pass the table that covers the cache (cache_indirection.shape[2] tokens).")
+    check_error_flags(error_flags, kv_lens.device)
+    if error_flags is None:
+        fail("error_flags is None; the audit reports into a flag (device_errors.new_error_flags(device)).")
+    if plan_digest is not None:
+        need_vector("plan_digest", plan_digest, torch.int64, "R", rows // beam_width, kv_lens.device,
+                    "pass torch.from_numpy(step_plan.prompt_pages_digest) on the tensors' device, or None.")
+
+
 def audit_page_table(
     kv_lens: torch.Tensor,
     prompt_lens: torch.Tensor,
@@ -95,33 +130,9 @@ def audit_page_table(
 
     Raises :class:`~triton_kernels.KernelInputError` naming the argument, its limit and the fix.
     """
-    for name, x in (("kv_lens", kv_lens), ("prompt_lens", prompt_lens), ("beam_page_table", beam_page_table)):
-        need_tensor(name, x)
-        need_dtype(name, x, (torch.int32,))
-        if x.device != kv_lens.device:
-            fail(f"{name} is on {x.device} but kv_lens is on {kv_lens.device}; put every tensor on one device.")
-    if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
-        fail(f"beam_width={beam_width!r} must be an int >= 1.")
-    for name, value in (("page_size", page_size), ("num_pages", num_pages), ("max_seq_len", max_seq_len)):
-        _need_positive_int(name, value)
-    need_page_index_divisor(page_index_divisor)
-    need_dim("kv_lens", kv_lens, 1, "[R*W]")
+    _check_audit_args(kv_lens, prompt_lens, beam_page_table, beam_width, error_flags, page_size, num_pages,
+                      max_seq_len, page_index_divisor, plan_digest)
     rows = kv_lens.shape[0]
-    if rows % beam_width:
-        fail(f"kv_lens has {rows} rows, not a multiple of beam_width={beam_width}; pass whole requests.")
-    if prompt_lens.dim() != 1 or prompt_lens.shape[0] != rows:
-        fail(f"prompt_lens must be int32 [{rows}] (one per row, like kv_lens), got {tuple(prompt_lens.shape)}.")
-    need_unit_stride("kv_lens", kv_lens)
-    need_unit_stride("prompt_lens", prompt_lens)
-    need_dim("beam_page_table", beam_page_table, 2, "[>= R*W, max_pages]")
-    if beam_page_table.shape[0] < rows:
-        fail(f"beam_page_table has {beam_page_table.shape[0]} rows but kv_lens has {rows}; pass a row per beam.")
-    if beam_page_table.shape[1] * page_size < max_seq_len:
-        fail(f"beam_page_table has {beam_page_table.shape[1]} columns of {page_size} tokens, fewer than "
-             f"max_seq_len={max_seq_len}; pass the table that covers the cache (cache_indirection.shape[2] tokens).")
-    check_error_flags(error_flags, kv_lens.device)
-    if error_flags is None:
-        fail("error_flags is None; the audit reports into a flag (device_errors.new_error_flags(device)).")
     holders, state = workspace if isinstance(workspace, tuple) and len(workspace) == 2 else (None, None)
     if (not isinstance(holders, torch.Tensor) or holders.dtype != torch.int64 or tuple(holders.shape) != (2, num_pages)
             or not holders.is_contiguous() or holders.device != kv_lens.device
@@ -130,9 +141,6 @@ def audit_page_table(
         fail(f"workspace must be new_audit_workspace(num_pages={num_pages}, {kv_lens.device}) (page_holders int64 "
              f"[2, {num_pages}] contiguous and audit_state int32 [1] on the tensors' device); make one per pool and "
              f"keep it between steps.")
-    if plan_digest is not None:
-        need_vector("plan_digest", plan_digest, torch.int64, "R", rows // beam_width, kv_lens.device,
-                    "pass torch.from_numpy(step_plan.prompt_pages_digest) on the tensors' device, or None.")
     check_device(kv_lens, page_table_audit_kernel, "the page-table audit")
     if rows == 0 or beam_page_table.shape[1] == 0:
         return
@@ -168,6 +176,8 @@ def audit_page_table_torch(
 ) -> None:
     """:func:`audit_page_table` in torch ops (the rules' twins in :mod:`triton_kernels.device_errors`), on any device,
     without a workspace: the same arguments but that, the same bits ORed into ``error_flags``, no sync."""
+    _check_audit_args(kv_lens, prompt_lens, beam_page_table, beam_width, error_flags, page_size, num_pages,
+                      max_seq_len, page_index_divisor, plan_digest)
     rows = kv_lens.shape[0]
     if rows == 0 or beam_page_table.shape[1] == 0:
         return

@@ -25,7 +25,7 @@ from .device_errors import check_error_flags
 from .host_ints import cdiv
 from .launch import launch
 from .shared_run_kernel import beam_shared_run_kernel
-from .step_args import LOG2E, KernelInputError, byte_span, check_device, spans_overlap
+from .step_args import LOG2E, KernelInputError, check_device, check_written_overlaps, need_distinct_elements
 from .tail_merge_args import check_tail_merge_args, check_tail_skip
 
 __all__ = ["shared_run_supported", "shared_run_tile", "shared_run_kv_heads_per_program", "beam_shared_run_attention"]
@@ -160,17 +160,15 @@ def beam_shared_run_attention(
     if not ok:
         raise KernelInputError(f"{reason}; leave the tail kernel to walk every position (no tail_skip).")
     check_tail_skip(tail_skip, geom.num_rows, q.device)
-    # Each span once (this runs per layer and step in eager mode), then every written tensor against the rest.
-    spans = {name: byte_span(x) for name, x in (
+    check_error_flags(error_flags, q.device)
+    check_written_overlaps(("prefix_out", "prefix_lse", "tail_skip", "error_flags"), (
         ("q", q), ("kv_cache", kv_cache), ("beam_page_table", beam_page_table), ("kv_lens", kv_lens),
         ("prompt_lens", prompt_lens), ("cache_indirection", cache_indirection), ("prefix_out", prefix_out),
-        ("prefix_lse", prefix_lse), ("tail_skip", tail_skip))}
-    for name in ("prefix_out", "prefix_lse", "tail_skip"):
-        for other_name, other_span in spans.items():
-            if other_name != name and spans_overlap(spans[name], other_span):
-                raise KernelInputError(f"{name} overlaps {other_name} in memory; the stage writes {name}, so "
-                                       f"pass it a buffer of its own.")
-    check_error_flags(error_flags, q.device)
+        ("prefix_lse", prefix_lse), ("tail_skip", tail_skip), ("error_flags", error_flags)))
+    # The stage merges each row's run into its prefix state in place: rows that share elements would merge into
+    # one another's.
+    for name, x in (("prefix_out", prefix_out), ("prefix_lse", prefix_lse)):
+        need_distinct_elements(name, x, f"Pass a {name} buffer whose elements are distinct (a fresh tensor).")
     if kv_heads_per_program is not None and (
             not isinstance(kv_heads_per_program, int) or isinstance(kv_heads_per_program, bool)
             or kv_heads_per_program < 1 or geom.num_kv_heads % kv_heads_per_program):

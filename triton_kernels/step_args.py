@@ -41,6 +41,8 @@ __all__ = [
     "byte_span",
     "check_device",
     "check_out_overlaps",
+    "check_pool_extent",
+    "check_written_overlaps",
     "check_step_args",
     "check_step_metadata",
     "check_tail_index_values",
@@ -254,6 +256,20 @@ def spans_overlap(sa, sb) -> bool:
     return sa[0] < sb[1] and sb[0] < sa[1]
 
 
+def check_pool_extent(kv_cache: torch.Tensor, kv_layout: str) -> None:
+    """The pool (5-D, in ``kv_layout``) has pages of at least one token, and a page's heads and slots span less than
+    int32 elements: the kernels add a KV head's offset in int32 (the page term is int64), which a view with the heads
+    outside the pages could overflow."""
+    (num_pages, pool_heads, page_size, pool_dim), kv_strides = pool_layout(kv_cache, kv_layout)
+    if num_pages < 1 or page_size < 1:
+        fail(f"kv_cache has {num_pages} pages of {page_size} tokens; both must be >= 1.")
+    head_span = (pool_heads - 1) * kv_strides[2] + (page_size - 1) * kv_strides[3] + pool_dim
+    if head_span >= 2**31:
+        fail(f"kv_cache's heads and slots span {head_span} elements within a page (strides "
+             f"{tuple(kv_cache.stride())}), past int32; pass a pool view whose pages hold their heads "
+             f"([pages, 2, Hkv, Pg, D] or [pages, 2, Pg, Hkv, D]).")
+
+
 def check_step_metadata(
     q,
     new_k,
@@ -342,15 +358,7 @@ def check_step_metadata(
             f"{'new_k' if step_kv else 'q'} has Hkv={num_kv_heads}, D={head_dim}; check kv_layout (got "
             f"{kv_layout!r}) and the layer's pool view."
         )
-    if num_pages < 1 or page_size < 1:
-        fail(f"kv_cache has {num_pages} pages of {page_size} tokens; both must be >= 1.")
-    # The tail kernels add a KV head's offset in int32 (the page term is int64); a view with the
-    # heads outside the pages could overflow it.
-    head_span = (pool_heads - 1) * kv_strides[2] + (page_size - 1) * kv_strides[3] + pool_dim
-    if head_span >= 2**31:
-        fail(f"kv_cache's heads and slots span {head_span} elements within a page (strides "
-             f"{tuple(kv_cache.stride())}), past int32; pass a pool view whose pages hold their heads "
-              f"([pages, 2, Hkv, Pg, D] or [pages, 2, Pg, Hkv, D]).")
+    check_pool_extent(kv_cache, kv_layout)
     for name, x in (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache)):
         if x is not None:
             need_last_dim_contiguous(name, x)
@@ -422,6 +430,21 @@ def check_out_overlaps(out, others) -> None:
     for name, x in others:
         if x is not None and spans_overlap(out_span, byte_span(x)):
             fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
+
+
+def check_written_overlaps(written, tensors) -> None:
+    """Each tensor named in ``written`` shares no byte with another of ``tensors`` (``(name, tensor or None)`` pairs:
+    every argument the launch touches, the written ones included). For a launch's writes beside ``out`` (which
+    :func:`check_out_overlaps` covers): the pool where it takes this step's K/V, the error flag, the shared-run
+    stage's outputs. Run on every call (it reads addresses); each span is computed once."""
+    spans = [(name, byte_span(x)) for name, x in tensors if x is not None]
+    for name, span in spans:
+        if name not in written or span is None:
+            continue
+        for other, other_span in spans:
+            if other != name and other_span is not None and span[0] < other_span[1] and other_span[0] < span[1]:
+                fail(f"{name} overlaps {other} in memory; the launch writes {name}, so pass it a buffer of its own "
+                     f"({name} may alias nothing).")
 
 
 def _step_overlaps(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,

@@ -28,6 +28,7 @@ from .step_args import (
 )
 from .tail_merge_args import (
     check_tail_merge_args,
+    check_tail_merge_writes,
     check_tail_skip,
 )
 from .tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel
@@ -399,6 +400,8 @@ def beam_tail_attention_merge(
     check_error_flags(error_flags, q.device)
     if tail_skip is not None:
         check_tail_skip(tail_skip, geom.num_rows, q.device)
+    check_tail_merge_writes(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection,
+                            prefix_out, prefix_lse, out, error_flags, tail_skip, write_kv)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     if geom.num_rows == 0:

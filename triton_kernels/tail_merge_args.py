@@ -32,6 +32,7 @@ from .step_args import (  # noqa: F401  (the names not used here are this module
     check_step_args,
     check_step_metadata,
     check_tail_index_values,
+    check_written_overlaps,
     fail,
     index_tensors,
     is_pow2,
@@ -54,6 +55,7 @@ __all__ = [
     "check_step_args",
     "overlapping_elements",
     "check_tail_merge_args",
+    "check_tail_merge_writes",
     "check_tail_index_values",
     "check_tail_skip",
     "memoize_metadata_check",
@@ -150,6 +152,19 @@ def _tail_merge_overlaps(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, pr
 
 
 check_tail_merge_args = memoize_metadata_check(_tail_merge_metadata, every_call=_tail_merge_overlaps)
+
+
+def check_tail_merge_writes(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection,
+                            prefix_out, prefix_lse, out, error_flags, tail_skip, write_kv) -> None:
+    """The tail's writes beside ``out`` (whose overlaps :func:`check_tail_merge_args` checks) overlap none of its
+    arguments: the error flag, and the pool where it takes this step's K/V (``write_kv``); ``out`` is also kept off
+    ``tail_skip``. Run on every call (it reads addresses)."""
+    check_written_overlaps(("error_flags",) + (("kv_cache",) if write_kv else ()), (
+        ("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache), ("prefix_out", prefix_out),
+        ("prefix_lse", prefix_lse), ("tail_skip", tail_skip), ("error_flags", error_flags), ("out", out))
+        + index_tensors(beam_page_table, kv_lens, prompt_lens, cache_indirection))
+    if tail_skip is not None:
+        check_out_overlaps(out, (("tail_skip", tail_skip),))
 
 
 def check_tail_skip(tail_skip, num_rows: int, device) -> None:

@@ -16,7 +16,7 @@ import torch
 from . import device_errors
 from .device_errors import check_error_flags
 from .step_args import LOG2E, check_tail_index_values
-from .tail_merge_args import check_tail_merge_args
+from .tail_merge_args import check_tail_merge_args, check_tail_merge_writes
 
 __all__ = ["beam_tail_attention_merge_torch"]
 
@@ -65,6 +65,8 @@ def beam_tail_attention_merge_torch(
         prefix_lse_base=prefix_lse_base,
     )
     check_error_flags(error_flags, q.device)
+    check_tail_merge_writes(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection,
+                            prefix_out, prefix_lse, out, error_flags, None, write_kv)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     rows, W, pg = geom.num_rows, geom.beam_width, geom.page_size
