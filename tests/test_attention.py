@@ -1444,6 +1444,15 @@ def test_capturing_an_eager_wrappers_run_is_refused():
     assert_matches(out, oracle(sim, step), step.q.dtype, "eager after the refused capture")
 
 
+def test_a_cpu_0_wrapper_serves_cpu_tensors():
+    """torch puts every CPU tensor on "cpu": a wrapper made on "cpu:0" serves them (it used to refuse each one)."""
+    sim = make_sim(prompts=(5, 7), beams=2)
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu:0", backend="reference", tail_impl="torch", check=False)
+    plan_step(att, sim, step)
+    assert_matches(run_step(att, sim, step), oracle(sim, step), sim.dtype)
+
+
 @pytest.mark.parametrize("interpret, expected", [("0", "torch"), ("1", "triton")])
 def test_auto_tail_impl_on_cpu_follows_the_interpreter(monkeypatch, interpret, expected):
     """On a plain CPU the fused kernel cannot launch, so "auto" takes the torch tail; under

@@ -609,6 +609,9 @@ def test_refuses_shapes_it_does_not_tile(device):
     (lambda a: a.update(sm_scale=torch.tensor(0.125)), "sm_scale is a tensor"),
     (lambda a: a.update(out_over_index("prompt_lens", a)), "out overlaps prompt_lens"),
     (lambda a: a.update(out_over_index("cache_indirection", a)), "out overlaps cache_indirection"),
+    (lambda a: a.update(error_flags=a["out"].view(torch.int32).view(-1)[:1]), "error_flags overlaps out in memory"),
+    (lambda a: a.update(kv_lens=a["kv_cache"].view(-1).view(torch.int32)[: a["kv_lens"].numel()]),
+     "kv_cache overlaps kv_lens in memory"),
 ])
 def test_refuses_bad_arguments(mutate, match, device):
     sim, step = _one_step(device)
@@ -1084,7 +1087,11 @@ def _expanded(x):
     (lambda a: {"lse": _expanded(a["lse"])}, "lse of shape (4, 4) with strides (0, 1) has elements that overlap"),
     (lambda a: out_over_index("prompt_lens", a), "out overlaps prompt_lens in memory"),
     (lambda a: out_over_index("prompt_lens", a, written="lse"), "lse overlaps prompt_lens in memory"),
-], ids=["out_rows_one_memory", "lse_rows_one_memory", "out_over_prompt_lens", "lse_over_prompt_lens"])
+    (lambda a: {"kv_cache": a["kv_cache"][:0]}, "kv_cache has 0 pages of 16 tokens; both must be >= 1"),
+    (lambda a: {"q": a["q"][:, :0], "out": a["out"][:, :0], "lse": a["lse"][:, :0]},
+     "with Hq=0, D=64; both must be >= 1"),
+], ids=["out_rows_one_memory", "lse_rows_one_memory", "out_over_prompt_lens", "lse_over_prompt_lens", "no_pages",
+        "no_query_heads"])
 def test_prefix_stage_refuses_outputs_that_overwrite_themselves_or_its_lengths(change, message):
     """The prefix stage's outputs are written row by row: rows that share memory (a stride-0 view) would all hold one
     row's result, and an output stored over the prompt lengths would change what later programs attend. Both are

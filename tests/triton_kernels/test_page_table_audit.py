@@ -456,7 +456,7 @@ def _good_args():
                 page_size=4, num_pages=8, max_seq_len=16)
 
 
-@pytest.mark.parametrize("change,match", [
+AUDIT_BAD_ARGUMENTS = [
     (dict(kv_lens=torch.ones(6, dtype=torch.int64, device=DEVICE)), "kv_lens has dtype int64"),
     (dict(beam_page_table=torch.ones(6, 1, 4, dtype=torch.int32, device=DEVICE)), r"beam_page_table must be \[>= R\*W"),
     (dict(beam_page_table=torch.ones(5, 4, dtype=torch.int32, device=DEVICE)),
@@ -476,15 +476,26 @@ def _good_args():
     (dict(max_seq_len=17), r"beam_page_table has 4 columns of 4 tokens, fewer than max_seq_len=17"),
     (dict(plan_digest=torch.zeros(2, dtype=torch.int32, device=DEVICE)), r"plan_digest must be a contiguous int64"),
     (dict(plan_digest=torch.zeros(6, dtype=torch.int64, device=DEVICE)), r"int64 \[R=2\] tensor .* got torch.int64 \(6,\)"),
-], ids=["dtype", "table_dims", "table_rows", "partial_request", "beam_width", "prompt_rows", "stride", "page_size",
-        "max_seq_len", "divisor", "no_flag", "flag_shape", "workspace_of_another_pool", "no_workspace",
-        "table_short_of_the_cache", "digest_dtype", "digest_per_row"])
-def test_audit_refuses_bad_arguments_by_name(change, match):
+]
+AUDIT_BAD_IDS = ["dtype", "table_dims", "table_rows", "partial_request", "beam_width", "prompt_rows", "stride",
+                 "page_size", "max_seq_len", "divisor", "no_flag", "flag_shape", "workspace_of_another_pool",
+                 "no_workspace", "table_short_of_the_cache", "digest_dtype", "digest_per_row"]
+
+
+@pytest.mark.parametrize("audit,change,match", [
+    pytest.param(audit, change, match, id=f"{audit}-{name}")
+    for audit in ("triton", "torch") for (change, match), name in zip(AUDIT_BAD_ARGUMENTS, AUDIT_BAD_IDS)
+    if audit == "triton" or "workspace" not in change])  # (the torch twin takes no workspace)
+def test_audit_refuses_bad_arguments_by_name(audit, change, match):
+    """Both audits (the torch twin takes no workspace) refuse each bad argument by name, before any launch."""
     args = _good_args()
     args.update(change)
     flags, state = args["error_flags"], args["workspace"].audit_state if args["workspace"] else None
     with pytest.raises(KernelInputError, match=match):
-        audit_page_table(**args)
+        if audit == "triton":
+            audit_page_table(**args)
+        else:
+            audit_page_table_torch(**{k: v for k, v in args.items() if k != "workspace"})
     if isinstance(flags, torch.Tensor) and flags.numel() == 1:
         assert int(flags.item()) == 0  # refused before any launch
     if state is not None:

@@ -204,6 +204,12 @@ def _stage_args(device):
     (lambda a: a.update(kv_heads_per_program=0), r"kv_heads_per_program=0 must be a positive int"),
     (lambda a: a.update(min_cached_tail=0), r"min_cached_tail=0 must be an int in \[1, 2\*\*31\); pass 1 to fold"),
     (lambda a: a.update(min_cached_tail=16.0), r"min_cached_tail=16.0 must be an int"),
+    # The stage merges in place: rows of the prefix state that share memory would merge into one another.
+    (lambda a: a.update(prefix_out=a["prefix_out"][:1].expand_as(a["prefix_out"])),
+     r"prefix_out of shape \(8, 4, 64\) with strides \(0, 64, 1\) has elements that overlap"),
+    (lambda a: a.update(prefix_lse=a["prefix_lse"][:1].expand_as(a["prefix_lse"])),
+     r"prefix_lse of shape \(8, 4\) with strides \(0, 1\) has elements that overlap"),
+    (lambda a: a.update(error_flags=a["tail_skip"][:1]), r"tail_skip overlaps error_flags in memory"),
 ])
 def test_stage_refuses_bad_arguments(change, match, device):
     args = _stage_args(device)

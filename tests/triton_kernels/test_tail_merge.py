@@ -500,6 +500,13 @@ def out_over_index(name, args, written="out"):
     return {written: buffer, name: index}
 
 
+def _stored_in(host, x):
+    """``x``'s values in a view over the first bytes of ``host`` (``host`` changed)."""
+    view = host.view(-1).view(x.dtype)[: x.numel()].view(x.shape)
+    view.copy_(x)
+    return view
+
+
 BAD_INPUTS = [
     ("hq_not_multiple", lambda a: dict(q=a["q"][:, :5]), "Hq=5 is not a multiple of the KV head count Hkv=2"),
     ("q_last_dim_strided", lambda a: dict(q=a["q"].repeat_interleave(2, dim=2)[:, :, ::2]), "must be contiguous"),
@@ -528,6 +535,11 @@ BAD_INPUTS = [
     # An out stored over an index tensor would change lengths, pages or source beams that programs still read.
     *[(f"out_over_{name}", functools.partial(out_over_index, name), f"out overlaps {name}")
       for name in ("beam_page_table", "kv_lens", "prompt_lens", "cache_indirection")],
+    # The launch's other writes: the error flag (atomics) and the pool (this step's K/V), over what it reads.
+    ("flag_in_out", lambda a: dict(error_flags=a["out"].view(torch.int32).view(-1)[:1]),
+     "error_flags overlaps out in memory"),
+    ("kv_lens_in_the_pool", lambda a: dict(kv_lens=_stored_in(a["kv_cache"], a["kv_lens"])),
+     "kv_cache overlaps kv_lens in memory"),
     # The kept verdicts key a tensor by its metadata: a tensor scale's value would be read once, then reused.
     ("sm_scale_tensor", lambda a: dict(sm_scale=torch.tensor(0.125)), "sm_scale is a tensor"),
     # Degenerate and non-dense tensors: named, not a ZeroDivisionError or a storage error from inside torch.
@@ -548,6 +560,15 @@ def test_launcher_rejects_bad_inputs(impl, name, change, message, device):
     with pytest.raises(TailMergeInputError, match=re.escape(message)):
         IMPLS[impl](**args)
     assert torch.equal(args["out"], out_before) or name == "out_aliases_q"
+
+
+def test_triton_launcher_keeps_out_off_tail_skip(device):
+    """The shared-run stage's ``tail_skip`` is read by every program of the tail: an ``out`` stored over it is
+    refused before launch."""
+    args = _args(device)
+    args["tail_skip"] = args["out"].view(torch.int32).view(-1)[: args["q"].shape[0]]
+    with pytest.raises(TailMergeInputError, match="out overlaps tail_skip in memory"):
+        beam_tail_attention_merge(**args)
 
 
 def test_triton_launcher_names_its_limits(monkeypatch, device):
