@@ -221,7 +221,15 @@ class LibraryArm(Arm):
         try:
             return cls(wl.device, **kwargs)
         except (ImportError, RuntimeError, ValueError) as exc:
-            raise ArmSkipped(f"{self.name}: {type(exc).__name__}: {exc}") from None
+            self._skip_or_fail(exc, "")
+
+    def _skip_or_fail(self, exc: Exception, what: str):
+        """A named backend that cannot build or plan here (not installed, declines the shape) is an arm that does not
+        apply: skipped. What ``auto`` serves failing, or running out of memory anywhere, is a failure (the run then
+        exits 1): raised as it is."""
+        if self.backend == "auto" or isinstance(exc, torch.OutOfMemoryError):
+            raise exc
+        raise ArmSkipped(f"{self.name}: {what}{type(exc).__name__}: {exc}") from None
 
     def plan_args(self, wl: BenchWorkload):
         """``plan()``'s positional arguments; host arrays (int32 numpy), as an engine adapter passes them."""
@@ -246,7 +254,7 @@ class LibraryArm(Arm):
         try:
             attn.plan(*self.plan_args(wl), **self.plan_kwargs(attn, wl))
         except (ImportError, RuntimeError, ValueError) as exc:
-            raise ArmSkipped(f"{self.name}: plan failed: {type(exc).__name__}: {exc}") from None
+            self._skip_or_fail(exc, "plan failed: ")
         first_plan_us = (time.perf_counter() - t0) * 1e6
         served = getattr(attn, "backend_name", None)
         if self.backend != "auto" and served is not None and served != self.backend:

@@ -388,7 +388,13 @@ def _main(parser: argparse.ArgumentParser, args, argv: List[str]) -> int:
         if len(machines) > 1:
             parser.error(f"--from-json: the files come from different machines {sorted(map(str, machines))}; their "
                          f"floors and timings do not compare, so merge only one machine's files")
-        merged = make_document([r for d in docs for r in d["results"]], docs[0]["environment"], docs[0]["rates"],
+        # A point from a file measured at other rates or with other options carries its own: the document's are the
+        # first file's.
+        first = (docs[0]["rates"], docs[0].get("options", {}))
+        results = [r if (d["rates"], d.get("options", {})) == first
+                   else dict(r, rates=d["rates"], options=d.get("options", {}), argv=d.get("argv", []))
+                   for d in docs for r in d["results"]]
+        merged = make_document(results, docs[0]["environment"], docs[0]["rates"],
                                docs[0].get("options", {}), docs[0].get("argv", []), docs[0].get("note"))
         return _emit(merged, args, log)
 

@@ -22,7 +22,9 @@ JSON document (``schema = "beam-shared-prefix-bench/1"``)::
                    "speedup_vs_decode", "speedup_vs_cascade", "floor_multiple",
                    "achieved_GBps", "achieved_TFLOPs",
                    # with --kernel-times: the calls' kernel spans in a CUPTI trace
-                   "kernel_us", "kernel_set_medians_us", "kernel_floor_multiple" (or "kernel_error")}]}
+                   "kernel_us", "kernel_set_medians_us", "kernel_floor_multiple" (or "kernel_error")}],
+         # only in a --from-json merge, on a point whose file had other rates or options than the first file's
+         "rates", "options", "argv"}
       ]
     }
 """
@@ -413,7 +415,7 @@ def decline_table(doc: Dict, margin: float = 1.0) -> List[Dict]:
     for p in doc["results"]:
         # (auto with the error flag is auto, timed for the flag's cost: not another library arm)
         libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok" and a.get("speedup_vs_decode")
-                and not a["name"].endswith("+flag")]
+                and "+flag" not in a["name"]]
         best = max(libs, key=lambda a: a["speedup_vs_decode"]) if libs else None
         auto = next((a for a in libs if a["name"] == "library/auto"), None)
         others = [a for a in libs if a["name"] != "library/auto"]
@@ -427,7 +429,7 @@ def decline_table(doc: Dict, margin: float = 1.0) -> List[Dict]:
             "speedup": None if best is None else best["speedup_vs_decode"],
             "decline": None if best is None else best["speedup_vs_decode"] < margin,
             "rule_says": p.get("decline_reason"),
-            "rule_now": _rule_now(sh),
+            "rule_now": rule_now(sh),
             "auto_backend": None if auto is None else (auto.get("info") or {}).get("backend"),
             "auto_over_best": (None if auto is None or fastest is None
                                else auto["time_us"] / min(auto["time_us"], fastest["time_us"])),
@@ -458,7 +460,7 @@ def audit_summary(rows: Sequence[Dict], slack: float = 1.05) -> str:
     return "; ".join(parts)
 
 
-def _rule_now(shape: Dict) -> Optional[str]:
+def rule_now(shape: Dict) -> Optional[str]:
     """The decline reason the library's rule gives ``shape`` (a results document's shape dict) today;
     the document's own ``decline_reason`` is the rule of the day it was measured."""
     from dataclasses import fields

@@ -25,9 +25,8 @@ import argparse
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from beam_shared_prefix.decline import should_decline
 
-from .report import load_json
+from .report import load_json, rule_now
 
 __all__ = ["point_markdown", "plan_markdown", "decline_markdown", "main"]
 
@@ -44,6 +43,11 @@ def _x(x: Optional[float]) -> str:
     return f"{x:.0f}x" if x >= 100 else (f"{x:.1f}x" if x >= 10 else f"{x:.2f}x")
 
 
+def _rate(x: Optional[float]) -> str:
+    """A measured rate, or "-" where none was measured (the CPU path)."""
+    return "-" if x is None else f"{x:.0f}"
+
+
 def _shape_line(point: Dict, rates: Dict) -> str:
     s = point["shape"]
     fl = point["floors"]
@@ -51,7 +55,7 @@ def _shape_line(point: Dict, rates: Dict) -> str:
         f"{s['requests']} x {s['beams']} beams x {s['prompt']}-token prompts, tail {s['tail']}, "
         f"{s['heads']}/{s['kv_heads']} heads. Floor {_us(fl['floor_us'])} (memory {_us(fl['memory_us'])}, "
         f"compute {_us(fl['compute_us'])}; assembled {_us(fl['assembled_floor_us'])}) at "
-        f"{rates['copy_bandwidth_GBps']:.0f} GB/s and {rates['matmul_TFLOPs']:.0f} TFLOP/s."
+        f"{_rate(rates.get('copy_bandwidth_GBps'))} GB/s and {_rate(rates.get('matmul_TFLOPs'))} TFLOP/s."
         + (f" An empty kernel measures {rates['event_overhead_us']:.1f} us with the events."
            if rates.get("event_overhead_us") else "")
     )
@@ -118,16 +122,15 @@ def decline_markdown(doc: Dict) -> str:
     for p in doc["results"]:
         s = p["shape"]
         mean_prompt = (p.get("prompt_lens") or {}).get("mean", s["prompt"])
-        libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok" and not a["name"].endswith("+flag")]
+        libs = [a for a in p["arms"] if a["kind"] == "library" and a["status"] == "ok" and "+flag" not in a["name"]]
         # What the library serves: its auto arm where the grid has one, else its fastest arm.
         auto = [a for a in libs if a["name"] == "library/auto"]
         lib = auto[0] if auto else (min(libs, key=lambda a: a["time_us"]) if libs else None)
         dec = _best_time(p["arms"], ("fi-decode-tc", "fi-decode-cc"))
         speedup = None if lib is None or dec is None else dec["time_us"] / lib["time_us"]
         measured = "-" if speedup is None else ("slower" if speedup < 1 else "faster")
-        one_launch = lib is not None and (lib.get("info") or {}).get("backend") == "triton"
-        rule = should_decline(s["requests"], s["beams"], mean_prompt, s["heads"], s["kv_heads"], s["head_dim"],
-                              one_launch=one_launch, tail_len=s.get("tail"))
+        # (the library's own verdict for the shape, as auto judges it: its split prompt and one-launch paths included)
+        rule = rule_now(s)
         lines.append(
             f"| {s['beams']} | {mean_prompt:.0f} | {(s['beams'] - 1) * mean_prompt:.0f} | "
             f"{'-' if lib is None else _us(lib['time_us']) + ' (' + lib['name'] + ')'} | "
@@ -150,7 +153,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif args.decline:
         out = [decline_markdown(doc) for doc in docs]
     else:
-        out = [point_markdown(p, doc["rates"]) for doc in docs for p in doc["results"]]
+        out = [point_markdown(p, p.get("rates") or doc["rates"]) for doc in docs for p in doc["results"]]
     print("\n\n".join(out))
     return 0
 

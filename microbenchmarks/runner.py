@@ -85,13 +85,19 @@ def _auto_path(shape: BenchShape, eager: bool, tail_bound: Optional[int] = None)
     """``(one_launch, split_kv)``: the path backend ``"auto"`` takes for ``shape`` on a GPU with every prefix
     backend installed (the cascade, FlashInfer's split prompt, or else FA4/FlashInfer + tail), on ``eager`` steps
     or under a CUDA graph, with the wrapper's default ``shared_run="auto"`` (a long tail leaves the cascade);
-    ``tail_bound``: the cascade launch's tail bound (``None``: an eager step's own tail, else none)."""
-    from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves
+    ``tail_bound``: the cascade launch's tail bound (``None``: an eager step's own tail, else none). A CUDA-graph
+    wrapper judges the prompt its table can hold (the longest prompt drawn, in whole pages: ``graph_rule_prompt``),
+    not the mean."""
+    from beam_shared_prefix.prefix.select import cascade_serves, flashinfer_serves, graph_rule_prompt
 
-    split_kv = flashinfer_serves("auto", num_requests=shape.requests, mean_prompt_len=shape.prompt,
+    prompt = shape.prompt
+    if not eager:
+        capacity = -(-shape.longest_prompt // shape.page_size) * shape.page_size
+        prompt = graph_rule_prompt(capacity, shape.heads, shape.kv_heads, shape.beams, shape.head_dim)
+    split_kv = flashinfer_serves("auto", num_requests=shape.requests, mean_prompt_len=prompt,
                                  num_qo_heads=shape.heads, num_kv_heads=shape.kv_heads, beam_width=shape.beams,
                                  head_dim=shape.head_dim, eager=eager)
-    one_launch = not split_kv and cascade_serves("auto", mean_prompt_len=shape.prompt, num_qo_heads=shape.heads,
+    one_launch = not split_kv and cascade_serves("auto", mean_prompt_len=prompt, num_qo_heads=shape.heads,
                                                  num_kv_heads=shape.kv_heads, beam_width=shape.beams,
                                                  head_dim=shape.head_dim, num_requests=shape.requests,
                                                  tail_len=shape.tail, eager=eager, tail_bound=tail_bound)
@@ -221,6 +227,10 @@ def _check_arm(arm: Arm, prepared: list, fns: list, oracles: Sequence[Oracle], d
         unwritten = int((~torch.isfinite(out)).sum())
         if not problem and unwritten:
             problem = f"{unwritten} non-finite output elements in all rows (an unwritten output)"
+        # (a prefix stage's LSE too: the oracle compares the checked rows only, and an unwritten LSE is poisoned)
+        unwritten_lse = 0 if lse is None else int((~torch.isfinite(lse)).sum())
+        if not problem and unwritten_lse:
+            problem = f"{unwritten_lse} non-finite LSE elements in all rows (an unwritten LSE)"
         flagged = p.device_errors() if p.device_errors is not None else []
         if not problem and flagged:
             problem = f"the kernels flagged valid input: {'; '.join(flagged)}"
@@ -304,6 +314,9 @@ def run_point(
             for wl in wls:
                 prepared.append(arm.prepare(wl, ctx))
             res["info"] = dict(prepared[0].info)
+            backends = [p.info.get("backend") for p in prepared]
+            if len(set(backends)) > 1:  # (each set's wrapper chose for its own prompts: the median mixes paths)
+                res["info"]["backend_per_set"] = backends
             fns = [p.call for p in prepared]
             if ctx.use_graphs and all(p.capturable for p in prepared):
                 try:

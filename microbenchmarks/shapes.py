@@ -151,6 +151,15 @@ class BenchShape:
         return self.requests * self.beams
 
     @property
+    def longest_prompt(self) -> int:
+        """The longest prompt a request may draw: ``max(lo, round(P(1+j)))`` with ``j = prompt_jitter`` and ``lo =
+        max(1, round(P(1-j)))`` (``P`` without jitter)."""
+        if self.prompt_jitter <= 0:
+            return int(self.prompt)
+        lo = max(1, int(round(self.prompt * (1 - self.prompt_jitter))))
+        return max(lo, int(round(self.prompt * (1 + self.prompt_jitter))))
+
+    @property
     def shortest_tail(self) -> int:
         """The shortest tail a request may draw: ``max(1, round(T(1-j)))`` with ``j = tail_jitter``."""
         return max(1, int(round(self.tail * (1.0 - float(self.tail_jitter)))))

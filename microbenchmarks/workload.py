@@ -163,8 +163,7 @@ def draw_prompt_lens(shape: BenchShape, rng: np.random.Generator) -> np.ndarray:
     if shape.prompt_jitter <= 0:
         return np.full(shape.requests, shape.prompt, dtype=np.int64)
     lo = max(1, int(round(shape.prompt * (1 - shape.prompt_jitter))))
-    hi = max(lo, int(round(shape.prompt * (1 + shape.prompt_jitter))))
-    return rng.integers(lo, hi + 1, size=shape.requests).astype(np.int64)
+    return rng.integers(lo, shape.longest_prompt + 1, size=shape.requests).astype(np.int64)
 
 
 def draw_tail_lens(shape: BenchShape, rng: np.random.Generator) -> np.ndarray:

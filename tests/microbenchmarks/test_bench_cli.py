@@ -443,3 +443,115 @@ def test_bracketed_text_reaches_the_terminal(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "[declined by the rule: 64 beam rows < 120: too few programs]" in out, out
     assert "StepPlan build 200 us [host]" in out, out
+
+
+def test_decline_report_leaves_every_flagged_auto_arm_out():
+    """``library/auto+flag`` and ``library/auto+flag-layer`` are auto timed for the flag's cost: neither is the best
+    library arm nor the fastest other arm auto is judged against."""
+    def arm(name, us):
+        return {"name": name, "kind": "library", "status": "ok", "time_us": us, "speedup_vs_decode": 600.0 / us,
+                "info": {"backend": "triton"}}
+
+    shape = dict(requests=64, beams=30, prompt=500, tail=4, heads=16, kv_heads=8, head_dim=128)
+    doc = make_document([{"shape": shape, "label": "x", "floors": {}, "decline_reason": None,
+                          "arms": [arm("library/auto", 60.0), arm("library/auto+flag", 59.0),
+                                   arm("library/auto+flag-layer", 58.5)]}], {"device": "test"}, {}, {}, ["x"])
+    (row,) = decline_table(doc)
+    assert row["best_arm"] == "library/auto" and row["auto_over_best"] is None
+
+
+def test_from_json_keeps_each_files_rates_and_options(tmp_path):
+    """Files of one machine measured at other rates or with other options merge with each point keeping its own
+    (the document's are the first file's): a floor is never shown beside a bandwidth it was not computed at."""
+    import dataclasses
+
+    from microbenchmarks.arms import default_cpu_arms
+    from microbenchmarks.report import write_json
+    from microbenchmarks.runner import Rates, RunOptions, run_point
+    from microbenchmarks.shapes import BenchShape
+
+    paths = []
+    for i, (bandwidth, flush) in enumerate(((4.2e12, "read"), (3.0e12, "none"))):
+        opts = RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0, l2_flush=flush)
+        rates = Rates(copy_bandwidth=bandwidth, matmul_rate=7e14)
+        point = run_point(BenchShape(requests=1, beams=4, prompt=40 + 8 * i, tail=2, name=f"p{i}"),
+                          default_cpu_arms()[:1], opts, rates, torch.device("cpu"), log=lambda m: None)
+        paths.append(tmp_path / f"{i}.json")
+        write_json(make_document([point], {"device": "H100", "gpu": True}, rates.to_dict(), dataclasses.asdict(opts),
+                                 ["bench", f"--l2-flush={flush}"]), str(paths[-1]))
+    out = tmp_path / "merged.json"
+    assert cli.main(["--from-json", str(paths[0]), "--from-json", str(paths[1]), "--json", str(out)]) == 0
+    merged = load_json(str(out))
+    first, second = merged["results"]
+    assert "rates" not in first and merged["options"]["l2_flush"] == "read"
+    assert second["options"]["l2_flush"] == "none"
+    for point in (first, second):
+        bandwidth = (point.get("rates") or merged["rates"])["copy_bandwidth_GBps"] * 1e9
+        assert point["floors"]["memory_us"] == pytest.approx(point["traffic_bytes"]["total"] / bandwidth * 1e6)
+
+
+def test_a_library_auto_arm_that_cannot_plan_fails_the_run(no_gpu, monkeypatch, capsys):
+    """What auto serves failing to plan (here out of memory) is a failure (exit 1), not an arm that does not apply."""
+    from beam_shared_prefix.attention import BeamSharedPrefixAttention
+
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(BeamSharedPrefixAttention, "plan", out_of_memory)
+    assert cli.main(["--preset", "B-short", "--arms", "auto", "--sets", "1", "--iters", "1", "--plan-repeats",
+                     "0"]) == 1
+    assert "LIBRARY ARM FAILED: library/auto" in capsys.readouterr().out
+
+
+def test_a_prefix_arm_must_write_every_rows_lse():
+    """The oracle compares the checked rows; an LSE left unwritten (poisoned) on any other row fails the check."""
+    from microbenchmarks.arms import Arm, Prepared, RunContext, _step_plan, prefix_backend_class
+    from microbenchmarks.check import Oracle, slot_fingerprint
+    from microbenchmarks.runner import _check_arm
+    from microbenchmarks.shapes import BenchShape
+    from microbenchmarks.workload import build_workload
+
+    shape = BenchShape(requests=6, beams=4, prompt=70, tail=3)
+    wl = build_workload(shape, "cpu", seed=0, with_baseline_pages=False)
+    oracle = Oracle(wl, max_requests=2)
+    oracle.precompute()
+
+    class CheckedRowsLseOnly(Arm):
+        name, kind, expect, work = "prefix/partial-lse", "stage", "prefix", "prefix"
+
+        def prepare(self, wl, ctx):
+            ref = prefix_backend_class("reference")(wl.device, kv_layout=wl.kv_layout)
+            ref.plan(_step_plan(wl), shape.heads, shape.kv_heads, shape.head_dim, shape.page_size, wl.dtype)
+            out_full = torch.empty_like(wl.q)
+            lse_full = torch.empty(ref.lse_shape(wl.num_rows, shape.heads), dtype=torch.float32)
+            _, desc = ref.run(wl.q, wl.kv_cache, out_full, lse_full)
+            out, lse = torch.empty_like(out_full), torch.empty_like(lse_full)
+
+            def call():
+                out.copy_(out_full)
+                lse[oracle.rows] = lse_full[oracle.rows]
+                return out, type(desc)(lse, desc.layout, desc.base)
+
+            return Prepared(call=call, outputs=lambda r: (r[0], r[1].base2_rows_heads()), poison=[out, lse])
+
+    arm = CheckedRowsLseOnly()
+    prepared = arm.prepare(wl, RunContext(device=torch.device("cpu")))
+    result, _ = _check_arm(arm, [prepared], [prepared.call], [oracle], wl.dtype, [slot_fingerprint(wl)])
+    assert not result["ok"] and "non-finite LSE elements in all rows" in result["message"]
+
+
+@pytest.mark.parametrize("prompt,page_size,jitter,graph_path", [
+    (300, 32, 0.0, "cascade"),  # a 320-token table
+    (300, 128, 0.0, "prefix + tail kernel"),  # a 384-token table
+    (300, 32, 0.3, "prefix + tail kernel"),  # prompts to 390: a 416-token table
+])
+def test_the_graph_path_is_judged_at_the_prompt_tables_width(prompt, page_size, jitter, graph_path):
+    """A CUDA-graph wrapper picks its path once, at its prompt table's width (the longest prompt drawn, in whole
+    pages), not at the mean prompt: rule_verdict's graph path is judged there too (64 x 48, GQA 16/8)."""
+    from microbenchmarks.runner import rule_verdict
+    from microbenchmarks.shapes import BenchShape
+
+    shape = BenchShape(requests=64, beams=48, prompt=prompt, tail=4, heads=16, kv_heads=8, head_dim=128,
+                       page_size=page_size, prompt_jitter=jitter)
+    verdict = rule_verdict(shape)
+    assert verdict["path"] == "cascade" and verdict["graph_path"] == graph_path
