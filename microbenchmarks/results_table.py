@@ -25,6 +25,7 @@ import argparse
 import sys
 from typing import Dict, List, Optional, Sequence
 
+from beam_shared_prefix.decline import should_decline
 
 from .report import load_json, rule_now
 
@@ -129,8 +130,12 @@ def decline_markdown(doc: Dict) -> str:
         dec = _best_time(p["arms"], ("fi-decode-tc", "fi-decode-cc"))
         speedup = None if lib is None or dec is None else dec["time_us"] / lib["time_us"]
         measured = "-" if speedup is None else ("slower" if speedup < 1 else "faster")
-        # (the library's own verdict for the shape, as auto judges it: its split prompt and one-launch paths included)
-        rule = rule_now(s)
+        if auto:  # the library's own verdict for what auto did with the shape (its split prompt included)
+            rule = rule_now(s)
+        else:  # a grid of one backend's arms: the rule for that backend's path
+            one_launch = lib is not None and (lib.get("info") or {}).get("backend") == "triton"
+            rule = should_decline(s["requests"], s["beams"], mean_prompt, s["heads"], s["kv_heads"], s["head_dim"],
+                                  one_launch=one_launch, tail_len=s.get("tail"))
         lines.append(
             f"| {s['beams']} | {mean_prompt:.0f} | {(s['beams'] - 1) * mean_prompt:.0f} | "
             f"{'-' if lib is None else _us(lib['time_us']) + ' (' + lib['name'] + ')'} | "
