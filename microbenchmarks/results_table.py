@@ -115,7 +115,9 @@ def _best_time(arms: Sequence[Dict], names: Sequence[str]):
 
 
 def decline_markdown(doc: Dict) -> str:
-    """A decline grid as a markdown table, with the verdict of the rule in ``beam_shared_prefix.decline``."""
+    """A decline grid as a markdown table, with the verdict of the rule in ``beam_shared_prefix.decline``: for a point
+    with a ``library/auto`` arm, what the library decides for the shape (:func:`~.report.rule_now`, FlashInfer's split
+    prompt and the cascade included); for a grid of one backend's arms, the rule for that backend's path."""
     lines = [
         "| beams W | prompt P | (W-1) x P | library | per-beam decode (best) | speedup | measured | rule |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
