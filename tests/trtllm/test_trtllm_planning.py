@@ -286,7 +286,9 @@ def test_graph_replays_start_the_audit_over_before_its_stamp_wraps(trt, monkeypa
     model = trt(layout="new")
     monkeypatch.setenv("TLLM_FMHA_LIBS", f"+{LIB}")
     register()
-    built = build(model, prompts=(20, 20), beam_width=3, max_batch_size=2)
+    # (the audit's workspace is the Triton audit's: on a GPU machine that runs on the GPU, on the CPU interpreted)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    built = build(model, prompts=(20, 20), beam_width=3, max_batch_size=2, device=device)
     sim, graph = built.sim, built.engine.graph_metadata(2)
     audits = []
     audit = triton_kernels.audit_page_table
@@ -297,6 +299,7 @@ def test_graph_replays_start_the_audit_over_before_its_stamp_wraps(trt, monkeypa
     sim.end_step()
     (wrapper,) = planning.metadata_state(graph).wrappers.values()
     workspace = wrapper._audit_workspace
+    assert wrapper.tail_impl == "triton" and workspace is not None
     workspace.audit_state.fill_(2**31 - (4 * restart - 2))
     step = sim.begin_step()
     built.run(step, metadata=graph)  # the forward a graph captures
