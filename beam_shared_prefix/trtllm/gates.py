@@ -326,7 +326,9 @@ def batch_decline_reason(metadata) -> Optional[str]:
         )
     if _dtype_name(indirection.dtype) != "int32":
         return f"cache_indirection of dtype {_dtype_name(indirection.dtype)} (the kernels read int32)"
-    if indirection.shape[0] < num_generations // max(beam_width, 1):
+    # (not at one beam: a width-1 warm-up step's rows, one per id, may outnumber the request slots, and this verdict
+    # is cached for a key that holds no width; step_decline_reason hands such a step over, step by step)
+    if beam_width > 1 and indirection.shape[0] < num_generations // beam_width:
         return (f"cache_indirection holds {indirection.shape[0]} requests but the batch has "
                 f"{num_generations // max(beam_width, 1)}")
     if getattr(metadata, "kv_cache_block_offsets", None) is None:

@@ -423,6 +423,23 @@ def test_a_beam_width_one_step_is_handed_over_and_not_cached(enabled):
     assert cached and all(lib is ours for lib in cached), cached  # the key kept the library
 
 
+def test_a_beam_width_one_step_with_more_rows_than_request_slots_is_not_declined_at_selection(enabled):
+    """A width-1 warm-up step has one id a row, so its rows may outnumber cache_indirection's request slots. Declined at
+    selection, the verdict would be cached for the key's real beam steps (the key holds no width): the batch gate
+    leaves the count to beam steps, and the step gate hands the width-1 step over."""
+    from beam_shared_prefix.trtllm.gates import batch_decline_reason
+
+    setup = build(enabled, prompts=(37, 20), beam_width=4)  # 8 rows
+    setup.engine.prepare(setup.sim.begin_step(), beam_width=1)
+    m = setup.engine.metadata
+    m.cache_indirection = m.cache_indirection[:2]  # 2 request slots for 8 one-beam rows
+    assert m.beam_width == 1 and batch_decline_reason(m) is None
+    m.beam_width = 4  # the same count at the engine's width: 2 requests of 4 beams fit 2 slots
+    assert batch_decline_reason(m) is None
+    m.cache_indirection = m.cache_indirection[:1]
+    assert "cache_indirection holds 1 requests but the batch has 2" in batch_decline_reason(m)
+
+
 def test_step_gate_names_rows_that_are_not_beams_of_the_listed_requests(enabled):
     """Rows of more requests than ``request_ids`` lists per beam width (single-beam requests on a beam
     engine, say) are not planned as beams of fewer requests: the step goes to ``fallback``."""
