@@ -36,9 +36,7 @@ from .step_args import (
     check_step_args,
     check_pool_extent,
     check_tail_index_values,
-    check_written_overlaps,
     fail,
-    index_tensors,
     is_pow2,
     need_dim,
     need_distinct_elements,
@@ -631,16 +629,11 @@ def beam_cascade_attention(
     geom = check_step_args(
         q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width, out,
         sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
-        extra_tensors=(("prompt_page_table", prompt_page_table),),
+        extra_tensors=(("prompt_page_table", prompt_page_table),), write_kv=bool(write_kv), error_flags=error_flags,
     )
     check_device(q, beam_cascade_kernel, "the cascade kernel")
     _check_prompt_table(prompt_page_table, geom.num_requests, q.device)
     check_error_flags(error_flags, q.device)
-    # (out against the rest: check_step_args)
-    check_written_overlaps(("error_flags",) + (("kv_cache",) if write_kv else ()), (
-        ("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache), ("prompt_page_table", prompt_page_table),
-        ("error_flags", error_flags), ("out", out)) + index_tensors(beam_page_table, kv_lens, prompt_lens,
-                                                                   cache_indirection))
     if max_tail_len is not None and (isinstance(max_tail_len, bool) or not isinstance(max_tail_len, int)
                                      or max_tail_len < 1):
         fail(f"max_tail_len={max_tail_len!r} must be None or an int >= 1 (generated tokens per beam, this step's "

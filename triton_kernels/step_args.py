@@ -43,6 +43,7 @@ __all__ = [
     "check_out_overlaps",
     "check_pool_extent",
     "check_written_overlaps",
+    "step_writes",
     "check_step_args",
     "check_step_metadata",
     "check_tail_index_values",
@@ -287,6 +288,8 @@ def check_step_metadata(
     page_index_divisor=1,
     extra_tensors=(),
     reads_step_kv=True,
+    write_kv=False,
+    error_flags=None,
 ) -> StepGeometry:
     """Validate the per-beam arguments of one decode step's launch, without a device sync.
 
@@ -294,7 +297,8 @@ def check_step_metadata(
     kernel's (which adds the prompt page table). ``extra_tensors`` are ``(name, tensor)`` pairs that
     must be on q's device and must not overlap ``out``. A launch that neither reads this step's K/V
     nor writes an output (the shared-run stage) passes ``reads_step_kv=False`` and ``new_k``, ``new_v``
-    and ``out`` as ``None``; the KV head count then comes from the pool. Not memoized: :func:`check_step_args`
+    and ``out`` as ``None``; the KV head count then comes from the pool. ``write_kv`` (the launch stores this step's
+    K/V in the pool) and ``error_flags`` are read by the overlap check alone. Not memoized: :func:`check_step_args`
     is this check with its verdicts kept (and the overlap check run on every call); a memoized check that
     builds on it (``tail_merge_args.check_tail_merge_args``) calls it directly.
 
@@ -447,12 +451,18 @@ def check_written_overlaps(written, tensors) -> None:
                      f"({name} may alias nothing).")
 
 
+def step_writes(write_kv: bool) -> Tuple[str, ...]:
+    """What a step launch writes: ``out``, the error flag, and the pool where it stores this step's K/V."""
+    return ("out", "error_flags", "kv_cache") if write_kv else ("out", "error_flags")
+
+
 def _step_overlaps(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
-                   out, *, extra_tensors=(), reads_step_kv=True, **_) -> None:
-    if reads_step_kv:  # (otherwise there is no out: the shared-run stage)
-        check_out_overlaps(out, (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache))
-                           + index_tensors(beam_page_table, kv_lens, prompt_lens, cache_indirection)
-                           + tuple(extra_tensors))
+                   out, *, extra_tensors=(), reads_step_kv=True, write_kv=False, error_flags=None, **_) -> None:
+    if reads_step_kv:  # (otherwise there is no out: the shared-run stage, which checks its own writes)
+        check_written_overlaps(step_writes(write_kv), (
+            ("out", out), ("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache))
+            + index_tensors(beam_page_table, kv_lens, prompt_lens, cache_indirection) + tuple(extra_tensors)
+            + (("error_flags", error_flags),))
 
 
 def index_tensors(beam_page_table, kv_lens, prompt_lens, cache_indirection) -> tuple:

@@ -28,7 +28,6 @@ from .step_args import (
 )
 from .tail_merge_args import (
     check_tail_merge_args,
-    check_tail_merge_writes,
     check_tail_skip,
 )
 from .tail_merge_grouped_kernel import beam_tail_merge_grouped_kernel
@@ -394,14 +393,12 @@ def beam_tail_attention_merge(
         q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
         prefix_out, prefix_lse, out, sm_scale=sm_scale, kv_layout=kv_layout,
         page_index_divisor=page_index_divisor, prefix_lse_layout=prefix_lse_layout,
-        prefix_lse_base=prefix_lse_base,
+        prefix_lse_base=prefix_lse_base, write_kv=bool(write_kv), error_flags=error_flags, tail_skip=tail_skip,
     )
     _check_launchable(q, geom.head_dim, geom.group_size)
     check_error_flags(error_flags, q.device)
     if tail_skip is not None:
         check_tail_skip(tail_skip, geom.num_rows, q.device)
-    check_tail_merge_writes(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection,
-                            prefix_out, prefix_lse, out, error_flags, tail_skip, write_kv)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     if geom.num_rows == 0:

@@ -45,6 +45,7 @@ from .step_args import (  # noqa: F401  (the names not used here are this module
     pool_layout,
     resolve_sm_scale,
     runs_interpreted,
+    step_writes,
 )
 
 __all__ = [
@@ -55,7 +56,6 @@ __all__ = [
     "check_step_args",
     "overlapping_elements",
     "check_tail_merge_args",
-    "check_tail_merge_writes",
     "check_tail_index_values",
     "check_tail_skip",
     "memoize_metadata_check",
@@ -102,9 +102,13 @@ def _tail_merge_metadata(
     prefix_lse_layout="NH",
     prefix_lse_base="log2",
     reads_step_kv=True,
+    write_kv=False,
+    error_flags=None,
+    tail_skip=None,
 ) -> TailMergeGeometry:
     """Validate the arguments of ``beam_tail_attention_merge`` without a device sync (with
     ``reads_step_kv=False``, those of ``beam_shared_run_attention``: ``new_k``, ``new_v`` and ``out`` ``None``).
+    ``write_kv``, ``error_flags`` and ``tail_skip`` are read by the overlap check alone (it runs on every call).
 
     Returns the :class:`TailMergeGeometry` the kernel is launched with; raises
     :class:`KernelInputError` naming the offending value, its limit and the fix.
@@ -144,27 +148,16 @@ def _tail_merge_metadata(
 
 
 def _tail_merge_overlaps(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection,
-                         beam_width, prefix_out, prefix_lse, out, *, reads_step_kv=True, **_) -> None:
-    if reads_step_kv:  # (otherwise there is no out: the shared-run stage)
-        check_out_overlaps(out, (("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache),
-                                 ("prefix_out", prefix_out), ("prefix_lse", prefix_lse))
-                           + index_tensors(beam_page_table, kv_lens, prompt_lens, cache_indirection))
+                         beam_width, prefix_out, prefix_lse, out, *, reads_step_kv=True, write_kv=False,
+                         error_flags=None, tail_skip=None, **_) -> None:
+    if reads_step_kv:  # (otherwise there is no out: the shared-run stage, which checks its own writes)
+        check_written_overlaps(step_writes(write_kv), (
+            ("out", out), ("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache),
+            ("prefix_out", prefix_out), ("prefix_lse", prefix_lse), ("tail_skip", tail_skip),
+            ("error_flags", error_flags)) + index_tensors(beam_page_table, kv_lens, prompt_lens, cache_indirection))
 
 
 check_tail_merge_args = memoize_metadata_check(_tail_merge_metadata, every_call=_tail_merge_overlaps)
-
-
-def check_tail_merge_writes(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection,
-                            prefix_out, prefix_lse, out, error_flags, tail_skip, write_kv) -> None:
-    """The tail's writes beside ``out`` (whose overlaps :func:`check_tail_merge_args` checks) overlap none of its
-    arguments: the error flag, and the pool where it takes this step's K/V (``write_kv``); ``out`` is also kept off
-    ``tail_skip``. Run on every call (it reads addresses)."""
-    check_written_overlaps(("error_flags",) + (("kv_cache",) if write_kv else ()), (
-        ("q", q), ("new_k", new_k), ("new_v", new_v), ("kv_cache", kv_cache), ("prefix_out", prefix_out),
-        ("prefix_lse", prefix_lse), ("tail_skip", tail_skip), ("error_flags", error_flags), ("out", out))
-        + index_tensors(beam_page_table, kv_lens, prompt_lens, cache_indirection))
-    if tail_skip is not None:
-        check_out_overlaps(out, (("tail_skip", tail_skip),))
 
 
 def check_tail_skip(tail_skip, num_rows: int, device) -> None:

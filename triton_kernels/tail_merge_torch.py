@@ -16,7 +16,7 @@ import torch
 from . import device_errors
 from .device_errors import check_error_flags
 from .step_args import LOG2E, check_tail_index_values
-from .tail_merge_args import check_tail_merge_args, check_tail_merge_writes
+from .tail_merge_args import check_tail_merge_args
 
 __all__ = ["beam_tail_attention_merge_torch"]
 
@@ -62,11 +62,9 @@ def beam_tail_attention_merge_torch(
         q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
         prefix_out, prefix_lse, out, sm_scale=sm_scale, kv_layout=kv_layout,
         page_index_divisor=page_index_divisor, prefix_lse_layout=prefix_lse_layout,
-        prefix_lse_base=prefix_lse_base,
+        prefix_lse_base=prefix_lse_base, write_kv=bool(write_kv), error_flags=error_flags,
     )
     check_error_flags(error_flags, q.device)
-    check_tail_merge_writes(q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection,
-                            prefix_out, prefix_lse, out, error_flags, None, write_kv)
     if validate_indices:
         check_tail_index_values(geom, beam_page_table, kv_lens, prompt_lens, cache_indirection, page_index_divisor)
     rows, W, pg = geom.num_rows, geom.beam_width, geom.page_size

@@ -609,7 +609,7 @@ def test_refuses_shapes_it_does_not_tile(device):
     (lambda a: a.update(sm_scale=torch.tensor(0.125)), "sm_scale is a tensor"),
     (lambda a: a.update(out_over_index("prompt_lens", a)), "out overlaps prompt_lens"),
     (lambda a: a.update(out_over_index("cache_indirection", a)), "out overlaps cache_indirection"),
-    (lambda a: a.update(error_flags=a["out"].view(torch.int32).view(-1)[:1]), "error_flags overlaps out in memory"),
+    (lambda a: a.update(error_flags=a["out"].view(torch.int32).view(-1)[:1]), "out overlaps error_flags in memory"),
     (lambda a: a.update(kv_lens=a["kv_cache"].view(-1).view(torch.int32)[: a["kv_lens"].numel()]),
      "kv_cache overlaps kv_lens in memory"),
 ])

@@ -537,7 +537,7 @@ BAD_INPUTS = [
       for name in ("beam_page_table", "kv_lens", "prompt_lens", "cache_indirection")],
     # The launch's other writes: the error flag (atomics) and the pool (this step's K/V), over what it reads.
     ("flag_in_out", lambda a: dict(error_flags=a["out"].view(torch.int32).view(-1)[:1]),
-     "error_flags overlaps out in memory"),
+     "out overlaps error_flags in memory"),
     ("kv_lens_in_the_pool", lambda a: dict(kv_lens=_stored_in(a["kv_cache"], a["kv_lens"])),
      "kv_cache overlaps kv_lens in memory"),
     # The kept verdicts key a tensor by its metadata: a tensor scale's value would be read once, then reused.
