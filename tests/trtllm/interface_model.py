@@ -1267,7 +1267,11 @@ def _build_registry(m, config: ModelConfig):
 # ==================================================================================================
 # KV cache managers (doc 4.2, 4.3) on top of the simulator
 
-STALE_PAGE = 1 << 20  # block-offset columns past a sequence's blocks: far outside every pool
+# Block-offset columns past a sequence's blocks. Real V1 leaves older, in-range page numbers there (another
+# sequence's blocks, docs/trtllm.md), so the model writes one: page 0, whose K/V are random (the simulator fills its
+# pool so, and may hand the page to any request). A kernel that read past a row's kv_len would then attend foreign
+# K/V and fail the oracle, where an out-of-pool page would have been masked.
+STALE_PAGE = 0
 
 
 class _ModelKVCacheManagerBase:
