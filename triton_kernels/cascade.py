@@ -31,11 +31,11 @@ from .step_args import (
     KV_LAYOUTS,
     LOG2E,
     KernelInputError,
-    byte_span,
     check_device,
     check_step_args,
     check_pool_extent,
     check_tail_index_values,
+    check_written_overlaps,
     fail,
     is_pow2,
     need_dim,
@@ -43,9 +43,7 @@ from .step_args import (
     need_dtype,
     need_last_dim_contiguous,
     need_tensor,
-    pool_layout,
     resolve_sm_scale,
-    spans_overlap,
 )
 
 __all__ = [
@@ -732,8 +730,7 @@ def beam_prefix_attention(
     need_dim("kv_cache", kv_cache, 5, "[pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD)")
     if kv_cache.dtype != q.dtype or kv_cache.shape[1] != 2:
         fail(f"kv_cache must be {q.dtype} [pages, 2, ...] like q, got {kv_cache.dtype} {tuple(kv_cache.shape)}.")
-    check_pool_extent(kv_cache, kv_layout)
-    (num_pages, num_kv_heads, page_size, pool_dim), kv_strides = pool_layout(kv_cache, kv_layout)
+    (num_pages, num_kv_heads, page_size, pool_dim), kv_strides = check_pool_extent(kv_cache, kv_layout)
     if pool_dim != head_dim or num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         fail(f"kv_cache ({kv_layout}) holds Hkv={num_kv_heads}, D={pool_dim}, which does not serve q's Hq="
              f"{num_qo_heads}, D={head_dim}; check kv_layout and the layer's pool view.")
@@ -750,14 +747,10 @@ def beam_prefix_attention(
         fail(f"lse must be float32 [{num_rows}, {num_qo_heads}] (rows, heads), got {lse.dtype} {tuple(lse.shape)}.")
     for name, x in (("out", out), ("lse", lse)):  # rows that share memory would overwrite each other's results
         need_distinct_elements(name, x, f"Pass a {name} buffer whose elements are distinct (a fresh tensor).")
-    # Each span once (this runs per layer and step in eager mode). The outputs overlap nothing the
-    # programs read: a result stored over a length or a page would change what later programs attend.
-    spans = {name: byte_span(x) for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse),
-                                                ("prompt_page_table", prompt_page_table), ("prompt_lens", prompt_lens))}
-    for written, fix in (("out", "output"), ("lse", "LSE")):
-        for name in ("q", "kv_cache", "prompt_page_table", "prompt_lens") + (("lse",) if written == "out" else ()):
-            if spans_overlap(spans[written], spans[name]):
-                fail(f"{written} overlaps {name} in memory; pass a separate {fix} buffer.")
+    # The outputs overlap nothing the programs read: a result stored over a length or a page would change what
+    # later programs attend.
+    check_written_overlaps(("out", "lse"), (("out", out), ("lse", lse), ("q", q), ("kv_cache", kv_cache),
+                                            ("prompt_page_table", prompt_page_table), ("prompt_lens", prompt_lens)))
     check_device(q, beam_cascade_kernel, "the cascade kernel")
     group_size = num_qo_heads // num_kv_heads
     cfg = _resolve_config(launch_config, beam_width, group_size, head_dim, prompt_page_table.shape[1] * page_size,

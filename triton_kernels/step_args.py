@@ -40,7 +40,6 @@ __all__ = [
     "TailMergeInputError",
     "byte_span",
     "check_device",
-    "check_out_overlaps",
     "check_pool_extent",
     "check_written_overlaps",
     "step_writes",
@@ -257,11 +256,11 @@ def spans_overlap(sa, sb) -> bool:
     return sa[0] < sb[1] and sb[0] < sa[1]
 
 
-def check_pool_extent(kv_cache: torch.Tensor, kv_layout: str) -> None:
+def check_pool_extent(kv_cache: torch.Tensor, kv_layout: str):
     """The pool (5-D, in ``kv_layout``) has pages of at least one token, and a page's heads and slots span less than
     int32 elements: the kernels add a KV head's offset in int32 (the page term is int64), which a view with the heads
-    outside the pages could overflow."""
-    (num_pages, pool_heads, page_size, pool_dim), kv_strides = pool_layout(kv_cache, kv_layout)
+    outside the pages could overflow. Returns :func:`pool_layout`'s result."""
+    layout = (num_pages, pool_heads, page_size, pool_dim), kv_strides = pool_layout(kv_cache, kv_layout)
     if num_pages < 1 or page_size < 1:
         fail(f"kv_cache has {num_pages} pages of {page_size} tokens; both must be >= 1.")
     head_span = (pool_heads - 1) * kv_strides[2] + (page_size - 1) * kv_strides[3] + pool_dim
@@ -269,6 +268,7 @@ def check_pool_extent(kv_cache: torch.Tensor, kv_layout: str) -> None:
         fail(f"kv_cache's heads and slots span {head_span} elements within a page (strides "
              f"{tuple(kv_cache.stride())}), past int32; pass a pool view whose pages hold their heads "
              f"([pages, 2, Hkv, Pg, D] or [pages, 2, Pg, Hkv, D]).")
+    return layout
 
 
 def check_step_metadata(
@@ -427,25 +427,17 @@ def check_step_metadata(
     )
 
 
-def check_out_overlaps(out, others) -> None:
-    """``out`` shares no byte with any of ``others`` (``(name, tensor or None)`` pairs): run on every call,
-    since it reads addresses, which the memoized checks leave out."""
-    out_span = byte_span(out)
-    for name, x in others:
-        if x is not None and spans_overlap(out_span, byte_span(x)):
-            fail(f"out overlaps {name} in memory; pass a separate output buffer (out may alias nothing).")
-
-
 def check_written_overlaps(written, tensors) -> None:
-    """Each tensor named in ``written`` shares no byte with another of ``tensors`` (``(name, tensor or None)`` pairs:
-    every argument the launch touches, the written ones included). For a launch's writes beside ``out`` (which
-    :func:`check_out_overlaps` covers): the pool where it takes this step's K/V, the error flag, the shared-run
-    stage's outputs. Run on every call (it reads addresses); each span is computed once."""
+    """Each tensor named in ``written`` (``out``, the pool where a launch stores this step's K/V, the error flag, a
+    stage's outputs) shares no byte with another of ``tensors`` (``(name, tensor or None)`` pairs: every argument the
+    launch touches, the written ones included). Run on every call, since it reads addresses, which the memoized checks
+    leave out; each span is computed once."""
     spans = [(name, byte_span(x)) for name, x in tensors if x is not None]
     for name, span in spans:
         if name not in written or span is None:
             continue
         for other, other_span in spans:
+            # (spans_overlap, inline: this runs per layer and step in eager mode)
             if other != name and other_span is not None and span[0] < other_span[1] and other_span[0] < span[1]:
                 fail(f"{name} overlaps {other} in memory; the launch writes {name}, so pass it a buffer of its own "
                      f"({name} may alias nothing).")

@@ -28,7 +28,6 @@ from .step_args import (  # noqa: F401  (the names not used here are this module
     LOG2E,
     StepGeometry,
     TailMergeInputError,
-    check_out_overlaps,
     check_step_args,
     check_step_metadata,
     check_tail_index_values,
