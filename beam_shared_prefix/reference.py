@@ -70,8 +70,19 @@ def beam_kv_positions(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Page and slot of every history position of the given beam rows.
 
+    Args:
+        beam_page_table: ``[>= R*W, max_pages]`` int, page entries of each beam row.
+        cache_indirection: ``[>= R, W_max, max_seq_len]`` int, the source beam of each position.
+        prompt_lens, kv_lens: int, indexed per beam row (``[>= max(rows) + 1]``): ``P`` and ``L``.
+        beam_width: ``W``; row ``i`` is beam ``i % W`` of request ``i // W``.
+        page_size: tokens a page.
+        rows: ``[n]`` int, the beam rows to map.
+        max_len: positions per row to map (``>= max L`` of the rows).
+        page_index_divisor: what an entry is divided by to give a page number.
+
     Returns ``(page [n, max_len], slot [n, max_len], valid [n, max_len])`` (int64, int64, bool) for
-    ``n = len(rows)``; positions ``>= kv_lens[row]`` are invalid and point at page 0.
+    ``n = len(rows)``; positions ``>= kv_lens[row]`` are invalid and point at page 0. Raises ``ValueError`` where
+    a valid position's source beam is outside ``[0, W)``.
     """
     dev = beam_page_table.device
     rows = rows.to(dev).long()
@@ -86,6 +97,11 @@ def beam_kv_positions(
     src = torch.where(t == klen - 1, beam[:, None].expand_as(src), src)
     valid = t < klen
     src = torch.where(valid, src, torch.zeros_like(src))
+    bad_src = valid & ((src < 0) | (src >= beam_width))
+    if bool(bad_src.any()):
+        n, pos = (int(v) for v in bad_src.nonzero()[0])
+        raise ValueError(f"row {int(rows[n])} reads position {pos} through source beam {int(src[n, pos])}, outside "
+                         f"[0, beam_width={beam_width}); cache_indirection names a beam of the row's own request.")
     src_row = req[:, None] * beam_width + src
     col = torch.where(valid, t // page_size, torch.zeros_like(t))
     page = beam_page_table[src_row, col].long() // page_index_divisor
@@ -100,7 +116,8 @@ def gather_beam_kv(
     page: torch.Tensor,
     slot: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """K and V at ``(page, slot)`` as float32 ``[n, T, Hkv, D]`` each."""
+    """K and V at ``(page, slot)`` (int64 ``[n, T]`` each, pages inside the pool) as float32 ``[n, T, Hkv, D]``
+    each, from a ``[pages, 2, ...]`` pool in ``kv_layout``."""
     _check_layout(kv_layout)
     if kv_layout == "HND":
         k = kv_cache[page, 0, :, slot, :]
@@ -146,7 +163,60 @@ def _to_long(x, device) -> torch.Tensor:
 
 
 def _default_scale(head_dim: int, sm_scale: Optional[float]) -> float:
-    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    """``1/sqrt(D)`` for None, else ``sm_scale``, which must be a finite positive number (not a bool)."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, (bool, np.bool_)) or not isinstance(sm_scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"sm_scale={sm_scale!r} must be a float (default 1/sqrt(D)).")
+    if not math.isfinite(float(sm_scale)) or sm_scale <= 0:
+        raise ValueError(f"sm_scale={sm_scale!r} must be a finite positive float (default 1/sqrt(D)).")
+    return float(sm_scale)
+
+
+def _need_int(name: str, value, least: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name}={value!r} must be an int >= {least}.")
+    return int(value)
+
+
+def _check_history_args(q, kv_cache, kv_layout, beam_page_table, cache_indirection, prompt_lens, kv_lens, beam_width,
+                        page_index_divisor) -> None:
+    """The oracle's own checks (it shares none with the library's): shapes that index each other, and lengths
+    the tables hold. Raises ``ValueError`` naming the argument and the fix."""
+    pool_geometry(kv_cache, kv_layout)
+    beam_width = _need_int("beam_width", beam_width, 1)
+    _need_int("page_index_divisor", page_index_divisor, 1)
+    if q.dim() != 3 or q.shape[0] % beam_width:
+        raise ValueError(f"q must be [R*W, Hq, D] with rows a multiple of beam_width={beam_width}, got "
+                         f"{tuple(q.shape)}.")
+    rows = q.shape[0]
+    for name, x in (("prompt_lens", prompt_lens), ("kv_lens", kv_lens)):
+        if x.dim() != 1 or x.shape[0] != rows:
+            raise ValueError(f"{name} must have one entry per beam row ([{rows}]), got {tuple(x.shape)}; the oracle "
+                             f"takes per-row lengths (a per-request prompt_lens: prompt_lens.repeat_interleave(W)).")
+    if beam_page_table.dim() != 2 or beam_page_table.shape[0] < rows:
+        raise ValueError(f"beam_page_table must be [>= {rows}, max_pages], got {tuple(beam_page_table.shape)}.")
+    if (cache_indirection.dim() != 3 or cache_indirection.shape[0] < rows // beam_width
+            or cache_indirection.shape[1] < beam_width or cache_indirection.shape[2] < 1):
+        raise ValueError(f"cache_indirection must be [>= R={rows // beam_width}, >= W={beam_width}, >= 1], got "
+                         f"{tuple(cache_indirection.shape)}.")
+    if rows:
+        page_size = pool_geometry(kv_cache, kv_layout)[2]
+        longest = int(kv_lens.max())
+        if longest > beam_page_table.shape[1] * page_size:
+            raise ValueError(f"a kv_len of {longest} is past the page table's {beam_page_table.shape[1]} columns of "
+                             f"{page_size} tokens; pass the table that holds every row's history.")
+
+
+def _check_history_pages(page: torch.Tensor, valid: torch.Tensor, src: torch.Tensor, num_pages: int,
+                         beam_width: int, first_row: int) -> None:
+    """Every position a row attends lies on a page of the pool, read through a source beam of its own request."""
+    for what, bad in (("a page outside the pool [0, %d)" % num_pages, valid & ((page < 0) | (page >= num_pages))),
+                      ("a source beam outside [0, %d)" % beam_width, valid & ((src < 0) | (src >= beam_width)))):
+        if bool(bad.any()):
+            row, pos = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"row {first_row + row} reads position {pos} through {what}; the oracle reads only the "
+                             f"pool's pages through the row's own request (fix the tables or the lengths).")
 
 
 def _row_chunks(num_rows: int, max_len: int, hkv: int, d: int, budget_bytes: int = 1 << 28):
@@ -161,8 +231,10 @@ def _attend_history(
     sm_scale, page_index_divisor, new_k, new_v, tail_only,
 ):
     """Attention of each row over positions ``[0, L)`` of its history, or ``[P, L)`` if ``tail_only``."""
+    _check_history_args(q, kv_cache, kv_layout, beam_page_table, cache_indirection, prompt_lens, kv_lens, beam_width,
+                        page_index_divisor)
     num_rows, hq, d = q.shape
-    _, hkv, page_size, head_dim = pool_geometry(kv_cache, kv_layout)
+    num_pages, hkv, page_size, head_dim = pool_geometry(kv_cache, kv_layout)
     sm_scale = _default_scale(head_dim, sm_scale)
     dev = q.device
     plen = prompt_lens.to(dev).long()
@@ -177,6 +249,11 @@ def _attend_history(
             beam_page_table, cache_indirection, plen, klen, beam_width, page_size, rows, max_len,
             page_index_divisor,
         )
+        bad = valid & ((page < 0) | (page >= num_pages))
+        if bool(bad.any()):
+            row, pos = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"row {a + row} reads position {pos} from page {int(page[row, pos])}, outside the pool's "
+                             f"[0, {num_pages}); fix the page table (or page_index_divisor={page_index_divisor}).")
         k, v = gather_beam_kv(kv_cache, kv_layout, page, slot)
         # Positions past a row's history read whatever the pool holds there (possibly NaN in a
         # never-written slot); zeroed, they cannot reach the output as 0 x NaN.
@@ -269,29 +346,52 @@ def reference_prefix_attention(
     """Attention of every beam row over its request's prompt ``[0, P_r)`` (non-causal).
 
     Args:
-        q: ``[R*W, Hq, D]``.
+        q: ``[R*W, Hq, D]``, exactly ``len(prompt_lens) * beam_width`` rows.
+        kv_cache: paged pool, ``[pages, 2, Hkv, Pg, D]`` (HND) or ``[pages, 2, Pg, Hkv, D]`` (NHD), any float dtype.
         prompt_page_indptr: ``[R + 1]`` int, offsets of each request's pages.
         prompt_page_indices: flat int, beam 0's pages; the first ``ceil(P_r / Pg)`` of each
             request hold the prompt.
         prompt_lens: ``[R]`` int, ``P_r`` per request (0 gives an empty prefix: out 0, lse -inf).
+        beam_width: ``W``, query rows a request.
+        sm_scale: softmax scale on ``q . k`` (default ``1/sqrt(D)``).
+        kv_layout: ``"HND"`` or ``"NHD"``.
 
     Returns:
-        ``(out float32 [R*W, Hq, D], lse_base2 float32 [R*W, Hq])``.
+        ``(out float32 [R*W, Hq, D], lse_base2 float32 [R*W, Hq])``. Raises ``ValueError`` where the rows, the
+        listed pages or their numbers do not match (a prompt past its listed pages, a page outside the pool).
     """
-    _, hkv, page_size, d = pool_geometry(kv_cache, kv_layout)
+    num_pages, hkv, page_size, d = pool_geometry(kv_cache, kv_layout)
     scale = _default_scale(d, sm_scale)
+    beam_width = _need_int("beam_width", beam_width, 1)
     dev = q.device
     indptr = _to_long(prompt_page_indptr, dev)
     indices = _to_long(prompt_page_indices, dev)
     plen = _to_long(prompt_lens, dev)
     num_rows, hq, _ = q.shape
-    out = torch.empty(num_rows, hq, d, dtype=torch.float32, device=dev)
-    lse = torch.empty(num_rows, hq, dtype=torch.float32, device=dev)
+    requests = plen.shape[0]
+    if plen.dim() != 1 or num_rows != requests * beam_width:
+        raise ValueError(f"q has {num_rows} rows but prompt_lens lists {requests} requests of beam_width={beam_width} "
+                         f"({requests * beam_width} rows); pass per-request lengths of the batch q holds.")
+    if indptr.shape != (requests + 1,) or bool((indptr[1:] < indptr[:-1]).any()) or int(indptr[0]) < 0 \
+            or int(indptr[-1]) > indices.shape[0]:
+        raise ValueError(f"prompt_page_indptr must be [{requests + 1}] non-decreasing offsets into the "
+                         f"{indices.shape[0]} listed pages, got {indptr.tolist()}.")
+    needed = (plen + page_size - 1) // page_size
+    short = (plen < 0) | (needed > indptr[1:] - indptr[:-1])
+    if bool(short.any()):
+        r = int(short.nonzero()[0])
+        raise ValueError(f"request {r}: prompt_lens[{r}]={int(plen[r])} needs {int(needed[r])} pages of {page_size} "
+                         f"but {int(indptr[r + 1] - indptr[r])} are listed.")
+    out = torch.full((num_rows, hq, d), float("nan"), dtype=torch.float32, device=dev)
+    lse = torch.full((num_rows, hq), float("nan"), dtype=torch.float32, device=dev)
     for r in range(plen.shape[0]):
         p = int(plen[r])
         rows = slice(r * beam_width, (r + 1) * beam_width)
         t = torch.arange(max(p, 1), device=dev)
         pages = indices[int(indptr[r]) + t // page_size] if p > 0 else torch.zeros_like(t)
+        if p > 0 and bool(((pages < 0) | (pages >= num_pages)).any()):
+            raise ValueError(f"request {r} lists a prompt page outside the pool's [0, {num_pages}): "
+                             f"{pages[(pages < 0) | (pages >= num_pages)][0].item()}.")
         k, v = gather_beam_kv(kv_cache, kv_layout, pages[None], (t % page_size)[None])
         valid = (t < p)[None].expand(beam_width, -1)
         out[rows], lse[rows] = dense_attention(

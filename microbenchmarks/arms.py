@@ -202,6 +202,8 @@ class LibraryArm(Arm):
             if not _accepts(cls, "page_table_audit"):
                 raise ArmSkipped("the wrapper takes no page_table_audit argument")
             kwargs["page_table_audit"] = False
+        if _accepts(cls, "check"):
+            kwargs["check"] = False  # explicit: check mode syncs and runs the oracle, which would be timed
         if _accepts(cls, "shared_run"):
             kwargs["shared_run"] = self.shared_run  # explicit, as report_errors
         elif self.shared_run == "on":

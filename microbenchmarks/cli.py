@@ -25,6 +25,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, replace
 from typing import Dict, List, Optional, Sequence
 
@@ -245,6 +246,17 @@ def _check_outputs(args, parser) -> None:
             parser.error(f"{flag} '': give a file path")
         if os.path.isdir(os.path.realpath(path)):
             parser.error(f"{flag} {path} is a directory; give a file path")
+        if flag == "--json" and path == "-":  # stdout
+            continue
+        # Written only after the run: a folder that cannot hold the file is found now, by writing a probe where the
+        # file will go (its folders are made, as the writer makes them).
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".bsp-probe-"):
+                pass
+        except OSError as exc:
+            parser.error(f"{flag} {path}: cannot write into {folder} ({exc.strerror or exc}); give a writable path")
     if args.plot is not None:
         try:
             from matplotlib.backend_bases import FigureCanvasBase
@@ -445,6 +457,18 @@ def _main(parser: argparse.ArgumentParser, args, argv: List[str]) -> int:
         if args.json is not None or args.plot is not None:
             parser.error("--rule prints each shape's verdict and measures nothing: drop --json/--plot, or drop --rule")
         return _print_rule(shapes, log, args.declare_tail)
+    # The library's settings from the environment, read before anything is measured (as --rule reads them): a bad
+    # value is a usage error, not a library arm skipped; check mode, which syncs and runs the oracle every call, is
+    # never timed (the arms pass check=False), and a run that has it on in its environment says so.
+    from beam_shared_prefix.config import ConfigError, load_settings
+
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if settings.check:
+        log("TLLM_BEAM_SHARED_PREFIX_CHECK is on in this environment; the timed library arms run with check mode "
+            "off (its syncs and oracle would be timed). The CLI's own oracle check runs unless --no-check.")
 
     import torch
 

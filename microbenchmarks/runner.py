@@ -117,11 +117,29 @@ def _auto_verdict(shape: BenchShape):
     return one_launch, split_kv, reason
 
 
+def _gate_reason(shape: BenchShape) -> Optional[str]:
+    """The TensorRT-LLM adapter's layer and pool gates a shape fails (``None``: it passes them): head sizes, the
+    widest GQA group and the page sizes the kernels tile."""
+    from beam_shared_prefix.trtllm.gates import MAX_GROUP_SIZE, SUPPORTED_HEAD_DIMS
+    from beam_shared_prefix.trtllm.kv_cache import SUPPORTED_PAGE_SIZES
+
+    if shape.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim={shape.head_dim} is not one of {SUPPORTED_HEAD_DIMS}: the library does not serve it"
+    if shape.heads // shape.kv_heads > MAX_GROUP_SIZE:
+        return (f"GQA group {shape.heads // shape.kv_heads} exceeds {MAX_GROUP_SIZE}, the widest the tail kernel "
+                f"tiles: the library does not serve it")
+    if shape.page_size not in SUPPORTED_PAGE_SIZES:
+        return (f"page size {shape.page_size} is not one of {SUPPORTED_PAGE_SIZES}, the tail kernel's page sizes: "
+                f"TensorRT-LLM's pools of other block sizes are declined")
+    return None
+
+
 def decline_reason(shape: BenchShape) -> Optional[str]:
-    """What :func:`beam_shared_prefix.decline.should_decline` says of this shape (``None``: served), as the
-    library's default (backend ``"auto"``) on a GPU would judge it, at the shape's (longest) tail."""
+    """Why the library's default (backend ``"auto"``) on a GPU declines this shape, at its (longest) tail
+    (``None``: served): the adapter's gates (:func:`rule_verdict`'s), then
+    :func:`beam_shared_prefix.decline.should_decline`."""
     try:
-        return _auto_verdict(shape)[2]
+        return _gate_reason(shape) or _auto_verdict(shape)[2]
     except ImportError:
         return None
 
@@ -165,14 +183,7 @@ def rule_verdict(shape: BenchShape, declare_tail: bool = False) -> Dict:
             path += " + shared-run stage"
         return path
 
-    # The layer gates come first: a shape the library never serves has no speed to judge.
-    from beam_shared_prefix.trtllm.gates import MAX_GROUP_SIZE, SUPPORTED_HEAD_DIMS
-
-    if shape.head_dim not in SUPPORTED_HEAD_DIMS:
-        reason = f"head_dim={shape.head_dim} is not one of {SUPPORTED_HEAD_DIMS}: the library does not serve it"
-    elif shape.heads // shape.kv_heads > MAX_GROUP_SIZE:
-        reason = (f"GQA group {shape.heads // shape.kv_heads} exceeds {MAX_GROUP_SIZE}, the widest the tail kernel "
-                  f"tiles: the library does not serve it")
+    reason = _gate_reason(shape) or reason  # the gates first: a shape never served has no speed to judge
     return {"path": path_of(one_launch, split_kv), "graph_path": path_of(graph_one_launch, graph_split_kv),
             "decline_reason": reason,
             "max_tail": int(max_tail_len(shape.beams, shape.prompt, shape.kv_heads, shape.requests, shape.heads))}

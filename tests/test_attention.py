@@ -17,6 +17,8 @@ tolerance fails it.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -1728,3 +1730,45 @@ def test_constructor_refuses_zero_capacities(name):
     """A capacity (or tail bound) of 0 is refused at construction, naming it and its lower bound."""
     with pytest.raises(ValueError, match=rf"{name}=0 must be >= 1"):
         BeamSharedPrefixAttention("cpu", backend="reference", **{name: 0})
+
+
+@pytest.mark.parametrize("device", ["meta", "mps"])
+def test_constructor_refuses_a_device_it_cannot_run_on(device):
+    """A meta wrapper planned and then refused every call with a wrong diagnosis ("out overlaps q", every meta
+    address being 0); the constructor now names the devices it runs on."""
+    with pytest.raises(ValueError, match=rf"device='{device}': the wrapper runs on a CUDA device or the CPU"):
+        BeamSharedPrefixAttention(device, backend="reference")
+
+
+@pytest.mark.parametrize("sm_scale,message", [
+    (True, "sm_scale=True is a bool"),
+    (1e39, "sm_scale=1e+39 is outside ["),  # sm_scale * log2(e) is inf in float32: NaN out
+    (1e-300, "sm_scale=1e-300 is outside ["),  # 0 in float32: a masked score's -inf * 0 is NaN
+], ids=["bool", "past_float32", "under_float32"])
+def test_plan_refuses_a_scale_the_kernels_cannot_hold(sm_scale, message):
+    sim = _sim(seed=3)
+    step = sim.begin_step()
+    att = BeamSharedPrefixAttention("cpu", backend="reference", check=False)
+    with pytest.raises(AttentionInputError, match=re.escape(message)):
+        plan_step(att, sim, step, sm_scale=sm_scale)
+
+
+@pytest.mark.parametrize("tail_impl", ["torch", "triton"])
+def test_a_step_with_grad_tracked_inputs_is_served_without_autograd(tail_impl):
+    """q, new_k and new_v from a projection run outside ``torch.no_grad()`` require grad. The torch tail wrote K
+    into the pool, then failed inside torch before V (the step half written, the pool left requiring grad), and the
+    reference prefix chained every step into an autograd graph on the wrapper's persistent buffer. Both paths now
+    run without autograd, as the kernels do: served, equal to the oracle, nothing left requiring grad."""
+    sim = _sim(seed=4)
+    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl, check=False)
+    for _ in range(2):
+        step = sim.begin_step()
+        _plan(att, sim, step)
+        q, new_k, new_v = (x.detach().clone().requires_grad_(True) for x in (step.q, step.new_k, step.new_v))
+        want = reference_beam_attention(step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens,
+                                        step.cache_indirection, step.beam_width, new_k=step.new_k, new_v=step.new_v)
+        out = att.run(q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, new_k=new_k,
+                      new_v=new_v, out=torch.full_like(step.q, float("nan")))
+        assert not out.requires_grad and out.grad_fn is None and not sim.kv_cache.requires_grad
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+        sim.end_step()

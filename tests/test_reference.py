@@ -1,6 +1,7 @@
 """The float32 oracle against a naive per-beam loop in float64, over simulated beam-search steps."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -246,6 +247,64 @@ def test_tail_with_no_generated_position_is_empty():
         step.beam_width,
     )
     assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def _bad_source_beam(step):
+    ind = step.cache_indirection.clone()
+    ind[0, 1, step.prompt_lens[1]] = step.beam_width  # row 1's first generated position, a beam past W
+    return dict(cache_indirection=ind)
+
+
+def _page_outside_the_pool(step, num_pages):
+    table = step.beam_page_table.clone()
+    table[0, 0] = num_pages  # row 0's first prompt page
+    return dict(beam_page_table=table)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda step, n: dict(prompt_lens=step.prompt_lens_per_request), "prompt_lens must have one entry per beam row"),
+    (lambda step, n: dict(sm_scale=float("nan")), "sm_scale=nan must be a finite positive float"),
+    (lambda step, n: dict(sm_scale=True), "sm_scale=True must be a float"),
+    (lambda step, n: dict(page_index_divisor=0), "page_index_divisor=0 must be an int >= 1"),
+    (lambda step, n: dict(beam_width=5), "rows a multiple of beam_width=5"),
+    (lambda step, n: dict(kv_lens=step.kv_lens + 48), "past the page table's 6 columns of 8 tokens"),
+    (lambda step, n: _bad_source_beam(step), "through source beam 3, outside [0, beam_width=3)"),
+    (lambda step, n: _page_outside_the_pool(step, n), "outside the pool's [0, "),
+], ids=["per_request_prompt_lens", "nan_scale", "bool_scale", "zero_divisor", "beam_width_not_dividing_rows",
+        "kv_len_past_the_table", "source_beam_past_the_width", "page_outside_the_pool"])
+@pytest.mark.parametrize("fn", [reference_beam_attention, reference_tail_attention], ids=["whole", "tail"])
+def test_the_oracle_refuses_inputs_it_would_misread(fn, change, match):
+    """The oracle shares no check with the library, so it keeps its own: an argument that would index another
+    request's pages, wrap a page number, or read a length per request as per row is refused by name (before, a raw
+    IndexError, or a plausible wrong answer)."""
+    sim = make_sim(2, 64, "HND", torch.float32, seed=11)
+    sim.begin_step()
+    sim.end_step()
+    step = sim.begin_step()
+    args = dict(q=step.q, kv_cache=sim.kv_cache, beam_page_table=step.beam_page_table, kv_lens=step.kv_lens,
+                prompt_lens=step.prompt_lens, cache_indirection=step.cache_indirection, beam_width=step.beam_width,
+                new_k=step.new_k, new_v=step.new_v)
+    args.update(change(step, sim.kv_cache.shape[0]))
+    with pytest.raises((ValueError, TypeError), match=re.escape(match)):
+        fn(**args)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda step: dict(beam_width=1), "q has 12 rows but prompt_lens lists 4 requests of beam_width=1"),
+    (lambda step: dict(prompt_lens=step.prompt_lens_per_request[:3]), "prompt_lens lists 3 requests"),
+    (lambda step: dict(prompt_lens=step.prompt_lens_per_request + 8), "are listed"),
+], ids=["rows_not_covered", "a_request_missing", "prompt_past_its_pages"])
+def test_the_prefix_oracle_refuses_rows_or_pages_it_does_not_cover(change, match):
+    """Rows the lengths do not cover came back as uninitialised memory, and a prompt past its listed pages read the
+    next request's pages; both are refused by name."""
+    sim = make_sim(2, 64, "HND", torch.float32, seed=12)
+    step = sim.begin_step()
+    args = dict(q=step.q, kv_cache=sim.kv_cache, prompt_page_indptr=step.prompt_page_indptr,
+                prompt_page_indices=step.prompt_page_indices, prompt_lens=step.prompt_lens_per_request,
+                beam_width=step.beam_width)
+    args.update(change(step))
+    with pytest.raises(ValueError, match=re.escape(match)):
+        reference_prefix_attention(**args)
 
 
 # ------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from .step_args import (
     need_dim,
     need_distinct_elements,
     need_dtype,
+    need_flag,
     need_last_dim_contiguous,
     need_tensor,
     resolve_sm_scale,
@@ -624,10 +625,12 @@ def beam_cascade_attention(
         KernelInputError: an argument the kernel cannot take (names the value, the limit and the fix),
             including shapes :func:`cascade_supported` refuses.
     """
+    write_kv = need_flag("write_kv", write_kv)
+    validate_indices = need_flag("validate_indices", validate_indices)
     geom = check_step_args(
         q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width, out,
         sm_scale=sm_scale, kv_layout=kv_layout, page_index_divisor=page_index_divisor,
-        extra_tensors=(("prompt_page_table", prompt_page_table),), write_kv=bool(write_kv), error_flags=error_flags,
+        extra_tensors=(("prompt_page_table", prompt_page_table),), write_kv=write_kv, error_flags=error_flags,
     )
     check_device(q, beam_cascade_kernel, "the cascade kernel")
     _check_prompt_table(prompt_page_table, geom.num_requests, q.device)
@@ -734,6 +737,7 @@ def beam_prefix_attention(
     if pool_dim != head_dim or num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         fail(f"kv_cache ({kv_layout}) holds Hkv={num_kv_heads}, D={pool_dim}, which does not serve q's Hq="
              f"{num_qo_heads}, D={head_dim}; check kv_layout and the layer's pool view.")
+    need_dim("out", out, 3, "[rows, Hq, D]")
     for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out)):
         need_last_dim_contiguous(name, x)
     _check_prompt_table(prompt_page_table, num_requests, q.device)
@@ -757,11 +761,11 @@ def beam_prefix_attention(
                           num_requests, num_kv_heads, q.device)
     if launch_config is None:  # the register cap is the fused step's (its tail's state); the prompt alone spills under it
         cfg = dataclasses.replace(cfg, max_registers=None)
-    if validate_indices:
+    sm_scale = resolve_sm_scale(sm_scale, head_dim)
+    if need_flag("validate_indices", validate_indices):
         _check_prompt_values(prompt_page_table, prompt_lens, page_size, num_pages)
     if num_rows == 0:
         return out, lse
-    sm_scale = resolve_sm_scale(sm_scale, head_dim)
     num_beam_blocks = cdiv(beam_width, cfg.beams_per_program)
     grid = (num_requests * num_beam_blocks, cdiv(num_kv_heads, cfg.heads_per_program))
     s_page, s_kv, s_head, s_slot = kv_strides

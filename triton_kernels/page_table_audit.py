@@ -22,7 +22,7 @@ from .device_errors import check_error_flags
 from .host_ints import cdiv
 from .launch import launch
 from .page_table_audit_kernel import page_holders_kernel, page_table_audit_kernel
-from .step_args import (check_device, fail, need_dim, need_dtype, need_page_index_divisor, need_tensor,
+from .step_args import (check_device, check_written_overlaps, fail, need_dim, need_dtype, need_page_index_divisor, need_tensor,
                         need_unit_stride, need_vector)
 
 __all__ = ["AUDIT_BLOCK_W", "AUDIT_BLOCK_C", "AuditWorkspace", "new_audit_workspace", "audit_page_table",
@@ -96,6 +96,14 @@ def _check_audit_args(kv_lens, prompt_lens, beam_page_table, beam_width, error_f
                     "pass torch.from_numpy(step_plan.prompt_pages_digest) on the tensors' device, or None.")
 
 
+def _check_audit_writes(kv_lens, prompt_lens, beam_page_table, plan_digest, error_flags, workspace=()) -> None:
+    """What an audit writes (``error_flags``, and the Triton audit's ``workspace``, ``(name, tensor)`` pairs) shares no
+    byte with what it reads: a flag ORed into ``kv_lens`` would change a length the step's layers then attend."""
+    check_written_overlaps(("error_flags",) + tuple(name for name, _ in workspace), (
+        ("error_flags", error_flags), ("kv_lens", kv_lens), ("prompt_lens", prompt_lens),
+        ("beam_page_table", beam_page_table), ("plan_digest", plan_digest)) + tuple(workspace))
+
+
 def audit_page_table(
     kv_lens: torch.Tensor,
     prompt_lens: torch.Tensor,
@@ -141,6 +149,8 @@ def audit_page_table(
         fail(f"workspace must be new_audit_workspace(num_pages={num_pages}, {kv_lens.device}) (page_holders int64 "
              f"[2, {num_pages}] contiguous and audit_state int32 [1] on the tensors' device); make one per pool and "
              f"keep it between steps.")
+    _check_audit_writes(kv_lens, prompt_lens, beam_page_table, plan_digest, error_flags,
+                        (("page_holders", holders), ("audit_state", state)))
     check_device(kv_lens, page_table_audit_kernel, "the page-table audit")
     if rows == 0 or beam_page_table.shape[1] == 0:
         return
@@ -178,6 +188,7 @@ def audit_page_table_torch(
     without a workspace: the same arguments but that, the same bits ORed into ``error_flags``, no sync."""
     _check_audit_args(kv_lens, prompt_lens, beam_page_table, beam_width, error_flags, page_size, num_pages,
                       max_seq_len, page_index_divisor, plan_digest)
+    _check_audit_writes(kv_lens, prompt_lens, beam_page_table, plan_digest, error_flags)
     rows = kv_lens.shape[0]
     if rows == 0 or beam_page_table.shape[1] == 0:
         return

@@ -52,6 +52,7 @@ __all__ = [
     "need_dim",
     "need_distinct_elements",
     "need_dtype",
+    "need_flag",
     "need_last_dim_contiguous",
     "need_page_index_divisor",
     "need_table_covers_indirection",
@@ -61,6 +62,7 @@ __all__ = [
     "pool_layout",
     "resolve_sm_scale",
     "runs_interpreted",
+    "SM_SCALE_RANGE",
     "spans_overlap",
 ]
 
@@ -73,6 +75,10 @@ LOG2E = 1.4426950408889634
 KV_DTYPES = (torch.bfloat16, torch.float16)
 KV_LAYOUTS = ("HND", "NHD")
 _INT32_MAX = 2**31 - 1  # page_index_divisor is a compile-time int32 of the kernels
+# The kernels take ``sm_scale * LOG2E`` as a float32 scalar: it must be a normal float32 (a subnormal one flushes to
+# 0 on the GPU, and a 0 scale times a masked -inf score is NaN), so the scale lies in this range.
+_F32_TINY, _F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
+SM_SCALE_RANGE = (_F32_TINY / LOG2E, _F32_MAX / LOG2E)
 
 
 def is_pow2(x) -> bool:
@@ -140,22 +146,36 @@ def pool_layout(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[Tuple[int, int,
 
 
 def fail(msg: str) -> None:
+    """Raise :class:`KernelInputError` with ``msg`` (which names the value, its limit and the fix)."""
     raise KernelInputError(msg)
 
 
 def need_tensor(name: str, x) -> None:
+    """``x`` is a dense (strided) ``torch.Tensor``: the kernels address its elements by shape and strides."""
     if not isinstance(x, torch.Tensor):
         fail(f"{name} must be a torch.Tensor, got {type(x).__name__}.")
     if x.layout != torch.strided:  # the kernels address elements by shape and strides
         fail(f"{name} has layout {x.layout}; the kernels read dense tensors. Pass {name}.to_dense().")
 
 
+def need_flag(name: str, value) -> bool:
+    """``value`` is a bool (a numpy bool too), returned as one: ``bool()`` would read ``"False"`` or ``"off"`` as
+    on."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+        return bool(value)
+    fail(f"{name}={value!r} must be True or False (a {type(value).__name__} is not read as a switch).")
+
+
 def need_dim(name: str, x: torch.Tensor, ndim: int, what: str) -> None:
+    """``x`` has ``ndim`` dims (``what`` describes the expected shape in the message)."""
     if x.dim() != ndim:
         fail(f"{name} must be {what} ({ndim}-D), got shape {tuple(x.shape)}.")
 
 
 def need_dtype(name: str, x: torch.Tensor, allowed) -> None:
+    """``x.dtype`` is one of ``allowed``."""
     if x.dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
         fail(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; supported: {names}. Cast it before the call.")
@@ -173,6 +193,7 @@ def need_vector(name: str, x, dtype: torch.dtype, length: str, n: int, device, f
 
 
 def need_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
+    """``x`` (at least 1-D) has a unit-stride last dim and no negative stride."""
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         fail(
             f"{name} has last-dim stride {x.stride(-1)}; the head dim must be contiguous (stride 1). "
@@ -389,6 +410,10 @@ def check_step_metadata(
     need_dim("cache_indirection", cache_indirection, 3, "[>= R, W_max, max_seq_len] int32")
     need_dtype("cache_indirection", cache_indirection, (torch.int32,))
     ind_requests, max_beam_width, max_seq_len = cache_indirection.shape
+    if max_seq_len < 1:
+        fail(f"cache_indirection is {tuple(cache_indirection.shape)}: max_seq_len=0 holds no position, so no row's "
+             f"kv_len (>= 1) fits and nothing would be attended or written; pass the [R, W_max, max_seq_len] view "
+             f"of the cache's whole length.")
     if ind_requests < num_requests:
         fail(
             f"cache_indirection has {ind_requests} request rows but the batch has R={num_requests} "
@@ -431,8 +456,16 @@ def check_written_overlaps(written, tensors) -> None:
     """Each tensor named in ``written`` (``out``, the pool where a launch stores this step's K/V, the error flag, a
     stage's outputs) shares no byte with another of ``tensors`` (``(name, tensor or None)`` pairs: every argument the
     launch touches, the written ones included). Run on every call, since it reads addresses, which the memoized checks
-    leave out; each span is computed once."""
-    spans = [(name, byte_span(x)) for name, x in tensors if x is not None]
+    leave out; each span is computed once. A ``meta`` tensor (shapes without memory, every address 0; the metadata
+    checks take it) is refused here, by name, before its address could be read as an overlap."""
+    spans = []
+    for name, x in tensors:
+        if x is None:
+            continue
+        if x.is_meta:
+            fail(f"{name} is on the meta device, which holds no data; pass a CUDA tensor (or a CPU one to the torch "
+                 f"twin or under TRITON_INTERPRET=1).")
+        spans.append((name, byte_span(x)))
     for name, span in spans:
         if name not in written or span is None:
             continue
@@ -473,6 +506,8 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     tensor, whose value the memoized checks would not see change."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_":
+        fail(f"sm_scale={sm_scale!r} is a bool; pass a float (default 1/sqrt(D)).")
     if isinstance(sm_scale, torch.Tensor):  # the kept verdicts key a tensor by its metadata, not its value
         fail(f"sm_scale is a tensor ({sm_scale.dtype}, shape {tuple(sm_scale.shape)}); pass a Python float "
              f"(float(sm_scale), once, outside the step loop: on a GPU it syncs).")
@@ -482,6 +517,9 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
         value = float("nan")
     if not math.isfinite(value) or value <= 0:
         fail(f"sm_scale={sm_scale!r} must be a finite positive float (default 1/sqrt(D)).")
+    if not SM_SCALE_RANGE[0] <= value <= SM_SCALE_RANGE[1]:
+        fail(f"sm_scale={sm_scale!r} is outside [{SM_SCALE_RANGE[0]:.3g}, {SM_SCALE_RANGE[1]:.3g}]: the kernels take "
+             f"sm_scale * log2(e) as a normal float32 (default 1/sqrt(D)).")
     return value
 
 

@@ -24,6 +24,7 @@ from .step_args import (
     KernelInputError,
     check_tail_index_values,
     is_pow2,
+    need_flag,
     runs_interpreted,
 )
 from .tail_merge_args import (
@@ -389,11 +390,13 @@ def beam_tail_attention_merge(
     Returns:
         ``out``.
     """
+    write_kv = need_flag("write_kv", write_kv)
+    validate_indices = need_flag("validate_indices", validate_indices)
     geom = check_tail_merge_args(
         q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
         prefix_out, prefix_lse, out, sm_scale=sm_scale, kv_layout=kv_layout,
         page_index_divisor=page_index_divisor, prefix_lse_layout=prefix_lse_layout,
-        prefix_lse_base=prefix_lse_base, write_kv=bool(write_kv), error_flags=error_flags, tail_skip=tail_skip,
+        prefix_lse_base=prefix_lse_base, write_kv=write_kv, error_flags=error_flags, tail_skip=tail_skip,
     )
     _check_launchable(q, geom.head_dim, geom.group_size)
     check_error_flags(error_flags, q.device)
@@ -427,7 +430,7 @@ def beam_tail_attention_merge(
     # Both kernels take the same arguments; the [QH, D] kernel has three more constexprs.
     kernel = beam_tail_merge_grouped_kernel if cfg.grouped else beam_tail_merge_kernel
     meta = dict(GROUP=geom.group_size, GROUP_PAD=cfg.group_pad, KV_HEADS_PER_PROG=cfg.kv_heads_per_prog,
-                HEAD_DIM=geom.head_dim, WRITE_KV=bool(write_kv), num_warps=cfg.num_warps, num_stages=1)
+                HEAD_DIM=geom.head_dim, WRITE_KV=write_kv, num_warps=cfg.num_warps, num_stages=1)
     if not cfg.grouped:
         meta.update(BLOCK_T=cfg.block_t, TOKENS_OUTER=bool(cfg.tokens_outer), INDEX_BLOCK=cfg.index_block)
     if tail_skip is not None:

@@ -15,7 +15,7 @@ import torch
 
 from . import device_errors
 from .device_errors import check_error_flags
-from .step_args import LOG2E, check_tail_index_values
+from .step_args import LOG2E, check_tail_index_values, need_flag
 from .tail_merge_args import check_tail_merge_args
 
 __all__ = ["beam_tail_attention_merge_torch"]
@@ -27,6 +27,10 @@ def _pool_kv(kv_cache: torch.Tensor, kv_layout: str, which: int) -> torch.Tensor
     return pool.permute(0, 2, 1, 3) if kv_layout == "HND" else pool
 
 
+# An inference step: the pool and out are written in place, which autograd refuses on tensors that need grad (a K/V
+# projection run outside no_grad gives new_k/new_v that do, and the step would fail between its K and V writes).
+# The kernel writes through pointers and ignores autograd; so does this twin.
+@torch.no_grad()
 def beam_tail_attention_merge_torch(
     q,
     new_k,
@@ -58,11 +62,13 @@ def beam_tail_attention_merge_torch(
     come from the pages of beam ``cache_indirection[r, b, t]``; ``error_flags`` gets the kernel's
     bits for the same invalid values (:mod:`triton_kernels.device_errors`). Returns ``out``.
     """
+    write_kv = need_flag("write_kv", write_kv)
+    validate_indices = need_flag("validate_indices", validate_indices)
     geom = check_tail_merge_args(
         q, new_k, new_v, kv_cache, beam_page_table, kv_lens, prompt_lens, cache_indirection, beam_width,
         prefix_out, prefix_lse, out, sm_scale=sm_scale, kv_layout=kv_layout,
         page_index_divisor=page_index_divisor, prefix_lse_layout=prefix_lse_layout,
-        prefix_lse_base=prefix_lse_base, write_kv=bool(write_kv), error_flags=error_flags,
+        prefix_lse_base=prefix_lse_base, write_kv=write_kv, error_flags=error_flags,
     )
     check_error_flags(error_flags, q.device)
     if validate_indices:

@@ -127,14 +127,26 @@ class PrefixProblem:
     sm_scale: float
 
 
+# The kernels take ``sm_scale * LOG2E`` as a normal float32 (a subnormal one flushes to 0 on the GPU, and 0 times a
+# masked -inf score is NaN); triton_kernels.step_args.SM_SCALE_RANGE is the same range (that package imports nothing
+# of this one, and this one must not import Triton to plan).
+SM_SCALE_RANGE = (1.1754943508222875e-38 / LOG2E, 3.4028234663852886e38 / LOG2E)
+
+
 def default_sm_scale(head_dim: int, sm_scale: Optional[float]) -> float:
-    """``1 / sqrt(head_dim)`` unless given; refuses non-finite or non-positive scales."""
+    """``1 / sqrt(head_dim)`` unless given; refuses bools, and scales that are not finite and positive or whose
+    ``sm_scale * log2(e)`` is no normal float32 (:data:`SM_SCALE_RANGE`)."""
+    if isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_":
+        raise ValueError(f"sm_scale={sm_scale!r} is a bool; pass a float (default 1/sqrt(head_dim)).")
     try:
         scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     except (TypeError, ValueError):
         scale = math.nan
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"sm_scale={sm_scale!r} must be a finite positive float (default 1/sqrt(head_dim)).")
+    if not SM_SCALE_RANGE[0] <= scale <= SM_SCALE_RANGE[1]:
+        raise ValueError(f"sm_scale={sm_scale!r} is outside [{SM_SCALE_RANGE[0]:.3g}, {SM_SCALE_RANGE[1]:.3g}]: the "
+                         f"kernels take sm_scale * log2(e) as a normal float32 (default 1/sqrt(head_dim)).")
     return scale
 
 
@@ -281,6 +293,40 @@ class PrefixBackend(abc.ABC):
         Returns:
             ``(out, LseDescriptor(lse, self.lse_layout, self.lse_base))``.
         """
+
+    def check_run_args(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Refuse :meth:`run` arguments that do not match the plan (shapes, dtypes, devices, the pool's layout and
+        size), naming the value and the fix; metadata only, no sync. The wrapper checks the same before it calls a
+        backend, so the GPU backends' ``run()`` leaves this to it; the reference backend, which callers use
+        directly as the CPU path and the oracle's twin, calls it."""
+        step_plan, problem = self._require_planned()
+        rows, hq, hkv, d = step_plan.num_rows, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim
+
+        def fail(msg):
+            raise PrefixBackendError(f"{type(self).__name__}.run(): {msg}")
+
+        for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse)):
+            if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
+                fail(f"{name} must be a dense torch.Tensor, got {type(x).__name__}.")
+            if x.device.type != self.device.type or self.device.index not in (None, x.device.index):
+                fail(f"{name} is on {x.device} but the backend runs on {self.device}; move it there.")
+        for name, x, shape, dtype in (("q", q, (rows, hq, d), problem.dtype), ("out", out, (rows, hq, d), problem.dtype),
+                                      ("lse", lse, self.lse_shape(rows, hq), torch.float32)):
+            if tuple(x.shape) != shape or x.dtype != dtype:
+                fail(f"{name} must be {dtype} {list(shape)} for the planned batch (R*W={rows} rows, Hq={hq}, D={d}), "
+                     f"got {x.dtype} {list(x.shape)}; pass the planned dtype, and re-plan when the batch changes.")
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.dtype != problem.dtype:
+            fail(f"kv_cache must be {problem.dtype} [pages, 2, Hkv, Pg, D] (HND) or [pages, 2, Pg, Hkv, D] (NHD), got "
+                 f"{kv_cache.dtype} {list(kv_cache.shape)}.")
+        pages = kv_cache.shape[0]
+        heads, page_size = (kv_cache.shape[2], kv_cache.shape[3]) if self.kv_layout == "HND" else (
+            kv_cache.shape[3], kv_cache.shape[2])
+        if (heads, page_size, kv_cache.shape[4]) != (hkv, problem.page_size, d):
+            fail(f"kv_cache ({self.kv_layout}) has Hkv={heads}, page size {page_size}, D={kv_cache.shape[4]} but the "
+                 f"plan has Hkv={hkv}, page size {problem.page_size}, D={d}; check kv_layout={self.kv_layout!r}.")
+        if pages < step_plan.num_cache_pages:
+            fail(f"kv_cache has {pages} pages but the plan was made for a pool of {step_plan.num_cache_pages}; "
+                 f"re-plan with the current pool.")
 
     def _require_planned(self) -> Tuple[StepPlan, PrefixProblem]:
         if self.step_plan is None or self.problem is None:

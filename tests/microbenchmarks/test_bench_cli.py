@@ -230,6 +230,57 @@ def test_usage_errors_exit_2_before_measuring(no_gpu, tmp_path, capsys, args, me
     assert message in err.err and "plan (" not in err.out  # (no arm was timed)
 
 
+@pytest.mark.parametrize("flag,suffix", [("--json", "x.json"), ("--plot", "x.png")])
+def test_an_output_folder_that_cannot_hold_the_file_exits_2_before_measuring(no_gpu, tmp_path, capsys, flag, suffix):
+    """A path under a regular file (no folder can be made there) was found only when the file was written, after
+    the whole run: now a probe is written where the file will go, before anything is measured."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--preset", "B-short", flag, str(tmp_path / "a_file" / suffix)])
+    assert info.value.code == 2
+    err = capsys.readouterr()
+    assert f"{flag} {tmp_path / 'a_file' / suffix}: cannot write into" in err.err and "plan (" not in err.out
+    assert not any(p.name.startswith(".bsp-probe-") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("TLLM_BEAM_SHARED_PREFIX_CHECK", "2", "TLLM_BEAM_SHARED_PREFIX_CHECK='2' is not accepted"),
+    ("TLLM_BEAM_SHARED_PREFIX_MAX_TAIL", "abc", "TLLM_BEAM_SHARED_PREFIX_MAX_TAIL='abc' is not accepted"),
+])
+def test_a_bad_library_setting_exits_2_before_measuring(no_gpu, tmp_path, capsys, monkeypatch, name, value, message):
+    """A bad setting in the environment made every library arm "skipped" and the run exit 0 (with MAX_TAIL, after a
+    line saying the bad value bounds the tails); it is a usage error, as --rule already reported it."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--preset", "B-short", "--json", str(tmp_path / "x.json")])
+    assert info.value.code == 2
+    err = capsys.readouterr()
+    assert message in err.err and "plan (" not in err.out and "bounds the library" not in err.out
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_check_mode_in_the_environment_is_never_timed(no_gpu, capsys, monkeypatch):
+    """TLLM_BEAM_SHARED_PREFIX_CHECK=1 left in a shell made the library arms time check mode (its syncs and oracle,
+    10-19x slower on the CPU path) without a word: the timed wrappers are built with check off, and the run says
+    so."""
+    from beam_shared_prefix import attention
+
+    monkeypatch.setenv("TLLM_BEAM_SHARED_PREFIX_CHECK", "1")
+    built = []
+    init = attention.BeamSharedPrefixAttention.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self.check)
+
+    monkeypatch.setattr(attention.BeamSharedPrefixAttention, "__init__", spy)
+    assert cli.main(["--preset", "B-short", "--arms", "auto"]) == 0
+    assert built and not any(built), built
+    assert "TLLM_BEAM_SHARED_PREFIX_CHECK is on in this environment; the timed library arms run with check mode off" \
+        in capsys.readouterr().out
+
+
 def test_json_follows_a_symlink_and_never_replaces_a_special_file(no_gpu, tmp_path, capsys):
     """The JSON is written atomically to a regular file (a rename over it); a symlink's target is written, and
     a path that exists but is not a regular file (a device, a pipe) is written in place, never replaced."""
@@ -392,6 +443,27 @@ def test_rule_prints_the_library_verdict_without_measuring(capsys, monkeypatch):
         assert cli.main(argv + extra) == 0
         line = capsys.readouterr().out.strip()
         assert f"64/8 D128 Pg32 bf16: cascade{graph_path}, tails served" in line, line
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["--page-size", "24"], "page size 24 is not one of (16, 32, 64, 128)"),
+    (["--page-size", "256"], "page size 256 is not one of (16, 32, 64, 128)"),
+    (["--head-dim", "96"], "head_dim=96 is not one of (64, 128, 256)"),
+])
+def test_rule_and_the_measured_header_apply_the_adapters_gates(capsys, argv, reason):
+    """``--rule`` said "serve" at page sizes the adapter's pool gate declines, and the measuring run's header
+    (``runner.decline_reason``) gave another reason than ``--rule`` for a head size it declines: both now name the
+    gate (preset A is served at its own page and head sizes)."""
+    import dataclasses
+
+    from microbenchmarks import runner
+    from microbenchmarks.shapes import PRESETS
+
+    assert cli.main(["--preset", "A", "--rule", *argv]) == 0
+    assert f"-> decline: {reason}" in capsys.readouterr().out
+    field = "page_size" if argv[0] == "--page-size" else "head_dim"
+    assert runner.decline_reason(PRESETS["A"]) is None
+    assert runner.decline_reason(dataclasses.replace(PRESETS["A"], **{field: int(argv[1])})).startswith(reason)
 
 
 @pytest.mark.parametrize("graphed", [True, False])

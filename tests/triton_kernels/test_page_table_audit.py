@@ -500,3 +500,17 @@ def test_audit_refuses_bad_arguments_by_name(audit, change, match):
         assert int(flags.item()) == 0  # refused before any launch
     if state is not None:
         assert state.tolist() == [1]
+
+
+@pytest.mark.parametrize("audit,inside", [("triton", "kv_lens"), ("torch", "kv_lens"), ("triton", "audit_state")])
+def test_audit_refuses_an_error_flag_inside_what_it_reads_or_keeps(audit, inside):
+    """A flag that is an element of ``kv_lens`` (or of the audit's own workspace) would OR its bits into a length
+    the step's layers then attend: refused by name, nothing written."""
+    args = _good_args()
+    args["error_flags"] = args["kv_lens"][5:] if inside == "kv_lens" else args["workspace"].audit_state
+    with pytest.raises(KernelInputError, match=f"error_flags overlaps {inside} in memory"):
+        if audit == "triton":
+            audit_page_table(**args)
+        else:
+            audit_page_table_torch(**{k: v for k, v in args.items() if k != "workspace"})
+    assert args["kv_lens"].tolist() == [9] * 6 and args["workspace"].audit_state.tolist() == [1]

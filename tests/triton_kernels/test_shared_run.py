@@ -210,6 +210,8 @@ def _stage_args(device):
     (lambda a: a.update(prefix_lse=a["prefix_lse"][:1].expand_as(a["prefix_lse"])),
      r"prefix_lse of shape \(8, 4\) with strides \(0, 1\) has elements that overlap"),
     (lambda a: a.update(error_flags=a["tail_skip"][:1]), r"tail_skip overlaps error_flags in memory"),
+    # No position: every row would be masked, the stage silently a no-op.
+    (lambda a: a.update(cache_indirection=a["cache_indirection"][:, :, :0]), r"max_seq_len=0 holds no position"),
 ])
 def test_stage_refuses_bad_arguments(change, match, device):
     args = _stage_args(device)

@@ -91,6 +91,16 @@ BAD_STEP_ARGS = [
     ("out_heads", lambda a: dict(out=a["out"][:, :5]), "out must be [rows=4, Hq=6, D=64], got (4, 5, 64)"),
     ("divisor_bool", lambda a: dict(page_index_divisor=True), "page_index_divisor=True must be an int in [1, "),
     ("beam_width_bool", lambda a: dict(beam_width=True), "beam_width=True must be an int >= 1"),
+    # No position: no kv_len (>= 1) fits, so every row would be masked and the step's K/V never written.
+    ("indirection_no_positions", lambda a: dict(cache_indirection=a["cache_indirection"][:, :, :0]),
+     "cache_indirection is (2, 2, 0): max_seq_len=0 holds no position"),
+    # The kernels take sm_scale * log2(e) as a normal float32: past it, inf (NaN out) or 0 (-inf * 0 = NaN).
+    ("sm_scale_past_float32", lambda a: dict(sm_scale=1e39), "sm_scale=1e+39 is outside ["),
+    ("sm_scale_under_float32", lambda a: dict(sm_scale=1e-300), "sm_scale=1e-300 is outside ["),
+    ("sm_scale_bool", lambda a: dict(sm_scale=True), "sm_scale=True is a bool"),
+    # bool() would read these strings as on.
+    ("write_kv_string", lambda a: dict(write_kv="False"), "write_kv='False' must be True or False"),
+    ("validate_indices_string", lambda a: dict(validate_indices="off"), "validate_indices='off' must be True or False"),
 ]
 
 
@@ -126,6 +136,15 @@ def test_tail_launchers_refuse_a_tensor_on_another_device(impl, name):
         IMPLS[impl](**args)
 
 
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_tail_launchers_refuse_meta_tensors_by_name(impl):
+    """Every tensor on the meta device (shapes without memory, every address 0): the metadata checks take it, and
+    the every-call overlap check names the device before it could read address 0 as an overlap ("out overlaps q")."""
+    args = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in _tail_args(seed=51).items()}
+    with pytest.raises(KernelInputError, match=re.escape("out is on the meta device, which holds no data")):
+        IMPLS[impl](**args)
+
+
 def _cascade_args(seed):
     """A valid cascade call: 2 requests (prompts 5, 9) of 2 beams, Hq=4, Hkv=2, D=64, pages of 16 tokens."""
     sim = _sim(seed, prompts=(5, 9), beams=2, hq=4, hkv=2, d=64)
@@ -147,6 +166,30 @@ def test_cascade_refuses_an_out_inside_the_pool():
     page_elems = args["kv_cache"][0].numel()
     args["out"] = args["kv_cache"].view(-1)[3 * page_elems: 3 * page_elems + rows * hq * d].view(rows, hq, d)
     _refused(beam_cascade_attention, args, "out overlaps kv_cache in memory")
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: dict(cache_indirection=a["cache_indirection"][:, :, :0]), "max_seq_len=0 holds no position"),
+    (lambda a: dict(write_kv="no"), "write_kv='no' must be True or False"),
+    (lambda a: dict(sm_scale=1e39), "sm_scale=1e+39 is outside ["),
+], ids=["indirection_no_positions", "write_kv_string", "sm_scale_past_float32"])
+def test_cascade_refuses_what_the_tail_launchers_refuse(change, message):
+    """The cascade launcher shares the step checks: the same bad values, refused by name before any write."""
+    args = _cascade_args(seed=61)
+    args.update(change(args))
+    _refused(beam_cascade_attention, args, message)
+
+
+def test_the_prefix_stage_refuses_a_zero_dim_out_by_name():
+    """A 0-d ``out`` is refused by its shape rule, not by an IndexError from the contiguity check run before it."""
+    from triton_kernels import beam_prefix_attention
+
+    a = _cascade_args(seed=62)
+    rows, hq, _ = a["q"].shape
+    with pytest.raises(KernelInputError, match=re.escape("out must be [rows, Hq, D] (3-D), got shape ()")):
+        beam_prefix_attention(a["q"], a["kv_cache"], a["prompt_page_table"], a["prompt_lens"][::2].contiguous(),
+                              a["beam_width"], torch.empty((), dtype=a["q"].dtype, device=DEVICE),
+                              torch.empty(rows, hq, device=DEVICE), kv_layout=a["kv_layout"])
 
 
 @pytest.mark.parametrize("head_span,refused", [(2**31 - 1, False), (2**31, True)])
