@@ -185,13 +185,13 @@ class BeamSharedPrefixAttention:
                 "captured run() reads are allocated once at those capacities."
             )
         self.device = torch.device(device)
+        if self.device.type not in ("cuda", "cpu"):  # meta holds no data; mps, xpu have no kernel or tail here
+            raise ValueError(f"device={device!r}: the wrapper runs on a CUDA device or the CPU, not "
+                             f"{self.device.type!r}.")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         elif self.device.type == "cpu":
             self.device = torch.device("cpu")  # (torch puts every CPU tensor on "cpu", never "cpu:0")
-        else:  # meta tensors hold no data; other backends (mps, xpu) have no kernel or tail here
-            raise ValueError(f"device={device!r}: the wrapper runs on a CUDA device or the CPU, not "
-                             f"{self.device.type!r}.")
         if use_cuda_graph and tail_impl == "torch" and self.device.type == "cuda":
             # (a CPU wrapper's graph mode runs the same host logic in tests; nothing is captured there)
             raise ValueError("use_cuda_graph=True cannot take tail_impl='torch' on a GPU: the torch tail reads the tail "

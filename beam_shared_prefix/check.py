@@ -499,7 +499,11 @@ def check_prefix_stage(
     skip_rows: Optional[torch.Tensor] = None,
 ) -> None:
     """Stage ``"prefix"``: finite output and LSE, equal to the oracle's prefix attention; rows
-    ``skip_rows`` (bool ``[rows]``, :attr:`WarmupRows.padding`: a slot the engine never wrote) not judged."""
+    ``skip_rows`` (bool ``[rows]``, :attr:`WarmupRows.padding`: a slot the engine never wrote) not judged.
+
+    ``q`` and ``prefix_out`` are ``[rows, Hq, D]`` (the planned dtype), ``kv_cache`` the ``[pages, 2, ...]`` pool in
+    ``kv_layout``, ``lse`` the backend's float32 LSE (:class:`LseDescriptor`: its layout and base), ``sm_scale`` the
+    softmax scale, ``tol`` the tolerances of the comparison."""
     stage = "prefix"
     _sync(q.device)
     prefix_out, lse_base2 = _zero_rows(prefix_out, skip_rows), _zero_rows(lse.base2_rows_heads(), skip_rows)
@@ -528,7 +532,11 @@ def expected_output(
     kv_layout: str,
     page_index_divisor: int,
 ) -> torch.Tensor:
-    """The oracle's final output, computed before the tail kernel writes the cache (float32 ``[rows, Hq, D]``)."""
+    """The oracle's final output, computed before the tail kernel writes the cache (float32 ``[rows, Hq, D]``).
+
+    The arguments are ``run()``'s (``q`` ``[rows, Hq, D]``, the pool, int32 ``beam_page_table [>= rows, max_pages]``,
+    ``kv_lens [rows]`` and ``cache_indirection [>= R, W_max, max_seq_len]``, ``new_k``/``new_v`` ``[rows, Hkv, D]``
+    or ``None``), with the prompt lengths per row (int ``[rows]``, not per request as ``plan()`` takes them)."""
     _sync(q.device)
     return reference_beam_attention(
         q, kv_cache, beam_page_table, kv_lens, prompt_lens_per_row, cache_indirection, beam_width,
@@ -538,8 +546,9 @@ def expected_output(
 
 def check_output_stage(out: torch.Tensor, expected: torch.Tensor, tol: CheckTolerance,
                        skip_rows: Optional[torch.Tensor] = None) -> None:
-    """Stage ``"tail"``: the merged output is finite and equals the oracle's; rows ``skip_rows`` (bool
-    ``[rows]``, :attr:`WarmupRows.padding`, whose output the engine never reads) not judged."""
+    """Stage ``"tail"``: the merged output (``[rows, Hq, D]``, the planned dtype) is finite and equals the oracle's
+    (float32 ``[rows, Hq, D]``, :func:`expected_output`); rows ``skip_rows`` (bool ``[rows]``,
+    :attr:`WarmupRows.padding`, whose output the engine never reads) not judged."""
     _sync(out.device)
     out, expected = _zero_rows(out, skip_rows), _zero_rows(expected, skip_rows)
     _require_finite("tail", "the attention output", out)
@@ -559,7 +568,9 @@ def check_kv_write(
 ) -> None:
     """Stage ``"tail"``: ``new_k``/``new_v`` sit at ``kv_len - 1`` of each row's own page. With ``warm``
     (:func:`check_indices`' result), padding rows are not judged (nothing is written for them), and each
-    element of the slot a warm-up request's beams share must be one of those beams'."""
+    element of the slot a warm-up request's beams share must be one of those beams'. The tensors are ``run()``'s:
+    the pool in ``kv_layout``, int32 ``beam_page_table [>= rows, max_pages]`` and ``kv_lens [rows]``, and
+    ``new_k``/``new_v`` ``[rows, Hkv, D]`` in the pool's dtype."""
     _sync(kv_cache.device)
     rows = new_k.shape[0]
     pos = kv_lens[:rows].long() - 1

@@ -288,7 +288,8 @@ def reference_beam_attention(
 
     Args:
         q: ``[R*W, Hq, D]`` queries, beam row ``i = r*W + b``.
-        kv_cache: paged pool, ``[pages, 2, Hkv, Pg, D]`` (HND) or ``[pages, 2, Pg, Hkv, D]`` (NHD).
+        kv_cache: paged pool, ``[pages, 2, Hkv, Pg, D]`` (HND) or ``[pages, 2, Pg, Hkv, D]`` (NHD), any float
+            dtype (read as float32).
         beam_page_table: ``[>= R*W, max_pages]`` int, page entries of each beam row; entry
             ``// page_index_divisor`` is the page number.
         kv_lens: ``[R*W]`` int, KV length after this step's token (``L``).
@@ -297,9 +298,15 @@ def reference_beam_attention(
         beam_width: ``W``.
         new_k, new_v: ``[R*W, Hkv, D]``, this step's K/V (position ``L - 1``); ``None`` reads it
             from the row's own page.
+        sm_scale: softmax scale on ``q . k`` (default ``1/sqrt(D)``), finite and positive.
+        kv_layout: ``"HND"`` or ``"NHD"``.
+        page_index_divisor: an int >= 1 (``layers * kv_factor`` for TensorRT-LLM's block offsets).
+        return_lse: also return the base-2 LSE.
 
     Returns:
-        ``out`` float32 ``[R*W, Hq, D]`` (and ``lse_base2 [R*W, Hq]`` if ``return_lse``).
+        ``out`` float32 ``[R*W, Hq, D]`` (and ``lse_base2 [R*W, Hq]`` if ``return_lse``). Raises ``ValueError``
+        for arguments it would misread: lengths per request, a kv_len past the table, a source beam outside
+        ``[0, W)`` or a page outside the pool at a position a row attends.
     """
     out, lse = _attend_history(
         q, kv_cache, kv_layout, beam_page_table, cache_indirection, prompt_lens, kv_lens, beam_width,

@@ -312,8 +312,9 @@ def flush_errors(err_ptr, bits):
 
 
 def flag_where(error_flags: torch.Tensor, bad: torch.Tensor, bit) -> None:
-    """Host-side twin of the kernels' bits, for torch paths: OR ``bit`` into ``error_flags`` if any
-    element of ``bad`` is true, as device ops (no sync)."""
+    """Host-side twin of the kernels' bits, for torch paths: OR ``bit`` (an int, or a constexpr of this module)
+    into ``error_flags`` (int32 ``[1]``) if any element of ``bad`` (bool, any shape) is true, as device ops (no
+    sync)."""
     error_flags.bitwise_or_(bad.any().to(torch.int32) * int(getattr(bit, "value", bit)))
 
 

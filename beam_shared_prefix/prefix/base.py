@@ -217,7 +217,8 @@ class PrefixBackend(abc.ABC):
         return (num_rows, num_qo_heads) if self.lse_layout == "NH" else (num_qo_heads, num_rows)
 
     def write_prompt_page_table(self, buffer, step_plan: StepPlan) -> torch.Tensor:
-        """``step_plan.page_table`` copied into ``buffer`` (a :class:`~.buffers.DeviceBuffer`), as the device view.
+        """``step_plan.page_table`` copied into ``buffer`` (a :class:`~.buffers.DeviceBuffer`), as the device view:
+        int32 ``[R, width]`` page numbers (the buffer's dtype).
 
         In CUDA-graph mode the table is padded to ``max_prompt_pages`` columns, so its shape (and a
         captured launch reading it) stays valid across re-plans; eagerly it has the plan's width.

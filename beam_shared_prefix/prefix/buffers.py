@@ -65,7 +65,9 @@ class DeviceBuffer:
         return self._storage[:numel].view(*shape)
 
     def write(self, array: np.ndarray, shape: Optional[Sequence[int]] = None, capacity: int = 0) -> torch.Tensor:
-        """Copy a host array into the buffer (plan time) and return the device view of it."""
+        """Copy a host array into the buffer (plan time) and return the device view of it: ``shape`` (default the
+        array's), in the buffer's dtype (the values are cast), at the buffer's fixed address in CUDA-graph mode
+        (``capacity`` elements reserved there on first use)."""
         array = np.ascontiguousarray(array)
         view = self.view(tuple(array.shape) if shape is None else tuple(shape), capacity)
         view.copy_(torch.from_numpy(array.copy()).view(view.shape).to(self.dtype))

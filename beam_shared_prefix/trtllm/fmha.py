@@ -375,7 +375,10 @@ class BeamSharedPrefixFmhaMixin:
     def forward(self, q, k, v, metadata, forward_args) -> None:
         """Serve the call: generation rows here, context rows (mixed batch) by ``fallback``.
 
-        Writes ``forward_args.output`` (``[num_tokens, H * D]``) and the current token's K/V.
+        ``q`` is the fused QKV projection, ``[num_tokens, (Hq + 2 * Hkv) * D]`` in the layer's dtype (bf16 or fp16),
+        context tokens first, then one row per beam; ``k`` and ``v`` are ``None`` (separate K/V inputs are declined
+        before this call, :func:`~.gates.call_decline_reason`). Writes ``forward_args.output`` (``[num_tokens,
+        Hq * D]``, the layer's dtype) and the current token's K/V into the layer's pool.
         """
         output = forward_args.output
         if output is None:
@@ -475,6 +478,7 @@ class BeamSharedPrefixFmhaMixin:
             stats["combined_generation_calls"] += 1
 
     def release(self) -> None:
+        """Release the default-kernel delegate this instance built (not one it was given), then the parent's."""
         if self._owns_delegate and self._delegate is not None:
             release = getattr(self._delegate, "release", None)
             if release is not None:

@@ -73,6 +73,8 @@ class DeclineLog:
         return _NUMBER.sub("#", message)
 
     def __call__(self, level: int, message: str) -> None:
+        """Log ``message`` at ``level`` (a ``logging`` level) unless a message of its kind (digits masked) was
+        logged before."""
         kind = self._kind(message)
         with self._lock:
             if kind in self._seen:
@@ -86,6 +88,7 @@ class DeclineLog:
             return any(message_part in message for message in self._seen.values())
 
     def reset(self) -> None:
+        """Forget every kind logged so far (tests, or a new serving session), so each is logged once more."""
         with self._lock:
             self._seen.clear()
 
@@ -390,7 +393,10 @@ def _sparse_inputs_present(forward_args) -> bool:
 
 
 def call_decline_reason(attn, q, k, v, metadata, forward_args) -> Optional[str]:
-    """Why the library cannot serve this call's generation rows, or ``None``."""
+    """Why the library cannot serve this call's generation rows, or ``None``: ``q`` is the layer's query (the
+    fused ``[num_tokens, (Hq + 2 * Hkv) * D]`` QKV projection when ``forward_args.is_fused_qkv``), ``k`` and ``v``
+    the separate K/V inputs (``None`` when fused; the library serves only that), ``attn`` the TensorRT-LLM
+    attention layer, ``metadata`` and ``forward_args`` its call's."""
     input_type = int(_enum_value(getattr(forward_args, "attention_input_type", 0)))
     if input_type == CONTEXT_ONLY:
         return "context-only attention call"

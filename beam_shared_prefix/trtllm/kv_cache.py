@@ -115,6 +115,7 @@ class PageAdapter:
 
     @property
     def manager(self):
+        """The KV cache manager this adapter reads (held weakly); raises ``RuntimeError`` once it was released."""
         manager = self._manager_ref()
         if manager is None:
             raise RuntimeError("beam_shared_prefix: the KV cache manager of this adapter was released")

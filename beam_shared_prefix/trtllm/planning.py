@@ -98,6 +98,8 @@ class Family:
 
     @property
     def key(self) -> tuple:
+        """``(Hq, Hkv, D, dtype name, sm_scale, pool index)``: what a plan and a decline verdict hold for (the
+        layer index is left out, so every layer of one shape and pool shares them)."""
         return (self.num_qo_heads, self.num_kv_heads, self.head_dim, str(self.dtype), self.sm_scale, self.pool_index)
 
 
@@ -133,7 +135,10 @@ class StepInfo:
     unplannable: set = field(default_factory=set)  # family keys whose planning failed this step
 
     def pages_for(self, metadata, family: Family, layer: LayerKV) -> Tuple[np.ndarray, np.ndarray, tuple]:
-        """Beam 0's prompt pages in ``family``'s pool, and the full plan key (read once per step)."""
+        """Beam 0's prompt pages in ``family``'s pool as ``(indptr, indices, key)`` (read once per step and pool):
+        ``indptr`` int64 ``[R + 1]`` and ``indices`` int64 ``[indptr[-1]]`` page numbers, as
+        :meth:`~.kv_cache.PageAdapter.prompt_pages` returns them, and the full plan key (the step's key, the pool
+        and the pages' bytes)."""
         cached = self.pages.get(family.pool_index)
         if cached is None:
             pages_per_request = -(-self.prompt_lens // layer.page_size)
@@ -215,9 +220,11 @@ class DeclinedStep:
     reason: str
 
     def decline_reason(self, family) -> str:
+        """The step's reason, for every family (:meth:`StepInfo.decline_reason`'s twin)."""
         return self.reason
 
     def must_hand_over(self, family) -> bool:
+        """Always: the whole step goes to ``fallback`` (:meth:`StepInfo.must_hand_over`'s twin)."""
         return True
 
 

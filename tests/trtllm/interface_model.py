@@ -931,8 +931,13 @@ def model_generation_kernel(attn, qkv, out, metadata) -> None:
         page = int(table[i, pos // page_size]) // divisor
         pool[page, 0, :, pos % page_size, :] = k[i]
         pool[page, 1, :, pos % page_size, :] = v[i]
+    # At beam width 1 every row reads its own history: the indirection is a beams' table, and a width-1 step on an
+    # engine sized for beams (a warm-up) finds it holding the last beam step's sources, which would name other rows.
+    indirection = metadata.cache_indirection
+    if metadata.beam_width == 1:
+        indirection = torch.zeros_like(indirection)
     result = reference_beam_attention(
-        q, pool, table, kv_lens, metadata.prompt_lens_cuda_runtime[seq0 : seq0 + rows], metadata.cache_indirection,
+        q, pool, table, kv_lens, metadata.prompt_lens_cuda_runtime[seq0 : seq0 + rows], indirection,
         metadata.beam_width, new_k=k, new_v=v, sm_scale=1.0 / (math.sqrt(attn.head_dim) * attn.q_scaling),
         kv_layout="HND", page_index_divisor=divisor,
     )
