@@ -1759,8 +1759,9 @@ def test_a_step_with_grad_tracked_inputs_is_served_without_autograd(tail_impl):
     into the pool, then failed inside torch before V (the step half written, the pool left requiring grad), and the
     reference prefix chained every step into an autograd graph on the wrapper's persistent buffer. Both paths now
     run without autograd, as the kernels do: served, equal to the oracle, nothing left requiring grad."""
-    sim = _sim(seed=4)
-    att = BeamSharedPrefixAttention("cpu", backend="reference", tail_impl=tail_impl, check=False)
+    device = _kernel_device(tail_impl)  # (the Triton tail on a CPU tensor needs the interpreter)
+    sim = make_sim(prompts=(5, 17, 1), beams=3, hq=4, hkv=2, d=16, pg=4, device=device, seed=4)
+    att = BeamSharedPrefixAttention(device, backend="reference", tail_impl=tail_impl, check=False)
     for _ in range(2):
         step = sim.begin_step()
         _plan(att, sim, step)
