@@ -35,7 +35,9 @@ from .shapes import PRESETS, ShapeError, tuning_shapes
 from .timing import sleep_cycles_per_us
 from .workload import build_workload
 
-ARMS = ("auto", "triton", "fa4", "flashinfer")
+# The "-shared" arms run the shared-run stage on every step: the library arms pass ``shared_run`` explicitly, so
+# TLLM_BEAM_SHARED_PREFIX_SHARED_RUN in the environment does not reach them.
+ARMS = ("auto", "triton", "fa4", "flashinfer", "fa4-shared", "flashinfer-shared")
 DEFAULT_SHAPES = ("B-short", "B-medium", "A")
 # What a row's times are, for the --json document.
 FIELDS_NOTE = ("eager (no CUDA graph) BeamSharedPrefixAttention.run() of one planned step through the CLI's "
@@ -97,13 +99,14 @@ def time_eager_calls(call: Callable[[], object], calls: int, batches: int, warmu
 
 
 def measure_shape(shape, arms: Sequence[str], calls: int, batches: int, warmup: int, seed: int) -> List[Dict]:
-    """One row per arm of ``arms`` (library backends, :data:`ARMS`) for ``shape``: the backend that served, the
+    """One row per arm of ``arms`` (library backends, :data:`ARMS`; ``-shared``: with the shared-run stage on
+    every step) for ``shape``: the backend that served, the
     shared-run stage, :func:`time_eager_calls`'s times; an arm that cannot run gets ``skipped`` instead."""
     device = torch.device("cuda")
     workload = build_workload(shape, device=device, seed=seed, with_baseline_pages=False)
     rows = []
-    for backend in arms:
-        arm = LibraryArm(backend)
+    for name in arms:
+        arm = LibraryArm(name.split("-")[0], shared_run=True) if name.endswith("-shared") else LibraryArm(name)
         row = {"shape": shape.to_dict(), "arm": arm.name}
         try:
             prepared = arm.prepare(workload, RunContext(device=device, use_graphs=False))

@@ -129,6 +129,27 @@ def test_json_is_rewritten_after_every_shape(monkeypatch, tmp_path):
     assert doc["results"][-1]["shape"]["heads"] == 32
 
 
+def test_shared_arms_turn_the_stage_on(monkeypatch):
+    """The library arms pass ``shared_run`` explicitly (the environment does not change a timing), so the stage is
+    measured through the ``-shared`` arms, which build their wrappers with it on; the plain arms keep it off."""
+    from microbenchmarks import arms as arms_module
+
+    built = []
+
+    class Spy(arms_module.LibraryArm):
+        def prepare(self, workload, ctx):
+            built.append((self.backend, self.shared_run))
+            raise arms_module.ArmSkipped("spy")
+
+    monkeypatch.setattr(eager_calls, "LibraryArm", Spy)
+    monkeypatch.setattr(eager_calls, "build_workload", lambda *a, **k: None)
+    monkeypatch.setattr(torch, "device", lambda *a: "cuda")
+    rows = eager_calls.measure_shape(eager_calls.tuning_shapes(list(eager_calls.PRESETS.values()), "", "4x8x200")[0], ["fa4", "fa4-shared",
+                                     "flashinfer-shared"], 1, 1, 0, 0)
+    assert built == [("fa4", "off"), ("fa4", "on"), ("flashinfer", "on")], built
+    assert [r["skipped"] for r in rows] == ["spy"] * 3
+
+
 @pytest.mark.gpu
 def test_eager_calls_time_a_small_shape(tmp_path):
     path = tmp_path / "eager.json"
