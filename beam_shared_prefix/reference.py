@@ -208,17 +208,6 @@ def _check_history_args(q, kv_cache, kv_layout, beam_page_table, cache_indirecti
                              f"{page_size} tokens; pass the table that holds every row's history.")
 
 
-def _check_history_pages(page: torch.Tensor, valid: torch.Tensor, src: torch.Tensor, num_pages: int,
-                         beam_width: int, first_row: int) -> None:
-    """Every position a row attends lies on a page of the pool, read through a source beam of its own request."""
-    for what, bad in (("a page outside the pool [0, %d)" % num_pages, valid & ((page < 0) | (page >= num_pages))),
-                      ("a source beam outside [0, %d)" % beam_width, valid & ((src < 0) | (src >= beam_width)))):
-        if bool(bad.any()):
-            row, pos = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(f"row {first_row + row} reads position {pos} through {what}; the oracle reads only the "
-                             f"pool's pages through the row's own request (fix the tables or the lengths).")
-
-
 def _row_chunks(num_rows: int, max_len: int, hkv: int, d: int, budget_bytes: int = 1 << 28):
     per_row = max(1, max_len * hkv * d * 4 * 3)
     step = max(1, budget_bytes // per_row)
@@ -304,8 +293,8 @@ def reference_beam_attention(
         return_lse: also return the base-2 LSE.
 
     Returns:
-        ``out`` float32 ``[R*W, Hq, D]`` (and ``lse_base2 [R*W, Hq]`` if ``return_lse``). Raises ``ValueError``
-        for arguments it would misread: lengths per request, a kv_len past the table, a source beam outside
+        ``out`` float32 ``[R*W, Hq, D]`` (and ``lse_base2 [R*W, Hq]`` if ``return_lse``). Raises ``TypeError``
+        for an ``sm_scale`` that is no number, ``ValueError`` for arguments it would misread: lengths per request, a kv_len past the table, a source beam outside
         ``[0, W)`` or a page outside the pool at a position a row attends.
     """
     out, lse = _attend_history(
@@ -375,7 +364,7 @@ def reference_prefix_attention(
     indices = _to_long(prompt_page_indices, dev)
     plen = _to_long(prompt_lens, dev)
     num_rows, hq, _ = q.shape
-    requests = plen.shape[0]
+    requests = plen.shape[0] if plen.dim() == 1 else -1
     if plen.dim() != 1 or num_rows != requests * beam_width:
         raise ValueError(f"q has {num_rows} rows but prompt_lens lists {requests} requests of beam_width={beam_width} "
                          f"({requests * beam_width} rows); pass per-request lengths of the batch q holds.")

@@ -237,6 +237,25 @@ def _progress(total: int, enabled: bool):
 MAX_REPEATS = 100_000
 
 
+def _probe_output_folder(flag: str, path: str, parser) -> None:
+    """The file ``path`` names (a symlink's target) can be written after the run: a device or a pipe is written in
+    place, as the writer does; otherwise a probe file is written and removed in its folder, or in the nearest folder
+    that exists (the writer makes the rest), so that a folder that takes no file is found before the run."""
+    real = os.path.realpath(path)
+    if os.path.exists(real) and not os.path.isfile(real):
+        return
+    folder = os.path.dirname(real)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        if not os.path.isdir(folder):
+            raise NotADirectoryError(20, "not a directory")
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".bsp-probe-"):
+            pass
+    except OSError as exc:
+        parser.error(f"{flag} {path}: cannot write into {folder} ({exc.strerror or exc}); give a writable path")
+
+
 def _check_outputs(args, parser) -> None:
     """``--json`` and ``--plot`` checked before anything is measured, so that a bad path costs no run."""
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -248,15 +267,7 @@ def _check_outputs(args, parser) -> None:
             parser.error(f"{flag} {path} is a directory; give a file path")
         if flag == "--json" and path == "-":  # stdout
             continue
-        # Written only after the run: a folder that cannot hold the file is found now, by writing a probe where the
-        # file will go (its folders are made, as the writer makes them).
-        folder = os.path.dirname(os.path.abspath(path))
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=folder, prefix=".bsp-probe-"):
-                pass
-        except OSError as exc:
-            parser.error(f"{flag} {path}: cannot write into {folder} ({exc.strerror or exc}); give a writable path")
+        _probe_output_folder(flag, path, parser)
     if args.plot is not None:
         try:
             from matplotlib.backend_bases import FigureCanvasBase
@@ -410,6 +421,22 @@ def _main(parser: argparse.ArgumentParser, args, argv: List[str]) -> int:
                                docs[0].get("options", {}), docs[0].get("argv", []), docs[0].get("note"))
         return _emit(merged, args, log)
 
+    # The library's settings from the environment, read before anything is measured (as --rule reads them): a bad
+    # value is a usage error, not a library arm skipped. Check mode syncs and runs the oracle every call: the CLI's
+    # library arms never time it (they pass check=False); the end-to-end arm's engine reads the environment itself.
+    from beam_shared_prefix.config import ConfigError, load_settings
+
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if settings.check and not args.rule:
+        log("TLLM_BEAM_SHARED_PREFIX_CHECK is on in this environment; "
+            + ("the end-to-end arm's engine reads it, so its timings include check mode's syncs and oracle: unset it "
+               "to time serving." if args.e2e_model else
+               "the timed library arms run with check mode off (its syncs and oracle would be timed). The CLI's own "
+               "oracle check runs unless --no-check."))
+
     if args.e2e_model:
         from . import e2e_trtllm
 
@@ -457,19 +484,6 @@ def _main(parser: argparse.ArgumentParser, args, argv: List[str]) -> int:
         if args.json is not None or args.plot is not None:
             parser.error("--rule prints each shape's verdict and measures nothing: drop --json/--plot, or drop --rule")
         return _print_rule(shapes, log, args.declare_tail)
-    # The library's settings from the environment, read before anything is measured (as --rule reads them): a bad
-    # value is a usage error, not a library arm skipped; check mode, which syncs and runs the oracle every call, is
-    # never timed (the arms pass check=False), and a run that has it on in its environment says so.
-    from beam_shared_prefix.config import ConfigError, load_settings
-
-    try:
-        settings = load_settings()
-    except ConfigError as exc:
-        parser.error(str(exc))
-    if settings.check:
-        log("TLLM_BEAM_SHARED_PREFIX_CHECK is on in this environment; the timed library arms run with check mode "
-            "off (its syncs and oracle would be timed). The CLI's own oracle check runs unless --no-check.")
-
     import torch
 
     from .arms import default_cpu_arms, default_gpu_arms

@@ -1771,5 +1771,7 @@ def test_a_step_with_grad_tracked_inputs_is_served_without_autograd(tail_impl):
         out = att.run(q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, new_k=new_k,
                       new_v=new_v, out=torch.full_like(step.q, float("nan")))
         assert not out.requires_grad and out.grad_fn is None and not sim.kv_cache.requires_grad
+        kept = [v for v in att._views.values() if isinstance(v, torch.Tensor)]  # the wrapper's persistent buffers
+        assert kept and not any(v.requires_grad for v in kept), [v.grad_fn for v in kept]
         torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
         sim.end_step()

@@ -158,12 +158,18 @@ def need_tensor(name: str, x) -> None:
         fail(f"{name} has layout {x.layout}; the kernels read dense tensors. Pass {name}.to_dense().")
 
 
+def _is_numpy_bool(value) -> bool:
+    """A numpy bool scalar (its type is ``numpy.bool_`` in numpy 1.x, ``numpy.bool`` in 2.x)."""
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
 def need_flag(name: str, value) -> bool:
-    """``value`` is a bool (a numpy bool too), returned as one: ``bool()`` would read ``"False"`` or ``"off"`` as
-    on."""
+    """``value`` is a switch, returned as a bool: ``True``/``False``, a numpy bool, or the int 0 or 1 (as the
+    wrapper's constructor takes them); anything else is refused, since ``bool()`` would read ``"False"`` or
+    ``"off"`` as on."""
     if isinstance(value, bool):
         return value
-    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+    if _is_numpy_bool(value) or (type(value) is int and value in (0, 1)):
         return bool(value)
     fail(f"{name}={value!r} must be True or False (a {type(value).__name__} is not read as a switch).")
 
@@ -462,10 +468,12 @@ def check_written_overlaps(written, tensors) -> None:
     for name, x in tensors:
         if x is None:
             continue
-        if x.is_meta:
+        span = byte_span(x)
+        # (a meta tensor's address is 0: asked only there, the device costs the every-call pass nothing)
+        if span is not None and span[0] == 0 and x.is_meta:
             fail(f"{name} is on the meta device, which holds no data; pass a CUDA tensor (or a CPU one to the torch "
                  f"twin or under TRITON_INTERPRET=1).")
-        spans.append((name, byte_span(x)))
+        spans.append((name, span))
     for name, span in spans:
         if name not in written or span is None:
             continue
@@ -506,7 +514,7 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     tensor, whose value the memoized checks would not see change."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_":
+    if isinstance(sm_scale, bool) or _is_numpy_bool(sm_scale):
         fail(f"sm_scale={sm_scale!r} is a bool; pass a float (default 1/sqrt(D)).")
     if isinstance(sm_scale, torch.Tensor):  # the kept verdicts key a tensor by its metadata, not its value
         fail(f"sm_scale is a tensor ({sm_scale.dtype}, shape {tuple(sm_scale.shape)}); pass a Python float "

@@ -1,6 +1,7 @@
 """The CLI end to end on the CPU path (no GPU): messages, JSON, plot, decline report, exit codes."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -242,6 +243,32 @@ def test_an_output_folder_that_cannot_hold_the_file_exits_2_before_measuring(no_
     err = capsys.readouterr()
     assert f"{flag} {tmp_path / 'a_file' / suffix}: cannot write into" in err.err and "plan (" not in err.out
     assert not any(p.name.startswith(".bsp-probe-") for p in tmp_path.iterdir())
+
+
+def test_an_existing_folder_that_takes_no_file_exits_2_before_measuring(no_gpu, capsys):
+    """``/proc`` exists but takes no new file, even as root (whose permission checks always pass): only writing a
+    probe there finds it before the run."""
+    if not os.path.isdir("/proc"):
+        pytest.skip("needs Linux's /proc")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--preset", "B-short", "--json", "/proc/bsp-x.json"])
+    assert info.value.code == 2
+    err = capsys.readouterr()
+    assert "--json /proc/bsp-x.json: cannot write into /proc" in err.err and "plan (" not in err.out
+
+
+def test_outputs_through_a_symlink_or_into_a_device_are_judged_where_they_land(no_gpu, tmp_path, capsys):
+    """The JSON writer follows a symlink and writes a device in place: the probe judges the link's target's folder
+    (a link into /proc is refused before the run) and leaves a device alone (/dev/null passes the check)."""
+    if not os.path.isdir("/proc"):
+        pytest.skip("needs Linux's /proc")
+    link = tmp_path / "out.json"
+    link.symlink_to("/proc/bsp-x.json")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--preset", "B-short", "--json", str(link)])
+    assert info.value.code == 2 and "cannot write into /proc" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["--preset", "B-short", "--json", "/dev/null"])
+    cli._check_outputs(args, cli.build_parser())  # no SystemExit
 
 
 @pytest.mark.parametrize("name,value,message", [

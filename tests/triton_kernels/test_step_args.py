@@ -137,6 +137,20 @@ def test_tail_launchers_refuse_a_tensor_on_another_device(impl, name):
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_switches_take_bools_numpy_bools_and_0_or_1(impl):
+    """``write_kv`` as ``np.False_`` or 0 leaves the pool unwritten and ``True``/``np.True_``/1 write it (numpy 2
+    names its bool type ``bool``, numpy 1 ``bool_``); a numpy bool ``sm_scale`` is refused as a bool."""
+    import numpy as np
+
+    for value, writes in ((np.False_, False), (0, False), (np.True_, True), (1, True)):
+        args = _tail_args(seed=52)
+        before = args["kv_cache"].clone()
+        IMPLS[impl](**args, write_kv=value)
+        assert torch.equal(args["kv_cache"], before) != writes, value
+    _refused(IMPLS[impl], dict(_tail_args(seed=53), sm_scale=np.True_), f"sm_scale={np.True_!r} is a bool")
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
 def test_tail_launchers_refuse_meta_tensors_by_name(impl):
     """Every tensor on the meta device (shapes without memory, every address 0): the metadata checks take it, and
     the every-call overlap check names the device before it could read address 0 as an overlap ("out overlaps q")."""
