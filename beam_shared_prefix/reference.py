@@ -183,7 +183,7 @@ def _check_history_args(q, kv_cache, kv_layout, beam_page_table, cache_indirecti
                         page_index_divisor) -> None:
     """The oracle's own checks (it shares none with the library's): shapes that index each other, and lengths
     the tables hold. Raises ``ValueError`` naming the argument and the fix."""
-    pool_geometry(kv_cache, kv_layout)
+    page_size = pool_geometry(kv_cache, kv_layout)[2]
     beam_width = _need_int("beam_width", beam_width, 1)
     _need_int("page_index_divisor", page_index_divisor, 1)
     if q.dim() != 3 or q.shape[0] % beam_width:
@@ -201,7 +201,6 @@ def _check_history_args(q, kv_cache, kv_layout, beam_page_table, cache_indirecti
         raise ValueError(f"cache_indirection must be [>= R={rows // beam_width}, >= W={beam_width}, >= 1], got "
                          f"{tuple(cache_indirection.shape)}.")
     if rows:
-        page_size = pool_geometry(kv_cache, kv_layout)[2]
         longest = int(kv_lens.max())
         if longest > beam_page_table.shape[1] * page_size:
             raise ValueError(f"a kv_len of {longest} is past the page table's {beam_page_table.shape[1]} columns of "
@@ -294,8 +293,9 @@ def reference_beam_attention(
 
     Returns:
         ``out`` float32 ``[R*W, Hq, D]`` (and ``lse_base2 [R*W, Hq]`` if ``return_lse``). Raises ``TypeError``
-        for an ``sm_scale`` that is no number, ``ValueError`` for arguments it would misread: lengths per request, a kv_len past the table, a source beam outside
-        ``[0, W)`` or a page outside the pool at a position a row attends.
+        for an ``sm_scale`` that is no number, ``ValueError`` for arguments it would misread: lengths per request,
+        a kv_len past the table, a source beam outside ``[0, W)`` or a page outside the pool at a position a row
+        attends.
     """
     out, lse = _attend_history(
         q, kv_cache, kv_layout, beam_page_table, cache_indirection, prompt_lens, kv_lens, beam_width,

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from .memo import memoize_metadata_check
@@ -158,18 +159,13 @@ def need_tensor(name: str, x) -> None:
         fail(f"{name} has layout {x.layout}; the kernels read dense tensors. Pass {name}.to_dense().")
 
 
-def _is_numpy_bool(value) -> bool:
-    """A numpy bool scalar (its type is ``numpy.bool_`` in numpy 1.x, ``numpy.bool`` in 2.x)."""
-    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
-
-
 def need_flag(name: str, value) -> bool:
     """``value`` is a switch, returned as a bool: ``True``/``False``, a numpy bool, or the int 0 or 1 (as the
     wrapper's constructor takes them); anything else is refused, since ``bool()`` would read ``"False"`` or
     ``"off"`` as on."""
     if isinstance(value, bool):
         return value
-    if _is_numpy_bool(value) or (type(value) is int and value in (0, 1)):
+    if isinstance(value, np.bool_) or (type(value) is int and value in (0, 1)):
         return bool(value)
     fail(f"{name}={value!r} must be True or False (a {type(value).__name__} is not read as a switch).")
 
@@ -514,7 +510,7 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     tensor, whose value the memoized checks would not see change."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(sm_scale, bool) or _is_numpy_bool(sm_scale):
+    if isinstance(sm_scale, (bool, np.bool_)):
         fail(f"sm_scale={sm_scale!r} is a bool; pass a float (default 1/sqrt(D)).")
     if isinstance(sm_scale, torch.Tensor):  # the kept verdicts key a tensor by its metadata, not its value
         fail(f"sm_scale is a tensor ({sm_scale.dtype}, shape {tuple(sm_scale.shape)}); pass a Python float "

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..plan import StepPlan
@@ -136,8 +137,7 @@ SM_SCALE_RANGE = (1.1754943508222875e-38 / LOG2E, 3.4028234663852886e38 / LOG2E)
 def default_sm_scale(head_dim: int, sm_scale: Optional[float]) -> float:
     """``1 / sqrt(head_dim)`` unless given; refuses bools, and scales that are not finite and positive or whose
     ``sm_scale * log2(e)`` is no normal float32 (:data:`SM_SCALE_RANGE`)."""
-    numpy_bool = type(sm_scale).__module__ == "numpy" and type(sm_scale).__name__ in ("bool", "bool_")
-    if isinstance(sm_scale, bool) or numpy_bool:
+    if isinstance(sm_scale, (bool, np.bool_)):
         raise ValueError(f"sm_scale={sm_scale!r} is a bool; pass a float (default 1/sqrt(head_dim)).")
     try:
         scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
