@@ -396,8 +396,9 @@ class PrefixStageArm(Arm):
         out = torch.empty_like(wl.q)
         lse = torch.empty(backend.lse_shape(wl.num_rows, sh.heads), dtype=torch.float32, device=wl.device)
 
+        # Unchecked, as the wrapper calls it: the arm times the kernel (its output is checked against the oracle).
         def call():
-            return backend.run(wl.q, wl.kv_cache, out, lse)
+            return backend.run(wl.q, wl.kv_cache, out, lse, check=False)
 
         def outputs(result):
             o, desc = result

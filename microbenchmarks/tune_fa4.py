@@ -65,7 +65,7 @@ def tune_shape(shape: BenchShape, tiles: List[Tuple[int, int]], iters: int, band
             lse = torch.empty(backend.lse_shape(wl.num_rows, shape.heads), dtype=torch.float32, device=wl.device)
 
             def call(backend=backend, out=out, lse=lse):
-                return backend.run(wl.q, wl.kv_cache, out, lse)
+                return backend.run(wl.q, wl.kv_cache, out, lse, check=False)  # timed as the wrapper calls it
 
             call()  # compiles this tile
             torch.cuda.synchronize()

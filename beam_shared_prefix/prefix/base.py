@@ -65,6 +65,15 @@ def kv_planes(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[torch.Tensor, tor
     return k, v
 
 
+def _byte_span(x: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """``[first, last + 1)`` byte addresses ``x`` covers (strides are non-negative in torch), or ``None`` when it
+    holds nothing (a meta tensor never gets here: its device is refused first)."""
+    if x.numel() == 0:
+        return None
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
+    return x.data_ptr(), x.data_ptr() + extent * x.element_size()
+
+
 class PrefixBackendError(RuntimeError):
     """A prefix backend cannot plan or run what it was given; the message names the value and the fix."""
 
@@ -280,27 +289,40 @@ class PrefixBackend(abc.ABC):
     def _plan(self, step_plan: StepPlan, problem: PrefixProblem) -> None:
         """Backend-specific host planning."""
 
-    @abc.abstractmethod
     def run(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+        self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, check: bool = True
     ) -> Tuple[torch.Tensor, LseDescriptor]:
         """Prefix attention of the planned batch into ``out`` and ``lse`` (device only).
 
         Args:
             q: ``[rows, Hq, D]`` in the planned dtype, last dim contiguous, ``rows = R * W``.
-            kv_cache: the paged pool in :attr:`kv_layout` (may be a strided view).
+            kv_cache: the paged pool in :attr:`kv_layout` (may be a strided view, last dim contiguous).
             out: ``[rows, Hq, D]`` in the planned dtype, contiguous; receives the normalised prefix output.
             lse: float32 of shape :meth:`lse_shape`, contiguous; receives the prefix LSE.
+            check: compare the arguments with the plan first (:meth:`check_run_args`: metadata and addresses, no
+                sync, a few microseconds). Only ``False`` skips it: the wrapper passes ``False``, having checked
+                the same before it calls a backend.
 
         Returns:
             ``(out, LseDescriptor(lse, self.lse_layout, self.lse_base))``.
         """
+        if check is not False:
+            self.check_run_args(q, kv_cache, out, lse)
+        else:
+            self._require_planned()
+        return self._run(q, kv_cache, out, lse)
+
+    @abc.abstractmethod
+    def _run(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+    ) -> Tuple[torch.Tensor, LseDescriptor]:
+        """Backend-specific launch of :meth:`run`, on arguments already checked against the plan."""
 
     def check_run_args(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Refuse :meth:`run` arguments that do not match the plan (shapes, dtypes, devices, the pool's layout and
-        size), naming the value and the fix; metadata only, no sync. The wrapper checks the same before it calls a
-        backend, so the GPU backends' ``run()`` leaves this to it; the reference backend, which callers use
-        directly as the CPU path and the oracle's twin, calls it."""
+        size, the strides the kernels assume, an output sharing memory with an input or with the other output),
+        naming the value and the fix; metadata and addresses only, no sync. :meth:`run` calls it unless told not to
+        (the wrapper, which checks the same before it calls a backend)."""
         step_plan, problem = self._require_planned()
         rows, hq, hkv, d = step_plan.num_rows, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim
 
@@ -329,6 +351,22 @@ class PrefixBackend(abc.ABC):
         if pages < step_plan.num_cache_pages:
             fail(f"kv_cache has {pages} pages but the plan was made for a pool of {step_plan.num_cache_pages}; "
                  f"re-plan with the current pool.")
+        # The GPU kernels take a row pitch for q and the pool but assume dense outputs; a transposed view would be
+        # written as if it were contiguous.
+        for name, x in (("q", q), ("kv_cache", kv_cache)):
+            if x.numel() and x.stride(-1) != 1:
+                fail(f"{name}'s last dim has stride {x.stride(-1)}, the kernels need 1; pass {name}.contiguous() or a "
+                     f"view whose head dim is contiguous.")
+        for name, x in (("out", out), ("lse", lse)):
+            if not x.is_contiguous():
+                fail(f"{name} (strides {list(x.stride())}) must be contiguous; pass a buffer of its own, e.g. "
+                     f"torch.empty_like({name}).")
+        spans = [(name, _byte_span(x)) for name, x in (("out", out), ("lse", lse), ("q", q), ("kv_cache", kv_cache))]
+        for i, (name, span) in enumerate(spans[:2]):
+            for other, other_span in spans[i + 1:]:
+                if span and other_span and span[0] < other_span[1] and other_span[0] < span[1]:
+                    fail(f"{name} overlaps {other} in memory; run() writes {name} while it reads {other}, so pass "
+                         f"{name} a buffer of its own.")
 
     def _require_planned(self) -> Tuple[StepPlan, PrefixProblem]:
         if self.step_plan is None or self.problem is None:

@@ -185,7 +185,7 @@ class FA4PrefixBackend(PrefixBackend):
             max_seqlen_k=page_table.shape[1] * problem.page_size,
         )
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+    def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
         """See :meth:`PrefixBackend.run`; LSE is float32 natural log ``[Hq, rows]``."""
         _, problem = self._require_planned()
         fwd = _import_fa4_forward()

@@ -445,9 +445,7 @@ class FlashInferPrefixBackend(PrefixBackend):
         self._run_kwargs = _run_kwargs(wrapper.run, self.lse_base, self.lse_layout, self.device)
         self.kernel = kernel
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+    def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
         """See :meth:`PrefixBackend.run`; LSE is float32 base 2 ``[rows, Hq]``."""
-        if self._active is None:
-            self._require_planned()
         self._active.run(q, kv_cache, out=out, lse=lse, return_lse=True, **self._run_kwargs)
         return out, LseDescriptor(lse, self.lse_layout, self.lse_base)

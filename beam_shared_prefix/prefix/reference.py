@@ -59,10 +59,8 @@ class ReferencePrefixBackend(PrefixBackend):
     # No autograd: run() writes into the caller's (often persistent) buffers, which a grad-tracked q would chain into
     # a graph that grows every step; the GPU backends write through pointers and ignore autograd too.
     @torch.no_grad()
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
-        """See :meth:`PrefixBackend.run`; writes ``out`` (planned dtype) and ``lse`` (float32 base 2 ``[rows, Hq]``).
-        Its arguments are checked against the plan (:meth:`~.base.PrefixBackend.check_run_args`)."""
-        self.check_run_args(q, kv_cache, out, lse)
+    def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+        """See :meth:`PrefixBackend.run`; writes ``out`` (planned dtype) and ``lse`` (float32 base 2 ``[rows, Hq]``)."""
         step_plan, problem = self._require_planned()
         R, W = step_plan.num_requests, step_plan.beam_width
         hq, hkv, d, pg = problem.num_qo_heads, problem.num_kv_heads, problem.head_dim, problem.page_size

@@ -87,7 +87,7 @@ class TritonPrefixBackend(PrefixBackend):
         self._require_planned()
         return self._page_table_view
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+    def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
         """See :meth:`PrefixBackend.run`; LSE is float32 base 2 ``[rows, Hq]``."""
         step_plan, problem = self._require_planned()
         from triton_kernels import beam_prefix_attention

@@ -24,7 +24,8 @@ import beam_shared_prefix.prefix.fa4 as fa4_module
 import beam_shared_prefix.prefix.flashinfer as fi_module
 from beam_shared_prefix import BeamSharedPrefixAttention
 from beam_shared_prefix.plan import build_step_plan
-from beam_shared_prefix.prefix import FA4PrefixBackend, FlashInferPrefixBackend, PrefixBackendError
+from beam_shared_prefix.prefix import (FA4PrefixBackend, FlashInferPrefixBackend, PrefixBackendError,
+                                       ReferencePrefixBackend, TritonPrefixBackend)
 from beam_shared_prefix.reference import LOG2E, reference_beam_attention, reference_prefix_attention
 from beam_shared_prefix.testing import BeamSearchCacheSimulator
 
@@ -165,6 +166,73 @@ def test_flashinfer_backend_plumbing(fake_gpu_libs, layout):
     assert p["uniform_q_len"] == 3 and p["q_dtype"] == p["o_dtype"] == torch.bfloat16
     assert p["kv"].tolist() == plan.kv_page_indices.tolist() and p["last"].tolist() == plan.kv_last_page_len.tolist()
     assert backend.workspace_bytes >= fi_module.prefill_float_workspace_bytes(4, 3, 4, 2, 16, 132)
+
+
+def _every_other(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x``'s values in a view whose ``dim`` steps over every other element of a NaN buffer twice as long."""
+    shape = list(x.shape)
+    shape[dim] *= 2
+    view = torch.full(shape, float("nan"), dtype=x.dtype)[(slice(None),) * dim + (slice(None, None, 2),)]
+    view.copy_(x)
+    return view
+
+
+# (name, change of the arguments, the refusal); each change is one a direct caller could make by mistake.
+BAD_RUN_ARGS = [
+    ("out_int32", lambda a: dict(out=a["out"].int()), r"out must be torch.bfloat16 \[12, 4, 64\] .* got torch.int32"),
+    ("lse_int32", lambda a: dict(lse=a["lse"].int()), r"lse must be torch.float32 .* got torch.int32"),
+    ("q_missing_rows", lambda a: dict(q=a["q"][:4]), r"q must be torch.bfloat16 \[12, 4, 64\] .* \[4, 4, 64\]"),
+    ("pool_in_the_other_layout", lambda a: dict(kv_cache=a["kv_cache"].transpose(2, 3)), r"kv_cache \(HND\) has Hkv=4"),
+    ("pool_of_fewer_pages", lambda a: dict(kv_cache=a["kv_cache"][:3]), r"kv_cache has 3 pages but the plan"),
+    ("out_transposed", lambda a: dict(out=a["out"].transpose(1, 2).contiguous().transpose(1, 2)),
+     r"out \(strides \[256, 1, 4\]\) must be contiguous"),
+    ("lse_strided", lambda a: dict(lse=_every_other(a["lse"], 0)), r"lse \(strides .*\) must be contiguous"),
+    ("q_head_dim_strided", lambda a: dict(q=_every_other(a["q"], 2)), r"q's last dim has stride 2"),
+    ("out_is_q", lambda a: dict(out=a["q"]), r"out overlaps q in memory"),
+    ("lse_inside_out", lambda a: dict(lse=a["out"].view(torch.float32).flatten()[:a["lse"].numel()].view(a["lse"].shape)),
+     r"out overlaps lse in memory"),
+]
+
+
+@pytest.mark.parametrize("change,match", [c[1:] for c in BAD_RUN_ARGS], ids=[c[0] for c in BAD_RUN_ARGS])
+@pytest.mark.parametrize("name", ["reference", "flashinfer", "fa4", "triton"])
+def test_a_backend_called_directly_refuses_arguments_that_do_not_match_its_plan(fake_gpu_libs, monkeypatch, name, change,
+                                                                                match):
+    """The backends are public, and a direct caller has no wrapper to check its arguments: FlashInfer and FA4 took
+    an int32 out, a transposed out, an out that is q, or a pool in the other layout, and wrote through them (into
+    memory the caller did not give them, on a GPU). ``run()`` now checks them against the plan first, by name,
+    writing nothing; the wrapper, which checks the same, passes ``check=False``. The valid call is served."""
+    monkeypatch.setattr(FA4PrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))  # (CPU)
+    backend = {"reference": ReferencePrefixBackend, "flashinfer": FlashInferPrefixBackend, "fa4": FA4PrefixBackend,
+               "triton": TritonPrefixBackend}[name]("cpu")
+    sim, step, plan = make_case(d=64)  # Hq 4, Hkv 2, page 4: the other layout's pool has another shape
+    backend.plan(plan, 4, 2, 64, sim.page_size, sim.dtype, 0.25)
+    args = dict(q=step.q.clone(), kv_cache=sim.kv_cache.clone(),
+                out=torch.full((plan.num_rows, 4, 64), float("nan"), dtype=sim.dtype),
+                lse=torch.full(backend.lse_shape(plan.num_rows, 4), float("nan")))
+    good = {k: v.clone() for k, v in args.items()}
+    args.update(change(args))
+    before = {k: v.clone() for k, v in args.items()}
+    with pytest.raises(PrefixBackendError, match=match):
+        backend.run(**args)
+    for k, v in args.items():
+        torch.testing.assert_close(v, before[k], atol=0, rtol=0, equal_nan=True, msg=f"{k} was written by a refused run()")
+    if name != "triton":  # (its kernel runs interpreted on CPU tensors, which a CUDA machine's session does not)
+        out, desc = backend.run(**good)
+        ref_o, ref_lse = reference_prefix_attention(good["q"], good["kv_cache"], plan.kv_page_indptr,
+                                                    plan.kv_page_indices, plan.prompt_lens, plan.beam_width,
+                                                    sm_scale=0.25, kv_layout=sim.kv_layout)
+        torch.testing.assert_close(out.float(), ref_o, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(desc.base2_rows_heads(), ref_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_a_backends_unchecked_run_still_needs_a_plan(fake_gpu_libs):
+    """``check=False`` (the wrapper's call) skips the argument checks, not the plan: an unplanned backend is
+    refused by name, not run on stale or missing buffers."""
+    for cls in (ReferencePrefixBackend, FlashInferPrefixBackend, FA4PrefixBackend, TritonPrefixBackend):
+        t = torch.zeros(1)
+        with pytest.raises(PrefixBackendError, match=r"run\(\) before plan\(\); call plan\(\) first"):
+            cls("cpu").run(t, t, t, t, check=False)
 
 
 class _OrderedPlanEvent:
