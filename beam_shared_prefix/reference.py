@@ -205,6 +205,11 @@ def _check_history_args(q, kv_cache, kv_layout, beam_page_table, cache_indirecti
         if longest > beam_page_table.shape[1] * page_size:
             raise ValueError(f"a kv_len of {longest} is past the page table's {beam_page_table.shape[1]} columns of "
                              f"{page_size} tokens; pass the table that holds every row's history.")
+        # (the kernels mask such a row; reading on with the last column's source beam would answer something else)
+        if longest > cache_indirection.shape[2]:
+            raise ValueError(f"a kv_len of {longest} is past cache_indirection's {cache_indirection.shape[2]} "
+                             f"positions; pass the indirection that covers every row's history (max_seq_len >= "
+                             f"{longest}).")
 
 
 def _row_chunks(num_rows: int, max_len: int, hkv: int, d: int, budget_bytes: int = 1 << 28):

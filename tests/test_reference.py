@@ -270,8 +270,10 @@ def _page_outside_the_pool(step, num_pages):
     (lambda step, n: dict(kv_lens=step.kv_lens + 48), "past the page table's 6 columns of 8 tokens"),
     (lambda step, n: _bad_source_beam(step), "through source beam 3, outside [0, beam_width=3)"),
     (lambda step, n: _page_outside_the_pool(step, n), "outside the pool's [0, "),
+    (lambda step, n: dict(cache_indirection=step.cache_indirection[:, :, :int(step.kv_lens.max()) - 1]),
+     "past cache_indirection's"),
 ], ids=["per_request_prompt_lens", "nan_scale", "bool_scale", "zero_divisor", "beam_width_not_dividing_rows",
-        "kv_len_past_the_table", "source_beam_past_the_width", "page_outside_the_pool"])
+        "kv_len_past_the_table", "source_beam_past_the_width", "page_outside_the_pool", "kv_len_past_the_indirection"])
 @pytest.mark.parametrize("fn", [reference_beam_attention, reference_tail_attention], ids=["whole", "tail"])
 def test_the_oracle_refuses_inputs_it_would_misread(fn, change, match):
     """The oracle shares no check with the library, so it keeps its own: an argument that would index another

@@ -454,12 +454,18 @@ def check_step_metadata(
     )
 
 
+def _refuse_meta(name: str) -> None:
+    fail(f"{name} is on the meta device, which holds no data; pass a CUDA tensor (or a CPU one to the torch twin or "
+         f"under TRITON_INTERPRET=1).")
+
+
 def check_written_overlaps(written, tensors) -> None:
     """Each tensor named in ``written`` (``out``, the pool where a launch stores this step's K/V, the error flag, a
     stage's outputs) shares no byte with another of ``tensors`` (``(name, tensor or None)`` pairs: every argument the
     launch touches, the written ones included). Run on every call, since it reads addresses, which the memoized checks
-    leave out; each span is computed once. A ``meta`` tensor (shapes without memory, every address 0; the metadata
-    checks take it) is refused here, by name, before its address could be read as an overlap."""
+    leave out; each span is computed once. A ``meta`` tensor (shapes without memory, its address its offset into no
+    storage; the metadata checks take it) is refused here by name: at address 0, and wherever an overlap involves
+    one (views at an offset), so that no meta overlap is reported as an aliasing of buffers."""
     spans = []
     for name, x in tensors:
         if x is None:
@@ -467,8 +473,7 @@ def check_written_overlaps(written, tensors) -> None:
         span = byte_span(x)
         # (a meta tensor's address is 0: asked only there, the device costs the every-call pass nothing)
         if span is not None and span[0] == 0 and x.is_meta:
-            fail(f"{name} is on the meta device, which holds no data; pass a CUDA tensor (or a CPU one to the torch "
-                 f"twin or under TRITON_INTERPRET=1).")
+            _refuse_meta(name)
         spans.append((name, span))
     for name, span in spans:
         if name not in written or span is None:
@@ -476,6 +481,9 @@ def check_written_overlaps(written, tensors) -> None:
         for other, other_span in spans:
             # (spans_overlap, inline: this runs per layer and step in eager mode)
             if other != name and other_span is not None and span[0] < other_span[1] and other_span[0] < span[1]:
+                for meta_name, x in tensors:
+                    if meta_name in (name, other) and x.is_meta:
+                        _refuse_meta(meta_name)
                 fail(f"{name} overlaps {other} in memory; the launch writes {name}, so pass it a buffer of its own "
                      f"({name} may alias nothing).")
 
@@ -506,8 +514,9 @@ check_step_args = memoize_metadata_check(check_step_metadata, every_call=_step_o
 
 def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     """The softmax scale as a float: ``1/sqrt(D)`` for None; anything but a finite positive number
-    fails (the kernels take the running max on unscaled scores, which needs a positive scale), and so does a
-    tensor, whose value the memoized checks would not see change."""
+    fails (the kernels take the running max on unscaled scores, which needs a positive scale), as does one whose
+    ``sm_scale * log2(e)`` is not a normal float32 (outside :data:`SM_SCALE_RANGE`), a bool, and a tensor, whose value
+    the memoized checks would not see change."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(sm_scale, (bool, np.bool_)):

@@ -151,11 +151,18 @@ def test_switches_take_bools_numpy_bools_and_0_or_1(impl):
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
-def test_tail_launchers_refuse_meta_tensors_by_name(impl):
-    """Every tensor on the meta device (shapes without memory, every address 0): the metadata checks take it, and
-    the every-call overlap check names the device before it could read address 0 as an overlap ("out overlaps q")."""
-    args = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in _tail_args(seed=51).items()}
-    with pytest.raises(KernelInputError, match=re.escape("out is on the meta device, which holds no data")):
+@pytest.mark.parametrize("offset", [0, 1], ids=["fresh", "views_at_an_offset"])
+def test_tail_launchers_refuse_meta_tensors_by_name(impl, offset):
+    """Every tensor on the meta device (shapes without memory): the metadata checks take it, and the every-call
+    overlap check names the device rather than read the addresses as an overlap ("out overlaps q"). Fresh meta
+    tensors sit at address 0; views at an offset (one layer of a pool, the K part of a fused QKV) do not, and were
+    reported as an overlap."""
+    def meta(x):
+        base = torch.empty((x.shape[0] + offset, *x.shape[1:]), dtype=x.dtype, device="meta")
+        return base[offset:]
+
+    args = {k: meta(v) if isinstance(v, torch.Tensor) else v for k, v in _tail_args(seed=51).items()}
+    with pytest.raises(KernelInputError, match=re.escape("is on the meta device, which holds no data")):
         IMPLS[impl](**args)
 
 
