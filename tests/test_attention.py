@@ -617,14 +617,14 @@ def test_check_mode_passes_correct_results_and_stops_on_a_wrong_prefix(monkeypat
     sim, step, att = _check_setup()
     run_step(att, sim, step)  # correct: no error
     backend = att.backend
-    real_run = backend.run
+    real_run = backend._run
 
     def wrong_prefix(q, kv_cache, out, lse):
         o, desc = real_run(q, kv_cache, out, lse)
         o[2, 1] += 0.5  # one head of one row off
         return o, desc
 
-    monkeypatch.setattr(backend, "run", wrong_prefix)
+    monkeypatch.setattr(backend, "_run", wrong_prefix)  # the backend's launch, behind run()'s checks
     with pytest.raises(BeamSharedPrefixCheckError, match="stage 'prefix'.*prefix output") as info:
         run_step(att, sim, step)
     assert info.value.stage == "prefix"
@@ -633,14 +633,14 @@ def test_check_mode_passes_correct_results_and_stops_on_a_wrong_prefix(monkeypat
 def test_check_mode_catches_a_non_finite_prefix_lse(monkeypatch):
     sim, step, att = _check_setup()
     backend = att.backend
-    real_run = backend.run
+    real_run = backend._run
 
     def nan_lse(q, kv_cache, out, lse):
         o, desc = real_run(q, kv_cache, out, lse)
         desc.tensor[1, 0] = float("nan")
         return o, desc
 
-    monkeypatch.setattr(backend, "run", nan_lse)
+    monkeypatch.setattr(backend, "_run", nan_lse)  # the backend's launch, behind run()'s checks
     with pytest.raises(BeamSharedPrefixCheckError, match="stage 'prefix'.*non-finite"):
         run_step(att, sim, step)
 
@@ -1319,14 +1319,14 @@ def test_check_mode_on_gpu_passes_and_catches_a_wrong_prefix(monkeypatch):
         sim.end_step(write_kv=False)
     step = sim.begin_step()
     plan_step(att, sim, step)
-    real_run = att.backend.run
+    real_run = att.backend._run
 
     def wrong_prefix(q, kv_cache, out, lse):
         o, desc = real_run(q, kv_cache, out, lse)
         o[5].mul_(-1)
         return o, desc
 
-    monkeypatch.setattr(att.backend, "run", wrong_prefix)
+    monkeypatch.setattr(att.backend, "_run", wrong_prefix)  # the backend's launch, behind run()'s checks
     with pytest.raises(BeamSharedPrefixCheckError, match="stage 'prefix'"):
         run_step(att, sim, step)
 
