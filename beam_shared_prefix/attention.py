@@ -60,6 +60,7 @@ from .prefix.base import (
     ensure_not_capturing,
     kv_planes,
     logger,
+    unaligned_16_byte_vectors,
 )
 from .prefix.buffers import DeviceBuffer
 from .prefix.flashinfer import PREFIX_KERNELS
@@ -557,6 +558,12 @@ class BeamSharedPrefixAttention:
             page_index_divisor = int(page_index_divisor)
         self._validate_run(q, kv_cache, beam_page_table, kv_lens, cache_indirection, new_k, new_v, out,
                            page_index_divisor, step_plan, problem_key)
+        if backend.moves_16_byte_vectors:  # (addresses: per call, not in the memoized metadata checks)
+            for name, x in (("q", q), ("kv_cache", kv_cache)):
+                problem = unaligned_16_byte_vectors(name, x)
+                if problem:
+                    raise AttentionInputError(f"{problem}, which the {backend.name} prefix kernels need; pass "
+                                              f"{name}.contiguous() or a 16-byte aligned buffer.")
         if out is None:
             out = torch.empty(rows, hq, d, dtype=dtype, device=q.device)
         # (A graph wrapper without check mode skips the query: eager steps are host-bound.)

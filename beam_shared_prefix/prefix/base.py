@@ -43,6 +43,7 @@ __all__ = [
     "ensure_not_capturing",
     "kv_planes",
     "logger",
+    "unaligned_16_byte_vectors",
 ]
 
 logger = logging.getLogger("beam_shared_prefix")
@@ -72,6 +73,23 @@ def _byte_span(x: torch.Tensor) -> Optional[Tuple[int, int]]:
         return None
     extent = 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
     return x.data_ptr(), x.data_ptr() + extent * x.element_size()
+
+
+def unaligned_16_byte_vectors(name: str, x: torch.Tensor, strides: bool = True) -> Optional[str]:
+    """Why ``x`` cannot be moved in 16-byte vectors (its address, or with ``strides`` a stride but the last over a
+    dimension longer than 1, not a multiple of 16 bytes), or ``None``. FlashInfer's and FA4's kernels load and
+    store such vectors (cp.async, TMA) and assume the alignment without checking it."""
+    bits = x.data_ptr()
+    if strides:  # (one OR of the byte pitches: the wrapper asks it on every call)
+        element = x.element_size()
+        for size, stride in zip(x.shape[:-1], x.stride()):
+            if size > 1:
+                bits |= stride * element
+    if bits % 16:
+        what = "its address and every stride but the last" if strides else "its address"
+        return (f"{name} (address {x.data_ptr():#x}, strides {list(x.stride())}, {x.element_size()}-byte elements) "
+                f"is not 16-byte aligned: {what} must be multiples of 16 bytes")
+    return None
 
 
 class PrefixBackendError(RuntimeError):
@@ -172,14 +190,17 @@ class PrefixBackend(abc.ABC):
             with the same number of requests and beam width.
         max_requests, max_beam_width, max_prompt_pages: capacities (required with ``use_cuda_graph``).
 
-    Subclasses set :attr:`name`, :attr:`lse_layout`, :attr:`lse_base`, :attr:`capturable` and
-    implement :meth:`is_available`, :meth:`_plan` and :meth:`run`.
+    Subclasses set :attr:`name`, :attr:`lse_layout`, :attr:`lse_base`, :attr:`capturable`,
+    :attr:`moves_16_byte_vectors` and implement :meth:`is_available`, :meth:`_plan` and :meth:`_run`.
     """
 
     name: str = "abstract"
     lse_layout: str = "NH"
     lse_base: str = "log2"
     capturable: bool = True
+    #: The library's kernels load and store 16-byte vectors (cp.async, TMA): every tensor's address, and q's, the
+    #: pool's and out's strides but the last, must be multiples of 16 bytes, or the GPU faults or misreads.
+    moves_16_byte_vectors: bool = False
 
     def __init__(
         self,
@@ -332,8 +353,11 @@ class PrefixBackend(abc.ABC):
         for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse)):
             if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
                 fail(f"{name} must be a dense torch.Tensor, got {type(x).__name__}.")
-            if x.device.type != self.device.type or self.device.index not in (None, x.device.index):
-                fail(f"{name} is on {x.device} but the backend runs on {self.device}; move it there.")
+            # (a backend made for "cuda" takes q's GPU, and every other tensor must be there too)
+            if x.device.type != self.device.type or self.device.index not in (None, x.device.index) or (
+                    x.device != q.device):
+                fail(f"{name} is on {x.device} but the backend runs on {self.device} (q on {q.device}); move it "
+                     f"there.")
         for name, x, shape, dtype in (("q", q, (rows, hq, d), problem.dtype), ("out", out, (rows, hq, d), problem.dtype),
                                       ("lse", lse, self.lse_shape(rows, hq), torch.float32)):
             if tuple(x.shape) != shape or x.dtype != dtype:
@@ -361,6 +385,13 @@ class PrefixBackend(abc.ABC):
             if not x.is_contiguous():
                 fail(f"{name} (strides {list(x.stride())}) must be contiguous; pass a buffer of its own, e.g. "
                      f"torch.empty_like({name}).")
+        if self.moves_16_byte_vectors:
+            for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse)):
+                # (the LSE is stored a float at a time; only its address is taken as aligned)
+                problem = unaligned_16_byte_vectors(name, x, strides=name != "lse")
+                if problem:
+                    fail(f"{problem}, which {type(self).__name__}'s kernels need; pass {name}.contiguous() or a "
+                         f"fresh buffer.")
         spans = [(name, _byte_span(x)) for name, x in (("out", out), ("lse", lse), ("q", q), ("kv_cache", kv_cache))]
         for i, (name, span) in enumerate(spans[:2]):
             for other, other_span in spans[i + 1:]:

@@ -117,6 +117,7 @@ class FA4PrefixBackend(PrefixBackend):
     lse_layout = "HN"
     lse_base = "ln"
     capturable = True
+    moves_16_byte_vectors = True
 
     def __init__(self, device, kv_layout: str = "HND", use_cuda_graph: bool = False, max_requests=None,
                  max_beam_width=None, max_prompt_pages=None, tile_mn: Optional[Tuple[int, int]] = None):

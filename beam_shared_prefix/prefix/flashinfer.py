@@ -255,6 +255,7 @@ class FlashInferPrefixBackend(PrefixBackend):
     lse_layout = "NH"
     lse_base = "log2"
     capturable = True
+    moves_16_byte_vectors = True
 
     def __init__(self, device, kv_layout: str = "HND", use_cuda_graph: bool = False, max_requests=None,
                  max_beam_width=None, max_prompt_pages=None, prefix_kernel: str = "auto"):

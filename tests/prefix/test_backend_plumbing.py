@@ -23,6 +23,7 @@ import beam_shared_prefix.attention as attention_module
 import beam_shared_prefix.prefix.fa4 as fa4_module
 import beam_shared_prefix.prefix.flashinfer as fi_module
 from beam_shared_prefix import BeamSharedPrefixAttention
+from beam_shared_prefix.attention import AttentionInputError
 from beam_shared_prefix.plan import build_step_plan
 from beam_shared_prefix.prefix import (FA4PrefixBackend, FlashInferPrefixBackend, PrefixBackendError,
                                        ReferencePrefixBackend, TritonPrefixBackend)
@@ -79,6 +80,8 @@ class FakePrefillWrapper:
     def run(self, q, paged_kv_cache, out=None, lse=None, return_lse=False, lse_base=None, lse_layout=None):
         p = self.plans[-1]
         assert return_lse and out is not None and lse is not None and q.dtype == p["q_dtype"]
+        # (fa2 writes out and lse densely and takes every head dim as contiguous, without checking)
+        assert out.is_contiguous() and lse.is_contiguous() and q.stride(-1) == 1 and paged_kv_cache.stride(-1) == 1
         assert (lse_base, lse_layout) == ("log2", "NH"), "the LSE convention is passed, not left to the defaults"
         assert lse.shape == (q.shape[0], q.shape[1]) and lse.dtype == torch.float32
         k_cache, v_cache = paged_kv_cache.unbind(dim=1)
@@ -198,10 +201,12 @@ BAD_RUN_ARGS = [
 @pytest.mark.parametrize("name", ["reference", "flashinfer", "fa4", "triton"])
 def test_a_backend_called_directly_refuses_arguments_that_do_not_match_its_plan(fake_gpu_libs, monkeypatch, name, change,
                                                                                 match):
-    """The backends are public, and a direct caller has no wrapper to check its arguments: FlashInfer and FA4 took
-    an int32 out, a transposed out, an out that is q, or a pool in the other layout, and wrote through them (into
-    memory the caller did not give them, on a GPU). ``run()`` now checks them against the plan first, by name,
-    writing nothing; the wrapper, which checks the same, passes ``check=False``. The valid call is served."""
+    """The backends are public, and a direct caller has no wrapper to check its arguments. The libraries check some
+    (FlashInfer and FA4 refuse an int32 out, in their own words), not others: FlashInfer's fa2 kernel writes a
+    transposed out as if it were dense, reads a pool in the other layout (its Hkv and page size from the pool's
+    shape) and a pool of too few pages, and neither writes around an out that is q. ``run()`` now checks every
+    argument against the plan first, by name, writing nothing; the wrapper, which checks the same, passes
+    ``check=False``. The valid call is served."""
     monkeypatch.setattr(FA4PrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))  # (CPU)
     backend = {"reference": ReferencePrefixBackend, "flashinfer": FlashInferPrefixBackend, "fa4": FA4PrefixBackend,
                "triton": TritonPrefixBackend}[name]("cpu")
@@ -224,6 +229,102 @@ def test_a_backend_called_directly_refuses_arguments_that_do_not_match_its_plan(
                                                     sm_scale=0.25, kv_layout=sim.kv_layout)
         torch.testing.assert_close(out.float(), ref_o, atol=TOL, rtol=TOL)
         torch.testing.assert_close(desc.base2_rows_heads(), ref_lse, atol=1e-3, rtol=1e-4)
+
+
+def _at_an_offset(x: torch.Tensor, elements: int = 1) -> torch.Tensor:
+    """``x``'s values in a contiguous view that starts ``elements`` elements into a larger buffer."""
+    view = torch.full((x.numel() + elements,), float("nan"), dtype=x.dtype)[elements:].view(x.shape)
+    view.copy_(x)
+    return view
+
+
+# (name, change, what the refusal names); each passes the plan's shape checks but not a 16-byte vector's alignment.
+UNALIGNED_RUN_ARGS = [
+    ("q_one_element_in", lambda a: dict(q=_at_an_offset(a["q"])), r"q \(address 0x[0-9a-f]+, strides \[256, 64, 1\]"),
+    ("out_one_element_in", lambda a: dict(out=_at_an_offset(a["out"])), r"out \(address"),
+    ("lse_one_element_in", lambda a: dict(lse=_at_an_offset(a["lse"])), r"lse \(address .* its address must be"),
+    ("q_odd_row_pitch", lambda a: dict(q=torch.cat([a["q"], a["q"][:, :, :1]], dim=2)[:, :, :64]),
+     r"q \(address 0x[0-9a-f]+, strides \[260, 65, 1\], 2-byte elements\) is not 16-byte aligned"),
+]
+
+
+@pytest.mark.parametrize("change,match", [c[1:] for c in UNALIGNED_RUN_ARGS], ids=[c[0] for c in UNALIGNED_RUN_ARGS])
+@pytest.mark.parametrize("name", ["flashinfer", "fa4", "reference"])
+def test_a_backend_whose_kernels_move_16_byte_vectors_refuses_unaligned_tensors(fake_gpu_libs, monkeypatch, name,
+                                                                                change, match):
+    """FlashInfer's and FA4's kernels load and store 16-byte vectors and assume the alignment without checking it
+    (on a GPU: a misaligned-address fault, which ends the CUDA context, or a misread). A tensor one element into
+    its buffer, or a q whose row pitch is no multiple of 16 bytes, is refused by name there, writing nothing; the
+    reference backend, which has no such kernel, serves the same call."""
+    monkeypatch.setattr(FA4PrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))
+    backend = {"reference": ReferencePrefixBackend, "flashinfer": FlashInferPrefixBackend,
+               "fa4": FA4PrefixBackend}[name]("cpu")
+    sim, step, plan = make_case(d=64)
+    backend.plan(plan, 4, 2, 64, sim.page_size, sim.dtype, 0.25)
+    args = dict(q=step.q.clone(), kv_cache=sim.kv_cache.clone(),
+                out=torch.full((plan.num_rows, 4, 64), float("nan"), dtype=sim.dtype),
+                lse=torch.full(backend.lse_shape(plan.num_rows, 4), float("nan")))
+    args.update(change(args))
+    if not backend.moves_16_byte_vectors:
+        out, desc = backend.run(**args)
+        ref_o, _ = reference_prefix_attention(args["q"], args["kv_cache"], plan.kv_page_indptr, plan.kv_page_indices,
+                                              plan.prompt_lens, plan.beam_width, sm_scale=0.25)
+        torch.testing.assert_close(out.float(), ref_o, atol=TOL, rtol=TOL)
+        return
+    before = {k: v.clone() for k, v in args.items()}
+    with pytest.raises(PrefixBackendError, match=match + r".*which \w+PrefixBackend's kernels need"):
+        backend.run(**args)
+    for k, v in args.items():
+        torch.testing.assert_close(v, before[k], atol=0, rtol=0, equal_nan=True, msg=f"{k} was written by a refused run()")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["flashinfer", "fa4"])
+def test_the_wrapper_refuses_an_unaligned_q_or_pool_for_a_16_byte_vector_backend(fake_gpu_libs, monkeypatch, backend):
+    """The wrapper calls its backend unchecked (it checked the call itself), so it asks the alignment of the two
+    tensors it hands to FlashInfer or FA4 from the caller: a q one element into its buffer, or a pool whose page
+    pitch is no multiple of 16 bytes, is refused by name, before any launch; the aligned step is served."""
+    for cls in (FA4PrefixBackend, FlashInferPrefixBackend):
+        monkeypatch.setattr(cls, "is_available", classmethod(lambda cls, *a, **k: (True, "")))
+    monkeypatch.setattr(attention_module, "resolve_prefix_backend", lambda requested, *a, **k: requested)
+    sim = BeamSearchCacheSimulator([5, 17, 1], beam_width=3, num_qo_heads=6, num_kv_heads=2, head_dim=16, page_size=4,
+                                   max_seq_len=40, dtype=torch.bfloat16, seed=4)
+    att = BeamSharedPrefixAttention("cpu", backend=backend, tail_impl="torch")
+    step = sim.begin_step()
+    att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, 3, 6, 2, 16, 4,
+             sim.num_pages, torch.bfloat16)
+    pool = sim.kv_cache
+    # (pages one element apart more than a page: a 2-byte page pitch past a multiple of 16)
+    odd_pool = torch.full((pool.shape[0], pool[0].numel() + 1), float("nan"), dtype=pool.dtype)[:, :-1]
+    odd_pool = odd_pool.unflatten(1, pool.shape[1:])
+    odd_pool.copy_(pool)
+    for name, q, kv_cache in (("q", _at_an_offset(step.q), pool), ("kv_cache", step.q, odd_pool)):
+        out = torch.full_like(step.q, float("nan"))
+        with pytest.raises(AttentionInputError, match=rf"{name} \(address .* is not 16-byte aligned.* the {backend} "
+                                                      rf"prefix kernels need"):
+            att.run(q, kv_cache, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v,
+                    out=out)
+        assert torch.isnan(out).all()
+    out = att.run(step.q, pool, step.beam_page_table, step.kv_lens, step.cache_indirection, step.new_k, step.new_v)
+    ref = reference_beam_attention(step.q, pool, step.beam_page_table, step.kv_lens, step.prompt_lens,
+                                   step.cache_indirection, 3, new_k=step.new_k, new_v=step.new_v)
+    torch.testing.assert_close(out.float(), ref, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.gpu
+def test_a_backend_made_for_cuda_refuses_tensors_on_two_gpus():
+    """A backend made for ``"cuda"`` (no index) takes q's GPU; before, it took the four tensors on four GPUs, and
+    FlashInfer and FA4 compare only out and lse with q's device. Needs two GPUs (skipped, with the reason, on one)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
+    backend = ReferencePrefixBackend("cuda")
+    sim, step, plan = make_case(d=64)
+    backend.plan(plan, 4, 2, 64, sim.page_size, sim.dtype, 0.25)
+    q, pool = step.q.to("cuda:0"), sim.kv_cache.to("cuda:1")
+    out = torch.empty(plan.num_rows, 4, 64, dtype=sim.dtype, device="cuda:0")
+    lse = torch.empty(backend.lse_shape(plan.num_rows, 4), device="cuda:0")
+    with pytest.raises(PrefixBackendError, match=r"kv_cache is on cuda:1 but the backend runs on cuda \(q on cuda:0\)"):
+        backend.run(q, pool, out, lse)
 
 
 def test_a_backends_unchecked_run_still_needs_a_plan(fake_gpu_libs):
