@@ -59,6 +59,7 @@ from .prefix.base import (
     default_sm_scale,
     ensure_not_capturing,
     kv_planes,
+    ALIGNED_FIX,
     logger,
     unaligned_16_byte_vectors,
 )
@@ -531,7 +532,9 @@ class BeamSharedPrefixAttention:
         Args:
             q: ``[R*W, Hq, D]`` in the planned dtype, last dim contiguous (a slice of a fused QKV is fine).
             kv_cache: the paged pool (``kv_layout``), ``num_cache_pages`` pages of ``page_size`` tokens,
-                ``Hkv`` heads of ``D``, planned dtype; may be a strided per-layer view.
+                ``Hkv`` heads of ``D``, planned dtype; may be a strided per-layer view. Where the batch's
+                prefix backend is FlashInfer or FA4, ``q``'s and the pool's addresses and strides but the last
+                must be multiples of 16 bytes (their kernels move 16-byte vectors; TensorRT-LLM's always are).
             beam_page_table: ``[>= R*W, max_pages]`` int32, page entries of each beam row
                 (``entry // page_index_divisor`` is the page); ``max_pages * page_size`` covers
                 ``cache_indirection``'s last dim.
@@ -560,10 +563,10 @@ class BeamSharedPrefixAttention:
                            page_index_divisor, step_plan, problem_key)
         if backend.moves_16_byte_vectors:  # (addresses: per call, not in the memoized metadata checks)
             for name, x in (("q", q), ("kv_cache", kv_cache)):
-                problem = unaligned_16_byte_vectors(name, x)
-                if problem:
-                    raise AttentionInputError(f"{problem}, which the {backend.name} prefix kernels need; pass "
-                                              f"{name}.contiguous() or a 16-byte aligned buffer.")
+                unaligned = unaligned_16_byte_vectors(name, x)
+                if unaligned:
+                    raise AttentionInputError(f"{unaligned}, which the {backend.name} prefix kernels need; "
+                                              f"{ALIGNED_FIX[name]}")
         if out is None:
             out = torch.empty(rows, hq, d, dtype=dtype, device=q.device)
         # (A graph wrapper without check mode skips the query: eager steps are host-bound.)

@@ -464,17 +464,17 @@ def check_written_overlaps(written, tensors) -> None:
     stage's outputs) shares no byte with another of ``tensors`` (``(name, tensor or None)`` pairs: every argument the
     launch touches, the written ones included). Run on every call, since it reads addresses, which the memoized checks
     leave out; each span is computed once. A ``meta`` tensor (shapes without memory, its address its offset into no
-    storage; the metadata checks take it) is refused here by name: at address 0, and wherever an overlap involves
-    one (views at an offset), so that no meta overlap is reported as an aliasing of buffers."""
+    storage; the metadata checks take it) is refused here by name, before its address could be read as an overlap
+    or a kernel reach for its data."""
     spans = []
     for name, x in tensors:
         if x is None:
             continue
-        span = byte_span(x)
-        # (a meta tensor's address is 0: asked only there, the device costs the every-call pass nothing)
-        if span is not None and span[0] == 0 and x.is_meta:
+        # (the metadata checks keep every tensor on one device: asking the first costs the every-call pass one
+        # attribute; an overlap that involves another meta tensor still names it below)
+        if not spans and x.is_meta:
             _refuse_meta(name)
-        spans.append((name, span))
+        spans.append((name, byte_span(x)))
     for name, span in spans:
         if name not in written or span is None:
             continue

@@ -33,6 +33,7 @@ from ..reference import LOG2E  # one definition of the constant in the core pack
 from .buffers import padded_page_table
 
 __all__ = [
+    "ALIGNED_FIX",
     "LOG2E",
     "LSE_LAYOUTS",
     "LSE_BASES",
@@ -90,6 +91,17 @@ def unaligned_16_byte_vectors(name: str, x: torch.Tensor, strides: bool = True) 
         return (f"{name} (address {x.data_ptr():#x}, strides {list(x.stride())}, {x.element_size()}-byte elements) "
                 f"is not 16-byte aligned: {what} must be multiples of 16 bytes")
     return None
+
+
+#: What to pass instead of a tensor :func:`unaligned_16_byte_vectors` refuses (``.contiguous()`` keeps an unaligned
+#: address; the pool is read, and the step's K/V written, in place, so a copy of it would not do).
+ALIGNED_FIX = {
+    "q": "pass a copy in a fresh buffer: q.clone(memory_format=torch.contiguous_format).",
+    "out": "pass a fresh buffer, e.g. torch.empty(out.shape, dtype=out.dtype, device=out.device).",
+    "lse": "pass a fresh buffer, e.g. torch.empty(lse.shape, dtype=torch.float32, device=lse.device).",
+    "kv_cache": ("use a pool whose page, head and token pitches and address are multiples of 16 bytes (head_dim x "
+                 "element size a multiple of 16), or the Triton or reference backend, which take any."),
+}
 
 
 class PrefixBackendError(RuntimeError):
@@ -214,6 +226,9 @@ class PrefixBackend(abc.ABC):
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={kv_layout!r} is not supported; use 'HND' or 'NHD'.")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            # (the GPU plan() puts the tables on, held to: run() then refuses tensors on another one)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.kv_layout = kv_layout
         self.use_cuda_graph = bool(use_cuda_graph)
         self.max_requests = None if max_requests is None else int(max_requests)
@@ -321,8 +336,8 @@ class PrefixBackend(abc.ABC):
             out: ``[rows, Hq, D]`` in the planned dtype, contiguous; receives the normalised prefix output.
             lse: float32 of shape :meth:`lse_shape`, contiguous; receives the prefix LSE.
             check: compare the arguments with the plan first (:meth:`check_run_args`: metadata and addresses, no
-                sync; about 13 us of host time on a CI CPU core). Only ``False`` skips it: the wrapper passes ``False``, having checked
-                the same before it calls a backend.
+                sync; 13-17 us of host time on a CI CPU core). Only ``False`` skips it: the wrapper passes ``False``,
+                having checked the same before it calls a backend.
 
         Returns:
             ``(out, LseDescriptor(lse, self.lse_layout, self.lse_base))``.
@@ -353,11 +368,10 @@ class PrefixBackend(abc.ABC):
         for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse)):
             if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
                 fail(f"{name} must be a dense torch.Tensor, got {type(x).__name__}.")
-            # (a backend made for "cuda" takes q's GPU, and every other tensor must be there too)
-            if x.device.type != self.device.type or self.device.index not in (None, x.device.index) or (
-                    x.device != q.device):
-                fail(f"{name} is on {x.device} but the backend runs on {self.device} (q on {q.device}); move it "
-                     f"there.")
+            if x.device.type != self.device.type or self.device.index not in (None, x.device.index):
+                fail(f"{name} is on {x.device} but the backend runs on {self.device}; move it to {self.device}.")
+            if x.device != q.device:
+                fail(f"{name} is on {x.device} but q is on {q.device}; move it to q's device.")
         for name, x, shape, dtype in (("q", q, (rows, hq, d), problem.dtype), ("out", out, (rows, hq, d), problem.dtype),
                                       ("lse", lse, self.lse_shape(rows, hq), torch.float32)):
             if tuple(x.shape) != shape or x.dtype != dtype:
@@ -383,15 +397,14 @@ class PrefixBackend(abc.ABC):
                      f"view whose head dim is contiguous.")
         for name, x in (("out", out), ("lse", lse)):
             if not x.is_contiguous():
-                fail(f"{name} (strides {list(x.stride())}) must be contiguous; pass a buffer of its own, e.g. "
-                     f"torch.empty_like({name}).")
+                fail(f"{name} (strides {list(x.stride())}) must be contiguous; pass a contiguous buffer of its own, "
+                     f"e.g. torch.empty({list(x.shape)}, dtype={x.dtype}, device='{x.device}').")
         if self.moves_16_byte_vectors:
             for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse)):
                 # (the LSE is stored a float at a time; only its address is taken as aligned)
-                problem = unaligned_16_byte_vectors(name, x, strides=name != "lse")
-                if problem:
-                    fail(f"{problem}, which {type(self).__name__}'s kernels need; pass {name}.contiguous() or a "
-                         f"fresh buffer.")
+                unaligned = unaligned_16_byte_vectors(name, x, strides=name != "lse")
+                if unaligned:
+                    fail(f"{unaligned}, which {type(self).__name__}'s kernels need; {ALIGNED_FIX[name]}")
         spans = [(name, _byte_span(x)) for name, x in (("out", out), ("lse", lse), ("q", q), ("kv_cache", kv_cache))]
         for i, (name, span) in enumerate(spans[:2]):
             for other, other_span in spans[i + 1:]:

@@ -429,6 +429,10 @@ def call_decline_reason(attn, q, k, v, metadata, forward_args) -> Optional[str]:
     num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     if q.dim() != 2 or q.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim:
         return f"fused QKV of shape {tuple(q.shape)} does not hold (num_heads + 2 * num_kv_heads) * head_dim columns"
+    # (the generation rows' q is a view of it from a row on: aligned wherever the buffer and its row pitch are)
+    if q.data_ptr() % 16 or q.stride(0) * q.element_size() % 16:
+        return (f"fused QKV at address {q.data_ptr():#x} with a row pitch of {q.stride(0) * q.element_size()} bytes is "
+                f"not 16-byte aligned (FlashInfer's and FA4's prefix kernels move 16-byte vectors)")
     window = getattr(forward_args, "attention_window_size", None)
     max_seq_len = getattr(metadata, "max_seq_len", None)
     if window is not None and max_seq_len is not None and int(window) < int(max_seq_len):

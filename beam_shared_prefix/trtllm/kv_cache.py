@@ -30,6 +30,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..prefix.base import unaligned_16_byte_vectors
+
 __all__ = ["LayerKV", "PageAdapter", "V1PageAdapter", "V2PageAdapter", "manager_kind", "adapter_for", "manager_decline_reason"]
 
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
@@ -122,12 +124,17 @@ class PageAdapter:
         return manager
 
     @staticmethod
-    def _pool_reason(manager, layer_idx: int, pool_index: int) -> Optional[str]:
-        """Why the layer's pool cannot index the block-offset tables (dim 0: one per pool), or ``None``."""
+    def _pool_reason(manager, layer_idx: int, pool_index: int, pool) -> Optional[str]:
+        """Why the layer's pool cannot index the block-offset tables (dim 0: one per pool), or cannot be read in the
+        prefix kernels' 16-byte vectors, or ``None``."""
         num_pools = getattr(manager, "num_pools", None)
         if num_pools is not None and not 0 <= pool_index < int(num_pools):
             return (f"kv_cache_pool_mapping gives layer {layer_idx} pool {pool_index}, outside the manager's "
                     f"{int(num_pools)} pools")
+        # (TensorRT-LLM's pools always are; once per layer, so that the wrapper's per-call refusal never fires)
+        unaligned = unaligned_16_byte_vectors(f"layer {layer_idx}'s KV pool view", pool)
+        if unaligned:
+            return f"{unaligned} (FlashInfer's and FA4's prefix kernels move 16-byte vectors)"
         return None
 
     def _pool_mapping(self, manager):
@@ -199,7 +206,7 @@ class V1PageAdapter(PageAdapter):
             page_index_divisor=layers_in_pool * kv_factor,
             num_pages=int(pool.shape[0]),
             page_size=int(manager.tokens_per_block),
-            decline_reason=self._pool_reason(manager, layer_idx, pool_index),
+            decline_reason=self._pool_reason(manager, layer_idx, pool_index, pool),
         )
 
     def prompt_pages(self, metadata, layer, layer_idx, request_ids, pages_per_request):
@@ -230,7 +237,7 @@ class V2PageAdapter(PageAdapter):
         pool_index = int(mapping[local, 0])
         kv_factor = int(manager.kv_factor)
         pool = manager.get_buffers(layer_idx, kv_layout="HND")
-        reason = self._pool_reason(manager, layer_idx, pool_index)
+        reason = self._pool_reason(manager, layer_idx, pool_index, pool)
         layer_scale = getattr(manager, "get_layer_page_index_scale", None)
         pool_scales = getattr(manager, "index_scales", None)
         if reason is None and layer_scale is not None and pool_scales is not None:

@@ -272,10 +272,25 @@ def test_a_backend_whose_kernels_move_16_byte_vectors_refuses_unaligned_tensors(
         torch.testing.assert_close(out.float(), ref_o, atol=TOL, rtol=TOL)
         return
     before = {k: v.clone() for k, v in args.items()}
-    with pytest.raises(PrefixBackendError, match=match + r".*which \w+PrefixBackend's kernels need"):
+    with pytest.raises(PrefixBackendError, match=match + r".*which \w+PrefixBackend's kernels need") as refusal:
         backend.run(**args)
     for k, v in args.items():
         torch.testing.assert_close(v, before[k], atol=0, rtol=0, equal_nan=True, msg=f"{k} was written by a refused run()")
+    # The fix the message names serves the call (x.contiguous() would keep an unaligned address).
+    name = str(refusal.value).split("run(): ", 1)[1].split(" ", 1)[0]
+    advice, follow = {
+        "q": ("q.clone(memory_format=torch.contiguous_format)", lambda x: x.clone(memory_format=torch.contiguous_format)),
+        "out": ("torch.empty(out.shape, dtype=out.dtype, device=out.device)",
+                lambda x: torch.empty(x.shape, dtype=x.dtype, device=x.device)),
+        "lse": ("torch.empty(lse.shape, dtype=torch.float32, device=lse.device)",
+                lambda x: torch.empty(x.shape, dtype=torch.float32, device=x.device)),
+    }[name]
+    assert advice in str(refusal.value)
+    args[name] = follow(args[name])
+    out, _ = backend.run(**args)
+    torch.testing.assert_close(out.float(), reference_prefix_attention(
+        args["q"], args["kv_cache"], plan.kv_page_indptr, plan.kv_page_indices, plan.prompt_lens, plan.beam_width,
+        sm_scale=0.25)[0], atol=TOL, rtol=TOL)
 
 
 @pytest.mark.interpreter
@@ -313,8 +328,9 @@ def test_the_wrapper_refuses_an_unaligned_q_or_pool_for_a_16_byte_vector_backend
 
 @pytest.mark.gpu
 def test_a_backend_made_for_cuda_refuses_tensors_on_two_gpus():
-    """A backend made for ``"cuda"`` (no index) takes q's GPU; before, it took the four tensors on four GPUs, and
-    FlashInfer and FA4 compare only out and lse with q's device. Needs two GPUs (skipped, with the reason, on one)."""
+    """A backend made for ``"cuda"`` (no index) is held to the current GPU, where plan() puts its tables; before, it
+    took the four tensors on any GPUs, and FlashInfer and FA4 compare only out and lse with q's device. Needs two
+    GPUs (skipped, with the reason, on one)."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
     backend = ReferencePrefixBackend("cuda")
@@ -323,7 +339,8 @@ def test_a_backend_made_for_cuda_refuses_tensors_on_two_gpus():
     q, pool = step.q.to("cuda:0"), sim.kv_cache.to("cuda:1")
     out = torch.empty(plan.num_rows, 4, 64, dtype=sim.dtype, device="cuda:0")
     lse = torch.empty(backend.lse_shape(plan.num_rows, 4), device="cuda:0")
-    with pytest.raises(PrefixBackendError, match=r"kv_cache is on cuda:1 but the backend runs on cuda \(q on cuda:0\)"):
+    assert backend.device == torch.device("cuda", torch.cuda.current_device())
+    with pytest.raises(PrefixBackendError, match=rf"kv_cache is on cuda:1 but the backend runs on {backend.device}"):
         backend.run(q, pool, out, lse)
 
 

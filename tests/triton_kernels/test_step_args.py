@@ -151,18 +151,21 @@ def test_switches_take_bools_numpy_bools_and_0_or_1(impl):
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
-@pytest.mark.parametrize("offset", [0, 1], ids=["fresh", "views_at_an_offset"])
-def test_tail_launchers_refuse_meta_tensors_by_name(impl, offset):
+@pytest.mark.parametrize("layout", ["fresh", "views_at_one_offset", "views_apart"])
+def test_tail_launchers_refuse_meta_tensors_by_name(impl, layout):
     """Every tensor on the meta device (shapes without memory): the metadata checks take it, and the every-call
-    overlap check names the device rather than read the addresses as an overlap ("out overlaps q"). Fresh meta
-    tensors sit at address 0; views at an offset (one layer of a pool, the K part of a fused QKV) do not, and were
-    reported as an overlap."""
+    overlap check names the device rather than read the addresses as an overlap ("out overlaps q") or let a kernel
+    reach for the data. Fresh meta tensors sit at address 0; views at an offset (one layer of a pool, the K part of
+    a fused QKV) do not, and were reported as an overlap, or, apart, failed inside the kernel or torch."""
+    offsets = iter(range(1, 10**3))
+
     def meta(x):
+        offset = {"fresh": 0, "views_at_one_offset": 1, "views_apart": next(offsets) * 10**6}[layout]
         base = torch.empty((x.shape[0] + offset, *x.shape[1:]), dtype=x.dtype, device="meta")
         return base[offset:]
 
     args = {k: meta(v) if isinstance(v, torch.Tensor) else v for k, v in _tail_args(seed=51).items()}
-    with pytest.raises(KernelInputError, match=re.escape("is on the meta device, which holds no data")):
+    with pytest.raises(KernelInputError, match=re.escape("out is on the meta device, which holds no data")):
         IMPLS[impl](**args)
 
 

@@ -235,6 +235,8 @@ def forward_args(model, setup, **overrides):
         ("window_one_short", "sliding-window attention"),
         ("one_row_short", "more than one query token per generation row"),
         ("pool_dtype", "KV pool dtype torch.float16 differs from the query dtype torch.bfloat16"),
+        ("qkv_one_element_in", "is not 16-byte aligned (FlashInfer's and FA4's prefix kernels move 16-byte vectors)"),
+        ("qkv_odd_row_pitch", "with a row pitch of 1026 bytes is not 16-byte aligned"),
         ("generation_only_of_mixed", None),  # CombinedFmha's call: q holds the generation rows only
     ],
 )
@@ -287,6 +289,10 @@ def test_call_gates(enabled, case, reason):
         q = qkv[:-1]
     elif case == "pool_dtype":
         q, out = qkv.to(torch.bfloat16), out.to(torch.bfloat16)
+    elif case == "qkv_one_element_in":
+        q = torch.empty(qkv.numel() + 1, dtype=qkv.dtype)[1:].view(qkv.shape).copy_(qkv)
+    elif case == "qkv_odd_row_pitch":
+        q = torch.cat([qkv, qkv[:, :1]], dim=1)[:, :-1]
     elif case == "generation_only_of_mixed":
         q, out = qkv[12:], out[12:]
         kw["attention_input_type"] = interface.AttentionInputType.generation_only
@@ -387,6 +393,26 @@ def test_a_pool_view_of_another_head_size_is_declined(enabled):
     out = torch.empty(rows, 4 * 128, dtype=q.dtype)
     assert not ours.is_supported(q, None, None, m, forward_args(enabled, setup, output=out))
     assert decline_log.seen("is not [pages, 2, Hkv, page_size, D]")
+
+
+def test_a_pool_view_that_is_not_16_byte_aligned_is_declined(enabled, monkeypatch):
+    """A layer whose pool view starts off a 16-byte boundary (TensorRT-LLM's never do): the wrapper would refuse
+    every call for FlashInfer and FA4, mid-serving; the layer is declined once instead, with the reason."""
+    setup = build(enabled, seed=5)
+    manager = setup.manager
+    real = manager.get_buffers
+
+    def shifted(layer_idx, kv_layout="HND"):
+        pool = real(layer_idx, kv_layout=kv_layout)
+        return torch.empty(pool.numel() + 1, dtype=pool.dtype)[1:].view(pool.shape).copy_(pool)
+
+    monkeypatch.setattr(manager, "get_buffers", shifted)
+    ours = library_of(setup.layer)
+    step = setup.sim.begin_step()
+    qkv = setup.engine.prepare(step, ())
+    out = torch.empty(qkv.shape[0], 4 * 64, dtype=qkv.dtype)
+    assert not ours.is_supported(qkv, None, None, setup.engine.metadata, forward_args(enabled, setup, output=out))
+    assert decline_log.seen("KV pool view (address") and decline_log.seen("is not 16-byte aligned")
 
 
 def test_a_beam_width_one_step_is_handed_over_and_not_cached(enabled):
