@@ -348,15 +348,11 @@ def test_grouped_tiling_takes_one_token_and_no_index_blocks():
 
 
 def test_tail_launcher_refuses_tail_skip_on_another_device():
-    """tail_skip on another device than q is refused by name before the kernel reads it: on a GPU a CPU tensor
-    (naming both devices); on a CPU machine "meta" (shapes without data), which the every-call overlap check refuses
-    first, before it could read its address 0."""
+    """tail_skip on another device than q is refused by name before the kernel reads it, naming both devices: on a
+    GPU a CPU tensor, on a CPU machine "meta" (shapes without data)."""
     args = _args(seed=15)
-    if args["q"].is_cuda:
-        args["tail_skip"] = torch.zeros(4, dtype=torch.int32)
-        message = (f"tail_skip must be a contiguous int32 [rows=4] tensor on {args['q'].device}, got torch.int32 (4,) "
-                   f"strides (1,) on cpu")
-    else:
-        args["tail_skip"] = torch.zeros(4, dtype=torch.int32, device="meta")
-        message = "tail_skip is on the meta device, which holds no data"
+    other = "meta" if args["q"].device.type == "cpu" else "cpu"
+    args["tail_skip"] = torch.zeros(4, dtype=torch.int32, device=other)
+    message = (f"tail_skip must be a contiguous int32 [rows=4] tensor on {args['q'].device}, got torch.int32 (4,) "
+               f"strides (1,) on {other}")
     _refused("triton", args, message)
