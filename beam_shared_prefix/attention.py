@@ -55,11 +55,11 @@ from .config import BACKENDS, load_settings, shared_run_mode, triton_interpret_e
 from .kv_lens import kv_capacity
 from .plan import StepPlan, StepPlanner, _as_int
 from .prefix.base import (
+    ALIGNED_FIX,
     PrefixBackend,
     default_sm_scale,
     ensure_not_capturing,
     kv_planes,
-    ALIGNED_FIX,
     logger,
     unaligned_16_byte_vectors,
 )

@@ -210,7 +210,7 @@ class PrefixBackend(abc.ABC):
     lse_layout: str = "NH"
     lse_base: str = "log2"
     capturable: bool = True
-    #: The library's kernels load and store 16-byte vectors (cp.async, TMA): every tensor's address, and q's, the
+    #: The backend's kernels load and store 16-byte vectors (cp.async, TMA): every tensor's address, and q's, the
     #: pool's and out's strides but the last, must be multiples of 16 bytes, or the GPU faults or misreads.
     moves_16_byte_vectors: bool = False
 
@@ -227,7 +227,7 @@ class PrefixBackend(abc.ABC):
             raise ValueError(f"kv_layout={kv_layout!r} is not supported; use 'HND' or 'NHD'.")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
-            # (the GPU plan() puts the tables on, held to: run() then refuses tensors on another one)
+            # (plan() puts the tables on the current GPU, so run() refuses tensors on any other)
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.kv_layout = kv_layout
         self.use_cuda_graph = bool(use_cuda_graph)
