@@ -67,15 +67,6 @@ def kv_planes(kv_cache: torch.Tensor, kv_layout: str) -> Tuple[torch.Tensor, tor
     return k, v
 
 
-def _byte_span(x: torch.Tensor) -> Optional[Tuple[int, int]]:
-    """``[first, last + 1)`` byte addresses ``x`` covers (strides are non-negative in torch), or ``None`` when it
-    holds nothing (a meta tensor never gets here: its device is refused first)."""
-    if x.numel() == 0:
-        return None
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
-    return x.data_ptr(), x.data_ptr() + extent * x.element_size()
-
-
 def unaligned_16_byte_vectors(name: str, x: torch.Tensor, strides: bool = True) -> Optional[str]:
     """Why ``x`` cannot be moved in 16-byte vectors (its address, or with ``strides`` a stride but the last over a
     dimension longer than 1, not a multiple of 16 bytes), or ``None``. FlashInfer's and FA4's kernels load and
@@ -405,12 +396,13 @@ class PrefixBackend(abc.ABC):
                 unaligned = unaligned_16_byte_vectors(name, x, strides=name != "lse")
                 if unaligned:
                     fail(f"{unaligned}, which {type(self).__name__}'s kernels need; {ALIGNED_FIX[name]}")
-        spans = [(name, _byte_span(x)) for name, x in (("out", out), ("lse", lse), ("q", q), ("kv_cache", kv_cache))]
-        for i, (name, span) in enumerate(spans[:2]):
-            for other, other_span in spans[i + 1:]:
-                if span and other_span and span[0] < other_span[1] and other_span[0] < span[1]:
-                    fail(f"{name} overlaps {other} in memory; run() writes {name} while it reads {other}, so pass "
-                         f"{name} a buffer of its own.")
+        # The launchers' overlap check (deferred: importing triton_kernels imports Triton, which planning never needs).
+        from triton_kernels.step_args import KernelInputError, check_written_overlaps
+
+        try:
+            check_written_overlaps(("out", "lse"), (("out", out), ("lse", lse), ("q", q), ("kv_cache", kv_cache)))
+        except KernelInputError as exc:
+            fail(str(exc))
 
     def _require_planned(self) -> Tuple[StepPlan, PrefixProblem]:
         if self.step_plan is None or self.problem is None:
