@@ -24,6 +24,7 @@ import beam_shared_prefix.prefix.fa4 as fa4_module
 import beam_shared_prefix.prefix.flashinfer as fi_module
 from beam_shared_prefix import BeamSharedPrefixAttention
 from beam_shared_prefix.attention import AttentionInputError
+from beam_shared_prefix.config import triton_interpret_env
 from beam_shared_prefix.plan import build_step_plan
 from beam_shared_prefix.prefix import (FA4PrefixBackend, FlashInferPrefixBackend, PrefixBackendError,
                                        ReferencePrefixBackend, TritonPrefixBackend)
@@ -208,6 +209,11 @@ def test_a_backend_called_directly_refuses_arguments_that_do_not_match_its_plan(
     argument against the plan first, by name, writing nothing; the wrapper, which checks the same, passes
     ``check=False``. The valid call is served."""
     monkeypatch.setattr(FA4PrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))  # (CPU)
+    # The Triton kernel runs on CPU tensors only interpreted; on a CUDA machine (interpreter off) its backend declines a
+    # CPU plan, so the refusals are checked with that gate lifted and the valid call is served only where it can run.
+    triton_runs_here = triton_interpret_env()
+    if not triton_runs_here:
+        monkeypatch.setattr(TritonPrefixBackend, "is_available", classmethod(lambda cls, *a, **k: (True, "")))
     backend = {"reference": ReferencePrefixBackend, "flashinfer": FlashInferPrefixBackend, "fa4": FA4PrefixBackend,
                "triton": TritonPrefixBackend}[name]("cpu")
     sim, step, plan = make_case(d=64)  # Hq 4, Hkv 2, page 4: the other layout's pool has another shape
@@ -222,7 +228,7 @@ def test_a_backend_called_directly_refuses_arguments_that_do_not_match_its_plan(
         backend.run(**args)
     for k, v in args.items():
         torch.testing.assert_close(v, before[k], atol=0, rtol=0, equal_nan=True, msg=f"{k} was written by a refused run()")
-    if name != "triton":  # (its kernel runs interpreted on CPU tensors, which a CUDA machine's session does not)
+    if name != "triton" or triton_runs_here:
         out, desc = backend.run(**good)
         ref_o, ref_lse = reference_prefix_attention(good["q"], good["kv_cache"], plan.kv_page_indptr,
                                                     plan.kv_page_indices, plan.prompt_lens, plan.beam_width,
