@@ -15,7 +15,9 @@ library arm, over ``--batches`` batches of ``--calls`` back-to-back ``run()`` ca
   events bracket device time alone.
 
 The ``--json`` document (rewritten after every shape; ``complete`` false until the end) holds one row per
-shape and arm under ``results``, as the committed ``docs/results/h200/eager_*.json`` files do. It informs
+shape and arm under ``results``, as the committed ``docs/results/h200/eager_*.json`` files do, and where ``auto`` and
+another arm were timed, the shape's verdict under ``verdicts`` (:func:`auto_verdict`: the path ``auto`` ran against
+the fastest other arm, also printed), which is how an eager rule's miss shows. It informs
 ``auto``'s eager limits (``beam_shared_prefix/prefix/cascade_rule.py``); it is not a test.
 """
 
@@ -25,7 +27,7 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -119,6 +121,52 @@ def measure_shape(shape, arms: Sequence[str], calls: int, batches: int, warmup: 
     return rows
 
 
+# The prefix each backend's eager call runs, for the verdict lines (the cascade is one launch, prefix and tail).
+PREFIXES = {"fa4": "FA4", "flashinfer": "FlashInfer", "reference": "reference"}
+
+
+def path_name(row: Dict) -> str:
+    """The path a timed row ran: ``the cascade``, or its prefix, the shared-run stage where it ran, and the tail."""
+    if row.get("backend") == "triton":
+        return "the cascade"
+    prefix = PREFIXES.get(row.get("backend"), str(row.get("backend")))
+    return f"{prefix} + stage + tail" if row.get("shared_run") else f"{prefix} + tail"
+
+
+def auto_verdict(rows: Sequence[Dict]) -> Optional[Dict]:
+    """One shape's rows (from :func:`measure_shape`) judged as the eager rule is: the path ``auto`` ran and its time a
+    call (``step_us``, us) against the fastest arm that ran another path (``best_*``; ``auto_over_best`` their ratio,
+    above 1 where ``auto`` was slower: the rule's miss), and, where an arm also ran ``auto``'s path, that arm's time
+    (``same_path_*``: the spread of two timings of one path, the scale a miss is read against). ``None`` without a
+    timed ``auto`` row and a timed row of another path."""
+    timed = [r for r in rows if "skipped" not in r]
+    auto = next((r for r in timed if r["arm"] == "library/auto"), None)
+    if auto is None:
+        return None
+    others = [r for r in timed if r["arm"] != "library/auto"]
+    other_paths = [r for r in others if path_name(r) != path_name(auto)]
+    if not other_paths:
+        return None
+    best = min(other_paths, key=lambda r: r["step_us"])
+    verdict = {"shape": auto["shape"]["name"], "auto_path": path_name(auto), "auto_step_us": auto["step_us"],
+               "best_arm": best["arm"], "best_path": path_name(best), "best_step_us": best["step_us"],
+               "auto_over_best": auto["step_us"] / best["step_us"]}
+    twin = next((r for r in others if path_name(r) == path_name(auto)), None)
+    if twin is not None:
+        verdict.update(same_path_arm=twin["arm"], same_path_step_us=twin["step_us"])
+    return verdict
+
+
+def verdict_line(verdict: Dict) -> str:
+    """:func:`auto_verdict` as one terminal line."""
+    line = (f"{verdict['shape']}: auto ran {verdict['auto_path']}, {verdict['auto_step_us']:.1f} us a call; the fastest "
+            f"other path, {verdict['best_path']} ({verdict['best_arm']}), {verdict['best_step_us']:.1f} us: auto "
+            f"{verdict['auto_over_best']:.2f}x")
+    if "same_path_arm" in verdict:
+        line += f" ({verdict['auto_path']} timed again as {verdict['same_path_arm']}: {verdict['same_path_step_us']:.1f} us)"
+    return line
+
+
 def _parse_arms(text: str) -> List[str]:
     arms = [a.strip().lower() for a in text.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
@@ -154,10 +202,12 @@ def main(argv=None) -> int:
         print("eager_calls: no CUDA device; nothing to time.")
         return 0
     rows: List[Dict] = []
+    verdicts: List[Dict] = []
     doc = {"note": FIELDS_NOTE, "argv": list(sys.argv[1:] if argv is None else argv), "calls": args.calls,
-           "batches": args.batches, "complete": False, "results": rows}
+           "batches": args.batches, "complete": False, "results": rows, "verdicts": verdicts}
     for shape in shapes:
-        for row in measure_shape(shape, arms, args.calls, args.batches, args.warmup, args.seed):
+        shape_rows = measure_shape(shape, arms, args.calls, args.batches, args.warmup, args.seed)
+        for row in shape_rows:
             rows.append(row)
             if "skipped" in row:
                 print(f"{shape.label():44s} {row['arm']:16s} skipped: {row['skipped']}", flush=True)
@@ -166,6 +216,10 @@ def main(argv=None) -> int:
                       f"(min {row['host_min_us']:6.1f})  a call {row['step_us']:7.1f} us (min {row['step_min_us']:6.1f})  "
                       f"device {row['device_us']:7.1f} us",
                       flush=True)
+        verdict = auto_verdict(shape_rows)
+        if verdict is not None:
+            verdicts.append(verdict)
+            print(verdict_line(verdict), flush=True)
         if args.json:
             write_progress_json(doc, args.json)
     if args.json:

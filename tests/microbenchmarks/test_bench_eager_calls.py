@@ -129,6 +129,52 @@ def test_json_is_rewritten_after_every_shape(monkeypatch, tmp_path):
     assert doc["results"][-1]["shape"]["heads"] == 32
 
 
+def _row(arm, backend, shared_run, step_us, shape="64x30x1000:32/8/64-t96"):
+    return {"shape": {"name": shape}, "arm": f"library/{arm}", "backend": backend, "shared_run": shared_run,
+            "host_us": step_us, "host_min_us": step_us, "step_us": step_us, "step_min_us": step_us, "device_us": 1.0}
+
+
+def test_the_verdict_sets_autos_path_against_the_fastest_other_path():
+    """Round 91's H100 lead at 96 tokens: auto ran FA4 + the stage (347.1 us a call) and FlashInfer + the stage took
+    249.3. The verdict names that path, not the arm that timed auto's own path again (337.3, kept beside it as the
+    spread of one path), nor a skipped arm; without auto, or with only auto's own path beside it, there is none."""
+    rows = [_row("auto", "fa4", True, 347.1), _row("fa4+shared-run", "fa4", True, 337.3),
+            _row("flashinfer+shared-run", "flashinfer", True, 249.3), _row("triton", "triton", False, 301.0),
+            _row("flashinfer", "flashinfer", False, 336.1), {"shape": {"name": "x"}, "arm": "library/fa4", "skipped": "no"}]
+    verdict = eager_calls.auto_verdict(rows)
+    assert verdict == {"shape": "64x30x1000:32/8/64-t96", "auto_path": "FA4 + stage + tail", "auto_step_us": 347.1,
+                       "best_arm": "library/flashinfer+shared-run", "best_path": "FlashInfer + stage + tail",
+                       "best_step_us": 249.3, "auto_over_best": pytest.approx(347.1 / 249.3),
+                       "same_path_arm": "library/fa4+shared-run", "same_path_step_us": 337.3}
+    line = eager_calls.verdict_line(verdict)
+    assert line == ("64x30x1000:32/8/64-t96: auto ran FA4 + stage + tail, 347.1 us a call; the fastest other path, "
+                    "FlashInfer + stage + tail (library/flashinfer+shared-run), 249.3 us: auto 1.39x (FA4 + stage + "
+                    "tail timed again as library/fa4+shared-run: 337.3 us)")
+    cascade = eager_calls.auto_verdict([_row("auto", "triton", False, 134.9), _row("flashinfer", "flashinfer", False, 163.5)])
+    assert cascade["auto_path"] == "the cascade" and cascade["auto_over_best"] == pytest.approx(134.9 / 163.5)
+    assert "same_path_arm" not in cascade
+    assert eager_calls.auto_verdict(rows[1:]) is None
+    assert eager_calls.auto_verdict(rows[:2]) is None
+
+
+def test_each_shape_with_auto_gets_its_verdict_printed_and_kept(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    times = {"auto": 300.0, "triton": 290.0, "flashinfer": 250.0}
+
+    def fake_measure(shape, arms, calls, batches, warmup, seed):
+        return [_row(a, "triton" if a == "auto" else a, False, times[a], shape.name) for a in arms]
+
+    monkeypatch.setattr(eager_calls, "measure_shape", fake_measure)
+    path = tmp_path / "eager.json"
+    assert eager_calls.main(["--shapes", "", "--custom", "4x8x200,8x8x200", "--arms", "auto,triton,flashinfer",
+                             "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert [(v["shape"], v["best_path"], round(v["auto_over_best"], 2)) for v in doc["verdicts"]] == [
+        ("4x8x200", "FlashInfer + tail", 1.2), ("8x8x200", "FlashInfer + tail", 1.2)]
+    out = capsys.readouterr().out
+    assert out.count("auto ran the cascade, 300.0 us a call; the fastest other path, FlashInfer + tail") == 2, out
+
+
 def test_shared_arms_turn_the_stage_on(monkeypatch):
     """The library arms pass ``shared_run`` explicitly (the environment does not change a timing), so the stage is
     measured through the ``-shared`` arms, which build their wrappers with it on; the plain arms keep it off."""
