@@ -16,8 +16,8 @@ library arm, over ``--batches`` batches of ``--calls`` back-to-back ``run()`` ca
 
 The ``--json`` document (rewritten after every shape; ``complete`` false until the end) holds one row per
 shape and arm under ``results``, as the committed ``docs/results/h200/eager_*.json`` files do, and where ``auto`` and
-another arm were timed, the shape's verdict under ``verdicts`` (:func:`auto_verdict`: the path ``auto`` ran against
-the fastest other arm, also printed), which is how an eager rule's miss shows. It informs
+an arm of another path were timed, the shape's verdict under ``verdicts`` (:func:`auto_verdict`: the path ``auto``
+ran against the fastest other path, also printed), which is how an eager rule's miss shows. It informs
 ``auto``'s eager limits (``beam_shared_prefix/prefix/cascade_rule.py``); it is not a test.
 """
 
