@@ -155,6 +155,13 @@ def test_the_verdict_sets_autos_path_against_the_fastest_other_path():
     assert "same_path_arm" not in cascade
     assert eager_calls.auto_verdict(rows[1:]) is None
     assert eager_calls.auto_verdict(rows[:2]) is None
+    # The twin faster than every other path is still not the best, nor is the first arm of another path.
+    twin_fastest = [_row("auto", "fa4", True, 347.1), _row("flashinfer", "flashinfer", False, 336.1),
+                    _row("fa4+shared-run", "fa4", True, 200.0), _row("flashinfer+shared-run", "flashinfer", True, 249.3)]
+    assert eager_calls.auto_verdict(twin_fastest)["best_arm"] == "library/flashinfer+shared-run"
+    # A skipped auto arm gives no verdict (and does not end the run).
+    skipped_auto = [{"shape": {"name": "s"}, "arm": "library/auto", "skipped": "no"}, _row("flashinfer", "flashinfer", False, 1.0)]
+    assert eager_calls.auto_verdict(skipped_auto) is None
 
 
 def test_each_shape_with_auto_gets_its_verdict_printed_and_kept(monkeypatch, tmp_path, capsys):

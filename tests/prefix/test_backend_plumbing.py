@@ -195,6 +195,14 @@ BAD_RUN_ARGS = [
     ("out_is_q", lambda a: dict(out=a["q"]), r"out overlaps q in memory"),
     ("lse_inside_out", lambda a: dict(lse=a["out"].view(torch.float32).flatten()[:a["lse"].numel()].view(a["lse"].shape)),
      r"out overlaps lse in memory"),
+    # (round 91's mutation review: each family's member that matters, which the cases above left unpinned)
+    ("out_inside_the_pool", lambda a: dict(out=a["kv_cache"].view(-1)[:a["out"].numel()].view(a["out"].shape)),
+     r"out overlaps kv_cache in memory"),
+    ("lse_inside_q", lambda a: dict(lse=a["q"].view(torch.float32).flatten()[:a["lse"].numel()].view(a["lse"].shape)),
+     r"lse overlaps q in memory"),
+    ("pool_one_page_short", lambda a: dict(kv_cache=a["kv_cache"][:-1]), r"kv_cache has \d+ pages but the plan"),
+    ("pool_head_dim_strided", lambda a: dict(kv_cache=_every_other(a["kv_cache"], 4)), r"kv_cache's last dim has stride 2"),
+    ("pool_of_other_kv_heads", lambda a: dict(kv_cache=torch.cat([a["kv_cache"]] * 2, dim=2)), r"kv_cache \(HND\) has Hkv=4"),
 ]
 
 
@@ -251,6 +259,7 @@ UNALIGNED_RUN_ARGS = [
     ("lse_one_element_in", lambda a: dict(lse=_at_an_offset(a["lse"])), r"lse \(address .* its address must be"),
     ("q_odd_row_pitch", lambda a: dict(q=torch.cat([a["q"], a["q"][:, :, :1]], dim=2)[:, :, :64]),
      r"q \(address 0x[0-9a-f]+, strides \[260, 65, 1\], 2-byte elements\) is not 16-byte aligned"),
+    ("q_four_elements_in", lambda a: dict(q=_at_an_offset(a["q"], 4)), r"q \(address"),  # 8 bytes off: 8-aligned only
 ]
 
 
