@@ -586,21 +586,27 @@ def test_only_exact_copies_of_a_request_share_its_pages(case):
     ((6, 6, 2), ("x", "x", "y"), None),  # copies of one request under one id: a padded batch
     ((6, 6, 2), ("x", "z", "y"), (0, 1)),  # two requests given one partly filled page
     ((8, 8, 2), ("x", "z", "y"), None),  # only full pages shared: block reuse
+    # block reuse beside a padded dummy: the dummy's copies over partly filled c make the planner compare ids, and
+    # requests 0 and 1, of two ids over full pages only, are no copies that write into a page
+    ((8, 8, 2, 2), ("x", "z", "y", "y"), None),
 ])
 def test_copies_of_a_request_share_its_id_where_ids_are_given(lens, ids, refused):
     """Without ids the planner takes requests of one prompt length and one page list as copies of one request; with
     them, two requests so listed whose shared last page is partly filled are refused, in build_step_plan and
     through a planner (whose digest key covers the ids: the same pages under copies' ids do not hide them). Pages
     of 4: requests 0 and 1 on (a, b) (listed with a page past the prompt, as a whole block list may be), request 2
-    on c."""
+    on c, and request 3, where a case lists one, a copy of request 2 (a padded CUDA-graph batch's dummy)."""
     a, b, c, d = (int(p) for p in np.random.default_rng(3).permutation(32)[:4])
-    indptr, indices = [0, 3, 6, 7], [a, b, d, a, b, d, c]
+    pages = [[a, b, d], [a, b, d], [c], [c]][:len(lens)]
+    indptr, indices = np.cumsum([0] + [len(p) for p in pages]).tolist(), [p for ps in pages for p in ps]
     build_step_plan(indptr, indices, lens, 2, 4, 32)  # the planner alone serves every case
     planner = StepPlanner(4, 32)
-    planner.plan(indptr, indices, lens, 2, request_ids=("x", "x", "y"))
+    planner.plan(indptr, indices, lens, 2, request_ids=("x", "x", "y", "y")[:len(lens)])
     if refused is None:
-        build_step_plan(indptr, indices, lens, 2, 4, 32, request_ids=ids)
-        planner.plan(indptr, indices, lens, 2, request_ids=ids)
+        served = build_step_plan(indptr, indices, lens, 2, 4, 32, request_ids=ids)
+        # Each request keeps its own prompt pages and lengths: copies are checked, never merged in the plan.
+        check_plan(served, loop_plan(indptr, indices, lens, 2, 4), len(lens), 2, 4, 32)
+        assert planner.plan(indptr, indices, lens, 2, request_ids=ids).page_table.tolist() == served.page_table.tolist()
         return
     f, r = refused
     message = (rf"requests {f} \(id '{ids[f]}'\) and {r} \(id '{ids[r]}'\) list the same 2 prompt pages for "

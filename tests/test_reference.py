@@ -80,10 +80,10 @@ def oracle(step, sim, **kw):
     )
 
 
-def make_sim(group, head_dim, kv_layout, dtype, beam_width=3, num_kv_heads=2, seed=0, **kw):
+def make_sim(group, head_dim, kv_layout, dtype, beam_width=3, num_kv_heads=2, seed=0, max_seq_len=48, **kw):
     return BeamSearchCacheSimulator(
         PROMPTS, beam_width=beam_width, num_qo_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, page_size=PAGE, max_seq_len=48, kv_layout=kv_layout, dtype=dtype, seed=seed, **kw,
+        head_dim=head_dim, page_size=PAGE, max_seq_len=max_seq_len, kv_layout=kv_layout, dtype=dtype, seed=seed, **kw,
     )
 
 
@@ -249,10 +249,19 @@ def test_tail_with_no_generated_position_is_empty():
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
-def _bad_source_beam(step):
+def _bad_source_beam(step, source_beam):
     ind = step.cache_indirection.clone()
-    ind[0, 1, step.prompt_lens[1]] = step.beam_width  # row 1's first generated position, a beam past W
+    ind[0, 1, step.prompt_lens[1]] = source_beam  # row 1's first generated position, a beam outside [0, W)
     return dict(cache_indirection=ind)
+
+
+def _kv_len_one_past_the_table(step):
+    """The longest kv_len at one token past the page table (``cols * page_size + 1``), with cache_indirection a page
+    wider (of beam 0) so that only the table's own bound stands before indexing past its last column."""
+    past = step.beam_page_table.shape[1] * PAGE + 1
+    ind = step.cache_indirection
+    wider = torch.cat([ind, torch.zeros_like(ind[:, :, :PAGE])], dim=2)
+    return dict(kv_lens=step.kv_lens + (past - int(step.kv_lens.max())), cache_indirection=wider)
 
 
 def _page_outside_the_pool(step, num_pages):
@@ -267,13 +276,15 @@ def _page_outside_the_pool(step, num_pages):
     (lambda step, n: dict(sm_scale=True), "sm_scale=True must be a float"),
     (lambda step, n: dict(page_index_divisor=0), "page_index_divisor=0 must be an int >= 1"),
     (lambda step, n: dict(beam_width=5), "rows a multiple of beam_width=5"),
-    (lambda step, n: dict(kv_lens=step.kv_lens + 48), "past the page table's 6 columns of 8 tokens"),
-    (lambda step, n: _bad_source_beam(step), "through source beam 3, outside [0, beam_width=3)"),
+    (lambda step, n: _kv_len_one_past_the_table(step), "a kv_len of 49 is past the page table's 6 columns of 8 tokens"),
+    (lambda step, n: _bad_source_beam(step, step.beam_width), "through source beam 3, outside [0, beam_width=3)"),
+    (lambda step, n: _bad_source_beam(step, -1), "through source beam -1, outside [0, beam_width=3)"),
     (lambda step, n: _page_outside_the_pool(step, n), "outside the pool's [0, "),
     (lambda step, n: dict(cache_indirection=step.cache_indirection[:, :, :int(step.kv_lens.max()) - 1]),
      "past cache_indirection's"),
 ], ids=["per_request_prompt_lens", "nan_scale", "bool_scale", "zero_divisor", "beam_width_not_dividing_rows",
-        "kv_len_past_the_table", "source_beam_past_the_width", "page_outside_the_pool", "kv_len_past_the_indirection"])
+        "kv_len_past_the_table", "source_beam_past_the_width", "source_beam_negative", "page_outside_the_pool",
+        "kv_len_past_the_indirection"])
 @pytest.mark.parametrize("fn", [reference_beam_attention, reference_tail_attention], ids=["whole", "tail"])
 def test_the_oracle_refuses_inputs_it_would_misread(fn, change, match):
     """The oracle shares no check with the library, so it keeps its own: an argument that would index another
@@ -289,6 +300,31 @@ def test_the_oracle_refuses_inputs_it_would_misread(fn, change, match):
     args.update(change(step, sim.kv_cache.shape[0]))
     with pytest.raises((ValueError, TypeError), match=re.escape(match)):
         fn(**args)
+
+
+def test_the_oracle_serves_a_full_cache_at_its_last_position():
+    """A step whose longest kv_len is max_seq_len (the last position of a full cache: the page table's last column
+    and cache_indirection's last entry in use) is served and matches the naive loop: the oracle's bounds refuse
+    only a kv_len past the tables, never one that fills them (the kernels' boundary, which this pins the oracle at)."""
+    max_seq_len = 3 * PAGE  # the longest prompt (19 tokens) fills it in 5 steps
+    sim = make_sim(2, 64, "HND", torch.float32, seed=13, max_seq_len=max_seq_len)
+    for _ in range(max_seq_len - max(PROMPTS)):
+        step = sim.begin_step()
+        out, lse = oracle(step, sim, return_lse=True)
+        want_out, want_lse = naive_step(step, sim.kv_cache, "HND")
+        np.testing.assert_allclose(out.numpy(), want_out, **TOL)
+        np.testing.assert_allclose(lse.numpy(), want_lse, **TOL)
+        t_out, t_lse = reference_tail_attention(
+            step.q, sim.kv_cache, step.beam_page_table, step.kv_lens, step.prompt_lens, step.cache_indirection,
+            step.beam_width, new_k=step.new_k, new_v=step.new_v,
+        )
+        naive_t_out, naive_t_lse = naive_step(step, sim.kv_cache, "HND", span=lambda P, L: (P, L))
+        np.testing.assert_allclose(t_out.numpy(), naive_t_out, **TOL)
+        np.testing.assert_allclose(t_lse.numpy(), naive_t_lse, **TOL)
+        sim.end_step()
+    # The last step served really was at capacity, on both tables.
+    assert int(step.kv_lens.max()) == max_seq_len == step.cache_indirection.shape[2]
+    assert step.beam_page_table.shape[1] * PAGE == max_seq_len
 
 
 @pytest.mark.parametrize("change,match", [

@@ -359,10 +359,10 @@ class PrefixBackend(abc.ABC):
         for name, x in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse)):
             if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
                 fail(f"{name} must be a dense torch.Tensor, got {type(x).__name__}.")
+            # (this also keeps every tensor on q's device: the constructor gives a GPU backend its device's index,
+            # and a CPU or meta device has none)
             if x.device.type != self.device.type or self.device.index not in (None, x.device.index):
                 fail(f"{name} is on {x.device} but the backend runs on {self.device}; move it to {self.device}.")
-            if x.device != q.device:
-                fail(f"{name} is on {x.device} but q is on {q.device}; move it to q's device.")
         for name, x, shape, dtype in (("q", q, (rows, hq, d), problem.dtype), ("out", out, (rows, hq, d), problem.dtype),
                                       ("lse", lse, self.lse_shape(rows, hq), torch.float32)):
             if tuple(x.shape) != shape or x.dtype != dtype:

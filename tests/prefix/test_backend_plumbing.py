@@ -252,6 +252,14 @@ def _at_an_offset(x: torch.Tensor, elements: int = 1) -> torch.Tensor:
     return view
 
 
+def _odd_page_pitch(pool: torch.Tensor) -> torch.Tensor:
+    """``pool``'s values in a view whose pages lie one element (2 bytes) more apart than their size."""
+    view = torch.full((pool.shape[0], pool[0].numel() + 1), float("nan"), dtype=pool.dtype)[:, :-1]
+    view = view.unflatten(1, pool.shape[1:])
+    view.copy_(pool)
+    return view
+
+
 # (name, change, what the refusal names); each passes the plan's shape checks but not a 16-byte vector's alignment.
 UNALIGNED_RUN_ARGS = [
     ("q_one_element_in", lambda a: dict(q=_at_an_offset(a["q"])), r"q \(address 0x[0-9a-f]+, strides \[256, 64, 1\]"),
@@ -260,6 +268,9 @@ UNALIGNED_RUN_ARGS = [
     ("q_odd_row_pitch", lambda a: dict(q=torch.cat([a["q"], a["q"][:, :, :1]], dim=2)[:, :, :64]),
      r"q \(address 0x[0-9a-f]+, strides \[260, 65, 1\], 2-byte elements\) is not 16-byte aligned"),
     ("q_four_elements_in", lambda a: dict(q=_at_an_offset(a["q"], 4)), r"q \(address"),  # 8 bytes off: 8-aligned only
+    ("pool_one_element_in", lambda a: dict(kv_cache=_at_an_offset(a["kv_cache"])), r"kv_cache \(address"),
+    ("pool_odd_page_pitch", lambda a: dict(kv_cache=_odd_page_pitch(a["kv_cache"])),
+     r"kv_cache \(address 0x[0-9a-f]+, strides \[\d+, .*, 2-byte elements\) is not 16-byte aligned"),
 ]
 
 
@@ -299,6 +310,9 @@ def test_a_backend_whose_kernels_move_16_byte_vectors_refuses_unaligned_tensors(
                 lambda x: torch.empty(x.shape, dtype=x.dtype, device=x.device)),
         "lse": ("torch.empty(lse.shape, dtype=torch.float32, device=lse.device)",
                 lambda x: torch.empty(x.shape, dtype=torch.float32, device=x.device)),
+        # (the pool's fix is a pool of aligned pitches and address, such as a fresh dense copy)
+        "kv_cache": ("page, head and token pitches and address are multiples of 16 bytes",
+                     lambda x: x.clone(memory_format=torch.contiguous_format)),
     }[name]
     assert advice in str(refusal.value)
     args[name] = follow(args[name])
@@ -324,11 +338,7 @@ def test_the_wrapper_refuses_an_unaligned_q_or_pool_for_a_16_byte_vector_backend
     att.plan(step.prompt_page_indptr, step.prompt_page_indices, step.prompt_lens_per_request, 3, 6, 2, 16, 4,
              sim.num_pages, torch.bfloat16)
     pool = sim.kv_cache
-    # (pages one element apart more than a page: a 2-byte page pitch past a multiple of 16)
-    odd_pool = torch.full((pool.shape[0], pool[0].numel() + 1), float("nan"), dtype=pool.dtype)[:, :-1]
-    odd_pool = odd_pool.unflatten(1, pool.shape[1:])
-    odd_pool.copy_(pool)
-    for name, q, kv_cache in (("q", _at_an_offset(step.q), pool), ("kv_cache", step.q, odd_pool)):
+    for name, q, kv_cache in (("q", _at_an_offset(step.q), pool), ("kv_cache", step.q, _odd_page_pitch(pool))):
         out = torch.full_like(step.q, float("nan"))
         with pytest.raises(AttentionInputError, match=rf"{name} \(address .* is not 16-byte aligned.* the {backend} "
                                                       rf"prefix kernels need"):

@@ -10,6 +10,7 @@ The step's own K/V and ``out`` checks are the tail launcher's; ``out`` aliasing 
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -100,6 +101,8 @@ BAD_STEP_ARGS = [
     ("sm_scale_bool", lambda a: dict(sm_scale=True), "sm_scale=True is a bool"),
     # bool() would read these strings as on.
     ("write_kv_string", lambda a: dict(write_kv="False"), "write_kv='False' must be True or False"),
+    # An int other than 0 or 1 is no switch either: refused, not read as on.
+    ("write_kv_two", lambda a: dict(write_kv=2), "write_kv=2 must be True or False"),
     ("validate_indices_string", lambda a: dict(validate_indices="off"), "validate_indices='off' must be True or False"),
 ]
 
@@ -182,14 +185,43 @@ def _cascade_args(seed):
                 out=torch.full_like(step.q, 7.0), kv_layout=sim.kv_layout)
 
 
-def test_cascade_refuses_an_out_inside_the_pool():
-    """An out that is a view of the pool's memory (the kernel's output would overwrite cached K/V, and its K/V
-    write the output) is refused by the cascade launcher."""
+def _carve(shape, buffer, offset):
+    """A view of ``shape`` into the flat ``buffer`` from element ``offset`` on."""
+    n = math.prod(shape)
+    return buffer[offset: offset + n].view(shape)
+
+
+@pytest.mark.parametrize("other", ["kv_cache", "new_k", "new_v"])
+def test_cascade_refuses_an_out_over_what_it_reads(other):
+    """An out that shares memory with the pool (the kernel's output would overwrite cached K/V, and its K/V write
+    the output) or with the step's new K or V (programs still to run would store the overwritten values into the
+    pool) is refused by the cascade launcher."""
     args = _cascade_args(seed=60)
     rows, hq, d = args["q"].shape
-    page_elems = args["kv_cache"][0].numel()
-    args["out"] = args["kv_cache"].view(-1)[3 * page_elems: 3 * page_elems + rows * hq * d].view(rows, hq, d)
-    _refused(beam_cascade_attention, args, "out overlaps kv_cache in memory")
+    if other == "kv_cache":
+        page_elems = args["kv_cache"][0].numel()
+        args["out"] = args["kv_cache"].view(-1)[3 * page_elems: 3 * page_elems + rows * hq * d].view(rows, hq, d)
+    else:  # new_k or new_v at the start of one buffer, out over all of it
+        buffer = torch.full((rows * hq * d,), 7.0, dtype=args["q"].dtype, device=DEVICE)
+        args[other] = _carve(args[other].shape, buffer, 0).copy_(args[other])
+        args["out"] = _carve((rows, hq, d), buffer, 0)
+    _refused(beam_cascade_attention, args, f"out overlaps {other} in memory")
+
+
+def test_q_and_out_back_to_back_in_one_buffer_are_served():
+    """q and out carved back to back from one workspace touch but share no byte: served, with the output and the
+    pool of the same call on buffers of their own."""
+    args = _cascade_args(seed=63)
+    rows, hq, d = args["q"].shape
+    pool_before = args["kv_cache"].clone()
+    expected = torch.full_like(args["out"], 7.0)
+    beam_cascade_attention(**dict(args, out=expected))
+    expected_pool, args["kv_cache"] = args["kv_cache"], pool_before
+    buffer = torch.full((2 * rows * hq * d,), 7.0, dtype=args["q"].dtype, device=DEVICE)
+    args["q"] = _carve((rows, hq, d), buffer, 0).copy_(args["q"])
+    args["out"] = _carve((rows, hq, d), buffer, rows * hq * d)
+    beam_cascade_attention(**args)
+    assert torch.equal(args["out"], expected) and torch.equal(args["kv_cache"], expected_pool)
 
 
 @pytest.mark.parametrize("change,message", [

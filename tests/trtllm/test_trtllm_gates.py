@@ -236,6 +236,7 @@ def forward_args(model, setup, **overrides):
         ("one_row_short", "more than one query token per generation row"),
         ("pool_dtype", "KV pool dtype torch.float16 differs from the query dtype torch.bfloat16"),
         ("qkv_one_element_in", "is not 16-byte aligned (FlashInfer's and FA4's prefix kernels move 16-byte vectors)"),
+        ("qkv_four_elements_in", "is not 16-byte aligned"),  # 8 bytes off: aligned for 8-byte vectors only
         ("qkv_odd_row_pitch", "with a row pitch of 1026 bytes is not 16-byte aligned"),
         ("generation_only_of_mixed", None),  # CombinedFmha's call: q holds the generation rows only
     ],
@@ -289,8 +290,9 @@ def test_call_gates(enabled, case, reason):
         q = qkv[:-1]
     elif case == "pool_dtype":
         q, out = qkv.to(torch.bfloat16), out.to(torch.bfloat16)
-    elif case == "qkv_one_element_in":
-        q = torch.empty(qkv.numel() + 1, dtype=qkv.dtype)[1:].view(qkv.shape).copy_(qkv)
+    elif case in ("qkv_one_element_in", "qkv_four_elements_in"):
+        elements = 1 if case == "qkv_one_element_in" else 4
+        q = torch.empty(qkv.numel() + elements, dtype=qkv.dtype)[elements:].view(qkv.shape).copy_(qkv)
     elif case == "qkv_odd_row_pitch":
         q = torch.cat([qkv, qkv[:, :1]], dim=1)[:, :-1]
     elif case == "generation_only_of_mixed":
@@ -395,16 +397,21 @@ def test_a_pool_view_of_another_head_size_is_declined(enabled):
     assert decline_log.seen("is not [pages, 2, Hkv, page_size, D]")
 
 
-def test_a_pool_view_that_is_not_16_byte_aligned_is_declined(enabled, monkeypatch):
-    """A layer whose pool view starts off a 16-byte boundary (TensorRT-LLM's never do): the wrapper would refuse
-    every call for FlashInfer and FA4, mid-serving; the layer is declined once instead, with the reason."""
+@pytest.mark.parametrize("misalignment", ["address", "page_pitch"])
+def test_a_pool_view_that_is_not_16_byte_aligned_is_declined(enabled, monkeypatch, misalignment):
+    """A layer whose pool view starts off a 16-byte boundary, or whose pages lie 2 bytes more than a multiple of 16
+    apart (TensorRT-LLM's never do): the wrapper would refuse every call for FlashInfer and FA4, mid-serving; the
+    layer is declined once instead, with the reason."""
     setup = build(enabled, seed=5)
     manager = setup.manager
     real = manager.get_buffers
 
     def shifted(layer_idx, kv_layout="HND"):
         pool = real(layer_idx, kv_layout=kv_layout)
-        return torch.empty(pool.numel() + 1, dtype=pool.dtype)[1:].view(pool.shape).copy_(pool)
+        if misalignment == "address":
+            return torch.empty(pool.numel() + 1, dtype=pool.dtype)[1:].view(pool.shape).copy_(pool)
+        pitched = torch.empty(pool.shape[0], pool[0].numel() + 1, dtype=pool.dtype)[:, :-1]
+        return pitched.unflatten(1, pool.shape[1:]).copy_(pool)
 
     monkeypatch.setattr(manager, "get_buffers", shifted)
     ours = library_of(setup.layer)
