@@ -74,15 +74,6 @@ def test_a_broken_arm_fails_and_the_next_arm_still_passes(fault, message, monkey
     assert before["status"] == after["status"] == "ok", (before.get("reason"), after.get("reason"))
 
 
-def test_a_stage_arm_gets_no_step_speedup():
-    from microbenchmarks.arms import PrefixStageArm
-
-    point = run_point(SHAPE, [PrefixStageArm("reference"), LibraryArm("reference", tail_impl="torch")],
-                      RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0), Rates(), "cpu")
-    # (no decode arm ran here, so both are None; the rule is that a stage never gets one)
-    assert point["arms"][0]["speedup_vs_decode"] is None
-
-
 def test_a_crashed_library_arm_gives_exit_status_1(tmp_path, capsys):
     from test_bench_cli import synthetic_doc
 
@@ -157,3 +148,93 @@ def test_declare_tail_bounds_the_library_wrappers(monkeypatch, wrappers_made, de
     assert arm["status"] == "ok", arm.get("reason")
     assert wrappers_made and {w.max_tail_len for w in wrappers_made} == {SHAPE.tail if declare else None}, [
         w.max_tail_len for w in wrappers_made]
+
+
+def test_fp16_is_held_to_its_own_tolerance():
+    from microbenchmarks.check import compare
+
+    ref = torch.randn(6, 4, 8)
+    off = ref.clone()
+    off[0, 0, 0] += 1e-2 * ref.abs().max()  # 1e-2 relative: inside bf16's 2e-2, outside fp16's 4e-3
+    assert compare(off.to(torch.bfloat16), ref, torch.bfloat16).ok
+    r = compare(off.to(torch.float16), ref, torch.float16)
+    assert not r.ok and r.tol == 4e-3
+
+
+def test_rel_err_is_the_max_error_over_the_max_reference():
+    """The metric itself: ``max |out - ref| / max |ref|``; an error of 1.5x the tolerance fails."""
+    from microbenchmarks.check import compare
+
+    ref = torch.rand(2, 2, 8, generator=torch.Generator().manual_seed(7)) * 2 - 1  # |x| < 1 but one entry
+    ref[0, 0, 0] = 4.0
+    out = ref.clone()
+    out[1, 1, 1] += 4.0 * 0.03  # 0.03 relative: 1.5x bf16's 2e-2
+    r = compare(out, ref, torch.bfloat16)
+    assert r.rel_err == pytest.approx(0.03) and r.ref_max_abs == 4.0 and not r.ok
+
+
+def test_an_arm_that_fails_on_one_input_set_fails():
+    from microbenchmarks.check import compare, merge_results
+
+    ref = torch.randn(6, 4, 8)
+    good = compare(ref.to(torch.bfloat16), ref, torch.bfloat16)
+    bad = compare(torch.zeros_like(ref).to(torch.bfloat16), ref, torch.bfloat16)
+    for order in ((good, bad), (bad, good)):
+        merged = merge_results(order)
+        assert not merged.ok and "relative error" in merged.message
+
+
+def _arm_that(fault):
+    """The reference library arm with one fault after its call: V not written at the step's slot, or (a prefix stage)
+    a stray write at the step's slot."""
+    from microbenchmarks.arms import Arm, LibraryArm, PrefixStageArm, Prepared
+    from microbenchmarks.check import set_write_slots, write_slots
+
+    class Faulty(Arm):
+        writes = fault in ("no_v_write", "early_write")
+        kind = "library" if writes else "stage"
+        expect = "full" if writes else "prefix"
+        work = "full" if writes else "prefix"
+        writes_kv = writes
+        name = f"faulty/{fault}"
+        description = "a deliberately broken arm"
+
+        def prepare(self, wl, ctx):
+            inner = (LibraryArm("reference", tail_impl="torch") if self.writes
+                     else PrefixStageArm("reference")).prepare(wl, ctx)
+
+            def call():
+                saved = wl.kv_cache.clone()
+                result = inner.call()
+                if fault == "no_v_write":
+                    wl.kv_cache[:, 1] = saved[:, 1]  # (HND: [pages, K/V, Hkv, page, D]) V left as it was
+                elif fault == "early_write":
+                    page, slot, _ = write_slots(wl)
+                    wl.kv_cache[page, :, :, slot - 1, :] = 7.0  # K/V over the previous position's slot
+                else:
+                    set_write_slots(wl, 0.0)
+                return result
+
+            return Prepared(call=call, outputs=inner.outputs, poison=inner.poison, capturable=False, keep=inner.keep,
+                            device_errors=inner.device_errors, info=inner.info)
+
+    return Faulty()
+
+
+@pytest.mark.parametrize("fault,message", [("no_v_write", "this step's V of row"),
+                                           ("stage_writes_the_step_slot", "which this step does not write")])
+def test_the_pool_is_checked_for_V_and_for_arms_that_do_not_write(fault, message):
+    point = run_point(SHAPE, [_arm_that(fault)], RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0), Rates(), "cpu")
+    (arm,) = point["arms"]
+    assert arm["status"] == "check_failed" and message in arm["reason"], arm["reason"]
+
+
+def test_a_broken_first_arm_cannot_corrupt_the_reference_of_the_next():
+    """The oracle is computed before any arm runs: an arm that writes a wrong slot fails, and a good arm after it
+    (on the rebuilt pool) passes against the true reference, even when the broken arm runs first."""
+    from microbenchmarks.arms import LibraryArm
+    point = run_point(SHAPE, [_arm_that("early_write"), LibraryArm("reference", tail_impl="torch")],
+                      RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0), Rates(), "cpu")
+    broken, good = point["arms"]
+    assert broken["status"] == "check_failed" and "a K/V write to a wrong slot" in broken["reason"], broken["reason"]
+    assert good["status"] == "ok", good.get("reason")

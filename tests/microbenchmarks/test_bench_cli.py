@@ -654,3 +654,23 @@ def test_the_graph_path_is_judged_at_the_prompt_tables_width(prompt, page_size, 
                        page_size=page_size, prompt_jitter=jitter)
     verdict = rule_verdict(shape)
     assert verdict["path"] == "cascade" and verdict["graph_path"] == graph_path
+
+
+def test_cpu_flag_runs_the_cpu_path_on_a_gpu_machine(monkeypatch):
+    """``--cpu`` on a machine with a GPU: the points run on the CPU (the reduced shapes)."""
+    from microbenchmarks import cli, runner
+
+    class Ran(Exception):
+        pass
+
+    seen = []
+
+    def fake_run_point(shape, arms, opts, rates, device, **kw):
+        seen.append((shape.name, str(device)))
+        raise Ran
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runner, "run_point", fake_run_point)
+    with pytest.raises(Ran):
+        cli.main(["--cpu", "--preset", "B-short"])
+    assert seen == [("B-short-cpu", "cpu")]

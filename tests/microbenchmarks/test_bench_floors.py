@@ -147,3 +147,59 @@ def test_a_point_floor_is_the_mean_of_its_input_sets():
         totals.append(count_traffic(wl.prompt_lens_host, 6, 4, 4, 2, 16, 8, 2, wl.tail_ancestry).total)
     assert len(set(totals)) > 1  # the sets differ, so the mean is not set 0's by chance
     assert point["traffic_bytes"]["total"] == round(sum(totals) / 3)
+
+
+def test_a_prompt_that_ends_on_a_page_boundary_counts_one_tail_column():
+    """P = 8, page 4, tail 3: the tail's positions 8..10 lie in column 2 alone (one column per row)."""
+    t = count_traffic(np.array([8]), tail=3, beams=2, heads=4, kv_heads=2, head_dim=8, page_size=4, elem_bytes=2)
+    # int32: 2 prompt pages, indptr 2, kv_len + prompt_len 2 x 2, indirection 2 x 2, one tail column per row: 2.
+    assert t.metadata == 4 * (2 + 2 + 4 + 4 + 2)
+
+
+class _FakeEvent:
+    """A CUDA event stand-in whose elapsed times come from ``times`` (ms)."""
+    times = iter(())
+
+    def __init__(self, enable_timing=True):
+        pass
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return next(_FakeEvent.times)
+
+
+def _fake_events(monkeypatch, times):
+    _FakeEvent.times = iter(times)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+
+def test_copy_bandwidth_counts_read_and_write(monkeypatch):
+    from microbenchmarks import floors
+
+    monkeypatch.setattr(floors, "_event_median_ms", lambda fn, iters, warmup: 2.0)
+    assert floors.measure_copy_bandwidth("cpu", nbytes=1000, iters=1) == pytest.approx(2 * 1000 / 2e-3)
+
+
+def test_matmul_rate_counts_2_n_cubed(monkeypatch):
+    from microbenchmarks import floors
+
+    monkeypatch.setattr(floors, "_event_median_ms", lambda fn, iters, warmup: 2.0)
+    assert floors.measure_matmul_rate(torch.float32, "cpu", n=8, iters=1) == pytest.approx(2 * 8 ** 3 / 2e-3)
+
+
+def test_rates_take_the_median_call(monkeypatch):
+    from microbenchmarks import floors
+
+    _fake_events(monkeypatch, [1.0, 2.0, 100.0])
+    assert floors._event_median_ms(lambda: None, iters=3, warmup=0) == 2.0
+
+
+def test_the_json_assembled_bytes_add_the_prefix_state():
+    d = count_traffic(np.array([5, 9]), 3, 3, 4, 2, 8, 4, 2).to_dict()
+    assert d["assembled"] == d["total"] + d["prefix_state_round_trip"] and d["prefix_state_round_trip"] > 0

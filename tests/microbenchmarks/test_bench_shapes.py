@@ -219,3 +219,9 @@ def test_sample_seeds_still_draw_the_audited_shapes(seed):
     fields = ("requests", "beams", "prompt", "tail", "heads", "kv_heads", "head_dim")
     audited = [tuple(p["shape"][f] for f in fields) for p in doc["results"]]
     assert [tuple(getattr(s, f) for f in fields) for s in sample_shapes(len(audited), seed)] == audited
+
+
+def test_the_cpu_path_keeps_a_tail_of_up_to_5_tokens():
+    from microbenchmarks.shapes import PRESETS, reduced_cpu_shape
+
+    assert {n: reduced_cpu_shape(s).tail for n, s in PRESETS.items()} == {n: min(s.tail, 5) for n, s in PRESETS.items()}

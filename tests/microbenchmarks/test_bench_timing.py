@@ -134,3 +134,16 @@ def test_a_host_slower_than_its_probe_is_caught_and_retried_with_a_longer_spin(m
         timing.time_kernels(fns, iters=4, warmup=1)
     monkeypatch.undo()
     assert not timing.time_cuda(fns, iters=4, warmup=1).host_gaps
+
+
+def test_time_is_the_median_call_not_the_mean():
+    from microbenchmarks.timing import TimingResult
+
+    r = TimingResult([[1.0, 2.0, 100.0], [3.0, 4.0, 5.0]])
+    assert r.median_us == 3.5 and r.set_medians_us == [2.0, 4.0] and r.min_us == 1.0
+
+
+def test_rotated_calls_group_by_set():
+    from microbenchmarks.timing import TimingResult
+
+    assert TimingResult.from_rotated([1, 10, 2, 20, 3, 30], 2).per_set_us == [[1, 2, 3], [10, 20, 30]]
