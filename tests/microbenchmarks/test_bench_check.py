@@ -151,6 +151,7 @@ def test_declare_tail_bounds_the_library_wrappers(monkeypatch, wrappers_made, de
 
 
 def test_fp16_is_held_to_its_own_tolerance():
+    """An error of 1e-2 of the reference's largest entry passes bf16 (2e-2) but not fp16 (4e-3)."""
     from microbenchmarks.check import compare
 
     ref = torch.randn(6, 4, 8)
@@ -174,6 +175,7 @@ def test_rel_err_is_the_max_error_over_the_max_reference():
 
 
 def test_an_arm_that_fails_on_one_input_set_fails():
+    """Input sets differ in pages, ancestry and data: a layout-dependent bug may fail on one only, in either order."""
     from microbenchmarks.check import compare, merge_results
 
     ref = torch.randn(6, 4, 8)
@@ -185,10 +187,11 @@ def test_an_arm_that_fails_on_one_input_set_fails():
 
 
 def _arm_that(fault):
-    """The reference library arm with one fault after its call: V not written at the step's slot, or (a prefix stage)
-    a stray write at the step's slot."""
-    from microbenchmarks.arms import Arm, LibraryArm, PrefixStageArm, Prepared
-    from microbenchmarks.check import set_write_slots, write_slots
+    """The reference library arm with one fault after its call: V not written at the step's slot (``no_v_write``),
+    K/V stored over the previous position's slot (``early_write``), or (a prefix stage) a stray write at the step's
+    slot."""
+    from microbenchmarks.arms import PrefixStageArm
+    from microbenchmarks.check import set_write_slots
 
     class Faulty(Arm):
         writes = fault in ("no_v_write", "early_write")
@@ -232,7 +235,6 @@ def test_the_pool_is_checked_for_V_and_for_arms_that_do_not_write(fault, message
 def test_a_broken_first_arm_cannot_corrupt_the_reference_of_the_next():
     """The oracle is computed before any arm runs: an arm that writes a wrong slot fails, and a good arm after it
     (on the rebuilt pool) passes against the true reference, even when the broken arm runs first."""
-    from microbenchmarks.arms import LibraryArm
     point = run_point(SHAPE, [_arm_that("early_write"), LibraryArm("reference", tail_impl="torch")],
                       RunOptions(sets=1, iters=1, warmup=0, plan_repeats=0), Rates(), "cpu")
     broken, good = point["arms"]
