@@ -658,7 +658,7 @@ def test_the_graph_path_is_judged_at_the_prompt_tables_width(prompt, page_size, 
 
 def test_cpu_flag_runs_the_cpu_path_on_a_gpu_machine(monkeypatch):
     """``--cpu`` on a machine with a GPU: the points run on the CPU (the reduced shapes)."""
-    from microbenchmarks import cli, runner
+    from microbenchmarks import runner
 
     class Ran(Exception):
         pass

@@ -1,6 +1,7 @@
 """Floor accounting on a shape small enough to count by hand, and the oracle comparison."""
 
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -156,29 +157,6 @@ def test_a_prompt_that_ends_on_a_page_boundary_counts_one_tail_column():
     assert t.metadata == 4 * (2 + 2 + 4 + 4 + 2)
 
 
-class _FakeEvent:
-    """A CUDA event stand-in whose elapsed times come from ``times`` (ms)."""
-    times = iter(())
-
-    def __init__(self, enable_timing=True):
-        pass
-
-    def record(self):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, end):
-        return next(_FakeEvent.times)
-
-
-def _fake_events(monkeypatch, times):
-    _FakeEvent.times = iter(times)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-
-
 def test_copy_bandwidth_counts_read_and_write(monkeypatch):
     from microbenchmarks import floors
 
@@ -194,9 +172,14 @@ def test_matmul_rate_counts_2_n_cubed(monkeypatch):
 
 
 def test_rates_take_the_median_call(monkeypatch):
+    """Calls of 1, 2 and 100 ms: a rate is timed by the middle one, not their mean."""
     from microbenchmarks import floors
 
-    _fake_events(monkeypatch, [1.0, 2.0, 100.0])
+    elapsed_ms = iter([1.0, 2.0, 100.0])
+    event = types.SimpleNamespace(record=lambda: None, synchronize=lambda: None,
+                                  elapsed_time=lambda end: next(elapsed_ms))
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=True: event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     assert floors._event_median_ms(lambda: None, iters=3, warmup=0) == 2.0
 
 

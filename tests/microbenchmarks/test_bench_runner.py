@@ -3,16 +3,18 @@ speedups are the fastest per-beam decode's and the cascade's time over its own (
 multiple and rates are taken against its own work's floor and bytes."""
 
 import pytest
-import torch
+from test_bench_check import SHAPE
 
+from microbenchmarks import runner
+from microbenchmarks.arms import LibraryArm
+from microbenchmarks.floors import count_flops
+from microbenchmarks.runner import Rates, RunOptions, run_point
 from microbenchmarks.shapes import BenchShape
-
-SHAPE = BenchShape(requests=3, beams=3, prompt=37, tail=5, heads=4, kv_heads=2, head_dim=16, page_size=16)
+from microbenchmarks.timing import TimingResult
+from microbenchmarks.workload import build_workload
 
 
 def _derived():
-    from microbenchmarks.runner import _derive
-
     works = {"full": {"bytes": 1_000_000, "flops": 2_000_000_000, "floor_us": 10.0},
              "prefix": {"bytes": 400_000, "flops": 1_000_000_000, "floor_us": 4.0},
              "tail": {"bytes": 600_000, "flops": 1_000_000_000, "floor_us": 6.0}}
@@ -23,7 +25,7 @@ def _derived():
         {"name": "fi-decode-cc", "work": "full", "status": "ok", "time_us": 100.0},
         {"name": "fi-cascade", "work": "full", "status": "ok", "time_us": 80.0},
     ]
-    _derive(arms, works)
+    runner._derive(arms, works)
     return {a["name"]: a for a in arms}
 
 
@@ -33,25 +35,18 @@ def test_speedups_are_the_fastest_decode_and_the_cascade_over_the_arm():
     assert lib["speedup_vs_decode"] == pytest.approx(100.0 / 50.0) and lib["speedup_vs_cascade"] == pytest.approx(1.6)
 
 
-def test_a_stage_is_judged_against_its_own_floor_and_bytes():
+def test_a_stage_is_judged_against_its_own_work_and_gets_no_step_speedup():
+    """A prefix stage beside decode and cascade arms: its floor multiple and rate are of the prefix's floor and
+    bytes, and a speedup over a whole step would compare unlike work."""
     stage = _derived()["prefix/fa4"]
     assert stage["floor_multiple"] == pytest.approx(20.0 / 4.0)
     assert stage["achieved_GBps"] == pytest.approx(400_000 / 20e-6 / 1e9)
-
-
-def test_a_stage_gets_no_step_speedup_even_beside_decode():
-    stage = _derived()["prefix/fa4"]
     assert stage["speedup_vs_decode"] is None and stage["speedup_vs_cascade"] is None
 
 
 def test_a_points_flops_and_work_floors_are_the_mean_and_the_max():
     """Prompt jitter gives each input set its own FLOPs; a point's FLOPs are their mean. A work's floor is the
     slower of its memory and compute times (compute bound here)."""
-    from microbenchmarks.arms import LibraryArm
-    from microbenchmarks.floors import count_flops
-    from microbenchmarks.runner import Rates, RunOptions, run_point
-    from microbenchmarks.workload import build_workload
-
     shape = BenchShape(requests=3, beams=4, prompt=40, tail=6, heads=4, kv_heads=2, head_dim=16, page_size=8,
                        prompt_jitter=0.5)
     rates = Rates(copy_bandwidth=1e12, matmul_rate=1e9)
@@ -67,12 +62,8 @@ def test_a_points_flops_and_work_floors_are_the_mean_and_the_max():
 
 
 def test_an_arms_time_is_the_median_of_its_calls(monkeypatch):
-    from microbenchmarks import runner
-    from microbenchmarks.arms import LibraryArm
-    from microbenchmarks.timing import TimingResult
-
     monkeypatch.setattr(runner, "time_cpu", lambda fns, iters, warmup: TimingResult([[1.0, 5.0, 9.0], [2.0, 6.0, 7.0]]))
-    point = runner.run_point(SHAPE, [LibraryArm("reference", tail_impl="torch")],
-                             runner.RunOptions(sets=2, iters=3, warmup=0, plan_repeats=0), runner.Rates(), "cpu")
+    point = run_point(SHAPE, [LibraryArm("reference", tail_impl="torch")],
+                      RunOptions(sets=2, iters=3, warmup=0, plan_repeats=0), Rates(), "cpu")
     (arm,) = point["arms"]
     assert (arm["time_us"], arm["time_min_us"], arm["time_set_medians_us"], arm["samples"]) == (5.5, 1.0, [5.0, 6.0], 6)
